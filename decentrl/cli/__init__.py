@@ -1,0 +1,1 @@
+"""The typer command-line interface: thin entry points, heavy imports inside commands."""

@@ -1,0 +1,207 @@
+"""`decentrl run`: every role on this machine as separate processes, with live progress.
+
+Starts the orchestrator, then the trainer (torchrun, `trainer_ranks` processes) and the
+workers, all talking only over loopback HTTP and the checkpoint store. Each role runs in its
+own process group, so stopping one stops its children too (torchrun's ranks). The run ends
+when the trainer finishes its steps; Ctrl-C or any role exiting early stops everything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from decentrl.config import RunConfig
+from orchestrator.auth import add_token
+
+console = Console()
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Role:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: str
+    log: IO[bytes]
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start(name: str, argv: list[str], run_dir: Path, env: dict[str, str]) -> Role:
+    log_path = run_dir / "logs" / f"{name}.log"
+    log = open(log_path, "ab")
+    process = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, **env}, start_new_session=True, preexec_fn=_die_with_parent,
+    )
+    return Role(name, process, str(log_path), log)
+
+
+def _stop(roles: list[Role], grace_s: float = 10.0) -> None:
+    """SIGTERM every role's process group, then SIGKILL what is left after the grace period."""
+    for role in roles:
+        if role.process.poll() is None:
+            os.killpg(role.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for role in roles:
+        try:
+            role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        # The group may hold children (torchrun ranks) even after its leader exited.
+        try:
+            os.killpg(role.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        role.process.wait()
+        role.log.close()
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def _get_json(url: str, token: str) -> dict[str, object] | None:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return json.loads(response.read())
+    except OSError:
+        return None
+
+
+def _read_metrics(path: Path) -> list[dict[str, object]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _table(config: RunConfig, metrics: list[dict], status: dict | None, rollouts_per_s: float, elapsed: float) -> Table:
+    last = metrics[-1] if metrics else {}
+    table = Table(title=f"decentrl run {config.run_name}  ({elapsed:.0f}s)", show_header=True)
+    for column in ("step", "policy version", "reward mean", "rollouts/s", "trainer busy %", "stale dropped"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{last.get('step', 0)}/{config.trainer.steps}",
+        str(status.get("policy_version") if status else "-"),
+        f"{last['reward_mean']:.3f}" if last else "-",
+        f"{rollouts_per_s:.0f}",
+        f"{100 * last['trainer_busy_fraction_total']:.0f}" if last else "-",
+        str(status.get("stale_dropped") if status else "-"),
+    )
+    return table
+
+
+def summarize(metrics: list[dict[str, object]], window: int = 10) -> dict[str, float]:
+    rewards = [float(m["reward_mean"]) for m in metrics]
+    n = min(window, len(rewards))
+    first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+    return {"steps": len(rewards), f"reward_first{n}": first, f"reward_last{n}": last, "reward_gain": last - first}
+
+
+def launch(config: RunConfig, run_dir_arg: str | None) -> int:
+    run_dir = Path(run_dir_arg or f"runs/{config.run_name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if (run_dir / "metrics.jsonl").exists():
+        console.print(f"[red]error:[/] {run_dir} already holds a run; pass another --run-dir")
+        return 2
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if not config.store.url:
+        config = config.with_store_url(str(run_dir / "checkpoints"))
+    port = config.orchestrator.port or _free_port()
+    config = config.model_copy(update={"orchestrator": config.orchestrator.model_copy(update={"port": port})})
+    config_path = run_dir / "config.json"
+    config_path.write_text(config.model_dump_json(indent=2))
+    tokens_path = str(run_dir / "tokens.json")
+    trainer_token = add_token(tokens_path, name="trainer", role="trainer")
+    worker_tokens = [add_token(tokens_path, name=f"worker-{i}", role="worker") for i in range(config.num_workers)]
+    url = f"http://127.0.0.1:{port}"
+    py = [sys.executable, "-m"]
+    roles: list[Role] = []
+    console.print(f"run dir: {run_dir}\norchestrator: {url}  store: {config.store.url}")
+    try:
+        roles.append(_start("orchestrator", py + ["decentrl", "orchestrator", str(config_path), "--run-dir", str(run_dir)], run_dir, {}))
+        deadline = time.monotonic() + 120
+        while _get_json(f"{url}/v1/status", trainer_token) is None:
+            if roles[0].process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"orchestrator did not start; last lines of {roles[0].log_path}:\n{_tail(roles[0].log_path)}")
+            time.sleep(0.3)
+        roles.append(_start(
+            "trainer",
+            py + ["torch.distributed.run", "--standalone", f"--nproc-per-node={config.trainer_ranks}",
+                  "-m", "decentrl", "trainer", str(config_path), "--orchestrator", url, "--run-dir", str(run_dir)],
+            run_dir, {"DECENTRL_TOKEN": trainer_token, "OMP_NUM_THREADS": str(config.trainer.torch_threads)},
+        ))
+        for i, token in enumerate(worker_tokens):
+            roles.append(_start(
+                f"worker-{i}",
+                py + ["decentrl", "worker", "--orchestrator", url, "--worker-id", f"worker-{i}",
+                      "--cache-dir", str(run_dir / "cache" / f"worker-{i}"),
+                      "--groups-per-request", str(config.worker.groups_per_request),
+                      "--device", config.worker.device, "--torch-threads", str(config.worker.torch_threads)],
+                run_dir, {"DECENTRL_TOKEN": token, "OMP_NUM_THREADS": str(config.worker.torch_threads)},
+            ))
+        return _watch(config, run_dir, roles, url, trainer_token)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every role[/]")
+        return 130
+    except RuntimeError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
+    finally:
+        _stop(roles)
+
+
+def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token: str) -> int:
+    started = time.monotonic()
+    metrics_path = run_dir / "metrics.jsonl"
+    samples: list[tuple[float, int]] = []  # (time, rollouts accepted) for a moving rate
+    trainer = next(role for role in roles if role.name == "trainer")
+    with Live(console=console, refresh_per_second=2, transient=False) as live:
+        while True:
+            for role in roles:
+                code = role.process.poll()
+                if code is not None and (role is not trainer or code != 0):
+                    raise RuntimeError(
+                        f"{role.name} exited with code {code}; stopping every role. "
+                        f"Last lines of {role.log_path}:\n{_tail(role.log_path)}"
+                    )
+            status = _get_json(f"{url}/v1/status", token)
+            now = time.monotonic()
+            if status is not None:
+                samples = [s for s in samples if now - s[0] < 10] + [(now, int(status["rollouts_accepted"]))]
+            rate = (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0]) if len(samples) > 1 else 0.0
+            metrics = _read_metrics(metrics_path)
+            live.update(_table(config, metrics, status, rate, now - started))
+            if trainer.process.poll() == 0:
+                break
+            time.sleep(1.0)
+    summary = {**summarize(metrics), "wall_s": time.monotonic() - started}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    console.print(f"done in {summary['wall_s']:.0f}s: " + ", ".join(f"{k}={v:.3f}" for k, v in summary.items() if k != "wall_s"))
+    console.print(f"run dir: {run_dir} (config.json, logs/, metrics.jsonl, checkpoints/)")
+    return 0

@@ -1,0 +1,218 @@
+"""`decentrl` command line: one thin command per role, plus `run`, `store` and `token`.
+
+Each command parses its config and calls one function; torch, transformers and aiohttp are
+imported inside commands so `decentrl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from decentrl.config import ConfigError, RunConfig, load_config
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Decentralized asynchronous RL for language models.")
+store_app = typer.Typer(no_args_is_help=True, help="Inspect, pull and verify versioned checkpoints in a store.")
+token_app = typer.Typer(no_args_is_help=True, help="Manage the orchestrator's bearer tokens.")
+app.add_typer(store_app, name="store")
+app.add_typer(token_app, name="token")
+
+ConfigArg = Annotated[str, typer.Argument(help="Run config: a TOML file from configs/ or a resolved config.json.")]
+TokenOpt = Annotated[str, typer.Option(envvar="DECENTRL_TOKEN", help="Bearer token (or env DECENTRL_TOKEN).")]
+
+
+def _setup_logging(role: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _load(path: str) -> RunConfig:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _resolve_store(config: RunConfig, run_dir: str) -> RunConfig:
+    """An empty store URL means the run dir's own checkpoints folder."""
+    if config.store.url:
+        return config
+    return config.with_store_url(os.path.abspath(os.path.join(run_dir, "checkpoints")))
+
+
+@app.command()
+def orchestrator(
+    config: ConfigArg,
+    run_dir: Annotated[str, typer.Option(help="Run directory (tokens file, default store).")] = ".",
+    host: Annotated[Optional[str], typer.Option(help="Overrides orchestrator.host.")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Overrides orchestrator.port.")] = None,
+    tokens_file: Annotated[Optional[str], typer.Option(help="Tokens JSON; default RUN_DIR/tokens.json.")] = None,
+) -> None:
+    """Serve the run's HTTP API: leases, rollout ingest, batches, versions."""
+    _setup_logging("orchestrator")
+    from aiohttp import web
+
+    from decentrl.model import load_tokenizer
+    from decentrl.tasks import build_task
+    from orchestrator.app import create_app
+    from orchestrator.auth import TokenRegistry
+    from orchestrator.state import RunState
+
+    cfg = _resolve_store(_load(config), run_dir)
+    try:
+        tokens = TokenRegistry.from_file(tokens_file or os.path.join(run_dir, "tokens.json"))
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    state = RunState(config=cfg, task=build_task(cfg.task), tokenizer=load_tokenizer(cfg.model))
+    web.run_app(
+        create_app(state=state, tokens=tokens, store_url=cfg.store.url),
+        host=host or cfg.orchestrator.host,
+        port=cfg.orchestrator.port if port is None else port,
+        print=lambda text: logging.getLogger("decentrl.orchestrator").info(text.strip()),
+        handle_signals=True,
+    )
+
+
+@app.command()
+def worker(
+    orchestrator_url: Annotated[str, typer.Option("--orchestrator", help="Orchestrator URL, e.g. http://host:8740.")],
+    token: TokenOpt,
+    worker_id: Annotated[Optional[str], typer.Option(help="Stable worker name; default host-pid.")] = None,
+    cache_dir: Annotated[str, typer.Option(help="Local cache of pulled versions.")] = "~/.cache/decentrl",
+    groups_per_request: Annotated[int, typer.Option(min=1, help="Prompt groups leased at once.")] = 4,
+    device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
+    torch_threads: Annotated[int, typer.Option(min=1, help="CPU threads for generation.")] = 1,
+    store_url: Annotated[Optional[str], typer.Option(help="Override the store URL the orchestrator announces.")] = None,
+) -> None:
+    """Generate rollouts for a run: needs only the orchestrator URL and a worker token."""
+    _setup_logging("worker")
+    import torch
+
+    from decentrl.client import OrchestratorClient
+    from workers.backends.hf import HFBackend
+    from workers.worker import Worker, WorkerOptions, default_worker_id
+
+    torch.set_num_threads(torch_threads)
+    options = WorkerOptions(
+        worker_id=worker_id or default_worker_id(),
+        cache_dir=os.path.expanduser(cache_dir),
+        groups_per_request=groups_per_request,
+        store_url=store_url,
+    )
+    client = OrchestratorClient(orchestrator_url, token)
+    Worker(options=options, client=client, backend=HFBackend(device=device)).run()
+
+
+@app.command()
+def trainer(
+    config: ConfigArg,
+    orchestrator_url: Annotated[str, typer.Option("--orchestrator", help="Orchestrator URL.")],
+    token: TokenOpt,
+    run_dir: Annotated[str, typer.Option(help="Run directory: metrics.jsonl, cache, default store.")] = ".",
+) -> None:
+    """Train with FSDP2; launch under torchrun for several ranks (gloo on CPU, NCCL on GPU)."""
+    _setup_logging(f"trainer[{os.environ.get('RANK', '0')}]")
+    from decentrl.trainer.train import TrainerOptions, train
+
+    cfg = _resolve_store(_load(config), run_dir)
+    options = TrainerOptions(
+        orchestrator_url=orchestrator_url,
+        token=token,
+        metrics_path=os.path.join(run_dir, "metrics.jsonl"),
+        cache_dir=os.path.join(run_dir, "cache", "trainer"),
+    )
+    train(cfg, options)
+
+
+@app.command()
+def run(
+    config: ConfigArg,
+    run_dir: Annotated[Optional[str], typer.Option(help="Run directory; default runs/NAME-TIMESTAMP.")] = None,
+) -> None:
+    """Start every role locally as separate processes and show live progress until done."""
+    from decentrl.cli.launch import launch
+
+    raise typer.Exit(launch(_load(config), run_dir))
+
+
+@store_app.command("ls")
+def store_ls(url: Annotated[str, typer.Argument(help="Store URL (path, file://, s3://, ...).")]) -> None:
+    """List the published versions with their sizes."""
+    from decentrl.store import CheckpointStore
+
+    store = CheckpointStore(url)
+    versions = store.versions()
+    if not versions:
+        typer.echo(f"no versions in {url}")
+    for version in versions:
+        manifest = store.manifest(version)
+        size = sum(f.size for f in manifest.files)
+        typer.echo(f"v{version:06d}  parent={manifest.parent}  files={len(manifest.files)}  bytes={size}")
+
+
+@store_app.command("pull")
+def store_pull(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    dest: Annotated[str, typer.Option(help="Local directory; the version lands in DEST/vNNNNNN.")],
+    version: Annotated[Optional[int], typer.Option(min=0, help="Version; default the newest.")] = None,
+) -> None:
+    """Download a version and verify every file's sha256."""
+    from decentrl.store import CheckpointStore, StoreError
+
+    store = CheckpointStore(url)
+    try:
+        chosen = store.latest() if version is None else version
+        if chosen is None:
+            raise StoreError(f"no versions in {url}")
+        typer.echo(store.pull(chosen, dest))
+    except StoreError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+@store_app.command("verify")
+def store_verify(
+    url: Annotated[str, typer.Argument(help="Store URL.")],
+    version: Annotated[Optional[int], typer.Option(min=0, help="Version; default all.")] = None,
+) -> None:
+    """Check every file of a version (or all) against its manifest; non-zero exit on any mismatch."""
+    from decentrl.store import CheckpointStore, StoreError
+
+    store = CheckpointStore(url)
+    try:
+        versions = store.versions() if version is None else [version]
+        problems = [problem for v in versions for problem in store.verify(v)]
+    except StoreError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    for problem in problems:
+        typer.echo(problem, err=True)
+    if problems:
+        raise typer.Exit(1)
+    typer.echo(f"ok: {len(versions)} version(s) verified")
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Option(help="Who holds the token (worker name).")],
+    role: Annotated[str, typer.Option(help="worker, trainer or admin.")] = "worker",
+    file: Annotated[str, typer.Option(help="Tokens file the orchestrator reads.")] = "tokens.json",
+) -> None:
+    """Add a token to the tokens file and print it (once: it is not shown again)."""
+    from orchestrator.auth import add_token
+
+    try:
+        typer.echo(add_token(file, name=name, role=role))  # type: ignore[arg-type]
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None

@@ -1,0 +1,187 @@
+"""Run configuration: one pydantic model per role, built from shared sub-models.
+
+A run is described by one TOML file (see configs/). `decentrl run` resolves it, writes the
+result as JSON into the run directory, and hands that file to every role it starts; a role
+started by hand on another machine reads the same file (or, for a worker, only needs the
+orchestrator URL and a token). Every field is documented and constrained so that a bad file
+fails at load time with the field's dotted name and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, so typos cannot pass silently."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TinyModelConfig(Section):
+    """A small Qwen2-style model built from a config, with a tokenizer made locally (no hub)."""
+
+    type: Literal["tiny"] = "tiny"
+    hidden_size: int = Field(128, ge=16, le=4096, description="Width of the residual stream.")
+    num_layers: int = Field(2, ge=1, le=64, description="Number of transformer blocks.")
+    num_heads: int = Field(4, ge=1, le=64, description="Attention heads; must divide hidden_size.")
+    intermediate_size: int = Field(256, ge=16, description="Width of the MLP.")
+    seed: int = Field(0, ge=0, description="Seed of the random initial weights (version 0).")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
+        return self
+
+
+class PretrainedModelConfig(Section):
+    """A Hugging Face causal LM directory (config.json, safetensors, tokenizer) on local disk."""
+
+    type: Literal["pretrained"] = "pretrained"
+    path: str = Field(description="Local directory of an HF causal LM with its tokenizer.")
+
+
+ModelConfig = Annotated[TinyModelConfig | PretrainedModelConfig, Field(discriminator="type")]
+
+
+class SortingTaskConfig(Section):
+    """Sort a list of digits ascending; reward is the fraction of positions right (see tasks/)."""
+
+    type: Literal["sorting"] = "sorting"
+    num_digits: int = Field(4, ge=2, le=16, description="Digits per prompt.")
+    num_prompts: int = Field(4096, ge=1, description="Size of the prompt pool (seeded).")
+    seed: int = Field(0, ge=0, description="Seed of the prompt pool.")
+
+
+TaskConfig = Annotated[SortingTaskConfig, Field(discriminator="type")]
+
+
+class StoreConfig(Section):
+    """Where versioned checkpoints live. Any fsspec URL; empty means `<run_dir>/checkpoints`."""
+
+    url: str = Field("", description="fsspec URL (file:///dir, s3://bucket/prefix, ...); '' = run dir.")
+    keep_last: int = Field(
+        8, ge=1, description="Versions kept by retention; raised to max_staleness + 2 if smaller."
+    )
+
+
+class SamplingConfig(Section):
+    """How workers sample; sent to workers with every lease so all of them sample alike."""
+
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Softmax temperature.")
+    max_tokens: int = Field(8, ge=1, le=131072, description="Most completion tokens per sample.")
+
+
+class OrchestratorConfig(Section):
+    """The central HTTP service: leases, ingest, rewards, groups, batches."""
+
+    host: str = Field("127.0.0.1", description="Interface to bind; 0.0.0.0 to accept remote workers.")
+    port: int = Field(8740, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    lease_timeout_s: float = Field(
+        30.0, gt=0, description="A leased prompt not answered within this is leased again."
+    )
+    max_request_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest accepted request body."
+    )
+    batch_wait_s: float = Field(
+        20.0, gt=0, description="How long one trainer batch request waits before answering 204."
+    )
+
+
+class WorkerConfig(Section):
+    """An inference worker: pulls versions, generates, posts rollouts."""
+
+    backend: Literal["hf"] = Field("hf", description="Inference backend.")
+    groups_per_request: int = Field(
+        4, ge=1, le=1024, description="Prompts (groups) leased and generated together."
+    )
+    device: str = Field("cpu", description="torch device for the hf backend.")
+    torch_threads: int = Field(1, ge=1, description="Intra-op CPU threads.")
+
+
+class TrainerConfig(Section):
+    """The FSDP2 trainer: pulls batches, steps, publishes the next version."""
+
+    steps: int = Field(60, ge=1, description="Optimizer steps to run; version N is published after step N.")
+    groups_per_step: int = Field(32, ge=1, description="Prompt groups in one batch.")
+    lr: float = Field(1e-3, gt=0, lt=1, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    is_cap: float = Field(
+        2.0, ge=1.0, description="Truncated importance sampling cap C on pi_trainer / pi_worker."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the trainer's RNG.")
+    torch_threads: int = Field(1, ge=1, description="Intra-op CPU threads per rank.")
+
+
+class RunConfig(Section):
+    """Everything one run needs; each role reads its own section plus the shared ones."""
+
+    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Run id.")
+    max_staleness: int = Field(
+        1, ge=0, le=1024, description="Rollouts from version v train step s iff s - v <= this; 0 = synchronous."
+    )
+    group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (GRPO group).")
+    model: ModelConfig = Field(default_factory=TinyModelConfig)
+    task: TaskConfig = Field(default_factory=SortingTaskConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    num_workers: int = Field(2, ge=1, le=64, description="Workers `decentrl run` starts locally.")
+    trainer_ranks: int = Field(2, ge=1, le=64, description="Trainer processes `decentrl run` starts.")
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> RunConfig:
+        samples = self.trainer.groups_per_step * self.group_size
+        if samples % self.trainer_ranks:
+            raise ValueError(
+                f"trainer.groups_per_step * group_size ({samples}) must be divisible by "
+                f"trainer_ranks ({self.trainer_ranks}) so every rank trains on the same number of samples"
+            )
+        return self
+
+    def with_store_url(self, url: str) -> RunConfig:
+        return self.model_copy(update={"store": self.store.model_copy(update={"url": url})})
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message names the file, the field and what is allowed."""
+
+
+def _format_error(source: str, error: ValidationError) -> str:
+    lines = [f"{source}: invalid config"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        got = f" (got {item['input']!r})" if item["type"] != "missing" and "input" in item else ""
+        lines.append(f"  {field}: {item['msg']}{got}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict[str, object], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_error(source, error)) from None
+
+
+def load_config(path: str) -> RunConfig:
+    """Read a TOML (or resolved JSON) run config; raises ConfigError with a fixable message."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    text = file.read_text()
+    try:
+        data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path}: not valid {file.suffix.lstrip('.').upper() or 'TOML'}: {error}") from None
+    return parse_config(data, source=path)

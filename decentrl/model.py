@@ -1,0 +1,67 @@
+"""Build the initial policy (version 0): a tiny model from config or a pretrained directory.
+
+Called by the trainer (to create version 0 and its own FSDP model) and by the orchestrator
+(for the tokenizer, to encode prompts and decode completions for rewards).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from decentrl.config import PretrainedModelConfig, TinyModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+TINY_SPECIALS = ["<pad>", "<s>", "</s>"]
+TINY_SYMBOLS = ["="] + [str(d) for d in range(10)]
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A character-level tokenizer over digits and '=', made locally with `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(TINY_SPECIALS + TINY_SYMBOLS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<pad>"
+    )
+
+
+def load_tokenizer(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedTokenizerBase:
+    if isinstance(config, TinyModelConfig):
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.path)
+
+
+def build_model(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedModel:
+    """The version-0 weights, in float32 on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if isinstance(config, PretrainedModelConfig):
+        return AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32)
+    tokenizer = build_tiny_tokenizer()
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(config.seed)
+    return Qwen2ForCausalLM(model_config).float()

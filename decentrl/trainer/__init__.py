@@ -1,0 +1,1 @@
+"""The trainer role: FSDP2 ranks that pull batches, step, and publish the next version."""

@@ -1,0 +1,120 @@
+"""Background publishing of new versions, so the next optimizer step never waits on uploads.
+
+Rank 0 of the trainer hands each new full state dict to `Publisher.submit`; a thread writes an
+HF-loadable directory, publishes it to the store (manifest last), tells the orchestrator, and
+applies retention. The queue holds one pending version: when uploads fall behind, a newer
+version replaces the pending older one (workers skip straight to the newest weights) instead
+of queueing without bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import PretrainedConfig
+
+from decentrl.store import CheckpointStore
+
+log = logging.getLogger("decentrl.trainer.publisher")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def write_hf_dir(directory: str, state: dict[str, torch.Tensor], model_config: PretrainedConfig, extras_from: str) -> None:
+    """An HF-loadable checkpoint: config.json, model.safetensors, tokenizer files copied from `extras_from`."""
+    model_config.save_pretrained(directory)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
+    for name in TOKENIZER_FILES:
+        source = Path(extras_from) / name
+        if source.is_file():
+            shutil.copy(source, Path(directory) / name)
+
+
+class Publisher:
+    def __init__(
+        self,
+        *,
+        store: CheckpointStore,
+        model_config: PretrainedConfig,
+        extras_from: str,
+        keep_last: int,
+        on_published: Callable[[int], None],
+    ) -> None:
+        self.store = store
+        self.model_config = model_config
+        self.extras_from = extras_from
+        self.keep_last = keep_last
+        self.on_published = on_published
+        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self.skipped: list[int] = []
+        self.publish_seconds: list[float] = []
+        self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Queue `version` for publishing; returns at once. Raises a failure of an earlier publish."""
+        with self._cond:
+            self._raise_if_failed()
+            if self._pending is not None:
+                self.skipped.append(self._pending[0])
+            self._pending = (version, state)
+            self._cond.notify_all()
+
+    def wait_idle(self) -> None:
+        """Block until everything submitted is published (used at the end of training)."""
+        with self._cond:
+            while (self._pending is not None or self._busy) and self._error is None:
+                self._cond.wait()
+            self._raise_if_failed()
+
+    def close(self) -> None:
+        self.wait_idle()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"publishing a checkpoint failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                version, state = self._pending
+                self._pending, self._busy = None, True
+            try:
+                self._publish(version, state)
+            except BaseException as exc:  # surfaced to the training loop on its next submit
+                log.exception("publishing version %d failed", version)
+                with self._cond:
+                    self._error = exc
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-") as directory:
+            write_hf_dir(directory, state, self.model_config, self.extras_from)
+            self.store.publish(version, directory, parent=version - 1 if version > 0 else None)
+        self.on_published(version)
+        self.store.retain(self.keep_last, protect={0})
+        self.publish_seconds.append(time.perf_counter() - started)
+        log.info("published version %d in %.2fs", version, self.publish_seconds[-1])

@@ -1,0 +1,1 @@
+"""The worker role: learn the newest version, pull it from the store, generate, post rollouts."""

@@ -1,0 +1,103 @@
+"""The worker loop: lease prompts, make sure the newest version is loaded, generate, post.
+
+Called by `decentrl worker`. The worker only needs the orchestrator URL and a token: the run
+name, group size, store URL and sampling come from the orchestrator. Weights are swapped only
+between generations, so every sample of a group comes from one version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+from decentrl.client import OrchestratorClient
+from decentrl.store import CheckpointStore
+from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, RunInfo, SamplingParams
+from workers.backends import Backend
+
+log = logging.getLogger("decentrl.worker")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    worker_id: str
+    cache_dir: str
+    groups_per_request: int
+    store_url: str | None = None  # overrides the URL the orchestrator announces
+    storage_options: dict[str, object] | None = None
+
+
+class Worker:
+    def __init__(self, *, options: WorkerOptions, client: OrchestratorClient, backend: Backend) -> None:
+        self.options = options
+        self.client = client
+        self.backend = backend
+        self.info: RunInfo = client.info()
+        self.store = CheckpointStore(options.store_url or self.info.store_url, options.storage_options)
+        self.stopping = False
+        self.rollouts_posted = 0
+
+    def request_stop(self, *_: object) -> None:
+        """SIGTERM/SIGINT: finish the generation in flight, post it, then exit."""
+        self.stopping = True
+
+    def run(self, max_iterations: int | None = None) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        iterations = 0
+        while not self.stopping and (max_iterations is None or iterations < max_iterations):
+            iterations += 1
+            response = self.client.lease(
+                LeaseRequest(worker_id=self.options.worker_id, max_groups=self.options.groups_per_request)
+            )
+            if response.policy_version is not None and response.policy_version != self.backend.version:
+                self._swap(response.policy_version)
+            if not response.leases:
+                time.sleep(response.retry_after_s)
+                continue
+            self._generate_and_post(response.leases, response.sampling)
+        log.info("worker %s stopping after %d rollouts", self.options.worker_id, self.rollouts_posted)
+
+    def _swap(self, version: int) -> None:
+        started = time.perf_counter()
+        path = self.store.pull(version, self.options.cache_dir)
+        self.backend.load(path, version)
+        log.info("loaded version %d in %.2fs", version, time.perf_counter() - started)
+
+    def _generate_and_post(self, leases: list[Lease], sampling: SamplingParams) -> None:
+        version = self.backend.version
+        assert version is not None
+        prompts = [lease.prompt_token_ids for lease in leases for _ in range(lease.group_size)]
+        completions = self.backend.generate(prompts, sampling)
+        rollouts = []
+        owners = [lease for lease in leases for _ in range(lease.group_size)]
+        for lease, completion in zip(owners, completions):
+            rollouts.append(
+                Rollout(
+                    rollout_id=uuid.uuid4().hex,
+                    run_name=self.info.run_name,
+                    lease_id=lease.lease_id,
+                    prompt_id=lease.prompt_id,
+                    worker_id=self.options.worker_id,
+                    policy_version=version,
+                    prompt_token_ids=lease.prompt_token_ids,
+                    completion_token_ids=completion.token_ids,
+                    logprobs=completion.logprobs,
+                    finish_reason=completion.finish_reason,
+                    sampling=sampling,
+                )
+            )
+        result = self.client.post_rollouts(RolloutBatch(rollouts=rollouts))
+        self.rollouts_posted += result.accepted
+        if result.rejected:
+            reasons: dict[str, int] = {}
+            for rejection in result.rejected:
+                reasons[rejection.reason] = reasons.get(rejection.reason, 0) + 1
+            log.info("orchestrator rejected %d rollouts: %s", len(result.rejected), reasons)
+
+
+def default_worker_id() -> str:
+    return f"{os.uname().nodename}-{os.getpid()}"
