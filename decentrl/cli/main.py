@@ -15,7 +15,8 @@ import typer
 
 from decentrl.config import ConfigError, RunConfig, load_config
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Decentralized asynchronous RL for language models.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="Decentralized asynchronous RL for language models.")
 store_app = typer.Typer(no_args_is_help=True, help="Inspect, pull and verify versioned checkpoints in a store.")
 token_app = typer.Typer(no_args_is_help=True, help="Manage the orchestrator's bearer tokens.")
 app.add_typer(store_app, name="store")

@@ -34,7 +34,7 @@ def write_hf_dir(directory: str, state: dict[str, torch.Tensor], model_config: P
     save_file({k: v.contiguous() for k, v in state.items()}, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
     for name in TOKENIZER_FILES:
         source = Path(extras_from) / name
-        if source.is_file():
+        if source.is_file() and source.resolve() != (Path(directory) / name).resolve():
             shutil.copy(source, Path(directory) / name)
 
 
