@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 
 class Section(BaseModel):
@@ -49,7 +49,21 @@ class PretrainedModelConfig(Section):
     path: str = Field(description="Local directory of an HF causal LM with its tokenizer.")
 
 
-ModelConfig = Annotated[TinyModelConfig | PretrainedModelConfig, Field(discriminator="type")]
+def _keyed_by_type(default: str):  # noqa: ANN202 - a pydantic discriminator callable
+    """Pick a union member by its `type` key, `default` when the file leaves it out."""
+
+    def discriminate(value: object) -> str:
+        if isinstance(value, dict):
+            return str(value.get("type", default))
+        return str(getattr(value, "type", default))
+
+    return Discriminator(discriminate)
+
+
+ModelConfig = Annotated[
+    Annotated[TinyModelConfig, Tag("tiny")] | Annotated[PretrainedModelConfig, Tag("pretrained")],
+    _keyed_by_type("tiny"),
+]
 
 
 class SortingTaskConfig(Section):
@@ -61,7 +75,7 @@ class SortingTaskConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the prompt pool.")
 
 
-TaskConfig = Annotated[SortingTaskConfig, Field(discriminator="type")]
+TaskConfig = Annotated[Annotated[SortingTaskConfig, Tag("sorting")], _keyed_by_type("sorting")]
 
 
 class StoreConfig(Section):

@@ -8,6 +8,7 @@ when the trainer finishes its steps; Ctrl-C or any role exiting early stops ever
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -28,7 +29,7 @@ from rich.table import Table
 from decentrl.config import RunConfig
 from orchestrator.auth import add_token
 
-console = Console()
+console = Console(soft_wrap=True)
 PR_SET_PDEATHSIG = 1
 
 
@@ -121,7 +122,7 @@ def summarize(metrics: list[dict[str, object]], window: int = 10) -> dict[str, f
     rewards = [float(m["reward_mean"]) for m in metrics]
     n = min(window, len(rewards))
     first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
-    return {"steps": len(rewards), f"reward_first{n}": first, f"reward_last{n}": last, "reward_gain": last - first}
+    return {"steps": len(rewards), "window": n, "reward_first": first, "reward_last": last, "reward_gain": last - first}
 
 
 def launch(config: RunConfig, run_dir_arg: str | None) -> int:
@@ -176,12 +177,24 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
         _stop(roles)
 
 
+def _progress_line(config: RunConfig, record: dict, status: dict | None, rollouts_per_s: float) -> str:
+    return (
+        f"step {record['step']}/{config.trainer.steps}  version {record['policy_version']}  "
+        f"reward {record['reward_mean']:.3f}  rollouts/s {rollouts_per_s:.0f}  "
+        f"trainer busy {100 * record['trainer_busy_fraction_total']:.0f}%  "
+        f"stale dropped {status['stale_dropped'] if status else record['stale_dropped']}"
+    )
+
+
 def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token: str) -> int:
+    """Poll roles, status and metrics once a second; a live table on a terminal, else a line a step."""
     started = time.monotonic()
     metrics_path = run_dir / "metrics.jsonl"
     samples: list[tuple[float, int]] = []  # (time, rollouts accepted) for a moving rate
     trainer = next(role for role in roles if role.name == "trainer")
-    with Live(console=console, refresh_per_second=2, transient=False) as live:
+    live = Live(console=console, refresh_per_second=2) if console.is_terminal else None
+    printed = 0
+    with live or contextlib.nullcontext():
         while True:
             for role in roles:
                 code = role.process.poll()
@@ -196,12 +209,20 @@ def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token:
                 samples = [s for s in samples if now - s[0] < 10] + [(now, int(status["rollouts_accepted"]))]
             rate = (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0]) if len(samples) > 1 else 0.0
             metrics = _read_metrics(metrics_path)
-            live.update(_table(config, metrics, status, rate, now - started))
+            if live is not None:
+                live.update(_table(config, metrics, status, rate, now - started))
+            else:
+                for record in metrics[printed:]:
+                    console.print(_progress_line(config, record, status, rate))
+                printed = len(metrics)
             if trainer.process.poll() == 0:
                 break
             time.sleep(1.0)
     summary = {**summarize(metrics), "wall_s": time.monotonic() - started}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"done in {summary['wall_s']:.0f}s: " + ", ".join(f"{k}={v:.3f}" for k, v in summary.items() if k != "wall_s"))
-    console.print(f"run dir: {run_dir} (config.json, logs/, metrics.jsonl, checkpoints/)")
+    console.print(
+        f"done in {summary['wall_s']:.0f}s: mean reward of the first {min(10, len(metrics))} steps "
+        f"{summary['reward_first']:.3f}, of the last {summary['reward_last']:.3f} (gain {summary['reward_gain']:+.3f})"
+    )
+    console.print(f"run dir: {run_dir} (config.json, logs/, metrics.jsonl, checkpoints/, summary.json)")
     return 0
