@@ -168,6 +168,9 @@ class RunConfig(Section):
         return self.model_copy(update={"store": self.store.model_copy(update={"url": url})})
 
 
+UNION_TAGS = {"tiny", "pretrained", "sorting"}
+
+
 class ConfigError(Exception):
     """A config file that cannot be used; the message names the file, the field and what is allowed."""
 
@@ -175,7 +178,9 @@ class ConfigError(Exception):
 def _format_error(source: str, error: ValidationError) -> str:
     lines = [f"{source}: invalid config"]
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        # Drop union tags ("model.tiny.hidden_size" -> "model.hidden_size"): they are not in the file.
+        parts = [str(part) for part in item["loc"] if str(part) not in UNION_TAGS]
+        field = ".".join(parts) or "(top level)"
         got = f" (got {item['input']!r})" if item["type"] != "missing" and "input" in item else ""
         lines.append(f"  {field}: {item['msg']}{got}")
     return "\n".join(lines)
@@ -193,9 +198,9 @@ def load_config(path: str) -> RunConfig:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{path}: no such config file")
-    text = file.read_text()
     try:
+        text = file.read_text(encoding="utf-8")
         data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"{path}: not valid {file.suffix.lstrip('.').upper() or 'TOML'}: {error}") from None
     return parse_config(data, source=path)

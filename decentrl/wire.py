@@ -6,11 +6,13 @@ with them, workers and the trainer build them. Token ids and logprobs travel as 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 API_PREFIX = "/v1"
+WORKER_ID = r"^[A-Za-z0-9._:@-]{1,128}$"  # no "/": lease holders are "token-name/worker-id"
 
 
 class Wire(BaseModel):
@@ -37,7 +39,7 @@ class RunInfo(Wire):
 
 
 class LeaseRequest(Wire):
-    worker_id: str = Field(min_length=1, max_length=128, description="Stable name of the worker.")
+    worker_id: str = Field(pattern=WORKER_ID, description="Stable name of the worker.")
     max_groups: int = Field(ge=1, le=1024, description="Most prompt groups wanted.")
 
 
@@ -68,7 +70,7 @@ class Rollout(Wire):
     run_name: str
     lease_id: str = Field(description="The lease this sample answers; also its group id.")
     prompt_id: int = Field(ge=0)
-    worker_id: str = Field(min_length=1, max_length=128)
+    worker_id: str = Field(pattern=WORKER_ID)
     policy_version: int = Field(ge=0, description="Version of the weights that sampled the first token.")
     token_versions: list[int] | None = Field(
         None, description="Per completion token version, when generation spanned a weight swap."
@@ -91,8 +93,10 @@ class Rollout(Wire):
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries but completion_token_ids has {n}")
-        if any(lp > 1e-4 for lp in self.logprobs):
-            raise ValueError("logprobs must be <= 0 (log of a probability)")
+        # NaN compares false with everything, so test finiteness first: one NaN or -inf would
+        # otherwise reach the trainer's loss.
+        if not all(math.isfinite(lp) and lp <= 1e-4 for lp in self.logprobs):
+            raise ValueError("logprobs must be finite and <= 0 (log of a probability)")
         return self
 
 

@@ -39,7 +39,7 @@ STATE = web.AppKey("state", RunState)
 TOKENS = web.AppKey("tokens", TokenRegistry)
 STORE_URL = web.AppKey("store_url", str)
 BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)
-IDENTITY = "identity"
+IDENTITY = web.RequestKey("identity", Identity)
 M = TypeVar("M", bound=BaseModel)
 
 # Which role may call which route; routes not listed need no token.
@@ -146,7 +146,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return web.Response(status=204)
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
                 await asyncio.wait_for(ready.wait(), timeout=min(remaining, 1.0))
     return json_response(served)
 

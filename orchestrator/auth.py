@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Literal
 
 Role = Literal["worker", "trainer", "admin"]
 ROLES: tuple[Role, ...] = ("worker", "trainer", "admin")
+NAME = re.compile(r"^[A-Za-z0-9._:@-]{1,64}$")  # no "/": lease holders are "token-name/worker-id"
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class TokenRegistry:
     def __init__(self, entries: list[dict[str, str]]) -> None:
         self._entries: list[tuple[bytes, Identity]] = []
         for entry in entries:
+            if not NAME.match(entry["name"]):
+                raise ValueError(f"token name {entry['name']!r} must match {NAME.pattern}")
             if entry["role"] not in ROLES:
                 raise ValueError(f"token {entry['name']!r}: role must be one of {ROLES}, got {entry['role']!r}")
             self._entries.append((entry["token"].encode(), Identity(entry["name"], entry["role"])))  # type: ignore[arg-type]
@@ -54,6 +58,8 @@ def add_token(path: str, *, name: str, role: Role) -> str:
     """Append a new random token to the file (created with mode 0600) and return it."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if not NAME.match(name):
+        raise ValueError(f"name {name!r} must match {NAME.pattern}")
     file = Path(path)
     data = json.loads(file.read_text()) if file.is_file() else {"tokens": []}
     if any(entry["name"] == name for entry in data["tokens"]):

@@ -74,6 +74,7 @@ class RunState:
         self.leases: dict[str, OpenLease] = {}
         self.ready: deque[Group] = deque()
         self.seen_rollout_ids: set[str] = set()
+        self.completed_leases: set[str] = set()  # a complete group's lease is closed, not unknown
         self._prompt_order = list(range(task.num_prompts))
         random.Random(config.task.seed).shuffle(self._prompt_order)
         self._prompt_cursor = 0
@@ -137,7 +138,7 @@ class RunState:
             return "wrong_run"
         open_lease = self.leases.get(rollout.lease_id)
         if open_lease is None:
-            return "unknown_or_expired_lease"
+            return "group_full" if rollout.lease_id in self.completed_leases else "unknown_or_expired_lease"
         lease = open_lease.lease
         if open_lease.holder != holder:
             return "not_lease_holder"
@@ -154,8 +155,6 @@ class RunState:
             return "token_out_of_vocabulary"
         if len(rollout.completion_token_ids) > self.sampling.max_tokens:
             return "too_many_tokens"
-        if len(open_lease.samples) >= lease.group_size:
-            return "group_full"
         return None
 
     def ingest(self, rollouts: list[Rollout], holder: str) -> IngestResponse:
@@ -182,6 +181,7 @@ class RunState:
             accepted += 1
             if len(open_lease.samples) == open_lease.lease.group_size:
                 del self.leases[rollout.lease_id]
+                self.completed_leases.add(rollout.lease_id)
                 self.ready.append(Group(prompt_id=open_lease.lease.prompt_id, samples=open_lease.samples))
         self.rollouts_accepted += accepted
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)

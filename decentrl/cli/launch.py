@@ -64,17 +64,17 @@ def _start(name: str, argv: list[str], run_dir: Path, env: dict[str, str]) -> Ro
 
 
 def _stop(roles: list[Role], grace_s: float = 10.0) -> None:
-    """SIGTERM every role's process group, then SIGKILL what is left after the grace period."""
-    for role in roles:
+    """Stop roles in reverse start order (workers, trainer, orchestrator), so no role spends its
+    grace period retrying a peer that is already gone: SIGTERM to the role's process group,
+    SIGKILL to whatever of the group is left after the grace period."""
+    for role in reversed(roles):
         if role.process.poll() is None:
             os.killpg(role.process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for role in roles:
-        try:
-            role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        # The group may hold children (torchrun ranks) even after its leader exited.
+            try:
+                role.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group may hold children (torchrun's ranks) even after its leader exited.
         try:
             os.killpg(role.process.pid, signal.SIGKILL)
         except ProcessLookupError:

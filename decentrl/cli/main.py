@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -54,9 +54,9 @@ def _resolve_store(config: RunConfig, run_dir: str) -> RunConfig:
 def orchestrator(
     config: ConfigArg,
     run_dir: Annotated[str, typer.Option(help="Run directory (tokens file, default store).")] = ".",
-    host: Annotated[Optional[str], typer.Option(help="Overrides orchestrator.host.")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Overrides orchestrator.port.")] = None,
-    tokens_file: Annotated[Optional[str], typer.Option(help="Tokens JSON; default RUN_DIR/tokens.json.")] = None,
+    host: Annotated[str | None, typer.Option(help="Overrides orchestrator.host.")] = None,
+    port: Annotated[int | None, typer.Option(help="Overrides orchestrator.port.")] = None,
+    tokens_file: Annotated[str | None, typer.Option(help="Tokens JSON; default RUN_DIR/tokens.json.")] = None,
 ) -> None:
     """Serve the run's HTTP API: leases, rollout ingest, batches, versions."""
     _setup_logging("orchestrator")
@@ -88,12 +88,12 @@ def orchestrator(
 def worker(
     orchestrator_url: Annotated[str, typer.Option("--orchestrator", help="Orchestrator URL, e.g. http://host:8740.")],
     token: TokenOpt,
-    worker_id: Annotated[Optional[str], typer.Option(help="Stable worker name; default host-pid.")] = None,
+    worker_id: Annotated[str | None, typer.Option(help="Stable worker name; default host-pid.")] = None,
     cache_dir: Annotated[str, typer.Option(help="Local cache of pulled versions.")] = "~/.cache/decentrl",
     groups_per_request: Annotated[int, typer.Option(min=1, help="Prompt groups leased at once.")] = 4,
     device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
     torch_threads: Annotated[int, typer.Option(min=1, help="CPU threads for generation.")] = 1,
-    store_url: Annotated[Optional[str], typer.Option(help="Override the store URL the orchestrator announces.")] = None,
+    store_url: Annotated[str | None, typer.Option(help="Override the store URL the orchestrator announces.")] = None,
 ) -> None:
     """Generate rollouts for a run: needs only the orchestrator URL and a worker token."""
     _setup_logging("worker")
@@ -138,7 +138,7 @@ def trainer(
 @app.command()
 def run(
     config: ConfigArg,
-    run_dir: Annotated[Optional[str], typer.Option(help="Run directory; default runs/NAME-TIMESTAMP.")] = None,
+    run_dir: Annotated[str | None, typer.Option(help="Run directory; default runs/NAME-TIMESTAMP.")] = None,
 ) -> None:
     """Start every role locally as separate processes and show live progress until done."""
     from decentrl.cli.launch import launch
@@ -165,7 +165,7 @@ def store_ls(url: Annotated[str, typer.Argument(help="Store URL (path, file://, 
 def store_pull(
     url: Annotated[str, typer.Argument(help="Store URL.")],
     dest: Annotated[str, typer.Option(help="Local directory; the version lands in DEST/vNNNNNN.")],
-    version: Annotated[Optional[int], typer.Option(min=0, help="Version; default the newest.")] = None,
+    version: Annotated[int | None, typer.Option(min=0, help="Version; default the newest.")] = None,
 ) -> None:
     """Download a version and verify every file's sha256."""
     from decentrl.store import CheckpointStore, StoreError
@@ -184,7 +184,7 @@ def store_pull(
 @store_app.command("verify")
 def store_verify(
     url: Annotated[str, typer.Argument(help="Store URL.")],
-    version: Annotated[Optional[int], typer.Option(min=0, help="Version; default all.")] = None,
+    version: Annotated[int | None, typer.Option(min=0, help="Version; default all.")] = None,
 ) -> None:
     """Check every file of a version (or all) against its manifest; non-zero exit on any mismatch."""
     from decentrl.store import CheckpointStore, StoreError

@@ -42,7 +42,9 @@ class HFBackend:
         if sampling.top_k or sampling.top_p < 1.0:
             raise NotImplementedError("the hf backend samples from the full distribution; set top_k=0, top_p=1")
         config = self.model.generation_config
-        pad, eos = config.pad_token_id, config.eos_token_id
+        eos_ids = {config.eos_token_id} if isinstance(config.eos_token_id, int) else set(config.eos_token_id or [])
+        # Many pretrained models have no pad token; any id works under a zero attention mask.
+        pad = config.pad_token_id if config.pad_token_id is not None else min(eos_ids, default=0)
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token at the same position for generation.
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
@@ -58,18 +60,18 @@ class HFBackend:
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=pad,
-            eos_token_id=eos,
+            eos_token_id=sorted(eos_ids) or None,
         )
         new_tokens = out.sequences[:, width:]  # (B, T)
         logits = torch.stack(out.logits, dim=1).float()  # (B, T, V)
         logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
         token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        return [self._cut(tokens, lps, eos) for tokens, lps in zip(new_tokens.tolist(), token_logprobs.tolist())]
+        return [self._cut(tokens, lps, eos_ids) for tokens, lps in zip(new_tokens.tolist(), token_logprobs.tolist())]
 
     @staticmethod
-    def _cut(tokens: list[int], logprobs: list[float], eos: int) -> Completion:
-        """Trim the padding generate() adds after a sequence's end-of-sequence token."""
-        if eos in tokens:
-            end = tokens.index(eos) + 1
-            return Completion(tokens[:end], logprobs[:end], "stop")
+    def _cut(tokens: list[int], logprobs: list[float], eos_ids: set[int]) -> Completion:
+        """Trim the padding generate() adds after a sequence's first end-of-sequence token."""
+        for end, token in enumerate(tokens, start=1):
+            if token in eos_ids:
+                return Completion(tokens[:end], logprobs[:end], "stop")
         return Completion(tokens, logprobs, "length")
