@@ -119,6 +119,23 @@ class WorkerConfig(Section):
     )
     device: str = Field("cpu", description="torch device for the hf backend.")
     torch_threads: int = Field(1, ge=1, description="Intra-op CPU threads.")
+    concurrency: int = Field(
+        1, ge=1, le=256, description="Lease slots in flight per worker (concurrent requests to the backend)."
+    )
+    simulated_latency_median_s: float = Field(
+        0.0, ge=0, description="Benchmarks only: median of an injected log-normal delay per request (0 = off)."
+    )
+    simulated_latency_sigma: float = Field(1.0, ge=0, le=4, description="Shape of the injected log-normal delay.")
+    slowdowns: list[float] = Field(
+        default_factory=list,
+        description="Benchmarks only: per local worker i, a factor >= 1 on its generation time (missing = 1).",
+    )
+
+    @model_validator(mode="after")
+    def _slowdowns_at_least_one(self) -> WorkerConfig:
+        if any(factor < 1 for factor in self.slowdowns):
+            raise ValueError(f"slowdowns must all be >= 1 (got {self.slowdowns})")
+        return self
 
 
 class TrainerConfig(Section):
@@ -153,6 +170,9 @@ class RunConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     num_workers: int = Field(2, ge=1, le=64, description="Workers `decentrl run` starts locally.")
     trainer_ranks: int = Field(2, ge=1, le=64, description="Trainer processes `decentrl run` starts.")
+    tolerate_worker_exits: bool = Field(
+        False, description="`decentrl run` keeps going when a worker dies (as long as one is left)."
+    )
 
     @model_validator(mode="after")
     def _batch_divides(self) -> RunConfig:

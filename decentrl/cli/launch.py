@@ -83,6 +83,40 @@ def _stop(roles: list[Role], grace_s: float = 10.0) -> None:
         role.log.close()
 
 
+def _worker_flags(config: RunConfig, index: int, run_dir: Path) -> list[str]:
+    worker = config.worker
+    slowdown = worker.slowdowns[index] if index < len(worker.slowdowns) else 1.0
+    return [
+        "--worker-id", f"worker-{index}",
+        "--cache-dir", str(run_dir / "cache" / f"worker-{index}"),
+        "--groups-per-request", str(worker.groups_per_request),
+        "--device", worker.device,
+        "--torch-threads", str(worker.torch_threads),
+        "--concurrency", str(worker.concurrency),
+        "--simulated-latency-median-s", str(worker.simulated_latency_median_s),
+        "--simulated-latency-sigma", str(worker.simulated_latency_sigma),
+        "--slowdown", str(slowdown),
+        "--seed", str(config.trainer.seed + index),
+    ]
+
+
+def _check_roles(config: RunConfig, roles: list[Role], exited: set[str]) -> None:
+    """Raise if a role died; a dead worker is only reported when the config tolerates it."""
+    for role in roles:
+        code = role.process.poll()
+        if code is None or role.name in exited or (role.name == "trainer" and code == 0):
+            continue
+        workers_left = [r for r in roles if r.name.startswith("worker-") and r.process.poll() is None]
+        if role.name.startswith("worker-") and config.tolerate_worker_exits and workers_left:
+            console.print(f"[yellow]{role.name} exited with code {code}; {len(workers_left)} worker(s) carry on[/]")
+            exited.add(role.name)
+            continue
+        raise RuntimeError(
+            f"{role.name} exited with code {code}; stopping every role. "
+            f"Last lines of {role.log_path}:\n{_tail(role.log_path)}"
+        )
+
+
 def _tail(path: str, lines: int = 15) -> str:
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
 
@@ -159,11 +193,7 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
         ))
         for i, token in enumerate(worker_tokens):
             roles.append(_start(
-                f"worker-{i}",
-                py + ["decentrl", "worker", "--orchestrator", url, "--worker-id", f"worker-{i}",
-                      "--cache-dir", str(run_dir / "cache" / f"worker-{i}"),
-                      "--groups-per-request", str(config.worker.groups_per_request),
-                      "--device", config.worker.device, "--torch-threads", str(config.worker.torch_threads)],
+                f"worker-{i}", py + ["decentrl", "worker", "--orchestrator", url, *_worker_flags(config, i, run_dir)],
                 run_dir, {"DECENTRL_TOKEN": token, "OMP_NUM_THREADS": str(config.worker.torch_threads)},
             ))
         return _watch(config, run_dir, roles, url, trainer_token)
@@ -193,16 +223,10 @@ def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token:
     samples: list[tuple[float, int]] = []  # (time, rollouts accepted) for a moving rate
     trainer = next(role for role in roles if role.name == "trainer")
     live = Live(console=console, refresh_per_second=2) if console.is_terminal else None
-    printed = 0
+    printed, exited = 0, set[str]()
     with live or contextlib.nullcontext():
         while True:
-            for role in roles:
-                code = role.process.poll()
-                if code is not None and (role is not trainer or code != 0):
-                    raise RuntimeError(
-                        f"{role.name} exited with code {code}; stopping every role. "
-                        f"Last lines of {role.log_path}:\n{_tail(role.log_path)}"
-                    )
+            _check_roles(config, roles, exited)
             status = _get_json(f"{url}/v1/status", token)
             now = time.monotonic()
             if status is not None:
@@ -216,6 +240,8 @@ def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token:
                     console.print(_progress_line(config, record, status, rate))
                 printed = len(metrics)
             if trainer.process.poll() == 0:
+                # The orchestrator's final counters, for benchmarks and post-mortems.
+                (run_dir / "status.json").write_text(json.dumps(_get_json(f"{url}/v1/status", token) or status, indent=2))
                 break
             time.sleep(1.0)
     summary = {**summarize(metrics), "wall_s": time.monotonic() - started}

@@ -94,6 +94,11 @@ def worker(
     device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
     torch_threads: Annotated[int, typer.Option(min=1, help="CPU threads for generation.")] = 1,
     store_url: Annotated[str | None, typer.Option(help="Override the store URL the orchestrator announces.")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Lease slots in flight at once.")] = 1,
+    simulated_latency_median_s: Annotated[float, typer.Option(min=0, help="Benchmarks: injected delay median.")] = 0.0,
+    simulated_latency_sigma: Annotated[float, typer.Option(min=0, help="Benchmarks: injected delay shape.")] = 1.0,
+    slowdown: Annotated[float, typer.Option(min=1, help="Benchmarks: factor on generation time.")] = 1.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the injected delays.")] = 0,
 ) -> None:
     """Generate rollouts for a run: needs only the orchestrator URL and a worker token."""
     _setup_logging("worker")
@@ -101,6 +106,7 @@ def worker(
 
     from decentrl.client import OrchestratorClient
     from workers.backends.hf import HFBackend
+    from workers.latency import LatencyModel
     from workers.worker import Worker, WorkerOptions, default_worker_id
 
     torch.set_num_threads(torch_threads)
@@ -109,6 +115,9 @@ def worker(
         cache_dir=os.path.expanduser(cache_dir),
         groups_per_request=groups_per_request,
         store_url=store_url,
+        concurrency=concurrency,
+        latency=LatencyModel(median_s=simulated_latency_median_s, sigma=simulated_latency_sigma, slowdown=slowdown),
+        seed=seed,
     )
     client = OrchestratorClient(orchestrator_url, token)
     Worker(options=options, client=client, backend=HFBackend(device=device)).run()
