@@ -1,0 +1,197 @@
+"""Asynchronous vs synchronous training, measured side by side with the real system.
+
+Each scenario runs `decentrl run` twice with the same task, model, worker pool and seeds:
+max_staleness = 0 (synchronous, on-policy) and max_staleness = --async-staleness. Workers
+generate for real; on top, each request is held back by a log-normal delay (median
+--latency-median-s, sigma --latency-sigma; workers/latency.py) that stands for long reasoning
+traces on the workers' own accelerators. Scenarios:
+  base           the pool as configured
+  slow_worker    worker-0 ten times slower than the rest
+  killed_worker  worker-1 SIGKILLed after a third of the steps (its leases expire and are
+                 leased again; the run tolerates the loss)
+
+Writes one PNG per scenario (reward vs wall time; trainer busy/idle timeline) and prints, as
+its last line, one JSON object: the base scenario's {"sync", "async", "time_to_target_ratio"}
+plus every scenario under "scenarios".
+
+    .venv/bin/pip install -e ".[bench]"
+    .venv/bin/python benchmarks/async_vs_sync.py --out docs/figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int) -> dict:
+    config = tomllib.loads((ROOT / "configs" / "local.toml").read_text())
+    config.update(run_name=f"{scenario}-s{max_staleness}", max_staleness=max_staleness, num_workers=args.workers)
+    config["trainer"].update(steps=args.steps)
+    config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s)
+    config["worker"].update(
+        groups_per_request=1,
+        concurrency=args.slots,
+        simulated_latency_median_s=args.latency_median_s,
+        simulated_latency_sigma=args.latency_sigma,
+    )
+    if scenario == "slow_worker":
+        config["worker"]["slowdowns"] = [10.0]
+    if scenario == "killed_worker":
+        config["tolerate_worker_exits"] = True
+    return config
+
+
+def worker_pid(run_dir: Path, name: str) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"worker" in cmdline and name.encode() in cmdline and str(run_dir).encode() in b" ".join(cmdline):
+                return int(entry.name)
+    return None
+
+
+def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, work: Path) -> dict:
+    run_dir = work / f"{scenario}-s{max_staleness}"
+    config_path = work / f"{scenario}-s{max_staleness}.json"
+    config_path.write_text(json.dumps(scenario_config(args, scenario, max_staleness)))
+    log = open(work / f"{scenario}-s{max_staleness}.out", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "decentrl", "run", str(config_path), "--run-dir", str(run_dir)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    killed_at = None
+    while process.poll() is None:
+        time.sleep(0.5)
+        if scenario == "killed_worker" and killed_at is None:
+            steps_done = len(read_metrics(run_dir))
+            pid = worker_pid(run_dir, "worker-1")
+            if steps_done >= args.steps // 3 and pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.time()
+    if process.returncode != 0:
+        raise SystemExit(f"{scenario} (max_staleness={max_staleness}) failed: see {log.name}")
+    return summarize(args, read_metrics(run_dir), json.loads((run_dir / "status.json").read_text()), killed_at)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def summarize(args: argparse.Namespace, metrics: list[dict], status: dict, killed_at: float | None) -> dict:
+    start = metrics[0]["time"] - metrics[0]["step_s"]  # the trainer asks for its first batch
+    times = [m["time"] - start for m in metrics]
+    rewards = [m["reward_mean"] for m in metrics]
+    window = args.smooth
+    smoothed = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1]) for i in range(len(rewards))]
+    reached = next((t for t, r in zip(times, smoothed) if r >= args.target), None)
+    histogram: dict[str, int] = {}
+    for m in metrics:
+        for lag, count in m["staleness_histogram"].items():
+            histogram[lag] = histogram.get(lag, 0) + count
+    generated = status["rollouts_accepted"] + sum(status["rollouts_rejected"].values())
+    return {
+        "trainer_busy_fraction": metrics[-1]["trainer_busy_fraction_total"],
+        "samples_per_s": sum(m["samples"] for m in metrics) / times[-1],
+        "time_to_target_s": reached,
+        "wall_s": times[-1],
+        "final_reward": sum(rewards[-10:]) / len(rewards[-10:]),
+        "stale_dropped_fraction": status["stale_dropped"] / generated if generated else 0.0,
+        "staleness_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
+        "leases_expired": status["leases_expired"],
+        "worker_killed_at_s": killed_at - start if killed_at else None,
+        "curve": {"t": times, "reward": rewards, "smoothed": smoothed},
+        "timeline": [(m["time"] - start - m["step_s"], m["wait_for_batch_s"], m["step_s"] - m["wait_for_batch_s"]) for m in metrics],
+    }
+
+
+def plot(scenario: str, results: dict[str, dict], target: float, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), gridspec_kw={"height_ratios": [3, 1.2]})
+    colors = {"sync": "tab:red", "async": "tab:blue"}
+    for mode, result in results.items():
+        curve = result["curve"]
+        top.plot(curve["t"], curve["reward"], color=colors[mode], alpha=0.25, linewidth=0.8)
+        top.plot(curve["t"], curve["smoothed"], color=colors[mode], label=f"{mode} ({result['label']})")
+        if result["worker_killed_at_s"] is not None:
+            top.axvline(result["worker_killed_at_s"], color=colors[mode], linestyle=":", linewidth=1)
+    top.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target}")
+    top.set_ylabel("mean reward per step")
+    top.set_title(f"decentrl, scenario '{scenario}': reward vs wall time")
+    top.legend(loc="lower right")
+    for row, (mode, result) in enumerate(results.items()):
+        idle = [(s, w) for s, w, _ in result["timeline"]]
+        busy = [(s + w, b) for s, w, b in result["timeline"]]
+        bottom.broken_barh(idle, (row - 0.35, 0.7), color="lightgrey")
+        bottom.broken_barh(busy, (row - 0.35, 0.7), color=colors[mode])
+    bottom.set_yticks(range(len(results)), [f"{m} busy {100 * r['trainer_busy_fraction']:.0f}%" for m, r in results.items()])
+    bottom.set_xlabel("wall time since the trainer started (s); colored = trainer computing, grey = waiting for data")
+    xmax = max(r["curve"]["t"][-1] for r in results.values())
+    top.set_xlim(0, xmax * 1.02)
+    bottom.set_xlim(0, xmax * 1.02)
+    fig.tight_layout()
+    path = out / f"async_vs_sync_{scenario}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default="base,slow_worker,killed_worker")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--target", type=float, default=0.3, help="Target mean reward (smoothed).")
+    parser.add_argument("--smooth", type=int, default=5, help="Steps in the reward moving average.")
+    parser.add_argument("--async-staleness", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=16, help="Concurrent lease slots per worker.")
+    parser.add_argument("--latency-median-s", type=float, default=0.2)
+    parser.add_argument("--latency-sigma", type=float, default=1.0)
+    parser.add_argument("--lease-timeout-s", type=float, default=5.0)
+    parser.add_argument("--out", default="docs/figures", help="Where the PNGs go.")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, dict] = {}
+    # Kept when a run fails, so its logs can be read; removed after a clean finish.
+    tmp = tempfile.mkdtemp(prefix="decentrl-async-vs-sync-")
+    for scenario in args.scenarios.split(","):
+        results = {}
+        for mode, staleness in (("sync", 0), ("async", args.async_staleness)):
+            results[mode] = run_once(args, scenario, staleness, Path(tmp))
+            results[mode]["label"] = f"max_staleness={staleness}"
+            print(f"{scenario} {mode}: " + json.dumps({k: v for k, v in results[mode].items() if k not in ("curve", "timeline")}), flush=True)
+        figure = plot(scenario, results, args.target, out)
+        sync_t, async_t = results["sync"]["time_to_target_s"], results["async"]["time_to_target_s"]
+        report[scenario] = {
+            **{mode: {k: v for k, v in r.items() if k not in ("curve", "timeline", "label")} for mode, r in results.items()},
+            "time_to_target_ratio": async_t / sync_t if sync_t and async_t else None,
+            "plot": str(figure),
+        }
+    shutil.rmtree(tmp)
+    settings = {k: getattr(args, k) for k in ("steps", "target", "smooth", "async_staleness", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s")}
+    first = report[next(iter(report))]
+    print(json.dumps({"sync": first["sync"], "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"], "settings": settings, "scenarios": report}))
+
+
+if __name__ == "__main__":
+    main()
