@@ -1,33 +1,50 @@
 """Versioned checkpoint store: the hand-off point for policy weights.
 
-The trainer publishes each new policy version here; rollout workers and the
-`decentrl store` CLI pull and verify versions from it. Any fsspec URL works
-(local path, ``file://``, ``memory://``, ``s3://`` ...).
+The trainer publishes each new policy version here (`decentrl.trainer.publisher`); rollout workers
+(`workers/worker.py`) and the `decentrl store` CLI pull and verify versions from it. Any fsspec URL
+works (local path, ``file://``, ``memory://``, ``s3://`` ...). docs/store.md has the whole story.
 
-Layout under ``<url>/``: one directory per version, ``v000042``, holding
-HF-compatible files plus ``manifest.json``. The manifest is written last and
-deleted first, so a version exists for readers exactly when its manifest does.
+Layout under ``<url>/``: one directory per version, ``v000042``, holding HF-compatible files plus
+``manifest.json`` (sizes, sha256 and, with a signing key, an ed25519 signature). The manifest is
+written last and deleted first, so a version exists for readers exactly when its manifest does.
+
+A pull lands in ``<cache>/v000042`` only by renaming a fully verified ``.v000042.partial``
+directory, so a cached version is complete and verified or absent; the partial directory survives
+an interrupted pull and the next pull resumes it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
-import tempfile
 import time
+from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import BinaryIO
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
+
+from decentrl import signing
+from decentrl.config import StoreConfig
 
 MANIFEST_NAME = "manifest.json"
-_CHUNK = 8 * 1024 * 1024  # streaming unit: a checkpoint is never held in memory whole
+# Streaming unit, read into one reused buffer: small enough to stay in CPU cache between the
+# read, the hash and the write (several times faster than fresh 8 MiB reads on a local disk).
+_CHUNK = 1024 * 1024
+# fsspec read-ahead for remote files: a few large ranged GETs per file, not one per chunk.
+_READ_BLOCK = 64 * 1024 * 1024
 _RETRY_DELAYS = (0.2, 0.4)  # sleeps between the 3 download attempts of one file
 _VERSION_DIR = re.compile(r"v(\d{6,})")  # 6+ digits: version_dirname pads, never truncates
+_CACHE_ENTRY = re.compile(r"\.?v(\d{6,})(\.partial)?")
 
 
 def version_dirname(version: int) -> str:
@@ -49,7 +66,9 @@ class Manifest(BaseModel):
     parent: int | None = Field(description="Version this one was trained from; None for the first", ge=0)
     created_at: float = Field(description="Unix time the version was published", ge=0)
     files: list[ManifestFile] = Field(description="Every file of the version except the manifest")
-    signature: str | None = Field(default=None, description="Reserved for signed manifests")
+    signature: str | None = Field(
+        default=None, description="ed25519 signature of `signed_payload` of the manifest (decentrl.signing)"
+    )
 
 
 class StoreError(Exception):
@@ -57,19 +76,34 @@ class StoreError(Exception):
 
 
 class VerificationError(StoreError):
-    """A stored file is missing or does not match its manifest entry."""
+    """A stored file is missing or does not match its manifest entry, or the manifest is not trusted."""
 
 
-def _copy_hashing(src: BinaryIO, dst: BinaryIO | None) -> tuple[int, str]:
-    """Stream src (into dst if given) chunk by chunk; return (size, sha256 hex)."""
-    digest = hashlib.sha256()
-    size = 0
-    while chunk := src.read(_CHUNK):
+class SignatureError(VerificationError):
+    """A public key is configured and the manifest is unsigned or signed by another key."""
+
+
+def signed_payload(manifest: dict[str, object]) -> bytes:
+    """What a signature covers: the manifest's JSON object minus `signature`, canonically encoded."""
+    body = {key: value for key, value in manifest.items() if key != "signature"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _copy_hashing(src: BinaryIO, dst: BinaryIO | None, digest: hashlib._Hash, size: int = 0) -> tuple[int, str]:
+    """Stream src (into dst if given) through `digest`, which already covers `size` bytes."""
+    buffer = memoryview(bytearray(_CHUNK))
+    while n := src.readinto(buffer):
+        chunk = buffer[:n]
         digest.update(chunk)
-        size += len(chunk)
+        size += n
         if dst is not None:
             dst.write(chunk)
     return size, digest.hexdigest()
+
+
+def _hash_file(path: str) -> tuple[int, str]:
+    with open(path, "rb", buffering=0) as f:
+        return _copy_hashing(f, None, hashlib.sha256())
 
 
 def _mismatch(entry: ManifestFile, size: int, sha256: str) -> str | None:
@@ -80,10 +114,88 @@ def _mismatch(entry: ManifestFile, size: int, sha256: str) -> str | None:
     return None
 
 
+def _run_all(pool: ThreadPoolExecutor, tasks: list[Callable[[], object]]) -> list[object]:
+    """Run tasks on the pool; on the first failure cancel what has not started and raise it."""
+    futures: list[Future[object]] = [pool.submit(task) for task in tasks]
+    wait(futures, return_when=FIRST_EXCEPTION)
+    for future in futures:
+        future.cancel()
+    return [future.result() for future in futures]  # raises the first failure in task order
+
+
+@contextmanager
+def _locked(path: str, *, blocking: bool = True) -> Iterator[bool]:
+    """flock `path` (created if needed); yields False at once if non-blocking and it is held.
+
+    Eviction unlinks the lock files of evicted versions while holding them, so after acquiring,
+    check the path still names the locked file; if not, lock the new one.
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+
+
 class CheckpointStore:
-    def __init__(self, url: str, storage_options: dict[str, object] | None = None) -> None:
+    """Publish, list, pull, verify and retain versions under one fsspec URL.
+
+    signing_key: publishes signed manifests (the trainer). public_key: refuses unsigned or
+    wrongly signed versions (workers). cache_max_bytes: after each pull, evict the oldest cached
+    versions until the cache fits. retention_grace_s: see `retain`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, object] | None = None,
+        *,
+        signing_key: Ed25519PrivateKey | None = None,
+        public_key: Ed25519PublicKey | None = None,
+        upload_concurrency: int = 4,
+        download_concurrency: int = 4,
+        cache_max_bytes: int | None = None,
+        retention_grace_s: float = 300.0,
+    ) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
+        self.signing_key = signing_key
+        self.public_key = public_key
+        self.upload_concurrency = upload_concurrency
+        self.download_concurrency = download_concurrency
+        self.cache_max_bytes = cache_max_bytes
+        self.retention_grace_s = retention_grace_s
+
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> CheckpointStore:
+        """A store as the run config describes it; key files are read here (errors name the file)."""
+        return cls(
+            config.url,
+            config.fsspec_options(),
+            signing_key=signing.load_private_key(config.signing_key) if config.signing_key else None,
+            public_key=signing.load_public_key(config.public_key) if config.public_key else None,
+            upload_concurrency=config.upload_concurrency,
+            download_concurrency=config.download_concurrency,
+            cache_max_bytes=None if config.cache_max_gb is None else int(config.cache_max_gb * 2**30),
+            retention_grace_s=config.retention_grace_s,
+        )
 
     def _vdir(self, version: int) -> str:
         return f"{self.root}/{version_dirname(version)}"
@@ -114,10 +226,32 @@ class CheckpointStore:
                 f"published versions: {self.versions()}"
             ) from None
 
+    def _checked_manifest(self, version: int) -> tuple[Manifest, bytes]:
+        """The manifest and its raw bytes, after checking it is well formed, for `version`, and signed."""
+        raw = self._manifest_bytes(version)
+        where = f"{version_dirname(version)}/{MANIFEST_NAME}"
+        try:
+            data = json.loads(raw)
+            manifest = Manifest.model_validate(data)
+        except ValueError as exc:  # JSONDecodeError and ValidationError alike
+            detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            raise VerificationError(f"{where}: not a valid manifest ({detail})") from None
+        if manifest.version != version:
+            raise VerificationError(f"{where}: describes version {manifest.version}, not {version}")
+        if self.public_key is not None:
+            if manifest.signature is None:
+                raise SignatureError(f"{where}: unsigned, and a public key is configured; refusing the version")
+            if not signing.is_valid(self.public_key, signed_payload(data), manifest.signature):
+                raise SignatureError(
+                    f"{where}: signature does not match the configured public key; refusing the version"
+                )
+        return manifest, raw
+
     def manifest(self, version: int) -> Manifest:
-        return Manifest.model_validate_json(self._manifest_bytes(version))
+        return self._checked_manifest(version)[0]
 
     def publish(self, version: int, local_dir: str, parent: int | None = None) -> Manifest:
+        """Upload every file of `local_dir` in parallel, then the (signed) manifest last."""
         if self.fs.exists(self._manifest_path(version)):
             raise StoreError(
                 f"version {version} already published in {self.url}; "
@@ -131,15 +265,21 @@ class CheckpointStore:
             raise StoreError(f"no files to publish in {local_dir}")
         vdir = self._vdir(version)
         self.fs.makedirs(vdir, exist_ok=True)
-        files = [self._upload(os.path.join(local_dir, name), f"{vdir}/{name}") for name in names]
+        paths = [os.path.join(local_dir, name) for name in names]
+        with ThreadPoolExecutor(self.upload_concurrency) as pool:
+            uploads = [pool.submit(self.fs.put_file, p, f"{vdir}/{n}") for p, n in zip(paths, names)]
+            # Hashed here while fsspec's own (multipart, concurrent) uploads run: the local files
+            # are ours and do not change, so this is as sound as hashing the uploaded stream.
+            hashes = [_hash_file(path) for path in paths]
+            for upload in uploads:
+                upload.result()
+        files = [ManifestFile(path=n, size=size, sha256=sha) for n, (size, sha) in zip(names, hashes)]
         manifest = Manifest(version=version, parent=parent, created_at=time.time(), files=files)
+        if self.signing_key is not None:
+            payload = signed_payload(manifest.model_dump(mode="json"))
+            manifest = manifest.model_copy(update={"signature": signing.sign(self.signing_key, payload)})
         self._write_manifest(version, manifest.model_dump_json(indent=2).encode())
         return manifest
-
-    def _upload(self, local_path: str, remote_path: str) -> ManifestFile:
-        with open(local_path, "rb") as src, self.fs.open(remote_path, "wb") as dst:
-            size, sha256 = _copy_hashing(src, dst)
-        return ManifestFile(path=os.path.basename(local_path), size=size, sha256=sha256)
 
     def _write_manifest(self, version: int, data: bytes) -> None:
         path = self._manifest_path(version)
@@ -153,31 +293,50 @@ class CheckpointStore:
             self.fs.pipe_file(path, data)  # a single put is atomic on object stores
 
     def pull(self, version: int, cache_dir: str) -> str:
+        """`cache_dir/vNNNNNN`, downloaded and verified unless already cached; resumes a partial pull."""
         name = version_dirname(version)
         final = os.path.join(cache_dir, name)
         # The final directory only ever appears by rename of a verified one.
         if os.path.isdir(final):
             return final
-        raw = self._manifest_bytes(version)
-        manifest = Manifest.model_validate_json(raw)
+        manifest, raw = self._checked_manifest(version)
         os.makedirs(cache_dir, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{name}.partial-{os.getpid()}-", dir=cache_dir)
+        # One puller per version per cache dir: the partial directory is shared across attempts.
+        lock = os.path.join(cache_dir, f".{name}.lock")
+        with _locked(lock):
+            if not os.path.isdir(final):
+                self._pull_locked(manifest, raw, cache_dir)
+            os.remove(lock)  # safe while held (see _locked); a failed pull leaves it beside its partial
+        self.evict(cache_dir, keep=version)
+        return final
+
+    def _pull_locked(self, manifest: Manifest, raw: bytes, cache_dir: str) -> None:
+        version, name = manifest.version, version_dirname(manifest.version)
+        final, partial = os.path.join(cache_dir, name), os.path.join(cache_dir, f".{name}.partial")
+        manifest_copy = os.path.join(partial, MANIFEST_NAME)
+        # Resume only what was started for this very manifest (a version may be re-published).
         try:
-            for entry in manifest.files:
-                self._download(version, entry, os.path.join(tmp, entry.path))
-            with open(os.path.join(tmp, MANIFEST_NAME), "wb") as f:
-                f.write(raw)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            with open(manifest_copy, "rb") as f:
+                resumable = f.read() == raw
+        except FileNotFoundError:
+            resumable = False
+        if not resumable:
+            shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial, exist_ok=True)
+        with open(manifest_copy, "wb") as f:
+            f.write(raw)
+        expected = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
+        for stray in set(os.listdir(partial)) - expected:
+            os.remove(os.path.join(partial, stray))
+        with ThreadPoolExecutor(self.download_concurrency) as pool:
+            _run_all(pool, [lambda e=e: self._download(version, e, os.path.join(partial, e.path)) for e in manifest.files])
         try:
-            os.rename(tmp, final)
+            os.rename(partial, final)
         except OSError:
-            shutil.rmtree(tmp)
+            shutil.rmtree(partial)
             if not os.path.isdir(final):
                 raise
             # else another process finished the same pull first; its copy is as good.
-        return final
 
     def _download(self, version: int, entry: ManifestFile, local_path: str) -> None:
         where = f"{version_dirname(version)}/{entry.path}"
@@ -188,29 +347,78 @@ class CheckpointStore:
                 time.sleep(_RETRY_DELAYS[attempt - 1])
             error: type[StoreError] = VerificationError
             try:
-                with self.fs.open(remote, "rb") as src, open(local_path, "wb") as dst:
-                    problem = _mismatch(entry, *_copy_hashing(src, dst))
+                problem = _mismatch(entry, *self._fetch_resuming(remote, local_path, entry.size))
+                if problem is not None:
+                    os.remove(local_path)  # wrong bytes somewhere: the next attempt starts over
             except FileNotFoundError:
                 problem = "missing from store"
             except OSError as e:
-                # Not a verification failure: the store could not be read at all.
+                # Not a verification failure: the store could not be read. What arrived is kept.
                 problem, error = f"download failed ({e}); check the store is reachable", StoreError
             if problem is None:
                 return
         raise error(f"{where}: {problem}")
 
+    def _fetch_resuming(self, remote: str, local_path: str, expected_size: int) -> tuple[int, str]:
+        """Append the rest of `remote` to `local_path`, hashing as it streams; (size, sha256) of the whole."""
+        digest, have = hashlib.sha256(), 0
+        if os.path.exists(local_path):
+            have = os.path.getsize(local_path)
+            if have > expected_size:
+                os.remove(local_path)
+                have = 0
+            else:
+                with open(local_path, "rb", buffering=0) as f:
+                    _copy_hashing(f, None, digest)
+        with self.fs.open(remote, "rb", block_size=_READ_BLOCK) as src, open(local_path, "ab") as dst:
+            if have:
+                src.seek(have)
+            return _copy_hashing(src, dst, digest, have)
+
+    def evict(self, cache_dir: str, keep: int) -> list[int]:
+        """Delete the oldest cached versions (never `keep`) until the cache fits `cache_max_bytes`."""
+        if self.cache_max_bytes is None:
+            return []
+        entries = []
+        for entry in os.scandir(cache_dir):
+            match = _CACHE_ENTRY.fullmatch(entry.name)
+            if match and entry.is_dir():
+                entries.append((int(match.group(1)), entry.path))
+        total = sum(_dir_bytes(path) for _, path in entries)
+        evicted = []
+        for version, path in sorted(entries):
+            if total <= self.cache_max_bytes:
+                break
+            if version == keep:
+                continue
+            lock = os.path.join(cache_dir, f".{version_dirname(version)}.lock")
+            with _locked(lock, blocking=False) as acquired:
+                if not acquired:  # another process is pulling it right now
+                    continue
+                size = _dir_bytes(path)
+                shutil.rmtree(path)
+                os.remove(lock)
+            total -= size
+            evicted.append(version)
+        return evicted
+
     def verify(self, version: int) -> list[str]:
-        manifest = self.manifest(version)
-        problems = []
-        for entry in manifest.files:
+        """Problems with `version` in the store, each naming the file; [] when every byte matches."""
+        try:
+            manifest = self.manifest(version)
+        except VerificationError as exc:
+            return [str(exc)]
+
+        def check(entry: ManifestFile) -> str | None:
             try:
-                with self.fs.open(f"{self._vdir(version)}/{entry.path}", "rb") as src:
-                    problem = _mismatch(entry, *_copy_hashing(src, None))
+                with self.fs.open(f"{self._vdir(version)}/{entry.path}", "rb", block_size=_READ_BLOCK) as src:
+                    problem = _mismatch(entry, *_copy_hashing(src, None, hashlib.sha256()))
             except FileNotFoundError:
                 problem = "missing from store"
-            if problem is not None:
-                problems.append(f"{version_dirname(version)}/{entry.path}: {problem}")
-        return problems
+            return None if problem is None else f"{version_dirname(version)}/{entry.path}: {problem}"
+
+        with ThreadPoolExecutor(self.download_concurrency) as pool:
+            return [problem for problem in pool.map(check, manifest.files) if problem is not None]
 
     def delete(self, version: int) -> None:
         vdir = self._vdir(version)
@@ -221,10 +429,23 @@ class CheckpointStore:
             self.fs.rm(self._manifest_path(version))
         self.fs.rm(vdir, recursive=True)
 
-    def retain(self, keep_last: int, protect: AbstractSet[int] = frozenset()) -> list[int]:
+    def retain(self, keep_last: int, protect: AbstractSet[int] = frozenset(), now: float | None = None) -> list[int]:
+        """Delete versions older than the newest `keep_last`, except `protect`ed ones and any
+        superseded less than `retention_grace_s` ago: a worker that began pulling a version while
+        it was the newest may still be downloading it. Returns the deleted versions."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        doomed = [v for v in self.versions()[:-keep_last] if v not in protect]
+        now = time.time() if now is None else now
+        versions = self.versions()
+        doomed = []
+        for older, newer in zip(versions[:-keep_last], versions[1:]):
+            if older in protect:
+                continue
+            # `newer` superseded `older` when it was published; read without the signature check:
+            # a timestamp can only delay a deletion.
+            superseded_at = Manifest.model_validate_json(self._manifest_bytes(newer)).created_at
+            if now - superseded_at >= self.retention_grace_s:
+                doomed.append(older)
         for version in doomed:
             self.delete(version)
         return doomed

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 
 from decentrl.client import OrchestratorClient
+from decentrl.signing import load_public_key
 from decentrl.store import CheckpointStore
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, RunInfo, SamplingParams
 from workers.backends import Backend, Completion
@@ -36,6 +37,8 @@ class WorkerOptions:
     groups_per_request: int
     store_url: str | None = None  # overrides the URL the orchestrator announces
     storage_options: dict[str, object] | None = None
+    public_key: str | None = None  # ed25519 public key file: refuse versions not signed by the trainer
+    cache_max_bytes: int | None = None  # evict the oldest pulled versions beyond this
     concurrency: int = 1  # slots with a lease in flight at once
     latency: LatencyModel = LatencyModel()
     seed: int = 0
@@ -47,7 +50,12 @@ class Worker:
         self.client = client
         self.backend = backend
         self.info: RunInfo = client.info()
-        self.store = CheckpointStore(options.store_url or self.info.store_url, options.storage_options)
+        self.store = CheckpointStore(
+            options.store_url or self.info.store_url,
+            options.storage_options,
+            public_key=load_public_key(options.public_key) if options.public_key else None,
+            cache_max_bytes=options.cache_max_bytes,
+        )
         self.stopping = False
         self.rollouts_posted = 0
         self._lock = threading.Lock()  # generation and weight swaps never overlap

@@ -94,6 +94,8 @@ def worker(
     device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
     torch_threads: Annotated[int, typer.Option(min=1, help="CPU threads for generation.")] = 1,
     store_url: Annotated[str | None, typer.Option(help="Override the store URL the orchestrator announces.")] = None,
+    public_key: Annotated[str | None, typer.Option(help="Trainer's ed25519 public key: refuse unsigned versions.")] = None,
+    cache_max_gb: Annotated[float, typer.Option(min=0.001, help="Cap on the cache; oldest versions evicted.")] = 20.0,
     concurrency: Annotated[int, typer.Option(min=1, help="Lease slots in flight at once.")] = 1,
     simulated_latency_median_s: Annotated[float, typer.Option(min=0, help="Benchmarks: injected delay median.")] = 0.0,
     simulated_latency_sigma: Annotated[float, typer.Option(min=0, help="Benchmarks: injected delay shape.")] = 1.0,
@@ -115,6 +117,8 @@ def worker(
         cache_dir=os.path.expanduser(cache_dir),
         groups_per_request=groups_per_request,
         store_url=store_url,
+        public_key=public_key,
+        cache_max_bytes=int(cache_max_gb * 2**30),
         concurrency=concurrency,
         latency=LatencyModel(median_s=simulated_latency_median_s, sigma=simulated_latency_sigma, slowdown=slowdown),
         seed=seed,
@@ -155,31 +159,54 @@ def run(
     raise typer.Exit(launch(_load(config), run_dir))
 
 
-@store_app.command("ls")
-def store_ls(url: Annotated[str, typer.Argument(help="Store URL (path, file://, s3://, ...).")]) -> None:
-    """List the published versions with their sizes."""
+StoreUrlArg = Annotated[str, typer.Argument(help="Store URL (path, file://, s3://, ...); s3 reads the AWS environment.")]
+PublicKeyOpt = Annotated[
+    str | None, typer.Option(help="Trainer's ed25519 public key file: unsigned or wrongly signed versions fail.")
+]
+
+
+def _open_store(url: str, public_key: str | None = None):  # noqa: ANN202 - CheckpointStore, imported lazily
+    from decentrl.signing import SigningKeyError, load_public_key
     from decentrl.store import CheckpointStore
 
-    store = CheckpointStore(url)
+    try:
+        return CheckpointStore(url, public_key=load_public_key(public_key) if public_key else None)
+    except SigningKeyError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@store_app.command("ls")
+def store_ls(url: StoreUrlArg) -> None:
+    """List the published versions with their sizes."""
+    from decentrl.store import StoreError
+
+    store = _open_store(url)
     versions = store.versions()
     if not versions:
         typer.echo(f"no versions in {url}")
     for version in versions:
-        manifest = store.manifest(version)
+        try:
+            manifest = store.manifest(version)
+        except StoreError as exc:  # deleted meanwhile, or a corrupt manifest: list the rest
+            typer.echo(f"v{version:06d}  error: {exc}")
+            continue
         size = sum(f.size for f in manifest.files)
-        typer.echo(f"v{version:06d}  parent={manifest.parent}  files={len(manifest.files)}  bytes={size}")
+        signed = "signed" if manifest.signature else "unsigned"
+        typer.echo(f"v{version:06d}  parent={manifest.parent}  files={len(manifest.files)}  bytes={size}  {signed}")
 
 
 @store_app.command("pull")
 def store_pull(
-    url: Annotated[str, typer.Argument(help="Store URL.")],
+    url: StoreUrlArg,
     dest: Annotated[str, typer.Option(help="Local directory; the version lands in DEST/vNNNNNN.")],
     version: Annotated[int | None, typer.Option(min=0, help="Version; default the newest.")] = None,
+    public_key: PublicKeyOpt = None,
 ) -> None:
-    """Download a version and verify every file's sha256."""
-    from decentrl.store import CheckpointStore, StoreError
+    """Download a version (resuming an interrupted pull into DEST) and verify every file's sha256."""
+    from decentrl.store import StoreError
 
-    store = CheckpointStore(url)
+    store = _open_store(url, public_key)
     try:
         chosen = store.latest() if version is None else version
         if chosen is None:
@@ -192,13 +219,14 @@ def store_pull(
 
 @store_app.command("verify")
 def store_verify(
-    url: Annotated[str, typer.Argument(help="Store URL.")],
+    url: StoreUrlArg,
     version: Annotated[int | None, typer.Option(min=0, help="Version; default all.")] = None,
+    public_key: PublicKeyOpt = None,
 ) -> None:
     """Check every file of a version (or all) against its manifest; non-zero exit on any mismatch."""
-    from decentrl.store import CheckpointStore, StoreError
+    from decentrl.store import StoreError
 
-    store = CheckpointStore(url)
+    store = _open_store(url, public_key)
     try:
         versions = store.versions() if version is None else [version]
         problems = [problem for v in versions for problem in store.verify(v)]
@@ -210,6 +238,23 @@ def store_verify(
     if problems:
         raise typer.Exit(1)
     typer.echo(f"ok: {len(versions)} version(s) verified")
+
+
+@store_app.command("keygen")
+def store_keygen(
+    private_key: Annotated[str, typer.Option(help="Where to write the private key (trainer only; mode 600).")] = "decentrl-signing.key",
+    public_key: Annotated[str, typer.Option(help="Where to write the public key (give it to workers).")] = "decentrl-signing.pub",
+) -> None:
+    """Create an ed25519 key pair for signed manifests (store.signing_key / worker --public-key)."""
+    from decentrl.signing import SigningKeyError, write_keypair
+
+    try:
+        write_keypair(private_key, public_key)
+    except SigningKeyError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"private key: {private_key}  (set store.signing_key; keep it secret)")
+    typer.echo(f"public key:  {public_key}  (pass to workers with --public-key)")
 
 
 @token_app.command("create")

@@ -1,15 +1,21 @@
 """Background publishing of new versions, so the next optimizer step never waits on uploads.
 
 Rank 0 of the trainer hands each new full state dict to `Publisher.submit`; a thread writes an
-HF-loadable directory, publishes it to the store (manifest last), tells the orchestrator, and
-applies retention. The queue holds one pending version: when uploads fall behind, a newer
-version replaces the pending older one (workers skip straight to the newest weights) instead
-of queueing without bound.
+HF-loadable directory (sharded safetensors), publishes it to the store (files in parallel,
+manifest last), tells the orchestrator, and applies retention.
+
+Policy when uploads fall behind: the queue is one slot. `submit` never blocks; if a version is
+still waiting when a newer one arrives, the newer one replaces it and the older one is never
+published (its number is recorded in `skipped`). At most one version is uploading and one
+waiting, so memory stays at two state dicts however slow the store is, and workers skip straight
+to the newest weights - a skipped version would only have been stale on arrival.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -18,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
@@ -26,12 +33,28 @@ from decentrl.store import CheckpointStore
 log = logging.getLogger("decentrl.trainer.publisher")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+DEFAULT_SHARD_BYTES = 256 * 2**20  # = StoreConfig.shard_size_mb's default
+INDEX_NAME = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME
 
 
-def write_hf_dir(directory: str, state: dict[str, torch.Tensor], model_config: PretrainedConfig, extras_from: str) -> None:
-    """An HF-loadable checkpoint: config.json, model.safetensors, tokenizer files copied from `extras_from`."""
+def write_hf_dir(
+    directory: str,
+    state: dict[str, torch.Tensor],
+    model_config: PretrainedConfig,
+    extras_from: str,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """An HF-loadable checkpoint: config.json, tokenizer files copied from `extras_from`, and the
+    weights as `model.safetensors` when they fit one shard, else `model-00001-of-0000N.safetensors`
+    ... plus `model.safetensors.index.json`, the layout `from_pretrained` reads."""
     model_config.save_pretrained(directory)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: state[name].contiguous() for name in names}
+        save_file(shard, os.path.join(directory, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        Path(directory, INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
     for name in TOKENIZER_FILES:
         source = Path(extras_from) / name
         if source.is_file() and source.resolve() != (Path(directory) / name).resolve():
@@ -47,8 +70,10 @@ class Publisher:
         extras_from: str,
         keep_last: int,
         on_published: Callable[[int], None],
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     ) -> None:
         self.store = store
+        self.max_shard_bytes = max_shard_bytes
         self.model_config = model_config
         self.extras_from = extras_from
         self.keep_last = keep_last
@@ -112,7 +137,7 @@ class Publisher:
     def _publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-") as directory:
-            write_hf_dir(directory, state, self.model_config, self.extras_from)
+            write_hf_dir(directory, state, self.model_config, self.extras_from, self.max_shard_bytes)
             self.store.publish(version, directory, parent=version - 1 if version > 0 else None)
         self.on_published(version)
         self.store.retain(self.keep_last, protect={0})

@@ -131,7 +131,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
     rank, world, device = init_distributed()
     torch.set_num_threads(config.trainer.torch_threads)
     torch.manual_seed(config.trainer.seed + rank)
-    store = CheckpointStore(config.store.url)
+    store = CheckpointStore.from_config(config.store)
     client = OrchestratorClient(options.orchestrator_url, options.token)
     if rank == 0:
         publish_initial(config, store, client)
@@ -149,6 +149,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
             extras_from=initial_dir,
             keep_last=max(config.store.keep_last, config.max_staleness + 2),
             on_published=client.announce,
+            max_shard_bytes=config.store.shard_size_mb * 2**20,
         )
     pad_id = model.config.pad_token_id or 0
     metrics_file = open(options.metrics_path, "a") if rank == 0 else None
