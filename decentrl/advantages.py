@@ -1,11 +1,15 @@
 """Group-relative advantages (GRPO): each sample's reward minus its group's mean.
 
-Called by the orchestrator when a group is complete, so the trainer receives ready advantages.
+The options live in `trainer.advantages`. The orchestrator calls `group_advantages` when a group
+is complete, so the trainer receives ready advantages; the trainer calls `informative_samples`
+to drop the groups whose rewards are all equal (no policy-gradient signal) when
+`drop_zero_variance` is set.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 
 
 def group_advantages(rewards: list[float], normalize_std: bool = False, eps: float = 1e-6) -> list[float]:
@@ -16,3 +20,14 @@ def group_advantages(rewards: list[float], normalize_std: bool = False, eps: flo
         return centered
     std = statistics.pstdev(rewards)
     return [c / (std + eps) for c in centered]
+
+
+def informative_samples(rewards: list[float], group_ids: list[str]) -> list[bool]:
+    """Per sample: does its group hold at least two different rewards?
+
+    A group of equal rewards has all advantages zero, with or without std normalization.
+    """
+    distinct: dict[str, set[float]] = defaultdict(set)
+    for reward, group in zip(rewards, group_ids, strict=True):
+        distinct[group].add(reward)
+    return [len(distinct[group]) > 1 for group in group_ids]

@@ -126,6 +126,7 @@ class TrainSample(Wire):
     advantage: float
     reward: float
     policy_version: int
+    group_id: str | None = Field(None, description="The group (lease) it belongs to; the trainer filters by group.")
 
 
 class TrainBatch(Wire):

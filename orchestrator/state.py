@@ -219,7 +219,8 @@ class RunState:
         samples, histogram = [], Counter()
         for group in groups:
             rewards = [reward for _, reward in group.samples]
-            for (rollout, reward), advantage in zip(group.samples, group_advantages(rewards)):
+            advantages = group_advantages(rewards, normalize_std=self.config.trainer.advantages.normalize_std)
+            for (rollout, reward), advantage in zip(group.samples, advantages):
                 samples.append(
                     TrainSample(
                         prompt_token_ids=rollout.prompt_token_ids,
@@ -228,6 +229,7 @@ class RunState:
                         advantage=advantage,
                         reward=reward,
                         policy_version=rollout.policy_version,
+                        group_id=rollout.lease_id,
                     )
                 )
                 histogram[str(staleness(self.trainer_version, rollout.policy_version))] += 1

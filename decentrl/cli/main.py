@@ -132,9 +132,14 @@ def trainer(
     config: ConfigArg,
     orchestrator_url: Annotated[str, typer.Option("--orchestrator", help="Orchestrator URL.")],
     token: TokenOpt,
-    run_dir: Annotated[str, typer.Option(help="Run directory: metrics.jsonl, cache, default store.")] = ".",
+    run_dir: Annotated[
+        str, typer.Option(help="Run directory: metrics.jsonl, cache, default store, trainer/ (checkpoints to resume from).")
+    ] = ".",
 ) -> None:
-    """Train with FSDP2; launch under torchrun for several ranks (gloo on CPU, NCCL on GPU)."""
+    """Train with FSDP2; launch under torchrun for several ranks (gloo on CPU, NCCL on GPU).
+
+    Run the same command again after a crash: it resumes from the last checkpoint in RUN_DIR/trainer.
+    """
     _setup_logging(f"trainer[{os.environ.get('RANK', '0')}]")
     from decentrl.trainer.train import TrainerOptions, train
 
@@ -144,6 +149,7 @@ def trainer(
         token=token,
         metrics_path=os.path.join(run_dir, "metrics.jsonl"),
         cache_dir=os.path.join(run_dir, "cache", "trainer"),
+        state_dir=os.path.join(run_dir, "trainer"),
     )
     train(cfg, options)
 

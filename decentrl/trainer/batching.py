@@ -1,0 +1,108 @@
+"""From a TrainBatch to padded micro-batches: sample selection, whole-batch totals, packing, collate.
+
+Every rank holds the whole batch (rank 0 broadcasts it), so every rank computes the same plan
+without talking: which samples train, the counts the loss normalizes by, and which micro-batches
+each rank runs. Called by the training loop (decentrl/trainer/train.py) once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from decentrl.advantages import informative_samples
+from decentrl.losses import BatchTotals
+from decentrl.wire import TrainBatch, TrainSample
+
+
+@dataclass
+class Tensors:
+    input_ids: torch.Tensor  # (B, L) prompt + completion, right-padded
+    attention_mask: torch.Tensor  # (B, L)
+    completion_mask: torch.Tensor  # (B, L-1) 1 where target position t+1 is a completion token
+    sampler_logprobs: torch.Tensor  # (B, L-1) aligned with the targets
+    advantages: torch.Tensor  # (B,)
+
+    def to(self, device: torch.device) -> Tensors:
+        return Tensors(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def collate(samples: list[TrainSample], pad_id: int) -> Tensors:
+    """Right-pad prompt+completion; targets are shifted by one, as in next-token prediction."""
+    width = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(samples), width), dtype=torch.long)
+    mask = torch.zeros((len(samples), width - 1))
+    sampler = torch.zeros((len(samples), width - 1))
+    for row, sample in enumerate(samples):
+        p, c = len(sample.prompt_token_ids), len(sample.completion_token_ids)
+        ids[row, : p + c] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
+        attention[row, : p + c] = 1
+        # Completion token j sits at position p + j and is predicted from position p + j - 1.
+        mask[row, p - 1 : p - 1 + c] = 1.0
+        sampler[row, p - 1 : p - 1 + c] = torch.tensor(sample.logprobs)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return Tensors(ids, attention, mask, sampler, advantages)
+
+
+def idle_micro_batch(pad_id: int) -> Tensors:
+    """A micro-batch with no completion token: it adds nothing to the loss or the gradient, but
+    a rank with fewer samples runs it so every rank joins the same FSDP collectives."""
+    return Tensors(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
+        attention_mask=torch.ones((1, 2), dtype=torch.long),
+        completion_mask=torch.zeros((1, 1)),
+        sampler_logprobs=torch.zeros((1, 1)),
+        advantages=torch.zeros(1),
+    )
+
+
+def select_samples(batch: TrainBatch, drop_zero_variance: bool) -> list[TrainSample]:
+    """The samples that train this step: all, or those of groups whose rewards differ."""
+    if not drop_zero_variance:
+        return batch.samples
+    if any(s.group_id is None for s in batch.samples):
+        raise ValueError(
+            "trainer.advantages.drop_zero_variance needs group ids in batches; "
+            "upgrade the orchestrator or set drop_zero_variance = false"
+        )
+    keep = informative_samples([s.reward for s in batch.samples], [str(s.group_id) for s in batch.samples])
+    return [s for s, k in zip(batch.samples, keep) if k]
+
+
+def batch_totals(samples: list[TrainSample], max_tokens: int) -> BatchTotals:
+    return BatchTotals(
+        samples=len(samples),
+        tokens=sum(len(s.completion_token_ids) for s in samples),
+        max_tokens=max_tokens,
+    )
+
+
+def plan_micro_batches(lengths: list[int], world: int, token_budget: int) -> list[list[list[int]]]:
+    """For each rank, its micro-batches as lists of sample indices; every rank gets the same count.
+
+    Samples go to ranks round-robin from the longest down (so ranks get similar token counts);
+    each rank packs its samples, longest first, into micro-batches of at most `token_budget`
+    padded tokens (rows x longest row). Memory is then bounded by the budget, not by the batch.
+    A rank with fewer micro-batches is topped up with empty ones (`idle_micro_batch`).
+    """
+    too_long = [n for n in lengths if n > token_budget]
+    if too_long:
+        raise ValueError(
+            f"a sample of {max(too_long)} tokens (prompt + completion) does not fit in "
+            f"trainer.micro_batch_tokens = {token_budget}; raise it to at least {max(too_long)}"
+        )
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plans: list[list[list[int]]] = []
+    for rank in range(world):
+        micro: list[list[int]] = []
+        for index in order[rank::world]:
+            # Longest first, so the first row of a micro-batch sets its width.
+            if micro and (len(micro[-1]) + 1) * lengths[micro[-1][0]] <= token_budget:
+                micro[-1].append(index)
+            else:
+                micro.append([index])
+        plans.append(micro)
+    most = max(len(micro) for micro in plans)
+    return [micro + [[] for _ in range(most - len(micro))] for micro in plans]

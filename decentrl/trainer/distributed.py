@@ -1,0 +1,69 @@
+"""torch.distributed plumbing of the trainer: process group, FSDP2 sharding, broadcasts, full weights.
+
+Called by the training loop (and the parity tests, which run it on 1 and on 2 gloo ranks).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import PreTrainedModel
+
+T = TypeVar("T")
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the torchrun group (or make a group of one); gloo on CPU, NCCL on CUDA."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shard_model(model: PreTrainedModel, *, mixed_precision: str = "fp32", activation_checkpointing: bool = False) -> PreTrainedModel:
+    """FSDP2: each transformer block is its own unit (all-gathered just before use), then the rest."""
+    if activation_checkpointing:
+        # Non-reentrant checkpointing composes with FSDP2's hooks: the recompute in backward
+        # all-gathers the block's parameters again like the forward did.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    # Each rank's loss is its share of a sum normalized by whole-batch counts (decentrl.losses),
+    # so the ranks' gradients must be summed, not averaged as FSDP does by default.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
+def broadcast_object(value: T | None, rank: int) -> T:
+    """Rank 0's `value` on every rank (pickled; for small objects: plans, batches)."""
+    box = [value if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every rank takes part, rank 0 receives the full weights as CPU tensors it owns
+    (cloned, so later optimizer steps cannot change what a background publish is writing)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: tensor.detach().clone() for name, tensor in state.items()}

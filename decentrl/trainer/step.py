@@ -1,0 +1,92 @@
+"""One rank's share of a training step: forward, loss and backward over its micro-batches.
+
+Gradients accumulate in the (FSDP-sharded) parameters across micro-batches; because every loss
+term is normalized by whole-batch counts, the accumulated gradient (summed over ranks by FSDP)
+is exactly the gradient of the whole batch in one piece. Called by the training loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from decentrl.config import TrainerConfig
+from decentrl.losses import STAT_KEYS, BatchTotals, policy_loss
+from decentrl.trainer.batching import Tensors
+
+
+def next_token_logits(model: torch.nn.Module, batch: Tensors, temperature: float) -> torch.Tensor:
+    """Tempered logits predicting each next token, in float32.  # (B, L-1, V)"""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    return logits.float() / temperature
+
+
+def sampled_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target], without materializing the (B, T, V) log-softmax.  # (B, T)"""
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each next-token distribution: logsumexp(z) - sum softmax(z) z.  # (B, T)"""
+    return logits.logsumexp(dim=-1) - (logits.softmax(dim=-1) * logits).sum(dim=-1)
+
+
+def token_logprobs(model: torch.nn.Module, batch: Tensors, temperature: float) -> torch.Tensor:
+    """Logprob of each next token under the tempered policy the workers sample from.  # (B, L-1)"""
+    return sampled_logprobs(next_token_logits(model, batch, temperature), batch.input_ids[:, 1:])
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    micro_batches: list[Tensors],
+    *,
+    totals: BatchTotals,
+    config: TrainerConfig,
+    temperature: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward and backward every micro-batch; returns this rank's loss and token sums (see policy_loss)."""
+    loss_sum = torch.zeros(())
+    sums = {key: torch.zeros(()) for key in STAT_KEYS}
+    for batch in micro_batches:
+        logits = next_token_logits(model, batch, temperature)  # (B, T, V)
+        targets = batch.input_ids[:, 1:]  # (B, T)
+        with torch.set_grad_enabled(config.entropy_coef > 0):
+            entropies = entropy(logits)  # (B, T)
+        ref_logprobs = None
+        if reference is not None:
+            with torch.no_grad():
+                ref_logprobs = sampled_logprobs(next_token_logits(reference, batch, temperature), targets)
+        loss, stats = policy_loss(
+            sampled_logprobs(logits, targets),
+            batch.sampler_logprobs,
+            batch.advantages,
+            batch.completion_mask,
+            totals=totals,
+            loss=config.loss,
+            off_policy=config.off_policy,
+            entropy=entropies,
+            ref_logprobs=ref_logprobs,
+            kl_coef=config.kl_coef,
+            entropy_coef=config.entropy_coef,
+        )
+        loss.backward()
+        loss_sum = loss_sum.to(loss.device) + loss.detach()
+        sums = merge_sums(sums, stats)
+    return loss_sum, sums
+
+
+def merge_sums(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add two micro-batches' token sums; `ratio_max` is a max."""
+    return {key: torch.maximum(a[key].to(b[key].device), b[key]) if key == "ratio_max" else a[key].to(b[key].device) + b[key] for key in a}
+
+
+def reduce_over_ranks(loss: torch.Tensor, sums: dict[str, torch.Tensor], device: torch.device) -> tuple[float, dict[str, float]]:
+    """The whole-batch loss (a sum of the ranks' shares) and token sums; one max. Collective."""
+    keys = [key for key in STAT_KEYS if key != "ratio_max"]
+    totals = torch.stack([loss.to(device)] + [sums[key].to(device) for key in keys]).double()
+    dist.all_reduce(totals)  # SUM
+    peak = sums["ratio_max"].to(device).double()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    values = totals.tolist()
+    return values[0], {**dict(zip(keys, values[1:])), "ratio_max": peak.item()}
