@@ -1,0 +1,207 @@
+"""The pull side of the store: resumed downloads, the capped cache, shared caches, retention grace."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+
+from decentrl import store as store_mod
+from decentrl.store import MANIFEST_NAME, CheckpointStore, StoreError
+
+SIZE = 3 * 1024 * 1024 + 17  # several streaming chunks, not a multiple of one
+
+
+@pytest.fixture(autouse=True)
+def no_retry_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_mod, "_RETRY_DELAYS", (0.0, 0.0))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(str(tmp_path / "store"))
+
+
+def make_ckpt(root: Path, name: str, size: int = SIZE) -> Path:
+    d = root / "src" / name
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(os.urandom(size))
+    (d / "config.json").write_text(f'{{"name": "{name}"}}')
+    return d
+
+
+class CutConnection:
+    """A remote file that delivers `budget[0]` more bytes in all, then resets like a dropped link."""
+
+    def __init__(self, src: BinaryIO, budget: list[int], offsets: list[int]) -> None:
+        self.src, self.budget, self.offsets = src, budget, offsets
+
+    def __enter__(self) -> CutConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.src.close()
+
+    def seek(self, offset: int) -> int:
+        self.offsets.append(offset)
+        return self.src.seek(offset)
+
+    def readinto(self, buffer: memoryview) -> int:
+        if self.budget[0] <= 0:
+            raise ConnectionResetError("connection reset by peer")
+        n = self.src.readinto(memoryview(buffer)[: self.budget[0]])
+        self.budget[0] -= n
+        return n
+
+
+def cut_after(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, nbytes: int) -> tuple[list[int], list[int]]:
+    """Let reads of model.safetensors deliver `nbytes` in total; returns (remaining budget, seek offsets)."""
+    budget, offsets = [nbytes], []
+    real_open = store.fs.open
+
+    def open_(path: str, mode: str = "rb", **kwargs: object):  # noqa: ANN202 - a file-like
+        f = real_open(path, mode, **kwargs)
+        return CutConnection(f, budget, offsets) if path.endswith("model.safetensors") else f
+
+    monkeypatch.setattr(store.fs, "open", open_)
+    return budget, offsets
+
+
+def test_interrupted_pull_is_resumed_not_restarted(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = make_ckpt(tmp_path, "a")
+    store.publish(1, str(src))
+    cache = tmp_path / "cache"
+    cut = 1_300_000
+    with monkeypatch.context() as patch:
+        cut_after(store, patch, cut)
+        with pytest.raises(StoreError, match=r"v000001/model\.safetensors: download failed \(connection reset"):
+            store.pull(1, str(cache))
+    partial = cache / ".v000001.partial" / "model.safetensors"
+    assert partial.stat().st_size == cut  # what arrived is kept
+    assert not (cache / "v000001").exists()
+
+    budget, offsets = cut_after(store, monkeypatch, 2 * SIZE)
+    out = Path(store.pull(1, str(cache)))
+    assert offsets == [cut]  # continued where the link dropped
+    assert 2 * SIZE - budget[0] == SIZE - cut  # and fetched only the rest
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert sorted(os.listdir(cache)) == ["v000001"]
+
+
+def test_corrupt_partial_is_detected_and_downloaded_again(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = make_ckpt(tmp_path, "a")
+    store.publish(1, str(src))
+    cache = tmp_path / "cache"
+    with monkeypatch.context() as patch:
+        cut_after(store, patch, 500_000)
+        with pytest.raises(StoreError):
+            store.pull(1, str(cache))
+    partial = cache / ".v000001.partial" / "model.safetensors"
+    data = bytearray(partial.read_bytes())
+    data[10] ^= 0xFF  # the local disk flipped a bit in what was kept
+    partial.write_bytes(bytes(data))
+    out = Path(store.pull(1, str(cache)))  # resume fails the hash, the retry starts over
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+def test_partial_of_a_republished_version_is_discarded(store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store.publish(1, str(make_ckpt(tmp_path, "old")))
+    cache = tmp_path / "cache"
+    with monkeypatch.context() as patch:
+        cut_after(store, patch, 1_000_000)
+        with pytest.raises(StoreError):
+            store.pull(1, str(cache))
+    store.delete(1)
+    new = make_ckpt(tmp_path, "new")
+    store.publish(1, str(new))
+    _, offsets = cut_after(store, monkeypatch, 2 * SIZE)
+    out = Path(store.pull(1, str(cache)))
+    assert offsets == []  # nothing of the old bytes was reused
+    assert (out / "model.safetensors").read_bytes() == (new / "model.safetensors").read_bytes()
+
+
+def test_cache_cap_evicts_oldest_versions(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "store"), cache_max_bytes=int(2.5 * SIZE))
+    for v in range(5):
+        store.publish(v, str(make_ckpt(tmp_path, f"c{v}")))
+    cache = tmp_path / "cache"
+    store.pull(1, str(cache))
+    store.pull(0, str(cache))
+    assert sorted(os.listdir(cache)) == ["v000000", "v000001"]
+    store.pull(3, str(cache))  # three versions exceed the cap: the oldest goes
+    assert sorted(os.listdir(cache)) == ["v000001", "v000003"]
+    store.pull(2, str(cache))  # an older version just pulled is kept all the same
+    assert sorted(os.listdir(cache)) == ["v000002", "v000003"]
+    store.pull(4, str(cache))
+    assert sorted(os.listdir(cache)) == ["v000003", "v000004"]
+
+
+def test_a_version_bigger_than_the_cap_is_still_pulled(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "store"), cache_max_bytes=1000)
+    store.publish(0, str(make_ckpt(tmp_path, "a")))
+    store.publish(1, str(make_ckpt(tmp_path, "b")))
+    cache = tmp_path / "cache"
+    store.pull(0, str(cache))
+    out = store.pull(1, str(cache))
+    assert sorted(os.listdir(cache)) == ["v000001"]
+    assert store.verify(1) == [] and Path(out, MANIFEST_NAME).is_file()
+
+
+def test_eviction_skips_a_version_another_process_is_pulling(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "store"), cache_max_bytes=1000)
+    cache = tmp_path / "cache"
+    partial = cache / ".v000001.partial"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(os.urandom(5000))
+    store.publish(2, str(make_ckpt(tmp_path, "b")))
+    with store_mod._locked(str(cache / ".v000001.lock")):
+        store.pull(2, str(cache))
+        assert partial.is_dir()  # locked by its puller: left alone
+    store.evict(str(cache), keep=2)
+    assert sorted(os.listdir(cache)) == ["v000002"]
+
+
+def test_concurrent_pulls_into_one_cache_agree(store: CheckpointStore, tmp_path: Path) -> None:
+    src = make_ckpt(tmp_path, "a")
+    store.publish(1, str(src))
+    cache = str(tmp_path / "cache")
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            # Each thread its own store object, as separate workers sharing a disk would be.
+            results.append(CheckpointStore(store.url).pull(1, cache))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pull) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert results == [os.path.join(cache, "v000001")] * 4
+    assert sorted(os.listdir(cache)) == ["v000001"]
+    assert Path(results[0], "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+def test_retention_waits_out_the_grace_period(store: CheckpointStore, tmp_path: Path) -> None:
+    store.retention_grace_s = 100.0
+    for v in range(4):
+        store.publish(v, str(make_ckpt(tmp_path, f"c{v}")))
+    published = {v: store.manifest(v).created_at for v in range(4)}
+    # Every older version was superseded moments ago: a worker may still be pulling it.
+    assert store.retain(keep_last=1) == []
+    # Grace counts from when the next version appeared, not from the version's own publish.
+    assert store.retain(keep_last=1, now=published[2] + 100.0 - 1e-3) == [0]
+    assert store.retain(keep_last=1, now=published[3] + 100.0) == [1, 2]
+    assert store.versions() == [3]
+

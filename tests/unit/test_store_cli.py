@@ -1,0 +1,110 @@
+"""`decentrl store ...` commands and the store section of the run config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from decentrl.cli.main import app
+from decentrl.config import ConfigError, StoreConfig, parse_config
+from decentrl.signing import load_private_key, load_public_key
+from decentrl.store import CheckpointStore
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def published(tmp_path: Path) -> Path:
+    """A store holding versions 0 and 1 (unsigned)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(os.urandom(3000))
+    (src / "config.json").write_text("{}")
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.publish(0, str(src))
+    store.publish(1, str(src), parent=0)
+    return tmp_path / "store"
+
+
+def test_ls_pull_and_verify_a_good_store(published: Path, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["store", "ls", str(published)])
+    assert result.exit_code == 0
+    assert "v000001  parent=0  files=2" in result.output and "unsigned" in result.output
+    result = runner.invoke(app, ["store", "pull", f"file://{published}", "--dest", str(tmp_path / "dest")])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(tmp_path / "dest" / "v000001")
+    result = runner.invoke(app, ["store", "verify", str(published)])
+    assert result.exit_code == 0 and "ok: 2 version(s) verified" in result.output
+
+
+def test_verify_fails_naming_the_file(published: Path) -> None:
+    path = published / "v000001" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[7] ^= 1
+    path.write_bytes(bytes(data))
+    result = runner.invoke(app, ["store", "verify", str(published)])
+    assert result.exit_code == 1
+    assert "v000001/model.safetensors: sha256 mismatch" in result.output
+    assert runner.invoke(app, ["store", "verify", str(published), "--version", "0"]).exit_code == 0
+    result = runner.invoke(app, ["store", "verify", str(published), "--version", "5"])
+    assert result.exit_code == 1 and "version 5 not found" in result.output
+
+
+def test_keygen_then_unsigned_store_fails_verification(published: Path, tmp_path: Path) -> None:
+    key, pub = tmp_path / "k", tmp_path / "k.pub"
+    result = runner.invoke(app, ["store", "keygen", "--private-key", str(key), "--public-key", str(pub)])
+    assert result.exit_code == 0, result.output
+    load_private_key(str(key)), load_public_key(str(pub))
+    again = runner.invoke(app, ["store", "keygen", "--private-key", str(key), "--public-key", str(pub)])
+    assert again.exit_code == 2 and "already exists" in again.output
+
+    result = runner.invoke(app, ["store", "verify", str(published), "--public-key", str(pub)])
+    assert result.exit_code == 1
+    assert "v000000/manifest.json: unsigned" in result.output
+    result = runner.invoke(app, ["store", "pull", str(published), "--dest", str(tmp_path / "d"), "--public-key", str(pub)])
+    assert result.exit_code == 1 and "v000001/manifest.json: unsigned" in result.output
+    result = runner.invoke(app, ["store", "verify", str(published), "--public-key", str(tmp_path / "nope.pub")])
+    assert result.exit_code == 2 and "cannot read public key" in result.output
+
+
+def test_store_config_builds_s3_options() -> None:
+    config = StoreConfig(
+        url="s3://bucket/run", endpoint="http://minio:9000", region="eu-west-1",
+        access_key_id="AK", secret_access_key="SK", storage_options={"client_kwargs": {"verify": False}, "anon": False},
+    )
+    assert config.fsspec_options() == {
+        "anon": False,
+        "client_kwargs": {"verify": False, "endpoint_url": "http://minio:9000", "region_name": "eu-west-1"},
+        "key": "AK",
+        "secret": "SK",
+    }
+    # Unset fields leave the AWS environment in charge.
+    assert StoreConfig(url="s3://bucket/run").fsspec_options() == {}
+
+
+@pytest.mark.parametrize(
+    ("store", "message"),
+    [
+        ({"url": "/tmp/x", "endpoint": "http://minio:9000"}, "endpoint apply to s3:// URLs only"),
+        ({"url": "s3://b", "access_key_id": "AK"}, "access_key_id and secret_access_key together"),
+        ({"shard_size_mb": 0}, "store.shard_size_mb"),
+        ({"cache_max_gb": 0}, "store.cache_max_gb"),
+    ],
+)
+def test_bad_store_config_is_refused(store: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"store": store})
+
+
+def test_store_from_config_loads_the_keys(tmp_path: Path) -> None:
+    runner.invoke(app, ["store", "keygen", "--private-key", str(tmp_path / "k"), "--public-key", str(tmp_path / "k.pub")])
+    config = StoreConfig(
+        url=str(tmp_path / "store"), signing_key=str(tmp_path / "k"), public_key=str(tmp_path / "k.pub"),
+        cache_max_gb=0.5, retention_grace_s=7, download_concurrency=3,
+    )
+    store = CheckpointStore.from_config(config)
+    assert store.signing_key is not None and store.public_key is not None
+    assert (store.cache_max_bytes, store.retention_grace_s, store.download_concurrency) == (2**29, 7, 3)

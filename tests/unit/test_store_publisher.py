@@ -1,0 +1,91 @@
+"""What the trainer publishes: sharded HF directories, and the one-slot skip-to-newest Publisher."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from decentrl.config import TinyModelConfig
+from decentrl.model import build_model
+from decentrl.store import CheckpointStore
+from decentrl.trainer.publisher import INDEX_NAME, Publisher, write_hf_dir
+
+
+@pytest.fixture(scope="module")
+def model() -> PreTrainedModel:
+    return build_model(TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64))
+
+
+def state_of(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def test_sharded_checkpoint_loads_with_from_pretrained(model: PreTrainedModel, tmp_path: Path) -> None:
+    state = state_of(model)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    write_hf_dir(str(tmp_path), state, model.config, extras_from=str(tmp_path), max_shard_bytes=total // 4)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) >= 4 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert index["metadata"]["total_size"] == total
+    assert set(index["weight_map"]) == set(state) and set(index["weight_map"].values()) == set(shards)
+    assert all(os.path.getsize(tmp_path / s) <= total // 4 + 4096 for s in shards)  # + header
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+
+
+def test_small_checkpoint_is_one_file_without_index(model: PreTrainedModel, tmp_path: Path) -> None:
+    write_hf_dir(str(tmp_path), state_of(model), model.config, extras_from=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_publisher_skips_to_the_newest_version_when_uploads_fall_behind(
+    model: PreTrainedModel, tmp_path: Path
+) -> None:
+    store = CheckpointStore(str(tmp_path / "store"))
+    first_published, release = threading.Event(), threading.Event()
+    announced: list[int] = []
+
+    def announce(version: int) -> None:
+        announced.append(version)
+        first_published.set()
+        assert release.wait(timeout=60)  # a slow upload: the publisher is busy until released
+
+    publisher = Publisher(
+        store=store, model_config=model.config, extras_from=str(tmp_path), keep_last=10,
+        on_published=announce, max_shard_bytes=40_000,
+    )
+    state = state_of(model)
+    publisher.submit(1, state)
+    assert first_published.wait(timeout=60)
+    for version in (2, 3, 4):  # arrive while version 1 is still "uploading"; none blocks
+        publisher.submit(version, state)
+    assert publisher.skipped == [2, 3]  # one slot: each newer version replaced the waiting one
+    release.set()
+    publisher.close()
+    assert announced == [1, 4]
+    assert store.versions() == [1, 4]
+    assert store.manifest(4).parent == 3  # the version it was trained from, published or not
+    names = [f.path for f in store.manifest(4).files]
+    assert INDEX_NAME in names and sum(n.endswith(".safetensors") for n in names) > 1
+
+
+def test_publish_failure_surfaces_on_the_next_submit(model: PreTrainedModel, tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "store"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "weights.bin").write_bytes(b"other")
+    store.publish(1, str(tmp_path / "other"))  # version 1 is taken: publishing it again fails
+    publisher = Publisher(
+        store=store, model_config=model.config, extras_from=str(tmp_path), keep_last=10, on_published=lambda v: None
+    )
+    publisher.submit(1, state_of(model))
+    with pytest.raises(RuntimeError, match="publishing a checkpoint failed: version 1 already published"):
+        publisher.wait_idle()
