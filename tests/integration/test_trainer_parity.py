@@ -1,0 +1,176 @@
+"""FSDP2 parity: the same batch trained on 1 and on 2 gloo ranks (real torch.multiprocessing
+processes) gives the same loss and gradients as one plain model on the whole batch; one step
+changes every trainable parameter; the background weight gather hands rank 0 exactly the
+weights after the step. The CUDA/NCCL path (bf16, one GPU) is marked `gpu`."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from decentrl.config import TinyModelConfig, TrainerConfig
+from decentrl.losses import summarize
+from decentrl.model import build_model
+from decentrl.trainer.batching import batch_totals, collate, idle_micro_batch, plan_micro_batches, select_samples
+from decentrl.trainer.distributed import full_state_dict, init_distributed, shard_model
+from decentrl.trainer.gather import WeightGather
+from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
+from decentrl.wire import TrainBatch, TrainSample
+
+pytestmark = pytest.mark.integration
+
+TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+TEMPERATURE = 0.9
+MAX_TOKENS = 6
+# Token-level loss, IcePop masking, PPO clipping, entropy bonus; zero-variance groups dropped, so
+# the 12 samples become 9 and the ranks get unequal shares.
+TRAINER = {
+    "loss": {"type": "token", "eps_low": 0.2, "eps_high": 0.28},
+    "off_policy": {"type": "icepop", "low": 0.5, "high": 2.0},
+    "advantages": {"drop_zero_variance": True},
+    "entropy_coef": 0.01,
+    "micro_batch_tokens": 24,
+}
+
+
+def make_batch() -> TrainBatch:
+    rng = random.Random(7)
+    samples = []
+    for group in range(4):
+        rewards = [1.0] * 3 if group == 1 else [0.0, 0.25, 1.0][: 3 - group % 2] + [0.5] * (group % 2)
+        mean = sum(rewards) / 3
+        prompt = [1] + [rng.randint(3, 13) for _ in range(rng.randint(3, 5))]
+        for reward in rewards:
+            completion = [rng.randint(3, 13) for _ in range(rng.randint(1, MAX_TOKENS))]
+            samples.append(TrainSample(
+                prompt_token_ids=prompt, completion_token_ids=completion,
+                logprobs=[-rng.uniform(1.5, 3.5) for _ in completion],  # ratios around the icepop bounds
+                advantage=reward - mean, reward=reward, policy_version=0, group_id=f"g{group}",
+            ))
+    return TrainBatch(trainer_version=0, samples=samples, staleness_histogram={"0": 12}, rollouts_accepted=12, stale_dropped=0)
+
+
+def one_step(rank: int, world: int, port: int, out: str, activation_checkpointing: bool) -> None:
+    """In each spawned rank: one training step exactly as the loop runs it; rank 0 saves what it saw."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    _, _, device = init_distributed()
+    config = TrainerConfig(**TRAINER, activation_checkpointing=activation_checkpointing)
+    model = build_model(TINY).to(device).train()
+    before = {name: p.detach().clone().cpu() for name, p in model.named_parameters()}
+    model = shard_model(model, activation_checkpointing=activation_checkpointing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gathered: dict[int, dict[str, torch.Tensor]] = {}
+    gather = WeightGather(model, deliver=lambda version, state: gathered.update({version: state}))
+
+    samples = select_samples(make_batch(), config.advantages.drop_zero_variance)
+    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
+    mine = plan_micro_batches(lengths, world, config.micro_batch_tokens)[rank]
+    micro = [(collate([samples[i] for i in rows], 0) if rows else idle_micro_batch(0)).to(device) for rows in mine]
+    loss, sums = accumulate_gradients(model, None, micro, totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
+    loss_total, token_sums = reduce_over_ranks(loss, sums, device)
+    grads = {name: p.grad.full_tensor().cpu() for name, p in model.named_parameters()}  # collective
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    gather.submit(1)
+    gather.close()
+    after = full_state_dict(model)  # collective; the reference for what the gather delivered
+    if rank == 0:
+        torch.save(
+            {"loss": loss_total, "stats": summarize(token_sums), "grads": grads, "before": before, "after": after,
+             "gathered": gathered[1], "micro_batches": len(mine), "samples": len(samples)},
+            out,
+        )
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(world: int, tmp_path: Path, activation_checkpointing: bool = False) -> dict:
+    out = str(tmp_path / f"world{world}-ac{int(activation_checkpointing)}.pt")
+    mp.spawn(one_step, args=(world, free_port(), out, activation_checkpointing), nprocs=world, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def plain_reference() -> tuple[float, dict[str, torch.Tensor]]:
+    """One unsharded model, the whole batch in one micro-batch."""
+    config = TrainerConfig(**TRAINER)
+    model = build_model(TINY).train()
+    samples = select_samples(make_batch(), drop_zero_variance=True)
+    loss, _ = accumulate_gradients(model, None, [collate(samples, 0)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("parity")
+    return {"1": run_ranks(1, tmp), "2": run_ranks(2, tmp), "2-ac": run_ranks(2, tmp, activation_checkpointing=True)}
+
+
+def test_parity_of_loss_and_gradients_on_one_and_two_ranks(results: dict[str, dict]) -> None:
+    expected_loss, expected_grads = plain_reference()
+    assert results["1"]["samples"] == results["2"]["samples"] == 9, "4 groups of 3, one dropped: an odd split"
+    assert results["2"]["micro_batches"] >= 2, "each rank accumulates over several micro-batches"
+    for name in ("1", "2", "2-ac"):
+        run = results[name]
+        assert run["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7), name
+        for param, grad in expected_grads.items():
+            torch.testing.assert_close(run["grads"][param], grad, rtol=1e-4, atol=1e-7, msg=f"{name}: {param}")
+    for key in ("is_ratio_mean", "is_ratio_max", "masked_fraction", "clipped_fraction", "entropy"):
+        assert results["2"]["stats"][key] == pytest.approx(results["1"]["stats"][key], rel=1e-5), key
+    assert 0 < results["1"]["stats"]["masked_fraction"] < 1, "the batch exercises icepop masking"
+
+
+def test_one_training_step_changes_every_trainable_parameter(results: dict[str, dict]) -> None:
+    for name in ("1", "2"):
+        run = results[name]
+        assert set(run["after"]) == set(run["before"])
+        unchanged = [p for p in run["before"] if torch.equal(run["before"][p], run["after"][p])]
+        assert unchanged == [], f"{name} ranks: parameters not changed by one step: {unchanged}"
+
+
+def test_background_gather_delivers_exactly_the_weights_after_the_step(results: dict[str, dict]) -> None:
+    for name in ("1", "2"):
+        run = results[name]
+        assert set(run["gathered"]) == set(run["after"])
+        for param, tensor in run["after"].items():
+            assert torch.equal(run["gathered"][param], tensor), f"{name}: {param}"
+
+
+@pytest.mark.gpu
+def test_cuda_nccl_bf16_step_matches_fp32_on_cpu(tmp_path: Path) -> None:
+    """One GPU rank (NCCL) with bf16 mixed precision: the loss agrees with fp32 to bf16 precision."""
+    out = str(tmp_path / "gpu.pt")
+    mp.spawn(gpu_step, args=(free_port(), out), nprocs=1, join=True)
+    run = torch.load(out, weights_only=False)
+    expected_loss, expected_grads = plain_reference()
+    assert run["device"].startswith("cuda")
+    assert run["loss"] == pytest.approx(expected_loss, rel=5e-2, abs=1e-3)
+    cosine = torch.nn.functional.cosine_similarity(
+        torch.cat([g.flatten() for g in run["grads"].values()]),
+        torch.cat([expected_grads[p].flatten() for p in run["grads"]]), dim=0,
+    )
+    assert cosine > 0.98
+
+
+def gpu_step(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    _, _, device = init_distributed()
+    config = TrainerConfig(**TRAINER, mixed_precision="bf16", activation_checkpointing=True)
+    model = shard_model(build_model(TINY).to(device).train(), mixed_precision="bf16", activation_checkpointing=True)
+    samples = select_samples(make_batch(), drop_zero_variance=True)
+    loss, _ = accumulate_gradients(model, None, [collate(samples, 0).to(device)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
+    grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
+    torch.save({"loss": loss.item(), "grads": grads, "device": str(device)}, out)
+    dist.destroy_process_group()
