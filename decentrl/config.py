@@ -104,7 +104,7 @@ class StoreConfig(Section):
     )
     secret_access_key: str | None = Field(None, description="S3 secret key, set together with access_key_id.")
     shard_size_mb: int = Field(
-        256, ge=1, description="Largest safetensors shard; more shards upload and download in parallel."
+        128, ge=1, description="Largest safetensors shard; more shards upload and download in parallel."
     )
     upload_concurrency: int = Field(4, ge=1, le=64, description="Files uploaded at once by a publish.")
     download_concurrency: int = Field(4, ge=1, le=64, description="Files downloaded at once by a pull.")

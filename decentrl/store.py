@@ -266,11 +266,11 @@ class CheckpointStore:
         vdir = self._vdir(version)
         self.fs.makedirs(vdir, exist_ok=True)
         paths = [os.path.join(local_dir, name) for name in names]
-        with ThreadPoolExecutor(self.upload_concurrency) as pool:
+        # Hashed beside fsspec's own (multipart, concurrent) uploads: the local files are ours and
+        # do not change, so this is as sound as hashing the uploaded stream, and costs no wait.
+        with ThreadPoolExecutor(self.upload_concurrency) as pool, ThreadPoolExecutor(self.upload_concurrency) as hashers:
             uploads = [pool.submit(self.fs.put_file, p, f"{vdir}/{n}") for p, n in zip(paths, names)]
-            # Hashed here while fsspec's own (multipart, concurrent) uploads run: the local files
-            # are ours and do not change, so this is as sound as hashing the uploaded stream.
-            hashes = [_hash_file(path) for path in paths]
+            hashes = list(hashers.map(_hash_file, paths))
             for upload in uploads:
                 upload.result()
         files = [ManifestFile(path=n, size=size, sha256=sha) for n, (size, sha) in zip(names, hashes)]

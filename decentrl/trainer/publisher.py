@@ -28,12 +28,13 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
+from decentrl.config import StoreConfig
 from decentrl.store import CheckpointStore
 
 log = logging.getLogger("decentrl.trainer.publisher")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-DEFAULT_SHARD_BYTES = 256 * 2**20  # = StoreConfig.shard_size_mb's default
+DEFAULT_SHARD_BYTES = StoreConfig.model_fields["shard_size_mb"].default * 2**20
 INDEX_NAME = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME
 
 
