@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decentrl.config import TinyModelConfig, TrainerConfig  # noqa: E402
 from decentrl.model import build_model, build_tiny_tokenizer  # noqa: E402
 from decentrl.store import CheckpointStore  # noqa: E402
-from decentrl.trainer.batching import batch_totals, collate, idle_micro_batch, plan_micro_batches, select_samples  # noqa: E402
+from decentrl.trainer.batching import rank_share  # noqa: E402
 from decentrl.trainer.distributed import full_state_dict, init_distributed, shard_model  # noqa: E402
 from decentrl.trainer.gather import WeightGather  # noqa: E402
 from decentrl.trainer.publisher import Publisher  # noqa: E402
@@ -90,11 +90,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: st
                 version += 1
                 batch = synthetic_batch(args.groups, args.group_size, seed=version)
                 started = time.perf_counter()
-                samples = select_samples(batch, config.advantages.drop_zero_variance)
-                lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-                mine = plan_micro_batches(lengths, world, config.micro_batch_tokens)[rank]
-                micro = [(collate([samples[j] for j in rows], 0) if rows else idle_micro_batch(0)).to(device) for rows in mine]
-                loss, sums = accumulate_gradients(model, None, micro, totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=1.0)
+                samples, totals, micro = rank_share(batch, rank=rank, world=world, config=config, max_tokens=MAX_TOKENS, pad_id=0, device=device)
+                loss, sums = accumulate_gradients(model, None, micro, totals=totals, config=config, temperature=1.0)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -114,7 +111,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: st
                     steps.append(ended - started)
                     compute.append(computed - started)
                     waits.append(published - computed)
-                    tokens += sum(lengths)
+                    tokens += sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples)
             gather.wait_idle()
             if publisher is not None:
                 publisher.wait_idle()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from decentrl.advantages import informative_samples
+from decentrl.config import TrainerConfig
 from decentrl.losses import BatchTotals
 from decentrl.wire import TrainBatch, TrainSample
 
@@ -106,3 +107,14 @@ def plan_micro_batches(lengths: list[int], world: int, token_budget: int) -> lis
         plans.append(micro)
     most = max(len(micro) for micro in plans)
     return [micro + [[] for _ in range(most - len(micro))] for micro in plans]
+
+
+def rank_share(
+    batch: TrainBatch, *, rank: int, world: int, config: TrainerConfig, max_tokens: int, pad_id: int, device: torch.device
+) -> tuple[list[TrainSample], BatchTotals, list[Tensors]]:
+    """The samples that train this step, their whole-batch totals, and this rank's micro-batches."""
+    samples = select_samples(batch, config.advantages.drop_zero_variance)
+    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
+    mine = plan_micro_batches(lengths, world, config.micro_batch_tokens)[rank]
+    micro_batches = [(collate([samples[i] for i in rows], pad_id) if rows else idle_micro_batch(pad_id)).to(device) for rows in mine]
+    return samples, batch_totals(samples, max_tokens), micro_batches

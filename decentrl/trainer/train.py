@@ -25,7 +25,7 @@ from decentrl.config import RunConfig, TrainerConfig
 from decentrl.losses import summarize
 from decentrl.model import build_model, load_tokenizer
 from decentrl.store import CheckpointStore
-from decentrl.trainer.batching import batch_totals, collate, idle_micro_batch, plan_micro_batches, select_samples
+from decentrl.trainer.batching import collate, rank_share
 from decentrl.trainer.checkpoint import BatchJournal, Progress, ResumePlan, TrainerCheckpoints, plan_resume
 from decentrl.trainer.distributed import broadcast_object, full_state_dict, init_distributed, shard_model
 from decentrl.trainer.gather import WeightGather
@@ -139,11 +139,9 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
         batch = broadcast_object(receive_batch(step, plan, client, journal) if journal else None, rank)
         received = time.perf_counter()
 
-        samples = select_samples(batch, cfg.advantages.drop_zero_variance)
-        totals = batch_totals(samples, config.sampling.max_tokens)
-        lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-        mine = plan_micro_batches(lengths, world, cfg.micro_batch_tokens)[rank]
-        micro_batches = [(collate([samples[i] for i in rows], pad_id) if rows else idle_micro_batch(pad_id)).to(device) for rows in mine]
+        samples, totals, micro_batches = rank_share(
+            batch, rank=rank, world=world, config=cfg, max_tokens=config.sampling.max_tokens, pad_id=pad_id, device=device
+        )
         loss, sums = accumulate_gradients(
             model, reference, micro_batches, totals=totals, config=cfg, temperature=config.sampling.temperature
         )

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from decentrl.config import TinyModelConfig, TrainerConfig
 from decentrl.losses import summarize
 from decentrl.model import build_model
-from decentrl.trainer.batching import batch_totals, collate, idle_micro_batch, plan_micro_batches, select_samples
+from decentrl.trainer.batching import batch_totals, collate, rank_share, select_samples
 from decentrl.trainer.distributed import full_state_dict, init_distributed, shard_model
 from decentrl.trainer.gather import WeightGather
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
@@ -27,14 +27,16 @@ from decentrl.wire import TrainBatch, TrainSample
 pytestmark = pytest.mark.integration
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+REFERENCE = TINY.model_copy(update={"seed": 1})
 TEMPERATURE = 0.9
 MAX_TOKENS = 6
-# Token-level loss, IcePop masking, PPO clipping, entropy bonus; zero-variance groups dropped, so
-# the 12 samples become 9 and the ranks get unequal shares.
+# Token-level loss, IcePop masking, PPO clipping, k3 KL to a reference, entropy bonus; zero-variance
+# groups dropped, so the 12 samples become 9 and the ranks get unequal shares.
 TRAINER = {
     "loss": {"type": "token", "eps_low": 0.2, "eps_high": 0.28},
     "off_policy": {"type": "icepop", "low": 0.5, "high": 2.0},
     "advantages": {"drop_zero_variance": True},
+    "kl_coef": 0.05,
     "entropy_coef": 0.01,
     "micro_batch_tokens": 24,
 }
@@ -67,14 +69,12 @@ def one_step(rank: int, world: int, port: int, out: str, activation_checkpointin
     before = {name: p.detach().clone().cpu() for name, p in model.named_parameters()}
     model = shard_model(model, activation_checkpointing=activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reference = shard_model(build_model(REFERENCE).to(device).requires_grad_(False).eval())  # for the k3 KL
     gathered: dict[int, dict[str, torch.Tensor]] = {}
     gather = WeightGather(model, deliver=lambda version, state: gathered.update({version: state}))
 
-    samples = select_samples(make_batch(), config.advantages.drop_zero_variance)
-    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-    mine = plan_micro_batches(lengths, world, config.micro_batch_tokens)[rank]
-    micro = [(collate([samples[i] for i in rows], 0) if rows else idle_micro_batch(0)).to(device) for rows in mine]
-    loss, sums = accumulate_gradients(model, None, micro, totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
+    samples, totals, micro = rank_share(make_batch(), rank=rank, world=world, config=config, max_tokens=MAX_TOKENS, pad_id=0, device=device)
+    loss, sums = accumulate_gradients(model, reference, micro, totals=totals, config=config, temperature=TEMPERATURE)
     loss_total, token_sums = reduce_over_ranks(loss, sums, device)
     grads = {name: p.grad.full_tensor().cpu() for name, p in model.named_parameters()}  # collective
     optimizer.step()
@@ -85,7 +85,7 @@ def one_step(rank: int, world: int, port: int, out: str, activation_checkpointin
     if rank == 0:
         torch.save(
             {"loss": loss_total, "stats": summarize(token_sums), "grads": grads, "before": before, "after": after,
-             "gathered": gathered[1], "micro_batches": len(mine), "samples": len(samples)},
+             "gathered": gathered[1], "micro_batches": len(micro), "samples": len(samples)},
             out,
         )
     dist.destroy_process_group()
@@ -108,7 +108,8 @@ def plain_reference() -> tuple[float, dict[str, torch.Tensor]]:
     config = TrainerConfig(**TRAINER)
     model = build_model(TINY).train()
     samples = select_samples(make_batch(), drop_zero_variance=True)
-    loss, _ = accumulate_gradients(model, None, [collate(samples, 0)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
+    reference = build_model(REFERENCE).eval()
+    loss, _ = accumulate_gradients(model, reference, [collate(samples, 0)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
     return loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
@@ -127,9 +128,10 @@ def test_parity_of_loss_and_gradients_on_one_and_two_ranks(results: dict[str, di
         assert run["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7), name
         for param, grad in expected_grads.items():
             torch.testing.assert_close(run["grads"][param], grad, rtol=1e-4, atol=1e-7, msg=f"{name}: {param}")
-    for key in ("is_ratio_mean", "is_ratio_max", "masked_fraction", "clipped_fraction", "entropy"):
+    for key in ("is_ratio_mean", "is_ratio_max", "masked_fraction", "clipped_fraction", "entropy", "kl"):
         assert results["2"]["stats"][key] == pytest.approx(results["1"]["stats"][key], rel=1e-5), key
     assert 0 < results["1"]["stats"]["masked_fraction"] < 1, "the batch exercises icepop masking"
+    assert results["1"]["stats"]["kl"] > 0
 
 
 def test_one_training_step_changes_every_trainable_parameter(results: dict[str, dict]) -> None:
@@ -169,8 +171,9 @@ def gpu_step(rank: int, port: int, out: str) -> None:
     _, _, device = init_distributed()
     config = TrainerConfig(**TRAINER, mixed_precision="bf16", activation_checkpointing=True)
     model = shard_model(build_model(TINY).to(device).train(), mixed_precision="bf16", activation_checkpointing=True)
+    reference = shard_model(build_model(REFERENCE).to(device).requires_grad_(False).eval(), mixed_precision="bf16")
     samples = select_samples(make_batch(), drop_zero_variance=True)
-    loss, _ = accumulate_gradients(model, None, [collate(samples, 0).to(device)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
+    loss, _ = accumulate_gradients(model, reference, [collate(samples, 0).to(device)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
     grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
     torch.save({"loss": loss.item(), "grads": grads, "device": str(device)}, out)
     dist.destroy_process_group()
