@@ -41,7 +41,8 @@ class MetricsLog:
     def __init__(self, path: str, keep_through: int) -> None:
         if os.path.exists(path):
             with open(path, encoding="utf-8") as file:
-                kept = [line for line in file if line.strip() and json.loads(line)["step"] <= keep_through]
+                # A line without its newline is a record cut short by a kill: it never happened.
+                kept = [line for line in file if line.endswith("\n") and json.loads(line)["step"] <= keep_through]
             with open(path + ".tmp", "w", encoding="utf-8") as file:
                 file.writelines(kept)
             os.replace(path + ".tmp", path)

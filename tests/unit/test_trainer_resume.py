@@ -63,10 +63,11 @@ def test_batch_journal_round_trip_and_prune(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path / "batches")) == ["step_000003.json"]  # no temporary files left
 
 
-def test_metrics_log_drops_the_records_after_the_checkpoint(tmp_path: Path) -> None:
+def test_metrics_log_drops_the_records_after_the_checkpoint_and_a_cut_line(tmp_path: Path) -> None:
     path = str(tmp_path / "metrics.jsonl")
     with open(path, "w") as file:
         file.writelines(json.dumps({"step": step, "loss": step / 10}) + "\n" for step in range(1, 6))
+        file.write('{"step": 6, "lo')  # the write a kill -9 cut short
     log = MetricsLog(path, keep_through=3)
     log.write({"step": 4, "loss": 0.0, "replayed": True})
     log.close()
