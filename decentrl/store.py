@@ -120,7 +120,9 @@ def _run_all(pool: ThreadPoolExecutor, tasks: list[Callable[[], object]]) -> lis
     wait(futures, return_when=FIRST_EXCEPTION)
     for future in futures:
         future.cancel()
-    return [future.result() for future in futures]  # raises the first failure in task order
+    # The pool starts tasks in order, so none before a failed one was cancelled: this raises the
+    # first failure in task order, after waiting for the tasks still running before it.
+    return [future.result() for future in futures]
 
 
 @contextmanager
@@ -370,6 +372,8 @@ class CheckpointStore:
             else:
                 with open(local_path, "rb", buffering=0) as f:
                     _copy_hashing(f, None, digest)
+                if have == expected_size:  # finished before the interruption: nothing to fetch
+                    return have, digest.hexdigest()
         with self.fs.open(remote, "rb", block_size=_READ_BLOCK) as src, open(local_path, "ab") as dst:
             if have:
                 src.seek(have)

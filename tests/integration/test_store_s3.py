@@ -133,7 +133,9 @@ def test_missing_shard_is_caught(store: CheckpointStore, tmp_path: Path) -> None
     assert store.verify(2) == ["v000002/model-00003-of-00003.safetensors: missing from store"]
 
 
-def test_version_without_manifest_does_not_exist(store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_version_without_manifest_does_not_exist(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = make_ckpt(tmp_path, "a")
     store.publish(0, str(src))
     # An upload that died before its manifest: every file there, no manifest.
@@ -295,7 +297,11 @@ def test_interrupted_download_resumes(store: CheckpointStore, tmp_path: Path, mo
             budget[0] -= n
             return n
 
-    monkeypatch.setattr(store.fs, "open", lambda path, mode="rb", **kw: Dropping(real_open(path, mode, **kw)) if path.endswith(name) else real_open(path, mode, **kw))
+    def open_(path: str, mode: str = "rb", **kwargs: object):  # noqa: ANN202 - a file-like
+        f = real_open(path, mode, **kwargs)
+        return Dropping(f) if path.endswith(name) else f
+
+    monkeypatch.setattr(store.fs, "open", open_)
     with pytest.raises(StoreError, match="download failed"):
         store.pull(0, str(tmp_path / "cache"))
     partial = tmp_path / "cache" / ".v000000.partial" / name

@@ -279,7 +279,7 @@ def test_pull_loses_race_gracefully(
     def download_while_other_process_finishes(version: int, entry: ManifestFile, path: str) -> None:
         winner = cache / "v000001"
         if not winner.exists():
-            winner.mkdir()
+            winner.mkdir(exist_ok=True)  # files download in parallel: both may get here
             (winner / "marker").write_text("other process")
         real_download(version, entry, path)
 
