@@ -2,7 +2,7 @@
 
 Builds a real checkpoint of about --size-mb (random float32 weights written by the trainer's
 `write_hf_dir`, sharded at --shard-mb), then on a file:// store and on a local moto S3 server
-(a separate process, standing in for a bucket) times, best of --repeats:
+(a separate process, standing in for a bucket) times, best of --repeats rounds:
 
   raw publish   fsspec `put` of the checkpoint files (what a plain copy costs)
   publish       CheckpointStore.publish: parallel upload + sha256 of every file + manifest
@@ -18,7 +18,7 @@ Every figure comes from this run. The last stdout line is one JSON object:
   verify_mb_s_*, sha256_mb_s                hashing-only throughputs, for scale
   load_avg_1m_*                             how busy the machine was (figures are noisy when high)
 
-    .venv/bin/python benchmarks/checkpoint_io.py [--size-mb 500] [--shard-mb N] [--repeats 3]
+    .venv/bin/python benchmarks/checkpoint_io.py [--size-mb 500] [--shard-mb N] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=500, help="Checkpoint size (default 500).")
     shard_mb = StoreConfig.model_fields["shard_size_mb"].default
     parser.add_argument("--shard-mb", type=int, default=shard_mb, help=f"safetensors shard size (default {shard_mb}, the config's).")
-    parser.add_argument("--repeats", type=int, default=3, help="Best of this many runs per figure.")
+    parser.add_argument("--repeats", type=int, default=5, help="Rounds; each figure is the best round (default 5).")
     concurrency = StoreConfig.model_fields["download_concurrency"].default
     parser.add_argument("--concurrency", type=int, default=concurrency, help=f"Parallel uploads/downloads (default {concurrency}).")
     args = parser.parse_args()
