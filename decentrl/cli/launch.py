@@ -63,22 +63,51 @@ def _start(name: str, argv: list[str], run_dir: Path, env: dict[str, str]) -> Ro
     return Role(name, process, str(log_path), log)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Linux /proc): torchrun starts its ranks in sessions of
+    their own, so a process-group signal to torchrun does not reach them."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _stop(roles: list[Role], grace_s: float = 10.0) -> None:
     """Stop roles in reverse start order (workers, trainer, orchestrator), so no role spends its
     grace period retrying a peer that is already gone: SIGTERM to the role's process group,
-    SIGKILL to whatever of the group is left after the grace period."""
+    then SIGKILL to the group and to every process below the role that is left."""
     for role in reversed(roles):
+        tree = _descendants(role.process.pid)
         if role.process.poll() is None:
             os.killpg(role.process.pid, signal.SIGTERM)
             try:
                 role.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        # The group may hold children (torchrun's ranks) even after its leader exited.
         try:
             os.killpg(role.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        _kill(tree)
         role.process.wait()
         role.log.close()
 
