@@ -148,6 +148,14 @@ class SamplingConfig(Section):
 
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Softmax temperature.")
     max_tokens: int = Field(8, ge=1, le=131072, description="Most completion tokens per sample.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens at each step; 0 = no top-k.")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Keep the smallest set of tokens whose probability reaches top_p; 1.0 = off."
+    )
+    stop: list[str] = Field(
+        default_factory=list, max_length=16,
+        description="Stop strings: a completion ends with the token that completes one (that token is kept).",
+    )
 
 
 class OrchestratorConfig(Section):

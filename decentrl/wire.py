@@ -26,6 +26,9 @@ class SamplingParams(Wire):
     max_tokens: int = Field(ge=1, description="Most completion tokens.")
     top_k: int = Field(0, ge=0, description="0 = no top-k truncation.")
     top_p: float = Field(1.0, gt=0, le=1, description="1.0 = no nucleus truncation.")
+    stop: list[str] = Field(
+        default_factory=list, description="Stop strings; the token completing one is the last token kept."
+    )
 
 
 class RunInfo(Wire):

@@ -66,9 +66,7 @@ class RunState:
         self.tokenizer = tokenizer
         self.clock = clock
         self.started_at = clock()
-        self.sampling = SamplingParams(
-            temperature=config.sampling.temperature, max_tokens=config.sampling.max_tokens
-        )
+        self.sampling = SamplingParams(**config.sampling.model_dump())
         self.published_version: int | None = None
         self.trainer_version = 0
         self.leases: dict[str, OpenLease] = {}

@@ -1,12 +1,24 @@
-"""The worker loop: lease prompts, make sure the newest version is loaded, generate, post.
+"""The worker loop: lease prompts, generate with the loaded version, post; swap weights softly.
 
 Called by `decentrl worker`. The worker only needs the orchestrator URL and a token: the run
 name, group size, store URL and sampling come from the orchestrator.
 
-`concurrency` slots each run lease -> generate -> post; a lock makes generation and weight swaps
-exclusive, so a swap waits for the generation in flight and every sample of a group comes
-from one version. With a simulated latency (workers/latency.py) the slots overlap their
-delays the way concurrent requests overlap on an inference server.
+Threads:
+- `concurrency` slots each run lease -> generate -> post. A lock makes backend calls and weight
+  swaps exclusive (a backend is not assumed thread-safe); with a simulated latency
+  (workers/latency.py) the slots overlap their delays the way concurrent requests overlap on an
+  inference server.
+- one swapper learns of new versions (lease answers, or polling /info), pulls them from the
+  store while generation goes on, then swaps with a soft pause: new generations are held back,
+  the one in flight may finish until `swap_deadline_s`, after which it is interrupted, the
+  weights are swapped, and it continues under the new version as a partial rollout whose
+  `token_versions` say which version sampled each token.
+
+Faults: an unreachable orchestrator is retried with exponential backoff and jitter (the client,
+then this loop); every finished batch is spooled to disk before it is sent and removed only once
+acknowledged (workers/spool.py); an unreachable store leaves the current version in use while it
+is fresh (announced - loaded <= max_staleness). SIGTERM: no new leases, in-flight generations
+finish and are posted, leases not yet started are handed back, then the worker exits.
 """
 
 from __future__ import annotations
@@ -18,14 +30,15 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decentrl.client import OrchestratorClient
 from decentrl.signing import load_public_key
-from decentrl.store import CheckpointStore
+from decentrl.store import CheckpointStore, StoreError
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, RunInfo, SamplingParams
-from workers.backends import Backend, Completion
+from workers.backends import Backend
 from workers.latency import LatencyModel
+from workers.spool import Spool
 
 log = logging.getLogger("decentrl.worker")
 
@@ -42,6 +55,30 @@ class WorkerOptions:
     concurrency: int = 1  # slots with a lease in flight at once
     latency: LatencyModel = LatencyModel()
     seed: int = 0
+    spool_dir: str | None = None  # default <cache_dir>/spool/<worker_id>
+    swap_deadline_s: float = 5.0  # soft pause: in-flight generation may finish for this long
+    version_poll_s: float = 2.0  # ask /info for a new version this often while no lease answer tells
+
+
+@dataclass
+class Sample:
+    """One completion being built, possibly across weight swaps."""
+
+    prompt: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    masks: list[list[int]] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    version: int
+    seen_at: float  # time.time() the worker learned of the version
+    pull_s: float
+    pause_s: float  # new generations held back (waiting for in-flight work, then loading)
+    loaded_at: float
 
 
 class Worker:
@@ -56,17 +93,33 @@ class Worker:
             public_key=load_public_key(options.public_key) if options.public_key else None,
             cache_max_bytes=options.cache_max_bytes,
         )
+        self.spool = Spool(options.spool_dir or os.path.join(options.cache_dir, "spool", options.worker_id))
         self.stopping = False
         self.rollouts_posted = 0
-        self._lock = threading.Lock()  # generation and weight swaps never overlap
+        self.swaps: list[SwapRecord] = []
+        self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
+        self._lock = threading.Lock()  # backend calls and weight swaps never overlap
         self._stats_lock = threading.Lock()
+        self._versions = threading.Condition()  # guards `announced`; notified when it or the loaded version changes
+        self.announced: int | None = self.info.policy_version
+        self._seen_at: dict[int, float] = {}
+        self._admit = threading.Event()  # cleared during a soft pause: no new generation starts
+        self._admit.set()
+        self._pause_deadline: float | None = None  # monotonic time after which in-flight work is interrupted
+        self._unsent = False  # a send failed: the spool holds work to resend
 
     def request_stop(self, *_: object) -> None:
         """SIGTERM/SIGINT: every slot finishes the generation in flight, posts it, then exits."""
         self.stopping = True
+        with self._versions:
+            self._versions.notify_all()
 
     def run(self, max_iterations: int | None = None) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.request_stop)
+        self._resend_spooled()  # work finished but not acknowledged before a previous exit
+        swapper = threading.Thread(target=self._swapper, name="swapper", daemon=True)
+        swapper.start()
         slots = [
             threading.Thread(target=self._slot, args=(i, max_iterations), name=f"slot-{i}", daemon=True)
             for i in range(self.options.concurrency)
@@ -76,57 +129,182 @@ class Worker:
         while any(slot.is_alive() for slot in slots):
             for slot in slots:
                 slot.join(timeout=0.5)  # short joins keep the main thread responsive to signals
-        log.info("worker %s stopping after %d rollouts", self.options.worker_id, self.rollouts_posted)
+        self.request_stop()
+        self._resend_spooled()
+        left = len(self.spool.pending())
+        log.info(
+            "worker %s stopping after %d rollouts%s", self.options.worker_id, self.rollouts_posted,
+            f"; {left} batches stay spooled in {self.spool.directory} for the next start" if left else "",
+        )
+
+    # -- versions -------------------------------------------------------------------------
+
+    def _note_version(self, version: int | None) -> None:
+        if version is None:
+            return
+        with self._versions:
+            self._seen_at.setdefault(version, time.time())
+            if self.announced is None or version > self.announced:
+                self.announced = version
+                self._versions.notify_all()
+
+    def _fresh(self) -> bool:
+        loaded = self.backend.version
+        return loaded is not None and self.announced is not None and self.announced - loaded <= self.info.max_staleness
+
+    def _swapper(self) -> None:
+        """The one place weights change: pull the newest announced version, then swap softly."""
+        failures = 0
+        while not self.stopping:
+            with self._versions:
+                due = self.announced is not None and self.announced != self.backend.version
+                if not due:
+                    self._versions.wait(timeout=self.options.version_poll_s)
+                    due = self.announced is not None and self.announced != self.backend.version
+            if self.stopping:
+                return
+            if not due:
+                try:
+                    self._note_version(self.client.info().policy_version)
+                except ConnectionError as exc:
+                    log.warning("version poll failed: %s", exc)
+                continue
+            version = self.announced
+            assert version is not None
+            started = time.perf_counter()
+            try:
+                path = self.store.pull(version, self.options.cache_dir)
+            except (StoreError, OSError) as exc:
+                # Keep generating with the loaded version while it is fresh (slots check).
+                failures += 1
+                delay = backoff(failures, cap_s=10.0)
+                log.warning("pulling version %d failed (%s); retrying in %.1fs", version, exc, delay)
+                time.sleep(delay)
+                continue
+            failures = 0
+            self._swap(path, version, pull_s=time.perf_counter() - started)
+
+    def _swap(self, path: str, version: int, *, pull_s: float) -> None:
+        paused = time.perf_counter()
+        self._admit.clear()
+        self._pause_deadline = time.monotonic() + self.options.swap_deadline_s
+        with self._lock:  # waits for the generation in flight (interrupted at the deadline)
+            self.backend.load(path, version)
+        self._pause_deadline = None
+        self._admit.set()
+        record = SwapRecord(
+            version=version,
+            seen_at=self._seen_at.get(version, time.time()),
+            pull_s=pull_s,
+            pause_s=time.perf_counter() - paused,
+            loaded_at=time.time(),
+        )
+        self.swaps.append(record)
+        with self._versions:
+            self._versions.notify_all()
+        log.info(
+            "loaded version %d: pull %.2fs, pause %.2fs, %.2fs after it was announced",
+            version, record.pull_s, record.pause_s, record.loaded_at - record.seen_at,
+        )
+
+    def _pause_due(self) -> bool:
+        deadline = self._pause_deadline
+        return deadline is not None and time.monotonic() >= deadline
+
+    # -- slots ----------------------------------------------------------------------------
 
     def _slot(self, index: int, max_iterations: int | None) -> None:
         rng = random.Random(f"{self.options.seed}/{self.options.worker_id}/{index}")
-        iterations = 0
+        iterations, failures = 0, 0
         while not self.stopping and (max_iterations is None or iterations < max_iterations):
+            with self._versions:  # a stale version would only produce rejected rollouts
+                while not self.stopping and not self._fresh():
+                    self._versions.wait(timeout=1.0)
+            if self.stopping:
+                break
+            try:
+                response = self.client.lease(
+                    LeaseRequest(worker_id=self.options.worker_id, max_groups=self.options.groups_per_request)
+                )
+            except ConnectionError as exc:
+                failures += 1
+                delay = backoff(failures)
+                log.warning("orchestrator unreachable (%s); asking again in %.1fs", exc, delay)
+                time.sleep(delay)
+                continue
+            failures = 0
             iterations += 1
-            response = self.client.lease(
-                LeaseRequest(worker_id=self.options.worker_id, max_groups=self.options.groups_per_request)
-            )
-            with self._lock:
-                if response.policy_version is not None and response.policy_version != self.backend.version:
-                    self._swap(response.policy_version)
-                if not response.leases:
-                    version = None
-                else:
-                    started = time.perf_counter()
-                    prompts = [lease.prompt_token_ids for lease in response.leases for _ in range(lease.group_size)]
-                    completions = self.backend.generate(prompts, response.sampling)
-                    version, generation_s = self.backend.version, time.perf_counter() - started
-            if version is None:
+            self._note_version(response.policy_version)
+            if not response.leases:
                 time.sleep(response.retry_after_s)
                 continue
-            time.sleep(self.options.latency.extra_delay(rng, generation_s))
-            self._post(response.leases, completions, version, response.sampling)
-
-    def _swap(self, version: int) -> None:
-        started = time.perf_counter()
-        path = self.store.pull(version, self.options.cache_dir)
-        self.backend.load(path, version)
-        log.info("loaded version %d in %.2fs", version, time.perf_counter() - started)
-
-    def _post(self, leases: list[Lease], completions: list[Completion], version: int, sampling: SamplingParams) -> None:
-        owners = [lease for lease in leases for _ in range(lease.group_size)]
-        rollouts = [
-            Rollout(
-                rollout_id=uuid.uuid4().hex,
-                run_name=self.info.run_name,
-                lease_id=lease.lease_id,
-                prompt_id=lease.prompt_id,
-                worker_id=self.options.worker_id,
-                policy_version=version,
-                prompt_token_ids=lease.prompt_token_ids,
-                completion_token_ids=completion.token_ids,
-                logprobs=completion.logprobs,
-                finish_reason=completion.finish_reason,
-                sampling=sampling,
+            if self.stopping:
+                self._hand_back(response.leases)
+                break
+            started = time.perf_counter()
+            samples = self._generate(
+                [lease.prompt_token_ids for lease in response.leases for _ in range(lease.group_size)], response.sampling
             )
-            for lease, completion in zip(owners, completions, strict=True)
-        ]
-        result = self.client.post_rollouts(RolloutBatch(rollouts=rollouts))
+            time.sleep(self.options.latency.extra_delay(rng, time.perf_counter() - started))
+            self._post(response.leases, samples, response.sampling)
+            if index == 0 and self._unsent:
+                self._resend_spooled()
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """Complete every prompt; a generation interrupted by a swap continues under the new
+        weights from where it stopped (prompt + tokens so far)."""
+        samples = [Sample(prompt=prompt) for prompt in prompts]
+        while unfinished := [s for s in samples if s.finish_reason is None]:
+            self._admit.wait()
+            # Interrupted rows stopped at the same step, so they share one token budget; group
+            # by length anyway so that no row can exceed max_tokens.
+            by_length: dict[int, list[Sample]] = {}
+            for sample in unfinished:
+                by_length.setdefault(len(sample.token_ids), []).append(sample)
+            with self._lock:
+                version = self.backend.version
+                assert version is not None
+                self.first_generation_at.setdefault(version, time.time())
+                for length, group in by_length.items():
+                    budget = sampling.model_copy(update={"max_tokens": sampling.max_tokens - length})
+                    completions = self.backend.generate(
+                        [s.prompt + s.token_ids for s in group], budget, self._pause_due
+                    )
+                    for sample, completion in zip(group, completions, strict=True):
+                        sample.token_ids += completion.token_ids
+                        sample.logprobs += completion.logprobs
+                        sample.versions += [version] * len(completion.token_ids)
+                        if completion.sampling_mask is not None:
+                            sample.masks = (sample.masks or []) + completion.sampling_mask
+                        if completion.finish_reason != "interrupted":
+                            sample.finish_reason = completion.finish_reason
+        return samples
+
+    def _hand_back(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            try:
+                self.client.release_lease(lease.lease_id, self.options.worker_id)
+            except ConnectionError:
+                log.info("could not hand back lease %s; it expires at its deadline", lease.lease_id)
+
+    # -- posting --------------------------------------------------------------------------
+
+    def _post(self, leases: list[Lease], samples: list[Sample], sampling: SamplingParams) -> None:
+        owners = [lease for lease in leases for _ in range(lease.group_size)]
+        batch = RolloutBatch(
+            rollouts=[to_rollout(self.info.run_name, self.options.worker_id, lease, sample, sampling)
+                      for lease, sample in zip(owners, samples, strict=True)]
+        )
+        self._send(self.spool.add(batch), batch)
+
+    def _send(self, path: str, batch: RolloutBatch) -> bool:
+        try:
+            result = self.client.post_rollouts(batch)
+        except ConnectionError as exc:
+            log.warning("orchestrator unreachable (%s); %d rollouts stay spooled", exc, len(batch.rollouts))
+            self._unsent = True
+            return False
+        self.spool.remove(path)  # acknowledged: accepted, duplicate or rejected, never to be sent again
         with self._stats_lock:
             self.rollouts_posted += result.accepted
         if result.rejected:
@@ -134,6 +312,41 @@ class Worker:
             for rejection in result.rejected:
                 reasons[rejection.reason] = reasons.get(rejection.reason, 0) + 1
             log.info("orchestrator rejected %d rollouts: %s", len(result.rejected), reasons)
+        return True
+
+    def _resend_spooled(self) -> None:
+        self._unsent = False
+        for path in self.spool.pending():
+            try:
+                batch = Spool.load(path)
+            except FileNotFoundError:  # another slot sent it meanwhile
+                continue
+            if not self._send(path, batch):
+                return  # still unreachable: try again later
+
+
+def to_rollout(run_name: str, worker_id: str, lease: Lease, sample: Sample, sampling: SamplingParams) -> Rollout:
+    mixed = len(set(sample.versions)) > 1
+    return Rollout(
+        rollout_id=uuid.uuid4().hex,
+        run_name=run_name,
+        lease_id=lease.lease_id,
+        prompt_id=lease.prompt_id,
+        worker_id=worker_id,
+        policy_version=sample.versions[0],
+        token_versions=sample.versions if mixed else None,
+        prompt_token_ids=lease.prompt_token_ids,
+        completion_token_ids=sample.token_ids,
+        logprobs=sample.logprobs,
+        finish_reason=sample.finish_reason,  # type: ignore[arg-type]
+        sampling=sampling,
+        sampling_mask=sample.masks,
+    )
+
+
+def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^failures)]."""
+    return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(failures, 16)))
 
 
 def default_worker_id() -> str:

@@ -1,19 +1,38 @@
 """Inference backends. Each loads a pulled checkpoint directory, swaps weights in place, and
-samples completions with the per-token logprobs of the distribution actually sampled."""
+samples completions with the per-token logprobs of the distribution actually sampled.
+
+Three implementations: `hf` (transformers, workers/backends/hf.py), `vllm` (an in-process vLLM
+engine, vllm_engine.py) and `openai` (any OpenAI-compatible server, openai.py). The worker loop
+(workers/worker.py) is the only caller.
+
+"The distribution actually sampled" means after temperature and top-k/top-p truncation: a kept
+token's logprob is renormalized over the kept set, and the kept set of every token is returned
+as the sampling mask, so the trainer can apply the same truncation to its own logits.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from decentrl.wire import SamplingParams
+
+# "interrupted": generation stopped early because a weight swap was due (the worker continues
+# it under the new weights); never posted as such.
+FinishReason = Literal["stop", "length", "interrupted"]
 
 
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
+    sampling_mask: list[list[int]] | None = None  # per token, the kept vocabulary ids; None: no truncation
+
+
+def never() -> bool:
+    return False
 
 
 class Backend(Protocol):
@@ -23,4 +42,31 @@ class Backend(Protocol):
         """Make `version` (a verified local checkpoint directory) the weights used from now on."""
         ...
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]: ...
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+    ) -> list[Completion]:
+        """One completion per prompt. When `should_stop()` turns true, unfinished completions
+        end early as "interrupted" (checked between tokens or chunks of tokens)."""
+        ...
+
+
+def truncates(sampling: SamplingParams) -> bool:
+    """Whether sampling keeps only part of the vocabulary (so a sampling mask is recorded)."""
+    return sampling.top_k > 0 or sampling.top_p < 1.0
+
+
+def stop_cut(text_of: Callable[[list[int]], str], token_ids: list[int], stops: list[str], start: int = 0) -> int | None:
+    """Length of `token_ids` up to and including the first token that completes a stop string.
+
+    `start`: tokens before it were already checked (none of them completed a stop string).
+    Only a window of the last tokens is decoded at each position: a stop string of L characters
+    spans at most L tokens, plus a margin for tokens that decode to nothing (special tokens).
+    """
+    if not stops:
+        return None
+    window = max(len(stop) for stop in stops) + 8
+    for end in range(start + 1, len(token_ids) + 1):
+        text = text_of(token_ids[max(0, end - window) : end])
+        if any(stop in text for stop in stops):
+            return end
+    return None

@@ -1,33 +1,61 @@
 """transformers backend: the CPU default (CUDA when the device says so).
 
-Logprobs come from the raw logits (`output_logits`), scaled by the temperature actually used
-for sampling, because `output_scores` holds logits after processors that may differ from the
-sampled distribution.
+Decoding is a plain loop over the model's forward with a KV cache rather than `generate()`, so
+that the distribution sampled from is computed here, once: temperature, then top-k, then top-p
+(`sampling_distribution`), and the logprob of each sampled token and the kept set (the sampling
+mask) come from exactly that distribution. The loop also checks `should_stop` between tokens,
+which is how a soft-pause deadline interrupts a generation for a weight swap.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from decentrl.wire import SamplingParams
-from workers.backends import Completion
+from workers.backends import Completion, never, stop_cut, truncates
+
+
+def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Log-probabilities (B, V) of the distribution sampled from: -inf outside the kept set,
+    renormalized over it. Order as in vLLM and transformers: temperature, top-k, top-p."""
+    scaled = logits.float() / sampling.temperature  # (B, V)
+    if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        ordered, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        # Keep tokens until the cumulative probability reaches top_p (the crossing token stays);
+        # the most likely token is always kept.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= sampling.top_p
+        drop[:, 0] = False
+        scaled = scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
 
 
 class HFBackend:
-    def __init__(self, *, device: str = "cpu") -> None:
+    def __init__(self, *, device: str = "cpu", seed: int | None = None) -> None:
         self.device = torch.device(device)
         self.model: PreTrainedModel | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.version: int | None = None
+        self.generator = torch.Generator(device=self.device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
 
     def load(self, checkpoint_dir: str, version: int) -> None:
         if self.model is None:
             self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
             self.model.to(self.device).eval()
+            self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
         else:
             # Same architecture, new weights: copy in place instead of rebuilding the module.
             state: dict[str, torch.Tensor] = {}
@@ -36,42 +64,68 @@ class HFBackend:
             self.model.load_state_dict(state, strict=True)
         self.version = version
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        assert self.model is not None, "load() a version before generate()"
-        if sampling.top_k or sampling.top_p < 1.0:
-            raise NotImplementedError("the hf backend samples from the full distribution; set top_k=0, top_p=1")
+    def _eos_and_pad(self) -> tuple[set[int], int]:
+        assert self.model is not None
         config = self.model.generation_config
-        eos_ids = {config.eos_token_id} if isinstance(config.eos_token_id, int) else set(config.eos_token_id or [])
+        eos = config.eos_token_id
+        eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         # Many pretrained models have no pad token; any id works under a zero attention mask.
         pad = config.pad_token_id if config.pad_token_id is not None else min(eos_ids, default=0)
+        return eos_ids, pad
+
+    def _text(self, token_ids: list[int]) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+    ) -> list[Completion]:
+        assert self.model is not None, "load() a version before generate()"
+        eos_ids, pad = self._eos_and_pad()
         width = max(len(p) for p in prompts)
-        # Left padding keeps every prompt's last token at the same position for generation.
+        # Left padding keeps every prompt's last token in the last column.
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention,
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=sampling.max_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=pad,
-            eos_token_id=sorted(eos_ids) or None,
-        )
-        new_tokens = out.sequences[:, width:]  # (B, T)
-        logits = torch.stack(out.logits, dim=1).float()  # (B, T, V)
-        logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
-        token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        return [self._cut(tokens, lps, eos_ids) for tokens, lps in zip(new_tokens.tolist(), token_logprobs.tolist())]
-
-    @staticmethod
-    def _cut(tokens: list[int], logprobs: list[float], eos_ids: set[int]) -> Completion:
-        """Trim the padding generate() adds after a sequence's first end-of-sequence token."""
-        for end, token in enumerate(tokens, start=1):
-            if token in eos_ids:
-                return Completion(tokens[:end], logprobs[:end], "stop")
-        return Completion(tokens, logprobs, "length")
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+        ).logits[:, -1]  # (B, V)
+        rows = len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        masks: list[list[list[int]]] = [[] for _ in range(rows)]
+        finish: list[str | None] = [None] * rows
+        record_mask = truncates(sampling)
+        for _ in range(sampling.max_tokens):
+            dist = sampling_distribution(logits, sampling)  # (B, V)
+            chosen = torch.multinomial(dist.exp(), 1, generator=self.generator)  # (B, 1)
+            chosen_lp = dist.gather(-1, chosen).squeeze(-1).tolist()
+            kept = torch.isfinite(dist) if record_mask else None
+            for row, token in enumerate(chosen.squeeze(-1).tolist()):
+                if finish[row] is not None:
+                    continue
+                tokens[row].append(token)
+                logprobs[row].append(chosen_lp[row])
+                if kept is not None:
+                    masks[row].append(kept[row].nonzero().squeeze(-1).tolist())
+                cut = stop_cut(self._text, tokens[row], sampling.stop, start=len(tokens[row]) - 1)
+                if token in eos_ids or cut is not None:
+                    finish[row] = "stop"
+            if all(f is not None for f in finish) or should_stop():
+                break
+            attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=-1)
+            positions = positions[:, -1:] + 1
+            logits = self.model(
+                input_ids=chosen, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+            ).logits[:, -1]
+        return [
+            Completion(
+                tokens[row],
+                logprobs[row],
+                finish[row] or ("length" if len(tokens[row]) == sampling.max_tokens else "interrupted"),  # type: ignore[arg-type]
+                masks[row] if record_mask else None,
+            )
+            for row in range(rows)
+        ]

@@ -1,0 +1,259 @@
+"""The worker against a real orchestrator (aiohttp app on loopback, in a thread) and a real
+file:// checkpoint store with versions published as the trainer publishes them.
+
+Covers: sampling masks accepted end to end; soft-pause swaps producing partial rollouts whose
+tokens carry their versions and the logprobs of the version that sampled them; spooling while
+the orchestrator is down and resending after it is back; generating on with a fresh version
+while the store is unreachable and waiting once it is stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from aiohttp import web
+
+from decentrl.client import OrchestratorClient
+from decentrl.config import RunConfig, TinyModelConfig, parse_config
+from decentrl.model import build_model, build_tiny_tokenizer
+from decentrl.store import CheckpointStore
+from decentrl.tasks import build_task
+from decentrl.trainer.publisher import write_hf_dir
+from decentrl.wire import LeaseRequest
+from orchestrator.app import create_app
+from orchestrator.auth import TokenRegistry
+from orchestrator.state import RunState
+from workers.backends.hf import HFBackend, sampling_distribution
+from workers.worker import Worker, WorkerOptions
+
+WORKER, TRAINER = "worker-secret", "trainer-secret"
+TOKENS = [{"name": "vol", "role": "worker", "token": WORKER}, {"name": "trainer", "role": "trainer", "token": TRAINER}]
+TINY = {"type": "tiny", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+
+
+def run_config(**sampling: Any) -> RunConfig:
+    return parse_config(
+        {
+            "run_name": "worker-test",
+            "group_size": 2,
+            "max_staleness": 1,
+            "num_workers": 1,
+            "trainer_ranks": 1,
+            "model": TINY,
+            "task": {"type": "sorting", "num_prompts": 64},
+            "sampling": {"temperature": 1.0, "max_tokens": 6, **sampling},
+            "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "batch_wait_s": 0.2},
+            "trainer": {"groups_per_step": 2, "steps": 3},
+        }
+    )
+
+
+class Orchestrator:
+    """The real app on 127.0.0.1 in a background event loop; stop() and start() keep its state."""
+
+    def __init__(self, config: RunConfig, store_url: str) -> None:
+        self.state = RunState(config=config, task=build_task(config.task), tokenizer=build_tiny_tokenizer())
+        self.store_url = store_url
+        self.port = 0
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.runner: web.AppRunner | None = None
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+    def start(self) -> None:
+        async def up() -> None:
+            app = create_app(state=self.state, tokens=TokenRegistry(TOKENS), store_url=self.store_url)
+            self.runner = web.AppRunner(app)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+            self.port = self.runner.addresses[0][1]
+
+        self._call(up())
+
+    def stop(self) -> None:
+        assert self.runner is not None
+        self._call(self.runner.cleanup())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, token: str, max_wait_s: float = 5.0) -> OrchestratorClient:
+        return OrchestratorClient(self.url, token, timeout_s=30.0, max_wait_s=max_wait_s)
+
+
+@dataclass
+class Setup:
+    orchestrator: Orchestrator
+    store: CheckpointStore
+    store_dir: str
+    tmp: str
+    models: dict[int, torch.nn.Module]
+
+    def publish(self, version: int, seed: int, *, eos: bool = True) -> None:
+        model = build_model(TinyModelConfig(**{k: v for k, v in TINY.items() if k != "type"}, seed=seed))
+        if not eos:  # completions run to max_tokens: long enough to be caught by a swap
+            model.generation_config.eos_token_id = None
+        directory = os.path.join(self.tmp, f"publish-{version}")
+        os.makedirs(directory)
+        build_tiny_tokenizer().save_pretrained(directory)
+        model.generation_config.save_pretrained(directory)
+        write_hf_dir(directory, model.state_dict(), model.config, extras_from=directory)
+        self.store.publish(version, directory, parent=version - 1 if version else None)
+        self.orchestrator.client(TRAINER).announce(version)
+        self.models[version] = model.eval()
+
+    def worker(self, **options: Any) -> Worker:
+        values: dict[str, Any] = {"worker_id": "w0", "cache_dir": os.path.join(self.tmp, "cache"), "groups_per_request": 2}
+        values.update(options)
+        return Worker(
+            options=WorkerOptions(**values), client=self.orchestrator.client(WORKER, max_wait_s=1.0), backend=HFBackend(seed=0)
+        )
+
+
+def make_setup(tmp_path: Any, **sampling: Any) -> Iterator[Setup]:
+    store_dir = str(tmp_path / "store")
+    orchestrator = Orchestrator(run_config(**sampling), f"file://{store_dir}")
+    orchestrator.start()
+    try:
+        yield Setup(orchestrator, CheckpointStore(f"file://{store_dir}"), store_dir, str(tmp_path), {})
+    finally:
+        if orchestrator.runner is not None:
+            orchestrator.stop()
+        orchestrator.loop.call_soon_threadsafe(orchestrator.loop.stop)
+
+
+@pytest.fixture
+def setup(tmp_path: Any) -> Iterator[Setup]:
+    yield from make_setup(tmp_path, top_k=5, top_p=0.95)
+
+
+@pytest.fixture
+def long_setup(tmp_path: Any) -> Iterator[Setup]:
+    yield from make_setup(tmp_path, max_tokens=200)
+
+
+def test_worker_posts_truncated_samples_the_orchestrator_accepts(setup: Setup) -> None:
+    setup.publish(0, seed=0)
+    worker = setup.worker()
+    worker.run(max_iterations=3)
+    status = setup.orchestrator.client(WORKER).status()
+    assert status.rollouts_rejected == {}
+    # The orchestrator leases no more groups than the trainer can use fresh: 2 steps' worth here.
+    assert status.rollouts_accepted == worker.rollouts_posted >= 4
+    samples = [r for lease in setup.orchestrator.state.leases.values() for r in lease.samples]
+    samples += [r for group in setup.orchestrator.state.ready for r, _ in group.samples]
+    assert samples, "accepted rollouts are held in open leases or ready groups"
+    for rollout in samples:
+        assert rollout.sampling.top_k == 5 and rollout.sampling_mask is not None
+        assert all(t in kept and len(kept) <= 5 for t, kept in zip(rollout.completion_token_ids, rollout.sampling_mask))
+    assert worker.spool.pending() == []
+
+
+def test_soft_pause_swap_continues_in_flight_samples_under_the_new_version(long_setup: Setup) -> None:
+    setup = long_setup
+    setup.publish(0, seed=0, eos=False)
+    worker = setup.worker(swap_deadline_s=0.0)  # interrupt in-flight work at once
+    worker._swap(setup.store.pull(0, worker.options.cache_dir), 0, pull_s=0.0)
+    response = worker.client.lease(LeaseRequest(worker_id="w0", max_groups=2))
+    prompts = [lease.prompt_token_ids for lease in response.leases for _ in range(lease.group_size)]
+    result: dict[str, Any] = {}
+    generating = threading.Thread(target=lambda: result.update(samples=worker._generate(prompts, response.sampling)))
+    generating.start()
+    while 0 not in worker.first_generation_at:
+        time.sleep(0.001)
+    setup.publish(1, seed=1, eos=False)
+    worker._swap(setup.store.pull(1, worker.options.cache_dir), 1, pull_s=0.0)
+    generating.join(timeout=120)
+    samples = result["samples"]
+    for prompt, sample in zip(prompts, samples, strict=True):
+        assert len(sample.token_ids) == 200 and sample.finish_reason == "length"
+        switch = sample.versions.index(1)
+        assert 0 < switch and sample.versions == [0] * switch + [1] * (200 - switch)
+        # Each token's logprob is that of the version that sampled it, given the whole prefix.
+        ids = torch.tensor([prompt + sample.token_ids])
+        for version in (0, 1):
+            with torch.no_grad():
+                logits = setup.models[version](input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            dist = sampling_distribution(logits, response.sampling)
+            expected = dist.gather(-1, torch.tensor(sample.token_ids)[:, None]).squeeze(-1).tolist()
+            span = slice(0, switch) if version == 0 else slice(switch, 200)
+            assert sample.logprobs[span] == pytest.approx(expected[span], abs=2e-4)
+    worker._post(response.leases, samples, response.sampling)
+    status = worker.client.status()
+    assert status.rollouts_rejected == {} and status.rollouts_accepted == len(samples)
+    ready = [r for group in setup.orchestrator.state.ready for r, _ in group.samples]
+    assert all(r.policy_version == 0 and r.token_versions is not None for r in ready)
+    assert worker.swaps[-1].version == 1
+
+
+def test_rollouts_are_spooled_while_the_orchestrator_is_down_and_resent(setup: Setup) -> None:
+    setup.publish(0, seed=0)
+    worker = setup.worker()
+    worker._swap(setup.store.pull(0, worker.options.cache_dir), 0, pull_s=0.0)
+    response = worker.client.lease(LeaseRequest(worker_id="w0", max_groups=2))
+    samples = worker._generate(
+        [lease.prompt_token_ids for lease in response.leases for _ in range(lease.group_size)], response.sampling
+    )
+    setup.orchestrator.stop()
+    worker._post(response.leases, samples, response.sampling)  # fails after the client's retries
+    assert len(worker.spool.pending()) == 1
+    assert worker.rollouts_posted == 0
+    setup.orchestrator.start()  # same port, same state: leases still open
+    worker._resend_spooled()
+    assert worker.spool.pending() == []
+    assert worker.rollouts_posted == 4
+    assert worker.client.status().rollouts_accepted == 4
+
+
+def test_store_outage_keeps_a_fresh_version_and_waits_once_stale(setup: Setup) -> None:
+    setup.publish(0, seed=0)
+    worker = setup.worker(version_poll_s=0.2)
+    trainer = setup.orchestrator.client(TRAINER)
+    trainer_version = 0
+    deadline = time.time() + 150
+
+    def train_until(done: Any) -> None:
+        """Act as the trainer: take batches (so leasing goes on) until `done()`."""
+        while not done() and time.time() < deadline:
+            trainer.batch(trainer_version)
+        assert done()
+
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    train_until(lambda: worker.rollouts_posted >= 4)
+    hidden = setup.store_dir + ".away"
+    shutil.move(setup.store_dir, hidden)  # the store is unreachable from now on
+    setup.store = CheckpointStore(f"file://{hidden}")  # (the trainer publishes elsewhere meanwhile)
+    setup.publish(1, seed=1)  # v1 announced but cannot be pulled: v0 is still fresh (staleness 1)
+    trainer_version = 1
+    train_until(lambda: worker.announced == 1)
+    posted = worker.rollouts_posted
+    train_until(lambda: worker.rollouts_posted >= posted + 2)  # generated at v0 after v1 was announced
+    assert worker.backend.version == 0
+    setup.publish(2, seed=2)  # now v0 is two behind: the worker must stop generating with it
+    trainer_version = 2
+    train_until(lambda: worker.announced == 2)
+    time.sleep(1.0)  # a generation already in flight may still finish
+    held = worker.rollouts_posted
+    time.sleep(1.5)
+    assert worker.rollouts_posted == held and worker.backend.version == 0
+    shutil.move(hidden, setup.store_dir)  # the store is back
+    train_until(lambda: worker.rollouts_posted > held)
+    assert worker.backend.version == 2
+    worker.request_stop()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    rejected = worker.client.status().rollouts_rejected
+    assert rejected.get("stale", 0) <= 4, rejected  # at most the generation in flight when v2 came
