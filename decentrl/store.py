@@ -45,6 +45,7 @@ _READ_BLOCK = 64 * 1024 * 1024
 _RETRY_DELAYS = (0.2, 0.4)  # sleeps between the 3 download attempts of one file
 _VERSION_DIR = re.compile(r"v(\d{6,})")  # 6+ digits: version_dirname pads, never truncates
 _CACHE_ENTRY = re.compile(r"\.?v(\d{6,})(\.partial)?")
+_DEFAULTS = StoreConfig()
 
 
 def version_dirname(version: int) -> str:
@@ -171,10 +172,10 @@ class CheckpointStore:
         *,
         signing_key: Ed25519PrivateKey | None = None,
         public_key: Ed25519PublicKey | None = None,
-        upload_concurrency: int = 4,
-        download_concurrency: int = 4,
+        upload_concurrency: int = _DEFAULTS.upload_concurrency,
+        download_concurrency: int = _DEFAULTS.download_concurrency,
         cache_max_bytes: int | None = None,
-        retention_grace_s: float = 300.0,
+        retention_grace_s: float = _DEFAULTS.retention_grace_s,
     ) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
