@@ -55,7 +55,10 @@ def prepare_store(config: RunConfig, store: CheckpointStore, client: Orchestrato
         with tempfile.TemporaryDirectory(prefix="decentrl-v0-") as directory:
             tokenizer.save_pretrained(directory)
             model.generation_config.save_pretrained(directory)
-            write_hf_dir(directory, model.state_dict(), model.config, extras_from=directory)
+            write_hf_dir(
+                directory, model.state_dict(), model.config, extras_from=directory,
+                max_shard_bytes=config.store.shard_size_mb * 2**20,
+            )
             store.publish(0, directory, parent=None)
     plan = plan_resume(checkpoints.latest(), journal.steps(), store.versions())
     client.announce(plan.published)  # again after a restart: the crash may have come before it

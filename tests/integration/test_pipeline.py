@@ -33,6 +33,8 @@ num_heads = 2
 intermediate_size = 64
 [sampling]
 max_tokens = 6
+[orchestrator]
+port = 0
 [worker]
 groups_per_request = 4
 [trainer]
