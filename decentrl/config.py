@@ -75,7 +75,42 @@ class SortingTaskConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the prompt pool.")
 
 
-TaskConfig = Annotated[Annotated[SortingTaskConfig, Tag("sorting")], _keyed_by_type("sorting")]
+class ArithmeticTaskConfig(Section):
+    """Evaluate an integer expression ("12+7*3="); reward 1 for the exact value (see tasks/arithmetic.py)."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    path: str = Field(
+        "arithmetic.jsonl", description="JSONL of {\"question\": ...}; a bare name is looked up in decentrl/tasks/data/."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the prompt order.")
+
+
+class CountdownTaskConfig(Section):
+    """Reach a target with given numbers and + - * /; reward 1 for an exact solution (see tasks/countdown.py)."""
+
+    type: Literal["countdown"] = "countdown"
+    path: str = Field(
+        "countdown.jsonl", description="JSONL of {\"numbers\": [...], \"target\": n}; bare names: decentrl/tasks/data/."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the prompt order.")
+
+
+class ImportTaskConfig(Section):
+    """A user task: a class implementing decentrl.tasks.Task, constructed as Class(**options)."""
+
+    type: Literal["import"] = "import"
+    target: str = Field(pattern=r"^[\w.]+:\w+$", description="Import path 'package.module:Class'.")
+    options: dict[str, object] = Field(default_factory=dict, description="Keyword arguments of the constructor.")
+    seed: int = Field(0, ge=0, description="Seed of the prompt order.")
+
+
+TaskConfig = Annotated[
+    Annotated[SortingTaskConfig, Tag("sorting")]
+    | Annotated[ArithmeticTaskConfig, Tag("arithmetic")]
+    | Annotated[CountdownTaskConfig, Tag("countdown")]
+    | Annotated[ImportTaskConfig, Tag("import")],
+    _keyed_by_type("sorting"),
+]
 
 
 class StoreConfig(Section):
@@ -368,7 +403,7 @@ class RunConfig(Section):
         return self.model_copy(update={"store": self.store.model_copy(update={"url": url})})
 
 
-UNION_TAGS = {"tiny", "pretrained", "sorting", "grpo", "token", "dr_grpo", "tis", "icepop", "seq_mask"}
+UNION_TAGS = {"tiny", "pretrained", "sorting", "arithmetic", "countdown", "import", "grpo", "token", "dr_grpo", "tis", "icepop", "seq_mask"}
 
 
 class ConfigError(Exception):

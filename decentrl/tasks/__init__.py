@@ -5,10 +5,11 @@ The orchestrator is the only caller of `Task.reward`: a worker's claimed reward 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from decentrl.config import SortingTaskConfig
+from decentrl.config import ArithmeticTaskConfig, CountdownTaskConfig, ImportTaskConfig, TaskConfig
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,30 @@ class Task(Protocol):
         ...
 
 
-def build_task(config: SortingTaskConfig) -> Task:
+def build_task(config: TaskConfig) -> Task:
+    if isinstance(config, ArithmeticTaskConfig):
+        from decentrl.tasks.arithmetic import ArithmeticTask
+
+        return ArithmeticTask(config)
+    if isinstance(config, CountdownTaskConfig):
+        from decentrl.tasks.countdown import CountdownTask
+
+        return CountdownTask(config)
+    if isinstance(config, ImportTaskConfig):
+        return import_task(config.target)(**config.options)
     from decentrl.tasks.sorting import SortingTask
 
     return SortingTask(config)
+
+
+def import_task(target: str) -> type:
+    """The class named by "package.module:Class", with an error that says what is missing."""
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"task.target {target!r}: cannot import {module_name!r} ({exc})") from None
+    try:
+        return getattr(module, class_name)
+    except AttributeError:
+        raise ValueError(f"task.target {target!r}: module {module_name!r} has no {class_name!r}") from None

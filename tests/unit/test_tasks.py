@@ -91,3 +91,63 @@ def test_random_policy_scores_low(task: SortingTask, tokenizer: PreTrainedTokeni
     mean = sum(rewards) / len(rewards)
     assert 0.0 < mean < 0.2
     assert all(0.0 <= r <= 1.0 for r in rewards)
+
+
+# -- arithmetic, countdown, user tasks ----------------------------------------------------
+
+from decentrl.config import ArithmeticTaskConfig, CountdownTaskConfig, ImportTaskConfig, parse_config  # noqa: E402
+from decentrl.tasks.arithmetic import evaluate  # noqa: E402
+from decentrl.tasks.countdown import score  # noqa: E402
+
+
+def test_arithmetic_verifier_is_exact() -> None:
+    task = build_task(ArithmeticTaskConfig())
+    assert task.num_prompts == 512
+    for prompt_id in range(task.num_prompts):
+        prompt = task.prompt(prompt_id)
+        right = evaluate(prompt.text[:-1])
+        assert task.reward(prompt, f" {right}") == 1.0
+        assert task.reward(prompt, str(right + 1)) == 0.0
+    assert evaluate("2+3*4") == 14 and evaluate("(2+3)*4") == 20 and evaluate("-5-5") == -10
+    with pytest.raises(ValueError, match="not an integer expression"):
+        evaluate("__import__('os')")
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [("50+25", 1.0), ("(3*25)", 1.0), ("25*3 = 75", 1.0), ("75", 0.0), ("25+25+25", 0.0), ("50/0", 0.0), ("x", 0.0),
+     ("(50-25)*3", 1.0), ("(50*3)/2", 0.0), ("50+26-1", 0.0)],
+)
+def test_countdown_verifier(completion: str, reward: float) -> None:
+    assert score([3, 7, 25, 50], 75, completion) == reward
+
+
+def test_countdown_prompts_have_the_numbers_and_target() -> None:
+    task = build_task(CountdownTaskConfig())
+    assert task.num_prompts == 512
+    assert task.prompt(0).text == "numbers 13 25 14 2 target 53:"
+    assert task.reward(task.prompt(0), "13+25+14+2-1") == 0.0  # 1 is not given
+    assert task.reward(task.prompt(0), "25+14+14") == 0.0  # 14 is given once
+    assert task.reward(task.prompt(0), "25*2+14-13+2") == 0.0  # 2 used twice
+    assert task.reward(task.prompt(0), "13+25+14+2-1+1") == 0.0
+
+
+def test_jsonl_errors_say_what_to_fix(tmp_path: object) -> None:
+    bad = tmp_path / "bad.jsonl"  # type: ignore[operator]
+    bad.write_text('{"question": "1+1"}\n{"q": 2}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: missing field\(s\) question"):
+        build_task(ArithmeticTaskConfig(path=str(bad)))
+    with pytest.raises(ValueError, match="not found"):
+        build_task(ArithmeticTaskConfig(path="nope.jsonl"))
+
+
+def test_user_task_by_import_path() -> None:
+    config = parse_config({"task": {"type": "import", "target": "decentrl.tasks.sorting:SortingTask",
+                                    "options": {"config": SortingTaskConfig(num_prompts=9)}}})
+    assert isinstance(config.task, ImportTaskConfig)
+    task = build_task(config.task)
+    assert task.num_prompts == 9 and task.prompt(0).text.endswith("=")
+    with pytest.raises(ValueError, match="has no 'Missing'"):
+        build_task(ImportTaskConfig(target="decentrl.tasks.sorting:Missing"))
+    with pytest.raises(ValueError, match="cannot import"):
+        build_task(ImportTaskConfig(target="no_such_module:Task"))

@@ -1,0 +1,127 @@
+"""OpenAI-compatible server backend: `vllm serve`, SGLang, or anything speaking /v1/completions
+with token ids and logprobs.
+
+Requests send prompts as token ids and ask for `logprobs` (with `return_tokens_as_token_ids`,
+so each sampled token comes back as "token_id:N"); `top_logprobs` of each position give the
+sampling mask when truncation applies. The server must report the logprobs of the distribution
+it sampled from (vLLM: `--logprobs-mode processed_logprobs`). Generation goes in chunks of
+`chunk_tokens` so that a soft-pause deadline can interrupt it between chunks.
+
+New weights: `reload="weights"` POSTs the checkpoint directory to `reload_route` (SGLang's
+/update_weights_from_disk, body {"model_path": dir}); `reload="lora"` loads it as an adapter
+named after the version through /v1/load_lora_adapter (vLLM with runtime LoRA updating) and
+samples with that adapter. The server must see the worker's cache directory (same machine).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Callable
+from typing import Literal
+
+from decentrl.wire import SamplingParams
+from workers.backends import Completion, never, stop_cut, truncates
+
+
+class OpenAIBackend:
+    def __init__(
+        self,
+        *,
+        url: str,
+        model: str,
+        reload: Literal["weights", "lora"] = "weights",
+        reload_route: str = "/update_weights_from_disk",
+        chunk_tokens: int = 64,
+        api_key: str = "",
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.reload = reload
+        self.reload_route = reload_route
+        self.chunk_tokens = chunk_tokens
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.version: int | None = None
+        self._served_model = model
+        self._decode: Callable[[list[int]], str] | None = None
+
+    def _post(self, route: str, body: dict[str, object]) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url + route, data=json.dumps(body).encode(), headers=headers, method="POST")
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            text = response.read().decode()
+        return json.loads(text) if text.strip() else {}
+
+    def load(self, checkpoint_dir: str, version: int) -> None:
+        if self.reload == "lora":
+            name = f"decentrl-v{version}"
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": checkpoint_dir})
+            self._served_model = name
+        else:
+            self._post(self.reload_route, {"model_path": checkpoint_dir})
+        if self._decode is None:  # the tokenizer never changes within a run
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        self.version = version
+
+    def _request(self, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> Completion:
+        masked = truncates(sampling)
+        body: dict[str, object] = {
+            "model": self._served_model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": (sampling.top_k or 20) if masked else 1,
+            "return_tokens_as_token_ids": True,
+        }
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if sampling.stop:
+            body["stop"] = sampling.stop
+        choice = self._post("/v1/completions", body)["choices"][0]
+        logprobs = choice["logprobs"]
+        token_ids = [int(token.removeprefix("token_id:")) for token in logprobs["tokens"]]
+        mask = None
+        if masked:
+            mask = [
+                sorted(int(t.removeprefix("token_id:")) for t, lp in top.items() if lp > float("-inf"))
+                for top in logprobs["top_logprobs"]
+            ]
+        finish = "stop" if choice["finish_reason"] == "stop" else "length"
+        return Completion(token_ids, [float(lp) for lp in logprobs["token_logprobs"]], finish, mask)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+    ) -> list[Completion]:
+        assert self._decode is not None, "load() a version before generate()"
+        return [self._complete(prompt, sampling, should_stop) for prompt in prompts]
+
+    def _complete(self, prompt: list[int], sampling: SamplingParams, should_stop: Callable[[], bool]) -> Completion:
+        assert self._decode is not None
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        masks: list[list[int]] | None = [] if truncates(sampling) else None
+        while True:
+            chunk = self._request(prompt + tokens, sampling, min(self.chunk_tokens, sampling.max_tokens - len(tokens)))
+            checked = len(tokens)
+            tokens += chunk.token_ids
+            logprobs += chunk.logprobs
+            if masks is not None and chunk.sampling_mask is not None:
+                masks += chunk.sampling_mask
+            # A stop string may span two chunks: the server saw only one of them.
+            cut = stop_cut(self._decode, tokens, sampling.stop, start=max(0, checked - 1))
+            if cut is not None:
+                return Completion(tokens[:cut], logprobs[:cut], "stop", masks[:cut] if masks is not None else None)
+            if chunk.finish_reason == "stop":
+                return Completion(tokens, logprobs, "stop", masks)
+            if len(tokens) >= sampling.max_tokens:
+                return Completion(tokens, logprobs, "length", masks)
+            if should_stop():
+                return Completion(tokens, logprobs, "interrupted", masks)
