@@ -212,7 +212,13 @@ class OrchestratorConfig(Section):
 class WorkerConfig(Section):
     """An inference worker: pulls versions, generates, posts rollouts."""
 
-    backend: Literal["hf"] = Field("hf", description="Inference backend.")
+    backend: Literal["hf", "vllm", "openai"] = Field(
+        "hf", description="Inference backend: transformers, in-process vLLM, or an OpenAI-compatible server."
+    )
+    swap_deadline_s: float = Field(
+        5.0, ge=0, description="Soft pause: in-flight generation may finish for this long before it continues "
+        "under the new weights as a partial rollout.",
+    )
     groups_per_request: int = Field(
         4, ge=1, le=1024, description="Prompts (groups) leased and generated together."
     )

@@ -126,6 +126,8 @@ def _worker_flags(config: RunConfig, index: int, run_dir: Path) -> list[str]:
         "--simulated-latency-sigma", str(worker.simulated_latency_sigma),
         "--slowdown", str(slowdown),
         "--seed", str(config.trainer.seed + index),
+        "--backend", worker.backend,
+        "--swap-deadline-s", str(worker.swap_deadline_s),
         *(["--public-key", config.store.public_key] if config.store.public_key else []),
         *(["--cache-max-gb", str(config.store.cache_max_gb)] if config.store.cache_max_gb else []),
     ]

@@ -101,6 +101,13 @@ def worker(
     simulated_latency_sigma: Annotated[float, typer.Option(min=0, help="Benchmarks: injected delay shape.")] = 1.0,
     slowdown: Annotated[float, typer.Option(min=1, help="Benchmarks: factor on generation time.")] = 1.0,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the injected delays.")] = 0,
+    backend: Annotated[str, typer.Option(help="hf (transformers), vllm (in-process engine) or openai (a server).")] = "hf",
+    server_url: Annotated[str, typer.Option(help="openai backend: the server, e.g. http://127.0.0.1:8000.")] = "",
+    server_model: Annotated[str, typer.Option(help="openai backend: the model name the server serves.")] = "",
+    reload: Annotated[str, typer.Option(help="openai backend: 'weights' (reload route) or 'lora' (adapter).")] = "weights",
+    reload_route: Annotated[str, typer.Option(help="openai backend: route taking {model_path}.")] = "/update_weights_from_disk",
+    swap_deadline_s: Annotated[float, typer.Option(min=0, help="Soft pause: in-flight work may finish this long.")] = 5.0,
+    spool_dir: Annotated[str | None, typer.Option(help="Unacknowledged rollouts; default CACHE_DIR/spool/WORKER_ID.")] = None,
 ) -> None:
     """Generate rollouts for a run: needs only the orchestrator URL and a worker token."""
     _setup_logging("worker")
@@ -122,9 +129,27 @@ def worker(
         concurrency=concurrency,
         latency=LatencyModel(median_s=simulated_latency_median_s, sigma=simulated_latency_sigma, slowdown=slowdown),
         seed=seed,
+        swap_deadline_s=swap_deadline_s,
+        spool_dir=spool_dir,
     )
+    if backend == "hf":
+        engine = HFBackend(device=device)
+    elif backend == "vllm":
+        from workers.backends.vllm_engine import VLLMBackend
+
+        engine = VLLMBackend()
+    elif backend == "openai":
+        from workers.backends.openai import OpenAIBackend
+
+        if not server_url or not server_model:
+            typer.echo("error: --backend openai needs --server-url and --server-model", err=True)
+            raise typer.Exit(2)
+        engine = OpenAIBackend(url=server_url, model=server_model, reload=reload, reload_route=reload_route)  # type: ignore[arg-type]
+    else:
+        typer.echo(f"error: --backend must be hf, vllm or openai (got {backend!r})", err=True)
+        raise typer.Exit(2)
     client = OrchestratorClient(orchestrator_url, token)
-    Worker(options=options, client=client, backend=HFBackend(device=device)).run()
+    Worker(options=options, client=client, backend=engine).run()
 
 
 @app.command()

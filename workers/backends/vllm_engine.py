@@ -1,0 +1,111 @@
+"""vLLM backend: an in-process engine (`vllm.LLM`); new weights are loaded in place from the
+pulled safetensors through `collective_rpc` (the model's own `load_weights`), no engine restart.
+
+Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. after temperature
+and top-k/top-p, renormalized over the kept set: the distribution actually sampled. With
+truncation, each position's returned top logprobs (`top_k`, or `mask_logprobs` for top-p only)
+with a finite value form the sampling mask. Generation goes in chunks of `chunk_tokens` so a
+soft-pause deadline can interrupt it. Tested in its own virtualenv (docs/workers.md).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable
+
+from decentrl.wire import SamplingParams
+from workers.backends import Completion, never, stop_cut, truncates
+
+
+def _load_in_place(worker: object, checkpoint_dir: str) -> None:
+    """Runs inside each vLLM worker: stream the safetensors shards into the live model."""
+    from safetensors.torch import safe_open
+
+    def weights():  # noqa: ANN202 - a generator of (name, tensor)
+        for shard in sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors"))):
+            with safe_open(shard, framework="pt") as file:
+                for name in file.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield name, file.get_tensor(name)
+
+    worker.model_runner.model.load_weights(weights())  # type: ignore[attr-defined]
+
+
+class VLLMBackend:
+    def __init__(self, *, chunk_tokens: int = 256, mask_logprobs: int = 64, engine_args: dict | None = None) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.mask_logprobs = mask_logprobs
+        self.engine_args = engine_args or {}
+        self.llm = None
+        self.version: int | None = None
+
+    def load(self, checkpoint_dir: str, version: int) -> None:
+        if self.llm is None:
+            from vllm import LLM
+
+            self.llm = LLM(
+                model=checkpoint_dir,
+                logprobs_mode="processed_logprobs",
+                max_logprobs=self.mask_logprobs,
+                enforce_eager=True,
+                **self.engine_args,
+            )
+        else:
+            self.llm.collective_rpc(_load_in_place, args=(checkpoint_dir,))
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.llm.get_tokenizer().decode(token_ids, skip_special_tokens=True)  # type: ignore[union-attr]
+
+    def _chunk(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Completion]:
+        from vllm import SamplingParams as VParams
+        from vllm.inputs import TokensPrompt
+
+        masked = truncates(sampling)
+        params = [
+            VParams(
+                temperature=sampling.temperature,
+                top_k=sampling.top_k if sampling.top_k else -1,
+                top_p=sampling.top_p,
+                max_tokens=budget,
+                stop=sampling.stop or None,
+                logprobs=(sampling.top_k or self.mask_logprobs) if masked else 0,
+            )
+            for budget in max_tokens
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)  # type: ignore[union-attr]
+        completions = []
+        for output in outputs:
+            result = output.outputs[0]
+            ids = list(result.token_ids)
+            lps = [float(step[token].logprob) for step, token in zip(result.logprobs, ids, strict=True)]
+            mask = [sorted(t for t, lp in step.items() if lp.logprob > float("-inf")) for step in result.logprobs] if masked else None
+            finish = "stop" if result.finish_reason == "stop" else "length"
+            completions.append(Completion(ids, lps, finish, mask))
+        return completions
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+    ) -> list[Completion]:
+        assert self.llm is not None, "load() a version before generate()"
+        state = [Completion([], [], "interrupted", [] if truncates(sampling) else None) for _ in prompts]
+        while True:
+            open_rows = [i for i, c in enumerate(state) if c.finish_reason == "interrupted"]
+            if not open_rows:
+                return state
+            budgets = [min(self.chunk_tokens, sampling.max_tokens - len(state[i].token_ids)) for i in open_rows]
+            chunks = self._chunk([prompts[i] + state[i].token_ids for i in open_rows], sampling, budgets)
+            for i, chunk in zip(open_rows, chunks, strict=True):
+                before = state[i]
+                ids, lps = before.token_ids + chunk.token_ids, before.logprobs + chunk.logprobs
+                mask = before.sampling_mask + chunk.sampling_mask if before.sampling_mask is not None and chunk.sampling_mask is not None else None
+                cut = stop_cut(self._text, ids, sampling.stop, start=len(before.token_ids))
+                if cut is not None:
+                    state[i] = Completion(ids[:cut], lps[:cut], "stop", mask[:cut] if mask is not None else None)
+                elif chunk.finish_reason == "stop" or len(ids) >= sampling.max_tokens:
+                    state[i] = Completion(ids, lps, chunk.finish_reason if chunk.finish_reason == "stop" else "length", mask)
+                else:
+                    state[i] = Completion(ids, lps, "interrupted", mask)
+            if should_stop():
+                return state
