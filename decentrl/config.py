@@ -323,6 +323,26 @@ class AdvantageConfig(Section):
     )
 
 
+class LoRAConfig(Section):
+    """Train a LoRA adapter (peft) instead of every weight: version 0 is the full base model,
+    every later version only the adapter (docs/trainer.md#lora)."""
+
+    rank: int = Field(16, ge=1, le=1024, description="Rank r of each adapter (A: r x in, B: out x r).")
+    alpha: float = Field(32.0, gt=0, description="Scale of the adapter's output: alpha / rank.")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input while training. Keep 0 for RL: with dropout the trainer's "
+        "logprobs are noisy samples, not the policy the workers sampled from.",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the Linear modules that get an adapter (e.g. add gate_proj, up_proj, down_proj for the MLP).",
+    )
+
+
 class TrainerConfig(Section):
     """The FSDP2 trainer: pulls batches, steps, publishes the next version."""
 
@@ -357,6 +377,9 @@ class TrainerConfig(Section):
         25, ge=1, description="Steps between resumable checkpoints under <run_dir>/trainer; the last step saves one too."
     )
     checkpoint_keep: int = Field(2, ge=1, description="Resumable checkpoints kept (older ones are deleted).")
+    lora: LoRAConfig | None = Field(
+        None, description="Present ([trainer.lora]): train a LoRA adapter on frozen base weights and publish only it."
+    )
     seed: int = Field(0, ge=0, description="Seed of the trainer's RNG.")
     torch_threads: int = Field(1, ge=1, description="Intra-op CPU threads per rank.")
 

@@ -67,6 +67,12 @@ class Manifest(BaseModel):
     parent: int | None = Field(description="Version this one was trained from; None for the first", ge=0)
     created_at: float = Field(description="Unix time the version was published", ge=0)
     files: list[ManifestFile] = Field(description="Every file of the version except the manifest")
+    base_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="LoRA runs: the full version this adapter-only version (adapter_config.json, "
+        "adapter_model.safetensors) applies to; None for a full checkpoint",
+    )
     signature: str | None = Field(
         default=None, description="ed25519 signature of `signed_payload` of the manifest (decentrl.signing)"
     )
@@ -151,6 +157,12 @@ def _locked(path: str, *, blocking: bool = True) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)
+
+
+def _cached_base(version_dir: str) -> int | None:
+    """The base version of a cached (hence verified) version directory; None for a full checkpoint."""
+    with open(os.path.join(version_dir, MANIFEST_NAME), "rb") as f:
+        return Manifest.model_validate_json(f.read()).base_version
 
 
 def _dir_bytes(path: str) -> int:
@@ -253,8 +265,9 @@ class CheckpointStore:
     def manifest(self, version: int) -> Manifest:
         return self._checked_manifest(version)[0]
 
-    def publish(self, version: int, local_dir: str, parent: int | None = None) -> Manifest:
-        """Upload every file of `local_dir` in parallel, then the (signed) manifest last."""
+    def publish(self, version: int, local_dir: str, parent: int | None = None, base_version: int | None = None) -> Manifest:
+        """Upload every file of `local_dir` in parallel, then the (signed) manifest last.
+        `base_version`: `local_dir` holds a LoRA adapter to apply to that (full) version."""
         if self.fs.exists(self._manifest_path(version)):
             raise StoreError(
                 f"version {version} already published in {self.url}; "
@@ -277,7 +290,7 @@ class CheckpointStore:
             for upload in uploads:
                 upload.result()
         files = [ManifestFile(path=n, size=size, sha256=sha) for n, (size, sha) in zip(names, hashes)]
-        manifest = Manifest(version=version, parent=parent, created_at=time.time(), files=files)
+        manifest = Manifest(version=version, parent=parent, created_at=time.time(), files=files, base_version=base_version)
         if self.signing_key is not None:
             payload = signed_payload(manifest.model_dump(mode="json"))
             manifest = manifest.model_copy(update={"signature": signing.sign(self.signing_key, payload)})
@@ -296,12 +309,22 @@ class CheckpointStore:
             self.fs.pipe_file(path, data)  # a single put is atomic on object stores
 
     def pull(self, version: int, cache_dir: str) -> str:
-        """`cache_dir/vNNNNNN`, downloaded and verified unless already cached; resumes a partial pull."""
+        """`cache_dir/vNNNNNN`, downloaded and verified unless already cached; resumes a partial pull.
+        An adapter version (manifest `base_version`) brings its base version into the cache too:
+        it is loaded onto that base, which is thus pulled once and kept for every adapter after it."""
+        final, base = self._pull_one(version, cache_dir)
+        if base is not None:
+            self._pull_one(base, cache_dir)
+        self.evict(cache_dir, keep=version)
+        return final
+
+    def _pull_one(self, version: int, cache_dir: str) -> tuple[str, int | None]:
+        """The cached directory of `version` and the base version it is an adapter for."""
         name = version_dirname(version)
         final = os.path.join(cache_dir, name)
         # The final directory only ever appears by rename of a verified one.
         if os.path.isdir(final):
-            return final
+            return final, _cached_base(final)
         manifest, raw = self._checked_manifest(version)
         os.makedirs(cache_dir, exist_ok=True)
         # One puller per version per cache dir: the partial directory is shared across attempts.
@@ -310,8 +333,7 @@ class CheckpointStore:
             if not os.path.isdir(final):
                 self._pull_locked(manifest, raw, cache_dir)
             os.remove(lock)  # safe while held (see _locked); a failed pull leaves it beside its partial
-        self.evict(cache_dir, keep=version)
-        return final
+        return final, manifest.base_version
 
     def _pull_locked(self, manifest: Manifest, raw: bytes, cache_dir: str) -> None:
         version, name = manifest.version, version_dirname(manifest.version)
@@ -381,9 +403,11 @@ class CheckpointStore:
             return _copy_hashing(src, dst, digest, have)
 
     def evict(self, cache_dir: str, keep: int) -> list[int]:
-        """Delete the oldest cached versions (never `keep`) until the cache fits `cache_max_bytes`."""
+        """Delete the oldest cached versions (never `keep`, nor the base version it is an adapter
+        for) until the cache fits `cache_max_bytes`."""
         if self.cache_max_bytes is None:
             return []
+        kept = {keep, _cached_base(os.path.join(cache_dir, version_dirname(keep)))}
         entries = []
         for entry in os.scandir(cache_dir):
             match = _CACHE_ENTRY.fullmatch(entry.name)
@@ -394,7 +418,7 @@ class CheckpointStore:
         for version, path in sorted(entries):
             if total <= self.cache_max_bytes:
                 break
-            if version == keep:
+            if version in kept:
                 continue
             lock = os.path.join(cache_dir, f".{version_dirname(version)}.lock")
             with _locked(lock, blocking=False) as acquired:

@@ -25,12 +25,18 @@ _STOP = None
 
 
 class WeightGather:
-    def __init__(self, model: torch.nn.Module, deliver: Callable[[int, dict[str, torch.Tensor]], None] | None) -> None:
-        """Collective (every rank constructs it); `deliver` is called on rank 0 only."""
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        deliver: Callable[[int, dict[str, torch.Tensor]], None] | None,
+        select: Callable[[str], bool] = lambda name: True,
+    ) -> None:
+        """Collective (every rank constructs it); `deliver` is called on rank 0 only, with the
+        weights whose names `select` accepts (LoRA: only the adapter's)."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.deliver = deliver
         self.group = dist.new_group(backend="gloo")
-        state = model.state_dict()
+        state = {name: value for name, value in model.state_dict().items() if select(name)}
         # Sharded parameters are gathered; anything else (buffers) is whole on every rank.
         self.sharded = [name for name, value in state.items() if isinstance(value, DTensor)]
         self.whole = [name for name, value in state.items() if not isinstance(value, DTensor)]

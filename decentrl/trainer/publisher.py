@@ -2,7 +2,9 @@
 
 Rank 0 of the trainer hands each new full state dict to `Publisher.submit`; a thread writes an
 HF-loadable directory (sharded safetensors), publishes it to the store (files in parallel,
-manifest last), tells the orchestrator, and applies retention.
+manifest last), tells the orchestrator, and applies retention. In LoRA runs (`lora` given) the
+state dict holds only the adapter and the directory is a peft adapter on version 0
+(decentrl/trainer/lora.py).
 
 Policy when uploads fall behind: the queue is one slot. `submit` never blocks; if a version is
 still waiting when a newer one arrives, the newer one replaces it and the older one is never
@@ -28,8 +30,9 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
-from decentrl.config import StoreConfig
+from decentrl.config import LoRAConfig, StoreConfig
 from decentrl.store import CheckpointStore
+from decentrl.trainer.lora import BASE_VERSION, write_adapter_dir
 
 log = logging.getLogger("decentrl.trainer.publisher")
 
@@ -72,8 +75,10 @@ class Publisher:
         keep_last: int,
         on_published: Callable[[int], None],
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        lora: LoRAConfig | None = None,
     ) -> None:
         self.store = store
+        self.lora = lora
         self.max_shard_bytes = max_shard_bytes
         self.model_config = model_config
         self.extras_from = extras_from
@@ -138,8 +143,13 @@ class Publisher:
     def _publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-") as directory:
-            write_hf_dir(directory, state, self.model_config, self.extras_from, self.max_shard_bytes)
-            self.store.publish(version, directory, parent=version - 1 if version > 0 else None)
+            parent = version - 1 if version > 0 else None
+            if self.lora is None:
+                write_hf_dir(directory, state, self.model_config, self.extras_from, self.max_shard_bytes)
+                self.store.publish(version, directory, parent=parent)
+            else:
+                write_adapter_dir(directory, state, self.lora)
+                self.store.publish(version, directory, parent=parent, base_version=BASE_VERSION)
         self.on_published(version)
         self.store.retain(self.keep_last, protect={0})
         self.publish_seconds.append(time.perf_counter() - started)

@@ -29,6 +29,7 @@ from decentrl.trainer.batching import collate, rank_share
 from decentrl.trainer.checkpoint import BatchJournal, Progress, ResumePlan, TrainerCheckpoints, plan_resume
 from decentrl.trainer.distributed import broadcast_object, full_state_dict, init_distributed, shard_model
 from decentrl.trainer.gather import WeightGather
+from decentrl.trainer.lora import adapter_state, add_adapters, is_adapter_weight
 from decentrl.trainer.metrics import MetricsLog, StepTimes, step_record
 from decentrl.trainer.publisher import Publisher, write_hf_dir
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks, token_logprobs
@@ -70,6 +71,8 @@ def load_policy(directory: str, config: TrainerConfig, device: torch.device, *, 
     if frozen:  # the KL reference: version 0, never trained
         model.requires_grad_(False).eval()
     else:
+        if config.lora is not None:  # before sharding: FSDP2 shards the adapters with their blocks
+            add_adapters(model, config.lora)
         model.train()
     return shard_model(
         model, mixed_precision=config.mixed_precision, activation_checkpointing=config.activation_checkpointing and not frozen
@@ -117,7 +120,8 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
     initial_dir = store.pull(0, cache_dir)
     model = load_policy(initial_dir, cfg, device)
     reference = load_policy(initial_dir, cfg, device, frozen=True) if cfg.kl_coef > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(cfg.lr_warmup_steps))
     progress = checkpoints.load(plan.checkpoint, model, optimizer, scheduler) if plan.checkpoint else Progress()
     if plan.replay_through > plan.checkpoint or plan.checkpoint:
@@ -132,9 +136,12 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
             keep_last=max(config.store.keep_last, config.max_staleness + 2),
             on_published=client.announce,
             max_shard_bytes=config.store.shard_size_mb * 2**20,
+            lora=cfg.lora,
         )
         metrics = MetricsLog(options.metrics_path, keep_through=plan.checkpoint)
-    gather = WeightGather(model, deliver=publisher.submit if publisher else None)
+    gather = WeightGather(
+        model, deliver=publisher.submit if publisher else None, select=is_adapter_weight if cfg.lora else lambda name: True
+    )
     pad_id = model.config.pad_token_id or 0
 
     for step in range(progress.step + 1, cfg.steps + 1):
@@ -162,6 +169,8 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
             gather.submit(step)
         elif step == plan.published > plan.checkpoint:
             weights = full_state_dict(model)  # collective
+            if cfg.lora is not None:  # what the store holds of this version
+                weights = adapter_state(weights)
             if rank == 0:
                 replay_diff = replay_difference(weights, store, step, cache_dir)
                 log.info("replayed up to v%d: largest |weight - published| = %.3g", step, replay_diff)

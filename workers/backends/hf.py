@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from decentrl.wire import SamplingParams
 from workers.backends import Completion, never, stop_cut, truncates
+from workers.backends.adapters import adapter_base_dir, merged_weights
 
 
 def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -52,6 +53,10 @@ class HFBackend:
             self.generator.seed()
 
     def load(self, checkpoint_dir: str, version: int) -> None:
+        if (base_dir := adapter_base_dir(checkpoint_dir)) is not None:  # LoRA run: an adapter on base_dir
+            self.load(base_dir, version)
+            self.model.load_state_dict(merged_weights(base_dir, checkpoint_dir), strict=False)  # type: ignore[union-attr]
+            return
         if self.model is None:
             self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
             self.model.to(self.device).eval()
