@@ -103,11 +103,14 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def test_trainer_resume_after_kill_9_continues_versions_and_workers_carry_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_trainer_resume_after_kill_9_continues_versions_and_workers_carry_on(tmp_path: Path, lora: bool) -> None:
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     port = free_port()
-    config = parse_config({**CONFIG, "orchestrator": {"port": port}}).with_store_url(str(run_dir / "checkpoints"))
+    # LoRA: the DCP checkpoint holds base and adapters, the store only adapters after v0.
+    trainer = {**CONFIG["trainer"], "lora": {"rank": 2, "alpha": 4.0}} if lora else CONFIG["trainer"]
+    config = parse_config({**CONFIG, "trainer": trainer, "orchestrator": {"port": port}}).with_store_url(str(run_dir / "checkpoints"))
     config_path = run_dir / "config.json"
     config_path.write_text(config.model_dump_json())
     trainer_token = add_token(str(run_dir / "tokens.json"), name="trainer", role="trainer")
@@ -177,6 +180,7 @@ def test_trainer_resume_after_kill_9_continues_versions_and_workers_carry_on(tmp
         for version in versions:
             assert store.verify(version) == []
             assert store.manifest(version).parent == (version - 1 if version else None)
+            assert store.manifest(version).base_version == (0 if lora and version else None)
         created = [store.manifest(v).created_at for v in versions]
         assert created == sorted(created), "each version was published once, in order"
         # Every version the first trainer published survived unchanged: none was published again.
