@@ -17,6 +17,9 @@ Every figure comes from this run. The last stdout line is one JSON object:
   verify_overhead_*                         pull time / stream pull time - 1 (what hashing adds)
   verify_mb_s_*, sha256_mb_s                hashing-only throughputs, for scale
   load_avg_1m_*                             how busy the machine was (figures are noisy when high)
+  lora_adapter_vs_full_bytes                LoRA runs: bytes of one adapter version / bytes of the full
+                                            model (version 0), both written as the trainer writes them,
+                                            for a ~500 MB float32 Qwen2-shaped model, rank 16 on q,k,v,o
 
     .venv/bin/python benchmarks/checkpoint_io.py [--size-mb 500] [--shard-mb N] [--repeats 5]
 """
@@ -43,8 +46,9 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from transformers import Qwen2Config
 
-from decentrl.config import StoreConfig
+from decentrl.config import LoRAConfig, StoreConfig
 from decentrl.store import CheckpointStore
+from decentrl.trainer.lora import add_adapters, write_adapter_dir
 from decentrl.trainer.publisher import write_hf_dir
 
 MB = 1e6
@@ -58,6 +62,26 @@ def make_checkpoint(directory: str, size_mb: int, shard_mb: int) -> int:
     state = {f"model.layers.{i}.weight": torch.randn(tensor_elems, generator=generator) for i in range(count)}
     write_hf_dir(directory, state, Qwen2Config(), extras_from=directory, max_shard_bytes=shard_mb * 2**20)
     return sum(entry.stat().st_size for entry in os.scandir(directory))
+
+
+def lora_sizes(work: str) -> dict[str, float]:
+    """Bytes on disk of a full version and of one LoRA adapter version of the same model."""
+    from transformers import Qwen2ForCausalLM
+
+    # ~126M parameters: 12 layers of width 768 (a GPT-2-small-sized Qwen2), 503 MB in float32.
+    config = Qwen2Config(
+        vocab_size=8192, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).float()
+    full_dir, adapter_dir = os.path.join(work, "lora-full"), os.path.join(work, "lora-adapter")
+    write_hf_dir(full_dir, model.state_dict(), config, extras_from=full_dir)
+    lora = LoRAConfig(rank=16, alpha=32.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    write_adapter_dir(adapter_dir, add_adapters(model, lora).state_dict(), lora)
+    full, adapter = (sum(entry.stat().st_size for entry in os.scandir(d)) for d in (full_dir, adapter_dir))
+    shutil.rmtree(full_dir)
+    shutil.rmtree(adapter_dir)
+    return {"lora_full_mb": round(full / MB, 1), "lora_adapter_mb": round(adapter / MB, 2), "lora_adapter_vs_full_bytes": round(adapter / full, 5)}
 
 
 def stream_copy(fs: AbstractFileSystem, remote: list[str], local_dir: str, concurrency: int) -> None:
@@ -198,6 +222,7 @@ def main() -> None:
                 f"verify_overhead_{label}": round(t["pull"] / t["stream_pull"] - 1, 3),
             }
         results["sha256_mb_s"] = round(sha256_mb_s(), 1)
+        results |= lora_sizes(work)
         results["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     finally:
         if server is not None:
