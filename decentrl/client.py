@@ -1,36 +1,61 @@
-"""HTTP client of the orchestrator's API, used by workers and the trainer.
+"""HTTP client of the orchestrator's API, used by workers and the trainer (docs/api.md).
 
-Standard library only (urllib), so a worker needs nothing beyond what it generates with.
-Connection failures are retried with exponential backoff and jitter; an HTTP error from the
-orchestrator is raised as OrchestratorError carrying the server's message.
+Standard library (urllib) plus msgpack, so a worker needs nothing beyond what it generates
+with. Bodies go as msgpack by default (token ids and logprobs as typed arrays: about a third of
+the JSON size and far cheaper to parse), optionally gzip-compressed; answers are asked for as
+msgpack too. An orchestrator that answers 415 to msgpack is spoken to in JSON from then on.
+
+Retries: connection failures, and 429/503 answers (rate limit, overload, a journal being
+recovered), are retried with the server's Retry-After or exponential backoff with jitter, for at
+most `max_wait_s` in all. Every retried request is safe to repeat: rollouts are idempotent by
+rollout id, and `batch()` sends one request id per call, so a batch whose answer was lost is
+answered again with the same batch, never with a second one. Any other HTTP error is raised as
+OrchestratorError carrying the server's message.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import random
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from typing import TypeVar
+import uuid
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel
 
 from decentrl.wire import (
     API_PREFIX,
+    MEDIA_JSON,
+    MEDIA_MSGPACK,
+    MSGPACK_TYPES,
     IngestResponse,
+    Lease,
     LeaseRequest,
     LeaseResponse,
+    LeaseState,
     RolloutBatch,
     RunInfo,
     StatusResponse,
+    TokenCreate,
+    TokenCreated,
+    TokenEntry,
+    TokenList,
     TrainBatch,
     VersionAnnouncement,
+    encode_model,
+    unpack_msgpack,
 )
 
 log = logging.getLogger("decentrl.client")
 M = TypeVar("M", bound=BaseModel)
+Encoding = Literal["msgpack", "json"]
+RETRIED_STATUSES = (429, 503)
+GZIP_MIN_BYTES = 16 * 1024  # smaller bodies are not worth compressing
 
 
 class OrchestratorError(Exception):
@@ -39,47 +64,91 @@ class OrchestratorError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"orchestrator answered {status}: {message}")
         self.status = status
+        self.message = message
 
 
 class OrchestratorClient:
-    def __init__(self, url: str, token: str, *, timeout_s: float = 60.0, max_wait_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout_s: float = 60.0,
+        max_wait_s: float = 120.0,
+        encoding: Encoding = "msgpack",
+        gzip: bool = False,
+    ) -> None:
         self.url = url.rstrip("/")
         self._token = token
         self.timeout_s = timeout_s
-        self.max_wait_s = max_wait_s  # give up on an unreachable orchestrator after this long
+        self.max_wait_s = max_wait_s  # give up on an unreachable or overloaded orchestrator after this long
+        self.encoding: Encoding = encoding
+        self.gzip = gzip
 
-    def _request(self, method: str, path: str, body: BaseModel | None = None) -> tuple[int, bytes]:
-        data = body.model_dump_json().encode() if body is not None else None
-        request = urllib.request.Request(
-            self.url + API_PREFIX + path,
-            data=data,
-            method=method,
-            headers={"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"},
-        )
+    def _encode(self, body: BaseModel) -> tuple[bytes, dict[str, str]]:
+        media = MEDIA_MSGPACK if self.encoding == "msgpack" else MEDIA_JSON
+        data = encode_model(body, media)
+        headers = {"Content-Type": media}
+        if self.gzip and len(data) >= GZIP_MIN_BYTES:
+            data = gzip.compress(data, compresslevel=1)
+            headers["Content-Encoding"] = "gzip"
+        return data, headers
+
+    def _request(self, method: str, path: str, body: BaseModel | None = None) -> tuple[int, str, bytes]:
+        """(status, content type, body) of a 2xx answer; retries as the module docstring says."""
         delay, waited = 0.2, 0.0
+        encoded: tuple[str, tuple[bytes, dict[str, str]]] | None = None
         while True:
+            headers = {"Authorization": f"Bearer {self._token}", "Accept": f"{MEDIA_MSGPACK}, {MEDIA_JSON};q=0.5"}
+            data = None
+            if body is not None:
+                if encoded is None or encoded[0] != self.encoding:
+                    encoded = (self.encoding, self._encode(body))
+                data = encoded[1][0]
+                headers.update(encoded[1][1])
+            request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return response.status, response.read()
+                    return response.status, response.headers.get_content_type(), response.read()
             except urllib.error.HTTPError as exc:
                 text = exc.read().decode(errors="replace")
                 try:
                     message = json.loads(text)["error"]
                 except (ValueError, KeyError, TypeError):
                     message = text or exc.reason
-                raise OrchestratorError(exc.code, message) from None
+                if exc.code == 415 and body is not None and self.encoding != "json":
+                    log.warning("orchestrator refuses msgpack (%s); using JSON from now on", message)
+                    self.encoding = "json"
+                    continue
+                if exc.code not in RETRIED_STATUSES or waited >= self.max_wait_s:
+                    raise OrchestratorError(exc.code, message) from None
+                retry_after = exc.headers.get("Retry-After")
+                try:
+                    sleep = float(retry_after) * (1.0 + 0.2 * random.random()) if retry_after else delay
+                except ValueError:
+                    sleep = delay
+                sleep = min(sleep, 30.0, max(0.05, self.max_wait_s - waited))
+                log.warning("orchestrator answered %d (%s); retrying in %.1fs", exc.code, message, sleep)
             except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
                 if waited >= self.max_wait_s:
                     raise ConnectionError(f"orchestrator at {self.url} unreachable for {waited:.0f}s: {exc}") from None
                 sleep = delay * (0.5 + random.random())
                 log.warning("orchestrator unreachable (%s); retrying in %.1fs", exc, sleep)
-                time.sleep(sleep)
-                waited += sleep
-                delay = min(delay * 2, 5.0)
+            time.sleep(sleep)
+            waited += sleep
+            delay = min(delay * 2, 5.0)
+
+    @staticmethod
+    def _decode(answer: type[M], media: str, payload: bytes) -> M:
+        if media in MSGPACK_TYPES:
+            return answer.model_validate(unpack_msgpack(payload))
+        return answer.model_validate_json(payload)
 
     def _call(self, method: str, path: str, answer: type[M], body: BaseModel | None = None) -> M:
-        _, payload = self._request(method, path, body)
-        return answer.model_validate_json(payload)
+        _, media, payload = self._request(method, API_PREFIX + path, body)
+        return self._decode(answer, media, payload)
+
+    # -- everyone -------------------------------------------------------------------------
 
     def info(self) -> RunInfo:
         return self._call("GET", "/info", RunInfo)
@@ -87,16 +156,55 @@ class OrchestratorClient:
     def status(self) -> StatusResponse:
         return self._call("GET", "/status", StatusResponse)
 
+    # -- workers --------------------------------------------------------------------------
+
     def lease(self, request: LeaseRequest) -> LeaseResponse:
         return self._call("POST", "/leases", LeaseResponse, request)
 
     def post_rollouts(self, batch: RolloutBatch) -> IngestResponse:
         return self._call("POST", "/rollouts", IngestResponse, batch)
 
+    def lease_state(self, lease_id: str, worker_id: str) -> LeaseState:
+        return self._call("GET", f"/leases/{_quote(lease_id)}?{_query(worker_id=worker_id)}", LeaseState)
+
+    def renew_lease(self, lease_id: str, worker_id: str) -> Lease:
+        """Push an open lease's deadline out (call well before it passes when generation is slow)."""
+        return self._call("POST", f"/leases/{_quote(lease_id)}/renew?{_query(worker_id=worker_id)}", Lease)
+
+    def release_lease(self, lease_id: str, worker_id: str) -> LeaseState:
+        """Give a lease back that this worker will not finish; its prompt is leased again at once."""
+        return self._call("DELETE", f"/leases/{_quote(lease_id)}?{_query(worker_id=worker_id)}", LeaseState)
+
+    # -- the trainer ----------------------------------------------------------------------
+
     def announce(self, version: int) -> StatusResponse:
         return self._call("POST", "/version", StatusResponse, VersionAnnouncement(version=version))
 
-    def batch(self, trainer_version: int) -> TrainBatch | None:
-        """The next batch for a trainer holding `trainer_version`; None if none came in time."""
-        status, payload = self._request("GET", f"/batch?trainer_version={trainer_version}")
-        return None if status == 204 else TrainBatch.model_validate_json(payload)
+    def batch(self, trainer_version: int, request_id: str | None = None) -> TrainBatch | None:
+        """The next batch for a trainer holding `trainer_version`; None if none came in time.
+
+        One request id per call: if the answer is lost and the request retried, the
+        orchestrator answers with the batch it already served instead of a second one.
+        """
+        query = _query(trainer_version=trainer_version, request_id=request_id or uuid.uuid4().hex)
+        status, media, payload = self._request("GET", f"{API_PREFIX}/batch?{query}")
+        return None if status == 204 else self._decode(TrainBatch, media, payload)
+
+    # -- admins ---------------------------------------------------------------------------
+
+    def list_tokens(self) -> TokenList:
+        return self._call("GET", "/admin/tokens", TokenList)
+
+    def create_token(self, name: str, role: str = "worker") -> TokenCreated:
+        return self._call("POST", "/admin/tokens", TokenCreated, TokenCreate(name=name, role=role))  # type: ignore[arg-type]
+
+    def revoke_token(self, name: str) -> TokenEntry:
+        return self._call("DELETE", f"/admin/tokens/{_quote(name)}", TokenEntry)
+
+
+def _quote(segment: str) -> str:
+    return urllib.parse.quote(segment, safe="")
+
+
+def _query(**params: object) -> str:
+    return urllib.parse.urlencode(params)

@@ -194,7 +194,7 @@ class SamplingConfig(Section):
 
 
 class OrchestratorConfig(Section):
-    """The central HTTP service: leases, ingest, rewards, groups, batches."""
+    """The central HTTP service: leases, ingest, rewards, groups, batches (see docs/api.md)."""
 
     host: str = Field("127.0.0.1", description="Interface to bind; 0.0.0.0 to accept remote workers.")
     port: int = Field(8740, ge=0, le=65535, description="TCP port; 0 picks a free one.")
@@ -202,10 +202,44 @@ class OrchestratorConfig(Section):
         30.0, gt=0, description="A leased prompt not answered within this is leased again."
     )
     max_request_bytes: int = Field(
-        16 * 1024 * 1024, ge=1024, description="Largest accepted request body."
+        16 * 1024 * 1024, ge=1024, description="Largest accepted request body (after gzip decompression): 413 above."
     )
     batch_wait_s: float = Field(
         20.0, gt=0, description="How long one trainer batch request waits before answering 204."
+    )
+    journal: bool = Field(
+        True,
+        description="Journal every acknowledged rollout, lease and version in <run_dir>/journal.sqlite "
+        "(SQLite, WAL) before answering, and recover from it on restart.",
+    )
+    journal_sync: Literal["full", "normal"] = Field(
+        "full",
+        description="full: fsync each commit (survives power loss); normal: survives a killed "
+        "orchestrator process, not a crashed machine.",
+    )
+    max_buffer_groups: int = Field(
+        4096, ge=1, description="Depth bound: complete groups waiting for the trainer plus open leases."
+    )
+    max_inflight_requests: int = Field(
+        64, ge=1, description="Rollout posts processed at once; more get 503 with Retry-After (bounds memory)."
+    )
+    rate_limit_per_s: float = Field(
+        1000.0, ge=0,
+        description="Requests per second per token (token bucket; a token may serve many workers); 0 = no limit. "
+        "Over it: 429 with Retry-After.",
+    )
+    rate_limit_burst: int = Field(2000, ge=1, description="Bucket size: requests a token may make at once.")
+    dedupe_window_s: float = Field(
+        900.0,
+        gt=0,
+        description="How long a closed lease and its rollout ids are remembered: a resend within it is "
+        "answered as a duplicate; later, as a rejection of its (forgotten) lease.",
+    )
+    batches_kept: int = Field(
+        4, ge=1, description="Served batches kept, so a trainer resending a lost request gets the same batch."
+    )
+    metrics_public: bool = Field(
+        False, description="Serve /metrics without a token (default: trainer or admin token)."
     )
 
 

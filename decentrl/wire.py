@@ -1,18 +1,24 @@
 """The HTTP wire contract between workers, the orchestrator and the trainer.
 
 Every request and response body is one of these pydantic models; the orchestrator validates
-with them, workers and the trainer build them. Token ids and logprobs travel as plain lists.
+with them, workers and the trainer build them. Bodies travel as JSON or as msgpack (see
+"Encodings" at the end): the same objects, with the long token id and logprob lists packed as
+typed little-endian arrays. docs/api.md describes every route.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+import sys
+from array import array
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 API_PREFIX = "/v1"
 WORKER_ID = r"^[A-Za-z0-9._:@-]{1,128}$"  # no "/": lease holders are "token-name/worker-id"
+TOKEN_NAME = r"^[A-Za-z0-9._:@-]{1,64}$"  # no "/" either, for the same reason
+MAX_VERSION = 2**31 - 1  # versions and prompt ids fit the journal's integers with room to spare
 
 
 class Wire(BaseModel):
@@ -50,7 +56,7 @@ class Lease(Wire):
     """One prompt leased to one worker: it owes `group_size` samples before `deadline`."""
 
     lease_id: str
-    prompt_id: int = Field(ge=0)
+    prompt_id: int = Field(ge=0, le=MAX_VERSION)
     prompt_token_ids: list[int]
     group_size: int = Field(ge=1)
     deadline: float = Field(description="Unix time after which the prompt is leased again.")
@@ -71,10 +77,12 @@ class Rollout(Wire):
 
     rollout_id: str = Field(min_length=1, max_length=128, description="Unique; resends are idempotent.")
     run_name: str
-    lease_id: str = Field(description="The lease this sample answers; also its group id.")
-    prompt_id: int = Field(ge=0)
+    lease_id: str = Field(max_length=128, description="The lease this sample answers; also its group id.")
+    prompt_id: int = Field(ge=0, le=MAX_VERSION)
     worker_id: str = Field(pattern=WORKER_ID)
-    policy_version: int = Field(ge=0, description="Version of the weights that sampled the first token.")
+    policy_version: int = Field(
+        ge=0, le=MAX_VERSION, description="Version of the weights that sampled the first token."
+    )
     token_versions: list[int] | None = Field(
         None, description="Per completion token version, when generation spanned a weight swap."
     )
@@ -97,9 +105,13 @@ class Rollout(Wire):
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries but completion_token_ids has {n}")
         # NaN compares false with everything, so test finiteness first: one NaN or -inf would
-        # otherwise reach the trainer's loss.
-        if not all(math.isfinite(lp) and lp <= 1e-4 for lp in self.logprobs):
-            raise ValueError("logprobs must be finite and <= 0 (log of a probability)")
+        # otherwise reach the trainer's loss. Fast path at C speed: a sum is finite only if
+        # every term is (NaN and infinities propagate); only when it is not (or a huge sum
+        # overflowed) is each value checked in Python.
+        logprobs = self.logprobs
+        if logprobs and not (math.isfinite(sum(logprobs)) and max(logprobs) <= 1e-4):
+            if not all(math.isfinite(lp) and lp <= 1e-4 for lp in logprobs):
+                raise ValueError("logprobs must be finite and <= 0 (log of a probability)")
         return self
 
 
@@ -130,6 +142,7 @@ class TrainSample(Wire):
     reward: float
     policy_version: int
     group_id: str | None = Field(None, description="The group (lease) it belongs to; the trainer filters by group.")
+    rollout_id: str | None = Field(None, description="The worker's rollout id, to trace a sample back.")
 
 
 class TrainBatch(Wire):
@@ -140,12 +153,15 @@ class TrainBatch(Wire):
     staleness_histogram: dict[str, int] = Field(description="Samples per (trainer_version - policy_version).")
     rollouts_accepted: int = Field(ge=0, description="Run total acknowledged so far.")
     stale_dropped: int = Field(ge=0, description="Run total dropped as stale (ingest or buffer).")
+    batch_id: str | None = Field(
+        None, description="Unique per batch; a resent request (same request_id) gets the same batch again."
+    )
 
 
 class VersionAnnouncement(Wire):
     """POST /v1/version (trainer): version N is complete in the store."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_VERSION)
 
 
 class StatusResponse(Wire):
@@ -163,3 +179,169 @@ class StatusResponse(Wire):
     leases_expired: int
     reward_mean_recent: float | None
     uptime_s: float
+    rollouts_duplicate: int = Field(0, description="Resends of rollouts already acknowledged (counted once).")
+    dropped: dict[str, int] = Field(
+        default_factory=dict, description="Accepted samples dropped later, per reason (stale, lease expired, ...)."
+    )
+    buffer_limit: int | None = Field(None, description="Depth bound: ready groups plus open leases.")
+    journal: bool = Field(False, description="Whether acknowledged state is journaled on disk.")
+    recoveries: int = Field(0, description="How many times this run's state was recovered from the journal.")
+
+
+class LeaseState(Wire):
+    """GET /v1/leases/{lease_id}: where one lease stands (its holder only)."""
+
+    lease_id: str
+    prompt_id: int
+    state: Literal["open", "complete", "served", "expired", "released", "dropped"]
+    samples: int = Field(ge=0, description="Samples acknowledged for it so far.")
+    group_size: int = Field(ge=1)
+    deadline: float = Field(description="Unix time; for an open lease, when it expires.")
+
+
+class ErrorBody(Wire):
+    """Every 4xx/5xx answer: one human-readable sentence saying what to fix."""
+
+    error: str
+
+
+class TokenCreate(Wire):
+    """POST /v1/admin/tokens (admin): a new bearer token."""
+
+    name: str = Field(pattern=TOKEN_NAME, description="Who holds it; unique.")
+    role: Literal["worker", "trainer", "admin"] = "worker"
+
+
+class TokenCreated(Wire):
+    name: str
+    role: Literal["worker", "trainer", "admin"]
+    token: str = Field(description="Shown once: the orchestrator keeps only the tokens file.")
+
+
+class TokenEntry(Wire):
+    name: str
+    role: Literal["worker", "trainer", "admin"]
+    source: Literal["file", "env", "memory"]
+
+
+class TokenList(Wire):
+    """GET /v1/admin/tokens (admin): names and roles, never the tokens."""
+
+    tokens: list[TokenEntry]
+
+
+class Health(Wire):
+    """GET /healthz: liveness for load balancers; 503 when the journal has failed."""
+
+    ok: bool
+    journal: bool
+
+
+# -- Encodings ------------------------------------------------------------------------------
+#
+# JSON (application/json) is the reference. msgpack (application/msgpack) carries the same
+# objects; the lists named in ARRAY_FIELDS travel as msgpack ext types holding little-endian
+# typed arrays: 4 bytes a token id instead of up to 6 characters, 4 (or 8) bytes a logprob
+# instead of about 20. Either may be gzip-compressed (Content-Encoding: gzip). Decoding turns
+# every ext back into a plain list, so the pydantic models validate both encodings alike.
+
+MEDIA_JSON = "application/json"
+MEDIA_MSGPACK = "application/msgpack"
+MSGPACK_TYPES = frozenset({MEDIA_MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
+EXT_INT32, EXT_INT64, EXT_FLOAT32, EXT_FLOAT64 = 1, 2, 3, 4
+_EXT_TYPECODES = {EXT_INT32: "i", EXT_INT64: "q", EXT_FLOAT32: "f", EXT_FLOAT64: "d"}
+ARRAY_FIELDS = {"prompt_token_ids": "int", "completion_token_ids": "int", "token_versions": "int", "logprobs": "float"}
+_SWAP = sys.byteorder != "little"
+
+
+class EncodingError(ValueError):
+    """A body that is not valid msgpack (or uses an unknown ext type)."""
+
+
+def _typed(values: list[Any], kind: str, exact_floats: bool) -> Any:
+    """A list as an ext-typed array where that is lossless, else the list itself."""
+    import msgpack
+
+    try:
+        if kind == "int":
+            try:
+                packed, code = array("i", values), EXT_INT32
+            except OverflowError:
+                packed, code = array("q", values), EXT_INT64
+        elif exact_floats:
+            packed, code = array("d", values), EXT_FLOAT64
+        else:
+            packed, code = array("f", values), EXT_FLOAT32
+            if packed.tolist() != values:  # not exactly representable in float32 (or NaN)
+                packed, code = array("d", values), EXT_FLOAT64
+    except (OverflowError, TypeError):
+        return values  # out of range or not numbers: plain msgpack, the receiver validates it
+    if _SWAP:
+        packed.byteswap()
+    return msgpack.ExtType(code, packed.tobytes())
+
+
+def _pack_arrays(value: Any, exact_floats: bool) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: _typed(v, ARRAY_FIELDS[k], exact_floats)
+            if k in ARRAY_FIELDS and isinstance(v, list) and v
+            else _pack_arrays(v, exact_floats)
+            for k, v in value.items()
+        }
+    if isinstance(value, list) and value and isinstance(value[0], (dict, list)):
+        return [_pack_arrays(v, exact_floats) for v in value]
+    return value
+
+
+class TypedList(list):  # type: ignore[type-arg]
+    """A list decoded from a typed array; `ext` keeps the array as received, to store or send on as is."""
+
+    __slots__ = ("ext",)
+
+
+def _ext_hook(code: int, data: bytes) -> list[Any]:
+    import msgpack
+
+    typecode = _EXT_TYPECODES.get(code)
+    if typecode is None:
+        raise EncodingError(f"unknown msgpack ext type {code}")
+    values = array(typecode)
+    if len(data) % values.itemsize:
+        raise EncodingError(f"msgpack ext type {code}: {len(data)} bytes is not a whole number of items")
+    values.frombytes(data)
+    if _SWAP:
+        values.byteswap()
+    decoded = TypedList(values.tolist())
+    decoded.ext = msgpack.ExtType(code, data)
+    return decoded
+
+
+def pack_msgpack(obj: Any, *, exact_floats: bool = False) -> bytes:
+    """msgpack bytes of a JSON-like object; ARRAY_FIELDS lists become typed arrays.
+
+    Floats go as float32 where that is exact (logprobs computed in float32 are), else float64;
+    `exact_floats` skips the check and always sends float64 (cheaper to encode, larger).
+    """
+    import msgpack
+
+    return msgpack.packb(_pack_arrays(obj, exact_floats), use_bin_type=True)
+
+
+def unpack_msgpack(data: bytes) -> Any:
+    """The JSON-like object of msgpack bytes (typed arrays back to lists); EncodingError if bad."""
+    import msgpack
+
+    try:
+        return msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=True)
+    except EncodingError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise EncodingError(f"not valid msgpack: {exc}") from None
+
+
+def encode_model(model: BaseModel, media_type: str) -> bytes:
+    """A model's body in `media_type` (MEDIA_JSON or MEDIA_MSGPACK)."""
+    if media_type in MSGPACK_TYPES:
+        return pack_msgpack(model.model_dump(mode="json"))
+    return model.model_dump_json().encode()

@@ -1,16 +1,31 @@
-"""Bearer-token auth with roles. Tokens live in a JSON file the operator controls.
+"""Bearer-token auth with roles (worker, trainer, admin), from a tokens file and the environment.
 
-File format: {"tokens": [{"name": "alice", "role": "worker", "token": "..."}]}.
-Comparison is constant-time and tokens are never logged; only names are.
+File format: {"tokens": [{"name": "alice", "role": "worker", "token": "..."}]}, mode 0600.
+Environment: DECENTRL_TOKENS="name:role:token,name:role:token" (or the file's JSON), read once
+at startup; such tokens cannot be revoked over HTTP (remove them from the environment).
+
+Lookup is by the SHA-256 digest of the presented token, compared with `hmac.compare_digest`,
+so neither timing nor a log line reveals a token; only names are ever logged.
+
+Revocation takes effect at once: the registry re-reads the file whenever its mtime, size or
+inode changed (one stat per request), so `decentrl token revoke` on the orchestrator's host and
+`DELETE /v1/admin/tokens/{name}` (which writes the file and updates the registry) both apply to
+the very next request. Writers take an exclusive lock on `<file>.lock` and replace the file
+atomically, so the CLI and the HTTP route can write concurrently.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -18,6 +33,9 @@ from typing import Literal
 Role = Literal["worker", "trainer", "admin"]
 ROLES: tuple[Role, ...] = ("worker", "trainer", "admin")
 NAME = re.compile(r"^[A-Za-z0-9._:@-]{1,64}$")  # no "/": lease holders are "token-name/worker-id"
+ENV_VAR = "DECENTRL_TOKENS"
+
+log = logging.getLogger("decentrl.orchestrator.auth")
 
 
 @dataclass(frozen=True)
@@ -26,49 +44,217 @@ class Identity:
     role: Role
 
 
-class TokenRegistry:
-    def __init__(self, entries: list[dict[str, str]]) -> None:
-        self._entries: list[tuple[bytes, Identity]] = []
-        for entry in entries:
-            if not NAME.match(entry["name"]):
-                raise ValueError(f"token name {entry['name']!r} must match {NAME.pattern}")
-            if entry["role"] not in ROLES:
-                raise ValueError(f"token {entry['name']!r}: role must be one of {ROLES}, got {entry['role']!r}")
-            self._entries.append((entry["token"].encode(), Identity(entry["name"], entry["role"])))  # type: ignore[arg-type]
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
 
-    @classmethod
-    def from_file(cls, path: str) -> TokenRegistry:
-        if not Path(path).is_file():
-            raise FileNotFoundError(
-                f"{path}: no tokens file; create one with `decentrl token create --file {path} --role worker --name NAME`"
-            )
-        return cls(json.loads(Path(path).read_text())["tokens"])
 
-    def identify(self, token: str) -> Identity | None:
-        presented = token.encode()
-        found: Identity | None = None
-        # Compare against every entry so timing does not reveal which prefix matched.
-        for secret, identity in self._entries:
-            if hmac.compare_digest(secret, presented):
-                found = identity
-        return found
+def _check_entry(entry: dict[str, str], where: str) -> None:
+    if not isinstance(entry, dict) or not {"name", "role", "token"} <= entry.keys():
+        raise ValueError(f"{where}: every token needs name, role and token")
+    if not NAME.fullmatch(str(entry["name"])):
+        raise ValueError(f"{where}: token name {entry['name']!r} must match {NAME.pattern}")
+    if entry["role"] not in ROLES:
+        raise ValueError(f"{where}: token {entry['name']!r}: role must be one of {ROLES}, got {entry['role']!r}")
+    if not isinstance(entry["token"], str) or not entry["token"]:
+        raise ValueError(f"{where}: token {entry['name']!r} is empty")
+
+
+def parse_env_tokens(text: str) -> list[dict[str, str]]:
+    """DECENTRL_TOKENS: `name:role:token` entries separated by commas, or the tokens file's JSON."""
+    text = text.strip()
+    if not text:
+        return []
+    if text[0] in "[{":
+        data = json.loads(text)
+        entries = data["tokens"] if isinstance(data, dict) else data
+    else:
+        entries = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, role, token = (item.split(":", 2) + ["", ""])[:3]
+            entries.append({"name": name, "role": role, "token": token})
+    for entry in entries:
+        _check_entry(entry, ENV_VAR)
+    return entries
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_file(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        return []
+    entries = json.loads(path.read_text())["tokens"]
+    for entry in entries:
+        _check_entry(entry, str(path))
+    return entries
+
+
+def _write_file(path: Path, entries: list[dict[str, str]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump({"tokens": entries}, out, indent=1)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
 
 
 def add_token(path: str, *, name: str, role: Role) -> str:
     """Append a new random token to the file (created with mode 0600) and return it."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    if not NAME.match(name):
+    if not NAME.fullmatch(name):
         raise ValueError(f"name {name!r} must match {NAME.pattern}")
     file = Path(path)
-    data = json.loads(file.read_text()) if file.is_file() else {"tokens": []}
-    if any(entry["name"] == name for entry in data["tokens"]):
-        raise ValueError(f"{path}: a token named {name!r} already exists; pick another --name")
-    token = secrets.token_urlsafe(32)
-    data["tokens"].append({"name": name, "role": role, "token": token})
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(file.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(data, out, indent=1)
-    os.replace(file.with_suffix(".tmp"), file)
+    with _locked(file):
+        entries = _read_file(file)
+        if any(entry["name"] == name for entry in entries):
+            raise ValueError(f"{path}: a token named {name!r} already exists; pick another --name")
+        token = secrets.token_urlsafe(32)
+        entries.append({"name": name, "role": role, "token": token})
+        _write_file(file, entries)
     return token
+
+
+def revoke_token(path: str, *, name: str) -> bool:
+    """Remove the token called `name` from the file; False if there was none."""
+    file = Path(path)
+    with _locked(file):
+        entries = _read_file(file)
+        kept = [entry for entry in entries if entry["name"] != name]
+        if len(kept) == len(entries):
+            return False
+        _write_file(file, kept)
+    return True
+
+
+def list_tokens(path: str) -> list[tuple[str, Role]]:
+    return [(entry["name"], entry["role"]) for entry in _read_file(Path(path))]  # type: ignore[misc]
+
+
+class TokenRegistry:
+    """Who may call what. `identify` is called once per request, on the event loop."""
+
+    def __init__(
+        self,
+        entries: list[dict[str, str]] | None = None,
+        *,
+        path: str | None = None,
+        env_entries: list[dict[str, str]] | None = None,
+    ) -> None:
+        self.path = Path(path) if path is not None else None
+        self._memory = list(entries or [])
+        for entry in self._memory:
+            _check_entry(entry, "tokens")
+        self._env = list(env_entries or [])
+        self._file: list[dict[str, str]] = []
+        self._file_key: tuple[int, int, int] | None = None
+        self._by_digest: dict[bytes, tuple[bytes, Identity, str]] = {}
+        if self.path is not None:
+            self._reload(force=True)
+        else:
+            self._rebuild()
+
+    @classmethod
+    def from_file(cls, path: str, *, env: str | None = None) -> TokenRegistry:
+        """The tokens of `path` (which must exist unless `env` provides some) and of `env`."""
+        env_entries = parse_env_tokens(env) if env else []
+        if not Path(path).is_file() and not env_entries:
+            raise FileNotFoundError(
+                f"{path}: no tokens file; create one with `decentrl token create --file {path} --role worker --name NAME`"
+                f" (or set {ENV_VAR})"
+            )
+        return cls(path=path, env_entries=env_entries)
+
+    def _stat_key(self) -> tuple[int, int, int] | None:
+        assert self.path is not None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _reload(self, force: bool = False) -> None:
+        key = self._stat_key()
+        if key == self._file_key and not force:
+            return
+        try:
+            self._file = _read_file(self.path) if key is not None else []  # type: ignore[arg-type]
+        except (ValueError, KeyError, TypeError) as exc:
+            if force:
+                raise ValueError(f"{self.path}: {exc}") from None
+            log.error("tokens file %s is invalid (%s); keeping the tokens read before", self.path, exc)
+            self._file_key = key
+            return
+        if key is None and self._file_key is not None:
+            log.warning("tokens file %s was removed: its tokens are revoked", self.path)
+        self._file_key = key
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        table: dict[bytes, tuple[bytes, Identity, str]] = {}
+        names: set[str] = set()
+        for source, entries in (("env", self._env), ("memory", self._memory), ("file", self._file)):
+            for entry in entries:
+                if entry["name"] in names:
+                    log.error("token name %r is defined twice; the %s entry is ignored", entry["name"], source)
+                    continue
+                names.add(entry["name"])
+                digest = _digest(entry["token"])
+                table[digest] = (digest, Identity(entry["name"], entry["role"]), source)  # type: ignore[arg-type]
+        self._by_digest = table
+
+    def identify(self, token: str) -> Identity | None:
+        if self.path is not None:
+            self._reload()
+        presented = _digest(token)
+        found = self._by_digest.get(presented)  # a lookup by digest: timing says nothing of the token
+        if found is None:
+            return None
+        stored, identity, _ = found
+        return identity if hmac.compare_digest(stored, presented) else None
+
+    def entries(self) -> list[tuple[str, Role, str]]:
+        """(name, role, source) of every token; never the tokens."""
+        if self.path is not None:
+            self._reload()
+        return [(identity.name, identity.role, source) for _, identity, source in self._by_digest.values()]
+
+    def create(self, name: str, role: Role) -> str:
+        """A new token: written to the tokens file (kept in memory only without one)."""
+        if any(existing == name for existing, _, _ in self.entries()):
+            raise ValueError(f"a token named {name!r} already exists; pick another name")
+        if self.path is not None:
+            token = add_token(str(self.path), name=name, role=role)
+            self._reload(force=True)
+            return token
+        if role not in ROLES or not NAME.fullmatch(name):
+            raise ValueError(f"name must match {NAME.pattern} and role be one of {ROLES}")
+        token = secrets.token_urlsafe(32)
+        self._memory.append({"name": name, "role": role, "token": token})
+        self._rebuild()
+        return token
+
+    def revoke(self, name: str) -> bool:
+        """Revoke at once; False if no such token. Environment tokens cannot be revoked here."""
+        sources = {n: source for n, _, source in self.entries()}
+        if name not in sources:
+            return False
+        if sources[name] == "env":
+            raise PermissionError(f"token {name!r} comes from {ENV_VAR}; remove it there and restart")
+        if sources[name] == "memory":
+            self._memory = [entry for entry in self._memory if entry["name"] != name]
+            self._rebuild()
+            return True
+        assert self.path is not None
+        removed = revoke_token(str(self.path), name=name)
+        self._reload(force=True)
+        return removed

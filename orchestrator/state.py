@@ -1,22 +1,37 @@
 """The orchestrator's core: prompt leases, rollout ingest, scoring, group assembly, batches.
 
-Plain synchronous code with no HTTP in it; `orchestrator.routes` calls it from the event loop
+Plain synchronous code with no HTTP in it; `orchestrator.app` calls it from the event loop
 (one thread, so no locks). Invariants:
 - a group is one lease: `group_size` samples of one prompt, all answered by the lease holder;
 - a rollout is scored here with the task's verifier, never with the worker's claimed reward;
 - a group is served to the trainer at most once, and only if every sample is fresh for the
   trainer's version;
-- no more groups are leased than can be consumed without going stale (`lease_budget`).
+- no more groups are leased than can be consumed without going stale (`lease_budget`), nor
+  than the buffer bound allows (`orchestrator.max_buffer_groups`, ready groups + open leases).
+
+Leases. A lease has a deadline (`lease_timeout_s` after it was granted or last renewed). An
+overdue lease expires: its prompt is leased again first, its partial samples are dropped
+(counted under `dropped["lease_expired"]`), and a late sample for it is rejected with reason
+`lease_expired`. Its holder may renew it before the deadline, or release it early.
+
+Durability. With a journal (orchestrator/journal.py) every change is recorded as it is made;
+the HTTP layer awaits the journal's commit before it answers, and a restarted orchestrator
+rebuilds this state from the journal (`RunState(..., journal=...)` recovers at once).
+Remembered for `dedupe_window_s` after a lease closes: the lease (so a late sample gets a
+precise reason) and its rollout ids (so a resend is answered as a duplicate, counted once).
 """
 
 from __future__ import annotations
 
+import heapq
+import logging
 import random
 import time
 import uuid
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -27,29 +42,119 @@ from decentrl.tasks import Task
 from decentrl.wire import (
     IngestResponse,
     Lease,
+    LeaseState,
     Rejection,
     Rollout,
     SamplingParams,
     StatusResponse,
     TrainBatch,
     TrainSample,
+    unpack_msgpack,
 )
+from orchestrator.codec import Packed, pack_floats, pack_ints, train_batch_msgpack
+from orchestrator.journal import Journal, Snapshot, decode_rollout
+
+log = logging.getLogger("decentrl.orchestrator.state")
+
+# Why a closed lease no longer takes samples -> the rejection reason of a late sample.
+CLOSED_REASON = {
+    "complete": "group_full",
+    "served": "group_full",
+    "expired": "lease_expired",
+    "released": "lease_released",
+    "dropped": "group_dropped",
+}
+
+
+class LeaseError(Exception):
+    """A lease operation that cannot be done; `status` is the HTTP status to answer with."""
+
+    status = 409
+
+
+class LeaseNotFound(LeaseError):
+    status = 404
+
+
+class NotLeaseHolder(LeaseError):
+    status = 403
+
+
+class LeaseClosed(LeaseError):
+    status = 409
 
 
 @dataclass
 class OpenLease:
     lease: Lease
     holder: str  # token name + worker id: only the holder may answer
-    samples: list[tuple[Rollout, float]] = field(default_factory=list)
+    samples: list[Rollout] = field(default_factory=list)
+    packed: list[Packed] = field(default_factory=list)  # per sample: completion ids and logprobs, packed
 
 
 @dataclass
 class Group:
+    lease_id: str
     prompt_id: int
     samples: list[tuple[Rollout, float]]  # (rollout, reward)
+    packed: list[Packed]
 
     def oldest_version(self) -> int:
         return min(rollout.policy_version for rollout, _ in self.samples)
+
+
+@dataclass
+class ClosedLease:
+    lease: Lease
+    holder: str
+    status: str  # complete (in the buffer), served, expired, released, dropped
+    closed_at: float
+    rollout_ids: list[str]
+
+
+@dataclass
+class ServedBatch:
+    batch: TrainBatch
+    lease_ids: list[str]
+    packed: list[Packed]  # per sample of the batch
+    prompts: dict[str, Any]  # lease id -> packed prompt ids
+
+    def msgpack(self) -> bytes:
+        return train_batch_msgpack(self.batch, self.packed, self.prompts)
+
+
+def _plain_fast_tokenizer(tokenizer: PreTrainedTokenizerBase, *methods: str) -> Any:
+    """The Rust tokenizer behind `tokenizer` if calling it directly gives what the HF methods
+    would (the methods are not overridden by a subclass), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase as Base
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    for name in methods:
+        defined = getattr(TokenizersBackend, name, None) or getattr(Base, name, None)
+        if defined is None or getattr(type(tokenizer), name, None) is not defined:
+            return None
+    return backend
+
+
+def make_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[list[int]]], list[str]]:
+    """`tokenizer.batch_decode(ids, skip_special_tokens=True)`, calling the Rust tokenizer directly
+    when that gives the same text (a plain fast tokenizer without clean-up): half the cost."""
+    backend = _plain_fast_tokenizer(tokenizer, "_decode", "decode", "batch_decode")
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda sequences: backend.decode_batch(sequences, skip_special_tokens=True)
+    return lambda sequences: tokenizer.batch_decode(sequences, skip_special_tokens=True)
+
+
+def make_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:
+    """`tokenizer(text).input_ids`, calling the Rust tokenizer directly when that gives the same ids
+    (a plain fast tokenizer with no truncation or padding of its own): half the cost."""
+    backend = _plain_fast_tokenizer(tokenizer, "__call__", "_encode_plus")
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        return lambda text: backend.encode(text).ids
+    return lambda text: tokenizer(text).input_ids
 
 
 class RunState:
@@ -60,73 +165,296 @@ class RunState:
         task: Task,
         tokenizer: PreTrainedTokenizerBase,
         clock: Callable[[], float] = time.time,
+        journal: Journal | None = None,
     ) -> None:
         self.config = config
         self.task = task
         self.tokenizer = tokenizer
         self.clock = clock
+        self.journal = journal
         self.started_at = clock()
+        options = config.orchestrator
+        if options.max_buffer_groups < config.trainer.groups_per_step:
+            raise ValueError(
+                f"orchestrator.max_buffer_groups ({options.max_buffer_groups}) must be at least "
+                f"trainer.groups_per_step ({config.trainer.groups_per_step}), or no batch could ever form"
+            )
         self.sampling = SamplingParams(**config.sampling.model_dump())
+        self.vocab_size = len(tokenizer)
+        self._decode = make_decoder(tokenizer)
+        self._encode = make_encoder(tokenizer)
         self.published_version: int | None = None
         self.trainer_version = 0
         self.leases: dict[str, OpenLease] = {}
+        self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped lazily
         self.ready: deque[Group] = deque()
-        self.seen_rollout_ids: set[str] = set()
-        self.completed_leases: set[str] = set()  # a complete group's lease is closed, not unknown
+        self.closed: dict[str, ClosedLease] = {}
+        self._closed_order: deque[tuple[float, str]] = deque()  # (closed_at, lease_id), for forgetting
+        self.seen_rollout_ids: dict[str, str] = {}  # rollout id -> lease id, while its lease is remembered
+        self.served: OrderedDict[str, ServedBatch] = OrderedDict()  # request id -> batch, newest last
+        self._served_leases: set[str] = set()  # leases of the batches in `served`
+        self._served_by_batch_id: dict[str, ServedBatch] = {}
         self._prompt_order = list(range(task.num_prompts))
         random.Random(config.task.seed).shuffle(self._prompt_order)
         self._prompt_cursor = 0
+        self._prompt_cache: OrderedDict[int, list[int]] = OrderedDict()
         self._requeued: deque[int] = deque()  # prompts of expired leases go out first
+        self._ready_seq = 0
         self.rollouts_accepted = 0
+        self.tokens_accepted = 0  # prompt + completion tokens of the rollouts accepted
+        self.duplicates = 0
         self.rejected: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()  # accepted samples dropped later, per reason
         self.stale_dropped = 0
         self.groups_served = 0
         self.leases_expired = 0
+        self.recoveries = 0
         self.recent_rewards: deque[float] = deque(maxlen=512)
+        if journal is not None:
+            journal.set_meta_source(self._meta)
+            snapshot = journal.load()
+            if snapshot.meta:
+                self._recover(snapshot)
+            journal.meta_dirty = True
+            journal.flush()
+
+    # -- journal --------------------------------------------------------------------------
+
+    def _dirty(self) -> None:
+        if self.journal is not None:
+            self.journal.meta_dirty = True
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "published_version": self.published_version,
+            "trainer_version": self.trainer_version,
+            "prompt_cursor": self._prompt_cursor,
+            "requeued": list(self._requeued),
+            "ready_seq": self._ready_seq,
+            "rollouts_accepted": self.rollouts_accepted,
+            "tokens_accepted": self.tokens_accepted,
+            "duplicates": self.duplicates,
+            "rejected": dict(self.rejected),
+            "dropped": dict(self.dropped),
+            "stale_dropped": self.stale_dropped,
+            "groups_served": self.groups_served,
+            "leases_expired": self.leases_expired,
+            "recoveries": self.recoveries,
+        }
+
+    def _recover(self, snapshot: Snapshot) -> None:
+        """Rebuild the state the journal committed: versions, counters, leases, buffer, batches."""
+        meta = snapshot.meta
+        self.published_version = meta["published_version"]
+        self.trainer_version = meta["trainer_version"]
+        self._prompt_cursor = meta["prompt_cursor"]
+        self._requeued = deque(meta["requeued"])
+        self._ready_seq = meta["ready_seq"]
+        self.rollouts_accepted = meta["rollouts_accepted"]
+        self.tokens_accepted = meta.get("tokens_accepted", 0)
+        self.duplicates = meta["duplicates"]
+        self.rejected = Counter(meta["rejected"])
+        self.dropped = Counter(meta["dropped"])
+        self.stale_dropped = meta["stale_dropped"]
+        self.groups_served = meta["groups_served"]
+        self.leases_expired = meta["leases_expired"]
+        self.recoveries = meta["recoveries"] + 1
+        run_name = self.config.run_name
+        ready: list[tuple[int, Group]] = []
+        rebuilt: dict[str, list[Rollout]] = {}
+        for row in sorted(snapshot.leases, key=lambda r: (r["closed_at"] or 0.0, r["lease_id"])):
+            lease = Lease(
+                lease_id=row["lease_id"],
+                prompt_id=row["prompt_id"],
+                prompt_token_ids=unpack_msgpack(row["prompt_token_ids"]),
+                group_size=row["group_size"],
+                deadline=row["deadline"],
+            )
+            entries = snapshot.rollouts.get(lease.lease_id, [])
+            ids = [rollout_id for rollout_id, _ in entries]
+            for rollout_id in ids:
+                self.seen_rollout_ids[rollout_id] = lease.lease_id
+            samples = [
+                decode_rollout(
+                    data, rollout_id=rollout_id, lease_id=lease.lease_id, run_name=run_name,
+                    prompt_token_ids=lease.prompt_token_ids,
+                )
+                for rollout_id, data in entries
+                if data is not None
+            ]
+            rebuilt[lease.lease_id] = samples
+            packed = [_pack(sample) for sample in samples]
+            status = row["status"]
+            if status == "open":
+                self.leases[lease.lease_id] = OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed)
+                heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+                continue
+            self.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], ids)
+            self._closed_order.append((row["closed_at"], lease.lease_id))
+            if status == "complete":
+                rewards = _json_list(row["rewards"])
+                ready.append((row["ready_seq"], Group(lease.lease_id, lease.prompt_id, list(zip(samples, rewards)), packed)))
+        self.ready = deque(group for _, group in sorted(ready, key=lambda item: item[0]))
+        for request_id, body in snapshot.batches:
+            lease_ids = body["lease_ids"]
+            if not all(lease_id in self.closed and lease_id in rebuilt for lease_id in lease_ids):
+                log.warning("journal: batch %s refers to forgotten leases; it cannot be served again", body["batch_id"])
+                continue
+            groups = [
+                Group(
+                    lease_id, self.closed[lease_id].lease.prompt_id, list(zip(rebuilt[lease_id], body["rewards"][i])),
+                    [_pack(sample) for sample in rebuilt[lease_id]],
+                )
+                for i, lease_id in enumerate(lease_ids)
+            ]
+            batch = self._build_batch(groups, body["trainer_version"], body["batch_id"])
+            batch = batch.model_copy(
+                update={"rollouts_accepted": body["rollouts_accepted"], "stale_dropped": body["stale_dropped"]}
+            )
+            self.served[request_id] = self._served_batch(batch, groups)
+        log.info(
+            "recovered from %s: version %s, trainer version %d, %d open leases, %d ready groups, "
+            "%d rollouts acknowledged so far",
+            self.journal.path if self.journal else "?", self.published_version, self.trainer_version,
+            len(self.leases), len(self.ready), self.rollouts_accepted,
+        )
 
     # -- leases ---------------------------------------------------------------------------
 
     def _next_prompt_id(self) -> int:
+        self._dirty()
         if self._requeued:
             return self._requeued.popleft()
         prompt_id = self._prompt_order[self._prompt_cursor % len(self._prompt_order)]
         self._prompt_cursor += 1
         return prompt_id
 
+    def _prompt_ids(self, prompt_id: int) -> list[int]:
+        """The prompt's token ids; the last few thousand are cached (prompts come back each epoch)."""
+        ids = self._prompt_cache.pop(prompt_id, None)
+        if ids is None:
+            ids = self._encode(self.task.prompt(prompt_id).text)
+        self._prompt_cache[prompt_id] = ids
+        if len(self._prompt_cache) > 4096:
+            self._prompt_cache.popitem(last=False)
+        return ids
+
+    @property
+    def buffer_limit(self) -> int:
+        return self.config.orchestrator.max_buffer_groups
+
+    def buffer_full(self) -> bool:
+        return len(self.ready) >= self.buffer_limit
+
     def lease_capacity(self) -> int:
         if self.published_version is None:
             return 0
         committed = self.groups_served + len(self.ready) + len(self.leases)
-        return lease_budget(
+        budget = lease_budget(
             self.published_version,
             self.config.max_staleness,
             self.config.trainer.groups_per_step,
             committed,
         )
+        return max(0, min(budget, self.buffer_limit - len(self.ready) - len(self.leases)))
 
     def grant_leases(self, holder: str, max_groups: int) -> list[Lease]:
         self.expire_leases()
         granted = []
         for _ in range(min(max_groups, self.lease_capacity())):
             prompt_id = self._next_prompt_id()
-            prompt = self.task.prompt(prompt_id)
             lease = Lease(
                 lease_id=uuid.uuid4().hex,
                 prompt_id=prompt_id,
-                prompt_token_ids=self.tokenizer(prompt.text).input_ids,
+                prompt_token_ids=self._prompt_ids(prompt_id),
                 group_size=self.config.group_size,
                 deadline=self.clock() + self.config.orchestrator.lease_timeout_s,
             )
             self.leases[lease.lease_id] = OpenLease(lease=lease, holder=holder)
+            heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+            if self.journal is not None:
+                self.journal.lease_granted(lease, holder)
             granted.append(lease)
         return granted
 
-    def expire_leases(self) -> None:
-        """Drop overdue leases and lease their prompts again; a late answer is rejected."""
-        now = self.clock()
-        for lease_id in [k for k, v in self.leases.items() if v.lease.deadline < now]:
-            self._requeued.append(self.leases.pop(lease_id).lease.prompt_id)
+    def expire_leases(self) -> int:
+        """Close overdue leases and lease their prompts again; a late answer is rejected."""
+        now, expired = self.clock(), 0
+        while self._deadlines and self._deadlines[0][0] < now:
+            deadline, lease_id = heapq.heappop(self._deadlines)
+            open_lease = self.leases.get(lease_id)
+            if open_lease is None or open_lease.lease.deadline != deadline:
+                continue  # closed already, or renewed (a later heap entry stands for it)
+            self._close_open(lease_id, "expired", requeue=True)
             self.leases_expired += 1
+            expired += 1
+        return expired
+
+    def _close_open(self, lease_id: str, status: str, *, requeue: bool, front: bool = False) -> OpenLease:
+        """Close an open lease that will not complete; its samples are dropped."""
+        open_lease = self.leases.pop(lease_id)
+        if requeue:
+            if front:
+                self._requeued.appendleft(open_lease.lease.prompt_id)
+            else:
+                self._requeued.append(open_lease.lease.prompt_id)
+        if open_lease.samples:
+            self.dropped[f"lease_{status}" if status != "dropped" else "stale_at_ingest"] += len(open_lease.samples)
+        self._remember_closed(open_lease.lease, open_lease.holder, status, [r.rollout_id for r in open_lease.samples])
+        if self.journal is not None:
+            self.journal.lease_closed(lease_id, status, self.clock(), drop_samples=bool(open_lease.samples))
+        self._dirty()
+        return open_lease
+
+    def _remember_closed(self, lease: Lease, holder: str, status: str, rollout_ids: list[str]) -> None:
+        now = self.clock()
+        self.closed[lease.lease_id] = ClosedLease(lease, holder, status, now, rollout_ids)
+        self._closed_order.append((now, lease.lease_id))
+
+    def _owned(self, lease_id: str, holder: str) -> OpenLease | ClosedLease:
+        found: OpenLease | ClosedLease | None = self.leases.get(lease_id) or self.closed.get(lease_id)
+        if found is None:
+            raise LeaseNotFound(
+                f"no lease {lease_id!r}: never granted, or closed more than "
+                f"{self.config.orchestrator.dedupe_window_s:.0f}s ago"
+            )
+        if found.holder != holder:
+            raise NotLeaseHolder(f"lease {lease_id!r} is held by another worker")
+        return found
+
+    def lease_state(self, lease_id: str, holder: str) -> LeaseState:
+        found = self._owned(lease_id, holder)
+        if isinstance(found, OpenLease):
+            state, samples = "open", len(found.samples)
+        else:
+            state, samples = found.status, len(found.rollout_ids)
+        lease = found.lease
+        return LeaseState(
+            lease_id=lease_id, prompt_id=lease.prompt_id, state=state, samples=samples,  # type: ignore[arg-type]
+            group_size=lease.group_size, deadline=lease.deadline,
+        )
+
+    def renew_lease(self, lease_id: str, holder: str) -> Lease:
+        """Push an open lease's deadline to `lease_timeout_s` from now (a slow worker's heartbeat)."""
+        self.expire_leases()
+        found = self._owned(lease_id, holder)
+        if not isinstance(found, OpenLease):
+            raise LeaseClosed(f"lease {lease_id!r} is {found.status}; it can no longer be renewed")
+        deadline = self.clock() + self.config.orchestrator.lease_timeout_s
+        found.lease = found.lease.model_copy(update={"deadline": deadline})
+        heapq.heappush(self._deadlines, (deadline, lease_id))
+        if self.journal is not None:
+            self.journal.lease_renewed(lease_id, deadline)
+        return found.lease
+
+    def release_lease(self, lease_id: str, holder: str) -> LeaseState:
+        """The holder gives an open lease back: its prompt goes out again next, its samples are dropped."""
+        self.expire_leases()
+        found = self._owned(lease_id, holder)
+        if not isinstance(found, OpenLease):
+            raise LeaseClosed(f"lease {lease_id!r} is {found.status}; there is nothing to release")
+        self._close_open(lease_id, "released", requeue=True, front=True)
+        return self.lease_state(lease_id, holder)
 
     # -- ingest ---------------------------------------------------------------------------
 
@@ -136,7 +464,8 @@ class RunState:
             return "wrong_run"
         open_lease = self.leases.get(rollout.lease_id)
         if open_lease is None:
-            return "group_full" if rollout.lease_id in self.completed_leases else "unknown_or_expired_lease"
+            closed = self.closed.get(rollout.lease_id)
+            return CLOSED_REASON[closed.status] if closed is not None else "unknown_or_expired_lease"
         lease = open_lease.lease
         if open_lease.holder != holder:
             return "not_lease_holder"
@@ -148,17 +477,36 @@ class RunState:
             return "future_version"
         if not is_fresh(self.trainer_version, rollout.policy_version, self.config.max_staleness):
             return "stale"
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in rollout.completion_token_ids):
+        ids = rollout.completion_token_ids
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # C-speed scans: ids hold up to ~1e5 tokens
             return "token_out_of_vocabulary"
-        if len(rollout.completion_token_ids) > self.sampling.max_tokens:
+        if len(ids) > self.sampling.max_tokens:
             return "too_many_tokens"
+        if rollout.token_versions is not None and (
+            min(rollout.token_versions) < rollout.policy_version or max(rollout.token_versions) > self.published_version
+        ):
+            return "bad_token_versions"
+        if rollout.sampling_mask is not None and any(
+            mask and (min(mask) < 0 or max(mask) >= self.vocab_size) for mask in rollout.sampling_mask
+        ):
+            return "token_out_of_vocabulary"
+        if rollout.expert_routing is not None and any(
+            route and (min(route) < 0 or max(route) > 2**31) for route in rollout.expert_routing
+        ):
+            return "bad_expert_routing"
         return None
 
-    def ingest(self, rollouts: list[Rollout], holder: str) -> IngestResponse:
+    def ingest(
+        self, rollouts: Sequence[Rollout], holder: str, packed: Sequence[Packed | None] | None = None
+    ) -> IngestResponse:
+        """Check, count and keep each rollout; complete groups are scored and join the buffer.
+
+        `packed` (optional, aligned with `rollouts`): completion ids and logprobs already packed
+        as typed arrays (as a msgpack body carried them), kept instead of packing them again.
+        """
         self.expire_leases()
         accepted, duplicates, rejected = 0, 0, []
-        for rollout in rollouts:
+        for index, rollout in enumerate(rollouts):
             if rollout.rollout_id in self.seen_rollout_ids:
                 duplicates += 1
                 continue
@@ -168,59 +516,112 @@ class RunState:
                 if reason == "stale":
                     # The group can no longer train as a whole: free its slot at once
                     # rather than hold it until the lease expires.
-                    dropped = self.leases.pop(rollout.lease_id)
+                    dropped = self._close_open(rollout.lease_id, "dropped", requeue=True)
                     self.stale_dropped += 1 + len(dropped.samples)
-                    self._requeued.append(dropped.lease.prompt_id)
                 rejected.append(Rejection(rollout_id=rollout.rollout_id, reason=reason))
                 continue
-            self.seen_rollout_ids.add(rollout.rollout_id)
+            self.seen_rollout_ids[rollout.rollout_id] = rollout.lease_id
             open_lease = self.leases[rollout.lease_id]
-            open_lease.samples.append((rollout, self._score(rollout)))
+            # Equal to the lease's prompt (checked): share that list instead of keeping a copy.
+            rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids
+            open_lease.samples.append(rollout)
+            arrays = (packed[index] if packed is not None else None) or _pack(rollout)
+            open_lease.packed.append(arrays)
+            self.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
+            if self.journal is not None:
+                self.journal.rollout_accepted(rollout, arrays)
             accepted += 1
             if len(open_lease.samples) == open_lease.lease.group_size:
-                del self.leases[rollout.lease_id]
-                self.completed_leases.add(rollout.lease_id)
-                self.ready.append(Group(prompt_id=open_lease.lease.prompt_id, samples=open_lease.samples))
+                self._complete(open_lease)
+        if accepted or duplicates or rejected:
+            self._dirty()
         self.rollouts_accepted += accepted
+        self.duplicates += duplicates
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
 
-    def _score(self, rollout: Rollout) -> float:
-        text = self.tokenizer.decode(rollout.completion_token_ids, skip_special_tokens=True)
-        return self.task.reward(self.task.prompt(rollout.prompt_id), text)
+    def _score(self, rollouts: list[Rollout]) -> list[float]:
+        texts = self._decode([rollout.completion_token_ids for rollout in rollouts])
+        return [self.task.reward(self.task.prompt(r.prompt_id), text) for r, text in zip(rollouts, texts, strict=True)]
+
+    def _complete(self, open_lease: OpenLease) -> None:
+        lease = open_lease.lease
+        del self.leases[lease.lease_id]
+        rollout_ids = [r.rollout_id for r in open_lease.samples]
+        oldest = min(r.policy_version for r in open_lease.samples)
+        if not is_fresh(self.trainer_version, oldest, self.config.max_staleness):
+            # Its first samples were fresh when they came, but the trainer moved on since.
+            self.stale_dropped += len(open_lease.samples)
+            self.dropped["stale_in_buffer"] += len(open_lease.samples)
+            self._remember_closed(lease, open_lease.holder, "dropped", rollout_ids)
+            if self.journal is not None:
+                self.journal.lease_closed(lease.lease_id, "dropped", self.clock(), drop_samples=True)
+            return
+        rewards = self._score(open_lease.samples)
+        self.ready.append(Group(lease.lease_id, lease.prompt_id, list(zip(open_lease.samples, rewards)), open_lease.packed))
+        self._remember_closed(lease, open_lease.holder, "complete", rollout_ids)
+        self._ready_seq += 1
+        if self.journal is not None:
+            self.journal.group_completed(lease.lease_id, self._ready_seq, rewards, self.clock())
 
     # -- trainer side ---------------------------------------------------------------------
 
     def advance(self, trainer_version: int) -> None:
         """The trainer now holds `trainer_version`: evict groups that can no longer train."""
-        self.trainer_version = max(self.trainer_version, trainer_version)
+        if trainer_version <= self.trainer_version:
+            return  # groups in the buffer were fresh for this version when they arrived
+        self.trainer_version = trainer_version
+        self._dirty()
         fresh = deque()
         for group in self.ready:
             if is_fresh(self.trainer_version, group.oldest_version(), self.config.max_staleness):
                 fresh.append(group)
             else:
                 self.stale_dropped += len(group.samples)
+                self.dropped["stale_in_buffer"] += len(group.samples)
+                closed = self.closed[group.lease_id]
+                closed.status, closed.closed_at = "dropped", self.clock()
+                self._closed_order.append((closed.closed_at, group.lease_id))
+                if self.journal is not None:
+                    self.journal.lease_closed(group.lease_id, "dropped", closed.closed_at, drop_samples=True)
         self.ready = fresh
 
     def announce(self, version: int) -> None:
         """Version `version` is complete in the store; workers may pull it."""
         self.published_version = max(version, self.published_version or 0)
+        self._dirty()
         self.advance(version)
 
-    def take_batch(self, trainer_version: int) -> TrainBatch | None:
-        """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet."""
-        self.advance(trainer_version)
-        wanted = self.config.trainer.groups_per_step
-        if len(self.ready) < wanted:
-            return None
-        groups = [self.ready.popleft() for _ in range(wanted)]
-        self.groups_served += wanted
+    def served_batch(self, request_id: str) -> TrainBatch | None:
+        """The batch already served for this request id, if it is still kept."""
+        served = self.served.get(request_id)
+        return served.batch if served is not None else None
+
+    def batch_msgpack(self, batch: TrainBatch) -> bytes | None:
+        """A kept batch as msgpack, from the arrays packed at ingest (None if no longer kept)."""
+        served = self._served_by_batch_id.get(batch.batch_id or "")
+        return served.msgpack() if served is not None and served.batch is batch else None
+
+    def _served_batch(self, batch: TrainBatch, groups: list[Group]) -> ServedBatch:
+        served = ServedBatch(
+            batch,
+            [group.lease_id for group in groups],
+            [packed for group in groups for packed in group.packed],
+            {group.lease_id: pack_ints(group.samples[0][0].prompt_token_ids) for group in groups if group.samples},
+        )
+        self._served_by_batch_id[batch.batch_id or ""] = served
+        self._served_leases.update(served.lease_ids)
+        return served
+
+    def _build_batch(self, groups: list[Group], trainer_version: int, batch_id: str) -> TrainBatch:
+        normalize_std = self.config.trainer.advantages.normalize_std
         samples, histogram = [], Counter()
         for group in groups:
             rewards = [reward for _, reward in group.samples]
-            advantages = group_advantages(rewards, normalize_std=self.config.trainer.advantages.normalize_std)
-            for (rollout, reward), advantage in zip(group.samples, advantages):
+            advantages = group_advantages(rewards, normalize_std=normalize_std)
+            for (rollout, reward), advantage in zip(group.samples, advantages, strict=True):
+                # Fields were validated at ingest: construct without copying the token lists.
                 samples.append(
-                    TrainSample(
+                    TrainSample.model_construct(
                         prompt_token_ids=rollout.prompt_token_ids,
                         completion_token_ids=rollout.completion_token_ids,
                         logprobs=rollout.logprobs,
@@ -228,17 +629,92 @@ class RunState:
                         reward=reward,
                         policy_version=rollout.policy_version,
                         group_id=rollout.lease_id,
+                        rollout_id=rollout.rollout_id,
                     )
                 )
-                histogram[str(staleness(self.trainer_version, rollout.policy_version))] += 1
-                self.recent_rewards.append(reward)
+                histogram[str(staleness(trainer_version, rollout.policy_version))] += 1
         return TrainBatch(
-            trainer_version=self.trainer_version,
+            trainer_version=trainer_version,
             samples=samples,
             staleness_histogram=dict(sorted(histogram.items())),
             rollouts_accepted=self.rollouts_accepted,
             stale_dropped=self.stale_dropped,
+            batch_id=batch_id,
         )
+
+    def take_batch(self, trainer_version: int, request_id: str | None = None) -> TrainBatch | None:
+        """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet.
+
+        With a `request_id` already answered (its answer was lost and the trainer asks again),
+        the same batch again, as long as it is among the last `batches_kept`.
+        """
+        if request_id is not None and (again := self.served_batch(request_id)) is not None:
+            return again
+        self.advance(trainer_version)
+        wanted = self.config.trainer.groups_per_step
+        if len(self.ready) < wanted:
+            return None
+        groups = [self.ready.popleft() for _ in range(wanted)]
+        self.groups_served += wanted
+        self._dirty()
+        batch = self._build_batch(groups, self.trainer_version, uuid.uuid4().hex)
+        for group in groups:
+            self.recent_rewards.extend(reward for _, reward in group.samples)
+        now = self.clock()
+        lease_ids = [group.lease_id for group in groups]
+        for lease_id in lease_ids:
+            closed = self.closed[lease_id]
+            closed.status, closed.closed_at = "served", now
+            self._closed_order.append((now, lease_id))
+            if self.journal is not None:
+                self.journal.lease_closed(lease_id, "served", now, drop_samples=False)
+        key = request_id or batch.batch_id
+        assert batch.batch_id is not None
+        if self.journal is not None:
+            self.journal.batch_served(
+                key,
+                now,
+                {
+                    "batch_id": batch.batch_id,
+                    "trainer_version": batch.trainer_version,
+                    "lease_ids": lease_ids,
+                    "rewards": [[reward for _, reward in group.samples] for group in groups],
+                    "rollouts_accepted": batch.rollouts_accepted,
+                    "stale_dropped": batch.stale_dropped,
+                },
+            )
+        self.served[key] = self._served_batch(batch, groups)
+        while len(self.served) > self.config.orchestrator.batches_kept:
+            old_key, old = self.served.popitem(last=False)
+            self._served_leases.difference_update(old.lease_ids)
+            self._served_by_batch_id.pop(old.batch.batch_id or "", None)
+            if self.journal is not None:
+                self.journal.batch_forgotten(old_key, old.lease_ids)
+        return batch
+
+    # -- upkeep ---------------------------------------------------------------------------
+
+    def forget_closed(self, limit: int = 10_000) -> int:
+        """Forget leases closed more than `dedupe_window_s` ago (and their rollout ids)."""
+        horizon = self.clock() - self.config.orchestrator.dedupe_window_s
+        forgotten = 0
+        while self._closed_order and self._closed_order[0][0] < horizon and forgotten < limit:
+            closed_at, lease_id = self._closed_order.popleft()
+            closed = self.closed.get(lease_id)
+            if closed is None or closed.closed_at != closed_at:
+                continue  # its status changed later; a later entry stands for it
+            if closed.status == "complete" or lease_id in self._served_leases:
+                # In the buffer, or in a batch that may be asked for again: look again later.
+                self._closed_order.append((self.clock(), lease_id))
+                closed.closed_at = self._closed_order[-1][0]
+                continue
+            del self.closed[lease_id]
+            for rollout_id in closed.rollout_ids:
+                self.seen_rollout_ids.pop(rollout_id, None)
+            if self.journal is not None:
+                self.journal.lease_forgotten(lease_id)
+            forgotten += 1
+        return forgotten
 
     def status(self) -> StatusResponse:
         rewards = list(self.recent_rewards)
@@ -255,4 +731,19 @@ class RunState:
             leases_expired=self.leases_expired,
             reward_mean_recent=sum(rewards) / len(rewards) if rewards else None,
             uptime_s=self.clock() - self.started_at,
+            rollouts_duplicate=self.duplicates,
+            dropped=dict(self.dropped),
+            buffer_limit=self.buffer_limit,
+            journal=self.journal is not None,
+            recoveries=self.recoveries,
         )
+
+
+def _pack(rollout: Rollout) -> Packed:
+    return pack_ints(rollout.completion_token_ids), pack_floats(rollout.logprobs)
+
+
+def _json_list(text: str) -> list[Any]:
+    import json
+
+    return json.loads(text)

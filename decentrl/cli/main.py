@@ -53,35 +53,76 @@ def _resolve_store(config: RunConfig, run_dir: str) -> RunConfig:
 @app.command()
 def orchestrator(
     config: ConfigArg,
-    run_dir: Annotated[str, typer.Option(help="Run directory (tokens file, default store).")] = ".",
+    run_dir: Annotated[str, typer.Option(help="Run directory (tokens file, journal.sqlite, default store).")] = ".",
     host: Annotated[str | None, typer.Option(help="Overrides orchestrator.host.")] = None,
     port: Annotated[int | None, typer.Option(help="Overrides orchestrator.port.")] = None,
     tokens_file: Annotated[str | None, typer.Option(help="Tokens JSON; default RUN_DIR/tokens.json.")] = None,
 ) -> None:
-    """Serve the run's HTTP API: leases, rollout ingest, batches, versions."""
+    """Serve the run's HTTP API: leases, rollout ingest, batches, versions (docs/api.md).
+
+    With orchestrator.journal (the default) every acknowledged rollout, lease and version is
+    journaled in RUN_DIR/journal.sqlite; run the same command again after a crash and it
+    recovers. Tokens come from the tokens file and from env DECENTRL_TOKENS (name:role:token,...).
+    """
     _setup_logging("orchestrator")
+    import signal
+
     from aiohttp import web
 
     from decentrl.model import load_tokenizer
     from decentrl.tasks import build_task
-    from orchestrator.app import create_app
-    from orchestrator.auth import TokenRegistry
+    from orchestrator.app import create_app, tune_gc
+    from orchestrator.auth import ENV_VAR, TokenRegistry
+    from orchestrator.journal import Journal, JournalError, JournalMismatch
     from orchestrator.state import RunState
 
     cfg = _resolve_store(_load(config), run_dir)
+    log = logging.getLogger("decentrl.orchestrator")
     try:
-        tokens = TokenRegistry.from_file(tokens_file or os.path.join(run_dir, "tokens.json"))
+        tokens = TokenRegistry.from_file(tokens_file or os.path.join(run_dir, "tokens.json"), env=os.environ.get(ENV_VAR))
     except (FileNotFoundError, ValueError, KeyError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    state = RunState(config=cfg, task=build_task(cfg.task), tokenizer=load_tokenizer(cfg.model))
+    journal = None
+    try:
+        if cfg.orchestrator.journal:
+            os.makedirs(run_dir, exist_ok=True)
+            journal = Journal(
+                os.path.join(run_dir, "journal.sqlite"), run_name=cfg.run_name, sync=cfg.orchestrator.journal_sync
+            )
+        state = RunState(config=cfg, task=build_task(cfg.task), tokenizer=load_tokenizer(cfg.model), journal=journal)
+    except (JournalMismatch, JournalError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    failed: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        """The journal failed: stop serving; a restart recovers what was committed."""
+        log.critical("journal failed (%s): shutting down so that a restart recovers from the journal", exc)
+        failed.append(exc)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    tune_gc()
+    loop = None
+    try:
+        import uvloop  # a faster event loop where it installs (Linux, macOS)
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        pass
     web.run_app(
-        create_app(state=state, tokens=tokens, store_url=cfg.store.url),
+        create_app(state=state, tokens=tokens, store_url=cfg.store.url, on_fatal=on_fatal),
         host=host or cfg.orchestrator.host,
         port=cfg.orchestrator.port if port is None else port,
-        print=lambda text: logging.getLogger("decentrl.orchestrator").info(text.strip()),
+        print=lambda text: log.info(text.strip()),
         handle_signals=True,
+        access_log=None,
+        loop=loop,
     )
+    if journal is not None:
+        journal.close()
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -288,17 +329,90 @@ def store_keygen(
     typer.echo(f"public key:  {public_key}  (pass to workers with --public-key)")
 
 
+AdminUrlOpt = Annotated[
+    str | None, typer.Option("--orchestrator", help="Ask a running orchestrator (admin token) instead of editing --file.")
+]
+AdminTokenOpt = Annotated[
+    str | None, typer.Option("--token", envvar="DECENTRL_ADMIN_TOKEN", help="Admin token (or env DECENTRL_ADMIN_TOKEN).")
+]
+TokensFileOpt = Annotated[str, typer.Option(help="Tokens file the orchestrator reads (without --orchestrator).")]
+
+
+def _admin_client(url: str, token: str | None):  # noqa: ANN202 - OrchestratorClient, imported lazily
+    from decentrl.client import OrchestratorClient
+
+    if not token:
+        typer.echo("error: --orchestrator needs an admin token: --token or env DECENTRL_ADMIN_TOKEN", err=True)
+        raise typer.Exit(2)
+    return OrchestratorClient(url, token, timeout_s=10.0, max_wait_s=10.0)
+
+
 @token_app.command("create")
 def token_create(
     name: Annotated[str, typer.Option(help="Who holds the token (worker name).")],
     role: Annotated[str, typer.Option(help="worker, trainer or admin.")] = "worker",
-    file: Annotated[str, typer.Option(help="Tokens file the orchestrator reads.")] = "tokens.json",
+    file: TokensFileOpt = "tokens.json",
+    orchestrator_url: AdminUrlOpt = None,
+    token: AdminTokenOpt = None,
 ) -> None:
-    """Add a token to the tokens file and print it (once: it is not shown again)."""
+    """Add a token and print it (once: it is not shown again).
+
+    Edits the tokens file directly (on the orchestrator's host; a running orchestrator sees it
+    at its next request), or with --orchestrator asks the running orchestrator (admin token).
+    """
+    from decentrl.client import OrchestratorError
     from orchestrator.auth import add_token
 
     try:
-        typer.echo(add_token(file, name=name, role=role))  # type: ignore[arg-type]
-    except ValueError as exc:
+        if orchestrator_url:
+            typer.echo(_admin_client(orchestrator_url, token).create_token(name, role).token)
+        else:
+            typer.echo(add_token(file, name=name, role=role))  # type: ignore[arg-type]
+    except (ValueError, OrchestratorError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name: Annotated[str, typer.Option(help="The token's name.")],
+    file: TokensFileOpt = "tokens.json",
+    orchestrator_url: AdminUrlOpt = None,
+    token: AdminTokenOpt = None,
+) -> None:
+    """Revoke a token: the orchestrator refuses it (401) from its next request on."""
+    from decentrl.client import OrchestratorError
+    from orchestrator.auth import revoke_token
+
+    try:
+        if orchestrator_url:
+            _admin_client(orchestrator_url, token).revoke_token(name)
+        elif not revoke_token(file, name=name):
+            typer.echo(f"error: {file}: no token named {name!r}", err=True)
+            raise typer.Exit(1)
+    except (ValueError, OrchestratorError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"revoked {name}")
+
+
+@token_app.command("list")
+def token_list(
+    file: TokensFileOpt = "tokens.json",
+    orchestrator_url: AdminUrlOpt = None,
+    token: AdminTokenOpt = None,
+) -> None:
+    """List token names and roles (never the tokens)."""
+    from decentrl.client import OrchestratorError
+    from orchestrator.auth import list_tokens
+
+    try:
+        if orchestrator_url:
+            rows = [(e.name, e.role) for e in _admin_client(orchestrator_url, token).list_tokens().tokens]
+        else:
+            rows = list_tokens(file)
+    except (ValueError, OrchestratorError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for name, role in rows:
+        typer.echo(f"{name}\t{role}")

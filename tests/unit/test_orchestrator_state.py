@@ -258,9 +258,10 @@ def test_stale_rollout_is_rejected_and_frees_its_lease(
     # The slot and the prompt are free again: the next lease is the same prompt.
     (again,) = state.grant_leases(HOLDER, 1)
     assert again.prompt_id == lease.prompt_id and again.lease_id != lease.lease_id
-    # Further samples of the dropped group have no lease to answer any more.
+    # Further samples of the dropped group have no lease to answer any more; the orchestrator
+    # still remembers the lease (dedupe_window_s), so it says precisely why.
     rest = state.ingest([make_rollout(lease, answer(state, lease))], HOLDER)
-    assert [r.reason for r in rest.rejected] == ["unknown_or_expired_lease"]
+    assert [r.reason for r in rest.rejected] == ["group_dropped"]
 
 
 def test_rollout_one_version_behind_is_accepted_with_staleness_one(
@@ -316,9 +317,10 @@ def test_expired_lease_is_leased_again_and_late_rollout_rejected(
     assert state.leases_expired == 1
     assert lease.lease_id not in state.leases
 
+    # A late result of an expired lease is rejected (the prompt went to bob), with its own reason.
     late = make_rollout(lease, answer(state, lease))
     result = state.ingest([late], HOLDER)
-    assert result.rejected == [Rejection(rollout_id=late.rollout_id, reason="unknown_or_expired_lease")]
+    assert result.rejected == [Rejection(rollout_id=late.rollout_id, reason="lease_expired")]
     # The new holder answers the new lease.
     fresh = state.ingest([make_rollout(again, answer(state, again), worker_id="w1")], "bob/w1")
     assert fresh.accepted == 1

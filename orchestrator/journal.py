@@ -1,0 +1,332 @@
+"""The orchestrator's durable journal: SQLite in WAL mode under the run dir.
+
+What is journaled (RunState calls the recording methods as it changes):
+  meta      one row: versions, prompt cursor, prompts to lease again first, counters
+  leases    every lease not yet forgotten: prompt, holder, deadline, status
+            (open, complete, served, expired, released, dropped), rewards of a complete group
+  rollouts  every acknowledged rollout: its id (for idempotent resends) and, while it may
+            still be trained on or served again, its body
+  batches   the last `batches_kept` batches served, by request id, so a trainer resending a
+            request whose answer was lost gets the same batch and not a second one
+
+Write path. Recording only appends a statement to a list in the event loop's thread. A
+handler then awaits `commit()`, which hands everything recorded so far to one writer thread;
+the writer runs all that is queued in one transaction (group commit: while one commit is on
+disk the next requests queue up behind it), commits (fsync with synchronous=FULL), and only
+then wakes the handlers, which answer their clients. Statements are queued in the order the
+state changed, so an answer that depends on an earlier change (a duplicate, a batch holding a
+just-completed group) is never sent before that change is on disk.
+
+A failed write is fatal: the state in memory is then ahead of the disk, so `failed` is set,
+every later commit raises JournalError and the service answers 503 until restarted, when
+recovery rebuilds the state from what was committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from pydantic import BaseModel
+
+from decentrl.wire import Lease, Rollout, unpack_msgpack
+from orchestrator.codec import Packed, pack_ints
+
+log = logging.getLogger("decentrl.orchestrator.journal")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (
+    lease_id TEXT PRIMARY KEY,
+    prompt_id INTEGER NOT NULL,
+    holder TEXT NOT NULL,
+    deadline REAL NOT NULL,
+    prompt_token_ids BLOB NOT NULL,
+    group_size INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    ready_seq INTEGER,
+    closed_at REAL,
+    rewards TEXT
+);
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout_id TEXT NOT NULL,
+    lease_id TEXT NOT NULL,
+    data BLOB
+);
+CREATE INDEX IF NOT EXISTS rollouts_by_lease ON rollouts(lease_id);
+CREATE TABLE IF NOT EXISTS batches (
+    request_id TEXT PRIMARY KEY,
+    served_at REAL NOT NULL,
+    body TEXT NOT NULL
+);
+"""
+
+SQL_META = "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)"
+SQL_LEASE = (
+    "INSERT OR REPLACE INTO leases(lease_id, prompt_id, holder, deadline, prompt_token_ids, group_size, status) "
+    "VALUES (?, ?, ?, ?, ?, ?, 'open')"
+)
+SQL_ROLLOUT = "INSERT INTO rollouts(rollout_id, lease_id, data) VALUES (?, ?, ?)"
+SQL_COMPLETE = "UPDATE leases SET status = 'complete', ready_seq = ?, closed_at = ?, rewards = ? WHERE lease_id = ?"
+SQL_CLOSE = "UPDATE leases SET status = ?, closed_at = ? WHERE lease_id = ?"
+SQL_DROP_DATA = "UPDATE rollouts SET data = NULL WHERE lease_id = ?"
+SQL_RENEW = "UPDATE leases SET deadline = ? WHERE lease_id = ?"
+SQL_BATCH = "INSERT OR REPLACE INTO batches(request_id, served_at, body) VALUES (?, ?, ?)"
+SQL_FORGET_BATCH = "DELETE FROM batches WHERE request_id = ?"
+SQL_FORGET_ROLLOUTS = "DELETE FROM rollouts WHERE lease_id = ?"
+SQL_FORGET_LEASE = "DELETE FROM leases WHERE lease_id = ?"
+
+# Rollout fields the lease row already holds (or that are the same for the whole run).
+_NOT_IN_BODY = {"rollout_id", "lease_id", "run_name", "prompt_token_ids"}
+
+
+class JournalError(RuntimeError):
+    """The journal could not commit; the orchestrator must be restarted (it recovers)."""
+
+
+class JournalMismatch(RuntimeError):
+    """The journal file belongs to another run."""
+
+
+@dataclass
+class Snapshot:
+    """Everything committed, as read at startup."""
+
+    meta: dict[str, Any]
+    leases: list[sqlite3.Row]
+    rollouts: dict[str, list[tuple[str, bytes | None]]]  # lease_id -> [(rollout_id, body)] in acceptance order
+    batches: list[tuple[str, dict[str, Any]]]  # (request_id, body) oldest first
+
+
+def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:
+    """A rollout's journal body: msgpack with typed arrays, without what its lease row holds.
+
+    `packed` holds its completion ids and logprobs already packed (orchestrator.codec).
+    """
+    body = {}
+    for name in type(rollout).model_fields:
+        if name not in _NOT_IN_BODY:
+            value = getattr(rollout, name)
+            body[name] = value.model_dump() if isinstance(value, BaseModel) else value
+    body["completion_token_ids"], body["logprobs"] = packed
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_rollout(data: bytes, *, rollout_id: str, lease_id: str, run_name: str, prompt_token_ids: list[int]) -> Rollout:
+    body = unpack_msgpack(data)
+    body.update(rollout_id=rollout_id, lease_id=lease_id, run_name=run_name, prompt_token_ids=prompt_token_ids)
+    return Rollout.model_validate(body)
+
+
+class Journal:
+    def __init__(self, path: str, *, run_name: str, sync: str = "full") -> None:
+        self.path = path
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._conn.row_factory = sqlite3.Row
+        mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise JournalError(f"{path}: SQLite refused WAL mode (got {mode!r}); put the run dir on a local disk")
+        self._conn.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
+        self._conn.execute("PRAGMA journal_size_limit=67108864")  # keep the WAL file near 64 MiB
+        self._conn.executescript(SCHEMA)
+        row = self._conn.execute("SELECT value FROM meta WHERE key = 'run'").fetchone()
+        if row is None:
+            self._conn.execute(SQL_META, ("run", json.dumps({"run_name": run_name, "created_at": time.time()})))
+        elif json.loads(row[0])["run_name"] != run_name:
+            other = json.loads(row[0])["run_name"]
+            self._conn.close()
+            raise JournalMismatch(
+                f"{path} holds the journal of run {other!r}, not {run_name!r}; use another --run-dir "
+                "(or delete the file to start this run from scratch)"
+            )
+        self._pending: list[tuple[str, tuple[Any, ...]]] = []
+        self._meta_source: Callable[[], dict[str, Any]] | None = None
+        self.meta_dirty = False
+        self._cond = threading.Condition()
+        self._queue: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None] | None]] = []
+        self._inflight = 0  # commits handed to the writer and not yet resolved (loop thread only)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self.failed: BaseException | None = None
+        self.on_commit: Callable[[float, int], None] | None = None  # (seconds, statements), loop thread
+
+    # -- recording (event loop thread) ---------------------------------------------------
+
+    def set_meta_source(self, source: Callable[[], dict[str, Any]]) -> None:
+        """`source()` gives the meta row; it is written with the next commit after `meta_dirty`."""
+        self._meta_source = source
+
+    def record(self, sql: str, params: tuple[Any, ...]) -> None:
+        self._pending.append((sql, params))
+
+    def lease_granted(self, lease: Lease, holder: str) -> None:
+        self.record(
+            SQL_LEASE,
+            (lease.lease_id, lease.prompt_id, holder, lease.deadline, msgpack.packb(pack_ints(lease.prompt_token_ids)), lease.group_size),
+        )
+
+    def rollout_accepted(self, rollout: Rollout, packed: Packed) -> None:
+        self.record(SQL_ROLLOUT, (rollout.rollout_id, rollout.lease_id, encode_rollout(rollout, packed)))
+
+    def group_completed(self, lease_id: str, ready_seq: int, rewards: list[float], at: float) -> None:
+        self.record(SQL_COMPLETE, (ready_seq, at, json.dumps(rewards), lease_id))
+
+    def lease_closed(self, lease_id: str, status: str, at: float, *, drop_samples: bool) -> None:
+        self.record(SQL_CLOSE, (status, at, lease_id))
+        if drop_samples:
+            self.record(SQL_DROP_DATA, (lease_id,))
+
+    def lease_renewed(self, lease_id: str, deadline: float) -> None:
+        self.record(SQL_RENEW, (deadline, lease_id))
+
+    def batch_served(self, request_id: str, at: float, body: dict[str, Any]) -> None:
+        self.record(SQL_BATCH, (request_id, at, json.dumps(body)))
+
+    def batch_forgotten(self, request_id: str, lease_ids: list[str]) -> None:
+        """An old batch can no longer be asked for again: its samples' bodies may go."""
+        self.record(SQL_FORGET_BATCH, (request_id,))
+        for lease_id in lease_ids:
+            self.record(SQL_DROP_DATA, (lease_id,))
+
+    def lease_forgotten(self, lease_id: str) -> None:
+        self.record(SQL_FORGET_ROLLOUTS, (lease_id,))
+        self.record(SQL_FORGET_LEASE, (lease_id,))
+
+    def _take_pending(self) -> list[tuple[str, tuple[Any, ...]]]:
+        if self.meta_dirty and self._meta_source is not None:
+            self._pending.append((SQL_META, ("state", json.dumps(self._meta_source()))))
+            self.meta_dirty = False
+        ops, self._pending = self._pending, []
+        return ops
+
+    # -- committing -----------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Commit what is recorded, in this thread (tests, startup, shutdown: no writer running)."""
+        if self._thread is not None:
+            raise RuntimeError("the writer thread is running: use `await commit()`")
+        ops = self._take_pending()
+        if ops:
+            self._execute(ops)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the writer thread; from now on commit with `await commit()`."""
+        self.flush()
+        self._loop = loop
+        self._closing = False
+        self._thread = threading.Thread(target=self._writer, name="journal-writer", daemon=True)
+        self._thread.start()
+
+    async def commit(self) -> None:
+        """Return once everything recorded so far (by anyone) is committed to disk."""
+        if self.failed is not None:
+            raise JournalError(f"journal {self.path} failed earlier: {self.failed}")
+        ops = self._take_pending()
+        if not ops and self._inflight == 0:
+            return  # nothing recorded and nothing on its way: all is on disk already
+        if self._thread is None:  # not started (tests driving the app without a loop thread)
+            self._execute(ops)
+            return
+        future = asyncio.get_running_loop().create_future()
+        self._inflight += 1
+        with self._cond:
+            self._queue.append((ops, future))
+            self._cond.notify()
+        await asyncio.shield(future)  # a client hanging up does not unqueue what it wrote
+
+    async def stop(self) -> None:
+        """Commit what is left and stop the writer thread."""
+        if self._thread is None:
+            return
+        if self.failed is None:
+            try:
+                await self.commit()
+            except JournalError:
+                pass
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def _writer(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                work, self._queue = self._queue, []
+            ops = [op for batch, _ in work for op in batch]
+            started = time.perf_counter()
+            error: BaseException | None = None
+            if self.failed is not None:
+                error = self.failed
+            else:
+                try:
+                    self._execute(ops)
+                except BaseException as exc:  # noqa: BLE001 - any failure is fatal, reported to every waiter
+                    log.critical("journal %s: commit failed: %s", self.path, exc)
+                    self.failed = error = exc
+            elapsed = time.perf_counter() - started
+            assert self._loop is not None
+            futures = [future for _, future in work if future is not None]
+            try:
+                self._loop.call_soon_threadsafe(self._resolve, futures, error, elapsed, len(ops))
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                return
+
+    def _resolve(
+        self, futures: list[asyncio.Future[None]], error: BaseException | None, elapsed: float, statements: int
+    ) -> None:
+        self._inflight -= len(futures)
+        for future in futures:
+            if future.done():
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(JournalError(f"journal {self.path}: commit failed: {error}"))
+        if self.on_commit is not None and error is None:
+            self.on_commit(elapsed, statements)
+
+    def _execute(self, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
+        conn = self._conn
+        conn.execute("BEGIN")
+        try:
+            for sql, group in itertools.groupby(ops, key=lambda op: op[0]):
+                conn.executemany(sql, [params for _, params in group])
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    # -- recovery -------------------------------------------------------------------------
+
+    def load(self) -> Snapshot:
+        conn = self._conn
+        row = conn.execute("SELECT value FROM meta WHERE key = 'state'").fetchone()
+        meta = json.loads(row[0]) if row is not None else {}
+        leases = conn.execute("SELECT * FROM leases").fetchall()
+        rollouts: dict[str, list[tuple[str, bytes | None]]] = {}
+        for rollout_id, lease_id, data in conn.execute("SELECT rollout_id, lease_id, data FROM rollouts ORDER BY rowid"):
+            rollouts.setdefault(lease_id, []).append((rollout_id, data))
+        batches = [
+            (request_id, json.loads(body))
+            for request_id, body in conn.execute("SELECT request_id, body FROM batches ORDER BY served_at, rowid")
+        ]
+        return Snapshot(meta=meta, leases=leases, rollouts=rollouts, batches=batches)

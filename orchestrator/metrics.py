@@ -1,0 +1,103 @@
+"""Prometheus metrics of one orchestrator app (GET /metrics, text format 0.0.4).
+
+Every app has its own CollectorRegistry (tests create many apps in one process). The run's
+counters (rollouts accepted, rejections and drops by reason, lease expirations, groups served)
+are read from RunState at scrape time, so they agree with /v1/status and survive a restart
+(they are journaled); the rest is measured by the HTTP layer as requests pass.
+
+Per-worker counts are labelled by token name, never by the worker id a client picks, so the
+number of series is bounded by the tokens file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from orchestrator.state import RunState
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class StateCollector(Collector):
+    """The run's own counters and gauges, read from RunState when Prometheus scrapes."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.state
+        yield CounterMetricFamily(
+            "decentrl_rollouts_accepted", "Rollouts acknowledged (journaled) since the run began.", value=s.rollouts_accepted
+        )
+        yield CounterMetricFamily(
+            "decentrl_ingest_tokens", "Prompt + completion tokens of acknowledged rollouts.", value=s.tokens_accepted
+        )
+        yield CounterMetricFamily(
+            "decentrl_rollouts_duplicate", "Resends of rollouts already acknowledged (counted once).", value=s.duplicates
+        )
+        rejected = CounterMetricFamily("decentrl_rollouts_rejected", "Rollouts rejected at ingest, by reason.", labels=["reason"])
+        for reason, count in sorted(s.rejected.items()):
+            rejected.add_metric([reason], count)
+        yield rejected
+        dropped = CounterMetricFamily(
+            "decentrl_samples_dropped", "Acknowledged samples dropped later, by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(s.dropped.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+        yield CounterMetricFamily("decentrl_stale_dropped", "Samples dropped as stale (ingest or buffer).", value=s.stale_dropped)
+        yield CounterMetricFamily("decentrl_lease_expirations", "Leases that expired unanswered.", value=s.leases_expired)
+        yield CounterMetricFamily("decentrl_groups_served", "Groups served to the trainer.", value=s.groups_served)
+        yield GaugeMetricFamily("decentrl_buffer_groups", "Complete groups waiting for the trainer.", value=len(s.ready))
+        yield GaugeMetricFamily("decentrl_buffer_limit", "Depth bound: ready groups plus open leases.", value=s.buffer_limit)
+        yield GaugeMetricFamily("decentrl_leases_open", "Leases granted and not yet answered.", value=len(s.leases))
+        yield GaugeMetricFamily(
+            "decentrl_policy_version", "Newest published version (-1 before version 0).",
+            value=-1 if s.published_version is None else s.published_version,
+        )
+        yield GaugeMetricFamily("decentrl_trainer_version", "Version the trainer holds.", value=s.trainer_version)
+        yield GaugeMetricFamily("decentrl_recoveries", "Times this run's state was recovered from the journal.", value=s.recoveries)
+
+
+class Metrics:
+    def __init__(self, state: RunState) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        r.register(StateCollector(state))
+        self.requests = Counter(
+            "decentrl_http_requests", "HTTP requests answered, by route and status.", ["route", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "decentrl_http_request_seconds", "Time to answer, by route.", ["route"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.worker_rollouts = Counter(
+            "decentrl_worker_rollouts", "Rollouts posted per token, by outcome.", ["token", "outcome"], registry=r
+        )
+        self.rate_limited = Counter("decentrl_rate_limited", "Requests answered 429, per token.", ["token"], registry=r)
+        self.backpressure = Counter(
+            "decentrl_backpressure", "Requests answered 503 to shed load, by reason.", ["reason"], registry=r
+        )
+        self.staleness = Histogram(
+            "decentrl_served_staleness_versions",
+            "Staleness (trainer version - policy version) of every sample served to the trainer.",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+            registry=r,
+        )
+        self.journal_commit = Histogram(
+            "decentrl_journal_commit_seconds", "Time of one journal transaction (group commit, fsync included).",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.journal_statements = Counter("decentrl_journal_statements", "Statements committed to the journal.", registry=r)
+        self.journal_failed = Gauge("decentrl_journal_failed", "1 once a journal commit failed (restart to recover).", registry=r)
+
+    def on_commit(self, seconds: float, statements: int) -> None:
+        self.journal_commit.observe(seconds)
+        self.journal_statements.inc(statements)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
