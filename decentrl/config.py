@@ -193,6 +193,33 @@ class SamplingConfig(Section):
     )
 
 
+class VerificationConfig(Section):
+    """Checks of untrusted workers' rollouts (docs/security.md); off for a run of trusted workers.
+
+    On: finish_reason must agree with the tokens, a replayed rollout is rejected, and a share of
+    rollouts (all of a new or flagged worker's) has its logprobs recomputed under the claimed
+    version. Groups holding a checked rollout wait for the check before the trainer sees them.
+    A rejected check is a strike against the token; at `max_strikes` the token is revoked.
+    """
+
+    enabled: bool = Field(False, description="Run the checks below (claimed rewards are never used either way).")
+    spot_check_fraction: float = Field(
+        0.05, ge=0.0, le=1.0, description="Share of an established, unflagged worker's rollouts whose logprobs are recomputed."
+    )
+    new_worker_checks: int = Field(
+        64, ge=0, description="A token's first N rollouts are all checked (a new worker earns trust first)."
+    )
+    tolerance: float = Field(
+        0.01, gt=0.0,
+        description="Largest accepted |claimed - recomputed| logprob of any one token. The default is 50x the "
+        "largest honest difference measured for fp32 CPU workers (docs/security.md); raise it for "
+        "bf16/GPU workers (vLLM), measured the same way.",
+    )
+    max_strikes: int = Field(3, ge=1, description="Strikes (rejections for cheating) after which a token is revoked.")
+    torch_threads: int = Field(1, ge=1, le=256, description="CPU threads of the verifier's forward passes.")
+    models_cached: int = Field(2, ge=1, le=16, description="Policy versions kept loaded by the verifier at once.")
+
+
 class OrchestratorConfig(Section):
     """The central HTTP service: leases, ingest, rewards, groups, batches (see docs/api.md)."""
 
@@ -240,6 +267,9 @@ class OrchestratorConfig(Section):
     )
     metrics_public: bool = Field(
         False, description="Serve /metrics without a token (default: trainer or admin token)."
+    )
+    verification: VerificationConfig = Field(
+        default_factory=VerificationConfig, description="Checks of untrusted workers (docs/security.md)."
     )
 
 

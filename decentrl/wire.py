@@ -186,6 +186,16 @@ class StatusResponse(Wire):
     buffer_limit: int | None = Field(None, description="Depth bound: ready groups plus open leases.")
     journal: bool = Field(False, description="Whether acknowledged state is journaled on disk.")
     recoveries: int = Field(0, description="How many times this run's state was recovered from the journal.")
+    groups_verifying: int = Field(0, description="Complete groups held back until their logprob spot-check is done.")
+    verification: dict[str, float] | None = Field(
+        None, description="Logprob spot-checks: rollouts_checked, compute_s, largest_passing_diff, tolerance "
+        "(None when verification is off).",
+    )
+    workers: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per token: rollouts, checked, strikes, reward_mismatches (claimed reward disagreed; "
+        "never used), served, rejections by reason, banned. See docs/security.md.",
+    )
 
 
 class LeaseState(Wire):

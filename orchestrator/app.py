@@ -84,6 +84,7 @@ from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.metrics import Metrics
 from orchestrator.openapi import Param, RouteSpec, build_openapi
 from orchestrator.state import LeaseError, RunState
+from orchestrator.verify import Verifier
 
 log = logging.getLogger("decentrl.orchestrator")
 
@@ -97,6 +98,7 @@ INFLIGHT = web.AppKey("inflight", list)  # [rollout posts being processed]
 OPENAPI = web.AppKey("openapi", dict)
 ON_FATAL = web.AppKey("on_fatal", list)  # callables, each called once when the journal fails
 ROUTE_ROLES = web.AppKey("route_roles", dict)  # (method, route template) -> roles, None = no token
+VERIFIER = web.AppKey("verifier", Verifier)  # present when orchestrator.verification.enabled
 IDENTITY = web.RequestKey("identity", Identity)
 M = TypeVar("M", bound=BaseModel)
 
@@ -387,6 +389,7 @@ async def rollouts(request: web.Request) -> web.Response:
         ready_before = len(state.ready)
         packed = packed_arrays(raw[0]) if raw else None
         result = state.ingest(body.rollouts, holder_of(request, first.worker_id), packed=packed)
+        enforce_bans(app)
         await commit(request)
     finally:
         inflight[0] -= 1
@@ -435,11 +438,18 @@ async def version(request: web.Request) -> web.Response:
     state.announce(body.version)
     await commit(request)
     log.info("version %d published", body.version)
-    return respond(request, state.status())
+    return respond(request, run_status(request.app))
+
+
+def run_status(app: web.Application) -> StatusResponse:
+    found = app[STATE].status()
+    if VERIFIER in app:
+        found.verification = app[VERIFIER].summary()
+    return found
 
 
 async def status(request: web.Request) -> web.Response:
-    return respond(request, request.app[STATE].status())
+    return respond(request, run_status(request.app))
 
 
 async def tokens_list(request: web.Request) -> web.Response:
@@ -492,7 +502,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def status_page(request: web.Request) -> web.Response:
     rows = "".join(
-        f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in request.app[STATE].status().model_dump().items()
+        f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in run_status(request.app).model_dump().items()
     )
     html = f"<html><head><title>decentrl</title><meta http-equiv='refresh' content='2'></head><body><h1>decentrl orchestrator</h1><table>{rows}</table></body></html>"
     return web.Response(text=html, content_type="text/html")
@@ -596,6 +606,64 @@ async def _upkeep(app: web.Application) -> AsyncIterator[None]:
         await state.journal.stop()
 
 
+def enforce_bans(app: web.Application) -> None:
+    """Revoke the tokens banned since the last call (orchestrator/integrity.py) and drop what
+    they left waiting; their next request gets 401."""
+    state = app[STATE]
+    for name in state.integrity.newly_banned():
+        dropped = state.drop_banned(name)
+        try:
+            app[TOKENS].revoke(name)
+        except PermissionError as exc:  # an environment token: only its operator can remove it
+            log.error("worker token %r is banned but cannot be revoked here (%s); its rollouts are refused", name, exc)
+        log.warning("worker token %r banned after %d strikes; %d of its samples dropped", name,
+                    state.integrity.workers[name].strikes, dropped)
+
+
+async def _verification(app: web.Application) -> AsyncIterator[None]:
+    """The logprob spot-checks: held-back groups are checked on one worker thread, off the event
+    loop, a few groups at a time; results go back to RunState, bans are enforced at once."""
+    if VERIFIER not in app:
+        yield
+        return
+    import concurrent.futures
+
+    state, verifier = app[STATE], app[VERIFIER]
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier")
+
+    async def loop() -> None:
+        running = asyncio.get_running_loop()
+        while True:
+            if not state.verify_queue:
+                await asyncio.sleep(0.05)
+                continue
+            jobs = [state.verify_queue.popleft() for _ in range(min(16, len(state.verify_queue)))]
+            rollouts = [rollout for job in jobs for rollout in job.rollouts]
+            try:
+                failed = await running.run_in_executor(executor, verifier.check, rollouts)
+            except Exception:  # a bug must not hold groups back for good: they are dropped, unjudged
+                log.exception("verification failed; dropping %d groups unjudged", len(jobs))
+                failed = {rollout.rollout_id: "unverifiable" for rollout in rollouts}
+            ready_before = len(state.ready)
+            for job in jobs:
+                state.verification_done(
+                    job.lease_id, {r.rollout_id: failed[r.rollout_id] for r in job.rollouts if r.rollout_id in failed}
+                )
+            enforce_bans(app)
+            if state.journal is not None:
+                await state.journal.commit()
+            if len(state.ready) > ready_before:
+                async with app[BATCH_READY]:
+                    app[BATCH_READY].notify_all()
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    executor.shutdown(wait=True)
+
+
 def tune_gc() -> None:
     """Fewer cyclic garbage collections for a long-running service.
 
@@ -616,8 +684,10 @@ def create_app(
     tokens: TokenRegistry,
     store_url: str,
     on_fatal: Callable[[BaseException], Any] | None = None,
+    verifier: Verifier | None = None,
 ) -> web.Application:
-    """The orchestrator's app. `on_fatal` is called (once per failure) when the journal fails."""
+    """The orchestrator's app. `on_fatal` is called (once per failure) when the journal fails.
+    `verifier` runs the logprob spot-checks; required when orchestrator.verification.enabled."""
     options = state.config.orchestrator
     app = web.Application(
         middlewares=[errors_middleware, auth_middleware], client_max_size=options.max_request_bytes
@@ -633,7 +703,12 @@ def create_app(
     specs = route_specs(metrics_public=options.metrics_public)
     app[ROUTE_ROLES] = {(s.method, s.path): s.roles for s in specs}
     app[OPENAPI] = openapi_spec(metrics_public=options.metrics_public)
+    if options.verification.enabled:
+        if verifier is None:
+            raise ValueError("orchestrator.verification.enabled needs a Verifier (orchestrator/verify.py)")
+        app[VERIFIER] = verifier
     app.cleanup_ctx.append(_upkeep)
+    app.cleanup_ctx.append(_verification)
     for spec, handler in ROUTES:
         app.router.add_route(spec.method, spec.path, handler)
     return app

@@ -52,6 +52,7 @@ from decentrl.wire import (
     unpack_msgpack,
 )
 from orchestrator.codec import Packed, pack_floats, pack_ints, train_batch_msgpack
+from orchestrator.integrity import Integrity, token_of
 from orchestrator.journal import Journal, Snapshot, decode_rollout
 
 log = logging.getLogger("decentrl.orchestrator.state")
@@ -90,6 +91,15 @@ class OpenLease:
     holder: str  # token name + worker id: only the holder may answer
     samples: list[Rollout] = field(default_factory=list)
     packed: list[Packed] = field(default_factory=list)  # per sample: completion ids and logprobs, packed
+    check: list[int] = field(default_factory=list)  # samples whose logprobs are to be recomputed
+
+
+@dataclass
+class VerifyJob:
+    """A complete group held back until the logprobs of `rollouts` are recomputed (orchestrator/verify.py)."""
+
+    lease_id: str
+    rollouts: list[Rollout]
 
 
 @dataclass
@@ -210,6 +220,12 @@ class RunState:
         self.leases_expired = 0
         self.recoveries = 0
         self.recent_rewards: deque[float] = deque(maxlen=512)
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        self.integrity = Integrity(
+            options.verification, eos_ids=eos | set(tokenizer.all_special_ids), decode=lambda ids: self._decode([ids])[0]
+        )
+        self.pending: dict[str, Group] = {}  # lease id -> complete group waiting for its logprob check
+        self.verify_queue: deque[VerifyJob] = deque()
         if journal is not None:
             journal.set_meta_source(self._meta)
             snapshot = journal.load()
@@ -349,14 +365,14 @@ class RunState:
     def lease_capacity(self) -> int:
         if self.published_version is None:
             return 0
-        committed = self.groups_served + len(self.ready) + len(self.leases)
+        committed = self.groups_served + len(self.ready) + len(self.pending) + len(self.leases)
         budget = lease_budget(
             self.published_version,
             self.config.max_staleness,
             self.config.trainer.groups_per_step,
             committed,
         )
-        return max(0, min(budget, self.buffer_limit - len(self.ready) - len(self.leases)))
+        return max(0, min(budget, self.buffer_limit - len(self.ready) - len(self.pending) - len(self.leases)))
 
     def grant_leases(self, holder: str, max_groups: int) -> list[Lease]:
         self.expire_leases()
@@ -390,16 +406,20 @@ class RunState:
             expired += 1
         return expired
 
-    def _close_open(self, lease_id: str, status: str, *, requeue: bool, front: bool = False) -> OpenLease:
+    def _close_open(
+        self, lease_id: str, status: str, *, requeue: bool, front: bool = False, reason: str | None = None
+    ) -> OpenLease:
         """Close an open lease that will not complete; its samples are dropped."""
         open_lease = self.leases.pop(lease_id)
+        self.integrity.forget_lease(lease_id)
         if requeue:
             if front:
                 self._requeued.appendleft(open_lease.lease.prompt_id)
             else:
                 self._requeued.append(open_lease.lease.prompt_id)
         if open_lease.samples:
-            self.dropped[f"lease_{status}" if status != "dropped" else "stale_at_ingest"] += len(open_lease.samples)
+            default = f"lease_{status}" if status != "dropped" else "stale_at_ingest"
+            self.dropped[reason or default] += len(open_lease.samples)
         self._remember_closed(open_lease.lease, open_lease.holder, status, [r.rollout_id for r in open_lease.samples])
         if self.journal is not None:
             self.journal.lease_closed(lease_id, status, self.clock(), drop_samples=bool(open_lease.samples))
@@ -494,6 +514,8 @@ class RunState:
             route and (min(route) < 0 or max(route) > 2**31) for route in rollout.expert_routing
         ):
             return "bad_expert_routing"
+        if self.config.orchestrator.verification.enabled and self.integrity.finish_reason_problem(rollout):
+            return "bad_finish_reason"
         return None
 
     def ingest(
@@ -510,9 +532,14 @@ class RunState:
             if rollout.rollout_id in self.seen_rollout_ids:
                 duplicates += 1
                 continue
-            reason = self._check(rollout, holder)
+            reason = "banned" if self.integrity.is_banned(holder) else self._check(rollout, holder)
+            digest = None
+            if reason is None and self.config.orchestrator.verification.enabled:
+                digest = self.integrity.replay_of(rollout)
+                reason = "replay" if digest is None else None
             if reason is not None:
                 self.rejected[reason] += 1
+                self.integrity.rejected(holder, reason)
                 if reason == "stale":
                     # The group can no longer train as a whole: free its slot at once
                     # rather than hold it until the lease expires.
@@ -527,6 +554,10 @@ class RunState:
             open_lease.samples.append(rollout)
             arrays = (packed[index] if packed is not None else None) or _pack(rollout)
             open_lease.packed.append(arrays)
+            if digest is not None:  # verification enabled
+                self.integrity.kept(rollout.lease_id, digest)
+                if self.integrity.wants_check(holder):
+                    open_lease.check.append(len(open_lease.samples) - 1)
             self.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
             if self.journal is not None:
                 self.journal.rollout_accepted(rollout, arrays)
@@ -557,11 +588,75 @@ class RunState:
                 self.journal.lease_closed(lease.lease_id, "dropped", self.clock(), drop_samples=True)
             return
         rewards = self._score(open_lease.samples)
-        self.ready.append(Group(lease.lease_id, lease.prompt_id, list(zip(open_lease.samples, rewards)), open_lease.packed))
+        for rollout, reward in zip(open_lease.samples, rewards, strict=True):
+            self.integrity.reward_claimed(open_lease.holder, rollout.claimed_reward, reward)
+        group = Group(lease.lease_id, lease.prompt_id, list(zip(open_lease.samples, rewards)), open_lease.packed)
         self._remember_closed(lease, open_lease.holder, "complete", rollout_ids)
+        if open_lease.check:
+            # Held back: the trainer sees the group only once its sampled logprobs check out.
+            self.pending[lease.lease_id] = group
+            self.verify_queue.append(VerifyJob(lease.lease_id, [open_lease.samples[i] for i in open_lease.check]))
+            return
+        self._to_ready(group)
+
+    def _to_ready(self, group: Group) -> None:
+        self.ready.append(group)
         self._ready_seq += 1
         if self.journal is not None:
-            self.journal.group_completed(lease.lease_id, self._ready_seq, rewards, self.clock())
+            self.journal.group_completed(
+                group.lease_id, self._ready_seq, [reward for _, reward in group.samples], self.clock()
+            )
+
+    # -- verification (orchestrator/verify.py runs the checks, orchestrator/app.py the loop) --
+
+    def _drop_closed_group(self, lease_id: str, reason: str, samples: int) -> None:
+        self.dropped[reason] += samples
+        closed = self.closed[lease_id]
+        closed.status, closed.closed_at = "dropped", self.clock()
+        self._closed_order.append((closed.closed_at, lease_id))
+        self.integrity.forget_lease(lease_id)
+        if self.journal is not None:
+            self.journal.lease_closed(lease_id, "dropped", closed.closed_at, drop_samples=True)
+        self._dirty()
+
+    def verification_done(self, lease_id: str, failed: dict[str, str]) -> None:
+        """The check of a held-back group is done; `failed`: rollout id -> rejection reason
+        (`logprob_mismatch` strikes its worker; `unverifiable` does not). A group with any failed
+        sample is dropped whole; a clean one joins the buffer if it is still fresh."""
+        group = self.pending.pop(lease_id, None)
+        if group is None:
+            return  # dropped meanwhile (its worker was banned)
+        holder = self.closed[lease_id].holder
+        if failed:
+            for reason in failed.values():
+                self.rejected[reason] += 1
+                self.integrity.rejected(holder, reason)
+            self._drop_closed_group(lease_id, "failed_verification", len(group.samples) - len(failed))
+        elif not is_fresh(self.trainer_version, group.oldest_version(), self.config.max_staleness):
+            self.stale_dropped += len(group.samples)
+            self._drop_closed_group(lease_id, "stale_in_buffer", len(group.samples))
+        else:
+            self._to_ready(group)
+
+    def drop_banned(self, token: str) -> int:
+        """A banned token's open leases, held-back and ready groups are dropped (its prompts are
+        leased again): what it sent unchecked is no longer trusted. Returns samples dropped."""
+        dropped = 0
+        for lease_id in [i for i, lease in self.leases.items() if token_of(lease.holder) == token]:
+            dropped += len(self._close_open(lease_id, "dropped", requeue=True, reason="banned_worker").samples)
+        for lease_id in [i for i in self.pending if token_of(self.closed[i].holder) == token]:
+            group = self.pending.pop(lease_id)
+            self._drop_closed_group(lease_id, "banned_worker", len(group.samples))
+            dropped += len(group.samples)
+        kept: deque[Group] = deque()
+        for group in self.ready:
+            if token_of(self.closed[group.lease_id].holder) == token:
+                self._drop_closed_group(group.lease_id, "banned_worker", len(group.samples))
+                dropped += len(group.samples)
+            else:
+                kept.append(group)
+        self.ready = kept
+        return dropped
 
     # -- trainer side ---------------------------------------------------------------------
 
@@ -660,6 +755,7 @@ class RunState:
         batch = self._build_batch(groups, self.trainer_version, uuid.uuid4().hex)
         for group in groups:
             self.recent_rewards.extend(reward for _, reward in group.samples)
+            self.integrity.record(self.closed[group.lease_id].holder).served += len(group.samples)
         now = self.clock()
         lease_ids = [group.lease_id for group in groups]
         for lease_id in lease_ids:
@@ -736,6 +832,8 @@ class RunState:
             buffer_limit=self.buffer_limit,
             journal=self.journal is not None,
             recoveries=self.recoveries,
+            groups_verifying=len(self.pending),
+            workers=self.integrity.summary(),
         )
 
 

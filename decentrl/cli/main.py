@@ -110,8 +110,17 @@ def orchestrator(
         loop = uvloop.new_event_loop()
     except ImportError:
         pass
+    verifier = None
+    if cfg.orchestrator.verification.enabled:
+        from decentrl.store import CheckpointStore
+        from orchestrator.verify import Verifier
+
+        verifier = Verifier(
+            cfg.orchestrator.verification, store=CheckpointStore.from_config(cfg.store),
+            cache_dir=os.path.join(run_dir, "verifier-cache"),
+        )
     web.run_app(
-        create_app(state=state, tokens=tokens, store_url=cfg.store.url, on_fatal=on_fatal),
+        create_app(state=state, tokens=tokens, store_url=cfg.store.url, on_fatal=on_fatal, verifier=verifier),
         host=host or cfg.orchestrator.host,
         port=cfg.orchestrator.port if port is None else port,
         print=lambda text: log.info(text.strip()),

@@ -1,0 +1,166 @@
+"""Bookkeeping of untrusted workers: strikes, bans, spot-check sampling, replays, finish reasons.
+
+RunState (orchestrator/state.py) owns one `Integrity` and consults it at ingest; the app's
+verification loop (orchestrator/app.py) reports the logprob checks of orchestrator/verify.py
+back through RunState. Everything is keyed by token name (the part of a lease holder before
+"/"): a token may serve many worker ids, and a ban revokes the token. Pure Python, no torch.
+
+Invariants:
+- a strike is only given for something an honest worker never does (a replayed rollout, a
+  finish_reason the tokens contradict, a future version, a prompt it was not leased, tokens
+  outside the vocabulary, logprobs beyond the tolerance of the recomputed ones);
+- a token with `max_strikes` strikes is banned once (`newly_banned` hands it out once) and
+  everything of it still waiting for the trainer is dropped by RunState;
+- a replay is a rollout whose content (prompt, completion, logprobs) equals one already kept
+  under another lease; content of leases that closed without training (expired, released,
+  dropped) is forgotten, so a requeued prompt answered the same way again is no replay.
+Not journaled: strikes, trust and replay hashes start over when the orchestrator restarts
+(docs/security.md says what that means).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from array import array
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from decentrl.config import VerificationConfig
+from decentrl.wire import Rollout
+
+# Rejection reasons that only a faulty or dishonest worker produces: each is a strike.
+STRIKE_REASONS = frozenset(
+    {"replay", "bad_finish_reason", "future_version", "prompt_mismatch", "token_out_of_vocabulary", "logprob_mismatch"}
+)
+REWARD_MATCH = 1e-6  # a claimed reward this close to the recomputed one agrees
+
+
+def token_of(holder: str) -> str:
+    return holder.split("/", 1)[0]
+
+
+def content_hash(rollout: Rollout) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(array("q", rollout.prompt_token_ids).tobytes())
+    digest.update(b"|")
+    digest.update(array("q", rollout.completion_token_ids).tobytes())
+    digest.update(b"|")
+    digest.update(array("d", rollout.logprobs).tobytes())
+    return digest.digest()
+
+
+@dataclass
+class WorkerRecord:
+    """What the orchestrator knows of one token."""
+
+    rollouts: int = 0  # accepted at ingest
+    checked: int = 0  # rollouts chosen for a logprob check
+    strikes: int = 0
+    reward_mismatches: int = 0  # claimed_reward disagreed with the recomputed reward (flagged, never used)
+    served: int = 0  # samples that reached the trainer
+    rejections: Counter[str] = field(default_factory=Counter)
+    banned: bool = False
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "rollouts": self.rollouts, "checked": self.checked, "strikes": self.strikes,
+            "reward_mismatches": self.reward_mismatches, "served": self.served,
+            "rejections": dict(self.rejections), "banned": self.banned,
+        }
+
+
+class Integrity:
+    def __init__(
+        self, config: VerificationConfig, *, eos_ids: set[int], decode: Callable[[list[int]], str],
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.eos_ids = eos_ids
+        self.decode = decode
+        self.rng = rng or random.Random()
+        self.workers: dict[str, WorkerRecord] = {}
+        self._content: dict[bytes, str] = {}  # content hash -> lease id that holds it
+        self._by_lease: dict[str, list[bytes]] = {}
+        self._banned_queue: list[str] = []
+
+    def record(self, holder: str) -> WorkerRecord:
+        name = token_of(holder)
+        found = self.workers.get(name)
+        if found is None:
+            found = self.workers[name] = WorkerRecord()
+        return found
+
+    # -- checks at ingest (cheap) --------------------------------------------------------
+
+    def finish_reason_problem(self, rollout: Rollout) -> bool:
+        """Whether finish_reason contradicts the tokens: "length" means exactly max_tokens
+        tokens; "stop" means the last token is end-of-sequence or completes a stop string."""
+        ids = rollout.completion_token_ids
+        if rollout.finish_reason == "length":
+            return len(ids) != rollout.sampling.max_tokens
+        if ids[-1] in self.eos_ids:
+            return False
+        stops = rollout.sampling.stop
+        if not stops:
+            return True
+        window = max(len(stop) for stop in stops) + 8
+        return not any(stop in self.decode(ids[-window:]) for stop in stops)
+
+    def replay_of(self, rollout: Rollout) -> bytes | None:
+        """The rollout's content hash, or None when it replays content kept under another lease."""
+        digest = content_hash(rollout)
+        holder_lease = self._content.get(digest)
+        return None if holder_lease is not None and holder_lease != rollout.lease_id else digest
+
+    def kept(self, lease_id: str, digest: bytes) -> None:
+        self._content.setdefault(digest, lease_id)
+        self._by_lease.setdefault(lease_id, []).append(digest)
+
+    def forget_lease(self, lease_id: str) -> None:
+        """The lease closed without training: its content may honestly come again."""
+        for digest in self._by_lease.pop(lease_id, []):
+            if self._content.get(digest) == lease_id:
+                del self._content[digest]
+
+    def wants_check(self, holder: str) -> bool:
+        """Whether this accepted rollout's logprobs are recomputed: all of a new or flagged
+        token's, a `spot_check_fraction` of the others'."""
+        record = self.record(holder)
+        record.rollouts += 1
+        flagged = record.strikes > 0 or record.reward_mismatches > 0
+        chosen = (
+            record.checked < self.config.new_worker_checks or flagged
+            or self.rng.random() < self.config.spot_check_fraction
+        )
+        if chosen:
+            record.checked += 1
+        return chosen
+
+    # -- outcomes -------------------------------------------------------------------------
+
+    def reward_claimed(self, holder: str, claimed: float | None, reward: float) -> None:
+        if claimed is not None and abs(claimed - reward) > REWARD_MATCH:
+            self.record(holder).reward_mismatches += 1
+
+    def rejected(self, holder: str, reason: str, count: int = 1) -> None:
+        record = self.record(holder)
+        record.rejections[reason] += count
+        if reason in STRIKE_REASONS and self.config.enabled:
+            record.strikes += count
+            if record.strikes >= self.config.max_strikes and not record.banned:
+                record.banned = True
+                self._banned_queue.append(token_of(holder))
+
+    def is_banned(self, holder: str) -> bool:
+        found = self.workers.get(token_of(holder))
+        return found is not None and found.banned
+
+    def newly_banned(self) -> list[str]:
+        """Tokens banned since the last call (each handed out once), to be revoked."""
+        banned, self._banned_queue = self._banned_queue, []
+        return banned
+
+    def summary(self) -> dict[str, dict[str, object]]:
+        return {name: record.summary() for name, record in sorted(self.workers.items())}
