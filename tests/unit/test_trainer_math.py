@@ -162,11 +162,6 @@ def test_hf_backend_finish_reason_and_length(backend: HFBackend, tokenizer: PreT
     assert {c.finish_reason for c in completions} == {"stop", "length"}
 
 
-def test_hf_backend_rejects_truncated_sampling(backend: HFBackend) -> None:
-    with pytest.raises(NotImplementedError):
-        backend.generate([[1, 7, 3]], SamplingParams(temperature=1.0, max_tokens=4, top_k=5))
-
-
 def test_hf_backend_swaps_weights_in_place(
     backend: HFBackend, checkpoint_dir: str, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
 ) -> None:
