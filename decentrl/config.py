@@ -211,9 +211,9 @@ class VerificationConfig(Section):
     )
     tolerance: float = Field(
         0.01, gt=0.0,
-        description="Largest accepted |claimed - recomputed| logprob of any one token. The default is 50x the "
-        "largest honest difference measured for fp32 CPU workers (docs/security.md); raise it for "
-        "bf16/GPU workers (vLLM), measured the same way.",
+        description="Largest accepted |claimed - recomputed| logprob of any one token. Honest fp32 CPU workers "
+        "measured at most 4.8e-7 (docs/security.md); the default leaves room for other CPUs and BLAS "
+        "libraries. Measure and raise it for bf16/GPU workers (vLLM).",
     )
     max_strikes: int = Field(3, ge=1, description="Strikes (rejections for cheating) after which a token is revoked.")
     torch_threads: int = Field(1, ge=1, le=256, description="CPU threads of the verifier's forward passes.")

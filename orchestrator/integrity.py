@@ -12,8 +12,10 @@ Invariants:
 - a token with `max_strikes` strikes is banned once (`newly_banned` hands it out once) and
   everything of it still waiting for the trainer is dropped by RunState;
 - a replay is a rollout whose content (prompt, completion, logprobs) equals one already kept
-  under another lease; content of leases that closed without training (expired, released,
-  dropped) is forgotten, so a requeued prompt answered the same way again is no replay.
+  under another lease *with another claimed version*: identical logprobs under different weights
+  do not happen honestly. The same content under the same version is an honest coincidence when
+  a prompt comes back within one version (a valid sample of that version either way), so it is
+  accepted. Content of leases that closed without training is forgotten.
 Not journaled: strikes, trust and replay hashes start over when the orchestrator restarts
 (docs/security.md says what that means).
 """
@@ -81,7 +83,7 @@ class Integrity:
         self.decode = decode
         self.rng = rng or random.Random()
         self.workers: dict[str, WorkerRecord] = {}
-        self._content: dict[bytes, str] = {}  # content hash -> lease id that holds it
+        self._content: dict[bytes, tuple[str, int]] = {}  # content hash -> (lease id, claimed version)
         self._by_lease: dict[str, list[bytes]] = {}
         self._banned_queue: list[str] = []
 
@@ -109,19 +111,21 @@ class Integrity:
         return not any(stop in self.decode(ids[-window:]) for stop in stops)
 
     def replay_of(self, rollout: Rollout) -> bytes | None:
-        """The rollout's content hash, or None when it replays content kept under another lease."""
+        """The rollout's content hash, or None when it replays content kept under another lease
+        and another version."""
         digest = content_hash(rollout)
-        holder_lease = self._content.get(digest)
-        return None if holder_lease is not None and holder_lease != rollout.lease_id else digest
+        found = self._content.get(digest)
+        replay = found is not None and found[0] != rollout.lease_id and found[1] != rollout.policy_version
+        return None if replay else digest
 
-    def kept(self, lease_id: str, digest: bytes) -> None:
-        self._content.setdefault(digest, lease_id)
+    def kept(self, lease_id: str, digest: bytes, version: int) -> None:
+        self._content.setdefault(digest, (lease_id, version))
         self._by_lease.setdefault(lease_id, []).append(digest)
 
     def forget_lease(self, lease_id: str) -> None:
         """The lease closed without training: its content may honestly come again."""
         for digest in self._by_lease.pop(lease_id, []):
-            if self._content.get(digest) == lease_id:
+            if self._content.get(digest, ("",))[0] == lease_id:
                 del self._content[digest]
 
     def wants_check(self, holder: str) -> bool:

@@ -555,7 +555,7 @@ class RunState:
             arrays = (packed[index] if packed is not None else None) or _pack(rollout)
             open_lease.packed.append(arrays)
             if digest is not None:  # verification enabled
-                self.integrity.kept(rollout.lease_id, digest)
+                self.integrity.kept(rollout.lease_id, digest, rollout.policy_version)
                 if self.integrity.wants_check(holder):
                     open_lease.check.append(len(open_lease.samples) - 1)
             self.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
@@ -725,6 +725,7 @@ class RunState:
                         policy_version=rollout.policy_version,
                         group_id=rollout.lease_id,
                         rollout_id=rollout.rollout_id,
+                        sampling_mask=rollout.sampling_mask,
                     )
                 )
                 histogram[str(staleness(trainer_version, rollout.policy_version))] += 1

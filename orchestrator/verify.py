@@ -51,10 +51,10 @@ class Verifier:
             from workers.backends.hf import HFBackend
 
             torch.set_num_threads(self.config.torch_threads)
-            backend = HFBackend(device="cpu", seed=0)
+            # The least recently used model takes the new weights in place (no rebuild).
+            backend = self._models.popitem(last=False)[1] if len(self._models) >= self.config.models_cached else None
+            backend = backend or HFBackend(device="cpu", seed=0)
             backend.load(self.store.pull(version, self.cache_dir), version)
-            while len(self._models) >= self.config.models_cached:
-                self._models.popitem(last=False)
         self._models[version] = backend
         return backend.model
 
@@ -73,13 +73,14 @@ class Verifier:
         attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])  # (B, L)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=attention).logits  # (B, L, V)
-        found = []
-        for row, rollout in enumerate(rollouts):
-            start, count = len(rollout.prompt_token_ids) - 1, len(rollout.completion_token_ids)
-            dist = sampling_distribution(logits[row, start : start + count], rollout.sampling)  # (T, V)
-            targets = torch.tensor(rollout.completion_token_ids).unsqueeze(-1)  # (T, 1)
-            found.append(dist.gather(-1, targets).squeeze(-1))  # (T,)
-        return found
+        # Every completion position of every rollout in one (N, V) block: one distribution call.
+        rows = torch.cat([
+            logits[row, len(r.prompt_token_ids) - 1 : len(r.prompt_token_ids) - 1 + len(r.completion_token_ids)]
+            for row, r in enumerate(rollouts)
+        ])  # (N, V)
+        targets = torch.tensor([t for r in rollouts for t in r.completion_token_ids]).unsqueeze(-1)  # (N, 1)
+        chosen = sampling_distribution(rows, rollouts[0].sampling).gather(-1, targets).squeeze(-1)  # (N,)
+        return list(chosen.split([len(r.completion_token_ids) for r in rollouts]))
 
     def differences(self, rollouts: list[Rollout]) -> list[float]:
         """Per rollout, the largest |claimed - recomputed| logprob over its tokens."""

@@ -1,0 +1,258 @@
+"""Untrusted workers (issue 8): RunState with orchestrator.verification on, a real Verifier over a
+real file:// store of published tiny models, honest rollouts from the real HF backend, and one
+adversary per attack. Each attack must be caught; honest rollouts must pass.
+
+BASE_CONFIG (conftest): group_size 3, groups_per_step 2, max_tokens 6.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+from transformers import PreTrainedTokenizerBase
+
+from decentrl.config import TinyModelConfig
+from decentrl.model import build_model, build_tiny_tokenizer
+from decentrl.store import CheckpointStore
+from decentrl.tasks import build_task
+from decentrl.trainer.publisher import write_hf_dir
+from decentrl.wire import Lease, Rollout, SamplingParams
+from orchestrator.app import create_app
+from orchestrator.auth import TokenRegistry
+from orchestrator.state import RunState
+from orchestrator.verify import Verifier
+from workers.backends.hf import HFBackend
+
+TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}  # BASE_CONFIG's model
+HONEST, CHEAT = "honest/w0", "mallory/w0"
+
+
+def publish(store: CheckpointStore, tmp: str, version: int, seed: int) -> str:
+    model = build_model(TinyModelConfig(**TINY, seed=seed))
+    directory = os.path.join(tmp, f"publish-{version}-{seed}")
+    os.makedirs(directory)
+    build_tiny_tokenizer().save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    write_hf_dir(directory, model.state_dict(), model.config, extras_from=directory)
+    if version >= 0:
+        store.publish(version, directory, parent=version - 1 if version else None)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: Any) -> dict[str, Any]:
+    """A store holding v0 (seed 0) and v1 (seed 2), and backends for v0 and a foreign model (seed 1)."""
+    tmp = str(tmp_path_factory.mktemp("verify"))
+    store = CheckpointStore(f"file://{tmp}/store")
+    publish(store, tmp, 0, seed=0)
+    publish(store, tmp, 1, seed=2)
+    honest = HFBackend(seed=0)
+    honest.load(store.pull(0, os.path.join(tmp, "worker-cache")), 0)
+    foreign = HFBackend(seed=1)
+    foreign.load(publish(store, tmp, -1, seed=1), 0)
+    return {"tmp": tmp, "store": store, "honest": honest, "foreign": foreign}
+
+
+@pytest.fixture
+def setup(make_config: Any, tokenizer: PreTrainedTokenizerBase, world: dict[str, Any], tmp_path: Any) -> Any:
+    def make(**verification: Any) -> tuple[RunState, Verifier]:
+        options = {"enabled": True, "new_worker_checks": 6, "spot_check_fraction": 0.0, "max_strikes": 3}
+        options.update(verification)
+        config = make_config(orchestrator={"verification": options})
+        state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
+        state.announce(0)
+        verifier = Verifier(config.orchestrator.verification, store=world["store"], cache_dir=str(tmp_path / "vcache"))
+        return state, verifier
+
+    return make
+
+
+def generated(backend: HFBackend, lease: Lease, sampling: SamplingParams, holder: str = HONEST, **fields: Any) -> list[Rollout]:
+    completions = backend.generate([lease.prompt_token_ids] * lease.group_size, sampling)
+    return [
+        Rollout(
+            rollout_id=uuid.uuid4().hex, run_name="unit", lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+            worker_id=holder.split("/")[1], policy_version=0, prompt_token_ids=lease.prompt_token_ids,
+            completion_token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason, sampling=sampling,
+            sampling_mask=c.sampling_mask, **fields,
+        )
+        for c in completions
+    ]
+
+
+def verify_all(state: RunState, verifier: Verifier) -> dict[str, str]:
+    """Run the verification loop's work synchronously; returns every failure."""
+    failures: dict[str, str] = {}
+    while state.verify_queue:
+        job = state.verify_queue.popleft()
+        failed = verifier.check(job.rollouts)
+        failures.update(failed)
+        state.verification_done(job.lease_id, failed)
+    return failures
+
+
+def test_honest_rollouts_pass_within_the_calibrated_tolerance(setup: Any, world: dict[str, Any]) -> None:
+    """Honest fp32 CPU rollouts, plain and truncated sampling: the recomputed logprobs agree far
+    inside the default tolerance (docs/security.md records the calibration)."""
+    state, verifier = setup(new_worker_checks=1000)
+    for sampling in (state.sampling, state.sampling.model_copy(update={"top_k": 5, "temperature": 0.7})):
+        state.sampling = sampling
+        for lease in state.grant_leases(HONEST, 2):
+            assert state.ingest(generated(world["honest"], lease, sampling), HONEST).accepted == lease.group_size
+    assert len(state.verify_queue) == 4
+    assert verify_all(state, verifier) == {}
+    assert len(state.ready) == 4 and verifier.rollouts_checked == 12
+    assert 0 <= verifier.largest_passing_diff < verifier.config.tolerance / 10
+    assert state.integrity.workers["honest"].strikes == 0
+
+
+def test_forged_rewards_are_ignored_and_flagged(setup: Any, world: dict[str, Any]) -> None:
+    state, verifier = setup(new_worker_checks=0)
+    lease = state.grant_leases(CHEAT, 1)[0]
+    rollouts = generated(world["honest"], lease, state.sampling, CHEAT, claimed_reward=1.0)
+    truth = [state.task.reward(state.task.prompt(lease.prompt_id), t) for t in state._decode([r.completion_token_ids for r in rollouts])]
+    assert state.ingest(rollouts, CHEAT).accepted == 3
+    assert [reward for _, reward in state.ready[0].samples] == truth  # the claim is never used
+    record = state.integrity.workers["mallory"]
+    assert record.reward_mismatches == sum(1 for t in truth if t != 1.0) > 0
+    assert state.status().workers["mallory"]["reward_mismatches"] == record.reward_mismatches
+    # Flagged: every later rollout of this token is checked, though new_worker_checks is 0.
+    lease = state.grant_leases(CHEAT, 1)[0]
+    state.ingest(generated(world["honest"], lease, state.sampling, CHEAT), CHEAT)
+    assert len(state.verify_queue) == 1 and len(state.verify_queue[0].rollouts) == 3
+
+
+@pytest.mark.parametrize("attack", ["foreign_model", "random_tokens_uniform_logprobs", "wrong_version_claim"])
+def test_forged_logprobs_are_rejected_and_the_token_banned(setup: Any, world: dict[str, Any], attack: str) -> None:
+    state, verifier = setup()
+    state.announce(1)
+    lease = state.grant_leases(CHEAT, 1)[0]
+    if attack == "foreign_model":  # a differently seeded model's honest samples, claimed as v0's
+        rollouts = generated(world["foreign"], lease, state.sampling, CHEAT)
+    elif attack == "wrong_version_claim":  # v0's samples claimed as fresher v1's
+        rollouts = [r.model_copy(update={"policy_version": 1}) for r in generated(world["honest"], lease, state.sampling, CHEAT)]
+    else:  # random tokens, each claimed with probability 1/V: self-consistent but not the policy's
+        generator = torch.Generator().manual_seed(0)
+        vocab = state.vocab_size
+        rollouts = []
+        for _ in range(lease.group_size):
+            ids = torch.randint(3, vocab, (6,), generator=generator).tolist()
+            rollouts.append(Rollout(
+                rollout_id=uuid.uuid4().hex, run_name="unit", lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+                worker_id="w0", policy_version=0, prompt_token_ids=lease.prompt_token_ids, completion_token_ids=ids,
+                logprobs=[-math.log(vocab)] * 6, finish_reason="length", sampling=state.sampling, claimed_reward=1.0,
+            ))
+    assert state.ingest(rollouts, CHEAT).accepted == 3
+    assert not state.ready, "held back until checked"
+    failures = verify_all(state, verifier)
+    assert set(failures.values()) == {"logprob_mismatch"} and len(failures) == 3
+    assert not state.ready and state.dropped["failed_verification"] == 0  # all three rejected
+    assert state.rejected["logprob_mismatch"] == 3
+    assert state.integrity.newly_banned() == ["mallory"]
+    assert state.grant_leases(CHEAT, 1) and state.ingest(generated(world["honest"], state.leases[next(iter(state.leases))].lease, state.sampling, CHEAT), CHEAT).rejected[0].reason == "banned"
+
+
+def test_replays_future_versions_and_false_finish_reasons_are_strikes(
+    setup: Any, world: dict[str, Any], make_rollout: Any
+) -> None:
+    state, verifier = setup(new_worker_checks=0, max_strikes=4)
+    first = state.grant_leases(CHEAT, 1)[0]
+    honest = generated(world["honest"], first, state.sampling, CHEAT)
+    assert state.ingest(honest, CHEAT).accepted == 3
+    again = state.grant_leases(CHEAT, 1)[0]
+    # The same content under new rollout ids, for another lease of the same prompt.
+    state.leases[again.lease_id].lease = again = again.model_copy(update={"prompt_id": first.prompt_id, "prompt_token_ids": first.prompt_token_ids})
+    # v0's content again under new rollout ids, claimed as v1's (identical logprobs under new weights).
+    state.announce(1)
+    replay = [r.model_copy(update={"rollout_id": uuid.uuid4().hex, "lease_id": again.lease_id, "policy_version": 1}) for r in honest]
+    assert {r.reason for r in state.ingest(replay[:1], CHEAT).rejected} == {"replay"}
+    future = make_rollout(again, "1234", policy_version=5)
+    assert {r.reason for r in state.ingest([future], CHEAT).rejected} == {"future_version"}
+    assert state.integrity.workers["mallory"].strikes == 2 and not state.integrity.newly_banned()
+    lying = make_rollout(again, [4, 5, 6])  # "stop" without end-of-sequence or a stop string
+    assert {r.reason for r in state.ingest([lying], CHEAT).rejected} == {"bad_finish_reason"}
+    short = make_rollout(again, [4, 5, 6, 2][:3] + [7], finish_reason="length")  # 4 tokens, max_tokens 6
+    assert state.ingest([short], CHEAT).rejected[0].reason == "bad_finish_reason"
+    assert state.integrity.newly_banned() == ["mallory"]
+    # What the banned token left waiting never reaches the trainer; its prompt goes out again.
+    assert state.drop_banned("mallory") == 3
+    assert not state.ready and not state.leases and state.dropped["banned_worker"] == 3
+
+
+def test_identical_honest_samples_are_no_replay(setup: Any, make_rollout: Any) -> None:
+    """Within a group, and in another lease of the same prompt under the same version (a prompt
+    that comes back within one version): honest coincidences, accepted."""
+    state, _ = setup(new_worker_checks=0)
+    lease = state.grant_leases(HONEST, 1)[0]
+    same = [make_rollout(lease, "1234") for _ in range(3)]
+    assert state.ingest(same, HONEST).accepted == 3
+    other = state.grant_leases(HONEST, 1)[0]
+    state.leases[other.lease_id].lease = other = other.model_copy(update={"prompt_id": lease.prompt_id, "prompt_token_ids": lease.prompt_token_ids})
+    assert state.ingest([make_rollout(other, "1234")], HONEST).accepted == 1
+    assert state.integrity.workers["honest"].strikes == 0
+
+
+def test_adversaries_on_loopback_are_banned_and_flooding_is_limited(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, world: dict[str, Any], tmp_path: Any
+) -> None:
+    """The real app: a cheating worker posting foreign-model rollouts is banned (its token then gets
+    401) while an honest one is not; a flood over the rate limit gets 429."""
+    tokens = [
+        {"name": "honest", "role": "worker", "token": "h"}, {"name": "mallory", "role": "worker", "token": "m"},
+        {"name": "flood", "role": "worker", "token": "f"},
+    ]
+    config = make_config(
+        orchestrator={"verification": {"enabled": True, "new_worker_checks": 8, "max_strikes": 2},
+                      "rate_limit_per_s": 1.0, "rate_limit_burst": 20},
+    )
+    state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
+    state.announce(0)
+    verifier = Verifier(config.orchestrator.verification, store=world["store"], cache_dir=str(tmp_path / "vc"))
+    registry = TokenRegistry(tokens)
+
+    async def scenario() -> None:
+        runner = web.AppRunner(create_app(state=state, tokens=registry, store_url="memory://x", verifier=verifier))
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+            async with aiohttp.ClientSession() as http:
+                async def post(token: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+                    async with http.post(url + path, json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+                        return r.status, await r.json()
+
+                for token, backend in (("h", world["honest"]), ("m", world["foreign"])):
+                    status, granted = await post(token, "/leases", {"worker_id": "w0", "max_groups": 1})
+                    lease = Lease(**granted["leases"][0])
+                    rollouts = await asyncio.to_thread(generated, backend, lease, state.sampling)
+                    status, _ = await post(token, "/rollouts", {"rollouts": [r.model_dump() for r in rollouts]})
+                    assert status == 200
+                for _ in range(600):  # the verifier thread judges both groups
+                    if not state.pending and not state.verify_queue:
+                        break
+                    await asyncio.sleep(0.05)
+                status, _ = await post("m", "/leases", {"worker_id": "w0", "max_groups": 1})
+                assert status == 401  # revoked
+                status, _ = await post("h", "/leases", {"worker_id": "w0", "max_groups": 1})
+                assert status == 200
+                statuses = [(await post("f", "/leases", {"worker_id": "w0", "max_groups": 1}))[0] for _ in range(30)]
+                assert statuses.count(429) >= 5 and statuses[:20] == [200] * 20
+                async with http.get(url + "/status", headers={"Authorization": "Bearer h"}) as r:
+                    seen = await r.json()
+        finally:
+            await runner.cleanup()
+        assert seen["workers"]["mallory"]["banned"] and not seen["workers"]["honest"]["banned"]
+        assert seen["verification"]["rollouts_checked"] == 6
+        assert seen["groups_ready"] == 1  # the honest group only
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=90))
