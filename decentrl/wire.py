@@ -143,6 +143,10 @@ class TrainSample(Wire):
     policy_version: int
     group_id: str | None = Field(None, description="The group (lease) it belongs to; the trainer filters by group.")
     rollout_id: str | None = Field(None, description="The worker's rollout id, to trace a sample back.")
+    sampling_mask: list[list[int]] | None = Field(
+        None, description="The rollout's sampling mask: per completion token, the vocabulary ids kept by "
+        "top-k/top-p (None: no truncation). The trainer truncates its distribution the same way."
+    )
 
 
 class TrainBatch(Wire):
@@ -188,7 +192,7 @@ class StatusResponse(Wire):
     recoveries: int = Field(0, description="How many times this run's state was recovered from the journal.")
     groups_verifying: int = Field(0, description="Complete groups held back until their logprob spot-check is done.")
     verification: dict[str, float] | None = Field(
-        None, description="Logprob spot-checks: rollouts_checked, compute_s, largest_passing_diff, tolerance "
+        None, description="Logprob spot-checks: rollouts_checked, compute_s, cpu_s, largest_passing_diff, tolerance "
         "(None when verification is off).",
     )
     workers: dict[str, dict[str, Any]] = Field(

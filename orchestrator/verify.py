@@ -40,6 +40,7 @@ class Verifier:
         self.cache_dir = cache_dir
         self._models: OrderedDict[int, Any] = OrderedDict()  # version -> HFBackend, most recent last
         self.compute_s = 0.0  # wall time of checks (loads included): the verification overhead
+        self.cpu_s = 0.0  # CPU time of the checking thread (torch_threads 1: without waiting for a core)
         self.rollouts_checked = 0
         self.largest_passing_diff = 0.0  # the honest noise seen so far: watch it against the tolerance
 
@@ -104,7 +105,7 @@ class Verifier:
     def check(self, rollouts: list[Rollout]) -> dict[str, str]:
         """Rollout id -> rejection reason for each rollout that fails: `logprob_mismatch`, or
         `unverifiable` when its version can no longer be pulled (no strike for that)."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         failed: dict[str, str] = {}
         available = []
         for rollout in rollouts:
@@ -125,6 +126,7 @@ class Verifier:
                     self.largest_passing_diff = max(self.largest_passing_diff, diff)
         self.rollouts_checked += len(rollouts)
         self.compute_s += time.perf_counter() - started
+        self.cpu_s += time.thread_time() - cpu_started
         return failed
 
     def _pullable(self, version: int) -> bool:
@@ -141,6 +143,7 @@ class Verifier:
         return {
             "rollouts_checked": self.rollouts_checked,
             "compute_s": self.compute_s,
+            "cpu_s": self.cpu_s,
             "largest_passing_diff": self.largest_passing_diff,
             "tolerance": self.config.tolerance,
         }
