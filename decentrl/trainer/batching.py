@@ -24,9 +24,12 @@ class Tensors:
     completion_mask: torch.Tensor  # (B, L-1) 1 where target position t+1 is a completion token
     sampler_logprobs: torch.Tensor  # (B, L-1) aligned with the targets
     advantages: torch.Tensor  # (B,)
+    # (B, L-1, K) the vocabulary ids the worker's top-k/top-p kept at each target position,
+    # padded with -1; a row of -1 means no truncation there. None when no sample is truncated.
+    kept_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Tensors:
-        return Tensors(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return Tensors(*(None if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)))
 
 
 def collate(samples: list[TrainSample], pad_id: int) -> Tensors:
@@ -44,7 +47,22 @@ def collate(samples: list[TrainSample], pad_id: int) -> Tensors:
         mask[row, p - 1 : p - 1 + c] = 1.0
         sampler[row, p - 1 : p - 1 + c] = torch.tensor(sample.logprobs)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Tensors(ids, attention, mask, sampler, advantages)
+    return Tensors(ids, attention, mask, sampler, advantages, kept_ids(samples, width))
+
+
+def kept_ids(samples: list[TrainSample], width: int) -> torch.Tensor | None:
+    """The samples' sampling masks aligned with the targets (see Tensors.kept_ids)."""
+    truncated = [s for s in samples if s.sampling_mask is not None]
+    if not truncated:
+        return None
+    k = max(len(kept) for s in truncated for kept in s.sampling_mask or [])
+    kept = torch.full((len(samples), width - 1, k), -1, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        if sample.sampling_mask is not None:
+            p = len(sample.prompt_token_ids)
+            padded = [ids + [-1] * (k - len(ids)) for ids in sample.sampling_mask]
+            kept[row, p - 1 : p - 1 + len(padded)] = torch.tensor(padded, dtype=torch.long).view(len(padded), k)
+    return kept
 
 
 def idle_micro_batch(pad_id: int) -> Tensors:

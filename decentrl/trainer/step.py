@@ -21,9 +21,21 @@ def next_token_logits(model: torch.nn.Module, batch: Tensors, temperature: float
     return logits.float() / temperature
 
 
-def sampled_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target], without materializing the (B, T, V) log-softmax.  # (B, T)"""
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+def sampled_logprobs(logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """log softmax(logits)[target], without materializing the (B, T, V) log-softmax.  # (B, T)
+
+    With `kept_ids` (B, T, K), positions the worker truncated normalize over the kept ids only:
+    the logprob under the distribution it sampled from (logits outside the set at -inf), so the
+    importance ratio compares like with like. Gathering K logits avoids a (B, T, V) mask.
+    """
+    normalizer = logits.logsumexp(dim=-1)  # (B, T)
+    if kept_ids is not None:
+        truncated = kept_ids[..., :1] >= 0  # (B, T, 1)
+        # Padding is -inf only at truncated positions: an all -inf row would give a NaN
+        # gradient through logsumexp even where torch.where discards its value.
+        kept = logits.gather(-1, kept_ids.clamp(min=0)).masked_fill((kept_ids < 0) & truncated, float("-inf"))  # (B, T, K)
+        normalizer = torch.where(truncated.squeeze(-1), kept.logsumexp(dim=-1), normalizer)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -33,7 +45,7 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(model: torch.nn.Module, batch: Tensors, temperature: float) -> torch.Tensor:
     """Logprob of each next token under the tempered policy the workers sample from.  # (B, L-1)"""
-    return sampled_logprobs(next_token_logits(model, batch, temperature), batch.input_ids[:, 1:])
+    return sampled_logprobs(next_token_logits(model, batch, temperature), batch.input_ids[:, 1:], batch.kept_ids)
 
 
 def accumulate_gradients(
@@ -56,9 +68,9 @@ def accumulate_gradients(
         ref_logprobs = None
         if reference is not None:
             with torch.no_grad():
-                ref_logprobs = sampled_logprobs(next_token_logits(reference, batch, temperature), targets)
+                ref_logprobs = sampled_logprobs(next_token_logits(reference, batch, temperature), targets, batch.kept_ids)
         loss, stats = policy_loss(
-            sampled_logprobs(logits, targets),
+            sampled_logprobs(logits, targets, batch.kept_ids),
             batch.sampler_logprobs,
             batch.advantages,
             batch.completion_mask,

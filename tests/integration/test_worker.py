@@ -159,6 +159,12 @@ def test_worker_posts_truncated_samples_the_orchestrator_accepts(setup: Setup) -
         assert rollout.sampling.top_k == 5 and rollout.sampling_mask is not None
         assert all(t in kept and len(kept) <= 5 for t, kept in zip(rollout.completion_token_ids, rollout.sampling_mask))
     assert worker.spool.pending() == []
+    # The masks reach the trainer with its batch (so it truncates its logprobs the same way).
+    batch = setup.orchestrator.client(TRAINER).batch(0)
+    assert batch is not None and batch.samples
+    by_id = {r.rollout_id: r for r in samples}
+    for train_sample in batch.samples:
+        assert train_sample.sampling_mask == by_id[train_sample.rollout_id].sampling_mask
 
 
 def test_soft_pause_swap_continues_in_flight_samples_under_the_new_version(long_setup: Setup) -> None:
