@@ -11,4 +11,4 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
 # The decentrl package itself (no deps: they are pinned above or already pulled by vllm).
 "$VENV/bin/pip" install --no-deps -e .
-"$VENV/bin/pip" install pytest pytest-timeout msgpack fsspec typer rich cryptography aiohttp
+"$VENV/bin/pip" install pytest pytest-timeout msgpack fsspec typer rich cryptography aiohttp peft 'torch==2.13.0' 'transformers<5.20'

