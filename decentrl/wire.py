@@ -96,11 +96,15 @@ class Rollout(Wire):
     )
     expert_routing: list[list[int]] | None = Field(None, description="MoE routing per token, if any.")
     claimed_reward: float | None = Field(None, description="The worker's own reward; never trusted.")
+    loss_mask: list[Literal[0, 1]] | None = Field(
+        None, description="Multi-turn episodes: per completion token 1 if the model sampled it, 0 if the "
+        "environment inserted it (feedback, tool output; not trained, logprob unused). None: all 1."
+    )
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> Rollout:
         n = len(self.completion_token_ids)
-        for name in ("logprobs", "token_versions", "sampling_mask"):
+        for name in ("logprobs", "token_versions", "sampling_mask", "loss_mask"):
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries but completion_token_ids has {n}")
@@ -146,6 +150,9 @@ class TrainSample(Wire):
     sampling_mask: list[list[int]] | None = Field(
         None, description="The rollout's sampling mask: per completion token, the vocabulary ids kept by "
         "top-k/top-p (None: no truncation). The trainer truncates its distribution the same way."
+    )
+    loss_mask: list[Literal[0, 1]] | None = Field(
+        None, description="The rollout's loss mask (multi-turn): 0 marks environment tokens the trainer skips."
     )
 
 

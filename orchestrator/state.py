@@ -167,6 +167,15 @@ def make_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int
     return lambda text: tokenizer(text).input_ids
 
 
+def final_turn(rollout: Rollout) -> list[int]:
+    """The completion tokens the task scores: for a multi-turn episode (loss_mask), the model's
+    last turn, after the last environment token; otherwise the whole completion."""
+    if rollout.loss_mask is None:
+        return rollout.completion_token_ids
+    last_env = max((i for i, model in enumerate(rollout.loss_mask) if model == 0), default=-1)
+    return rollout.completion_token_ids[last_env + 1 :]
+
+
 class RunState:
     def __init__(
         self,
@@ -571,7 +580,7 @@ class RunState:
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
 
     def _score(self, rollouts: list[Rollout]) -> list[float]:
-        texts = self._decode([rollout.completion_token_ids for rollout in rollouts])
+        texts = self._decode([final_turn(rollout) for rollout in rollouts])
         return [self.task.reward(self.task.prompt(r.prompt_id), text) for r, text in zip(rollouts, texts, strict=True)]
 
     def _complete(self, open_lease: OpenLease) -> None:
@@ -726,6 +735,7 @@ class RunState:
                         group_id=rollout.lease_id,
                         rollout_id=rollout.rollout_id,
                         sampling_mask=rollout.sampling_mask,
+                        loss_mask=rollout.loss_mask,
                     )
                 )
                 histogram[str(staleness(trainer_version, rollout.policy_version))] += 1

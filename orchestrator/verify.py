@@ -91,8 +91,9 @@ class Verifier:
         by_version: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)
         for index, rollout in enumerate(rollouts):
             versions = rollout.token_versions or [rollout.policy_version] * len(rollout.completion_token_ids)
-            for version in sorted(set(versions)):
-                by_version[version].append((index, [i for i, v in enumerate(versions) if v == version]))
+            model = rollout.loss_mask or [1] * len(versions)  # environment tokens (0) were not sampled
+            for version in sorted({v for v, m in zip(versions, model, strict=True) if m}):
+                by_version[version].append((index, [i for i, v in enumerate(versions) if v == version and model[i]]))
         worst = [0.0] * len(rollouts)
         for version, parts in sorted(by_version.items()):
             batch = [rollouts[index] for index, _ in parts]

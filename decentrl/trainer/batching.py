@@ -44,7 +44,8 @@ def collate(samples: list[TrainSample], pad_id: int) -> Tensors:
         ids[row, : p + c] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
         attention[row, : p + c] = 1
         # Completion token j sits at position p + j and is predicted from position p + j - 1.
-        mask[row, p - 1 : p - 1 + c] = 1.0
+        # Environment tokens of a multi-turn episode (loss_mask 0) are context, not trained.
+        mask[row, p - 1 : p - 1 + c] = 1.0 if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32)
         sampler[row, p - 1 : p - 1 + c] = torch.tensor(sample.logprobs)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     return Tensors(ids, attention, mask, sampler, advantages, kept_ids(samples, width))
@@ -93,7 +94,7 @@ def select_samples(batch: TrainBatch, drop_zero_variance: bool) -> list[TrainSam
 def batch_totals(samples: list[TrainSample], max_tokens: int) -> BatchTotals:
     return BatchTotals(
         samples=len(samples),
-        tokens=sum(len(s.completion_token_ids) for s in samples),
+        tokens=sum(len(s.completion_token_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples),
         max_tokens=max_tokens,
     )
 
