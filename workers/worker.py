@@ -104,6 +104,7 @@ class Worker:
         self.announced: int | None = self.info.policy_version
         self._seen_at: dict[int, float] = {}
         self._admit = threading.Event()  # cleared during a soft pause: no new generation starts
+        self._store_failing = False  # set by the swapper while pulls fail; slots then keep a fresh older version
         self._admit.set()
         self._pause_deadline: float | None = None  # monotonic time after which in-flight work is interrupted
         self._unsent = False  # a send failed: the spool holds work to resend
@@ -148,6 +149,20 @@ class Worker:
                 self.announced = version
                 self._versions.notify_all()
 
+    def _await_version(self, version: int | None) -> None:
+        """Before generating for leases granted under `version`, wait for the swapper to load
+        it: the orchestrator's lease budget assumes groups are sampled under the version they
+        were leased at, so an older one would mostly end up dropped as stale. Only while the
+        store is failing does generation go on with an older, still fresh, version."""
+        with self._versions:
+            while (
+                version is not None
+                and not self.stopping
+                and not self._store_failing
+                and (self.backend.version is None or self.backend.version < version)
+            ):
+                self._versions.wait(timeout=0.5)
+
     def _fresh(self) -> bool:
         loaded = self.backend.version
         return loaded is not None and self.announced is not None and self.announced - loaded <= self.info.max_staleness
@@ -177,11 +192,15 @@ class Worker:
             except (StoreError, OSError) as exc:
                 # Keep generating with the loaded version while it is fresh (slots check).
                 failures += 1
+                with self._versions:
+                    self._store_failing = True
+                    self._versions.notify_all()
                 delay = backoff(failures, cap_s=10.0)
                 log.warning("pulling version %d failed (%s); retrying in %.1fs", version, exc, delay)
                 time.sleep(delay)
                 continue
             failures = 0
+            self._store_failing = False
             self._swap(path, version, pull_s=time.perf_counter() - started)
 
     def _swap(self, path: str, version: int, *, pull_s: float) -> None:
@@ -238,6 +257,7 @@ class Worker:
             if not response.leases:
                 time.sleep(response.retry_after_s)
                 continue
+            self._await_version(response.policy_version)
             if self.stopping:
                 self._hand_back(response.leases)
                 break
