@@ -45,8 +45,13 @@ lr = 3e-3
 
 
 def run_decentrl(tmp_path: Path, *, steps: int, max_staleness: int) -> tuple[subprocess.CompletedProcess[str], Path]:
+    return run_config(tmp_path, CONFIG.format(steps=steps, max_staleness=max_staleness))
+
+
+def run_config(tmp_path: Path, text: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`decentrl run` on a config given as TOML text, to completion; the run dir is tmp_path/run."""
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(steps=steps, max_staleness=max_staleness))
+    config.write_text(text)
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "decentrl", "run", str(config), "--run-dir", str(run_dir)],

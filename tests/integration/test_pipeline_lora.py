@@ -4,8 +4,6 @@ publishes only them; two workers pull the base once and merge each adapter onto 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from decentrl.store import CheckpointStore
+from tests.integration.test_pipeline import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -46,13 +45,7 @@ alpha = 4.0
 
 
 def test_lora_pipeline_publishes_only_adapters_and_keeps_the_base(tmp_path: Path) -> None:
-    config = tmp_path / "run.toml"
-    config.write_text(CONFIG)
-    run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "decentrl", "run", str(config), "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=600,
-    )
+    result, run_dir = run_config(tmp_path, CONFIG)
     assert result.returncode == 0, result.stdout + result.stderr
 
     # Versions advance one per step, and workers kept up: had they failed to load an adapter
