@@ -5,16 +5,21 @@ Builds a real checkpoint of about --size-mb (random float32 weights written by t
 (a separate process, standing in for a bucket) times, best of --repeats rounds:
 
   raw publish   fsspec `put` of the checkpoint files (what a plain copy costs)
-  publish       CheckpointStore.publish: parallel upload + sha256 of every file + manifest
+  publish       CheckpointStore.publish as the trainer calls it (hand_over): parallel upload +
+                sha256 of every file + manifest; a local store takes the files by hard link
+  publish copy  file:// only: the same with hand_over=False (the files are copied)
   raw pull      fsspec `get` of the same files
-  pull          CheckpointStore.pull: parallel download, sha256 while streaming, atomic rename
+  pull          CheckpointStore.pull: parallel download, sha256 while streaming, atomic rename;
+                on file:// (link_local, the default) a hard link of each file, then its sha256
+  pull copy     file:// only: the pull with link_local = false (copy + sha256 while streaming)
   stream pull   the store's download path (parallel fsspec reads) without the sha256
   verify        CheckpointStore.verify: re-read and hash the stored version (no local copy)
 
 Every figure comes from this run. The last stdout line is one JSON object:
   publish_mb_s_*, pull_mb_s_*, raw_*_mb_s_*  throughputs (MB = 1e6 bytes)
   pull_vs_raw_*, publish_vs_raw_*           raw time / store time (1.0 = as fast as a raw copy)
-  verify_overhead_*                         pull time / stream pull time - 1 (what hashing adds)
+  pull_copy_vs_raw_file, publish_copy_vs_raw_file   the same for the copying variants
+  verify_overhead_*                         copying pull time / stream pull time - 1 (what hashing adds)
   verify_mb_s_*, sha256_mb_s                hashing-only throughputs, for scale
   load_avg_1m_*                             how busy the machine was (figures are noisy when high)
   lora_adapter_vs_full_bytes                LoRA runs: bytes of one adapter version / bytes of the full
@@ -104,6 +109,7 @@ def measure(url: str, options: dict[str, object], ckpt: str, work: str, repeats:
     (other processes, page cache) instead of one of them getting a quiet minute.
     """
     store = CheckpointStore(url, options, upload_concurrency=concurrency, download_concurrency=concurrency)
+    copying = CheckpointStore(url, options, upload_concurrency=concurrency, download_concurrency=concurrency, link_local=False)
     fs, root = store.fs, store.root
     names = sorted(os.listdir(ckpt))
     local = [os.path.join(ckpt, name) for name in names]
@@ -120,19 +126,24 @@ def measure(url: str, options: dict[str, object], ckpt: str, work: str, repeats:
         fs.makedirs(raw_dir, exist_ok=True)
         fs.put(local, raw_remote)
 
-    def publish() -> None:
+    def publish(hand_over: bool) -> None:
         if store.versions():
             store.delete(0)
-        store.publish(0, ckpt)
+        store.publish(0, ckpt, hand_over=hand_over)
 
     operations: dict[str, tuple[Callable[[], None], Callable[[], object]]] = {
         "raw_publish": (lambda: None, raw_publish),
-        "publish": (lambda: None, publish),
+        "publish_copy": (lambda: None, lambda: publish(False)),
+        "publish": (lambda: None, lambda: publish(True)),  # last: the pulls below read this one
         "raw_pull": (clear_local, lambda: fs.get(raw_remote, [os.path.join(cache, n) for n in names])),
         "stream_pull": (clear_local, lambda: stream_copy(fs, stored, cache, concurrency)),
+        "pull_copy": (clear_local, lambda: copying.pull(0, cache)),
         "pull": (clear_local, lambda: store.pull(0, cache)),
         "verify": (lambda: None, lambda: store.verify(0)),
     }
+    if not store.link_local:  # a remote store: both pulls and both publishes copy
+        for name in ("publish_copy", "pull_copy"):
+            del operations[name]
     best = {name: float("inf") for name in operations}
     for _ in range(repeats):
         for name, (setup, action) in operations.items():
@@ -219,8 +230,13 @@ def main() -> None:
                 f"publish_vs_raw_{label}": round(t["raw_publish"] / t["publish"], 3),
                 f"pull_vs_raw_{label}": round(t["raw_pull"] / t["pull"], 3),
                 f"stream_pull_mb_s_{label}": round(total / MB / t["stream_pull"], 1),
-                f"verify_overhead_{label}": round(t["pull"] / t["stream_pull"] - 1, 3),
+                f"verify_overhead_{label}": round(t["pull_copy" if "pull_copy" in t else "pull"] / t["stream_pull"] - 1, 3),
             }
+            if "pull_copy" in t:  # local: the default pull links, this one copies (link_local = false)
+                results |= {
+                    f"pull_copy_vs_raw_{label}": round(t["raw_pull"] / t["pull_copy"], 3),
+                    f"publish_copy_vs_raw_{label}": round(t["raw_publish"] / t["publish_copy"], 3),
+                }
         results["sha256_mb_s"] = round(sha256_mb_s(), 1)
         results |= lora_sizes(work)
         results["load_avg_1m_end"] = round(os.getloadavg()[0], 2)

@@ -143,6 +143,10 @@ class StoreConfig(Section):
     )
     upload_concurrency: int = Field(4, ge=1, le=64, description="Files uploaded at once by a publish.")
     download_concurrency: int = Field(4, ge=1, le=64, description="Files downloaded at once by a pull.")
+    link_local: bool = Field(
+        True, description="Local store on the cache's filesystem: pulls hard-link the verified files into "
+        "the cache instead of copying them (zero copy). Off, or a public_key set: pulls always copy.",
+    )
     cache_max_gb: float | None = Field(
         20.0, gt=0, description="Cap on a local pull cache; the oldest versions are evicted. None = no cap."
     )

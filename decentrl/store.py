@@ -113,6 +113,22 @@ def _hash_file(path: str) -> tuple[int, str]:
         return _copy_hashing(f, None, hashlib.sha256())
 
 
+def _link_hashing(remote: str, local_path: str) -> tuple[int, str] | None:
+    """Hard-link a local store file into the cache and hash the link: (size, sha256), or None where
+    the cache cannot link to the store (another filesystem). The link and the store name one inode,
+    which the store never rewrites (a version's files are written once, then the manifest), and
+    which outlives the store's name when retention deletes it."""
+    if os.path.lexists(local_path):
+        os.remove(local_path)  # a partial copy from an earlier attempt
+    try:
+        os.link(remote, local_path)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        return None
+    return _hash_file(local_path)
+
+
 def _mismatch(entry: ManifestFile, size: int, sha256: str) -> str | None:
     if size != entry.size:
         return f"size mismatch (expected {entry.size}, got {size})"
@@ -188,6 +204,7 @@ class CheckpointStore:
         download_concurrency: int = _DEFAULTS.download_concurrency,
         cache_max_bytes: int | None = None,
         retention_grace_s: float = _DEFAULTS.retention_grace_s,
+        link_local: bool = _DEFAULTS.link_local,
     ) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
@@ -197,6 +214,10 @@ class CheckpointStore:
         self.download_concurrency = download_concurrency
         self.cache_max_bytes = cache_max_bytes
         self.retention_grace_s = retention_grace_s
+        # Zero-copy pulls need a store on this machine's filesystem and a trusted one: with a
+        # public key, whoever can write the store is not trusted, and a hard link would let a
+        # later in-place write reach a cache that was verified before it.
+        self.link_local = link_local and isinstance(self.fs, LocalFileSystem) and public_key is None
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> CheckpointStore:
@@ -210,6 +231,7 @@ class CheckpointStore:
             download_concurrency=config.download_concurrency,
             cache_max_bytes=None if config.cache_max_gb is None else int(config.cache_max_gb * 2**30),
             retention_grace_s=config.retention_grace_s,
+            link_local=config.link_local,
         )
 
     def _vdir(self, version: int) -> str:
@@ -265,9 +287,14 @@ class CheckpointStore:
     def manifest(self, version: int) -> Manifest:
         return self._checked_manifest(version)[0]
 
-    def publish(self, version: int, local_dir: str, parent: int | None = None, base_version: int | None = None) -> Manifest:
+    def publish(
+        self, version: int, local_dir: str, parent: int | None = None, base_version: int | None = None,
+        *, hand_over: bool = False,
+    ) -> Manifest:
         """Upload every file of `local_dir` in parallel, then the (signed) manifest last.
-        `base_version`: `local_dir` holds a LoRA adapter to apply to that (full) version."""
+        `base_version`: `local_dir` holds a LoRA adapter to apply to that (full) version.
+        `hand_over`: the caller never writes these files again (the trainer's temporary dir), so a
+        local store on the same filesystem takes them by hard link instead of a copy."""
         if self.fs.exists(self._manifest_path(version)):
             raise StoreError(
                 f"version {version} already published in {self.url}; "
@@ -285,7 +312,8 @@ class CheckpointStore:
         # Hashed beside fsspec's own (multipart, concurrent) uploads: the local files are ours and
         # do not change, so this is as sound as hashing the uploaded stream, and costs no wait.
         with ThreadPoolExecutor(self.upload_concurrency) as pool, ThreadPoolExecutor(self.upload_concurrency) as hashers:
-            uploads = [pool.submit(self.fs.put_file, p, f"{vdir}/{n}") for p, n in zip(paths, names)]
+            put = self._put_linking if hand_over and isinstance(self.fs, LocalFileSystem) else self.fs.put_file
+            uploads = [pool.submit(put, p, f"{vdir}/{n}") for p, n in zip(paths, names)]
             hashes = list(hashers.map(_hash_file, paths))
             for upload in uploads:
                 upload.result()
@@ -296,6 +324,15 @@ class CheckpointStore:
             manifest = manifest.model_copy(update={"signature": signing.sign(self.signing_key, payload)})
         self._write_manifest(version, manifest.model_dump_json(indent=2).encode())
         return manifest
+
+    def _put_linking(self, local_path: str, remote: str) -> None:
+        try:
+            os.link(local_path, remote)
+        except FileExistsError:  # left by a publish that failed before its manifest
+            os.remove(remote)
+            os.link(local_path, remote)
+        except OSError:  # another filesystem, or no hard links there
+            self.fs.put_file(local_path, remote)
 
     def _write_manifest(self, version: int, data: bytes) -> None:
         path = self._manifest_path(version)
@@ -386,6 +423,11 @@ class CheckpointStore:
 
     def _fetch_resuming(self, remote: str, local_path: str, expected_size: int) -> tuple[int, str]:
         """Append the rest of `remote` to `local_path`, hashing as it streams; (size, sha256) of the whole."""
+        if self.link_local:
+            linked = _link_hashing(remote, local_path)
+            if linked is not None:
+                return linked
+            self.link_local = False  # another filesystem, or no hard links there: copy from now on
         digest, have = hashlib.sha256(), 0
         if os.path.exists(local_path):
             have = os.path.getsize(local_path)

@@ -146,10 +146,10 @@ class Publisher:
             parent = version - 1 if version > 0 else None
             if self.lora is None:
                 write_hf_dir(directory, state, self.model_config, self.extras_from, self.max_shard_bytes)
-                self.store.publish(version, directory, parent=parent)
+                self.store.publish(version, directory, parent=parent, hand_over=True)
             else:
                 write_adapter_dir(directory, state, self.lora)
-                self.store.publish(version, directory, parent=parent, base_version=BASE_VERSION)
+                self.store.publish(version, directory, parent=parent, base_version=BASE_VERSION, hand_over=True)
         self.on_published(version)
         self.store.retain(self.keep_last, protect={0})
         self.publish_seconds.append(time.perf_counter() - started)

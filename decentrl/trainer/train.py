@@ -60,7 +60,7 @@ def prepare_store(config: RunConfig, store: CheckpointStore, client: Orchestrato
                 directory, model.state_dict(), model.config, extras_from=directory,
                 max_shard_bytes=config.store.shard_size_mb * 2**20,
             )
-            store.publish(0, directory, parent=None)
+            store.publish(0, directory, parent=None, hand_over=True)
     plan = plan_resume(checkpoints.latest(), journal.steps(), store.versions())
     client.announce(plan.published)  # again after a restart: the crash may have come before it
     return plan

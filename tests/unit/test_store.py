@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from decentrl import store as store_mod
@@ -31,10 +32,11 @@ def no_retry_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store_mod, "_RETRY_DELAYS", (0.0, 0.0))
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "local-copy", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CheckpointStore]:
-    if request.param == "local":
-        yield CheckpointStore(str(tmp_path / "store"))
+    if request.param.startswith("local"):
+        # local: pulls hard-link into the cache (the default); local-copy: they copy.
+        yield CheckpointStore(str(tmp_path / "store"), link_local=request.param == "local")
         return
     # The memory filesystem is process-global: give each test its own root.
     url = f"memory://store-{uuid.uuid4().hex}"
@@ -163,6 +165,7 @@ def test_missing_file_fails_pull_and_verify(
 def test_pull_retries_a_transient_mismatch(
     store: CheckpointStore, make_ckpt: MakeCkpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    store.link_local = False  # the rewrite is staged in fs.open, which a hard link does not call
     src = make_ckpt("a")
     store.publish(1, str(src))
     good = store.fs.cat_file(remote(store, 1, "model.safetensors"))
@@ -293,3 +296,49 @@ def test_pull_loses_race_gracefully(
 def test_manifest_file_path_must_be_a_flat_name(bad: str) -> None:
     with pytest.raises(ValidationError):
         ManifestFile(path=bad, size=1, sha256="0" * 64)
+
+
+def test_local_pull_links_the_verified_files_and_outlives_the_store(make_ckpt: MakeCkpt, tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "store"))
+    src = make_ckpt("a")
+    store.publish(1, str(src))
+    out = Path(store.pull(1, str(tmp_path / "cache")))
+    stored = Path(remote(store, 1, "model.safetensors"))
+    assert (out / "model.safetensors").stat().st_ino == stored.stat().st_ino  # zero copy
+    store.delete(1)  # retention: the cache keeps the bytes it verified
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+def test_local_pull_copies_across_filesystems(
+    make_ckpt: MakeCkpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def cross_device(src: str, dst: str) -> None:
+        raise OSError(18, "Invalid cross-device link")  # EXDEV
+
+    monkeypatch.setattr(store_mod.os, "link", cross_device)
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.publish(1, str(make_ckpt("a")))
+    out = Path(store.pull(1, str(tmp_path / "cache")))
+    assert not store.link_local
+    assert (out / "model.safetensors").stat().st_ino != Path(remote(store, 1, "model.safetensors")).stat().st_ino
+    assert store.verify(1) == []
+
+
+def test_local_pull_with_a_public_key_copies(make_ckpt: MakeCkpt, tmp_path: Path) -> None:
+    # Whoever can write a store that needs signatures is not trusted with an inode the cache shares.
+    key = Ed25519PrivateKey.generate()
+    CheckpointStore(str(tmp_path / "store"), signing_key=key).publish(1, str(make_ckpt("a")))
+    reader = CheckpointStore(str(tmp_path / "store"), public_key=key.public_key())
+    assert not reader.link_local
+    out = Path(reader.pull(1, str(tmp_path / "cache")))
+    assert (out / "model.safetensors").stat().st_ino != Path(remote(reader, 1, "model.safetensors")).stat().st_ino
+
+
+def test_handed_over_files_are_linked_into_a_local_store(make_ckpt: MakeCkpt, tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "store"))
+    src = make_ckpt("a")
+    store.publish(1, str(src), hand_over=True)
+    assert Path(remote(store, 1, "model.safetensors")).stat().st_ino == (src / "model.safetensors").stat().st_ino
+    store.publish(2, str(make_ckpt("b")))  # not handed over: copied
+    assert Path(remote(store, 2, "model.safetensors")).stat().st_nlink == 1
+    assert store.verify(1) == [] and store.verify(2) == []
