@@ -312,8 +312,11 @@ class CheckpointStore:
         # Hashed beside fsspec's own (multipart, concurrent) uploads: the local files are ours and
         # do not change, so this is as sound as hashing the uploaded stream, and costs no wait.
         with ThreadPoolExecutor(self.upload_concurrency) as pool, ThreadPoolExecutor(self.upload_concurrency) as hashers:
-            put = self._put_linking if hand_over and isinstance(self.fs, LocalFileSystem) else self.fs.put_file
-            uploads = [pool.submit(put, p, f"{vdir}/{n}") for p, n in zip(paths, names)]
+            local = isinstance(self.fs, LocalFileSystem)
+            uploads = [
+                pool.submit(self._put_local, p, f"{vdir}/{n}", hand_over) if local else pool.submit(self.fs.put_file, p, f"{vdir}/{n}")
+                for p, n in zip(paths, names)
+            ]
             hashes = list(hashers.map(_hash_file, paths))
             for upload in uploads:
                 upload.result()
@@ -325,14 +328,20 @@ class CheckpointStore:
         self._write_manifest(version, manifest.model_dump_json(indent=2).encode())
         return manifest
 
-    def _put_linking(self, local_path: str, remote: str) -> None:
+    def _put_local(self, local_path: str, remote: str, link: bool) -> None:
+        """Into a new file, never into an existing one (a failed publish's or delete's leftover),
+        which a cache may hold a hard link to; by hard link when the file is handed over."""
         try:
-            os.link(local_path, remote)
-        except FileExistsError:  # left by a publish that failed before its manifest
             os.remove(remote)
-            os.link(local_path, remote)
-        except OSError:  # another filesystem, or no hard links there
-            self.fs.put_file(local_path, remote)
+        except FileNotFoundError:
+            pass
+        if link:
+            try:
+                os.link(local_path, remote)
+                return
+            except OSError:  # another filesystem, or no hard links there
+                pass
+        self.fs.put_file(local_path, remote)
 
     def _write_manifest(self, version: int, data: bytes) -> None:
         path = self._manifest_path(version)
