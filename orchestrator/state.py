@@ -50,6 +50,7 @@ from decentrl.wire import (
     TrainBatch,
     TrainSample,
     unpack_msgpack,
+    value_range,
 )
 from orchestrator.codec import Packed, pack_floats, pack_ints, train_batch_msgpack
 from orchestrator.integrity import Integrity, token_of
@@ -507,14 +508,15 @@ class RunState:
         if not is_fresh(self.trainer_version, rollout.policy_version, self.config.max_staleness):
             return "stale"
         ids = rollout.completion_token_ids
-        if min(ids) < 0 or max(ids) >= self.vocab_size:  # C-speed scans: ids hold up to ~1e5 tokens
+        low, high = value_range(ids)  # numpy over the packed bytes when they came packed
+        if low < 0 or high >= self.vocab_size:
             return "token_out_of_vocabulary"
         if len(ids) > self.sampling.max_tokens:
             return "too_many_tokens"
-        if rollout.token_versions is not None and (
-            min(rollout.token_versions) < rollout.policy_version or max(rollout.token_versions) > self.published_version
-        ):
-            return "bad_token_versions"
+        if rollout.token_versions is not None:
+            low, high = value_range(rollout.token_versions)
+            if low < rollout.policy_version or high > self.published_version:
+                return "bad_token_versions"
         if rollout.sampling_mask is not None and any(
             mask and (min(mask) < 0 or max(mask) >= self.vocab_size) for mask in rollout.sampling_mask
         ):

@@ -2,7 +2,8 @@
 
     receive batch -> micro-batches: forward, loss, backward -> step -> publish (background) -> checkpoint
 
-Rank 0 talks to the orchestrator, journals each batch and broadcasts it; every rank computes the
+Rank 0 talks to the orchestrator, journals each batch and broadcasts it (the next step's batch is
+fetched and journaled in the background while a step trains); every rank computes the
 same micro-batch plan and runs its share; FSDP2 (`fully_shard`) sums the gradients. Version N is
 published after step N. A restart of the same command resumes from the last checkpoint and
 replays the journaled steps since (decentrl/trainer/checkpoint.py). Called by `decentrl trainer`.
@@ -31,6 +32,7 @@ from decentrl.trainer.distributed import broadcast_object, full_state_dict, init
 from decentrl.trainer.gather import WeightGather
 from decentrl.trainer.lora import adapter_state, add_adapters, is_adapter_weight
 from decentrl.trainer.metrics import MetricsLog, StepTimes, step_record
+from decentrl.trainer.prefetch import BatchPrefetcher
 from decentrl.trainer.publisher import Publisher, write_hf_dir
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks, token_logprobs
 from decentrl.wire import TrainBatch
@@ -143,10 +145,12 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
         model, deliver=publisher.submit if publisher else None, select=is_adapter_weight if cfg.lora else lambda name: True
     )
     pad_id = model.config.pad_token_id or 0
+    # Rank 0 fetches step s+1's batch while step s trains (decentrl/trainer/prefetch.py).
+    batches = BatchPrefetcher(lambda step: receive_batch(step, plan, client, journal), last_step=cfg.steps) if journal else None
 
     for step in range(progress.step + 1, cfg.steps + 1):
         started = time.perf_counter()
-        batch = broadcast_object(receive_batch(step, plan, client, journal) if journal else None, rank)
+        batch = broadcast_object(batches.take(step) if batches else None, rank)
         received = time.perf_counter()
 
         samples, totals, micro_batches = rank_share(

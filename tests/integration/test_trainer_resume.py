@@ -158,7 +158,8 @@ def test_trainer_resume_after_kill_9_continues_versions_and_workers_carry_on(tmp
         assert match, second_log[-3000:]
         resumed_from, replay_from, replay_through, store_held = map(int, match.groups())
         assert resumed_from == checkpoint and replay_from == checkpoint + 1
-        assert killed_at <= replay_through <= killed_at + 1  # the batch of the step in flight may be journaled
+        # The batch of the step in flight may be journaled, and the next one, fetched ahead (prefetch.py).
+        assert killed_at <= replay_through <= killed_at + 2
         assert store_held == published_before and checkpoint <= store_held <= replay_through
 
         # One metrics record per step, versions without a gap or a repeat.

@@ -7,6 +7,7 @@ import hmac
 import json
 import math
 import random
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,11 @@ from decentrl.wire import (
     SamplingParams,
     TrainBatch,
     TrainSample,
+    TypedList,
     encode_model,
     pack_msgpack,
     unpack_msgpack,
+    value_range,
 )
 from orchestrator.auth import Identity, TokenRegistry, add_token, list_tokens, parse_env_tokens, revoke_token
 from orchestrator.codec import pack_floats, pack_ints, train_batch_msgpack
@@ -149,12 +152,45 @@ def test_fast_paths_step_aside_for_tokenizers_that_override_them(tokenizer: PreT
         ([-0.5, 1e-5, -1.0], True),  # rounding slack
     ],
 )
-def test_logprob_check(logprobs: list[float], valid: bool) -> None:
+@pytest.mark.parametrize("typed", [False, True])
+def test_logprob_check(logprobs: list[float], valid: bool, typed: bool) -> None:
+    if typed:  # as a msgpack body carries them: checked over the packed bytes
+        logprobs = unpack_msgpack(pack_msgpack({"logprobs": logprobs}))["logprobs"]
+        assert type(logprobs) is TypedList
     if valid:
         rollout(logprobs=logprobs)
     else:
         with pytest.raises(ValidationError, match="logprobs must be finite"):
             rollout(logprobs=logprobs)
+
+
+def test_typed_arrays_skip_element_checks_only_when_their_kind_fits() -> None:
+    def typed(code: int, values: list[Any]) -> Any:
+        fmt = {EXT_INT32: "<i", EXT_INT64: "<q", EXT_FLOAT32: "<f", EXT_FLOAT64: "<d"}[code]
+        data = b"".join(struct.pack(fmt, value) for value in values)
+        return unpack_msgpack(msgpack.packb(msgpack.ExtType(code, data)))
+
+    kept = rollout(completion_token_ids=typed(EXT_INT64, [4, 5, 2]), logprobs=typed(EXT_FLOAT32, [-0.5, -1, -2]))
+    assert type(kept.completion_token_ids) is TypedList and type(kept.logprobs) is TypedList
+    assert kept.completion_token_ids == [4, 5, 2]
+    with pytest.raises(ValidationError, match="completion_token_ids.0"):  # floats are not token ids
+        rollout(completion_token_ids=typed(EXT_FLOAT32, [4.5, 5, 2]))
+    with pytest.raises(ValidationError, match="completion_token_ids\n.*at least 1 item"):
+        rollout(completion_token_ids=typed(EXT_INT32, []), logprobs=[])
+    ints_as_floats = rollout(logprobs=typed(EXT_INT32, [-1, -2, 0]))  # validated (and converted) element-wise
+    assert type(ints_as_floats.logprobs) is list and ints_as_floats.logprobs == [-1.0, -2.0, 0.0]
+
+
+def test_value_range_of_typed_arrays_matches_min_and_max() -> None:
+    rng = random.Random(1)
+    ids = [rng.randrange(-5, 2**31 - 1) for _ in range(100)]
+    floats = [rng.uniform(-50, 0) for _ in range(100)]
+    for values in (ids, floats, [2**40, -3]):
+        typed = unpack_msgpack(pack_msgpack({"completion_token_ids" if values is not floats else "logprobs": values}))
+        (packed,) = typed.values()
+        assert type(packed) is TypedList and value_range(packed) == (min(values), max(values))
+    with_nan = unpack_msgpack(pack_msgpack({"logprobs": [-1.0, float("nan"), -2.0]}))["logprobs"]
+    assert all(math.isnan(bound) for bound in value_range(with_nan))  # unlike Python's min and max
 
 
 # -- tokens -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.tasks import build_task
-from decentrl.wire import Lease, Rejection, Rollout, SamplingParams
+from decentrl.wire import MEDIA_MSGPACK, Lease, Rejection, Rollout, SamplingParams, TypedList, encode_model, unpack_msgpack
 from orchestrator.state import RunState
 
 HOLDER = "alice/w0"
@@ -168,6 +168,7 @@ REJECTIONS: dict[str, Callable[[RunState, Lease], dict[str, Any]]] = {
     "token_out_of_vocabulary": lambda state, lease: {"completion": [4, len(state.tokenizer)]},
     "negative_token": lambda state, lease: {"completion": [4, -1]},
     "too_many_tokens": lambda state, lease: {"completion": [4] * 7},
+    "bad_token_versions": lambda state, lease: {"completion": [4, 2], "token_versions": [0, 1]},
 }
 REASON = {
     "prompt_tokens_mismatch": "prompt_mismatch",
@@ -176,8 +177,9 @@ REASON = {
 }
 
 
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
 @pytest.mark.parametrize("case", sorted(REJECTIONS))
-def test_rejection_reasons(case: str, make_state: MakeState, make_rollout: Any, answer: Any) -> None:
+def test_rejection_reasons(case: str, encoding: str, make_state: MakeState, make_rollout: Any, answer: Any) -> None:
     state = make_state()
     state.announce(0)
     (lease,) = state.grant_leases(HOLDER, 1)
@@ -185,6 +187,9 @@ def test_rejection_reasons(case: str, make_state: MakeState, make_rollout: Any, 
     holder = fields.pop("holder", HOLDER)
     completion = fields.pop("completion", answer(state, lease))
     bad = make_rollout(lease, completion, **fields)
+    if encoding == "msgpack":  # typed arrays: checked over their bytes (numpy), not element by element
+        bad = Rollout.model_validate(unpack_msgpack(encode_model(bad, MEDIA_MSGPACK)))
+        assert type(bad.completion_token_ids) is TypedList
 
     result = state.ingest([bad], holder)
 
