@@ -6,10 +6,10 @@ group containing a sampled rollout until its check is done (orchestrator/state.p
 unverified sample never reaches the trainer. torch and transformers are imported when the first
 check runs: an orchestrator with verification off never loads them.
 
-The recomputation is the worker's own math (workers/backends/hf.py `sampling_distribution`:
-temperature, then top-k, then top-p, renormalized over the kept set) on one full forward of
-prompt + completion under the version's weights, pulled from the store (sha256-verified,
-cached) and kept loaded for the last `models_cached` versions. A completion that spanned a
+The recomputation is the worker's own math (decentrl/sampling.py `sampling_distribution`, the
+distribution the HF worker backend samples from: temperature, then top-k, then top-p,
+renormalized over the kept set) on one full forward of prompt + completion under the version's
+weights, pulled from the store (sha256-verified, cached) and kept loaded for the last `models_cached` versions. A completion that spanned a
 weight swap (`token_versions`) is checked token by token against the version of each token.
 A rollout fails when any token's |claimed - recomputed| exceeds `tolerance` (a claimed token
 outside the recomputed kept set differs by infinity). docs/security.md: the calibration.
@@ -64,7 +64,7 @@ class Verifier:
         distribution. The rollouts share their sampling parameters (the run's)."""
         import torch
 
-        from workers.backends.hf import sampling_distribution
+        from decentrl.sampling import sampling_distribution
 
         model = self._model(version)
         sequences = [r.prompt_token_ids + r.completion_token_ids for r in rollouts]

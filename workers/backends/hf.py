@@ -2,9 +2,10 @@
 
 Decoding is a plain loop over the model's forward with a KV cache rather than `generate()`, so
 that the distribution sampled from is computed here, once: temperature, then top-k, then top-p
-(`sampling_distribution`), and the logprob of each sampled token and the kept set (the sampling
-mask) come from exactly that distribution. The loop also checks `should_stop` between tokens,
-which is how a soft-pause deadline interrupts a generation for a weight swap.
+(`sampling_distribution` of decentrl/sampling.py, which the orchestrator's verifier recomputes),
+and the logprob of each sampled token and the kept set (the sampling mask) come from exactly
+that distribution. The loop also checks `should_stop` between tokens, which is how a
+soft-pause deadline interrupts a generation for a weight swap.
 """
 
 from __future__ import annotations
@@ -17,27 +18,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from decentrl.sampling import sampling_distribution
 from decentrl.wire import SamplingParams
 from workers.backends import Completion, never, stop_cut, truncates
 from workers.backends.adapters import adapter_base_dir, merged_weights
-
-
-def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """Log-probabilities (B, V) of the distribution sampled from: -inf outside the kept set,
-    renormalized over it. Order as in vLLM and transformers: temperature, top-k, top-p."""
-    scaled = logits.float() / sampling.temperature  # (B, V)
-    if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]  # (B, 1)
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        ordered, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        # Keep tokens until the cumulative probability reaches top_p (the crossing token stays);
-        # the most likely token is always kept.
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= sampling.top_p
-        drop[:, 0] = False
-        scaled = scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.log_softmax(scaled, dim=-1)
 
 
 class HFBackend:
