@@ -104,10 +104,22 @@ class ImportTaskConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the prompt order.")
 
 
+class GuessTaskConfig(Section):
+    """Multi-turn: guess a secret number; after each guess the environment says higher or lower
+    (see tasks/guess.py). Reward 1 - (guesses - 1) / max_turns once found, else 0."""
+
+    type: Literal["guess"] = "guess"
+    max_number: int = Field(99, ge=1, le=10**6, description="Secrets are drawn from 0..max_number.")
+    max_turns: int = Field(8, ge=1, le=64, description="Guesses per episode at most.")
+    num_prompts: int = Field(4096, ge=1, description="Size of the prompt pool (one secret each, seeded).")
+    seed: int = Field(0, ge=0, description="Seed of the secrets and of the prompt order.")
+
+
 TaskConfig = Annotated[
     Annotated[SortingTaskConfig, Tag("sorting")]
     | Annotated[ArithmeticTaskConfig, Tag("arithmetic")]
     | Annotated[CountdownTaskConfig, Tag("countdown")]
+    | Annotated[GuessTaskConfig, Tag("guess")]
     | Annotated[ImportTaskConfig, Tag("import")],
     _keyed_by_type("sorting"),
 ]

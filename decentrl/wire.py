@@ -67,6 +67,10 @@ class RunInfo(Wire):
     policy_version: int | None = Field(description="Newest published version; None before v0 exists.")
     max_staleness: int = Field(ge=0)
     group_size: int = Field(ge=1)
+    episode_task: dict[str, Any] | None = Field(
+        None, description="The run's [task] config when it is multi-turn: workers build its environment from it "
+        "(decentrl/tasks/episodes.py). None for single-turn tasks."
+    )
 
 
 class LeaseRequest(Wire):

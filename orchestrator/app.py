@@ -44,6 +44,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 import decentrl
+from decentrl.tasks.episodes import EpisodeTask
 from decentrl.wire import (
     API_PREFIX,
     EXT_FLOAT32,
@@ -306,6 +307,7 @@ async def info(request: web.Request) -> web.Response:
             policy_version=state.published_version,
             max_staleness=state.config.max_staleness,
             group_size=state.config.group_size,
+            episode_task=state.config.task.model_dump() if isinstance(state.task, EpisodeTask) else None,
         ),
     )
 

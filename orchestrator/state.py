@@ -39,6 +39,7 @@ from decentrl.advantages import group_advantages
 from decentrl.config import RunConfig
 from decentrl.staleness import is_fresh, lease_budget, staleness
 from decentrl.tasks import Task
+from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, replay_episode, tokenizer_codec
 from decentrl.wire import (
     IngestResponse,
     Lease,
@@ -168,21 +169,12 @@ def make_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int
     return lambda text: tokenizer(text).input_ids
 
 
-def final_turn(rollout: Rollout) -> list[int]:
-    """The completion tokens the task scores: for a multi-turn episode (loss_mask), the model's
-    last turn, after the last environment token; otherwise the whole completion."""
-    if rollout.loss_mask is None:
-        return rollout.completion_token_ids
-    last_env = max((i for i, model in enumerate(rollout.loss_mask) if model == 0), default=-1)
-    return rollout.completion_token_ids[last_env + 1 :]
-
-
 class RunState:
     def __init__(
         self,
         *,
         config: RunConfig,
-        task: Task,
+        task: Task | EpisodeTask,
         tokenizer: PreTrainedTokenizerBase,
         clock: Callable[[], float] = time.time,
         journal: Journal | None = None,
@@ -203,6 +195,7 @@ class RunState:
         self.vocab_size = len(tokenizer)
         self._decode = make_decoder(tokenizer)
         self._encode = make_encoder(tokenizer)
+        self._episode_codec = tokenizer_codec(tokenizer) if isinstance(task, EpisodeTask) else None
         self.published_version: int | None = None
         self.trainer_version = 0
         self.leases: dict[str, OpenLease] = {}
@@ -525,7 +518,15 @@ class RunState:
             route and (min(route) < 0 or max(route) > 2**31) for route in rollout.expert_routing
         ):
             return "bad_expert_routing"
-        if self.config.orchestrator.verification.enabled and self.integrity.finish_reason_problem(rollout):
+        if isinstance(self.task, EpisodeTask):  # the replay checks the ending too
+            try:
+                self._episode_reward(rollout)
+            except EpisodeMismatch as exc:
+                log.info("rollout %s: %s", rollout.rollout_id, exc)
+                return "episode_mismatch"
+        elif rollout.loss_mask is not None:
+            return "loss_mask_without_episodes"  # a single-turn task has no environment tokens
+        elif self.config.orchestrator.verification.enabled and self.integrity.finish_reason_problem(rollout):
             return "bad_finish_reason"
         return None
 
@@ -581,8 +582,18 @@ class RunState:
         self.duplicates += duplicates
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
 
+    def _episode_reward(self, rollout: Rollout) -> float:
+        """Replay the episode's environment over the transcript (decentrl/tasks/episodes.py)."""
+        assert isinstance(self.task, EpisodeTask) and self._episode_codec is not None
+        return replay_episode(
+            self.task, self.task.prompt(rollout.prompt_id), rollout.completion_token_ids, rollout.loss_mask,
+            rollout.finish_reason, rollout.sampling.max_tokens, self._episode_codec,
+        )
+
     def _score(self, rollouts: list[Rollout]) -> list[float]:
-        texts = self._decode([final_turn(rollout) for rollout in rollouts])
+        if isinstance(self.task, EpisodeTask):
+            return [self._episode_reward(rollout) for rollout in rollouts]
+        texts = self._decode([rollout.completion_token_ids for rollout in rollouts])
         return [self.task.reward(self.task.prompt(r.prompt_id), text) for r, text in zip(rollouts, texts, strict=True)]
 
     def _complete(self, open_lease: OpenLease) -> None:

@@ -30,14 +30,17 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from decentrl.client import OrchestratorClient
 from decentrl.signing import load_public_key
 from decentrl.store import CheckpointStore, StoreError
+from decentrl.tasks.episodes import TextCodec
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, RunInfo, SamplingParams
 from workers.backends import Backend
+from workers.episodes import episode_task_of, run_episodes
 from workers.latency import LatencyModel
+from workers.sample import Sample
 from workers.spool import Spool
 
 log = logging.getLogger("decentrl.worker")
@@ -60,18 +63,6 @@ class WorkerOptions:
     version_poll_s: float = 2.0  # ask /info for a new version this often while no lease answer tells
 
 
-@dataclass
-class Sample:
-    """One completion being built, possibly across weight swaps."""
-
-    prompt: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    masks: list[list[int]] | None = None
-    finish_reason: str | None = None
-
-
 @dataclass(frozen=True)
 class SwapRecord:
     version: int
@@ -87,6 +78,8 @@ class Worker:
         self.client = client
         self.backend = backend
         self.info: RunInfo = client.info()
+        self.episode_task = episode_task_of(self.info)  # None: single-turn task
+        self._codec: TextCodec | None = None  # episodes: the model's tokenizer, from the first version loaded
         self.store = CheckpointStore(
             options.store_url or self.info.store_url,
             options.storage_options,
@@ -204,6 +197,8 @@ class Worker:
             self._swap(path, version, pull_s=time.perf_counter() - started)
 
     def _swap(self, path: str, version: int, *, pull_s: float) -> None:
+        if self.episode_task is not None and self._codec is None:
+            self._codec = load_codec(path)
         paused = time.perf_counter()
         self._admit.clear()
         self._pause_deadline = time.monotonic() + self.options.swap_deadline_s
@@ -262,43 +257,48 @@ class Worker:
                 self._hand_back(response.leases)
                 break
             started = time.perf_counter()
-            samples = self._generate(
-                [lease.prompt_token_ids for lease in response.leases for _ in range(lease.group_size)], response.sampling
-            )
+            owners = [lease for lease in response.leases for _ in range(lease.group_size)]
+            if self.episode_task is None:
+                samples = self._generate([lease.prompt_token_ids for lease in owners], response.sampling)
+            else:
+                assert self._codec is not None  # set with the first version, loaded before any generation
+                samples = run_episodes(
+                    owners, response.sampling, task=self.episode_task, codec=self._codec, complete=self._complete
+                )
             time.sleep(self.options.latency.extra_delay(rng, time.perf_counter() - started))
             self._post(response.leases, samples, response.sampling)
             if index == 0 and self._unsent:
                 self._resend_spooled()
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
-        """Complete every prompt; a generation interrupted by a swap continues under the new
-        weights from where it stopped (prompt + tokens so far)."""
-        samples = [Sample(prompt=prompt) for prompt in prompts]
+        samples = [Sample(prompt=prompt, budget=sampling.max_tokens) for prompt in prompts]
+        self._complete(samples, sampling)
+        return samples
+
+    def _complete(self, samples: list[Sample], sampling: SamplingParams) -> None:
+        """Complete every sample up to its budget; a generation interrupted by a swap continues
+        under the new weights from where it stopped (prompt + tokens so far)."""
         while unfinished := [s for s in samples if s.finish_reason is None]:
             self._admit.wait()
-            # Interrupted rows stopped at the same step, so they share one token budget; group
-            # by length anyway so that no row can exceed max_tokens.
-            by_length: dict[int, list[Sample]] = {}
+            # Rows with the same tokens left share one call (interrupted rows stopped at the
+            # same step); grouping by what is left means no row can exceed its budget.
+            by_left: dict[int, list[Sample]] = {}
             for sample in unfinished:
-                by_length.setdefault(len(sample.token_ids), []).append(sample)
+                by_left.setdefault(sample.budget - len(sample.token_ids), []).append(sample)
             with self._lock:
                 version = self.backend.version
                 assert version is not None
                 self.first_generation_at.setdefault(version, time.time())
-                for length, group in by_length.items():
-                    budget = sampling.model_copy(update={"max_tokens": sampling.max_tokens - length})
+                for left, group in by_left.items():
+                    budget = sampling.model_copy(update={"max_tokens": left})
                     completions = self.backend.generate(
                         [s.prompt + s.token_ids for s in group], budget, self._pause_due
                     )
                     for sample, completion in zip(group, completions, strict=True):
-                        sample.token_ids += completion.token_ids
-                        sample.logprobs += completion.logprobs
-                        sample.versions += [version] * len(completion.token_ids)
-                        if completion.sampling_mask is not None:
-                            sample.masks = (sample.masks or []) + completion.sampling_mask
+                        versions = [version] * len(completion.token_ids)
+                        sample.extend(completion.token_ids, completion.logprobs, versions, completion.sampling_mask)
                         if completion.finish_reason != "interrupted":
                             sample.finish_reason = completion.finish_reason
-        return samples
 
     def _hand_back(self, leases: list[Lease]) -> None:
         for lease in leases:
@@ -361,12 +361,24 @@ def to_rollout(run_name: str, worker_id: str, lease: Lease, sample: Sample, samp
         finish_reason=sample.finish_reason,  # type: ignore[arg-type]
         sampling=sampling,
         sampling_mask=sample.masks,
+        loss_mask=sample.loss_mask,  # type: ignore[arg-type]
+        claimed_reward=sample.claimed_reward,
     )
 
 
 def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
     """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^failures)]."""
     return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(failures, 16)))
+
+
+def load_codec(checkpoint_dir: str) -> TextCodec:
+    """The model's tokenizer, from a pulled version (a LoRA adapter's from its base model)."""
+    from transformers import AutoTokenizer
+
+    from decentrl.tasks.episodes import tokenizer_codec
+    from workers.backends.adapters import adapter_base_dir
+
+    return tokenizer_codec(AutoTokenizer.from_pretrained(adapter_base_dir(checkpoint_dir) or checkpoint_dir))
 
 
 def default_worker_id() -> str:

@@ -1,15 +1,20 @@
 """Verifiable tasks: a deterministic prompt pool and a reward the orchestrator computes itself.
 
 The orchestrator is the only caller of `Task.reward`: a worker's claimed reward is never used.
+Multi-turn tasks (decentrl/tasks/episodes.py `EpisodeTask`) have an environment instead, which
+workers run and the orchestrator replays to score.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from decentrl.config import ArithmeticTaskConfig, CountdownTaskConfig, ImportTaskConfig, TaskConfig
+from decentrl.config import ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig, TaskConfig
+
+if TYPE_CHECKING:
+    from decentrl.tasks.episodes import EpisodeTask
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,7 @@ class Task(Protocol):
         ...
 
 
-def build_task(config: TaskConfig) -> Task:
+def build_task(config: TaskConfig) -> Task | EpisodeTask:
     if isinstance(config, ArithmeticTaskConfig):
         from decentrl.tasks.arithmetic import ArithmeticTask
 
@@ -37,6 +42,10 @@ def build_task(config: TaskConfig) -> Task:
         from decentrl.tasks.countdown import CountdownTask
 
         return CountdownTask(config)
+    if isinstance(config, GuessTaskConfig):
+        from decentrl.tasks.guess import GuessTask
+
+        return GuessTask(config)
     if isinstance(config, ImportTaskConfig):
         return import_task(config.target)(**config.options)
     from decentrl.tasks.sorting import SortingTask

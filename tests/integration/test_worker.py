@@ -1,7 +1,8 @@
 """The worker against a real orchestrator (aiohttp app on loopback, in a thread) and a real
 file:// checkpoint store with versions published as the trainer publishes them.
 
-Covers: sampling masks accepted end to end; soft-pause swaps producing partial rollouts whose
+Covers: multi-turn episodes played by the worker and replayed by the orchestrator; sampling
+masks accepted end to end; soft-pause swaps producing partial rollouts whose
 tokens carry their versions and the logprobs of the version that sampled them; spooling while
 the orchestrator is down and resending after it is back; generating on with a fresh version
 while the store is unreachable and waiting once it is stale.
@@ -23,16 +24,19 @@ import torch
 from aiohttp import web
 
 from decentrl.client import OrchestratorClient
-from decentrl.config import RunConfig, TinyModelConfig, parse_config
+from decentrl.config import GuessTaskConfig, RunConfig, TinyModelConfig, parse_config
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
 from decentrl.tasks import build_task
+from decentrl.tasks.episodes import replay_episode, split_turns, tokenizer_codec
+from decentrl.tasks.guess import GuessTask
 from decentrl.trainer.publisher import write_hf_dir
 from decentrl.wire import LeaseRequest
 from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
 from workers.backends.hf import HFBackend, sampling_distribution
+from tests.unit.test_episode_loss_mask import gradients as loss_mask_gradients
 from workers.worker import Worker, WorkerOptions
 
 WORKER, TRAINER = "worker-secret", "trainer-secret"
@@ -40,7 +44,7 @@ TOKENS = [{"name": "vol", "role": "worker", "token": WORKER}, {"name": "trainer"
 TINY = {"type": "tiny", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 
 
-def run_config(**sampling: Any) -> RunConfig:
+def run_config(task: dict[str, Any] | None = None, **sampling: Any) -> RunConfig:
     return parse_config(
         {
             "run_name": "worker-test",
@@ -49,7 +53,7 @@ def run_config(**sampling: Any) -> RunConfig:
             "num_workers": 1,
             "trainer_ranks": 1,
             "model": TINY,
-            "task": {"type": "sorting", "num_prompts": 64},
+            "task": task or {"type": "sorting", "num_prompts": 64},
             "sampling": {"temperature": 1.0, "max_tokens": 6, **sampling},
             "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "batch_wait_s": 0.2},
             "trainer": {"groups_per_step": 2, "steps": 3},
@@ -122,9 +126,9 @@ class Setup:
         )
 
 
-def make_setup(tmp_path: Any, **sampling: Any) -> Iterator[Setup]:
+def make_setup(tmp_path: Any, task: dict[str, Any] | None = None, **sampling: Any) -> Iterator[Setup]:
     store_dir = str(tmp_path / "store")
-    orchestrator = Orchestrator(run_config(**sampling), f"file://{store_dir}")
+    orchestrator = Orchestrator(run_config(task, **sampling), f"file://{store_dir}")
     orchestrator.start()
     try:
         yield Setup(orchestrator, CheckpointStore(f"file://{store_dir}"), store_dir, str(tmp_path), {})
@@ -142,6 +146,53 @@ def setup(tmp_path: Any) -> Iterator[Setup]:
 @pytest.fixture
 def long_setup(tmp_path: Any) -> Iterator[Setup]:
     yield from make_setup(tmp_path, max_tokens=200)
+
+
+@pytest.fixture
+def guess_setup(tmp_path: Any) -> Iterator[Setup]:
+    yield from make_setup(tmp_path, {"type": "guess", "max_number": 9, "max_turns": 4, "num_prompts": 64}, max_tokens=16)
+
+
+def test_worker_plays_episodes_that_the_orchestrator_replays_and_scores(guess_setup: Setup) -> None:
+    setup = guess_setup
+    setup.publish(0, seed=0)
+    worker = setup.worker()
+    assert worker.episode_task is not None  # learned from /v1/info: the worker needs no task option
+    worker.run(max_iterations=3)
+    status = setup.orchestrator.client(WORKER).status()
+    assert status.rollouts_rejected == {} and status.rollouts_accepted == worker.rollouts_posted >= 4
+    state = setup.orchestrator.state
+    scored = [(rollout, reward) for group in state.ready for rollout, reward in group.samples]
+    assert scored
+    task, codec = GuessTask(GuessTaskConfig(max_number=9, max_turns=4, num_prompts=64)), tokenizer_codec(build_tiny_tokenizer())
+    for rollout, reward in scored:
+        mask = rollout.loss_mask
+        assert mask is not None and mask[0] == 1 and mask[-1] == 1
+        # Environment turns are the environment's answers, with logprob 0.
+        for model, ids in split_turns(rollout.completion_token_ids, mask)[1::2]:
+            assert not model and codec.decode(ids) in {"0=", "1=", "2="}
+        assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, mask) if not m)
+        # The orchestrator's reward is the replay's (and the worker's claim agrees).
+        replayed = replay_episode(task, task.prompt(rollout.prompt_id), rollout.completion_token_ids, mask,
+                                  rollout.finish_reason, 16, codec)
+        assert reward == replayed == rollout.claimed_reward
+        # Each model token's logprob is v0's, given the prompt and every turn before it.
+        ids = torch.tensor([rollout.prompt_token_ids + rollout.completion_token_ids])
+        with torch.no_grad():
+            logits = setup.models[0](input_ids=ids).logits[0, len(rollout.prompt_token_ids) - 1 : -1]
+        dist = sampling_distribution(logits, rollout.sampling)
+        expected = dist.gather(-1, torch.tensor(rollout.completion_token_ids)[:, None]).squeeze(-1)
+        model_positions = [i for i, m in enumerate(mask) if m]
+        assert [rollout.logprobs[i] for i in model_positions] == pytest.approx(expected[model_positions].tolist(), abs=2e-4)
+    assert any(0 in rollout.loss_mask for rollout, _ in scored if rollout.loss_mask)  # some episodes had several turns
+    # The trainer gets the masks and trains only model tokens: its gradient ignores the
+    # environment tokens' logprobs (tests/unit/test_episode_loss_mask.py).
+    batch = setup.orchestrator.client(TRAINER).batch(0)
+    assert batch is not None and all(sample.loss_mask is not None for sample in batch.samples)
+    altered = [s.model_copy(update={"logprobs": [lp if m else -7.0 for lp, m in zip(s.logprobs, s.loss_mask or [])]})
+               for s in batch.samples]
+    for a, b in zip(loss_mask_gradients(batch.samples), loss_mask_gradients(altered), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_worker_posts_truncated_samples_the_orchestrator_accepts(setup: Setup) -> None:

@@ -1,6 +1,6 @@
 """Multi-turn episodes on the data path: a rollout's loss mask marks environment tokens, the
-orchestrator scores the model's final turn and passes the mask on, the trainer trains only the
-model's tokens (environment tokens are context: no loss, not counted, their logprobs unused).
+trainer trains only the model's tokens (environment tokens are context: no loss, not counted,
+their logprobs unused). Episodes themselves: tests/unit/test_episodes.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from decentrl.model import build_model
 from decentrl.trainer.batching import batch_totals, collate
 from decentrl.trainer.step import accumulate_gradients
 from decentrl.wire import Rollout, SamplingParams, TrainSample
-from orchestrator.state import final_turn
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=8)
 # completion: model turn [5, 6], environment feedback [9, 9, 4], model's final turn [7, 2]
@@ -31,9 +30,8 @@ def rollout(**update: object) -> Rollout:
     return Rollout(**values)  # type: ignore[arg-type]
 
 
-def test_rollout_loss_mask_is_validated_and_the_final_turn_is_scored() -> None:
-    assert final_turn(rollout()) == [7, 2]
-    assert final_turn(rollout(loss_mask=None)) == COMPLETION
+def test_rollout_loss_mask_is_validated() -> None:
+    assert rollout().loss_mask == LOSS_MASK
     with pytest.raises(ValidationError, match="loss_mask has 6 entries"):
         rollout(loss_mask=LOSS_MASK[:-1])
     with pytest.raises(ValidationError):

@@ -1,0 +1,30 @@
+"""One completion as the worker builds it, before it becomes a wire Rollout (workers/worker.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    """A completion in the making: it may span weight swaps (`versions` per token) and, for an
+    episode, model and environment turns (`loss_mask` per token)."""
+
+    prompt: list[int]
+    budget: int  # most completion tokens
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    masks: list[list[int]] | None = None  # sampling masks (top-k/top-p kept ids), per token
+    finish_reason: str | None = None
+    loss_mask: list[int] | None = None  # episodes: 1 model token, 0 environment token
+    claimed_reward: float | None = None
+
+    def extend(
+        self, token_ids: list[int], logprobs: list[float], versions: list[int], masks: list[list[int]] | None
+    ) -> None:
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        self.versions += versions
+        if masks is not None:
+            self.masks = (self.masks or []) + masks
