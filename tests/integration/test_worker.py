@@ -274,10 +274,6 @@ def test_rollouts_are_spooled_while_the_orchestrator_is_down_and_resent(setup: S
     assert worker.client.status().rollouts_accepted == 4
 
 
-@pytest.mark.skip(
-    reason="flaky: about half the runs on a loaded 2-core machine stall until the deadline with "
-    "the store hidden (the worker gets no lease after v1 is announced); the race is not found yet"
-)
 def test_store_outage_keeps_a_fresh_version_and_waits_once_stale(setup: Setup) -> None:
     setup.publish(0, seed=0)
     worker = setup.worker(version_poll_s=0.2)
@@ -298,22 +294,24 @@ def test_store_outage_keeps_a_fresh_version_and_waits_once_stale(setup: Setup) -
         assert done()
 
     def wait_until(done: Any) -> None:
-        """No training: the lease budget keeps room for a group while the trainer holds still."""
         while not done() and time.time() < deadline:
             time.sleep(0.1)
         assert done()
 
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    train_until(lambda: worker.rollouts_posted >= 4)
+    # Spend v0's whole lease budget ((0 + 1 + 1) * 2 groups = 8 rollouts) so that the worker is
+    # idle when v1 comes: v1 adds room for exactly 2 groups, which it can only have generated
+    # after the announcement. (Counting from 4 raced: a fast worker used those 2 groups before
+    # the count below was taken, and with the budget spent nothing more could come.)
+    train_until(lambda: worker.rollouts_posted >= 8)
     hidden = setup.store_dir + ".away"
     shutil.move(setup.store_dir, hidden)  # the store is unreachable from now on
     setup.store = CheckpointStore(f"file://{hidden}")  # (the trainer publishes elsewhere meanwhile)
     setup.publish(1, seed=1)  # v1 announced but cannot be pulled: v0 is still fresh (staleness 1)
     trainer_version = 1
-    wait_until(lambda: worker.announced == 1)
-    posted = worker.rollouts_posted
-    wait_until(lambda: worker.rollouts_posted >= posted + 2)  # generated at v0 after v1 was announced
+    wait_until(lambda: worker.rollouts_posted >= 8 + 4)  # v1's 2 groups, generated at v0 after it was announced
+    assert worker.announced == 1
     assert worker.backend.version == 0
     setup.publish(2, seed=2)  # now v0 is two behind: the worker must stop generating with it
     trainer_version = 2
