@@ -8,7 +8,8 @@ completed to exactly `--max-tokens` tokens each (EOS disabled), temperature 1, a
 call; the median of `--rounds`. Backends:
 - hf: workers/backends/hf.py in this process.
 - openai: workers/backends/openai.py over HTTP against an OpenAI-compatible /v1/completions
-  server on loopback (aiohttp, in a thread of this process, serving the hf engine). It measures
+  server on loopback (tests/openai_server.py: aiohttp, in a thread of this process, serving the
+  hf engine; the same server its tests use). It measures
   the protocol path (JSON, token-id prompts, logprobs, chunked requests) on top of the engine.
 - vllm: workers/backends/vllm_engine.py, in .venv-vllm (a subprocess of this script with
   `--vllm-only`); reported as unavailable when that virtualenv is missing. There it also times
@@ -31,7 +32,6 @@ The last line of stdout is one JSON object with the figures per model shape.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -83,72 +83,8 @@ def throughput(backend: Any, prompts: int, max_tokens: int, rounds: int) -> floa
     return statistics.median(rates)
 
 
-# -- openai: an OpenAI-compatible server on loopback ------------------------------------------
-
-
-def completions_app(engine: Any) -> Any:
-    """/v1/completions (token-id prompts, "token_id:N" tokens, logprobs) and SGLang's reload route."""
-    from aiohttp import web
-
-    from decentrl.wire import SamplingParams
-
-    lock = threading.Lock()
-
-    def complete(body: dict[str, Any]) -> dict[str, Any]:
-        sampling = SamplingParams(
-            temperature=body["temperature"], max_tokens=body["max_tokens"], top_k=body.get("top_k", 0),
-            top_p=body.get("top_p", 1.0), stop=body.get("stop", []),
-        )
-        with lock:
-            done = engine.generate([body["prompt"]], sampling)[0]
-        tokens = [f"token_id:{t}" for t in done.token_ids]
-        logprobs = {
-            "tokens": tokens,
-            "token_logprobs": done.logprobs,
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, done.logprobs, strict=True)],
-        }
-        return {"object": "text_completion", "model": body["model"],
-                "choices": [{"index": 0, "text": "", "logprobs": logprobs, "finish_reason": done.finish_reason}]}
-
-    async def completions(request: web.Request) -> web.Response:
-        body = await request.json()
-        return web.json_response(await asyncio.to_thread(complete, body))
-
-    async def reload(request: web.Request) -> web.Response:
-        path = (await request.json())["model_path"]
-        with lock:
-            engine.load(path, (engine.version or 0) + 1)
-        return web.json_response({"success": True})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/update_weights_from_disk", reload)
-    return app
-
-
-class Loopback:
-    """An aiohttp app on 127.0.0.1:0 in a background event loop."""
-
-    def __init__(self, app: Any) -> None:
-        from aiohttp import web
-
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.runner = web.AppRunner(app)
-
-        async def up() -> int:
-            await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-            return self.runner.addresses[0][1]
-
-        self.url = f"http://127.0.0.1:{asyncio.run_coroutine_threadsafe(up(), self.loop).result(timeout=60)}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 def bench_openai(version_dir: str, args: argparse.Namespace) -> float:
+    from tests.openai_server import Loopback, completions_app
     from workers.backends.hf import HFBackend
     from workers.backends.openai import OpenAIBackend
 
@@ -228,6 +164,7 @@ def swap_latency(shape: dict[str, int], args: argparse.Namespace, tmp: str) -> d
     from orchestrator.app import create_app
     from orchestrator.auth import TokenRegistry
     from orchestrator.state import RunState
+    from tests.openai_server import Loopback
     from workers.backends.hf import HFBackend
     from workers.worker import Worker, WorkerOptions
 
