@@ -14,6 +14,9 @@ Threads:
   weights are swapped, and it continues under the new version as a partial rollout whose
   `token_versions` say which version sampled each token.
 
+For a multi-turn task (`RunInfo.episode_task`) a slot plays episodes (workers/episodes.py)
+instead of single completions; each model turn goes through the same generation path.
+
 Faults: an unreachable orchestrator is retried with exponential backoff and jitter (the client,
 then this loop); every finished batch is spooled to disk before it is sent and removed only once
 acknowledged (workers/spool.py); an unreachable store leaves the current version in use while it
