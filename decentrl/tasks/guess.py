@@ -28,7 +28,7 @@ class GuessEnvironment:
     def step(self, model_turn: str) -> Answer:
         self.guesses += 1
         guess = model_turn.strip()
-        if not guess.isdigit():  # also "" (end-of-sequence at once) and anything with "="
+        if not (guess.isascii() and guess.isdigit()):  # also "" (end-of-sequence at once), "4=", "²"
             return Answer(NOT_A_NUMBER, done=False)
         if int(guess) == self.secret:
             self.found_at = self.guesses

@@ -59,7 +59,8 @@ def test_guess_environment_says_higher_or_lower_and_scores_by_guesses() -> None:
     secret = env.secret
     assert 0 < secret < 99 and TASK.max_turn_tokens == 3
     assert TASK.environment(TASK.prompt(0)).secret == secret  # seeded: the orchestrator replays the same one
-    assert [env.step(turn).text for turn in ("=", "", str(secret - 1), str(secret + 1))] == ["0=", "0=", "1=", "2="]
+    answers = [env.step(turn).text for turn in ("=", "", "²", str(secret - 1), str(secret + 1))]
+    assert answers == ["0=", "0=", "0=", "1=", "2="]
     assert env.reward() == 0.0
     found = TASK.environment(TASK.prompt(0))
     assert [found.step(turn).done for turn in (str(secret + 1), "7=", f" {secret}")] == [False, False, True]
