@@ -37,6 +37,7 @@ from decentrl.wire import (
 )
 from orchestrator.auth import Identity, TokenRegistry, add_token, list_tokens, parse_env_tokens, revoke_token
 from orchestrator.codec import pack_floats, pack_ints, train_batch_msgpack
+from orchestrator.detokenize import piece_table
 from orchestrator.limits import RateLimiter, retry_after_header
 from orchestrator.state import make_decoder, make_encoder
 
@@ -120,6 +121,48 @@ def test_fast_decoder_and_encoder_agree_with_the_tokenizer(tokenizer: PreTrained
     encode = make_encoder(tokenizer)
     for text in ["3141=", "", "=" * 7, "0123456789" * 30 + "=", "12 34"]:
         assert encode(text) == tokenizer(text).input_ids
+
+
+def byte_level_bpe(decoder: Any = None) -> Any:
+    """A GPT-2 style byte-level BPE tokenizer (as Qwen's, Llama 3's) trained here on mixed scripts,
+    with special and added tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoder or decoders.ByteLevel()
+    text = "héllo wörld, ünïcode ✓ 日本語のテキスト emoji 🎉 and plain ascii 12345 = sorted "
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"]
+    )
+    core.train_from_iterator([text * 3] * 50, trainer)
+    core.add_tokens(["<think>", "a b"])
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+
+
+def test_piece_table_decoder_agrees_with_a_byte_level_tokenizer() -> None:
+    tokenizer = byte_level_bpe()
+    assert piece_table(tokenizer.backend_tokenizer) is not None
+    rng = random.Random(2)
+    # Random ids split multi-byte characters: both must put the same replacement characters.
+    sequences = [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 80))] for _ in range(300)]
+    sequences.append(tokenizer("héllo 日本 🎉 <think> a b<|endoftext|>").input_ids)
+    assert make_decoder(tokenizer)(sequences) == tokenizer.batch_decode(sequences, skip_special_tokens=True)
+
+
+def test_piece_table_only_where_decode_is_a_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenizers import decoders
+
+    import orchestrator.detokenize as detokenize
+
+    assert piece_table(byte_level_bpe(decoders.Metaspace()).backend_tokenizer) is None  # strips, replaces
+    broken = detokenize._piece_bytes
+    monkeypatch.setattr(detokenize, "_piece_bytes", lambda kind, piece, byte_of: broken(kind, piece, byte_of)[:-1])
+    tokenizer = byte_level_bpe()
+    assert piece_table(tokenizer.backend_tokenizer) is None  # the self-check finds the difference
+    ids = tokenizer("héllo wörld").input_ids
+    assert make_decoder(tokenizer)([ids]) == ["héllo wörld"]  # and the tokenizer decodes
 
 
 def test_fast_paths_step_aside_for_tokenizers_that_override_them(tokenizer: PreTrainedTokenizerBase) -> None:
