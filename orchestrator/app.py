@@ -333,32 +333,28 @@ def _lease_error(exc: LeaseError) -> web.HTTPException:
     return error(kinds[exc.status], str(exc))
 
 
-async def lease_get(request: web.Request) -> web.Response:
+async def _on_lease(request: web.Request, operation: Callable[[RunState, str, str], BaseModel]) -> web.Response:
+    """`operation(state, lease_id, holder)` on the route's lease; what it changed is committed
+    before the answer (a read commits nothing, and answers with only committed state)."""
     holder = query_worker(request)
     try:
-        return respond(request, request.app[STATE].lease_state(request.match_info["lease_id"], holder))
+        answer = operation(request.app[STATE], request.match_info["lease_id"], holder)
     except LeaseError as exc:
         raise _lease_error(exc) from None
+    await commit(request)
+    return respond(request, answer)
+
+
+async def lease_get(request: web.Request) -> web.Response:
+    return await _on_lease(request, RunState.lease_state)
 
 
 async def lease_renew(request: web.Request) -> web.Response:
-    holder = query_worker(request)
-    try:
-        lease = request.app[STATE].renew_lease(request.match_info["lease_id"], holder)
-    except LeaseError as exc:
-        raise _lease_error(exc) from None
-    await commit(request)
-    return respond(request, lease)
+    return await _on_lease(request, RunState.renew_lease)
 
 
 async def lease_release(request: web.Request) -> web.Response:
-    holder = query_worker(request)
-    try:
-        released = request.app[STATE].release_lease(request.match_info["lease_id"], holder)
-    except LeaseError as exc:
-        raise _lease_error(exc) from None
-    await commit(request)
-    return respond(request, released)
+    return await _on_lease(request, RunState.release_lease)
 
 
 async def rollouts(request: web.Request) -> web.Response:
