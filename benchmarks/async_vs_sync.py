@@ -10,9 +10,15 @@ traces on the workers' own accelerators. Scenarios:
   killed_worker  worker-1 SIGKILLed after a third of the steps (its leases expire and are
                  leased again; the run tolerates the loss)
 
-Writes one PNG per scenario (reward vs wall time; trainer busy/idle timeline) and prints, as
-its last line, one JSON object: the base scenario's {"sync", "async", "time_to_target_ratio"}
-plus every scenario under "scenarios".
+Each pair of runs is repeated for --seeds seeds (trainer.seed = 0, 1, ...; the workers' sampling
+seeds follow it): figures are means over the seeds, the per-seed figures are kept under
+"seeds". Reward is compared at equal steps (mean reward of the last 10 steps) and at equal wall
+time (each mode's smoothed reward when the fastest run finished). A comma list for
+--async-staleness adds one asynchronous run per value.
+
+Writes one PNG per scenario (reward vs wall time; trainer busy/idle timeline of the first seed)
+and prints, as its last line, one JSON object: the base scenario's {"sync", "async",
+"time_to_target_ratio"} plus every scenario under "scenarios".
 
     .venv/bin/pip install -e ".[bench]"
     .venv/bin/python benchmarks/async_vs_sync.py --out docs/figures
@@ -21,6 +27,7 @@ plus every scenario under "scenarios".
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -35,10 +42,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int) -> dict:
+def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int) -> dict:
     config = tomllib.loads((ROOT / "configs" / "local.toml").read_text())
     config.update(run_name=f"{scenario}-s{max_staleness}", max_staleness=max_staleness, num_workers=args.workers)
-    config["trainer"].update(steps=args.steps)
+    config["trainer"].update(steps=args.steps, seed=seed)
     config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s)
     config["worker"].update(
         groups_per_request=1,
@@ -65,11 +72,12 @@ def worker_pid(run_dir: Path, name: str) -> int | None:
     return None
 
 
-def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, work: Path) -> dict:
-    run_dir = work / f"{scenario}-s{max_staleness}"
-    config_path = work / f"{scenario}-s{max_staleness}.json"
-    config_path.write_text(json.dumps(scenario_config(args, scenario, max_staleness)))
-    log = open(work / f"{scenario}-s{max_staleness}.out", "w")
+def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int, work: Path) -> dict:
+    name = f"{scenario}-s{max_staleness}-seed{seed}"
+    run_dir = work / name
+    config_path = work / f"{name}.json"
+    config_path.write_text(json.dumps(scenario_config(args, scenario, max_staleness, seed)))
+    log = open(work / f"{name}.out", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "decentrl", "run", str(config_path), "--run-dir", str(run_dir)],
         stdout=log, stderr=subprocess.STDOUT,
@@ -84,7 +92,9 @@ def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, work: 
                 os.kill(pid, signal.SIGKILL)
                 killed_at = time.time()
     if process.returncode != 0:
-        raise SystemExit(f"{scenario} (max_staleness={max_staleness}) failed: see {log.name}")
+        raise SystemExit(f"{name} failed: see {log.name}")
+    if scenario == "killed_worker" and killed_at is None:
+        raise SystemExit(f"{name}: worker-1 was never killed (the run ended first); try more --steps. See {log.name}")
     return summarize(args, read_metrics(run_dir), json.loads((run_dir / "status.json").read_text()), killed_at)
 
 
@@ -105,8 +115,11 @@ def summarize(args: argparse.Namespace, metrics: list[dict], status: dict, kille
         for lag, count in m["staleness_histogram"].items():
             histogram[lag] = histogram.get(lag, 0) + count
     generated = status["rollouts_accepted"] + sum(status["rollouts_rejected"].values())
+    later = metrics[1:]  # the first batch also waits for the workers to start and load version 0
     return {
         "trainer_busy_fraction": metrics[-1]["trainer_busy_fraction_total"],
+        "trainer_busy_fraction_after_first_batch": 1 - sum(m["wait_for_batch_s"] for m in later) / sum(m["step_s"] for m in later),
+        "first_batch_wait_s": metrics[0]["wait_for_batch_s"],
         "samples_per_s": sum(m["samples"] for m in metrics) / times[-1],
         "time_to_target_s": reached,
         "wall_s": times[-1],
@@ -120,32 +133,63 @@ def summarize(args: argparse.Namespace, metrics: list[dict], status: dict, kille
     }
 
 
-def plot(scenario: str, results: dict[str, dict], target: float, out: Path) -> Path:
+def reward_at(result: dict, t: float) -> float:
+    """The smoothed reward of the last step finished by wall time `t`."""
+    curve = result["curve"]
+    return next((r for s, r in zip(reversed(curve["t"]), reversed(curve["smoothed"])) if s <= t), curve["smoothed"][0])
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Means over seeds of one mode's figures; time to target only if every seed reached it."""
+    first = runs[0]
+    histogram: dict[str, int] = {}
+    for run in runs:
+        for lag, count in run["staleness_histogram"].items():
+            histogram[lag] = histogram.get(lag, 0) + count
+    reached = [run["time_to_target_s"] for run in runs]
+    return {
+        **{k: mean([run[k] for run in runs]) for k, v in first.items() if isinstance(v, float) and k not in ("time_to_target_s", "worker_killed_at_s")},
+        "time_to_target_s": mean(reached) if None not in reached else None,
+        "target_reached": f"{sum(t is not None for t in reached)}/{len(runs)} seeds",
+        "staleness_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
+        "leases_expired": sum(run["leases_expired"] for run in runs),
+        "worker_killed_at_s": [run["worker_killed_at_s"] for run in runs] if first["worker_killed_at_s"] else None,
+    }
+
+
+def plot(scenario: str, results: dict[str, list[dict]], target: float, out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), gridspec_kw={"height_ratios": [3, 1.2]})
-    colors = {"sync": "tab:red", "async": "tab:blue"}
-    for mode, result in results.items():
-        curve = result["curve"]
-        top.plot(curve["t"], curve["reward"], color=colors[mode], alpha=0.25, linewidth=0.8)
-        top.plot(curve["t"], curve["smoothed"], color=colors[mode], label=f"{mode} ({result['label']})")
-        if result["worker_killed_at_s"] is not None:
-            top.axvline(result["worker_killed_at_s"], color=colors[mode], linestyle=":", linewidth=1)
+    colors = dict(zip(results, itertools.cycle(("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange"))))
+    for mode, runs in results.items():
+        for seed, result in enumerate(runs):
+            curve = result["curve"]
+            if seed == 0:
+                top.plot(curve["t"], curve["reward"], color=colors[mode], alpha=0.2, linewidth=0.8)
+            label = f"{mode} ({result['label']}, {len(runs)} seed{'s' if len(runs) > 1 else ''})" if seed == 0 else None
+            top.plot(curve["t"], curve["smoothed"], color=colors[mode], alpha=1.0 if seed == 0 else 0.5, label=label)
+            if result["worker_killed_at_s"] is not None:
+                top.axvline(result["worker_killed_at_s"], color=colors[mode], linestyle=":", linewidth=1)
     top.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target}")
     top.set_ylabel("mean reward per step")
     top.set_title(f"decentrl, scenario '{scenario}': reward vs wall time")
     top.legend(loc="lower right")
-    for row, (mode, result) in enumerate(results.items()):
-        idle = [(s, w) for s, w, _ in result["timeline"]]
-        busy = [(s + w, b) for s, w, b in result["timeline"]]
+    for row, (mode, runs) in enumerate(results.items()):
+        idle = [(s, w) for s, w, _ in runs[0]["timeline"]]
+        busy = [(s + w, b) for s, w, b in runs[0]["timeline"]]
         bottom.broken_barh(idle, (row - 0.35, 0.7), color="lightgrey")
         bottom.broken_barh(busy, (row - 0.35, 0.7), color=colors[mode])
-    bottom.set_yticks(range(len(results)), [f"{m} busy {100 * r['trainer_busy_fraction']:.0f}%" for m, r in results.items()])
-    bottom.set_xlabel("wall time since the trainer started (s); colored = trainer computing, grey = waiting for data")
-    xmax = max(r["curve"]["t"][-1] for r in results.values())
+    bottom.set_yticks(range(len(results)), [f"{m} busy {100 * r[0]['trainer_busy_fraction']:.0f}%" for m, r in results.items()])
+    bottom.set_xlabel("wall time since the trainer started (s), first seed; colored = trainer computing, grey = waiting for data")
+    xmax = max(r["curve"]["t"][-1] for runs in results.values() for r in runs)
     top.set_xlim(0, xmax * 1.02)
     bottom.set_xlim(0, xmax * 1.02)
     fig.tight_layout()
@@ -159,9 +203,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="base,slow_worker,killed_worker")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seeds", type=int, default=1, help="Runs per mode (trainer.seed 0..N-1); figures are means.")
     parser.add_argument("--target", type=float, default=0.3, help="Target mean reward (smoothed).")
     parser.add_argument("--smooth", type=int, default=5, help="Steps in the reward moving average.")
-    parser.add_argument("--async-staleness", type=int, default=2)
+    parser.add_argument("--async-staleness", default="2", help="max_staleness of the asynchronous run; a comma list runs one per value.")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--slots", type=int, default=16, help="Concurrent lease slots per worker.")
     parser.add_argument("--latency-median-s", type=float, default=0.2)
@@ -174,21 +219,44 @@ def main() -> None:
     report: dict[str, dict] = {}
     # Kept when a run fails, so its logs can be read; removed after a clean finish.
     tmp = tempfile.mkdtemp(prefix="decentrl-async-vs-sync-")
+    plain = ("curve", "timeline", "label")
+    # "async" is the first --async-staleness; further ones run as "async_s<N>".
+    stalenesses = [int(n) for n in args.async_staleness.split(",")]
+    if not stalenesses or min(stalenesses) < 1:
+        raise SystemExit(f"--async-staleness takes integers >= 1 separated by commas (got {args.async_staleness!r})")
+    modes = {"sync": 0, "async": stalenesses[0], **{f"async_s{n}": n for n in stalenesses[1:]}}
     for scenario in args.scenarios.split(","):
-        results = {}
-        for mode, staleness in (("sync", 0), ("async", args.async_staleness)):
-            results[mode] = run_once(args, scenario, staleness, Path(tmp))
-            results[mode]["label"] = f"max_staleness={staleness}"
-            print(f"{scenario} {mode}: " + json.dumps({k: v for k, v in results[mode].items() if k not in ("curve", "timeline")}), flush=True)
+        results: dict[str, list[dict]] = {mode: [] for mode in modes}
+        seeds = []
+        for seed in range(args.seeds):
+            for mode, staleness in modes.items():
+                result = run_once(args, scenario, staleness, seed, Path(tmp))
+                result["label"] = f"max_staleness={staleness}"
+                results[mode].append(result)
+                print(f"{scenario} seed {seed} {mode}: " + json.dumps({k: v for k, v in result.items() if k not in plain}), flush=True)
+            pair = {mode: runs[-1] for mode, runs in results.items()}
+            equal_t = min(r["wall_s"] for r in pair.values())  # when the fastest run finished
+            seeds.append({
+                **{mode: {k: v for k, v in r.items() if k not in plain} for mode, r in pair.items()},
+                "reward_at_equal_wall_time": {"t_s": equal_t, **{mode: reward_at(r, equal_t) for mode, r in pair.items()}},
+            })
         figure = plot(scenario, results, args.target, out)
-        sync_t, async_t = results["sync"]["time_to_target_s"], results["async"]["time_to_target_s"]
+        means = {mode: aggregate(runs) for mode, runs in results.items()}
+        sync_t = means["sync"]["time_to_target_s"]
+        ratios = {mode: m["time_to_target_s"] / sync_t if sync_t and m["time_to_target_s"] else None for mode, m in means.items()}
         report[scenario] = {
-            **{mode: {k: v for k, v in r.items() if k not in ("curve", "timeline", "label")} for mode, r in results.items()},
-            "time_to_target_ratio": async_t / sync_t if sync_t and async_t else None,
+            **means,
+            "time_to_target_ratio": ratios["async"],
+            **{f"time_to_target_ratio_{mode}": ratio for mode, ratio in ratios.items() if mode.startswith("async_s")},
+            "reward_at_equal_steps": {mode: m["final_reward"] for mode, m in means.items()},
+            "reward_at_equal_wall_time": {
+                key: mean([s["reward_at_equal_wall_time"][key] for s in seeds]) for key in ("t_s", *modes)
+            },
+            "seeds": seeds,
             "plot": str(figure),
         }
     shutil.rmtree(tmp)
-    settings = {k: getattr(args, k) for k in ("steps", "target", "smooth", "async_staleness", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s")}
+    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s")}
     first = report[next(iter(report))]
     print(json.dumps({"sync": first["sync"], "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"], "settings": settings, "scenarios": report}))
 
