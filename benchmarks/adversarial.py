@@ -1,8 +1,8 @@
 """Honest and adversarial workers against one real pipeline, with orchestrator.verification on.
 
 Starts `decentrl orchestrator`, the torchrun trainer and honest `decentrl worker` processes (as
-`decentrl run` does, configs/local.toml with verification on and a small prompt pool so prompts
-come back and replays are possible), plus adversarial workers in this process speaking the real
+`decentrl run` does, configs/public.toml - its [orchestrator.verification] settings as they are -
+with a small prompt pool so prompts come back and replays are possible), plus adversarial workers in this process speaking the real
 HTTP API with their own tokens:
   foreign   samples from a differently seeded tiny model, claims its logprobs and reward 1.0
   uniform   random tokens, each claimed with logprob log(1/V)
@@ -10,11 +10,22 @@ HTTP API with their own tokens:
             under new rollout ids whenever a prompt comes back
   future    random tokens claimed under a version not yet published
   flood     asks for status far over its rate limit (counts the 429s)
-Last line: one JSON object. detection_rate = adversarial rollouts that never reached the trainer
-/ adversarial rollouts posted (the orchestrator's per-token `served` counts); false_positive_rate
-= honest rollouts rejected by a verification check / honest rollouts accepted; verification_
-overhead = verifier seconds (one thread) / trainer compute seconds (rank 0's forward, backward,
-step). Usage: python benchmarks/adversarial.py [--steps 40]
+Last line: one JSON object.
+  detection_rate       1 - forged rollouts that reached the trainer / forged rollouts posted.
+                       Forged: every rollout of foreign, uniform and future, and replay's replays;
+                       replay's first, honestly sampled answer to a prompt (the content it replays
+                       later) is genuine and counted apart (replay_honest_posted/_served). What
+                       reached the trainer is read per lease from the orchestrator's journal
+                       (status "served"), and must agree with the per-token `served` counts.
+  false_positive_rate  honest rollouts rejected by a verification check / honest rollouts accepted.
+  verification_overhead       verifier CPU-seconds / trainer compute CPU-seconds, all ranks summed
+                              (forward, backward and optimizer step of every rank: the trainer's
+                              compute in core-seconds; the verifier runs on one thread).
+  verification_overhead_wall  the same with wall times: verifier check seconds / the sum over ranks
+                              of each rank's compute-phase seconds.
+  Neither side counts its one-time start-up (imports, model build): verifier_startup_s reports the
+  verifier's. docs/security.md discusses the figures.
+Usage: python benchmarks/adversarial.py [--steps 40]
 """
 
 from __future__ import annotations
@@ -22,7 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -49,6 +62,8 @@ class Adversary(threading.Thread):
         self.kind, self.store, self.cache, self.model_config = kind, store, cache, model
         self.client = OrchestratorClient(url, token, timeout_s=30.0, max_wait_s=2.0)
         self.posted = 0
+        self.posted_by_lease: dict[str, int] = {}  # forged rollouts posted, per lease
+        self.honest_by_lease: dict[str, int] = {}  # replay: the honest samples it needs to replay later
         self.revoked = False
         self.stop = threading.Event()
         self.seen: dict[int, list[Rollout]] = {}  # replay: prompt id -> rollouts posted for it
@@ -104,9 +119,15 @@ class Adversary(threading.Thread):
                 version = answer.policy_version
                 if self.kind in ("foreign", "replay") and (loaded != version if self.kind == "replay" else backend is None):
                     backend, loaded = self.backend(version), version
-                batch = [r for lease in answer.leases for r in self.rollouts(lease, version, answer.sampling, backend)]
+                batch = []
+                for lease in answer.leases:
+                    replays = self.kind == "replay" and lease.prompt_id in self.seen
+                    made = self.rollouts(lease, version, answer.sampling, backend)
+                    forged = self.kind != "replay" or replays
+                    (self.posted_by_lease if forged else self.honest_by_lease)[lease.lease_id] = len(made)
+                    batch += made
                 if batch:
-                    self.posted += len(batch)
+                    self.posted = sum(self.posted_by_lease.values())
                     self.client.post_rollouts(RolloutBatch(rollouts=batch))
             except OrchestratorError as exc:
                 if "401" in str(exc) or getattr(exc, "status", None) == 401:
@@ -132,17 +153,18 @@ def flood(url: str, token: str, stop: threading.Event, counts: dict[str, int]) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/local.toml")
+    parser.add_argument("--config", default="configs/public.toml")
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     config = load_config(args.config)
     run_dir = Path(tempfile.mkdtemp(prefix="adversarial-"))
     (run_dir / "logs").mkdir()
     port = _free_port()
+    if not config.orchestrator.verification.enabled:
+        raise SystemExit(f"{args.config}: [orchestrator.verification] enabled = false; this benchmark measures it")
+    # The config's verification settings as they are; a low rate limit for the flood.
     orchestrator = config.orchestrator.model_copy(update={
-        "port": port, "rate_limit_per_s": 50.0, "rate_limit_burst": 100,
-        "verification": config.orchestrator.verification.model_copy(
-            update={"enabled": True, "spot_check_fraction": 0.05, "new_worker_checks": 64, "max_strikes": 3}),
+        "port": port, "rate_limit_per_s": 50.0, "rate_limit_burst": 100, "dedupe_window_s": 7200.0,
     })
     config = config.with_store_url(str(run_dir / "checkpoints")).model_copy(update={
         "orchestrator": orchestrator,
@@ -191,37 +213,72 @@ def main() -> None:
             adversary.stop.set()
         _stop(roles)
     assert status is not None
+    load_average = os.getloadavg()
     workers = status["workers"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    trainer_compute = sum(record["compute_s"] for record in metrics)
+    trainer_cpu = sum(record["compute_cpu_s_all_ranks"] for record in metrics)
+    trainer_wall = sum(record["compute_s_all_ranks"] for record in metrics)
+    with sqlite3.connect(run_dir / "journal.sqlite") as journal:
+        served_leases = {row[0] for row in journal.execute("SELECT lease_id FROM leases WHERE status = 'served'")}
     posted = sum(a.posted for a in adversaries)
-    served = sum(workers.get(f"adv-{kind}", {}).get("served", 0) for kind in KINDS)
+    served = sum(n for a in adversaries for lease, n in a.posted_by_lease.items() if lease in served_leases)
+    honest_of_adversaries = {lease: n for a in adversaries for lease, n in a.honest_by_lease.items()}
     honest_rollouts = sum(workers.get(name, {}).get("rollouts", 0) for name in honest)
     honest_flagged = sum(workers.get(name, {}).get("rejections", {}).get(r, 0) for name in honest for r in CHECK_REASONS)
     verification = status["verification"]
+    per_adversary = {}
+    for kind, adversary in zip(KINDS, adversaries):
+        record = workers.get(f"adv-{kind}", {})
+        per_adversary[f"adv-{kind}"] = {
+            "posted": adversary.posted,
+            "served": sum(n for lease, n in adversary.posted_by_lease.items() if lease in served_leases),
+            **{field: record.get(field) for field in ("checked", "strikes", "banned", "rejections")},
+            "served_by_orchestrator": record.get("served"),  # per token, forged and genuine together
+        }
     result = {
         "steps": len(metrics),
         "adversarial_rollouts_posted": posted,
         "adversarial_rollouts_served": served,
         "detection_rate": 1 - served / posted if posted else None,
-        "per_adversary": {f"adv-{k}": {"posted": a.posted, **{f: workers.get(f"adv-{k}", {}).get(f) for f in ("served", "strikes", "banned", "rejections")}}
-                          for k, a in zip(KINDS, adversaries)},
+        "per_adversary": per_adversary,
+        "replay_honest_posted": sum(honest_of_adversaries.values()),
+        "replay_honest_served": sum(n for lease, n in honest_of_adversaries.items() if lease in served_leases),
+        # The journal's per-lease view agrees with the orchestrator's per-token counters.
+        "served_accounting_ok": served + sum(n for lease, n in honest_of_adversaries.items() if lease in served_leases)
+        == sum(workers.get(f"adv-{kind}", {}).get("served", 0) for kind in KINDS),
         "honest_rollouts": honest_rollouts,
         "false_positive_rate": honest_flagged / honest_rollouts if honest_rollouts else None,
         "honest_rejections": {name: workers.get(name, {}).get("rejections") for name in honest},
+        "honest_workers": {
+            name: {field: workers.get(name, {}).get(field) for field in ("rollouts", "checked", "passed", "strikes", "reward_mismatches")}
+            for name in honest
+        },
+        "verification_config": config.orchestrator.verification.model_dump(),
         "honest_banned": [name for name in honest if workers.get(name, {}).get("banned")],
         "banned_workers": sorted(name for name, w in workers.items() if w.get("banned")),
         "flood_answers": flooded,
         "rollouts_checked": verification["rollouts_checked"],
+        "verifier_checks": verification["checks"],
+        "verifier_loads": verification["loads"],
         "verifier_s": verification["compute_s"],
         "verifier_cpu_s": verification["cpu_s"],
-        "verification_overhead_cpu": verification["cpu_s"] / trainer_compute if trainer_compute else None,
-        "trainer_compute_s": trainer_compute,
-        "verification_overhead": verification["compute_s"] / trainer_compute if trainer_compute else None,
+        "verifier_load_s": verification["load_s"],
+        "verifier_load_cpu_s": verification["load_cpu_s"],
+        "verifier_forward_s": verification["forward_s"],
+        "verifier_forward_cpu_s": verification["forward_cpu_s"],
+        "verifier_startup_s": verification["startup_s"],
+        "trainer_ranks": config.trainer_ranks,
+        "trainer_compute_cpu_s_all_ranks": trainer_cpu,
+        "trainer_compute_s_all_ranks": trainer_wall,
+        "trainer_compute_s_rank0": sum(record["compute_s"] for record in metrics),
+        "verification_overhead": verification["cpu_s"] / trainer_cpu if trainer_cpu else None,
+        "verification_overhead_wall": verification["compute_s"] / trainer_wall if trainer_wall else None,
         "largest_honest_diff": verification["largest_passing_diff"],
         "tolerance": verification["tolerance"],
         "reward_last10": sum(r["reward_mean"] for r in metrics[-10:]) / max(1, len(metrics[-10:])),
         "wall_s": time.monotonic() - started,
+        "cpus": os.cpu_count(),
+        "load_average_1_5_15": [round(x, 2) for x in load_average],
     }
     print(json.dumps(result))
 

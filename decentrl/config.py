@@ -220,7 +220,9 @@ class VerificationConfig(Section):
 
     enabled: bool = Field(False, description="Run the checks below (claimed rewards are never used either way).")
     spot_check_fraction: float = Field(
-        0.05, ge=0.0, le=1.0, description="Share of an established, unflagged worker's rollouts whose logprobs are recomputed."
+        0.03, ge=0.0, le=1.0,
+        description="Share of an established, unflagged worker's rollouts whose logprobs are recomputed "
+        "(docs/security.md: what a fraction buys in detection and costs in verifier compute).",
     )
     new_worker_checks: int = Field(
         64, ge=0, description="A token's first N rollouts are all checked (a new worker earns trust first)."
@@ -234,6 +236,16 @@ class VerificationConfig(Section):
     max_strikes: int = Field(3, ge=1, description="Strikes (rejections for cheating) after which a token is revoked.")
     torch_threads: int = Field(1, ge=1, le=256, description="CPU threads of the verifier's forward passes.")
     models_cached: int = Field(2, ge=1, le=16, description="Policy versions kept loaded by the verifier at once.")
+    check_wait_s: float = Field(
+        0.5, ge=0.0, le=60.0,
+        description="A held-back group waits up to this long for others to be checked with it in one forward "
+        "(each check has a fixed cost); 0 = check at once. It delays the group's training by as much.",
+    )
+    check_batch_rollouts: int = Field(
+        128, ge=1, le=65536,
+        description="Most rollouts recomputed in one forward (a group is never split); also starts a check "
+        "before check_wait_s. Lower it for long sequences or large vocabularies (memory).",
+    )
 
 
 class OrchestratorConfig(Section):

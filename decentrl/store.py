@@ -287,6 +287,29 @@ class CheckpointStore:
     def manifest(self, version: int) -> Manifest:
         return self._checked_manifest(version)[0]
 
+    def read_verified(self, version: int, select: Callable[[str], bool]) -> tuple[Manifest, dict[str, bytes]]:
+        """`version`'s checked (and, with a public key, signature-verified) manifest and the bytes
+        of each of its files whose name `select` accepts, every one checked against the manifest's
+        size and sha256: read into memory, not into a cache. For a reader that copies new weights
+        straight into a model it holds (the orchestrator's verifier, orchestrator/verify.py)."""
+        manifest, _ = self._checked_manifest(version)
+        found: dict[str, bytes] = {}
+        for entry in manifest.files:
+            if not select(entry.path):
+                continue
+            where = f"{version_dirname(version)}/{entry.path}"
+            try:
+                data = self.fs.cat_file(f"{self._vdir(version)}/{entry.path}")
+            except FileNotFoundError:
+                raise VerificationError(f"{where}: missing from store") from None
+            except OSError as e:
+                raise StoreError(f"{where}: read failed ({e}); check the store is reachable") from None
+            problem = _mismatch(entry, len(data), hashlib.sha256(data).hexdigest())
+            if problem is not None:
+                raise VerificationError(f"{where}: {problem}")
+            found[entry.path] = data
+        return manifest, found
+
     def publish(
         self, version: int, local_dir: str, parent: int | None = None, base_version: int | None = None,
         *, hand_over: bool = False,

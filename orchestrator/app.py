@@ -37,6 +37,7 @@ import json
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -84,7 +85,8 @@ from orchestrator.limits import RateLimiter, retry_after_header
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.metrics import Metrics
 from orchestrator.openapi import Param, RouteSpec, build_openapi
-from orchestrator.state import LeaseError, RunState
+from orchestrator.integrity import token_of
+from orchestrator.state import LeaseError, RunState, VerifyJob
 from orchestrator.verify import Verifier
 
 log = logging.getLogger("decentrl.orchestrator")
@@ -618,24 +620,69 @@ def enforce_bans(app: web.Application) -> None:
                     state.integrity.workers[name].strikes, dropped)
 
 
+def next_checks(state: RunState, limit: int) -> list[VerifyJob]:
+    """The held-back groups to check together, taken off `state.verify_queue`: whole groups, oldest
+    first, up to `limit` rollouts (at least one group). A token none of whose checks has passed yet
+    (a new worker, or a cheater) gets one group in per batch: its first verdict bans a cheater
+    before the rest of what it posted costs a forward (drop_banned then drops it unchecked)."""
+    taken: list[VerifyJob] = []
+    left: deque[VerifyJob] = deque()
+    rollouts, unproven = 0, set()
+    for job in state.verify_queue:
+        token = token_of(job.holder)
+        first = state.integrity.record(job.holder).passed == 0
+        if (taken and rollouts + len(job.rollouts) > limit) or (first and token in unproven):
+            left.append(job)
+            continue
+        if first:
+            unproven.add(token)
+        taken.append(job)
+        rollouts += len(job.rollouts)
+    state.verify_queue = left
+    return taken
+
+
 async def _verification(app: web.Application) -> AsyncIterator[None]:
     """The logprob spot-checks: held-back groups are checked on one worker thread, off the event
-    loop, a few groups at a time; results go back to RunState, bans are enforced at once."""
+    loop, many at a time (a group waits up to `check_wait_s` for others to share its forward);
+    results go back to RunState, bans are enforced at once."""
     if VERIFIER not in app:
         yield
         return
     import concurrent.futures
 
     state, verifier = app[STATE], app[VERIFIER]
+    options = state.config.orchestrator.verification
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier")
+
+    def warm_up() -> None:
+        try:
+            verifier.warm_up()
+        except Exception:  # the first check then loads what it needs itself
+            log.exception("verifier warm-up failed")
+
+    executor.submit(warm_up)  # imports and model builds, before the first check needs them
 
     async def loop() -> None:
         running = asyncio.get_running_loop()
+        waiting_since: float | None = None  # when the oldest job still queued was first seen
         while True:
             if not state.verify_queue:
+                waiting_since = None
                 await asyncio.sleep(0.05)
                 continue
-            jobs = [state.verify_queue.popleft() for _ in range(min(16, len(state.verify_queue)))]
+            now = running.time()
+            waiting_since = now if waiting_since is None else waiting_since
+            queued = sum(len(job.rollouts) for job in state.verify_queue)
+            if queued < options.check_batch_rollouts and now - waiting_since < options.check_wait_s:
+                await asyncio.sleep(0.05)
+                continue
+            jobs = next_checks(state, options.check_batch_rollouts)
+            if not state.verify_queue:
+                waiting_since = None  # else what is left waited as long: it goes next, at once
+            jobs = [job for job in jobs if job.lease_id in state.pending]  # not dropped meanwhile (a ban)
+            if not jobs:
+                continue
             rollouts = [rollout for job in jobs for rollout in job.rollouts]
             try:
                 failed = await running.run_in_executor(executor, verifier.check, rollouts)

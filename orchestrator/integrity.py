@@ -59,6 +59,7 @@ class WorkerRecord:
 
     rollouts: int = 0  # accepted at ingest
     checked: int = 0  # rollouts chosen for a logprob check
+    passed: int = 0  # held-back groups whose check passed
     strikes: int = 0
     reward_mismatches: int = 0  # claimed_reward disagreed with the recomputed reward (flagged, never used)
     served: int = 0  # samples that reached the trainer
@@ -67,7 +68,7 @@ class WorkerRecord:
 
     def summary(self) -> dict[str, object]:
         return {
-            "rollouts": self.rollouts, "checked": self.checked, "strikes": self.strikes,
+            "rollouts": self.rollouts, "checked": self.checked, "passed": self.passed, "strikes": self.strikes,
             "reward_mismatches": self.reward_mismatches, "served": self.served,
             "rejections": dict(self.rejections), "banned": self.banned,
         }

@@ -103,6 +103,7 @@ class VerifyJob:
 
     lease_id: str
     rollouts: list[Rollout]
+    holder: str
 
 
 @dataclass
@@ -623,7 +624,9 @@ class RunState:
         if open_lease.check:
             # Held back: the trainer sees the group only once its sampled logprobs check out.
             self.pending[lease.lease_id] = group
-            self.verify_queue.append(VerifyJob(lease.lease_id, [open_lease.samples[i] for i in open_lease.check]))
+            self.verify_queue.append(
+                VerifyJob(lease.lease_id, [open_lease.samples[i] for i in open_lease.check], open_lease.holder)
+            )
             return
         self._to_ready(group)
 
@@ -660,7 +663,9 @@ class RunState:
                 self.rejected[reason] += 1
                 self.integrity.rejected(holder, reason)
             self._drop_closed_group(lease_id, "failed_verification", len(group.samples) - len(failed))
-        elif not is_fresh(self.trainer_version, group.oldest_version(), self.config.max_staleness):
+            return
+        self.integrity.record(holder).passed += 1
+        if not is_fresh(self.trainer_version, group.oldest_version(), self.config.max_staleness):
             self.stale_dropped += len(group.samples)
             self._drop_closed_group(lease_id, "stale_in_buffer", len(group.samples))
         else:
@@ -676,6 +681,7 @@ class RunState:
             group = self.pending.pop(lease_id)
             self._drop_closed_group(lease_id, "banned_worker", len(group.samples))
             dropped += len(group.samples)
+        self.verify_queue = deque(job for job in self.verify_queue if job.lease_id in self.pending)  # no check wasted on it
         kept: deque[Group] = deque()
         for group in self.ready:
             if token_of(self.closed[group.lease_id].holder) == token:

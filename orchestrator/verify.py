@@ -3,25 +3,37 @@
 Runs inside the orchestrator, on one worker thread of the app's verification loop
 (orchestrator/app.py), so ingest latency does not depend on it; the orchestrator holds back a
 group containing a sampled rollout until its check is done (orchestrator/state.py), so an
-unverified sample never reaches the trainer. torch and transformers are imported when the first
-check runs: an orchestrator with verification off never loads them.
+unverified sample never reaches the trainer. `warm_up`, which the app runs on that thread at
+startup, imports torch and transformers and builds the models (an orchestrator with
+verification off never loads them).
 
 The recomputation is the worker's own math (decentrl/sampling.py `sampling_distribution`, the
 distribution the HF worker backend samples from: temperature, then top-k, then top-p,
 renormalized over the kept set) on one full forward of prompt + completion under the version's
-weights, pulled from the store (sha256-verified, cached) and kept loaded for the last `models_cached` versions. A completion that spanned a
-weight swap (`token_versions`) is checked token by token against the version of each token.
-A rollout fails when any token's |claimed - recomputed| exceeds `tolerance` (a claimed token
-outside the recomputed kept set differs by infinity). docs/security.md: the calibration.
+weights. A version is loaded once: its weight files are read from the store into memory,
+checked against the (signed) manifest's sha256, and copied into a model built at startup, in
+place; the last `models_cached` versions stay loaded. A completion that spanned a weight swap
+(`token_versions`) is checked token by token against the version of each token. A rollout
+fails when any token's |claimed - recomputed| exceeds `tolerance` (a claimed token outside the
+recomputed kept set differs by infinity). docs/security.md: the calibration and the costs.
+
+Cost accounting (`summary()`, /v1/status `verification`): `compute_s` is the wall time of the
+checks, loads included; `cpu_s` the checking thread's CPU time (plus, for a version pulled into
+the cache - a LoRA base, or without a built model - the pull at its wall time: it hashes on the
+store's own threads, which the thread clock does not see). The one-time imports and model builds
+at startup are `startup_s`, apart, as the trainer's compute time leaves out its own start-up.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import math
+import os
 import time
 from collections import OrderedDict, defaultdict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from decentrl.config import VerificationConfig
 from decentrl.store import CheckpointStore, StoreError
@@ -33,118 +45,237 @@ if TYPE_CHECKING:
 log = logging.getLogger("decentrl.orchestrator.verify")
 
 
+def _sampled(rollout: Rollout, version: int) -> list[bool]:
+    """Per completion token, whether `version` sampled it: a completion spanning a weight swap has
+    `token_versions`; an environment token (loss_mask 0) was not sampled at all."""
+    count = len(rollout.completion_token_ids)
+    versions = rollout.token_versions or [rollout.policy_version] * count
+    return [v == version and m != 0 for v, m in zip(versions, rollout.loss_mask or [1] * count, strict=True)]
+
+
+def _versions(rollout: Rollout) -> set[int]:
+    """The versions that sampled some token of the rollout."""
+    versions = rollout.token_versions or [rollout.policy_version] * len(rollout.completion_token_ids)
+    return {v for v, m in zip(versions, rollout.loss_mask or [1] * len(versions), strict=True) if m}
+
+
 class Verifier:
-    def __init__(self, config: VerificationConfig, *, store: CheckpointStore, cache_dir: str) -> None:
+    def __init__(
+        self, config: VerificationConfig, *, store: CheckpointStore, cache_dir: str,
+        build: Callable[[], torch.nn.Module] | None = None,
+    ) -> None:
+        """`build` makes a model of the run's architecture (decentrl.model.build_model): `warm_up`
+        builds `models_cached` of them, and every version is then copied into one in place.
+        Without it the first versions are loaded from their pulled directories."""
         self.config = config
         self.store = store
         self.cache_dir = cache_dir
-        self._models: OrderedDict[int, Any] = OrderedDict()  # version -> HFBackend, most recent last
-        self.compute_s = 0.0  # wall time of checks (loads included): the verification overhead
-        self.cpu_s = 0.0  # CPU time of the checking thread (torch_threads 1: without waiting for a core)
+        self.build = build
+        self._models: OrderedDict[int, torch.nn.Module] = OrderedDict()  # version -> model, most recent last
+        self._spare: list[torch.nn.Module] = []  # built, no version loaded yet
+        self._params: dict[int, dict[str, torch.Tensor]] = {}  # id(model) -> its state dict (aliases)
+        self.compute_s = 0.0  # wall time of checks, loads included
+        self.cpu_s = 0.0  # checking thread's CPU time + pulls' wall time (see the module docstring)
+        self.load_s = 0.0  # wall time of reading, verifying and copying in weights (part of compute_s)
+        self.load_cpu_s = 0.0  # the same in CPU time of this thread (part of cpu_s)
+        self.forward_s = 0.0  # wall time of forwards and distributions (part of compute_s)
+        self.forward_cpu_s = 0.0  # the same in CPU time (part of cpu_s)
+        self.startup_s = 0.0  # wall time of the one-time imports and model builds (warm_up): not in compute_s
+        self.checks = 0  # batches checked (one forward per version in each)
+        self.loads = 0  # versions loaded
         self.rollouts_checked = 0
         self.largest_passing_diff = 0.0  # the honest noise seen so far: watch it against the tolerance
 
-    def _model(self, version: int) -> Any:
-        backend = self._models.pop(version, None)
-        if backend is None:
-            import torch
+    def warm_up(self) -> None:
+        """Import torch, transformers and the model code, and build the models, now rather than in
+        the first checks (seconds of CPU, once per process: the trainer's compute time does not
+        count its own start-up either)."""
+        started = time.perf_counter()
+        import torch
 
-            from workers.backends.hf import HFBackend
+        import decentrl.sampling  # noqa: F401
+        import workers.backends.hf  # noqa: F401
 
-            torch.set_num_threads(self.config.torch_threads)
-            # The least recently used model takes the new weights in place (no rebuild).
-            backend = self._models.popitem(last=False)[1] if len(self._models) >= self.config.models_cached else None
-            backend = backend or HFBackend(device="cpu", seed=0)
-            backend.load(self.store.pull(version, self.cache_dir), version)
-        self._models[version] = backend
+        torch.set_num_threads(self.config.torch_threads)
+        if self.build is not None:
+            with torch.no_grad():
+                self._spare = [self.build().eval() for _ in range(self.config.models_cached)]
+        self.startup_s += time.perf_counter() - started
+
+    def _model(self, version: int) -> torch.nn.Module:
+        found = self._models.pop(version, None)
+        if found is None:
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            found = self._load(version)
+            self.loads += 1
+            self.load_s += time.perf_counter() - started
+            self.load_cpu_s += time.thread_time() - cpu_started
+        self._models[version] = found
+        return found
+
+    def _load(self, version: int) -> torch.nn.Module:
+        """A model holding `version`'s weights: a spare or the least recently used one, its
+        weights overwritten in place with the verified bytes read from the store (no cache
+        directory, no rebuild). A LoRA adapter version is merged onto its base (pulled, cached)
+        as the HF worker does; without a built model the version is loaded from its pulled
+        directory."""
+        import torch
+        from safetensors.torch import load as load_safetensors
+        from safetensors.torch import load_file
+
+        from workers.backends.adapters import adapter_base_dir, merged_weights
+
+        torch.set_num_threads(self.config.torch_threads)
+        if self._spare:
+            model = self._spare.pop()
+        elif len(self._models) >= self.config.models_cached:
+            model = self._models.popitem(last=False)[1]
+        else:
+            return self._load_pulled(version)
+        try:
+            manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors"))
+            weights: dict[str, torch.Tensor] = {}
+            if manifest.base_version is None:
+                for data in files.values():
+                    weights.update(load_safetensors(data))
+                self._copy_in(model, weights, strict=True)
+            else:
+                directory = self._pull(version)
+                base_dir = adapter_base_dir(directory)
+                assert base_dir is not None
+                for shard in sorted(glob.glob(os.path.join(base_dir, "*.safetensors"))):
+                    weights.update(load_file(shard))
+                self._copy_in(model, weights, strict=True)
+                self._copy_in(model, merged_weights(base_dir, directory), strict=False)
+        except BaseException:
+            self._spare.append(model)  # holds no version now, but is as good as a fresh build
+            raise
+        return model
+
+    def _load_pulled(self, version: int) -> torch.nn.Module:
+        from workers.backends.hf import HFBackend
+
+        backend = HFBackend(device="cpu", seed=0)
+        backend.load(self._pull(version), version)
+        assert backend.model is not None
         return backend.model
+
+    def _pull(self, version: int) -> str:
+        started = time.perf_counter()
+        try:
+            return self.store.pull(version, self.cache_dir)
+        finally:
+            self.cpu_s += time.perf_counter() - started  # hashed on the store's threads: counted at wall time
+
+    def _copy_in(self, model: torch.nn.Module, weights: dict[str, torch.Tensor], *, strict: bool) -> None:
+        import torch
+
+        params = self._params.get(id(model))
+        if params is None:
+            params = self._params[id(model)] = model.state_dict()  # tensors aliasing the model's
+        if (strict and weights.keys() != params.keys()) or not weights.keys() <= params.keys():
+            raise StoreError(
+                f"weights do not match the model: missing {sorted(params.keys() - weights.keys())[:5]}, "
+                f"unexpected {sorted(weights.keys() - params.keys())[:5]}"
+            )
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                params[name].copy_(tensor)
 
     def recompute(self, rollouts: list[Rollout], version: int) -> list[torch.Tensor]:
         """Per rollout, the logprob (T,) of each completion token under `version`'s sampling
         distribution. The rollouts share their sampling parameters (the run's)."""
+        lengths = [len(r.completion_token_ids) for r in rollouts]
+        return list(self._recompute(rollouts, version).split(lengths))
+
+    def _recompute(self, rollouts: list[Rollout], version: int) -> torch.Tensor:
+        """The logprobs (N,) of every completion token of `rollouts`, concatenated."""
         import torch
 
         from decentrl.sampling import sampling_distribution
 
         model = self._model(version)
+        started, cpu_started = time.perf_counter(), time.thread_time()
         sequences = [r.prompt_token_ids + r.completion_token_ids for r in rollouts]
         width = max(len(s) for s in sequences)
-        # Right padding: with a causal mask the padded tail changes nothing before it.
+        # Right padding: under the causal mask no real token attends to the padded tail (and the
+        # positions are 0.. either way), so no attention mask is needed - a quarter less compute.
         ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])  # (B, L)
-        attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])  # (B, L)
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=attention).logits  # (B, L, V)
-        # Every completion position of every rollout in one (N, V) block: one distribution call.
-        rows = torch.cat([
-            logits[row, len(r.prompt_token_ids) - 1 : len(r.prompt_token_ids) - 1 + len(r.completion_token_ids)]
-            for row, r in enumerate(rollouts)
-        ])  # (N, V)
+        # The logits predicting each completion token: row b, positions P-1 .. P+T-2.
+        rows = torch.tensor([b for b, r in enumerate(rollouts) for _ in r.completion_token_ids])  # (N,)
+        columns = torch.tensor([
+            len(r.prompt_token_ids) - 1 + i for r in rollouts for i in range(len(r.completion_token_ids))
+        ])  # (N,)
         targets = torch.tensor([t for r in rollouts for t in r.completion_token_ids]).unsqueeze(-1)  # (N, 1)
-        chosen = sampling_distribution(rows, rollouts[0].sampling).gather(-1, targets).squeeze(-1)  # (N,)
-        return list(chosen.split([len(r.completion_token_ids) for r in rollouts]))
+        with torch.inference_mode():
+            logits = model(input_ids=ids).logits  # (B, L, V)
+            # Every completion position of every rollout in one (N, V) block: one distribution call.
+            chosen = sampling_distribution(logits[rows, columns], rollouts[0].sampling).gather(-1, targets).squeeze(-1)
+        self.forward_s += time.perf_counter() - started
+        self.forward_cpu_s += time.thread_time() - cpu_started
+        return chosen  # (N,)
 
     def differences(self, rollouts: list[Rollout]) -> list[float]:
-        """Per rollout, the largest |claimed - recomputed| logprob over its tokens."""
+        """Per rollout, the largest |claimed - recomputed| logprob over the tokens it sampled
+        (infinite where a claimed token lies outside the recomputed kept set; NaN where a version
+        it needs cannot be read from the store: deleted by retention, or failing verification)."""
         import torch
 
-        # (rollout index, token positions) to check under each version.
-        by_version: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)
+        worst = torch.zeros(len(rollouts), dtype=torch.float64)
+        by_version: dict[int, list[int]] = defaultdict(list)  # version -> indices of rollouts with tokens of it
         for index, rollout in enumerate(rollouts):
-            versions = rollout.token_versions or [rollout.policy_version] * len(rollout.completion_token_ids)
-            model = rollout.loss_mask or [1] * len(versions)  # environment tokens (0) were not sampled
-            for version in sorted({v for v, m in zip(versions, model, strict=True) if m}):
-                by_version[version].append((index, [i for i, v in enumerate(versions) if v == version and model[i]]))
-        worst = [0.0] * len(rollouts)
-        for version, parts in sorted(by_version.items()):
-            batch = [rollouts[index] for index, _ in parts]
-            for (index, positions), recomputed in zip(parts, self.recompute(batch, version), strict=True):
-                claimed = torch.tensor(rollouts[index].logprobs, dtype=torch.float32)[positions]
-                diff = (claimed - recomputed[positions]).abs().max().item()
-                worst[index] = max(worst[index], diff if math.isfinite(diff) else math.inf)
-        return worst
+            for version in _versions(rollout):
+                by_version[version].append(index)
+        for version, indices in sorted(by_version.items()):
+            batch = [rollouts[index] for index in indices]
+            try:
+                recomputed = self._recompute(batch, version)  # (N,)
+            except StoreError as exc:
+                log.error("version %d cannot be read from the store (%s): %d rollouts left unjudged", version, exc, len(batch))
+                worst[indices] = math.nan
+                continue
+            claimed = torch.tensor([lp for r in batch for lp in r.logprobs], dtype=torch.float32)  # (N,)
+            # Compared: the tokens this version sampled.
+            counted = torch.tensor([sampled for r in batch for sampled in _sampled(r, version)])  # (N,)
+            diff = torch.nan_to_num((claimed - recomputed).abs().double(), nan=math.inf).masked_fill(~counted, 0.0)
+            owner = torch.tensor([indices[b] for b, r in enumerate(batch) for _ in r.completion_token_ids])  # (N,)
+            worst.scatter_reduce_(0, owner, diff, reduce="amax")
+        return worst.tolist()
 
     def check(self, rollouts: list[Rollout]) -> dict[str, str]:
         """Rollout id -> rejection reason for each rollout that fails: `logprob_mismatch`, or
-        `unverifiable` when its version can no longer be pulled (no strike for that)."""
+        `unverifiable` when a version it needs can no longer be read (no strike for that)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         failed: dict[str, str] = {}
-        available = []
-        for rollout in rollouts:
-            versions = set(rollout.token_versions or [rollout.policy_version])
-            if all(self._pullable(v) for v in versions):
-                available.append(rollout)
-            else:
+        for rollout, diff in zip(rollouts, self.differences(rollouts), strict=True):
+            if math.isnan(diff):
                 failed[rollout.rollout_id] = "unverifiable"
-        if available:
-            for rollout, diff in zip(available, self.differences(available), strict=True):
-                if diff > self.config.tolerance:
-                    failed[rollout.rollout_id] = "logprob_mismatch"
-                    log.warning(
-                        "rollout %s of %s: logprobs differ by up to %.3g from version %d's (tolerance %g)",
-                        rollout.rollout_id, rollout.worker_id, diff, rollout.policy_version, self.config.tolerance,
-                    )
-                else:
-                    self.largest_passing_diff = max(self.largest_passing_diff, diff)
+            elif diff > self.config.tolerance:
+                failed[rollout.rollout_id] = "logprob_mismatch"
+                log.warning(
+                    "rollout %s of %s: logprobs differ by up to %.3g from version %d's (tolerance %g)",
+                    rollout.rollout_id, rollout.worker_id, diff, rollout.policy_version, self.config.tolerance,
+                )
+            else:
+                self.largest_passing_diff = max(self.largest_passing_diff, diff)
+        self.checks += 1
         self.rollouts_checked += len(rollouts)
         self.compute_s += time.perf_counter() - started
         self.cpu_s += time.thread_time() - cpu_started
         return failed
 
-    def _pullable(self, version: int) -> bool:
-        if version in self._models:
-            return True
-        try:
-            self.store.pull(version, self.cache_dir)
-        except StoreError:  # retention deleted it (it was outside the staleness window)
-            log.error("version %d is gone from the store: its rollouts cannot be checked", version)
-            return False
-        return True
-
     def summary(self) -> dict[str, float]:
         return {
             "rollouts_checked": self.rollouts_checked,
+            "checks": self.checks,
+            "loads": self.loads,
             "compute_s": self.compute_s,
             "cpu_s": self.cpu_s,
+            "load_s": self.load_s,
+            "load_cpu_s": self.load_cpu_s,
+            "forward_s": self.forward_s,
+            "forward_cpu_s": self.forward_cpu_s,
+            "startup_s": self.startup_s,
             "largest_passing_diff": self.largest_passing_diff,
             "tolerance": self.config.tolerance,
         }

@@ -112,12 +112,13 @@ def orchestrator(
         pass
     verifier = None
     if cfg.orchestrator.verification.enabled:
+        from decentrl.model import build_model
         from decentrl.store import CheckpointStore
         from orchestrator.verify import Verifier
 
         verifier = Verifier(
             cfg.orchestrator.verification, store=CheckpointStore.from_config(cfg.store),
-            cache_dir=os.path.join(run_dir, "verifier-cache"),
+            cache_dir=os.path.join(run_dir, "verifier-cache"), build=lambda: build_model(cfg.model),
         )
     web.run_app(
         create_app(state=state, tokens=tokens, store_url=cfg.store.url, on_fatal=on_fatal, verifier=verifier),

@@ -6,7 +6,11 @@ grad_norm, the loss statistics (entropy, kl, is_ratio_mean/max, is_truncated_fra
 masked_fraction, clipped_fraction), samples / samples_trained / tokens, tokens_per_s, the timing
 split (wait_for_batch_s, compute_s, publish_wait_s, publish_wait_fraction, checkpoint_s, step_s),
 trainer_busy_fraction (this step) and trainer_busy_fraction_total, and the orchestrator's
-rollouts_accepted, stale_dropped and staleness_histogram.
+rollouts_accepted, stale_dropped and staleness_histogram. compute_s is rank 0's wall time of
+forward, backward and optimizer step; decentrl/trainer/train.py adds compute_cpu_s (rank 0's
+CPU time of the thread that computes: meaningful on CPU, launch overhead only on GPU) and
+compute_s_all_ranks / compute_cpu_s_all_ranks (the same, summed over every rank: the trainer's
+compute in core-seconds).
 """
 
 from __future__ import annotations

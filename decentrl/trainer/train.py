@@ -152,6 +152,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
         started = time.perf_counter()
         batch = broadcast_object(batches.take(step) if batches else None, rank)
         received = time.perf_counter()
+        compute_cpu = time.thread_time()  # this thread runs the forward, backward and step (torch_threads 1)
 
         samples, totals, micro_batches = rank_share(
             batch, rank=rank, world=world, config=cfg, max_tokens=config.sampling.max_tokens, pad_id=pad_id, device=device
@@ -165,6 +166,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
         optimizer.zero_grad(set_to_none=True)
         progress.step = step
         computed = time.perf_counter()
+        compute_cpu = time.thread_time() - compute_cpu
 
         # Version `step` goes to rank 0 and the store in the background; versions the store
         # already holds (published before a crash, replayed now) are not published again.
@@ -189,6 +191,10 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
         ended = time.perf_counter()
 
         loss_total, token_sums = reduce_over_ranks(loss, sums, device)  # collective
+        # Every rank's compute phase, summed: the trainer's compute in core-seconds (wall, and CPU of
+        # the computing thread), the denominator of overheads such as the verifier's (docs/security.md).
+        all_ranks = torch.tensor([computed - received, compute_cpu], dtype=torch.float64, device=device)
+        dist.all_reduce(all_ranks)  # collective, SUM
         times = StepTimes(received - started, computed - received, published - computed, ended - published)
         progress.busy_s += times.total - times.wait_for_batch
         progress.wall_s += times.total
@@ -197,6 +203,8 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
                 step=step, batch=batch, trained=samples, loss=loss_total, grad_norm=float(grad_norm),
                 stats=summarize(token_sums), times=times, progress=progress, replayed=step <= plan.replay_through,
             )
+            record["compute_cpu_s"] = compute_cpu
+            record["compute_s_all_ranks"], record["compute_cpu_s_all_ranks"] = all_ranks.tolist()
             if replay_diff is not None:
                 record["replay_max_abs_diff"] = replay_diff
             metrics.write(record)

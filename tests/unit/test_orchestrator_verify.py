@@ -256,3 +256,80 @@ def test_adversaries_on_loopback_are_banned_and_flooding_is_limited(
         assert seen["groups_ready"] == 1  # the honest group only
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=90))
+
+
+def test_models_built_at_startup_take_every_version_in_place(
+    setup: Any, world: dict[str, Any], tmp_path: Any
+) -> None:
+    """With `build` (as `decentrl orchestrator` passes it) warm_up builds the models once; each
+    version is then read from the store, verified and copied in: honest rollouts pass, the
+    foreign model's fail, and nothing is pulled into the cache directory."""
+    state, _ = setup(new_worker_checks=1000)
+    cache = tmp_path / "built"
+    verifier = Verifier(
+        state.config.orchestrator.verification, store=world["store"], cache_dir=str(cache),
+        build=lambda: build_model(TinyModelConfig(**TINY, seed=7)),
+    )
+    verifier.warm_up()
+    assert verifier.startup_s > 0 and len(verifier._spare) == verifier.config.models_cached
+    lease = state.grant_leases(HONEST, 1)[0]
+    honest = generated(world["honest"], lease, state.sampling)
+    foreign = [r.model_copy(update={"rollout_id": uuid.uuid4().hex}) for r in generated(world["foreign"], lease, state.sampling)]
+    failed = verifier.check(honest + foreign)
+    assert failed == {r.rollout_id: "logprob_mismatch" for r in foreign}
+    assert verifier.loads == 1 and verifier.largest_passing_diff < 1e-5 and not cache.exists()
+    # v1 (another seed) goes into the spare model; v0's rollouts claimed as v1's now fail.
+    as_v1 = [r.model_copy(update={"policy_version": 1}) for r in honest]
+    assert set(verifier.check(as_v1).values()) == {"logprob_mismatch"}
+    assert verifier.check(honest) == {} and verifier.loads == 2  # v0 still loaded
+    summary = verifier.summary()
+    assert summary["checks"] == 3 and summary["load_cpu_s"] > 0 and summary["forward_cpu_s"] > 0
+
+
+def test_a_tampered_version_is_unverifiable_and_no_strike(
+    setup: Any, world: dict[str, Any], tmp_path: Any
+) -> None:
+    """A version whose weights no longer match the manifest's sha256 is never loaded: its
+    rollouts are left unjudged (`unverifiable`, the group dropped), and nobody gets a strike."""
+    store = CheckpointStore(f"file://{tmp_path}/store")
+    publish(store, str(tmp_path), 0, seed=0)
+    weights = next((tmp_path / "store" / "v000000").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    state, _ = setup(new_worker_checks=1000)
+    verifier = Verifier(
+        state.config.orchestrator.verification, store=store, cache_dir=str(tmp_path / "vc"),
+        build=lambda: build_model(TinyModelConfig(**TINY)),
+    )
+    verifier.warm_up()
+    lease = state.grant_leases(HONEST, 1)[0]
+    assert state.ingest(generated(world["honest"], lease, state.sampling), HONEST).accepted == 3
+    failures = verify_all(state, verifier)
+    assert set(failures.values()) == {"unverifiable"} and len(failures) == 3
+    assert state.integrity.workers["honest"].strikes == 0 and not state.ready
+    assert verifier.loads == 0
+
+
+def test_next_checks_takes_one_group_of_a_token_without_a_passed_check(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, make_rollout: Any
+) -> None:
+    """Batches are whole groups, oldest first, up to the rollout limit; a token whose checks have
+    not passed yet gets one group in (a cheater is banned on it before the rest costs anything)."""
+    from orchestrator.app import next_checks
+
+    config = make_config(
+        orchestrator={"verification": {"enabled": True, "new_worker_checks": 1000}}, trainer={"groups_per_step": 8}
+    )
+    state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
+    state.announce(0)
+    for holder in (CHEAT, CHEAT, HONEST, CHEAT, HONEST):
+        lease = state.grant_leases(holder, 1)[0]
+        state.ingest([make_rollout(lease, "1234", worker_id=holder.split("/")[1]) for _ in range(3)], holder)
+    assert len(state.verify_queue) == 5
+    first = next_checks(state, limit=100)
+    assert [job.holder for job in first] == [CHEAT, HONEST] and len(state.verify_queue) == 3
+    state.integrity.record(HONEST).passed = 1  # its first check passed: no longer held to one group
+    assert [job.holder for job in next_checks(state, limit=100)] == [CHEAT, HONEST]
+    assert [job.holder for job in next_checks(state, limit=1)] == [CHEAT]  # at least one group, even over the limit
+    assert not state.verify_queue
