@@ -317,6 +317,8 @@ async def info(request: web.Request) -> web.Response:
 async def leases(request: web.Request) -> web.Response:
     body = await parse_body(request, LeaseRequest)
     state = request.app[STATE]
+    if state.integrity.is_banned(request[IDENTITY].name):  # a token from DECENTRL_TOKENS outlives its ban
+        raise error(web.HTTPForbidden, f"token {request[IDENTITY].name!r} is banned (docs/security.md)")
     granted = state.grant_leases(holder_of(request, body.worker_id), body.max_groups)
     await commit(request)
     return respond(
@@ -630,7 +632,7 @@ def next_checks(state: RunState, limit: int) -> list[VerifyJob]:
     rollouts, unproven = 0, set()
     for job in state.verify_queue:
         token = token_of(job.holder)
-        first = state.integrity.record(job.holder).passed == 0
+        first = not state.integrity.has_passed_check(job.holder)
         if (taken and rollouts + len(job.rollouts) > limit) or (first and token in unproven):
             left.append(job)
             continue

@@ -16,13 +16,15 @@ Invariants:
   do not happen honestly. The same content under the same version is an honest coincidence when
   a prompt comes back within one version (a valid sample of that version either way), so it is
   accepted. Content of leases that closed without training is forgotten.
-Not journaled: strikes, trust and replay hashes start over when the orchestrator restarts
-(docs/security.md says what that means).
+Journaled (orchestrator/journal.py, with RunState's journal): each token's record (strikes, ban,
+trust) and every kept content hash are handed to the journal at each commit (`journal_changes`)
+and restored on recovery (`restore`), so a restart forgets neither a ban nor a replay.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from array import array
 from collections import Counter
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 from decentrl.config import VerificationConfig
 from decentrl.wire import Rollout
+from orchestrator.journal import IntegrityChanges
 
 # Rejection reasons that only a faulty or dishonest worker produces: each is a strike.
 STRIKE_REASONS = frozenset(
@@ -73,27 +76,45 @@ class WorkerRecord:
             "rejections": dict(self.rejections), "banned": self.banned,
         }
 
+    @classmethod
+    def from_summary(cls, data: dict[str, object]) -> WorkerRecord:
+        known = {name: value for name, value in data.items() if name in cls.__dataclass_fields__}
+        return cls(**{**known, "rejections": Counter(data.get("rejections") or {})})  # type: ignore[arg-type]
+
 
 class Integrity:
     def __init__(
         self, config: VerificationConfig, *, eos_ids: set[int], decode: Callable[[list[int]], str],
-        rng: random.Random | None = None,
+        rng: random.Random | None = None, journaled: bool = False,
     ) -> None:
+        """`journaled`: keep what changed for `journal_changes` (RunState with a journal)."""
         self.config = config
         self.eos_ids = eos_ids
         self.decode = decode
         self.rng = rng or random.Random()
+        self.journaled = journaled
         self.workers: dict[str, WorkerRecord] = {}
         self._content: dict[bytes, tuple[str, int]] = {}  # content hash -> (lease id, claimed version)
         self._by_lease: dict[str, list[bytes]] = {}
         self._banned_queue: list[str] = []
+        # Changed since the last commit (journaled only):
+        self._changed: set[str] = set()  # token names
+        self._unsaved: dict[str, list[tuple[bytes, str, int]]] = {}  # lease id -> its newly kept hashes
+        self._forgotten: list[str] = []  # leases whose saved hashes go
 
     def record(self, holder: str) -> WorkerRecord:
+        """The token's record, to change (it is journaled with the next commit)."""
         name = token_of(holder)
         found = self.workers.get(name)
         if found is None:
             found = self.workers[name] = WorkerRecord()
+        if self.journaled:
+            self._changed.add(name)
         return found
+
+    def has_passed_check(self, holder: str) -> bool:
+        found = self.workers.get(token_of(holder))
+        return found is not None and found.passed > 0
 
     # -- checks at ingest (cheap) --------------------------------------------------------
 
@@ -120,14 +141,41 @@ class Integrity:
         return None if replay else digest
 
     def kept(self, lease_id: str, digest: bytes, version: int) -> None:
-        self._content.setdefault(digest, (lease_id, version))
+        if self._content.setdefault(digest, (lease_id, version))[0] == lease_id and self.journaled:
+            self._unsaved.setdefault(lease_id, []).append((digest, lease_id, version))
         self._by_lease.setdefault(lease_id, []).append(digest)
 
     def forget_lease(self, lease_id: str) -> None:
         """The lease closed without training: its content may honestly come again."""
-        for digest in self._by_lease.pop(lease_id, []):
+        digests = self._by_lease.pop(lease_id, None)
+        if digests is None:
+            return
+        for digest in digests:
             if self._content.get(digest, ("",))[0] == lease_id:
                 del self._content[digest]
+        if self.journaled:
+            self._unsaved.pop(lease_id, None)
+            self._forgotten.append(lease_id)
+
+    # -- journal ----------------------------------------------------------------------------
+
+    def journal_changes(self) -> IntegrityChanges:
+        """What changed since the last call (the journal asks at each commit)."""
+        changes = IntegrityChanges(
+            forgotten=self._forgotten,
+            kept=[row for rows in self._unsaved.values() for row in rows],
+            workers=[(name, json.dumps(self.workers[name].summary())) for name in sorted(self._changed)],
+        )
+        self._forgotten, self._unsaved, self._changed = [], {}, set()
+        return changes
+
+    def restore(self, workers: dict[str, dict[str, object]], content: list[tuple[bytes, str, int]]) -> None:
+        """Recovery: the records and kept hashes the journal committed."""
+        self.workers = {name: WorkerRecord.from_summary(data) for name, data in workers.items()}
+        self._content = {digest: (lease_id, version) for digest, lease_id, version in content}
+        self._by_lease = {}
+        for digest, lease_id, _ in content:
+            self._by_lease.setdefault(lease_id, []).append(digest)
 
     def wants_check(self, holder: str) -> bool:
         """Whether this accepted rollout's logprobs are recomputed: all of a new or flagged

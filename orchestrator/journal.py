@@ -8,6 +8,11 @@ What is journaled (RunState calls the recording methods as it changes):
             still be trained on or served again, its body
   batches   the last `batches_kept` batches served, by request id, so a trainer resending a
             request whose answer was lost gets the same batch and not a second one
+  workers   per worker token, what orchestrator/integrity.py knows of it (strikes, banned,
+            rollouts checked and passed, reward mismatches, rejections), rewritten when it changed
+  content   the content hash of every sample kept (replay detection, orchestrator/integrity.py)
+            with the lease that kept it first and its claimed version; deleted with the lease's
+            when it closes without training
 
 Write path. Recording only appends a statement to a list in the event loop's thread. A
 handler then awaits `commit()`, which hands everything recorded so far to one writer thread;
@@ -32,7 +37,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -68,6 +73,13 @@ CREATE TABLE IF NOT EXISTS batches (
     served_at REAL NOT NULL,
     body TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS content (
+    digest BLOB PRIMARY KEY,
+    lease_id TEXT NOT NULL,
+    version INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS content_by_lease ON content(lease_id);
 """
 
 SQL_META = "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)"
@@ -84,6 +96,9 @@ SQL_BATCH = "INSERT OR REPLACE INTO batches(request_id, served_at, body) VALUES 
 SQL_FORGET_BATCH = "DELETE FROM batches WHERE request_id = ?"
 SQL_FORGET_ROLLOUTS = "DELETE FROM rollouts WHERE lease_id = ?"
 SQL_FORGET_LEASE = "DELETE FROM leases WHERE lease_id = ?"
+SQL_WORKER = "INSERT OR REPLACE INTO workers(name, record) VALUES (?, ?)"
+SQL_CONTENT = "INSERT OR IGNORE INTO content(digest, lease_id, version) VALUES (?, ?, ?)"
+SQL_FORGET_CONTENT = "DELETE FROM content WHERE lease_id = ?"
 
 # Rollout fields the lease row already holds (or that are the same for the whole run).
 _NOT_IN_BODY = {"rollout_id", "lease_id", "run_name", "prompt_token_ids"}
@@ -105,6 +120,17 @@ class Snapshot:
     leases: list[sqlite3.Row]
     rollouts: dict[str, list[tuple[str, bytes | None]]]  # lease_id -> [(rollout_id, body)] in acceptance order
     batches: list[tuple[str, dict[str, Any]]]  # (request_id, body) oldest first
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # token name -> integrity record
+    content: list[tuple[bytes, str, int]] = field(default_factory=list)  # (digest, lease_id, version)
+
+
+@dataclass
+class IntegrityChanges:
+    """What orchestrator/integrity.py changed since the last commit, written with it."""
+
+    forgotten: list[str]  # leases whose content hashes go (first, so a digest may be kept again)
+    kept: list[tuple[bytes, str, int]]  # (digest, lease_id, version) first kept
+    workers: list[tuple[str, str]]  # (token name, record as JSON)
 
 
 def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:
@@ -150,6 +176,7 @@ class Journal:
             )
         self._pending: list[tuple[str, tuple[Any, ...]]] = []
         self._meta_source: Callable[[], dict[str, Any]] | None = None
+        self._integrity_source: Callable[[], IntegrityChanges] | None = None
         self.meta_dirty = False
         self._cond = threading.Condition()
         self._queue: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None] | None]] = []
@@ -165,6 +192,11 @@ class Journal:
     def set_meta_source(self, source: Callable[[], dict[str, Any]]) -> None:
         """`source()` gives the meta row; it is written with the next commit after `meta_dirty`."""
         self._meta_source = source
+
+    def set_integrity_source(self, source: Callable[[], IntegrityChanges]) -> None:
+        """`source()` hands over the integrity changes since its last call; asked at every commit,
+        so a strike, a ban or a kept hash is on disk before the answer that follows it."""
+        self._integrity_source = source
 
     def record(self, sql: str, params: tuple[Any, ...]) -> None:
         self._pending.append((sql, params))
@@ -203,6 +235,11 @@ class Journal:
         self.record(SQL_FORGET_LEASE, (lease_id,))
 
     def _take_pending(self) -> list[tuple[str, tuple[Any, ...]]]:
+        if self._integrity_source is not None:
+            changes = self._integrity_source()
+            self._pending.extend((SQL_FORGET_CONTENT, (lease_id,)) for lease_id in changes.forgotten)
+            self._pending.extend((SQL_CONTENT, row) for row in changes.kept)
+            self._pending.extend((SQL_WORKER, row) for row in changes.workers)
         if self.meta_dirty and self._meta_source is not None:
             self._pending.append((SQL_META, ("state", json.dumps(self._meta_source()))))
             self.meta_dirty = False
@@ -329,4 +366,6 @@ class Journal:
             (request_id, json.loads(body))
             for request_id, body in conn.execute("SELECT request_id, body FROM batches ORDER BY served_at, rowid")
         ]
-        return Snapshot(meta=meta, leases=leases, rollouts=rollouts, batches=batches)
+        workers = {name: json.loads(record) for name, record in conn.execute("SELECT name, record FROM workers")}
+        content = [tuple(row) for row in conn.execute("SELECT digest, lease_id, version FROM content")]
+        return Snapshot(meta=meta, leases=leases, rollouts=rollouts, batches=batches, workers=workers, content=content)

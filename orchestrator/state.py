@@ -232,12 +232,14 @@ class RunState:
         self.recent_rewards: deque[float] = deque(maxlen=512)
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.integrity = Integrity(
-            options.verification, eos_ids=eos | set(tokenizer.all_special_ids), decode=lambda ids: self._decode([ids])[0]
+            options.verification, eos_ids=eos | set(tokenizer.all_special_ids), decode=lambda ids: self._decode([ids])[0],
+            journaled=journal is not None,
         )
         self.pending: dict[str, Group] = {}  # lease id -> complete group waiting for its logprob check
         self.verify_queue: deque[VerifyJob] = deque()
         if journal is not None:
             journal.set_meta_source(self._meta)
+            journal.set_integrity_source(self.integrity.journal_changes)
             snapshot = journal.load()
             if snapshot.meta:
                 self._recover(snapshot)
@@ -338,12 +340,29 @@ class RunState:
                 update={"rollouts_accepted": body["rollouts_accepted"], "stale_dropped": body["stale_dropped"]}
             )
             self.served[request_id] = self._served_batch(batch, groups)
+        self._recover_integrity(snapshot)
         log.info(
             "recovered from %s: version %s, trainer version %d, %d open leases, %d ready groups, "
             "%d rollouts acknowledged so far",
             self.journal.path if self.journal else "?", self.published_version, self.trainer_version,
             len(self.leases), len(self.ready), self.rollouts_accepted,
         )
+
+    def _recover_integrity(self, snapshot: Snapshot) -> None:
+        """Strikes, bans, trust and replay hashes as committed. Which samples were chosen for a
+        logprob check is not journaled: with verification on, every recovered sample of an open
+        lease is checked, and a lease already full (a group held back for its check when the
+        orchestrator stopped) completes now and is checked whole."""
+        self.integrity.restore(snapshot.workers, snapshot.content)
+        for name, record in self.integrity.workers.items():
+            if record.banned:
+                self.drop_banned(name)  # nothing, normally: its groups were dropped with the ban
+        if not self.config.orchestrator.verification.enabled:
+            return
+        for open_lease in list(self.leases.values()):
+            open_lease.check = list(range(len(open_lease.samples)))
+            if len(open_lease.samples) >= open_lease.lease.group_size:
+                self._complete(open_lease)
 
     # -- leases ---------------------------------------------------------------------------
 

@@ -314,3 +314,72 @@ def test_every_rollout_field_survives_recovery(open_state: Callable[..., RunStat
     state.journal.flush()
     state = restart(state, open_state)
     assert state.leases[lease.lease_id].samples == [full]
+
+
+VERIFY = {"orchestrator": {"verification": {"enabled": True, "new_worker_checks": 0, "spot_check_fraction": 0.0, "max_strikes": 2}}}
+
+
+def test_strikes_bans_and_replay_hashes_survive_a_restart(
+    open_state: Callable[..., RunState], group: Any, make_rollout: Any
+) -> None:
+    """Issue 8: a banned token stays banned, a struck one keeps its strikes, and content kept
+    before the restart is still a replay after it; content of a lease that closed without
+    training is forgotten on disk as in memory."""
+    state = open_state(**VERIFY)
+    state.announce(0)
+    lease = state.grant_leases(HOLDER, 1)[0]
+    kept = group(state, lease)
+    assert state.ingest(kept, HOLDER).accepted == GROUP
+    dropped = state.grant_leases(HOLDER, 1)[0]
+    assert state.ingest(group(state, dropped, 1), HOLDER).accepted == 1
+    state.release_lease(dropped.lease_id, HOLDER)  # closed without training: its hash goes
+    cheat, struck = "mallory/w0", "eve/w0"
+    future = state.grant_leases(cheat, 1)[0]
+    for _ in range(2):  # a version not yet published: a strike each
+        assert state.ingest([make_rollout(future, "1234", policy_version=5)], cheat).rejected[0].reason == "future_version"
+    lying = state.grant_leases(struck, 1)[0]
+    assert state.ingest([make_rollout(lying, [4, 5, 6])], struck).rejected[0].reason == "bad_finish_reason"  # "stop", no eos
+    assert state.integrity.newly_banned() == ["mallory"]
+    state.drop_banned("mallory")
+    state.journal.flush()
+    with sqlite3.connect(state.journal.path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM content").fetchone()[0] == 1  # identical samples: one hash
+
+    state = restart(state, open_state, **VERIFY)
+    workers = state.integrity.workers
+    assert workers["mallory"].banned and workers["mallory"].strikes == 2
+    assert workers["eve"].strikes == 1 and not workers["eve"].banned
+    assert workers["alice"].rollouts == GROUP + 1 and workers["alice"].rejections == {}
+    assert state.integrity.is_banned(cheat) and not state.integrity.newly_banned()  # revoked already, not again
+    lease = state.grant_leases(cheat, 1)[0]
+    assert state.ingest([make_rollout(lease, "1234")], cheat).rejected[0].reason == "banned"
+    # The kept content again, under another lease and another version: a replay, after the restart too.
+    state.announce(1)
+    again = state.grant_leases(struck, 1)[0]
+    state.leases[again.lease_id].lease = again = again.model_copy(update={"prompt_id": kept[0].prompt_id, "prompt_token_ids": kept[0].prompt_token_ids})
+    replay = [r.model_copy(update={"rollout_id": f"replay-{i}", "lease_id": again.lease_id, "policy_version": 1}) for i, r in enumerate(kept)]
+    assert {r.reason for r in state.ingest(replay[:1], struck).rejected} == {"replay"}
+    assert state.integrity.workers["eve"].strikes == 2 and state.integrity.newly_banned() == ["eve"]
+
+
+def test_samples_recovered_into_open_leases_are_all_checked(
+    open_state: Callable[..., RunState], group: Any
+) -> None:
+    """Which samples were picked for a logprob check is not journaled: after a restart every
+    recovered sample of an open lease is checked, and a group that was held back for its check
+    when the orchestrator stopped is checked whole instead of never completing."""
+    options = {"orchestrator": {"verification": {"enabled": True, "new_worker_checks": 1, "spot_check_fraction": 0.0}}}
+    state = open_state(**options)
+    state.announce(0)
+    held, partial = state.grant_leases(HOLDER, 2)
+    assert state.ingest(group(state, held), HOLDER).accepted == GROUP
+    assert [len(job.rollouts) for job in state.verify_queue] == [1] and held.lease_id in state.pending
+    assert state.ingest(group(state, partial, 2), HOLDER).accepted == 2
+    state.journal.flush()
+
+    state = restart(state, open_state, **options)
+    assert held.lease_id in state.pending and not state.ready
+    assert [(job.lease_id, len(job.rollouts)) for job in state.verify_queue] == [(held.lease_id, GROUP)]
+    assert state.leases[partial.lease_id].check == [0, 1]
+    state.verification_done(held.lease_id, {})
+    assert [g.lease_id for g in state.ready] == [held.lease_id]
