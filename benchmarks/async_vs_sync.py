@@ -22,6 +22,7 @@ and prints, as its last line, one JSON object: the base scenario's {"sync", "asy
 
     .venv/bin/pip install -e ".[bench]"
     .venv/bin/python benchmarks/async_vs_sync.py --out docs/figures
+    .venv/bin/python benchmarks/async_vs_sync.py --scenarios base --seeds 2 --async-staleness 2,3 --out docs/figures
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Rank 0's batch source: fetches the next step's batch while the current step trains.
 
 Without it the trainer sat idle for the orchestrator's long-poll, the transfer, the decoding and
-the journaling of every batch: 0.02-0.75 s of 0.5-0.8 s steps in benchmarks/async_vs_sync.py
+the journaling of every batch: 0.01-0.75 s of 0.5-0.8 s steps in benchmarks/async_vs_sync.py
 (docs/benchmarks.md). As soon as step s's
 batch is taken, a background thread asks for step s+1's (`trainer_version = s`) and journals it.
 Freshness is unchanged: the orchestrator checks it against `trainer_version = s`, the weights step
