@@ -37,6 +37,7 @@ import pytest
 from decentrl.client import OrchestratorClient
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
 from orchestrator.auth import add_token
+from tests.integration.test_pipeline import TINY_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -47,13 +48,7 @@ run_name = "kill9"
 max_staleness = 1000
 group_size = {GROUP}
 trainer_ranks = 1
-[model]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-intermediate_size = 64
-[sampling]
-max_tokens = 6
+{TINY_MODEL}
 [orchestrator]
 lease_timeout_s = 600.0
 rate_limit_per_s = 0

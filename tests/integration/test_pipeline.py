@@ -20,12 +20,8 @@ from decentrl.store import CheckpointStore
 
 pytestmark = pytest.mark.integration
 
-CONFIG = """
-run_name = "it"
-max_staleness = {max_staleness}
-group_size = 4
-num_workers = 2
-trainer_ranks = 2
+# The smallest model and completions the pipeline tests train (TOML tables, shared).
+TINY_MODEL = """
 [model]
 hidden_size = 32
 num_layers = 1
@@ -33,6 +29,18 @@ num_heads = 2
 intermediate_size = 64
 [sampling]
 max_tokens = 6
+"""
+
+
+def pipeline_config(*, run_name: str, steps: int, max_staleness: int, lr: float, extra: str = "") -> str:
+    """Two workers and a two-rank trainer on TINY_MODEL, groups of 4, 8 groups a step."""
+    return f"""
+run_name = "{run_name}"
+max_staleness = {max_staleness}
+group_size = 4
+num_workers = 2
+trainer_ranks = 2
+{TINY_MODEL}
 [orchestrator]
 port = 0
 [worker]
@@ -40,24 +48,26 @@ groups_per_request = 4
 [trainer]
 steps = {steps}
 groups_per_step = 8
-lr = 3e-3
-"""
+lr = {lr}
+{extra}"""
 
 
 def run_decentrl(tmp_path: Path, *, steps: int, max_staleness: int) -> tuple[subprocess.CompletedProcess[str], Path]:
-    return run_config(tmp_path, CONFIG.format(steps=steps, max_staleness=max_staleness))
+    return run_config(tmp_path, pipeline_config(run_name="it", steps=steps, max_staleness=max_staleness, lr=3e-3))
 
 
-def run_config(tmp_path: Path, text: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """`decentrl run` on a config given as TOML text, to completion; the run dir is tmp_path/run."""
+def decentrl_run_command(tmp_path: Path, text: str) -> tuple[list[str], Path]:
+    """The `decentrl run` command line for a config given as TOML text; the run dir is tmp_path/run."""
     config = tmp_path / "run.toml"
     config.write_text(text)
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "decentrl", "run", str(config), "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=600,
-    )
-    return result, run_dir
+    return [sys.executable, "-m", "decentrl", "run", str(config), "--run-dir", str(run_dir)], run_dir
+
+
+def run_config(tmp_path: Path, text: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`decentrl run` on a config given as TOML text, to completion."""
+    command, run_dir = decentrl_run_command(tmp_path, text)
+    return subprocess.run(command, capture_output=True, text=True, timeout=600), run_dir
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -133,14 +143,9 @@ def wait_for(predicate, timeout_s: float) -> None:
 
 
 def start_run(tmp_path: Path, steps: int) -> tuple[subprocess.Popen[str], Path]:
-    config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(steps=steps, max_staleness=1))
-    run_dir = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "decentrl", "run", str(config), "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    return process, run_dir
+    text = pipeline_config(run_name="it", steps=steps, max_staleness=1, lr=3e-3)
+    command, run_dir = decentrl_run_command(tmp_path, text)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), run_dir
 
 
 def test_run_stops_everything_when_a_role_crashes(tmp_path: Path) -> None:

@@ -12,36 +12,14 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from decentrl.store import CheckpointStore
-from tests.integration.test_pipeline import run_config
+from tests.integration.test_pipeline import pipeline_config, run_config
 
 pytestmark = pytest.mark.integration
 
 STEPS = 4
-CONFIG = f"""
-run_name = "it-lora"
-max_staleness = 1
-group_size = 4
-num_workers = 2
-trainer_ranks = 2
-[model]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-intermediate_size = 64
-[sampling]
-max_tokens = 6
-[orchestrator]
-port = 0
-[worker]
-groups_per_request = 4
-[trainer]
-steps = {STEPS}
-groups_per_step = 8
-lr = 3e-2
-[trainer.lora]
-rank = 2
-alpha = 4.0
-"""
+CONFIG = pipeline_config(
+    run_name="it-lora", steps=STEPS, max_staleness=1, lr=3e-2, extra="[trainer.lora]\nrank = 2\nalpha = 4.0\n"
+)
 
 
 def test_lora_pipeline_publishes_only_adapters_and_keeps_the_base(tmp_path: Path) -> None:
