@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/worker.py                     # tiny and the larger CPU shape
     .venv/bin/python benchmarks/worker.py --shapes tiny --prompts 8 --max-tokens 64 --no-vllm
+    .venv/bin/python benchmarks/worker.py --shapes tiny --no-vllm --slots 16 --slot-rows 8
 
 tokens_per_s: completion tokens per second of wall time, for `--prompts` prompts of 6 tokens
 completed to exactly `--max-tokens` tokens each (EOS disabled), temperature 1, after one warm-up
@@ -15,6 +16,10 @@ call; the median of `--rounds`. Backends:
   `--vllm-only`); reported as unavailable when that virtualenv is missing. There it also times
   the engine part of a swap, `vllm_reload_to_first_token_s`: the in-place reload of the next
   version (`reload_weights`) plus one token sampled under it.
+
+hf_slots: tokens/s of `--slots` worker slots (threads) each generating `--slot-rows` rows at once
+through the worker's own path (Worker._generate: rows of slots waiting together are batched,
+workers/batching.py), against the real orchestrator app on loopback; the median of `--rounds`.
 
 swap_latency_s: a worker (hf backend) runs against the real orchestrator app on 127.0.0.1 and a
 file:// checkpoint store. The
@@ -155,45 +160,94 @@ class FirstToken:
         return self.inner.generate(prompts, sampling, tick)
 
 
-def swap_latency(shape: dict[str, int], args: argparse.Namespace, tmp: str) -> dict[str, float]:
-    from decentrl.client import OrchestratorClient
-    from decentrl.config import parse_config
-    from decentrl.model import build_tiny_tokenizer
-    from decentrl.store import CheckpointStore
-    from decentrl.tasks import build_task
-    from orchestrator.app import create_app
-    from orchestrator.auth import TokenRegistry
-    from orchestrator.state import RunState
-    from tests.openai_server import Loopback
-    from workers.backends.hf import HFBackend
-    from workers.worker import Worker, WorkerOptions
+class BenchRun:
+    """The real orchestrator app on loopback and a file:// store, for a worker to run against."""
 
-    config = parse_config({
-        "run_name": "worker-bench", "group_size": 2, "max_staleness": 4, "num_workers": 1, "trainer_ranks": 1,
-        "model": {"type": "tiny", **shape}, "task": {"type": "sorting", "num_prompts": 256},
-        "sampling": {"temperature": 1.0, "max_tokens": args.swap_max_tokens},
-        "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "batch_wait_s": 0.2},
-        "trainer": {"groups_per_step": 8, "steps": 1000},
-    })
-    tokens = [{"name": "vol", "role": "worker", "token": "w"}, {"name": "trainer", "role": "trainer", "token": "t"}]
-    store_url = f"file://{tmp}/store"
-    state = RunState(config=config, task=build_task(config.task), tokenizer=build_tiny_tokenizer())
-    server = Loopback(create_app(state=state, tokens=TokenRegistry(tokens), store_url=store_url))
-    store = CheckpointStore(store_url)
-    trainer = OrchestratorClient(server.url, "t", timeout_s=30.0, max_wait_s=1.0)
+    def __init__(self, shape: dict[str, int], args: argparse.Namespace, tmp: str) -> None:
+        from decentrl.client import OrchestratorClient
+        from decentrl.config import parse_config
+        from decentrl.model import build_tiny_tokenizer
+        from decentrl.store import CheckpointStore
+        from decentrl.tasks import build_task
+        from orchestrator.app import create_app
+        from orchestrator.auth import TokenRegistry
+        from orchestrator.state import RunState
+        from tests.openai_server import Loopback
 
-    def publish(version: int) -> float:
-        directory = write_version(os.path.join(tmp, f"publish-{version}"), shape, seed=version)
-        store.publish(version, directory, parent=version - 1 if version else None)
-        published = time.time()  # complete in the store
-        trainer.announce(version)
+        config = parse_config({
+            "run_name": "worker-bench", "group_size": 2, "max_staleness": 4, "num_workers": 1, "trainer_ranks": 1,
+            "model": {"type": "tiny", **shape}, "task": {"type": "sorting", "num_prompts": 256},
+            "sampling": {"temperature": 1.0, "max_tokens": args.swap_max_tokens},
+            "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "batch_wait_s": 0.2},
+            "trainer": {"groups_per_step": 8, "steps": 1000},
+        })
+        tokens = [{"name": "vol", "role": "worker", "token": "w"}, {"name": "trainer", "role": "trainer", "token": "t"}]
+        store_url = f"file://{tmp}/store"
+        state = RunState(config=config, task=build_task(config.task), tokenizer=build_tiny_tokenizer())
+        self.server = Loopback(create_app(state=state, tokens=TokenRegistry(tokens), store_url=store_url))
+        self.store = CheckpointStore(store_url)
+        self.trainer = OrchestratorClient(self.server.url, "t", timeout_s=30.0, max_wait_s=1.0)
+        self.shape, self.tmp = shape, tmp
+
+    def publish(self, version: int) -> float:
+        """Publish and announce a version; returns when it was complete in the store."""
+        directory = write_version(os.path.join(self.tmp, f"publish-{version}"), self.shape, seed=version)
+        self.store.publish(version, directory, parent=version - 1 if version else None)
+        published = time.time()
+        self.trainer.announce(version)
         return published
 
+    def worker(self, backend: Any, **options: Any) -> Any:
+        from decentrl.client import OrchestratorClient
+        from workers.worker import Worker, WorkerOptions
+
+        options = {"worker_id": "bench", "cache_dir": os.path.join(self.tmp, "cache"), "groups_per_request": 2, **options}
+        client = OrchestratorClient(self.server.url, "w", timeout_s=30.0, max_wait_s=1.0)
+        return Worker(options=WorkerOptions(**options), client=client, backend=backend)
+
+
+def slots_throughput(shape: dict[str, int], args: argparse.Namespace, tmp: str) -> float:
+    """Completion tokens/s of `--slots` worker slots generating at once, each `--slot-rows`
+    rows (one group) of `--max-tokens` tokens at a time, through the worker's generation path
+    (Worker._generate, as a slot calls it after a lease); the median of `--rounds`."""
+    from decentrl.wire import SamplingParams
+    from workers.backends.hf import HFBackend
+
+    run = BenchRun(shape, args, os.path.join(tmp, "slots"))
+    try:
+        run.publish(0)
+        worker = run.worker(HFBackend(seed=0), concurrency=args.slots)
+        worker._swap(run.store.pull(0, worker.options.cache_dir), 0, pull_s=0.0)
+        sampling = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
+        worker._generate([PROMPT] * args.slot_rows, sampling.model_copy(update={"max_tokens": 4}))  # warm-up
+        rates = []
+        for _ in range(args.rounds):
+            made: list[int] = []
+            slots = [
+                threading.Thread(target=lambda: made.extend(
+                    len(s.token_ids) for s in worker._generate([PROMPT] * args.slot_rows, sampling)
+                ))
+                for _ in range(args.slots)
+            ]
+            started = time.perf_counter()
+            for slot in slots:
+                slot.start()
+            for slot in slots:
+                slot.join()
+            rates.append(sum(made) / (time.perf_counter() - started))
+        return statistics.median(rates)
+    finally:
+        run.server.close()
+
+
+def swap_latency(shape: dict[str, int], args: argparse.Namespace, tmp: str) -> dict[str, float]:
+    from workers.backends.hf import HFBackend
+
+    run = BenchRun(shape, args, tmp)
+    server, trainer, publish = run.server, run.trainer, run.publish
     publish(0)
     backend = FirstToken(HFBackend(seed=0))
-    options = WorkerOptions(worker_id="bench", cache_dir=os.path.join(tmp, "cache"), groups_per_request=2)
-    worker = Worker(options=options, client=OrchestratorClient(server.url, "w", timeout_s=30.0, max_wait_s=1.0),
-                    backend=backend)  # type: ignore[arg-type]
+    worker = run.worker(backend)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     latencies, pulls, pauses = [], [], []
@@ -232,6 +286,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunk-tokens", type=int, default=64, help="tokens per request (openai, vllm)")
+    parser.add_argument("--slots", type=int, default=16, help="worker slots generating at once (hf_slots)")
+    parser.add_argument("--slot-rows", type=int, default=8, help="rows each slot generates at a time (one group)")
     parser.add_argument("--swaps", type=int, default=5)
     parser.add_argument("--swap-max-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1,
@@ -248,7 +304,8 @@ def main() -> None:
     from workers.backends.hf import HFBackend
 
     torch.set_num_threads(args.threads)
-    results: dict[str, Any] = {"prompts": args.prompts, "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads()}
+    results: dict[str, Any] = {"prompts": args.prompts, "max_tokens": args.max_tokens, "slots": args.slots,
+                               "slot_rows": args.slot_rows, "torch_threads": torch.get_num_threads()}
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         with tempfile.TemporaryDirectory() as tmp:
@@ -257,6 +314,8 @@ def main() -> None:
             hf.load(version_dir, 0)
             rates: dict[str, Any] = {"hf": throughput(hf, args.prompts, args.max_tokens, args.rounds)}
             print(f"{name}: hf {rates['hf']:.0f} tokens/s", flush=True)
+            rates["hf_slots"] = slots_throughput(shape, args, tmp)
+            print(f"{name}: hf, {args.slots} slots x {args.slot_rows} rows {rates['hf_slots']:.0f} tokens/s", flush=True)
             rates["openai"] = bench_openai(version_dir, args)
             print(f"{name}: openai {rates['openai']:.0f} tokens/s", flush=True)
             vllm = "skipped (--no-vllm)" if args.no_vllm else bench_vllm(

@@ -319,6 +319,10 @@ class WorkerConfig(Section):
     concurrency: int = Field(
         1, ge=1, le=256, description="Lease slots in flight per worker (concurrent requests to the backend)."
     )
+    max_batch_rows: int = Field(
+        256, ge=1, description="Most rows (samples) of all slots generated together in one backend call; bounds "
+        "the memory of a batched decode.",
+    )
     simulated_latency_median_s: float = Field(
         0.0, ge=0, description="Benchmarks only: median of an injected log-normal delay per request (0 = off)."
     )

@@ -5,9 +5,10 @@ name, group size, store URL and sampling come from the orchestrator.
 
 Threads:
 - `concurrency` slots each run lease -> generate -> post. A lock makes backend calls and weight
-  swaps exclusive (a backend is not assumed thread-safe); with a simulated latency
-  (workers/latency.py) the slots overlap their delays the way concurrent requests overlap on an
-  inference server.
+  swaps exclusive (a backend is not assumed thread-safe); the rows of slots that wait for it are
+  generated together, up to `max_batch_rows` per call (workers/batching.py), the way an
+  inference server batches concurrent requests. With a simulated latency (workers/latency.py)
+  the slots overlap their delays.
 - one swapper learns of new versions (lease answers, or polling /info), pulls them from the
   store while generation goes on, then swaps with a soft pause: new generations are held back,
   the one in flight may finish until `swap_deadline_s`, after which it is interrupted, the
@@ -41,6 +42,7 @@ from decentrl.store import CheckpointStore, StoreError
 from decentrl.tasks.episodes import TextCodec
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, RunInfo, SamplingParams
 from workers.backends import Backend
+from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
 from workers.latency import LatencyModel
 from workers.sample import Sample
@@ -59,6 +61,7 @@ class WorkerOptions:
     public_key: str | None = None  # ed25519 public key file: refuse versions not signed by the trainer
     cache_max_bytes: int | None = None  # evict the oldest pulled versions beyond this
     concurrency: int = 1  # slots with a lease in flight at once
+    max_batch_rows: int = 256  # most rows (samples) of all slots generated in one backend call
     latency: LatencyModel = LatencyModel()
     seed: int = 0
     spool_dir: str | None = None  # default <cache_dir>/spool/<worker_id>
@@ -95,6 +98,7 @@ class Worker:
         self.swaps: list[SwapRecord] = []
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
         self._lock = threading.Lock()  # backend calls and weight swaps never overlap
+        self._batcher = Batcher(max_rows=options.max_batch_rows)
         self._stats_lock = threading.Lock()
         self._versions = threading.Condition()  # guards `announced`; notified when it or the loaded version changes
         self.announced: int | None = self.info.policy_version
@@ -280,28 +284,18 @@ class Worker:
 
     def _complete(self, samples: list[Sample], sampling: SamplingParams) -> None:
         """Complete every sample up to its budget; a generation interrupted by a swap continues
-        under the new weights from where it stopped (prompt + tokens so far)."""
+        under the new weights from where it stopped (prompt + tokens so far). The rows of all
+        slots waiting at once are generated together (workers/batching.py)."""
         while unfinished := [s for s in samples if s.finish_reason is None]:
             self._admit.wait()
-            # Rows with the same tokens left share one call (interrupted rows stopped at the
-            # same step); grouping by what is left means no row can exceed its budget.
-            by_left: dict[int, list[Sample]] = {}
-            for sample in unfinished:
-                by_left.setdefault(sample.budget - len(sample.token_ids), []).append(sample)
-            with self._lock:
-                version = self.backend.version
-                assert version is not None
-                self.first_generation_at.setdefault(version, time.time())
-                for left, group in by_left.items():
-                    budget = sampling.model_copy(update={"max_tokens": left})
-                    completions = self.backend.generate(
-                        [s.prompt + s.token_ids for s in group], budget, self._pause_due
-                    )
-                    for sample, completion in zip(group, completions, strict=True):
-                        versions = [version] * len(completion.token_ids)
-                        sample.extend(completion.token_ids, completion.logprobs, versions, completion.sampling_mask)
-                        if completion.finish_reason != "interrupted":
-                            sample.finish_reason = completion.finish_reason
+            request = self._batcher.submit(unfinished, sampling)
+            while self._batcher.lead(request):  # this slot generates the queued rows of every slot
+                with self._lock:
+                    version = self.backend.version
+                    assert version is not None
+                    self.first_generation_at.setdefault(version, time.time())
+                    self._batcher.generate_next(self.backend, version, self._pause_due)
+            request.raise_error()
 
     def _hand_back(self, leases: list[Lease]) -> None:
         for lease in leases:

@@ -122,6 +122,7 @@ def _worker_flags(config: RunConfig, index: int, run_dir: Path) -> list[str]:
         "--device", worker.device,
         "--torch-threads", str(worker.torch_threads),
         "--concurrency", str(worker.concurrency),
+        "--max-batch-rows", str(worker.max_batch_rows),
         "--simulated-latency-median-s", str(worker.simulated_latency_median_s),
         "--simulated-latency-sigma", str(worker.simulated_latency_sigma),
         "--slowdown", str(slowdown),

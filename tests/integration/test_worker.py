@@ -5,7 +5,8 @@ Covers: multi-turn episodes played by the worker and replayed by the orchestrato
 masks accepted end to end; soft-pause swaps producing partial rollouts whose
 tokens carry their versions and the logprobs of the version that sampled them; spooling while
 the orchestrator is down and resending after it is back; generating on with a fresh version
-while the store is unreachable and waiting once it is stale.
+while the store is unreachable and waiting once it is stale; slots waiting together generated
+in one backend call.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
 from workers.backends.hf import HFBackend, sampling_distribution
 from tests.unit.test_episode_loss_mask import gradients as loss_mask_gradients
+from tests.unit.test_worker_batching import Recording
 from workers.worker import Worker, WorkerOptions
 
 WORKER, TRAINER = "worker-secret", "trainer-secret"
@@ -328,3 +330,32 @@ def test_store_outage_keeps_a_fresh_version_and_waits_once_stale(setup: Setup) -
     assert not thread.is_alive()
     rejected = worker.client.status().rollouts_rejected
     assert rejected.get("stale", 0) <= 4, rejected  # at most the generation in flight when v2 came
+
+
+def test_slots_waiting_together_are_generated_in_one_backend_call(setup: Setup) -> None:
+    setup.publish(0, seed=0)
+    worker = setup.worker(concurrency=4)
+    worker._swap(setup.store.pull(0, worker.options.cache_dir), 0, pull_s=0.0)
+    response = worker.client.lease(LeaseRequest(worker_id="w0", max_groups=2))
+    prompts = [lease.prompt_token_ids for lease in response.leases for _ in range(lease.group_size)]
+    recording = Recording(worker.backend)  # type: ignore[arg-type]
+    worker.backend = recording
+    results: list[list[Any]] = [[] for _ in range(4)]
+    with worker._lock:  # a generation in flight: the four slots queue their rows meanwhile
+        slots = [threading.Thread(target=lambda i=i: results[i].extend(worker._generate(prompts, response.sampling)))
+                 for i in range(4)]
+        for slot in slots:
+            slot.start()
+        while len(worker._batcher._queue) < 4:
+            time.sleep(0.001)
+    for slot in slots:
+        slot.join(timeout=60)
+    assert [len(rows) for rows, _ in recording.calls] == [4 * len(prompts)]
+    for samples in results:
+        assert len(samples) == len(prompts)
+        for sample in samples:
+            assert sample.finish_reason in ("stop", "length") and 1 <= len(sample.token_ids) <= 6
+            assert sample.versions == [0] * len(sample.token_ids)
+            assert sample.masks is not None and len(sample.masks) == len(sample.token_ids)
+    worker._post(response.leases, results[0], response.sampling)
+    assert worker.client.status().rollouts_accepted == len(prompts)

@@ -1,0 +1,154 @@
+"""Generation batched across slots (workers/batching.py) on the real hf backend and a tiny model.
+
+Slots are threads, as in the worker. What a batched call returns must be what each slot would
+get on its own: every row at its own budget, its tokens' logprobs those of the model given the
+row's own prompt and prefix (reference: a full forward pass, as in test_worker_sampling.py),
+whatever else shared the call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from decentrl.model import build_model
+from decentrl.wire import SamplingParams
+from tests.unit.test_worker_sampling import TINY, reference_logprobs, write_version
+from workers.backends import Completion, never
+from workers.backends.hf import HFBackend
+from workers.batching import Batcher, Request
+from workers.sample import Sample
+
+
+class Recording:
+    """The hf backend, recording the rows and budget of every generate call."""
+
+    def __init__(self, inner: HFBackend) -> None:
+        self.inner = inner
+        self.calls: list[tuple[list[list[int]], int]] = []
+
+    @property
+    def version(self) -> int | None:
+        return self.inner.version
+
+    def load(self, checkpoint_dir: str, version: int) -> None:
+        self.inner.load(checkpoint_dir, version)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+    ) -> list[Completion]:
+        self.calls.append((prompts, sampling.max_tokens))
+        return self.inner.generate(prompts, sampling, should_stop)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, str]:
+    model = build_model(TINY)
+    model.generation_config.eos_token_id = None  # every row runs to its budget
+    return model.eval(), write_version(str(tmp_path_factory.mktemp("v0")), model)
+
+
+@pytest.fixture
+def backend(model: tuple[torch.nn.Module, str]) -> Recording:
+    hf = HFBackend(seed=0)
+    hf.load(model[1], 7)
+    return Recording(hf)
+
+
+def run_slots(batcher: Batcher, backend: Recording, requests: list[Request]) -> None:
+    """Each request's slot leads while its request is not done, as Worker._complete does."""
+    lock = threading.Lock()
+
+    def slot(request: Request) -> None:
+        while batcher.lead(request):
+            with lock:
+                assert backend.version is not None
+                batcher.generate_next(backend, backend.version, never)  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=slot, args=(request,)) for request in requests]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(request.done and request.error is None for request in requests)
+
+
+def test_queued_slots_share_one_call_and_get_what_each_would_alone(
+    backend: Recording, model: tuple[torch.nn.Module, str]
+) -> None:
+    sampling = SamplingParams(temperature=1.0, max_tokens=6, top_k=5)
+    batcher = Batcher(max_rows=64)
+    prompts = [[1, 7, 5, 8, 5, 3], [1, 4, 3], [1, 12, 11, 10, 9, 8, 7, 3], [1, 9, 3]]
+    # Four slots, one group of 3 rows each, all queued before any leads.
+    requests = [batcher.submit([Sample(prompt=p, budget=6) for _ in range(3)], sampling) for p in prompts]
+    run_slots(batcher, backend, requests)
+    assert len(backend.calls) == 1
+    rows, budget = backend.calls[0]
+    assert rows == [p for p in prompts for _ in range(3)] and budget == 6
+    for request, prompt in zip(requests, prompts, strict=True):
+        for sample in request.rows:
+            assert len(sample.token_ids) == 6 and sample.finish_reason == "length"
+            assert sample.versions == [7] * 6
+            assert sample.masks is not None and len(sample.masks) == 6
+            expected = reference_logprobs(model[0], prompt, sample.token_ids, sampling)
+            assert sample.logprobs == pytest.approx(expected, abs=2e-4)
+
+
+def test_rows_are_grouped_by_tokens_left_and_sampling_and_capped(backend: Recording) -> None:
+    plain = SamplingParams(temperature=1.0, max_tokens=8)
+    hot = SamplingParams(temperature=1.5, max_tokens=8)
+    batcher = Batcher(max_rows=5)
+    # A continued row (3 tokens already sampled, 5 left) and fresh rows (8 left); two samplings.
+    continued = Sample(prompt=[1, 5, 3], budget=8, token_ids=[4, 4, 4], logprobs=[-1.0] * 3, versions=[6] * 3)
+    requests = [
+        batcher.submit([Sample(prompt=[1, 5, 3], budget=8), continued], plain),
+        batcher.submit([Sample(prompt=[1, 6, 3], budget=8) for _ in range(2)], hot),
+        batcher.submit([Sample(prompt=[1, 7, 3], budget=8) for _ in range(2)], plain),
+    ]
+    run_slots(batcher, backend, requests)
+    # 6 rows > 5: the first lead takes the first two requests (4 rows), the next the third.
+    assert [(len(rows), budget) for rows, budget in backend.calls] == [(1, 8), (1, 5), (2, 8), (2, 8)]
+    assert backend.calls[1][0] == [[1, 5, 3, 4, 4, 4]]
+    assert len(continued.token_ids) == 8 and continued.versions == [6] * 3 + [7] * 5
+    assert all(len(s.token_ids) == 8 for r in requests for s in r.rows)
+
+
+def test_one_slot_larger_than_the_cap_is_cut_into_calls(backend: Recording) -> None:
+    batcher = Batcher(max_rows=4)
+    request = batcher.submit([Sample(prompt=[1, 5, 3], budget=3) for _ in range(10)], SamplingParams(temperature=1.0, max_tokens=3))
+    run_slots(batcher, backend, [request])
+    assert [len(rows) for rows, _ in backend.calls] == [4, 4, 2]
+    assert all(len(s.token_ids) == 3 for s in request.rows)
+
+
+def test_a_backend_error_reaches_every_slot_of_its_batch(backend: Recording) -> None:
+    batcher = Batcher(max_rows=64)
+    sampling = SamplingParams(temperature=1.0, max_tokens=3)
+    requests = [batcher.submit([Sample(prompt=[1, 5, 3], budget=3)], sampling) for _ in range(3)]
+    failing: Any = Recording(backend.inner)
+    failing.generate = lambda *_: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    errors: list[BaseException] = []
+
+    def slot(request: Request) -> None:
+        try:
+            while batcher.lead(request):
+                batcher.generate_next(failing, 7, never)
+            request.raise_error()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=slot, args=(r,)) for r in requests]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert [str(e) for e in errors] == ["out of memory"] * 3
+
+
+def test_max_rows_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_batch_rows must be at least 1"):
+        Batcher(max_rows=0)
