@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 
@@ -43,6 +41,16 @@ class Recording:
     ) -> list[Completion]:
         self.calls.append((prompts, sampling.max_tokens))
         return self.inner.generate(prompts, sampling, should_stop)
+
+
+class OutOfMemory(Recording):
+    """The hf backend whose generate fails, as a decode too large for the device would."""
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+    ) -> list[Completion]:
+        self.calls.append((prompts, sampling.max_tokens))
+        raise RuntimeError("out of memory")
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +127,8 @@ def test_rows_are_grouped_by_tokens_left_and_sampling_and_capped(backend: Record
 
 def test_one_slot_larger_than_the_cap_is_cut_into_calls(backend: Recording) -> None:
     batcher = Batcher(max_rows=4)
-    request = batcher.submit([Sample(prompt=[1, 5, 3], budget=3) for _ in range(10)], SamplingParams(temperature=1.0, max_tokens=3))
+    rows = [Sample(prompt=[1, 5, 3], budget=3) for _ in range(10)]
+    request = batcher.submit(rows, SamplingParams(temperature=1.0, max_tokens=3))
     run_slots(batcher, backend, [request])
     assert [len(rows) for rows, _ in backend.calls] == [4, 4, 2]
     assert all(len(s.token_ids) == 3 for s in request.rows)
@@ -129,14 +138,13 @@ def test_a_backend_error_reaches_every_slot_of_its_batch(backend: Recording) -> 
     batcher = Batcher(max_rows=64)
     sampling = SamplingParams(temperature=1.0, max_tokens=3)
     requests = [batcher.submit([Sample(prompt=[1, 5, 3], budget=3)], sampling) for _ in range(3)]
-    failing: Any = Recording(backend.inner)
-    failing.generate = lambda *_: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    failing = OutOfMemory(backend.inner)
     errors: list[BaseException] = []
 
     def slot(request: Request) -> None:
         try:
             while batcher.lead(request):
-                batcher.generate_next(failing, 7, never)
+                batcher.generate_next(failing, 7, never)  # type: ignore[arg-type]
             request.raise_error()
         except RuntimeError as exc:
             errors.append(exc)
@@ -147,6 +155,7 @@ def test_a_backend_error_reaches_every_slot_of_its_batch(backend: Recording) -> 
     for thread in threads:
         thread.join(timeout=60)
     assert [str(e) for e in errors] == ["out of memory"] * 3
+    assert [len(rows) for rows, _ in failing.calls] == [3]  # one batch: every slot's error is that call's
 
 
 def test_max_rows_below_one_is_refused() -> None:
