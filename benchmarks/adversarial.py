@@ -276,6 +276,9 @@ def main() -> None:
         "largest_honest_diff": verification["largest_passing_diff"],
         "tolerance": verification["tolerance"],
         "reward_last10": sum(r["reward_mean"] for r in metrics[-10:]) / max(1, len(metrics[-10:])),
+        # What holding groups back for their checks costs the trainer: waiting, and groups gone stale.
+        "trainer_wait_for_batch_s": sum(record["wait_for_batch_s"] for record in metrics),
+        "dropped": status["dropped"],
         "wall_s": time.monotonic() - started,
         "cpus": os.cpu_count(),
         "load_average_1_5_15": [round(x, 2) for x in load_average],

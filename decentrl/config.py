@@ -239,7 +239,7 @@ class VerificationConfig(Section):
     check_wait_s: float = Field(
         0.5, ge=0.0, le=60.0,
         description="A held-back group waits up to this long for others to be checked with it in one forward "
-        "(each check has a fixed cost); 0 = check at once. It delays the group's training by as much.",
+        "(each check has a fixed cost), but never once the trainer's next batch needs it; 0 = check at once.",
     )
     check_batch_rollouts: int = Field(
         128, ge=1, le=65536,

@@ -235,13 +235,15 @@ class StatusResponse(Wire):
     recoveries: int = Field(0, description="How many times this run's state was recovered from the journal.")
     groups_verifying: int = Field(0, description="Complete groups held back until their logprob spot-check is done.")
     verification: dict[str, float] | None = Field(
-        None, description="Logprob spot-checks: rollouts_checked, compute_s, cpu_s, largest_passing_diff, tolerance "
-        "(None when verification is off).",
+        None, description="Logprob spot-checks: rollouts_checked, checks, loads, compute_s, cpu_s, load_s, load_cpu_s, "
+        "forward_s, forward_cpu_s, startup_s, largest_passing_diff, tolerance (None when verification is off; "
+        "docs/security.md).",
     )
     workers: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description="Per token: rollouts, checked, strikes, reward_mismatches (claimed reward disagreed; "
-        "never used), served, rejections by reason, banned. See docs/security.md.",
+        description="Per token: rollouts, checked, passed (held-back groups whose check passed), strikes, "
+        "reward_mismatches (claimed reward disagreed; never used), served, rejections by reason, banned. "
+        "See docs/security.md.",
     )
 
 

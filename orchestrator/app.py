@@ -644,6 +644,15 @@ def next_checks(state: RunState, limit: int) -> list[VerifyJob]:
     return taken
 
 
+def checks_due(state: RunState) -> bool:
+    """Whether the trainer's next batch waits for a held-back group (RunState.held_back_ahead)
+    and a batch's worth of groups is complete: then check at once. Until then a check may wait
+    for others to share its forward at no cost to the trainer, which could not take a batch
+    sooner anyway."""
+    wanted = state.config.trainer.groups_per_step
+    return len(state.ready) + len(state.pending) >= wanted and state.held_back_ahead(wanted)
+
+
 async def _verification(app: web.Application) -> AsyncIterator[None]:
     """The logprob spot-checks: held-back groups are checked on one worker thread, off the event
     loop, many at a time (a group waits up to `check_wait_s` for others to share its forward);
@@ -676,7 +685,8 @@ async def _verification(app: web.Application) -> AsyncIterator[None]:
             now = running.time()
             waiting_since = now if waiting_since is None else waiting_since
             queued = sum(len(job.rollouts) for job in state.verify_queue)
-            if queued < options.check_batch_rollouts and now - waiting_since < options.check_wait_s:
+            waited = now - waiting_since
+            if not checks_due(state) and queued < options.check_batch_rollouts and waited < options.check_wait_s:
                 await asyncio.sleep(0.05)
                 continue
             jobs = next_checks(state, options.check_batch_rollouts)
@@ -691,7 +701,6 @@ async def _verification(app: web.Application) -> AsyncIterator[None]:
             except Exception:  # a bug must not hold groups back for good: they are dropped, unjudged
                 log.exception("verification failed; dropping %d groups unjudged", len(jobs))
                 failed = {rollout.rollout_id: "unverifiable" for rollout in rollouts}
-            ready_before = len(state.ready)
             for job in jobs:
                 state.verification_done(
                     job.lease_id, {r.rollout_id: failed[r.rollout_id] for r in job.rollouts if r.rollout_id in failed}
@@ -699,9 +708,10 @@ async def _verification(app: web.Application) -> AsyncIterator[None]:
             enforce_bans(app)
             if state.journal is not None:
                 await state.journal.commit()
-            if len(state.ready) > ready_before:
-                async with app[BATCH_READY]:
-                    app[BATCH_READY].notify_all()
+            # A batch may form now: groups joined the buffer, or a held-back group it waited for
+            # was dropped.
+            async with app[BATCH_READY]:
+                app[BATCH_READY].notify_all()
 
     task = asyncio.create_task(loop())
     yield

@@ -112,6 +112,7 @@ class Group:
     prompt_id: int
     samples: list[tuple[Rollout, float]]  # (rollout, reward)
     packed: list[Packed]
+    seq: int = 0  # place in line (completion order; ready_seq in the journal), set by _to_ready or when held back
 
     def oldest_version(self) -> int:
         return min(rollout.policy_version for rollout, _ in self.samples)
@@ -321,7 +322,8 @@ class RunState:
             self._closed_order.append((row["closed_at"], lease.lease_id))
             if status == "complete":
                 rewards = _json_list(row["rewards"])
-                ready.append((row["ready_seq"], Group(lease.lease_id, lease.prompt_id, list(zip(samples, rewards)), packed)))
+                samples_rewards = list(zip(samples, rewards))
+                ready.append((row["ready_seq"], Group(lease.lease_id, lease.prompt_id, samples_rewards, packed, row["ready_seq"])))
         self.ready = deque(group for _, group in sorted(ready, key=lambda item: item[0]))
         for request_id, body in snapshot.batches:
             lease_ids = body["lease_ids"]
@@ -641,7 +643,10 @@ class RunState:
         group = Group(lease.lease_id, lease.prompt_id, list(zip(open_lease.samples, rewards)), open_lease.packed)
         self._remember_closed(lease, open_lease.holder, "complete", rollout_ids)
         if open_lease.check:
-            # Held back: the trainer sees the group only once its sampled logprobs check out.
+            # Held back: the trainer sees the group only once its sampled logprobs check out; it
+            # keeps its place in line meanwhile (no later group overtakes it towards staleness).
+            self._ready_seq += 1
+            group.seq = self._ready_seq
             self.pending[lease.lease_id] = group
             self.verify_queue.append(
                 VerifyJob(lease.lease_id, [open_lease.samples[i] for i in open_lease.check], open_lease.holder)
@@ -650,12 +655,17 @@ class RunState:
         self._to_ready(group)
 
     def _to_ready(self, group: Group) -> None:
-        self.ready.append(group)
-        self._ready_seq += 1
+        if not group.seq:
+            self._ready_seq += 1
+            group.seq = self._ready_seq
+            self.ready.append(group)
+        else:  # checked after being held back: back to its place in line
+            position = len(self.ready)
+            while position and self.ready[position - 1].seq > group.seq:
+                position -= 1
+            self.ready.insert(position, group)
         if self.journal is not None:
-            self.journal.group_completed(
-                group.lease_id, self._ready_seq, [reward for _, reward in group.samples], self.clock()
-            )
+            self.journal.group_completed(group.lease_id, group.seq, [reward for _, reward in group.samples], self.clock())
 
     # -- verification (orchestrator/verify.py runs the checks, orchestrator/app.py the loop) --
 
@@ -689,6 +699,20 @@ class RunState:
             self._drop_closed_group(lease_id, "stale_in_buffer", len(group.samples))
         else:
             self._to_ready(group)
+
+    def held_back_ahead(self, count: int) -> bool:
+        """Whether a group held back for its check is among the first `count` complete groups in
+        line. A batch taken now would skip it and it would train a batch later than its lease
+        was budgeted for (maybe stale by then): the batch waits for the check instead."""
+        if not self.pending:
+            return False
+        first = min(group.seq for group in self.pending.values())
+        ahead = 0
+        for group in self.ready:  # in line order
+            if group.seq > first or ahead >= count:
+                break
+            ahead += 1
+        return ahead < count
 
     def drop_banned(self, token: str) -> int:
         """A banned token's open leases, held-back and ready groups are dropped (its prompts are
@@ -802,7 +826,7 @@ class RunState:
             return again
         self.advance(trainer_version)
         wanted = self.config.trainer.groups_per_step
-        if len(self.ready) < wanted:
+        if len(self.ready) < wanted or self.held_back_ahead(wanted):
             return None
         groups = [self.ready.popleft() for _ in range(wanted)]
         self.groups_served += wanted

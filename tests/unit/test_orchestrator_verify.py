@@ -333,3 +333,27 @@ def test_next_checks_takes_one_group_of_a_token_without_a_passed_check(
     assert [job.holder for job in next_checks(state, limit=100)] == [CHEAT, HONEST]
     assert [job.holder for job in next_checks(state, limit=1)] == [CHEAT]  # at least one group, even over the limit
     assert not state.verify_queue
+
+
+def test_a_batch_waits_for_a_held_back_group_ahead_of_it_which_keeps_its_place(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, make_rollout: Any
+) -> None:
+    """A group held back for its check keeps its place in line: a batch that would skip it waits
+    for the check (checks_due says to check at once), and the checked group trains first, as its
+    lease was budgeted for; groups behind a full batch may wait for others to share a forward."""
+    from orchestrator.app import checks_due
+
+    config = make_config(orchestrator={"verification": {"enabled": True, "new_worker_checks": 3, "spot_check_fraction": 0.0}})
+    state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
+    state.announce(0)
+    first, second, third = state.grant_leases(HONEST, 3)
+    for lease in (first, second, third):
+        assert state.ingest([make_rollout(lease, "1234") for _ in range(3)], HONEST).accepted == 3
+    assert list(state.pending) == [first.lease_id] and [g.lease_id for g in state.ready] == [second.lease_id, third.lease_id]
+    assert state.held_back_ahead(2) and checks_due(state)
+    assert state.take_batch(0) is None  # would skip the held-back group
+    state.verify_queue.clear()
+    state.verification_done(first.lease_id, {})
+    batch = state.take_batch(0)
+    assert batch is not None and [s.group_id for s in batch.samples][::3] == [first.lease_id, second.lease_id]
+    assert not state.held_back_ahead(2) and not checks_due(state)
