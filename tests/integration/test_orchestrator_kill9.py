@@ -64,11 +64,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(config: Path, run_dir: Path, port: int) -> subprocess.Popen[bytes]:
+def start(config: Path, run_dir: Path, port: int, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`decentrl orchestrator` in its own process (extra environment `env`), once /healthz answers."""
     log = open(run_dir / "orchestrator.log", "ab")
     process = subprocess.Popen(
         [sys.executable, "-m", "decentrl", "orchestrator", str(config), "--run-dir", str(run_dir), "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
     )
     deadline = time.monotonic() + 120
     while True:

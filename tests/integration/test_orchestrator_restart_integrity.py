@@ -12,13 +12,7 @@ second strike, and her ban.
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -27,22 +21,18 @@ import pytest
 from decentrl.client import OrchestratorClient, OrchestratorError
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams
 from orchestrator.auth import add_token
+from tests.integration.test_orchestrator_kill9 import free_port, start
+from tests.integration.test_pipeline import TINY_MODEL
 
 pytestmark = pytest.mark.integration
 
-CONFIG = """
+CONFIG = f"""
 run_name = "restart-integrity"
 group_size = 2
 trainer_ranks = 1
-[model]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-intermediate_size = 64
+{TINY_MODEL}
 [task]
 num_prompts = 1
-[sampling]
-max_tokens = 6
 [orchestrator]
 lease_timeout_s = 600.0
 rate_limit_per_s = 0
@@ -54,31 +44,6 @@ max_strikes = 2
 [trainer]
 groups_per_step = 1
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start(config: Path, run_dir: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    log = open(run_dir / "orchestrator.log", "ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "decentrl", "orchestrator", str(config), "--run-dir", str(run_dir), "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env},
-    )
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
-                if response.status == 200:
-                    return process
-        except OSError:
-            pass
-        assert process.poll() is None, (run_dir / "orchestrator.log").read_text()
-        assert time.monotonic() < deadline, "orchestrator did not start"
-        time.sleep(0.2)
 
 
 def rollouts(lease: Lease, sampling: SamplingParams, version: int, worker_id: str = "w0", **fields: object) -> list[Rollout]:
