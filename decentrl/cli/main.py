@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -359,6 +361,18 @@ def _admin_client(url: str, token: str | None):  # noqa: ANN202 - OrchestratorCl
     return OrchestratorClient(url, token, timeout_s=10.0, max_wait_s=10.0)
 
 
+@contextmanager
+def _token_errors() -> Iterator[None]:
+    """A bad token file or an orchestrator's refusal: `error: ...` and exit code 2."""
+    from decentrl.client import OrchestratorError
+
+    try:
+        yield
+    except (ValueError, OrchestratorError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 @token_app.command("create")
 def token_create(
     name: Annotated[str, typer.Option(help="Who holds the token (worker name).")],
@@ -372,17 +386,13 @@ def token_create(
     Edits the tokens file directly (on the orchestrator's host; a running orchestrator sees it
     at its next request), or with --orchestrator asks the running orchestrator (admin token).
     """
-    from decentrl.client import OrchestratorError
     from orchestrator.auth import add_token
 
-    try:
+    with _token_errors():
         if orchestrator_url:
             typer.echo(_admin_client(orchestrator_url, token).create_token(name, role).token)
         else:
             typer.echo(add_token(file, name=name, role=role))  # type: ignore[arg-type]
-    except (ValueError, OrchestratorError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
 
 
 @token_app.command("revoke")
@@ -393,18 +403,14 @@ def token_revoke(
     token: AdminTokenOpt = None,
 ) -> None:
     """Revoke a token: the orchestrator refuses it (401) from its next request on."""
-    from decentrl.client import OrchestratorError
     from orchestrator.auth import revoke_token
 
-    try:
+    with _token_errors():
         if orchestrator_url:
             _admin_client(orchestrator_url, token).revoke_token(name)
         elif not revoke_token(file, name=name):
             typer.echo(f"error: {file}: no token named {name!r}", err=True)
             raise typer.Exit(1)
-    except (ValueError, OrchestratorError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
     typer.echo(f"revoked {name}")
 
 
@@ -415,16 +421,12 @@ def token_list(
     token: AdminTokenOpt = None,
 ) -> None:
     """List token names and roles (never the tokens)."""
-    from decentrl.client import OrchestratorError
     from orchestrator.auth import list_tokens
 
-    try:
+    with _token_errors():
         if orchestrator_url:
             rows = [(e.name, e.role) for e in _admin_client(orchestrator_url, token).list_tokens().tokens]
         else:
             rows = list_tokens(file)
-    except (ValueError, OrchestratorError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
     for name, role in rows:
         typer.echo(f"{name}\t{role}")
