@@ -245,6 +245,57 @@ def run(
     raise typer.Exit(launch(_load(config), run_dir))
 
 
+@app.command("eval")
+def evaluate(
+    config: ConfigArg,
+    store_url: Annotated[
+        str | None, typer.Option("--store", help="Store URL; default the config's store.url (or RUN_DIR/checkpoints).")
+    ] = None,
+    run_dir: Annotated[str | None, typer.Option(help="The run's directory, for a config whose store.url is empty.")] = None,
+    version: Annotated[int | None, typer.Option(min=0, help="Version; default the newest.")] = None,
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts evaluated.")] = 512,
+    samples: Annotated[int, typer.Option(min=1, help="Samples per prompt (1 with --greedy).")] = 4,
+    split: Annotated[str, typer.Option(help="heldout (the task reseeded, minus training prompts) or train.")] = "heldout",
+    greedy: Annotated[bool, typer.Option(help="Greedy decoding instead of the run's [sampling].")] = False,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the prompt choice and of sampling.")] = 0,
+    cache_dir: Annotated[str, typer.Option(help="Local cache of pulled versions.")] = "~/.cache/decentrl",
+    public_key: Annotated[str | None, typer.Option(help="Trainer's ed25519 public key: refuse unsigned versions.")] = None,
+    device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
+) -> None:
+    """Score a published version on held-out prompts with the task's reward; prints one JSON line."""
+    import json
+
+    from transformers.utils import logging as hf_logging
+
+    from decentrl.store import StoreError
+    from workers.evaluate import EvalError
+    from workers.evaluate import evaluate as run_eval
+
+    if split not in ("heldout", "train"):
+        typer.echo(f"error: --split must be heldout or train (got {split!r})", err=True)
+        raise typer.Exit(2)
+    hf_logging.disable_progress_bar()  # stdout carries the JSON line only
+    loaded = _load(config)
+    url = store_url or loaded.store.url or (run_dir and _resolve_store(loaded, run_dir).store.url)
+    if not url:
+        typer.echo("error: the config's store.url is empty: pass --store URL or --run-dir RUN_DIR", err=True)
+        raise typer.Exit(2)
+    store = _open_store(url, public_key)
+    try:
+        chosen = store.latest() if version is None else version
+        if chosen is None:
+            raise StoreError(f"no versions in {url}")
+        local = store.pull(chosen, os.path.expanduser(cache_dir))
+        result = run_eval(
+            loaded, local, chosen, prompts=prompts, samples_per_prompt=samples, split=split,  # type: ignore[arg-type]
+            greedy=greedy, seed=seed, device=device,
+        )
+    except (StoreError, EvalError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps(result.as_dict()))
+
+
 StoreUrlArg = Annotated[str, typer.Argument(help="Store URL (path, file://, s3://, ...); s3 reads the AWS environment.")]
 PublicKeyOpt = Annotated[
     str | None, typer.Option(help="Trainer's ed25519 public key file: unsigned or wrongly signed versions fail.")

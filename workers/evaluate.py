@@ -1,0 +1,121 @@
+"""Evaluate one published version: sample completions, score them with the task's own reward.
+
+Called by `decentrl eval` and by benchmarks/async_vs_sync.py, which judges a run by its final
+policy rather than by the rewards of its last training batches (in an asynchronous run those
+were sampled by policies up to `max_staleness` versions older than the final one).
+
+Prompts come from a held-out pool by default: the task rebuilt with another seed, minus every
+prompt text of the training pool. Tasks whose seed only orders a fixed prompt set (arithmetic,
+countdown, a JSONL file) have no held-out prompts that way; evaluate them with split="train".
+Completions are sampled with the run's `[sampling]` settings (or greedily), through the same
+transformers backend the workers use, and decoded the way the orchestrator decodes to score.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from decentrl.config import RunConfig, SamplingConfig
+from decentrl.tasks import Prompt, Task, build_task
+from decentrl.tasks.episodes import EpisodeTask
+from decentrl.wire import SamplingParams
+from workers.backends.hf import HFBackend
+
+Split = Literal["heldout", "train"]
+HELDOUT_SEED_OFFSET = 1_000_003  # a pool seed no run config is likely to use for training
+
+
+class EvalError(ValueError):
+    """The evaluation cannot run as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    version: int
+    split: Split
+    prompts: int
+    samples_per_prompt: int
+    greedy: bool
+    reward_mean: float
+    reward_stderr: float  # over prompts: the spread of per-prompt means / sqrt(prompts)
+    solved_fraction: float  # samples with reward 1.0
+    completion_tokens_mean: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def eval_prompts(config: RunConfig, split: Split, count: int, seed: int = 0) -> tuple[Task, list[Prompt]]:
+    """The task that scores and `count` prompts of `split`, drawn without replacement."""
+    task = build_task(config.task)
+    if isinstance(task, EpisodeTask):
+        raise EvalError(f"task.type {config.task.type!r} is multi-turn; `decentrl eval` scores single-turn tasks only")
+    if split == "train":
+        pool_task, pool = task, range(task.num_prompts)
+    else:
+        pool_task = build_task(config.task.model_copy(update={"seed": config.task.seed + HELDOUT_SEED_OFFSET}))
+        seen = {task.prompt(i).text for i in range(task.num_prompts)}
+        pool = []
+        for i in range(pool_task.num_prompts):
+            if (text := pool_task.prompt(i).text) not in seen:
+                seen.add(text)  # each held-out text once
+                pool.append(i)
+    if len(pool) < count:
+        hint = " (this task's seed only reorders one fixed prompt set: use split 'train')" if split == "heldout" else ""
+        raise EvalError(f"split {split!r} has {len(pool)} prompts, fewer than the {count} asked for{hint}")
+    chosen = random.Random(seed).sample(list(pool), count)
+    return task, [pool_task.prompt(i) for i in chosen]
+
+
+def evaluate(
+    config: RunConfig,
+    checkpoint_dir: str,
+    version: int,
+    *,
+    prompts: int = 512,
+    samples_per_prompt: int = 4,
+    split: Split = "heldout",
+    greedy: bool = False,
+    seed: int = 0,
+    device: str = "cpu",
+    batch_rows: int = 512,
+) -> EvalResult:
+    """Mean reward of `version` (a verified local checkpoint directory) over `prompts` x `samples_per_prompt`."""
+    task, chosen = eval_prompts(config, split, prompts, seed)
+    backend = HFBackend(device=device, seed=seed)
+    backend.load(checkpoint_dir, version)
+    assert backend.tokenizer is not None
+    sampling = _sampling(config.sampling, greedy)
+    samples = 1 if greedy else samples_per_prompt
+    rows = [(prompt, backend.tokenizer(prompt.text).input_ids) for prompt in chosen for _ in range(samples)]
+    rewards: list[float] = []
+    tokens = 0
+    for start in range(0, len(rows), batch_rows):
+        chunk = rows[start : start + batch_rows]
+        for (prompt, _), completion in zip(chunk, backend.generate([ids for _, ids in chunk], sampling), strict=True):
+            text = backend.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            rewards.append(task.reward(prompt, text))
+            tokens += len(completion.token_ids)
+    per_prompt = [sum(rewards[i : i + samples]) / samples for i in range(0, len(rewards), samples)]
+    mean = sum(per_prompt) / len(per_prompt)
+    spread = math.sqrt(sum((r - mean) ** 2 for r in per_prompt) / max(len(per_prompt) - 1, 1))
+    return EvalResult(
+        version=version,
+        split=split,
+        prompts=len(chosen),
+        samples_per_prompt=samples,
+        greedy=greedy,
+        reward_mean=mean,
+        reward_stderr=spread / math.sqrt(len(per_prompt)),
+        solved_fraction=sum(r == 1.0 for r in rewards) / len(rewards),
+        completion_tokens_mean=tokens / len(rewards),
+    )
+
+
+def _sampling(config: SamplingConfig, greedy: bool) -> SamplingParams:
+    """The run's sampling; greedy = top-1 (a kept set of one token: its logprob is 0)."""
+    params = SamplingParams(**config.model_dump())
+    return params.model_copy(update={"top_k": 1}) if greedy else params
