@@ -10,7 +10,9 @@ written last and deleted first, so a version exists for readers exactly when its
 
 A pull lands in ``<cache>/v000042`` only by renaming a fully verified ``.v000042.partial``
 directory, so a cached version is complete and verified or absent; the partial directory survives
-an interrupted pull and the next pull resumes it.
+an interrupted pull and the next pull resumes it. A cached version is served only while its
+manifest is the store's, byte for byte: caches are keyed by version number, which another store
+(another run, or this URL before its run restarted) also uses.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -46,6 +49,8 @@ _RETRY_DELAYS = (0.2, 0.4)  # sleeps between the 3 download attempts of one file
 _VERSION_DIR = re.compile(r"v(\d{6,})")  # 6+ digits: version_dirname pads, never truncates
 _CACHE_ENTRY = re.compile(r"\.?v(\d{6,})(\.partial)?")
 _DEFAULTS = StoreConfig()
+
+log = logging.getLogger("decentrl.store")
 
 
 def version_dirname(version: int) -> str:
@@ -175,6 +180,19 @@ def _locked(path: str, *, blocking: bool = True) -> Iterator[bool]:
         os.close(fd)
 
 
+def _cached_manifest(version_dir: str) -> bytes | None:
+    """The raw manifest a pull kept in `version_dir`; None where there is none."""
+    try:
+        with open(os.path.join(version_dir, MANIFEST_NAME), "rb") as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _short_sha(data: bytes | None) -> str:
+    return "none" if data is None else hashlib.sha256(data).hexdigest()[:12]
+
+
 def _cached_base(version_dir: str) -> int | None:
     """The base version of a cached (hence verified) version directory; None for a full checkpoint."""
     with open(os.path.join(version_dir, MANIFEST_NAME), "rb") as f:
@@ -262,6 +280,11 @@ class CheckpointStore:
                 f"version {version} not found in {self.url} (no manifest); "
                 f"published versions: {self.versions()}"
             ) from None
+        except Exception as exc:  # each fsspec backend has its own errors (s3fs: botocore's), no common base
+            raise StoreError(
+                f"reading {version_dirname(version)}/{MANIFEST_NAME} from {self.url} failed ({exc!r}); "
+                "check the store is reachable"
+            ) from exc
 
     def _checked_manifest(self, version: int) -> tuple[Manifest, bytes]:
         """The manifest and its raw bytes, after checking it is well formed, for `version`, and signed."""
@@ -378,7 +401,8 @@ class CheckpointStore:
             self.fs.pipe_file(path, data)  # a single put is atomic on object stores
 
     def pull(self, version: int, cache_dir: str) -> str:
-        """`cache_dir/vNNNNNN`, downloaded and verified unless already cached; resumes a partial pull.
+        """`cache_dir/vNNNNNN`, downloaded and verified unless already cached from this store (see
+        `_pull_one`); resumes a partial pull.
         An adapter version (manifest `base_version`) brings its base version into the cache too:
         it is loaded onto that base, which is thus pulled once and kept for every adapter after it."""
         final, base = self._pull_one(version, cache_dir)
@@ -388,21 +412,50 @@ class CheckpointStore:
         return final
 
     def _pull_one(self, version: int, cache_dir: str) -> tuple[str, int | None]:
-        """The cached directory of `version` and the base version it is an adapter for."""
-        name = version_dirname(version)
-        final = os.path.join(cache_dir, name)
-        # The final directory only ever appears by rename of a verified one.
-        if os.path.isdir(final):
-            return final, _cached_base(final)
-        manifest, raw = self._checked_manifest(version)
-        os.makedirs(cache_dir, exist_ok=True)
-        # One puller per version per cache dir: the partial directory is shared across attempts.
-        lock = os.path.join(cache_dir, f".{name}.lock")
-        with _locked(lock):
+        """The cached directory of `version` and the base version it is an adapter for.
+
+        A cached directory is served when its manifest is the store's, byte for byte (the manifest
+        covers every file's sha256, and its signature is checked as for a download); else it is
+        another store's version of that number and is replaced. Where the store cannot say - it is
+        unreachable, or retention already deleted the version - the cached directory is served
+        unchecked: a worker keeps generating with what it has through a store outage."""
+        final = os.path.join(cache_dir, version_dirname(version))
+        try:
+            manifest, raw = self._checked_manifest(version)
+        except VerificationError:
+            raise
+        except StoreError as exc:
             if not os.path.isdir(final):
-                self._pull_locked(manifest, raw, cache_dir)
-            os.remove(lock)  # safe while held (see _locked); a failed pull leaves it beside its partial
+                raise
+            log.warning("serving cached %s unchecked: %s", final, exc)
+            return final, _cached_base(final)
+        if _cached_manifest(final) != raw:
+            os.makedirs(cache_dir, exist_ok=True)
+            # One puller per version per cache dir: the partial directory is shared across attempts.
+            lock = os.path.join(cache_dir, f".{version_dirname(version)}.lock")
+            with _locked(lock):
+                if _cached_manifest(final) != raw:
+                    self._demote_foreign(final, raw)
+                    self._pull_locked(manifest, raw, cache_dir)
+                os.remove(lock)  # safe while held (see _locked); a failed pull leaves it beside its partial
         return final, manifest.base_version
+
+    def _demote_foreign(self, final: str, raw: bytes) -> None:
+        """Turn a cached directory that is not the store's version (held under its pull lock) into
+        that version's partial directory, which the pull then discards as started for another
+        manifest: a crash part-way leaves a partial, never a half-deleted version. Only names in
+        the cache go; files hard-linked from a local store keep the store's names."""
+        if not os.path.isdir(final):
+            return
+        log.warning(
+            "cached %s (manifest sha256 %s..) is not that version of %s (manifest sha256 %s..): it came "
+            "from another store or an earlier run; pulling it again",
+            final, _short_sha(_cached_manifest(final)), self.url, _short_sha(raw),
+        )
+        head, name = os.path.split(final)
+        partial = os.path.join(head, f".{name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        os.rename(final, partial)
 
     def _pull_locked(self, manifest: Manifest, raw: bytes, cache_dir: str) -> None:
         version, name = manifest.version, version_dirname(manifest.version)

@@ -52,8 +52,7 @@ def options(endpoint: str) -> dict[str, object]:
     return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
 
 
-@pytest.fixture
-def url(endpoint: str) -> str:
+def new_bucket_url(endpoint: str) -> str:
     import boto3
 
     bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
@@ -62,6 +61,11 @@ def url(endpoint: str) -> str:
     )
     client.create_bucket(Bucket=bucket)
     return f"s3://{bucket}/run"
+
+
+@pytest.fixture
+def url(endpoint: str) -> str:
+    return new_bucket_url(endpoint)
 
 
 @pytest.fixture
@@ -322,6 +326,33 @@ def test_cache_cap_evicts_oldest(url: str, options: dict[str, object], tmp_path:
     for v in range(4):
         store.pull(v, str(cache))
     assert sorted(os.listdir(cache)) == ["v000002", "v000003"]
+
+
+def test_cache_of_another_bucket_is_replaced_and_served_while_s3_is_down(
+    endpoint: str, options: dict[str, object], tmp_path: Path
+) -> None:
+    import socket
+
+    run_a, run_b = (CheckpointStore(new_bucket_url(endpoint), options) for _ in range(2))
+    src_a, src_b = make_ckpt(tmp_path, "a"), make_ckpt(tmp_path, "b")
+    run_a.publish(2, str(src_a))
+    run_b.publish(2, str(src_b))
+    cache = str(tmp_path / "cache")
+    assert same_files(Path(run_a.pull(2, cache)), src_a)
+    out = run_b.pull(2, cache)  # same number, another run: not A's weights
+    assert same_files(Path(out), src_b)
+    with socket.socket() as probe:  # a port nothing listens on: the endpoint is down
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    down = CheckpointStore(
+        run_b.url,
+        {**options, "client_kwargs": {"endpoint_url": dead, "region_name": "us-east-1"},
+         "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}},
+    )
+    assert down.pull(2, cache) == out  # kept generating with the cached version
+    assert same_files(Path(out), src_b)
+    with pytest.raises(StoreError, match="check the store is reachable"):
+        down.pull(3, cache)  # botocore's connection error, reported as a StoreError
 
 
 def test_cli_verify_exit_code_names_the_file(store: CheckpointStore, endpoint: str, tmp_path: Path) -> None:

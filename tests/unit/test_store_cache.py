@@ -1,4 +1,4 @@
-"""The pull side of the store: resumed downloads, the capped cache, shared caches, retention grace."""
+"""The pull side of the store: resumed downloads, the capped cache, shared caches, caches that\nanother store filled, retention grace."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from decentrl import store as store_mod
-from decentrl.store import MANIFEST_NAME, CheckpointStore, StoreError
+from decentrl.store import MANIFEST_NAME, CheckpointStore, SignatureError, StoreError
 
 SIZE = 3 * 1024 * 1024 + 17  # several streaming chunks, not a multiple of one
 
@@ -207,3 +208,90 @@ def test_retention_waits_out_the_grace_period(store: CheckpointStore, tmp_path: 
     assert store.retain(keep_last=1, now=published[3] + 100.0) == [1, 2]
     assert store.versions() == [3]
 
+
+
+def test_a_cached_version_of_another_store_is_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Default local stores: pulls hard-link, so run A's cached files share inodes with A's store.
+    run_a, run_b = CheckpointStore(str(tmp_path / "a")), CheckpointStore(str(tmp_path / "b"))
+    src_a, src_b = make_ckpt(tmp_path, "a"), make_ckpt(tmp_path, "b")
+    run_a.publish(3, str(src_a))
+    run_b.publish(3, str(src_b))
+    cache = str(tmp_path / "cache")
+    assert Path(run_a.pull(3, cache), "model.safetensors").stat().st_nlink == 2
+    with caplog.at_level("WARNING", logger="decentrl.store"):
+        out = Path(run_b.pull(3, cache))
+    assert (out / "model.safetensors").read_bytes() == (src_b / "model.safetensors").read_bytes()
+    assert (out / MANIFEST_NAME).read_bytes() == run_b.fs.cat_file(f"{run_b.root}/v000003/{MANIFEST_NAME}")
+    assert sorted(os.listdir(cache)) == ["v000003"]
+    assert [r.getMessage() for r in caplog.records if "is not that version" in r.getMessage()] != []
+    assert str(tmp_path / "b") in caplog.text
+    # Replacing the cached copy only dropped its names: run A's store is whole.
+    stored_a = tmp_path / "a" / "v000003" / "model.safetensors"
+    assert stored_a.stat().st_nlink == 1
+    assert run_a.verify(3) == []
+    assert Path(run_a.pull(3, cache), "model.safetensors").read_bytes() == (src_a / "model.safetensors").read_bytes()
+
+
+def test_a_restarted_run_at_the_same_url_is_pulled_again(store: CheckpointStore, tmp_path: Path) -> None:
+    store.publish(0, str(make_ckpt(tmp_path, "first-run")))
+    cache = str(tmp_path / "cache")
+    store.pull(0, cache)
+    store.fs.rm(store.root, recursive=True)  # the run starts over from scratch at the same URL
+    fresh = make_ckpt(tmp_path, "second-run")
+    CheckpointStore(store.url).publish(0, str(fresh))
+    out = Path(store.pull(0, cache))
+    assert (out / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+    assert (out / "config.json").read_text() == '{"name": "second-run"}'
+
+
+def test_a_cached_version_is_served_while_the_store_cannot_be_read(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = make_ckpt(tmp_path, "a")
+    store.publish(1, str(src))
+    store.publish(2, str(make_ckpt(tmp_path, "b")))
+    cache = str(tmp_path / "cache")
+    first = store.pull(1, cache)
+    os.rename(tmp_path / "store", tmp_path / "store.away")  # a local store gone
+    assert store.pull(1, cache) == first
+    with pytest.raises(StoreError, match="version 2 not found"):
+        store.pull(2, cache)
+    os.rename(tmp_path / "store.away", tmp_path / "store")
+
+    class EndpointDown(Exception):
+        """Stands for botocore's connection errors, which are no OSError."""
+
+    def down(path: str, *args: object, **kwargs: object) -> bytes:
+        raise EndpointDown(f"could not connect for {path}")
+
+    monkeypatch.setattr(store.fs, "cat_file", down)
+    assert store.pull(1, cache) == first
+    assert Path(first, "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    with pytest.raises(StoreError, match=r"v000002/manifest\.json from .* failed \(EndpointDown.*check the store is reachable"):
+        store.pull(2, cache)
+
+
+def test_a_cache_hit_checks_the_signature(tmp_path: Path) -> None:
+    key = Ed25519PrivateKey.generate()
+    unsigned = CheckpointStore(str(tmp_path / "unsigned"))
+    unsigned.publish(1, str(make_ckpt(tmp_path, "a")))
+    cache = str(tmp_path / "cache")
+    unsigned.pull(1, cache)
+    with pytest.raises(SignatureError, match="unsigned"):  # cached, but not by the trainer's key
+        CheckpointStore(unsigned.url, public_key=key.public_key()).pull(1, cache)
+    src = make_ckpt(tmp_path, "b")
+    CheckpointStore(str(tmp_path / "signed"), signing_key=key).publish(1, str(src))
+    out = Path(CheckpointStore(str(tmp_path / "signed"), public_key=key.public_key()).pull(1, cache))
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+def test_the_cached_base_of_an_adapter_must_be_the_stores_too(tmp_path: Path) -> None:
+    run_a, run_b = CheckpointStore(str(tmp_path / "a")), CheckpointStore(str(tmp_path / "b"))
+    run_a.publish(0, str(make_ckpt(tmp_path, "base-a")))
+    base_b = make_ckpt(tmp_path, "base-b")
+    run_b.publish(0, str(base_b))
+    run_b.publish(1, str(make_ckpt(tmp_path, "adapter-b")), parent=0, base_version=0)
+    cache = tmp_path / "cache"
+    run_a.pull(0, str(cache))
+    run_b.pull(1, str(cache))
+    assert (cache / "v000000" / "model.safetensors").read_bytes() == (base_b / "model.safetensors").read_bytes()
