@@ -18,6 +18,7 @@ manifest is the store's, byte for byte: caches are keyed by version number, whic
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -180,6 +181,15 @@ def _locked(path: str, *, blocking: bool = True) -> Iterator[bool]:
         os.close(fd)
 
 
+@functools.cache
+def _read_errors() -> tuple[type[Exception], ...]:
+    """What a backend raises when the store cannot be read: OSError (fsspec's convention), and the
+    botocore errors s3fs lets through untranslated (EndpointConnectionError: endpoint down)."""
+    from botocore.exceptions import BotoCoreError, ClientError  # s3fs's dependency, hence ours
+
+    return (OSError, BotoCoreError, ClientError)
+
+
 def _cached_manifest(version_dir: str) -> bytes | None:
     """The raw manifest a pull kept in `version_dir`; None where there is none."""
     try:
@@ -261,8 +271,12 @@ class CheckpointStore:
     def versions(self) -> list[int]:
         # Object-store filesystems cache listings; a poller must see new versions.
         self.fs.invalidate_cache()
+        try:
+            paths = self.fs.glob(f"{self.root}/v*/{MANIFEST_NAME}")
+        except _read_errors() as exc:
+            raise StoreError(f"listing versions in {self.url} failed ({exc!r}); check the store is reachable") from exc
         found = []
-        for path in self.fs.glob(f"{self.root}/v*/{MANIFEST_NAME}"):
+        for path in paths:
             match = _VERSION_DIR.fullmatch(path.rstrip("/").split("/")[-2])
             if match:
                 found.append(int(match.group(1)))
@@ -280,7 +294,7 @@ class CheckpointStore:
                 f"version {version} not found in {self.url} (no manifest); "
                 f"published versions: {self.versions()}"
             ) from None
-        except Exception as exc:  # each fsspec backend has its own errors (s3fs: botocore's), no common base
+        except _read_errors() as exc:
             raise StoreError(
                 f"reading {version_dirname(version)}/{MANIFEST_NAME} from {self.url} failed ({exc!r}); "
                 "check the store is reachable"
@@ -325,7 +339,7 @@ class CheckpointStore:
                 data = self.fs.cat_file(f"{self._vdir(version)}/{entry.path}")
             except FileNotFoundError:
                 raise VerificationError(f"{where}: missing from store") from None
-            except OSError as e:
+            except _read_errors() as e:
                 raise StoreError(f"{where}: read failed ({e}); check the store is reachable") from None
             problem = _mismatch(entry, len(data), hashlib.sha256(data).hexdigest())
             if problem is not None:
@@ -499,7 +513,7 @@ class CheckpointStore:
                     os.remove(local_path)  # wrong bytes somewhere: the next attempt starts over
             except FileNotFoundError:
                 problem = "missing from store"
-            except OSError as e:
+            except _read_errors() as e:
                 # Not a verification failure: the store could not be read. What arrived is kept.
                 problem, error = f"download failed ({e}); check the store is reachable", StoreError
             if problem is None:

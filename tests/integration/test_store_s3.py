@@ -371,3 +371,37 @@ def test_cli_verify_exit_code_names_the_file(store: CheckpointStore, endpoint: s
     bad = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert "v000000/model-00001-of-00003.safetensors: size mismatch" in bad.stderr
+
+
+def test_s3_outage_mid_pull_and_listing_are_store_errors(
+    store: CheckpointStore, options: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Callers catch StoreError (the worker's swapper retries on it), never botocore's own errors."""
+    import socket
+
+    from botocore.exceptions import EndpointConnectionError
+
+    store.publish(1, str(make_ckpt(tmp_path, "a")))
+    with socket.socket() as probe:  # a port nothing listens on: the endpoint is down
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    down = CheckpointStore(
+        store.url,
+        {**options, "client_kwargs": {"endpoint_url": dead, "region_name": "us-east-1"},
+         "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}},
+    )
+    with pytest.raises(StoreError, match=f"listing versions in {store.url} failed.*check the store is reachable"):
+        down.versions()
+    # The manifest arrives, then the endpoint goes away while the files stream: s3fs raises
+    # botocore's EndpointConnectionError there, which is not an OSError.
+    attempts = []
+
+    def endpoint_gone(remote: str, local_path: str, expected_size: int) -> tuple[int, str]:
+        attempts.append(remote)
+        raise EndpointConnectionError(endpoint_url=dead)
+
+    monkeypatch.setattr(store, "_fetch_resuming", endpoint_gone)
+    with pytest.raises(StoreError, match="download failed .*check the store is reachable"):
+        store.pull(1, str(tmp_path / "cache"))
+    tries = {remote: attempts.count(remote) for remote in attempts}  # files are fetched in parallel
+    assert set(tries.values()) == {len(store_mod._RETRY_DELAYS) + 1}  # each retried, then reported
