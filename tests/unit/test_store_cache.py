@@ -258,16 +258,15 @@ def test_a_cached_version_is_served_while_the_store_cannot_be_read(
         store.pull(2, cache)
     os.rename(tmp_path / "store.away", tmp_path / "store")
 
-    class EndpointDown(Exception):
-        """Stands for botocore's connection errors, which are no OSError."""
+    from botocore.exceptions import EndpointConnectionError  # what s3fs raises, and no OSError
 
     def down(path: str, *args: object, **kwargs: object) -> bytes:
-        raise EndpointDown(f"could not connect for {path}")
+        raise EndpointConnectionError(endpoint_url=f"http://down/{path}")
 
     monkeypatch.setattr(store.fs, "cat_file", down)
     assert store.pull(1, cache) == first
     assert Path(first, "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
-    with pytest.raises(StoreError, match=r"v000002/manifest\.json from .* failed \(EndpointDown.*check the store is reachable"):
+    with pytest.raises(StoreError, match=r"v000002/manifest\.json from .* failed \(EndpointConnectionError.*check the store is reachable"):
         store.pull(2, cache)
 
 
