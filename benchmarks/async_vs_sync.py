@@ -12,8 +12,12 @@ traces on the workers' own accelerators. Scenarios:
 
 Each pair of runs is repeated for --seeds seeds (trainer.seed = 0, 1, ...; the workers' sampling
 seeds follow it): figures are means over the seeds, the per-seed figures are kept under
-"seeds". Reward is compared at equal steps (mean reward of the last 10 steps) and at equal wall
-time (each mode's smoothed reward when the fastest run finished). A comma list for
+"seeds". Reward is compared at equal steps and at equal wall time (when the fastest run
+finished), two ways: the rewards of the training batches (the last 10 steps; the smoothed
+curve), and an evaluation of the policy itself (workers/evaluate.py, as `decentrl eval`: the
+final version, and the newest version at that wall time, on --eval-prompts held-out prompts x
+--eval-samples samples). The evaluation is the fair one: an asynchronous run's last batches were
+sampled by policies up to max_staleness versions older than its final one. A comma list for
 --async-staleness adds one asynchronous run per value.
 
 Writes one PNG per scenario (reward vs wall time; trainer busy/idle timeline of the first seed)
@@ -21,8 +25,8 @@ and prints, as its last line, one JSON object: the base scenario's {"sync", "asy
 "time_to_target_ratio"} plus every scenario under "scenarios".
 
     .venv/bin/pip install -e ".[bench]"
-    .venv/bin/python benchmarks/async_vs_sync.py --out docs/figures
-    .venv/bin/python benchmarks/async_vs_sync.py --scenarios base --seeds 2 --async-staleness 2,3 --out docs/figures
+    .venv/bin/python benchmarks/async_vs_sync.py --scenarios base --seeds 3 --async-staleness 2,3 --out docs/figures
+    .venv/bin/python benchmarks/async_vs_sync.py --scenarios slow_worker,killed_worker --steps 60 --out docs/figures
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int,
     config.update(run_name=f"{scenario}-s{max_staleness}", max_staleness=max_staleness, num_workers=args.workers)
     config["trainer"].update(steps=args.steps, seed=seed)
     config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s)
+    config["store"].update(keep_last=args.steps + 1)  # every version stays, to be evaluated afterwards
     config["worker"].update(
         groups_per_request=1,
         concurrency=args.slots,
@@ -96,7 +101,27 @@ def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: 
         raise SystemExit(f"{name} failed: see {log.name}")
     if scenario == "killed_worker" and killed_at is None:
         raise SystemExit(f"{name}: worker-1 was never killed (the run ended first); try more --steps. See {log.name}")
-    return summarize(args, read_metrics(run_dir), json.loads((run_dir / "status.json").read_text()), killed_at)
+    result = summarize(args, read_metrics(run_dir), json.loads((run_dir / "status.json").read_text()), killed_at)
+    result["run_dir"] = str(run_dir)
+    final = evaluate_version(args, run_dir, args.steps)
+    result["eval_final_reward"], result["eval_final_stderr"] = final["reward_mean"], final["reward_stderr"]
+    return result
+
+
+def evaluate_version(args: argparse.Namespace, run_dir: Path, version: int) -> dict:
+    """`decentrl eval` of one version of the run, on held-out prompts, with the run's sampling."""
+    from decentrl.config import load_config
+    from workers.evaluate import evaluate
+
+    config = load_config(str(run_dir / "config.json"))
+    checkpoint = run_dir / "checkpoints" / f"v{version:06d}"
+    figures = evaluate(config, str(checkpoint), version, prompts=args.eval_prompts, samples_per_prompt=args.eval_samples)
+    return figures.as_dict()
+
+
+def version_at(result: dict, t: float) -> int:
+    """The newest version the trainer had published by wall time `t` (version N after step N)."""
+    return sum(1 for s in result["curve"]["t"] if s <= t)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -125,6 +150,7 @@ def summarize(args: argparse.Namespace, metrics: list[dict], status: dict, kille
         "time_to_target_s": reached,
         "wall_s": times[-1],
         "final_reward": sum(rewards[-10:]) / len(rewards[-10:]),
+        "final_entropy": sum(m["entropy"] for m in metrics[-10:]) / len(metrics[-10:]),  # the trainer policy's, per completion token
         "stale_dropped_fraction": status["stale_dropped"] / generated if generated else 0.0,
         "staleness_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
         "leases_expired": status["leases_expired"],
@@ -203,7 +229,7 @@ def plot(scenario: str, results: dict[str, list[dict]], target: float, out: Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="base,slow_worker,killed_worker")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=150, help="Optimizer steps per run (150: the sorting task's reward levels off).")
     parser.add_argument("--seeds", type=int, default=1, help="Runs per mode (trainer.seed 0..N-1); figures are means.")
     parser.add_argument("--target", type=float, default=0.3, help="Target mean reward (smoothed).")
     parser.add_argument("--smooth", type=int, default=5, help="Steps in the reward moving average.")
@@ -213,6 +239,8 @@ def main() -> None:
     parser.add_argument("--latency-median-s", type=float, default=0.2)
     parser.add_argument("--latency-sigma", type=float, default=1.0)
     parser.add_argument("--lease-timeout-s", type=float, default=5.0)
+    parser.add_argument("--eval-prompts", type=int, default=1024, help="Held-out prompts per evaluation of a version.")
+    parser.add_argument("--eval-samples", type=int, default=4, help="Samples per held-out prompt.")
     parser.add_argument("--out", default="docs/figures", help="Where the PNGs go.")
     args = parser.parse_args()
     out = Path(args.out)
@@ -220,7 +248,7 @@ def main() -> None:
     report: dict[str, dict] = {}
     # Kept when a run fails, so its logs can be read; removed after a clean finish.
     tmp = tempfile.mkdtemp(prefix="decentrl-async-vs-sync-")
-    plain = ("curve", "timeline", "label")
+    plain = ("curve", "timeline", "label", "run_dir")
     # "async" is the first --async-staleness; further ones run as "async_s<N>".
     stalenesses = [int(n) for n in args.async_staleness.split(",")]
     if not stalenesses or min(stalenesses) < 1:
@@ -237,9 +265,14 @@ def main() -> None:
                 print(f"{scenario} seed {seed} {mode}: " + json.dumps({k: v for k, v in result.items() if k not in plain}), flush=True)
             pair = {mode: runs[-1] for mode, runs in results.items()}
             equal_t = min(r["wall_s"] for r in pair.values())  # when the fastest run finished
+            at_equal_t = {mode: version_at(r, equal_t) for mode, r in pair.items()}
             seeds.append({
                 **{mode: {k: v for k, v in r.items() if k not in plain} for mode, r in pair.items()},
                 "reward_at_equal_wall_time": {"t_s": equal_t, **{mode: reward_at(r, equal_t) for mode, r in pair.items()}},
+                "eval_at_equal_wall_time": {
+                    "t_s": equal_t,
+                    **{mode: {"version": v, **evaluate_version(args, Path(pair[mode]["run_dir"]), v)} for mode, v in at_equal_t.items()},
+                },
             })
         figure = plot(scenario, results, args.target, out)
         means = {mode: aggregate(runs) for mode, runs in results.items()}
@@ -253,11 +286,18 @@ def main() -> None:
             "reward_at_equal_wall_time": {
                 key: mean([s["reward_at_equal_wall_time"][key] for s in seeds]) for key in ("t_s", *modes)
             },
+            # The final policy itself, on held-out prompts (the batch rewards above were sampled by
+            # policies up to max_staleness versions older than the one they are plotted at).
+            "eval_reward_at_equal_steps": {mode: m["eval_final_reward"] for mode, m in means.items()},
+            "eval_reward_at_equal_wall_time": {
+                "t_s": mean([s["eval_at_equal_wall_time"]["t_s"] for s in seeds]),
+                **{mode: mean([s["eval_at_equal_wall_time"][mode]["reward_mean"] for s in seeds]) for mode in modes},
+            },
             "seeds": seeds,
             "plot": str(figure),
         }
     shutil.rmtree(tmp)
-    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s")}
+    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples")}
     first = report[next(iter(report))]
     print(json.dumps({"sync": first["sync"], "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"], "settings": settings, "scenarios": report}))
 
