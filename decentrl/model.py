@@ -1,7 +1,8 @@
 """Build the initial policy (version 0): a tiny model from config or a pretrained directory.
 
 Called by the trainer (to create version 0 and its own FSDP model) and by the orchestrator
-(for the tokenizer, to encode prompts and decode completions for rewards).
+(for the tokenizer, to encode prompts and decode completions for rewards, and for the
+end-of-sequence ids its checks of how generations ended accept).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from decentrl.config import PretrainedModelConfig, TinyModelConfig
+from decentrl.stopping import eos_id_set
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -40,6 +42,22 @@ def load_tokenizer(config: TinyModelConfig | PretrainedModelConfig) -> PreTraine
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(config.path)
+
+
+def end_of_sequence_ids(config: TinyModelConfig | PretrainedModelConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids a worker's generation stops at: the tokenizer's end-of-sequence and the model's
+    generation config's (transformers and vLLM stop at those; a chat model often lists several,
+    e.g. end-of-turn and end-of-text). The tiny model's generation config is the tokenizer's."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if isinstance(config, PretrainedModelConfig):
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            generation = GenerationConfig.from_pretrained(config.path)
+        except OSError:  # no generation_config.json: transformers derives one from config.json, as here
+            generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(config.path))
+        ids |= eos_id_set(generation.eos_token_id)
+    return ids
 
 
 def build_model(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedModel:

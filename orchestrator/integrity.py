@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decentrl.config import VerificationConfig
+from decentrl.stopping import ends_generation
 from decentrl.wire import Rollout
 from orchestrator.journal import IntegrityChanges
 
@@ -124,13 +125,7 @@ class Integrity:
         ids = rollout.completion_token_ids
         if rollout.finish_reason == "length":
             return len(ids) != rollout.sampling.max_tokens
-        if ids[-1] in self.eos_ids:
-            return False
-        stops = rollout.sampling.stop
-        if not stops:
-            return True
-        window = max(len(stop) for stop in stops) + 8
-        return not any(stop in self.decode(ids[-window:]) for stop in stops)
+        return not ends_generation(ids, eos_ids=self.eos_ids, stops=rollout.sampling.stop, text_of=self.decode)
 
     def replay_of(self, rollout: Rollout) -> bytes | None:
         """The rollout's content hash, or None when it replays content kept under another lease

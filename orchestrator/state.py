@@ -37,6 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from decentrl.advantages import group_advantages
 from decentrl.config import RunConfig
+from decentrl.model import end_of_sequence_ids
 from decentrl.staleness import is_fresh, lease_budget, staleness
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, replay_episode, tokenizer_codec
@@ -231,9 +232,11 @@ class RunState:
         self.leases_expired = 0
         self.recoveries = 0
         self.recent_rewards: deque[float] = deque(maxlen=512)
-        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        # What ends a generation for the finish-reason and turn-end checks: the ids the worker
+        # backends stop at (tokenizer and generation config) and, leniently, any special token.
+        self._end_ids = end_of_sequence_ids(config.model, tokenizer) | set(tokenizer.all_special_ids)
         self.integrity = Integrity(
-            options.verification, eos_ids=eos | set(tokenizer.all_special_ids), decode=lambda ids: self._decode([ids])[0],
+            options.verification, eos_ids=self._end_ids, decode=lambda ids: self._decode([ids])[0],
             journaled=journal is not None,
         )
         self.pending: dict[str, Group] = {}  # lease id -> complete group waiting for its logprob check
@@ -615,7 +618,7 @@ class RunState:
         assert isinstance(self.task, EpisodeTask) and self._episode_codec is not None
         return replay_episode(
             self.task, self.task.prompt(rollout.prompt_id), rollout.completion_token_ids, rollout.loss_mask,
-            rollout.finish_reason, rollout.sampling.max_tokens, self._episode_codec,
+            rollout.finish_reason, rollout.sampling, self._episode_codec, eos_ids=self._end_ids,
         )
 
     def _score(self, rollouts: list[Rollout]) -> list[float]:

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 
 from decentrl.config import TaskConfig
 from decentrl.tasks import build_task
-from decentrl.tasks.episodes import EpisodeTask, Environment, TextCodec, episode_end
+from decentrl.tasks.episodes import EpisodeTask, Environment, TextCodec, episode_end, turn_budget
 from decentrl.wire import Lease, RunInfo, SamplingParams
 from workers.sample import Sample
 
@@ -48,7 +48,7 @@ def run_episodes(
         turn += 1
         model_turns = [
             Sample(prompt=sample.prompt + sample.token_ids,
-                   budget=min(task.max_turn_tokens, sampling.max_tokens - len(sample.token_ids)))
+                   budget=turn_budget(task, used=len(sample.token_ids), max_tokens=sampling.max_tokens))
             for sample, _ in active
         ]
         complete(model_turns, sampling)

@@ -4,15 +4,19 @@ A worker runs an episode live (workers/episodes.py); the orchestrator never trus
 replays the environment from the transcript (`replay_episode`): the rollout's completion is the
 model's turns and the environment's answers concatenated, `loss_mask` 1 on the model's tokens and
 0 on the environment's. Replaying feeds the decoded model turns to a fresh environment, checks
-that every environment segment is exactly what the environment answers and that the episode
-ended where the worker loop ends it, and returns the environment's reward.
+that every model turn ended as a turn ends (below), that every environment segment is exactly
+what the environment answers and that the episode ended where the worker loop ends it, and
+returns the environment's reward. The turn-end check keeps a worker from cutting the model's
+turns where it likes (a transcript the policy would not produce, cut where the environment pays).
 
 Hence the one rule for an environment: deterministic. The same model turns must give the same
 answers and the same reward, on the worker and on the orchestrator.
 
 Turn and token limits, shared by both sides:
-- a model turn ends at end-of-sequence (or a stop string), or after `max_turn_tokens` tokens, or
-  when the completion reaches `sampling.max_tokens`;
+- a model turn ends at end-of-sequence or at the token completing a stop string (kept; see
+  decentrl/stopping.py), or at its budget (`turn_budget`): `max_turn_tokens` tokens, or fewer
+  when the completion reaches `sampling.max_tokens`. End-of-sequence stays in the transcript
+  but not in the text an environment sees (decoding skips special tokens);
 - the episode ends ("stop") when the environment says done or after `max_turns` model turns; it
   ends ("length") when the environment's answer plus one more model token would not fit in
   `sampling.max_tokens` (that answer is then left out).
@@ -21,11 +25,13 @@ Turn and token limits, shared by both sides:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from decentrl.stopping import ends_generation
 from decentrl.tasks import Prompt
+from decentrl.wire import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -86,6 +92,11 @@ def tokenizer_codec(tokenizer: PreTrainedTokenizerBase) -> TextCodec:
     )
 
 
+def turn_budget(task: EpisodeTask, *, used: int, max_tokens: int) -> int:
+    """Most tokens of the next model turn, after `used` completion tokens of `max_tokens`."""
+    return min(task.max_turn_tokens, max_tokens - used)
+
+
 def episode_end(*, done: bool, turns: int, used: int, answer_tokens: int, task: EpisodeTask, max_tokens: int) -> str | None:
     """How the episode ends after a model turn: "stop", "length", or None (it goes on).
     `used`: completion tokens so far; `answer_tokens`: length of the environment's answer."""
@@ -115,10 +126,11 @@ def split_turns(token_ids: list[int], loss_mask: list[int] | None) -> list[tuple
 
 def replay_episode(
     task: EpisodeTask, prompt: Prompt, token_ids: list[int], loss_mask: list[int] | None, finish_reason: str,
-    max_tokens: int, codec: TextCodec,
+    sampling: SamplingParams, codec: TextCodec, *, eos_ids: Collection[int],
 ) -> float:
     """The episode's reward, recomputed by replaying a fresh environment over the transcript;
-    EpisodeMismatch if the environment's tokens, the turn limits or the ending disagree."""
+    EpisodeMismatch if a model turn's end, the environment's tokens, the turn limits or the
+    episode's ending disagree. `eos_ids`: the ids a generation stops at (end-of-sequence)."""
     runs = split_turns(token_ids, loss_mask)
     if not runs[0][0] or not runs[-1][0]:
         raise EpisodeMismatch("an episode starts and ends with a model turn")
@@ -127,9 +139,18 @@ def replay_episode(
         raise EpisodeMismatch(f"{len(model_turns)} model turns, more than max_turns {task.max_turns}")
     environment = task.environment(prompt)
     used = 0
+    max_tokens = sampling.max_tokens
     for turn, model_ids in enumerate(model_turns, start=1):
-        if len(model_ids) > task.max_turn_tokens:
-            raise EpisodeMismatch(f"model turn {turn} has {len(model_ids)} tokens, more than {task.max_turn_tokens}")
+        budget = turn_budget(task, used=used, max_tokens=max_tokens)
+        if len(model_ids) > budget:
+            raise EpisodeMismatch(f"model turn {turn} has {len(model_ids)} tokens, more than its budget of {budget}")
+        if len(model_ids) < budget and not ends_generation(
+            model_ids, eos_ids=eos_ids, stops=sampling.stop, text_of=codec.decode
+        ):
+            raise EpisodeMismatch(
+                f"model turn {turn} ends after {len(model_ids)} of its {budget} tokens without end-of-sequence "
+                "or a stop string"
+            )
         answer = environment.step(codec.decode(model_ids))
         answer_ids = codec.encode(answer.text)
         used += len(model_ids)

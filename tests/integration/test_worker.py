@@ -176,7 +176,7 @@ def test_worker_plays_episodes_that_the_orchestrator_replays_and_scores(guess_se
         assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, mask) if not m)
         # The orchestrator's reward is the replay's (and the worker's claim agrees).
         replayed = replay_episode(task, task.prompt(rollout.prompt_id), rollout.completion_token_ids, mask,
-                                  rollout.finish_reason, 16, codec)
+                                  rollout.finish_reason, rollout.sampling, codec, eos_ids={build_tiny_tokenizer().eos_token_id})
         assert reward == replayed == rollout.claimed_reward
         # Each model token's logprob is v0's, given the prompt and every turn before it.
         ids = torch.tensor([rollout.prompt_token_ids + rollout.completion_token_ids])

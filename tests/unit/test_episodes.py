@@ -12,8 +12,9 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.config import GuessTaskConfig, ImportTaskConfig
+from decentrl.model import build_tiny_tokenizer
 from decentrl.tasks import build_task
-from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, TextCodec, replay_episode, tokenizer_codec
+from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, TextCodec, replay_episode, split_turns, tokenizer_codec
 from decentrl.tasks.guess import GuessTask
 from decentrl.wire import Lease, SamplingParams
 from orchestrator.state import RunState
@@ -22,6 +23,7 @@ from workers.sample import Sample
 
 TASK_CONFIG = GuessTaskConfig(max_number=99, max_turns=4, num_prompts=16, seed=3)
 TASK = GuessTask(TASK_CONFIG)
+EOS_IDS = {build_tiny_tokenizer().eos_token_id}
 
 
 @pytest.fixture
@@ -34,24 +36,31 @@ def lease(prompt_id: int, codec: TextCodec, task: EpisodeTask = TASK, group_size
                  group_size=group_size, deadline=0.0)
 
 
-def scripted(rounds: list[list[str]], codec: TextCodec, eos: int, logprob: float = -0.5) -> Any:
+def scripted(rounds: list[list[str]], codec: TextCodec, eos: int | None, logprob: float = -0.5) -> Any:
     """A stand-in for the model: in round r, active episode i says rounds[r][i] then end-of-sequence
-    (cut at the turn's budget). Each token gets `logprob` and version 7."""
+    (cut at the turn's budget; no end-of-sequence when `eos` is None: a worker that cuts turns
+    itself). Each token gets `logprob` and version 7."""
     turns: Iterator[list[str]] = iter(rounds)
 
     def complete(samples: list[Sample], sampling: SamplingParams) -> None:
         for sample, text in zip(samples, next(turns), strict=True):
-            ids = codec.encode(text) + [eos]
+            ids = codec.encode(text) + ([] if eos is None else [eos])
             sample.extend(ids[: sample.budget], [logprob] * min(len(ids), sample.budget), [7] * min(len(ids), sample.budget), None)
             sample.finish_reason = "stop" if len(ids) <= sample.budget else "length"
 
     return complete
 
 
-def replay(sample: Sample, prompt_id: int, codec: TextCodec, max_tokens: int, task: EpisodeTask = TASK) -> float:
+def params(max_tokens: int, stop: list[str] | None = None) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_tokens=max_tokens, stop=stop or [])
+
+
+def replay(
+    sample: Sample, prompt_id: int, codec: TextCodec, max_tokens: int, task: EpisodeTask = TASK, stop: list[str] | None = None
+) -> float:
     assert sample.finish_reason is not None
     return replay_episode(task, task.prompt(prompt_id), sample.token_ids, sample.loss_mask, sample.finish_reason,
-                          max_tokens, codec)
+                          params(max_tokens, stop), codec, eos_ids=EOS_IDS)
 
 
 def test_guess_environment_says_higher_or_lower_and_scores_by_guesses() -> None:
@@ -91,12 +100,12 @@ def test_episode_transcript_masks_environment_tokens_and_replays_to_the_same_rew
     tampered = sample.token_ids.copy()
     tampered[len(model1) + 2 + len(model2)] = codec.encode("1")[0]
     with pytest.raises(EpisodeMismatch, match="environment turn 2 is not what the environment answers"):
-        replay_episode(TASK, TASK.prompt(0), tampered, sample.loss_mask, "stop", 32, codec)
+        replay_episode(TASK, TASK.prompt(0), tampered, sample.loss_mask, "stop", params(32), codec, eos_ids=EOS_IDS)
     # Model tokens passed off as environment tokens (never trained, so never checked) do not replay either.
     relabeled = sample.loss_mask.copy()
     relabeled[0] = 0
     with pytest.raises(EpisodeMismatch, match="starts and ends with a model turn"):
-        replay_episode(TASK, TASK.prompt(0), sample.token_ids, relabeled, "stop", 32, codec)
+        replay_episode(TASK, TASK.prompt(0), sample.token_ids, relabeled, "stop", params(32), codec, eos_ids=EOS_IDS)
 
 
 def test_episode_ends_at_the_token_budget_or_the_turn_limit(codec: TextCodec, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -110,7 +119,7 @@ def test_episode_ends_at_the_token_budget_or_the_turn_limit(codec: TextCodec, to
     assert sample.loss_mask is not None and sample.loss_mask[-1] == 1 and sample.claimed_reward == 0.0
     assert replay(sample, 1, codec, 9) == 0.0
     with pytest.raises(EpisodeMismatch, match="ends with length, not stop"):
-        replay_episode(TASK, TASK.prompt(1), sample.token_ids, sample.loss_mask, "stop", 9, codec)
+        replay_episode(TASK, TASK.prompt(1), sample.token_ids, sample.loss_mask, "stop", params(9), codec, eos_ids=EOS_IDS)
     # A budget mid-turn: the model's turn is cut (no end-of-sequence) and the episode ends there.
     (cut,) = run_episodes([lease(1, codec)], SamplingParams(temperature=1.0, max_tokens=2), task=TASK, codec=codec,
                           complete=scripted([["123"]], codec, tokenizer.eos_token_id))
@@ -129,7 +138,7 @@ def test_replay_rejects_transcripts_the_episode_loop_cannot_produce(codec: TextC
     feedback = codec.encode("2=" if (secret + 1) % 100 > secret else "1=")
 
     def check(ids: list[int], mask: list[int], finish: str = "stop", max_tokens: int = 64) -> float:
-        return replay_episode(TASK, TASK.prompt(2), ids, mask, finish, max_tokens, codec)
+        return replay_episode(TASK, TASK.prompt(2), ids, mask, finish, params(max_tokens), codec, eos_ids=EOS_IDS)
 
     assert check(right, [1] * len(right)) == 1.0
     assert check(right, None) == 1.0  # type: ignore[arg-type] - no mask: one model turn
@@ -138,10 +147,42 @@ def test_replay_rejects_transcripts_the_episode_loop_cannot_produce(codec: TextC
         check(right + feedback + right, [1] * len(right) + [0, 0] + [1] * len(right))
     with pytest.raises(EpisodeMismatch, match="ends with None, not stop"):  # cut short: neither done nor at a limit
         check(wrong, [1] * len(wrong))
-    with pytest.raises(EpisodeMismatch, match="more than 3"):
+    with pytest.raises(EpisodeMismatch, match="more than its budget of 3"):
         check([3, 4, 5, 6], [1, 1, 1, 1], finish="length", max_tokens=4)
     with pytest.raises(EpisodeMismatch, match="more than max_turns 4"):
         check((wrong + feedback) * 4 + wrong, ([1] * len(wrong) + [0, 0]) * 4 + [1] * len(wrong))
+
+
+def without_eos(sample: Sample, turn: int, eos: int) -> tuple[list[int], list[int]]:
+    """The transcript and loss mask with model turn `turn`'s end-of-sequence left out: what a
+    worker that cuts the model's turns itself posts (the environment sees the same text)."""
+    runs = split_turns(sample.token_ids, sample.loss_mask)
+    model_runs = [index for index, (model, _) in enumerate(runs) if model]
+    assert runs[model_runs[turn - 1]][1].pop() == eos
+    return [t for _, ids in runs for t in ids], [int(model) for model, ids in runs for _ in ids]
+
+
+def test_replay_checks_how_each_model_turn_ended(codec: TextCodec, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A model turn shorter than its budget (3 tokens here) ends at end-of-sequence or at the
+    token completing a stop string; a worker cutting turns elsewhere (to make other guesses
+    than the policy's) is caught, though the environment would answer the cut turns alike."""
+    eos = tokenizer.eos_token_id
+    assert TASK.environment(TASK.prompt(4)).secret == 47 and TASK.max_turn_tokens == 3
+    honest = scripted([["17"], ["5"], ["47"]], codec, eos)
+    (sample,) = run_episodes([lease(4, codec)], params(64), task=TASK, codec=codec, complete=honest)
+    assert replay(sample, 4, codec, 64) == pytest.approx(0.5)  # every turn ends at end-of-sequence
+    ids, mask = without_eos(sample, 2, eos)
+    with pytest.raises(EpisodeMismatch, match="model turn 2 ends after 1 of its 3 tokens without end-of-sequence or a stop string"):
+        replay_episode(TASK, TASK.prompt(4), ids, mask, "stop", params(64), codec, eos_ids=EOS_IDS)
+    # No end-of-sequence: "17" ends at the stop string "7" (its token kept), "123" at the budget.
+    cut = scripted([["17"], ["123"]] * 2, codec, None)
+    (stopped,) = run_episodes([lease(4, codec)], params(64, ["7"]), task=TASK, codec=codec, complete=cut)
+    assert codec.decode(stopped.token_ids) == "171=1232=171=123" and stopped.finish_reason == "stop"
+    assert replay(stopped, 4, codec, 64, stop=["7"]) == 0.0
+    with pytest.raises(EpisodeMismatch, match="model turn 1 ends after 2 of its 3 tokens"):
+        replay(stopped, 4, codec, 64)  # the same transcript, sampled without that stop string
+    with pytest.raises(EpisodeMismatch, match="model turn 1 ends after 2 of its 3 tokens"):
+        replay(stopped, 4, codec, 64, stop=["1"])  # "1" was complete one token earlier: the turn ran on
 
 
 USER_TASK = '''
@@ -216,6 +257,11 @@ def test_orchestrator_scores_episodes_by_replay_and_rejects_tampering(
     assert post(samples[0], completion_token_ids=flipped).rejected[0].reason == "episode_mismatch"
     # Without a mask the transcript is one model turn, longer than a turn may be.
     assert post(samples[0], loss_mask=None).rejected[0].reason == "episode_mismatch"
+    # A model turn cut short of its budget without end-of-sequence (the ids the tokenizer and the
+    # model's generation config end a generation with, as the orchestrator reads them).
+    ids, mask = without_eos(samples[0], 1, tokenizer.eos_token_id)
+    cut = post(samples[0], completion_token_ids=ids, loss_mask=mask, logprobs=samples[0].logprobs[: len(ids)])
+    assert cut.rejected[0].reason == "episode_mismatch"
     for sample in samples:
         assert post(sample).accepted == 1
     (group,) = state.ready

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decentrl.config import TinyModelConfig
-from decentrl.model import build_model
+from decentrl.config import PretrainedModelConfig, TinyModelConfig
+from decentrl.model import build_model, end_of_sequence_ids
 from decentrl.trainer.train import collate, token_logprobs
 from decentrl.wire import SamplingParams, TrainSample
 from workers.backends import Completion
@@ -202,3 +202,8 @@ def test_hf_backend_cuts_at_any_of_several_eos_ids(
     for c in completions:
         assert (c.finish_reason == "stop") == (c.token_ids[-1] in stops)
         assert not stops & set(c.token_ids[:-1])
+    # The orchestrator's checks of how a generation ended accept every id the backend stops at,
+    # read from the generation config, or from config.json when a checkpoint has none.
+    assert end_of_sequence_ids(PretrainedModelConfig(path=str(tmp_path)), tokenizer) == stops
+    (tmp_path / "generation_config.json").unlink()
+    assert end_of_sequence_ids(PretrainedModelConfig(path=str(tmp_path)), tokenizer) == {eos}

@@ -14,9 +14,9 @@ import torch
 
 from decentrl.config import TinyModelConfig
 from decentrl.model import build_model, build_tiny_tokenizer
+from decentrl.stopping import stop_cut
 from decentrl.trainer.publisher import write_hf_dir
 from decentrl.wire import SamplingParams
-from workers.backends import stop_cut
 from workers.backends.hf import HFBackend, sampling_distribution
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=3)

@@ -53,20 +53,3 @@ class Backend(Protocol):
 def truncates(sampling: SamplingParams) -> bool:
     """Whether sampling keeps only part of the vocabulary (so a sampling mask is recorded)."""
     return sampling.top_k > 0 or sampling.top_p < 1.0
-
-
-def stop_cut(text_of: Callable[[list[int]], str], token_ids: list[int], stops: list[str], start: int = 0) -> int | None:
-    """Length of `token_ids` up to and including the first token that completes a stop string.
-
-    `start`: tokens before it were already checked (none of them completed a stop string).
-    Only a window of the last tokens is decoded at each position: a stop string of L characters
-    spans at most L tokens, plus a margin for tokens that decode to nothing (special tokens).
-    """
-    if not stops:
-        return None
-    window = max(len(stop) for stop in stops) + 8
-    for end in range(start + 1, len(token_ids) + 1):
-        text = text_of(token_ids[max(0, end - window) : end])
-        if any(stop in text for stop in stops):
-            return end
-    return None

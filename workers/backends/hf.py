@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from decentrl.sampling import sampling_distribution
+from decentrl.stopping import eos_id_set, stop_cut
 from decentrl.wire import SamplingParams
-from workers.backends import Completion, never, stop_cut, truncates
+from workers.backends import Completion, never, truncates
 from workers.backends.adapters import adapter_base_dir, merged_weights
 
 
@@ -56,8 +57,7 @@ class HFBackend:
     def _eos_and_pad(self) -> tuple[set[int], int]:
         assert self.model is not None
         config = self.model.generation_config
-        eos = config.eos_token_id
-        eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        eos_ids = eos_id_set(config.eos_token_id)
         # Many pretrained models have no pad token; any id works under a zero attention mask.
         pad = config.pad_token_id if config.pad_token_id is not None else min(eos_ids, default=0)
         return eos_ids, pad

@@ -20,8 +20,9 @@ import urllib.request
 from collections.abc import Callable
 from typing import Literal
 
+from decentrl.stopping import stop_cut
 from decentrl.wire import SamplingParams
-from workers.backends import Completion, never, stop_cut, truncates
+from workers.backends import Completion, never, truncates
 
 
 class OpenAIBackend:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from decentrl.stopping import stop_cut
 from decentrl.wire import SamplingParams
-from workers.backends import Completion, never, stop_cut, truncates
+from workers.backends import Completion, never, truncates
 
 
 class VLLMBackend:
