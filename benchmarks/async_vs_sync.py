@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int) -> dict:
     config = tomllib.loads((ROOT / "configs" / "local.toml").read_text())
     config.update(run_name=f"{scenario}-s{max_staleness}", max_staleness=max_staleness, num_workers=args.workers)
-    config["trainer"].update(steps=args.steps, seed=seed)
+    config["trainer"].update(steps=args.steps, seed=seed, **({"lr": args.lr} if args.lr else {}))
     config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s)
     config["store"].update(keep_last=args.steps + 1)  # every version stays, to be evaluated afterwards
     config["worker"].update(
@@ -234,6 +234,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.3, help="Target mean reward (smoothed).")
     parser.add_argument("--smooth", type=int, default=5, help="Steps in the reward moving average.")
     parser.add_argument("--async-staleness", default="2", help="max_staleness of the asynchronous run; a comma list runs one per value.")
+    parser.add_argument("--lr", type=float, default=None, help="trainer.lr of every mode; default configs/local.toml's (1e-3).")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--slots", type=int, default=16, help="Concurrent lease slots per worker.")
     parser.add_argument("--latency-median-s", type=float, default=0.2)
@@ -297,7 +298,7 @@ def main() -> None:
             "plot": str(figure),
         }
     shutil.rmtree(tmp)
-    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples")}
+    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples")}
     first = report[next(iter(report))]
     print(json.dumps({"sync": first["sync"], "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"], "settings": settings, "scenarios": report}))
 
