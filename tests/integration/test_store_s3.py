@@ -63,6 +63,20 @@ def new_bucket_url(endpoint: str) -> str:
     return f"s3://{bucket}/run"
 
 
+def unreachable(url: str, options: dict[str, object]) -> CheckpointStore:
+    """`url` through an endpoint nothing listens on (one attempt, 1 s connect timeout)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    return CheckpointStore(
+        url,
+        {**options, "client_kwargs": {"endpoint_url": dead, "region_name": "us-east-1"},
+         "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}},
+    )
+
+
 @pytest.fixture
 def url(endpoint: str) -> str:
     return new_bucket_url(endpoint)
@@ -331,8 +345,6 @@ def test_cache_cap_evicts_oldest(url: str, options: dict[str, object], tmp_path:
 def test_cache_of_another_bucket_is_replaced_and_served_while_s3_is_down(
     endpoint: str, options: dict[str, object], tmp_path: Path
 ) -> None:
-    import socket
-
     run_a, run_b = (CheckpointStore(new_bucket_url(endpoint), options) for _ in range(2))
     src_a, src_b = make_ckpt(tmp_path, "a"), make_ckpt(tmp_path, "b")
     run_a.publish(2, str(src_a))
@@ -341,14 +353,7 @@ def test_cache_of_another_bucket_is_replaced_and_served_while_s3_is_down(
     assert same_files(Path(run_a.pull(2, cache)), src_a)
     out = run_b.pull(2, cache)  # same number, another run: not A's weights
     assert same_files(Path(out), src_b)
-    with socket.socket() as probe:  # a port nothing listens on: the endpoint is down
-        probe.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    down = CheckpointStore(
-        run_b.url,
-        {**options, "client_kwargs": {"endpoint_url": dead, "region_name": "us-east-1"},
-         "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}},
-    )
+    down = unreachable(run_b.url, options)
     assert down.pull(2, cache) == out  # kept generating with the cached version
     assert same_files(Path(out), src_b)
     with pytest.raises(StoreError, match="check the store is reachable"):
@@ -377,19 +382,10 @@ def test_s3_outage_mid_pull_and_listing_are_store_errors(
     store: CheckpointStore, options: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Callers catch StoreError (the worker's swapper retries on it), never botocore's own errors."""
-    import socket
-
     from botocore.exceptions import EndpointConnectionError
 
     store.publish(1, str(make_ckpt(tmp_path, "a")))
-    with socket.socket() as probe:  # a port nothing listens on: the endpoint is down
-        probe.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    down = CheckpointStore(
-        store.url,
-        {**options, "client_kwargs": {"endpoint_url": dead, "region_name": "us-east-1"},
-         "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}},
-    )
+    down = unreachable(store.url, options)
     with pytest.raises(StoreError, match=f"listing versions in {store.url} failed.*check the store is reachable"):
         down.versions()
     # The manifest arrives, then the endpoint goes away while the files stream: s3fs raises
@@ -398,7 +394,7 @@ def test_s3_outage_mid_pull_and_listing_are_store_errors(
 
     def endpoint_gone(remote: str, local_path: str, expected_size: int) -> tuple[int, str]:
         attempts.append(remote)
-        raise EndpointConnectionError(endpoint_url=dead)
+        raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
 
     monkeypatch.setattr(store, "_fetch_resuming", endpoint_gone)
     with pytest.raises(StoreError, match="download failed .*check the store is reachable"):
