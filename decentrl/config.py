@@ -262,6 +262,11 @@ class OrchestratorConfig(Section):
     batch_wait_s: float = Field(
         20.0, gt=0, description="How long one trainer batch request waits before answering 204."
     )
+    lease_wait_s: float = Field(
+        2.0, ge=0, le=30,
+        description="How long a lease request with nothing to grant (the staleness budget or the buffer is "
+        "full) waits for groups to free up before answering empty; 0 = answer at once with retry_after_s.",
+    )
     journal: bool = Field(
         True,
         description="Journal every acknowledged rollout, lease and version in <run_dir>/journal.sqlite "

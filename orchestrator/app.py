@@ -94,7 +94,8 @@ log = logging.getLogger("decentrl.orchestrator")
 STATE = web.AppKey("state", RunState)
 TOKENS = web.AppKey("tokens", TokenRegistry)
 STORE_URL = web.AppKey("store_url", str)
-BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)
+BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)  # notified when a batch may have formed
+LEASES_FREED = web.AppKey("leases_freed", asyncio.Condition)  # notified when a lease may be grantable
 METRICS = web.AppKey("metrics", Metrics)
 LIMITER = web.AppKey("limiter", RateLimiter)
 INFLIGHT = web.AppKey("inflight", list)  # [rollout posts being processed]
@@ -319,7 +320,19 @@ async def leases(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.integrity.is_banned(request[IDENTITY].name):  # a token from DECENTRL_TOKENS outlives its ban
         raise error(web.HTTPForbidden, f"token {request[IDENTITY].name!r} is banned (docs/security.md)")
-    granted = state.grant_leases(holder_of(request, body.worker_id), body.max_groups)
+    holder, wait_s = holder_of(request, body.worker_id), state.config.orchestrator.lease_wait_s
+    # Long-poll: with nothing to grant, wait for a version, a served batch or a release to free
+    # groups, so a worker's slots start the moment the staleness budget allows and do not poll.
+    freed = request.app[LEASES_FREED]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    async with freed:
+        while not (granted := state.grant_leases(holder, body.max_groups)):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):  # every 0.5 s at least: leases expire unannounced
+                await asyncio.wait_for(freed.wait(), timeout=min(remaining, 0.5))
     await commit(request)
     return respond(
         request,
@@ -327,9 +340,14 @@ async def leases(request: web.Request) -> web.Response:
             policy_version=state.published_version,
             sampling=state.sampling,
             leases=granted,
-            retry_after_s=0.0 if granted else 0.2,
+            retry_after_s=0.0 if granted or wait_s > 0 else 0.2,
         ),
     )
+
+
+async def notify_all(condition: asyncio.Condition) -> None:
+    async with condition:
+        condition.notify_all()
 
 
 def _lease_error(exc: LeaseError) -> web.HTTPException:
@@ -358,7 +376,9 @@ async def lease_renew(request: web.Request) -> web.Response:
 
 
 async def lease_release(request: web.Request) -> web.Response:
-    return await _on_lease(request, RunState.release_lease)
+    answer = await _on_lease(request, RunState.release_lease)
+    await notify_all(request.app[LEASES_FREED])
+    return answer
 
 
 async def rollouts(request: web.Request) -> web.Response:
@@ -403,8 +423,9 @@ async def rollouts(request: web.Request) -> web.Response:
     if result.rejected:
         metrics.worker_rollouts.labels(name, "rejected").inc(len(result.rejected))
     if len(state.ready) > ready_before:
-        async with app[BATCH_READY]:
-            app[BATCH_READY].notify_all()
+        await notify_all(app[BATCH_READY])
+    if result.rejected:  # a rejected sample may have dropped its group, freeing its place
+        await notify_all(app[LEASES_FREED])
     return respond(request, result)
 
 
@@ -425,6 +446,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
             with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
                 await asyncio.wait_for(ready.wait(), timeout=min(remaining, 1.0))
     await commit(request)
+    await notify_all(request.app[LEASES_FREED])  # the buffer has room again
     histogram = request.app[METRICS].staleness
     for lag, count in served.staleness_histogram.items():
         for _ in range(count):
@@ -439,6 +461,7 @@ async def version(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.announce(body.version)
     await commit(request)
+    await notify_all(request.app[LEASES_FREED])  # the staleness budget grows by a step's groups
     log.info("version %d published", body.version)
     return respond(request, run_status(request.app))
 
@@ -709,9 +732,9 @@ async def _verification(app: web.Application) -> AsyncIterator[None]:
             if state.journal is not None:
                 await state.journal.commit()
             # A batch may form now: groups joined the buffer, or a held-back group it waited for
-            # was dropped.
-            async with app[BATCH_READY]:
-                app[BATCH_READY].notify_all()
+            # was dropped (which also frees its place for a new lease).
+            await notify_all(app[BATCH_READY])
+            await notify_all(app[LEASES_FREED])
 
     task = asyncio.create_task(loop())
     yield
@@ -753,6 +776,7 @@ def create_app(
     app[TOKENS] = tokens
     app[STORE_URL] = store_url
     app[BATCH_READY] = asyncio.Condition()
+    app[LEASES_FREED] = asyncio.Condition()
     app[METRICS] = Metrics(state)
     app[LIMITER] = RateLimiter(options.rate_limit_per_s, options.rate_limit_burst)
     app[INFLIGHT] = [0]

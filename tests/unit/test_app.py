@@ -255,7 +255,7 @@ def test_batch_needs_an_integer_trainer_version(serve: ServeFn, query: str) -> N
 
 def test_version_announcement(serve: ServeFn) -> None:
     async def scenario() -> None:
-        async with serve() as server:
+        async with serve(orchestrator={"lease_wait_s": 0.0}) as server:
             worker, trainer = server.client(WORKER), server.client(TRAINER)
             assert (await asyncio.to_thread(worker.info)).policy_version is None
             empty = await asyncio.to_thread(worker.lease, LeaseRequest(worker_id="w0", max_groups=4))
@@ -365,6 +365,50 @@ def test_batch_long_poll_wakes_when_rollouts_complete_it(
             # Woken by the notification, not by the handler's once-a-second re-check (which
             # would come about 0.8 s after posting) nor by the 20 s deadline.
             assert time.monotonic() - posted_at < 0.5
+
+    run(scenario())
+
+
+def test_lease_long_poll_wakes_when_a_version_frees_the_budget(serve: ServeFn) -> None:
+    async def scenario() -> None:
+        # max_staleness 1, 2 groups a step: version 0 allows 4 groups in all.
+        async with serve(orchestrator={"lease_wait_s": 20.0}) as server:
+            worker, trainer = server.client(WORKER), server.client(TRAINER)
+            await asyncio.to_thread(trainer.announce, 0)
+            first = await asyncio.to_thread(worker.lease, LeaseRequest(worker_id="w0", max_groups=8))
+            assert len(first.leases) == 4
+            waiting = asyncio.create_task(asyncio.to_thread(worker.lease, LeaseRequest(worker_id="w1", max_groups=8)))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # held, not answered empty
+            await asyncio.to_thread(trainer.announce, 1)
+            announced_at = time.monotonic()
+            second = await waiting
+            assert second.policy_version == 1 and len(second.leases) == 2 and second.retry_after_s == 0.0
+            # Woken by the announcement, not by the twice-a-second re-check nor the 20 s deadline.
+            assert time.monotonic() - announced_at < 0.4
+
+    run(scenario())
+
+
+def test_lease_long_poll_answers_empty_at_its_deadline_and_sees_expiries(serve: ServeFn) -> None:
+    async def scenario() -> None:
+        async with serve(orchestrator={"lease_wait_s": 0.4}) as server:
+            worker, trainer = server.client(WORKER), server.client(TRAINER)
+            await asyncio.to_thread(trainer.announce, 0)
+            assert len((await asyncio.to_thread(worker.lease, LeaseRequest(worker_id="w0", max_groups=8))).leases) == 4
+            started = time.monotonic()
+            empty = await asyncio.to_thread(worker.lease, LeaseRequest(worker_id="w1", max_groups=8))
+            assert empty.leases == [] and empty.retry_after_s == 0.0  # the server already waited
+            assert 0.4 <= time.monotonic() - started < 3.0
+        async with serve(orchestrator={"lease_wait_s": 10.0, "lease_timeout_s": 1.0}) as server:
+            worker, trainer = server.client(WORKER), server.client(TRAINER)
+            await asyncio.to_thread(trainer.announce, 0)
+            expiring = await asyncio.to_thread(worker.lease, LeaseRequest(worker_id="w0", max_groups=8))
+            started = time.monotonic()
+            # Nothing announces an expiry: the waiting request's own re-check finds it.
+            again = await asyncio.to_thread(worker.lease, LeaseRequest(worker_id="w1", max_groups=8))
+            assert 0.9 <= time.monotonic() - started < 3.0
+            assert sorted(lease.prompt_id for lease in again.leases) == sorted(lease.prompt_id for lease in expiring.leases)
 
     run(scenario())
 
