@@ -543,7 +543,7 @@ ROUTES: list[tuple[RouteSpec, Callable[[web.Request], Awaitable[web.StreamRespon
                answers={200: RunInfo}, msgpack=True), info),
     (RouteSpec("GET", f"{P}/status", "Run counters for progress displays.", ANY,
                answers={200: StatusResponse}, msgpack=True), status),
-    (RouteSpec("POST", f"{P}/leases", "Lease prompt groups (empty with retry_after_s when none are due).", ("worker",),
+    (RouteSpec("POST", f"{P}/leases", "Lease prompt groups; with none due, waits up to lease_wait_s for one (then empty).", ("worker",),
                body=LeaseRequest, answers={200: LeaseResponse}, msgpack=True, tag="worker"), leases),
     (RouteSpec("GET", f"{P}/leases/{{lease_id}}", "Where one of my leases stands.", ("worker",),
                params=(LEASE_ID, WORKER_Q), answers={200: LeaseState}, errors=(404,), msgpack=True, tag="worker"), lease_get),
