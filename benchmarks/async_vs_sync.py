@@ -120,7 +120,8 @@ def evaluate_version(args: argparse.Namespace, run_dir: Path, version: int) -> d
 
 
 def version_at(result: dict, t: float) -> int:
-    """The newest version the trainer had published by wall time `t` (version N after step N)."""
+    """The newest version the trainer had made by wall time `t` (version N after step N, published
+    moments later in the background)."""
     return sum(1 for s in result["curve"]["t"] if s <= t)
 
 
@@ -229,7 +230,7 @@ def plot(scenario: str, results: dict[str, list[dict]], target: float, out: Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="base,slow_worker,killed_worker")
-    parser.add_argument("--steps", type=int, default=150, help="Optimizer steps per run (150: the sorting task's reward levels off).")
+    parser.add_argument("--steps", type=int, default=150, help="Optimizer steps per run (docs/benchmarks.md compares 60 and 150).")
     parser.add_argument("--seeds", type=int, default=1, help="Runs per mode (trainer.seed 0..N-1); figures are means.")
     parser.add_argument("--target", type=float, default=0.3, help="Target mean reward (smoothed).")
     parser.add_argument("--smooth", type=int, default=5, help="Steps in the reward moving average.")
