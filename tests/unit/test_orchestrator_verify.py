@@ -212,7 +212,8 @@ def test_adversaries_on_loopback_are_banned_and_flooding_is_limited(
     ]
     config = make_config(
         orchestrator={"verification": {"enabled": True, "new_worker_checks": 8, "max_strikes": 2},
-                      "rate_limit_per_s": 1.0, "rate_limit_burst": 20},
+                      # Lease answers at once: a long-poll would pace the flood below the limit.
+                      "rate_limit_per_s": 1.0, "rate_limit_burst": 20, "lease_wait_s": 0.0},
     )
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     state.announce(0)
