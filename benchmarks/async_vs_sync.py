@@ -103,7 +103,7 @@ def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: 
         raise SystemExit(f"{name}: worker-1 was never killed (the run ended first); try more --steps. See {log.name}")
     result = summarize(args, read_metrics(run_dir), json.loads((run_dir / "status.json").read_text()), killed_at)
     result["run_dir"] = str(run_dir)
-    final = evaluate_version(args, run_dir, args.steps)
+    result["eval_final"] = final = evaluate_version(args, run_dir, args.steps)
     result["eval_final_reward"], result["eval_final_stderr"] = final["reward_mean"], final["reward_stderr"]
     return result
 
@@ -250,7 +250,7 @@ def main() -> None:
     report: dict[str, dict] = {}
     # Kept when a run fails, so its logs can be read; removed after a clean finish.
     tmp = tempfile.mkdtemp(prefix="decentrl-async-vs-sync-")
-    plain = ("curve", "timeline", "label", "run_dir")
+    plain = ("curve", "timeline", "label", "run_dir", "eval_final")
     # "async" is the first --async-staleness; further ones run as "async_s<N>".
     stalenesses = [int(n) for n in args.async_staleness.split(",")]
     if not stalenesses or min(stalenesses) < 1:
@@ -273,7 +273,9 @@ def main() -> None:
                 "reward_at_equal_wall_time": {"t_s": equal_t, **{mode: reward_at(r, equal_t) for mode, r in pair.items()}},
                 "eval_at_equal_wall_time": {
                     "t_s": equal_t,
-                    **{mode: {"version": v, **evaluate_version(args, Path(pair[mode]["run_dir"]), v)} for mode, v in at_equal_t.items()},
+                    # The fastest run's newest version is its final one, evaluated already.
+                    **{mode: {"version": v, **(pair[mode]["eval_final"] if v == args.steps else evaluate_version(args, Path(pair[mode]["run_dir"]), v))}
+                       for mode, v in at_equal_t.items()},
                 },
             })
         figure = plot(scenario, results, args.target, out)
