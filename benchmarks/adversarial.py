@@ -76,7 +76,7 @@ class Adversary(threading.Thread):
             import os
 
             from decentrl.model import build_model, build_tiny_tokenizer
-            from decentrl.trainer.publisher import write_hf_dir
+            from decentrl.weights import write_hf_dir
 
             model = build_model(self.model_config.model_copy(update={"seed": self.model_config.seed + 1}))
             directory = os.path.join(self.cache, "foreign")

@@ -54,7 +54,7 @@ from transformers import Qwen2Config
 from decentrl.config import LoRAConfig, StoreConfig
 from decentrl.store import CheckpointStore
 from decentrl.trainer.lora import add_adapters, write_adapter_dir
-from decentrl.trainer.publisher import write_hf_dir
+from decentrl.weights import write_hf_dir
 
 MB = 1e6
 

@@ -63,7 +63,7 @@ def write_version(directory: str, shape: dict[str, int], seed: int) -> str:
     """A checkpoint directory as the trainer publishes one, with EOS disabled (fixed lengths)."""
     from decentrl.config import TinyModelConfig
     from decentrl.model import build_model, build_tiny_tokenizer
-    from decentrl.trainer.publisher import write_hf_dir
+    from decentrl.weights import write_hf_dir
 
     model = build_model(TinyModelConfig(**shape, seed=seed))
     model.generation_config.eos_token_id = None

@@ -1,8 +1,9 @@
 """Build the initial policy (version 0): a tiny model from config or a pretrained directory.
 
-Called by the trainer (to create version 0 and its own FSDP model) and by the orchestrator
+Called by the trainer (to create version 0 and its own FSDP model), by the orchestrator
 (for the tokenizer, to encode prompts and decode completions for rewards, and for the
-end-of-sequence ids its checks of how generations ended accept).
+end-of-sequence ids its checks of how generations ended accept) and by its verifier (models of
+the run's architecture to copy versions into).
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ def end_of_sequence_ids(config: TinyModelConfig | PretrainedModelConfig, tokeniz
 def build_model(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedModel:
     """The version-0 weights, in float32 on CPU."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from decentrl.weights import load_pretrained
 
     if isinstance(config, PretrainedModelConfig):
-        return AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32)
+        return load_pretrained(config.path)
     tokenizer = build_tiny_tokenizer()
     model_config = Qwen2Config(
         vocab_size=len(tokenizer),

@@ -12,24 +12,24 @@ distribution the HF worker backend samples from: temperature, then top-k, then t
 renormalized over the kept set) on one full forward of prompt + completion under the version's
 weights. A version is loaded once: its weight files are read from the store into memory,
 checked against the (signed) manifest's sha256, and copied into a model built at startup, in
-place; the last `models_cached` versions stay loaded. A completion that spanned a weight swap
+place and all or nothing (decentrl/weights.py, which the worker's weight swap uses too); the
+last `models_cached` versions stay loaded. One load path: weights that cannot be read or do not
+fit the model are an error the check reports (the rollouts are left `unverifiable`). A completion that spanned a weight swap
 (`token_versions`) is checked token by token against the version of each token. A rollout
 fails when any token's |claimed - recomputed| exceeds `tolerance` (a claimed token outside the
 recomputed kept set differs by infinity). docs/security.md: the calibration and the costs.
 
 Cost accounting (`summary()`, /v1/status `verification`): `compute_s` is the wall time of the
 checks, loads included; `cpu_s` the checking thread's CPU time (plus, for a version pulled into
-the cache - a LoRA base, or without a built model - the pull at its wall time: it hashes on the
+the cache - a LoRA adapter and its base - the pull at its wall time: it hashes on the
 store's own threads, which the thread clock does not see). The one-time imports and model builds
 at startup are `startup_s`, apart, as the trainer's compute time leaves out its own start-up.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 import math
-import os
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
@@ -41,6 +41,8 @@ from decentrl.wire import Rollout
 
 if TYPE_CHECKING:
     import torch
+
+    from decentrl.weights import CheckpointError
 
 log = logging.getLogger("decentrl.orchestrator.verify")
 
@@ -62,18 +64,17 @@ def _versions(rollout: Rollout) -> set[int]:
 class Verifier:
     def __init__(
         self, config: VerificationConfig, *, store: CheckpointStore, cache_dir: str,
-        build: Callable[[], torch.nn.Module] | None = None,
+        build: Callable[[], torch.nn.Module],
     ) -> None:
         """`build` makes a model of the run's architecture (decentrl.model.build_model): `warm_up`
         builds `models_cached` of them, and every version is then copied into one in place.
-        Without it the first versions are loaded from their pulled directories."""
+        `cache_dir` receives the pulled versions of LoRA runs (an adapter and its base)."""
         self.config = config
         self.store = store
         self.cache_dir = cache_dir
         self.build = build
         self._models: OrderedDict[int, torch.nn.Module] = OrderedDict()  # version -> model, most recent last
         self._spare: list[torch.nn.Module] = []  # built, no version loaded yet
-        self._params: dict[int, dict[str, torch.Tensor]] = {}  # id(model) -> its state dict (aliases)
         self.compute_s = 0.0  # wall time of checks, loads included
         self.cpu_s = 0.0  # checking thread's CPU time + pulls' wall time (see the module docstring)
         self.load_s = 0.0  # wall time of reading, verifying and copying in weights (part of compute_s)
@@ -89,18 +90,24 @@ class Verifier:
     def warm_up(self) -> None:
         """Import torch, transformers and the model code, and build the models, now rather than in
         the first checks (seconds of CPU, once per process: the trainer's compute time does not
-        count its own start-up either)."""
+        count its own start-up either). Errors propagate: the caller logs them, and the first
+        check then builds what it needs itself, the same way."""
         started = time.perf_counter()
         import torch
 
         import decentrl.sampling  # noqa: F401
-        import workers.backends.hf  # noqa: F401
+        import decentrl.weights  # noqa: F401
 
         torch.set_num_threads(self.config.torch_threads)
-        if self.build is not None:
-            with torch.no_grad():
-                self._spare = [self.build().eval() for _ in range(self.config.models_cached)]
+        while len(self._spare) + len(self._models) < self.config.models_cached:
+            self._spare.append(self._build())
         self.startup_s += time.perf_counter() - started
+
+    def _build(self) -> torch.nn.Module:
+        import torch
+
+        with torch.no_grad():
+            return self.build().eval()
 
     def _model(self, version: int) -> torch.nn.Module:
         found = self._models.pop(version, None)
@@ -114,51 +121,40 @@ class Verifier:
         return found
 
     def _load(self, version: int) -> torch.nn.Module:
-        """A model holding `version`'s weights: a spare or the least recently used one, its
-        weights overwritten in place with the verified bytes read from the store (no cache
-        directory, no rebuild). A LoRA adapter version is merged onto its base (pulled, cached)
-        as the HF worker does; without a built model the version is loaded from its pulled
-        directory."""
+        """A model holding `version`'s weights: a spare, a new build (warm_up did not build them
+        all) or the least recently used one, overwritten in place, all or nothing
+        (decentrl/weights.py `copy_into`). Weights that cannot be read leave every loaded model
+        as it was."""
         import torch
-        from safetensors.torch import load as load_safetensors
-        from safetensors.torch import load_file
 
-        from workers.backends.adapters import adapter_base_dir, merged_weights
+        from decentrl.weights import copy_into
 
         torch.set_num_threads(self.config.torch_threads)
+        weights = self._weights(version)
         if self._spare:
             model = self._spare.pop()
         elif len(self._models) >= self.config.models_cached:
             model = self._models.popitem(last=False)[1]
         else:
-            return self._load_pulled(version)
+            model = self._build()
         try:
-            manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors"))
-            weights: dict[str, torch.Tensor] = {}
-            if manifest.base_version is None:
-                for data in files.values():
-                    weights.update(load_safetensors(data))
-                self._copy_in(model, weights, strict=True)
-            else:
-                directory = self._pull(version)
-                base_dir = adapter_base_dir(directory)
-                assert base_dir is not None
-                for shard in sorted(glob.glob(os.path.join(base_dir, "*.safetensors"))):
-                    weights.update(load_file(shard))
-                self._copy_in(model, weights, strict=True)
-                self._copy_in(model, merged_weights(base_dir, directory), strict=False)
+            copy_into(model, weights)
         except BaseException:
-            self._spare.append(model)  # holds no version now, but is as good as a fresh build
+            self._spare.append(model)  # no longer counted as holding its version: as good as a fresh build
             raise
         return model
 
-    def _load_pulled(self, version: int) -> torch.nn.Module:
-        from workers.backends.hf import HFBackend
+    def _weights(self, version: int) -> dict[str, torch.Tensor]:
+        """`version`'s full weights. A full version's files are read from the store into memory,
+        each checked against the (signed) manifest's sha256: no cache directory. A LoRA adapter
+        version is pulled with its base into the cache (verified once) and merged onto it, as the
+        HF worker does."""
+        from decentrl.weights import INDEX_NAME, read_weights, weights_from_files
 
-        backend = HFBackend(device="cpu", seed=0)
-        backend.load(self._pull(version), version)
-        assert backend.model is not None
-        return backend.model
+        manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors") or name == INDEX_NAME)
+        if manifest.base_version is None:
+            return weights_from_files(files)
+        return read_weights(self._pull(version))
 
     def _pull(self, version: int) -> str:
         started = time.perf_counter()
@@ -166,21 +162,6 @@ class Verifier:
             return self.store.pull(version, self.cache_dir)
         finally:
             self.cpu_s += time.perf_counter() - started  # hashed on the store's threads: counted at wall time
-
-    def _copy_in(self, model: torch.nn.Module, weights: dict[str, torch.Tensor], *, strict: bool) -> None:
-        import torch
-
-        params = self._params.get(id(model))
-        if params is None:
-            params = self._params[id(model)] = model.state_dict()  # tensors aliasing the model's
-        if (strict and weights.keys() != params.keys()) or not weights.keys() <= params.keys():
-            raise StoreError(
-                f"weights do not match the model: missing {sorted(params.keys() - weights.keys())[:5]}, "
-                f"unexpected {sorted(weights.keys() - params.keys())[:5]}"
-            )
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                params[name].copy_(tensor)
 
     def recompute(self, rollouts: list[Rollout], version: int) -> list[torch.Tensor]:
         """Per rollout, the logprob (T,) of each completion token under `version`'s sampling
@@ -218,8 +199,11 @@ class Verifier:
     def differences(self, rollouts: list[Rollout]) -> list[float]:
         """Per rollout, the largest |claimed - recomputed| logprob over the tokens it sampled
         (infinite where a claimed token lies outside the recomputed kept set; NaN where a version
-        it needs cannot be read from the store: deleted by retention, or failing verification)."""
+        it needs cannot be loaded: deleted by retention, failing verification, or weights that do
+        not fit the model)."""
         import torch
+
+        from decentrl.weights import CheckpointError
 
         worst = torch.zeros(len(rollouts), dtype=torch.float64)
         by_version: dict[int, list[int]] = defaultdict(list)  # version -> indices of rollouts with tokens of it
@@ -230,7 +214,7 @@ class Verifier:
             batch = [rollouts[index] for index in indices]
             try:
                 recomputed = self._recompute(batch, version)  # (N,)
-            except StoreError as exc:
+            except (StoreError, CheckpointError) as exc:
                 log.error("version %d cannot be read from the store (%s): %d rollouts left unjudged", version, exc, len(batch))
                 worst[indices] = math.nan
                 continue

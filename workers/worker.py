@@ -373,9 +373,9 @@ def load_codec(checkpoint_dir: str) -> TextCodec:
     from transformers import AutoTokenizer
 
     from decentrl.tasks.episodes import tokenizer_codec
-    from workers.backends.adapters import adapter_base_dir
+    from decentrl.weights import model_dir
 
-    return tokenizer_codec(AutoTokenizer.from_pretrained(adapter_base_dir(checkpoint_dir) or checkpoint_dir))
+    return tokenizer_codec(AutoTokenizer.from_pretrained(model_dir(checkpoint_dir)))
 
 
 def default_worker_id() -> str:

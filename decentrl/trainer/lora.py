@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import torch
 from peft import LoraConfig, get_peft_model
-from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from decentrl.config import LoRAConfig
+from decentrl.weights import ADAPTER_PREFIX, write_adapter_weights
 
 BASE_VERSION = 0  # every adapter applies to the initial model; the KL reference is the same base
-ADAPTER_CONFIG = "adapter_config.json"  # peft's CONFIG_NAME
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
 _ADAPTER_NAME = "default"  # peft's name for the one adapter; absent from saved key names
 
 
@@ -50,15 +48,14 @@ def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     `model.layers.0.self_attn.q_proj.lora_A.default.weight` ->
     `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
     return {
-        "base_model.model." + name.replace(f".{_ADAPTER_NAME}.", "."): tensor
+        ADAPTER_PREFIX + name.replace(f".{_ADAPTER_NAME}.", "."): tensor
         for name, tensor in state.items()
         if is_adapter_weight(name)
     }
 
 
 def write_adapter_dir(directory: str, state: dict[str, torch.Tensor], config: LoRAConfig) -> None:
-    """`adapter_config.json` + `adapter_model.safetensors` from a state dict holding the adapter
-    weights (trainer names; other entries are ignored)."""
+    """`adapter_config.json` (peft's) + `adapter_model.safetensors` (decentrl/weights.py) from a
+    state dict holding the adapter weights (trainer names; other entries are ignored)."""
     peft_config(config).save_pretrained(directory)
-    weights = {name: tensor.contiguous() for name, tensor in adapter_state(state).items()}
-    save_file(weights, f"{directory}/{ADAPTER_WEIGHTS}", metadata={"format": "pt"})
+    write_adapter_weights(directory, adapter_state(state))

@@ -1,10 +1,10 @@
 """Background publishing of new versions, so the next optimizer step never waits on uploads.
 
 Rank 0 of the trainer hands each new full state dict to `Publisher.submit`; a thread writes an
-HF-loadable directory (sharded safetensors), publishes it to the store (files in parallel,
-manifest last), tells the orchestrator, and applies retention. In LoRA runs (`lora` given) the
-state dict holds only the adapter and the directory is a peft adapter on version 0
-(decentrl/trainer/lora.py).
+HF-loadable directory (sharded safetensors, decentrl/weights.py `write_hf_dir`), publishes it to
+the store (files in parallel, manifest last), tells the orchestrator, and applies retention. In
+LoRA runs (`lora` given) the state dict holds only the adapter and the directory is a peft
+adapter on version 0 (decentrl/trainer/lora.py).
 
 Policy when uploads fall behind: the queue is one slot. `submit` never blocks; if a version is
 still waiting when a newer one arrives, the newer one replaces it and the older one is never
@@ -15,54 +15,21 @@ to the newest weights - a skipped version would only have been stale on arrival.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
-from decentrl.config import LoRAConfig, StoreConfig
+from decentrl.config import LoRAConfig
 from decentrl.store import CheckpointStore
 from decentrl.trainer.lora import BASE_VERSION, write_adapter_dir
+from decentrl.weights import DEFAULT_SHARD_BYTES, write_hf_dir
 
 log = logging.getLogger("decentrl.trainer.publisher")
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-DEFAULT_SHARD_BYTES = StoreConfig.model_fields["shard_size_mb"].default * 2**20
-INDEX_NAME = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME
-
-
-def write_hf_dir(
-    directory: str,
-    state: dict[str, torch.Tensor],
-    model_config: PretrainedConfig,
-    extras_from: str,
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-) -> None:
-    """An HF-loadable checkpoint: config.json, tokenizer files copied from `extras_from`, and the
-    weights as `model.safetensors` when they fit one shard, else `model-00001-of-0000N.safetensors`
-    ... plus `model.safetensors.index.json`, the layout `from_pretrained` reads."""
-    model_config.save_pretrained(directory)
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
-    for filename, names in split.filename_to_tensors.items():
-        shard = {name: state[name].contiguous() for name in names}
-        save_file(shard, os.path.join(directory, filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        Path(directory, INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
-    for name in TOKENIZER_FILES:
-        source = Path(extras_from) / name
-        if source.is_file() and source.resolve() != (Path(directory) / name).resolve():
-            shutil.copy(source, Path(directory) / name)
 
 
 class Publisher:

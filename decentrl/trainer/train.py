@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from decentrl.client import OrchestratorClient
 from decentrl.config import RunConfig, TrainerConfig
@@ -33,8 +33,9 @@ from decentrl.trainer.gather import WeightGather
 from decentrl.trainer.lora import adapter_state, add_adapters, is_adapter_weight
 from decentrl.trainer.metrics import MetricsLog, StepTimes, step_record
 from decentrl.trainer.prefetch import BatchPrefetcher
-from decentrl.trainer.publisher import Publisher, write_hf_dir
+from decentrl.trainer.publisher import Publisher
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks, token_logprobs
+from decentrl.weights import load_pretrained, read_adapter, read_hf_weights, write_hf_dir
 from decentrl.wire import TrainBatch
 
 __all__ = ["TrainerOptions", "collate", "token_logprobs", "train"]  # collate, token_logprobs: tests/unit/test_trainer_math.py
@@ -69,7 +70,7 @@ def prepare_store(config: RunConfig, store: CheckpointStore, client: Orchestrato
 
 
 def load_policy(directory: str, config: TrainerConfig, device: torch.device, *, frozen: bool = False) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
+    model = load_pretrained(directory).to(device)
     if frozen:  # the KL reference: version 0, never trained
         model.requires_grad_(False).eval()
     else:
@@ -96,15 +97,13 @@ def receive_batch(step: int, plan: ResumePlan, client: OrchestratorClient, journ
     return batch
 
 
-def replay_difference(weights: dict[str, torch.Tensor], store: CheckpointStore, version: int, cache_dir: str) -> float:
-    """Rank 0: largest |difference| between replayed weights and those published before the crash."""
-    from safetensors.torch import load_file
-
+def replay_difference(
+    weights: dict[str, torch.Tensor], store: CheckpointStore, version: int, cache_dir: str, *, lora: bool
+) -> float:
+    """Rank 0: largest |difference| between replayed weights and those published before the crash
+    (in LoRA runs the adapter's tensors, as stored)."""
     directory = store.pull(version, cache_dir)
-    published: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            published.update(load_file(os.path.join(directory, name)))
+    published = read_adapter(directory).tensors if lora else read_hf_weights(directory)
     return max((weights[k] - published[k]).abs().max().item() for k in weights)
 
 
@@ -178,7 +177,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
             if cfg.lora is not None:  # what the store holds of this version
                 weights = adapter_state(weights)
             if rank == 0:
-                replay_diff = replay_difference(weights, store, step, cache_dir)
+                replay_diff = replay_difference(weights, store, step, cache_dir, lora=cfg.lora is not None)
                 log.info("replayed up to v%d: largest |weight - published| = %.3g", step, replay_diff)
         published = time.perf_counter()
 

@@ -31,7 +31,7 @@ from decentrl.store import CheckpointStore
 from decentrl.tasks import build_task
 from decentrl.tasks.episodes import replay_episode, split_turns, tokenizer_codec
 from decentrl.tasks.guess import GuessTask
-from decentrl.trainer.publisher import write_hf_dir
+from decentrl.weights import write_hf_dir
 from decentrl.wire import LeaseRequest
 from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry

@@ -13,7 +13,7 @@ from decentrl.cli.main import app
 from decentrl.config import GuessTaskConfig, TinyModelConfig
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
-from decentrl.trainer.publisher import write_hf_dir
+from decentrl.weights import write_hf_dir
 from tests.unit.conftest import MakeConfig
 from workers.evaluate import EvalError, eval_prompts, evaluate
 

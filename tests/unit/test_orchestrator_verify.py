@@ -24,7 +24,7 @@ from decentrl.config import TinyModelConfig
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
 from decentrl.tasks import build_task
-from decentrl.trainer.publisher import write_hf_dir
+from decentrl.weights import write_hf_dir
 from decentrl.wire import Lease, Rollout, SamplingParams
 from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry
@@ -34,6 +34,11 @@ from workers.backends.hf import HFBackend
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}  # BASE_CONFIG's model
 HONEST, CHEAT = "honest/w0", "mallory/w0"
+
+
+def build_tiny() -> torch.nn.Module:
+    """A model of the run's architecture for the verifier to copy versions into (its weights never used)."""
+    return build_model(TinyModelConfig(**TINY, seed=7))
 
 
 def publish(store: CheckpointStore, tmp: str, version: int, seed: int) -> str:
@@ -70,7 +75,9 @@ def setup(make_config: Any, tokenizer: PreTrainedTokenizerBase, world: dict[str,
         config = make_config(orchestrator={"verification": options})
         state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
         state.announce(0)
-        verifier = Verifier(config.orchestrator.verification, store=world["store"], cache_dir=str(tmp_path / "vcache"))
+        verifier = Verifier(
+            config.orchestrator.verification, store=world["store"], cache_dir=str(tmp_path / "vcache"), build=build_tiny,
+        )
         return state, verifier
 
     return make
@@ -217,7 +224,7 @@ def test_adversaries_on_loopback_are_banned_and_flooding_is_limited(
     )
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     state.announce(0)
-    verifier = Verifier(config.orchestrator.verification, store=world["store"], cache_dir=str(tmp_path / "vc"))
+    verifier = Verifier(config.orchestrator.verification, store=world["store"], cache_dir=str(tmp_path / "vc"), build=build_tiny)
     registry = TokenRegistry(tokens)
 
     async def scenario() -> None:

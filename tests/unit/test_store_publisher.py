@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from decentrl.config import TinyModelConfig
 from decentrl.model import build_model
 from decentrl.store import CheckpointStore
-from decentrl.trainer.publisher import INDEX_NAME, Publisher, write_hf_dir
+from decentrl.trainer.publisher import Publisher
+from decentrl.weights import INDEX_NAME, write_hf_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from decentrl.config import LoRAConfig, TinyModelConfig
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
-from decentrl.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_VERSION, add_adapters, is_adapter_weight, write_adapter_dir
-from decentrl.trainer.publisher import write_hf_dir
+from decentrl.trainer.lora import BASE_VERSION, add_adapters, is_adapter_weight, write_adapter_dir
+from decentrl.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_hf_dir
 from workers.backends.hf import HFBackend
 
 MODEL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=3)

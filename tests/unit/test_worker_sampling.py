@@ -15,7 +15,7 @@ import torch
 from decentrl.config import TinyModelConfig
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.stopping import stop_cut
-from decentrl.trainer.publisher import write_hf_dir
+from decentrl.weights import write_hf_dir
 from decentrl.wire import SamplingParams
 from workers.backends.hf import HFBackend, sampling_distribution
 

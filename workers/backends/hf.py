@@ -10,19 +10,16 @@ soft-pause deadline interrupts a generation for a weight swap.
 
 from __future__ import annotations
 
-import glob
-import os
 from collections.abc import Callable
 
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from decentrl.sampling import sampling_distribution
 from decentrl.stopping import eos_id_set, stop_cut
+from decentrl.weights import copy_into, load_pretrained, model_dir, read_weights
 from decentrl.wire import SamplingParams
 from workers.backends import Completion, never, truncates
-from workers.backends.adapters import adapter_base_dir, merged_weights
 
 
 class HFBackend:
@@ -38,20 +35,15 @@ class HFBackend:
             self.generator.seed()
 
     def load(self, checkpoint_dir: str, version: int) -> None:
-        if (base_dir := adapter_base_dir(checkpoint_dir)) is not None:  # LoRA run: an adapter on base_dir
-            self.load(base_dir, version)
-            self.model.load_state_dict(merged_weights(base_dir, checkpoint_dir), strict=False)  # type: ignore[union-attr]
-            return
+        """The first version builds the model; later ones are copied into it in place, all or
+        nothing (decentrl/weights.py): a version that does not fit raises and leaves the loaded
+        one in use. A LoRA adapter version arrives merged onto its base."""
         if self.model is None:
-            self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
-            self.model.to(self.device).eval()
-            self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+            self.model = load_pretrained(checkpoint_dir).to(self.device).eval()
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir(checkpoint_dir))
         else:
             # Same architecture, new weights: copy in place instead of rebuilding the module.
-            state: dict[str, torch.Tensor] = {}
-            for shard in sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors"))):
-                state.update(load_file(shard))
-            self.model.load_state_dict(state, strict=True)
+            copy_into(self.model, read_weights(checkpoint_dir))
         self.version = version
 
     def _eos_and_pad(self) -> tuple[set[int], int]:

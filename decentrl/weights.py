@@ -1,0 +1,239 @@
+"""Checkpoint weights: the one module that writes them and reads them back.
+
+A published version (decentrl/store.py adds its manifest.json) is either
+- an HF directory: `config.json`, the weights as `model.safetensors` or as shards listed by
+  `model.safetensors.index.json`, tokenizer files; `AutoModelForCausalLM.from_pretrained` loads it;
+- in LoRA runs, a peft adapter (`adapter_config.json`, `adapter_model.safetensors`) whose manifest
+  names its base version; `CheckpointStore.pull` brings that base into the same cache, beside it.
+
+Here: the write side (`write_hf_dir`, `write_adapter_weights`, called by the trainer's publisher,
+decentrl/trainer/publisher.py and lora.py), the read side (`read_weights`: a pulled version as one
+full state dict, an adapter merged onto its base; `weights_from_files`: the same from bytes read
+into memory), `load_pretrained` (a model built from a directory) and `copy_into` (new weights into
+a built model, in place, all or nothing). Callers: the trainer (decentrl/trainer/train.py), the
+HF worker backend's loads and weight swaps (workers/backends/hf.py), the orchestrator's verifier
+(orchestrator/verify.py) and decentrl/model.py. torch is imported here: import this module
+lazily from code that runs without it (the orchestrator with verification off).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file, save_file
+
+from decentrl.config import StoreConfig
+from decentrl.store import MANIFEST_NAME, Manifest, version_dirname
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+WEIGHTS_NAME = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME: the weights when they fit one shard
+INDEX_NAME = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME: tensor name -> shard
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+ADAPTER_CONFIG = "adapter_config.json"  # peft's CONFIG_NAME
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
+ADAPTER_PREFIX = "base_model.model."  # peft's prefix of saved adapter weight names
+DEFAULT_SHARD_BYTES = StoreConfig.model_fields["shard_size_mb"].default * 2**20
+_NAMED = 8  # offending keys named in an error message; the rest are counted
+
+StateDict = dict[str, torch.Tensor]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's weights cannot be used: a file is missing, or its tensors do not fit the model."""
+
+
+# -- write ------------------------------------------------------------------------------------
+
+
+def write_hf_dir(
+    directory: str,
+    state: Mapping[str, torch.Tensor],
+    model_config: PretrainedConfig,
+    extras_from: str,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """An HF-loadable checkpoint: config.json, tokenizer files copied from `extras_from`, and the
+    weights as `model.safetensors` when they fit one shard, else `model-00001-of-0000N.safetensors`
+    ... plus `model.safetensors.index.json`, the layout `from_pretrained` reads."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    model_config.save_pretrained(directory)
+    split = split_torch_state_dict_into_shards(dict(state), max_shard_size=max_shard_bytes)
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: state[name].contiguous() for name in names}
+        save_file(shard, os.path.join(directory, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        Path(directory, INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+    for name in TOKENIZER_FILES:
+        source = Path(extras_from) / name
+        if source.is_file() and source.resolve() != (Path(directory) / name).resolve():
+            shutil.copy(source, Path(directory) / name)
+
+
+def write_adapter_weights(directory: str, adapter: Mapping[str, torch.Tensor]) -> None:
+    """`adapter_model.safetensors` from adapter weights under peft's saved names
+    (`base_model.model.<module>.lora_A.weight`); peft writes `adapter_config.json` beside it."""
+    tensors = {name: tensor.contiguous() for name, tensor in adapter.items()}
+    save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+# -- read -------------------------------------------------------------------------------------
+
+
+def weight_shards(names: Collection[str], index: bytes | None) -> list[str]:
+    """The files holding an HF checkpoint's weights, given the names in its directory and its
+    index: the shards the index maps tensors to, else the single `model.safetensors`."""
+    if index is not None:
+        return sorted(set(json.loads(index)["weight_map"].values()))
+    if WEIGHTS_NAME in names:
+        return [WEIGHTS_NAME]
+    raise CheckpointError(f"neither {WEIGHTS_NAME} nor {INDEX_NAME} in the checkpoint")
+
+
+def read_hf_weights(directory: str) -> StateDict:
+    """The state dict of an HF checkpoint directory (one file, or shards + index)."""
+    index = Path(directory, INDEX_NAME)
+    shards = weight_shards(os.listdir(directory), index.read_bytes() if index.is_file() else None)
+    state: StateDict = {}
+    for name in shards:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{directory}: {name}, named by {INDEX_NAME}, is missing")
+        state.update(load_file(path))
+    return state
+
+
+def weights_from_files(files: Mapping[str, bytes]) -> StateDict:
+    """The state dict of an HF checkpoint whose files (file name -> bytes) were read into memory:
+    `CheckpointStore.read_verified` of its safetensors and index."""
+    state: StateDict = {}
+    for name in weight_shards(files.keys(), files.get(INDEX_NAME)):
+        if name not in files:
+            raise CheckpointError(f"{name}, named by {INDEX_NAME}, is missing")
+        state.update(load_safetensors(files[name]))
+    return state
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter as stored: its A and B matrices under peft's saved names, and its scale."""
+
+    tensors: StateDict
+    scale: float  # lora_alpha / r: the merged weight is W0 + scale * B @ A
+
+
+def read_adapter(directory: str) -> Adapter:
+    with open(os.path.join(directory, ADAPTER_CONFIG), encoding="utf-8") as f:
+        config = json.load(f)
+    return Adapter(load_file(os.path.join(directory, ADAPTER_WEIGHTS)), config["lora_alpha"] / config["r"])
+
+
+def adapter_base_dir(checkpoint_dir: str) -> str | None:
+    """The cached base version directory when `checkpoint_dir` (pulled) is an adapter version, else None."""
+    if not os.path.isfile(os.path.join(checkpoint_dir, ADAPTER_CONFIG)):
+        return None
+    with open(os.path.join(checkpoint_dir, MANIFEST_NAME), "rb") as f:
+        base = Manifest.model_validate_json(f.read()).base_version
+    if base is None:
+        raise CheckpointError(f"{checkpoint_dir} holds a LoRA adapter but its manifest names no base_version")
+    return os.path.join(os.path.dirname(checkpoint_dir), version_dirname(base))
+
+
+def merge_adapter(base: Mapping[str, torch.Tensor], adapter: Adapter) -> StateDict:
+    """`base` with each adapted Linear's weight replaced by W0 + scale * B @ A, under the base
+    model's names: peft's `merge_and_unload`, so a model runs the adapted policy with no adapter
+    layers and a version swap stays an in-place copy."""
+    # "model.layers.0.self_attn.q_proj" for each adapted module
+    modules = [
+        name.removeprefix(ADAPTER_PREFIX).removesuffix(".lora_A.weight")
+        for name in adapter.tensors
+        if name.endswith(".lora_A.weight")
+    ]
+    missing = [f"{module}.weight" for module in modules if f"{module}.weight" not in base]
+    missing += [name for module in modules if (name := f"{ADAPTER_PREFIX}{module}.lora_B.weight") not in adapter.tensors]
+    if missing:
+        raise CheckpointError(f"the adapter does not fit its base: missing {_listed(missing)}")
+    merged = dict(base)
+    for module in modules:
+        a = adapter.tensors[f"{ADAPTER_PREFIX}{module}.lora_A.weight"]
+        b = adapter.tensors[f"{ADAPTER_PREFIX}{module}.lora_B.weight"]
+        w0 = base[f"{module}.weight"]
+        merged[f"{module}.weight"] = w0 + (b.to(w0.dtype) @ a.to(w0.dtype)) * adapter.scale
+    return merged
+
+
+def read_weights(checkpoint_dir: str) -> StateDict:
+    """A pulled version's full state dict: an HF directory's weights, or an adapter version's
+    merged onto its base (pulled beside it)."""
+    base_dir = adapter_base_dir(checkpoint_dir)
+    if base_dir is None:
+        return read_hf_weights(checkpoint_dir)
+    return merge_adapter(read_hf_weights(base_dir), read_adapter(checkpoint_dir))
+
+
+def model_dir(checkpoint_dir: str) -> str:
+    """The HF directory holding a pulled version's config and tokenizer: its own, or its base's."""
+    return adapter_base_dir(checkpoint_dir) or checkpoint_dir
+
+
+def load_pretrained(directory: str) -> PreTrainedModel:
+    """A model built from a checkpoint directory, float32 on CPU: an HF directory (a published
+    version, or a downloaded pretrained model in any layout transformers reads), or a pulled
+    adapter version (its base, with the merged weights copied in)."""
+    from transformers import AutoModelForCausalLM
+
+    base_dir = adapter_base_dir(directory)
+    model = AutoModelForCausalLM.from_pretrained(base_dir or directory, dtype=torch.float32)
+    if base_dir is not None:
+        copy_into(model, merge_adapter(read_hf_weights(base_dir), read_adapter(directory)))
+    return model
+
+
+# -- into a built model -----------------------------------------------------------------------
+
+
+def mismatches(expected: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor]) -> list[str]:
+    """What keeps `given` from replacing `expected` tensor for tensor: missing and unexpected
+    keys, and keys whose shape or dtype differs. Empty when it fits."""
+    problems = []
+    if missing := sorted(expected.keys() - given.keys()):
+        problems.append(f"missing {_listed(missing)}")
+    if unexpected := sorted(given.keys() - expected.keys()):
+        problems.append(f"unexpected {_listed(unexpected)}")
+    wrong = [
+        f"{name} {tuple(given[name].shape)} {given[name].dtype} (model: {tuple(tensor.shape)} {tensor.dtype})"
+        for name, tensor in expected.items()
+        if name in given and (given[name].shape != tensor.shape or given[name].dtype != tensor.dtype)
+    ]
+    if wrong:
+        problems.append(f"wrong shape or dtype {_listed(wrong)}")
+    return problems
+
+
+def copy_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Overwrite every parameter and buffer of `model` with `state`'s tensor of the same name, in
+    place (on the model's device), all or nothing: keys, shapes and dtypes are all checked before
+    the first copy, so weights that do not fit raise CheckpointError and leave the model holding
+    its old weights (a worker keeps generating with its loaded version)."""
+    targets = model.state_dict()  # tensors aliasing the model's own storage
+    if problems := mismatches(targets, state):
+        raise CheckpointError("the weights do not fit the model: " + "; ".join(problems))
+    with torch.no_grad():
+        for name, tensor in state.items():
+            targets[name].copy_(tensor)
+
+
+def _listed(names: list[str]) -> str:
+    more = f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
+    return ", ".join(names[:_NAMED]) + more
