@@ -20,10 +20,11 @@ import torch
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.config import TinyModelConfig
+from decentrl.config import LoRAConfig, TinyModelConfig
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
 from decentrl.tasks import build_task
+from decentrl.trainer.lora import add_adapters, is_adapter_weight, write_adapter_dir
 from decentrl.weights import write_hf_dir
 from decentrl.wire import Lease, Rollout, SamplingParams
 from orchestrator.app import create_app
@@ -317,6 +318,62 @@ def test_a_tampered_version_is_unverifiable_and_no_strike(
     assert set(failures.values()) == {"unverifiable"} and len(failures) == 3
     assert state.integrity.workers["honest"].strikes == 0 and not state.ready
     assert verifier.loads == 0
+
+
+def test_one_load_path_whose_failures_reach_the_caller(setup: Any, world: dict[str, Any], tmp_path: Any) -> None:
+    """No second way to load a version: a model that cannot be built fails warm_up and then the
+    check itself (the verification loop logs it and drops the groups unjudged); a built model
+    that the version's weights do not fit leaves the rollouts `unverifiable`, nobody struck."""
+    state, _ = setup(new_worker_checks=1000)
+
+    def cannot_build() -> torch.nn.Module:
+        raise RuntimeError("out of memory")
+
+    broken = Verifier(state.config.orchestrator.verification, store=world["store"], cache_dir=str(tmp_path / "a"), build=cannot_build)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        broken.warm_up()
+    lease = state.grant_leases(HONEST, 1)[0]
+    rollouts = generated(world["honest"], lease, state.sampling)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        broken.check(rollouts)
+    assert not (tmp_path / "a").exists()  # nothing pulled to load some other way
+
+    wider = Verifier(
+        state.config.orchestrator.verification, store=world["store"], cache_dir=str(tmp_path / "b"),
+        build=lambda: build_model(TinyModelConfig(**{**TINY, "intermediate_size": 96})),
+    )
+    assert set(wider.check(rollouts).values()) == {"unverifiable"} and wider.loads == 0
+
+
+def test_a_lora_adapter_version_is_checked_merged_onto_its_base(setup: Any, tmp_path: Any) -> None:
+    """In LoRA runs a version is an adapter on version 0: the verifier pulls both and merges them,
+    as the HF worker does (decentrl/weights.py). The adapted worker's rollouts pass; the base
+    model's, claimed as the adapter version's, fail."""
+    store = CheckpointStore(f"file://{tmp_path}/store")
+    publish(store, str(tmp_path), 0, seed=0)
+    lora = LoRAConfig(rank=2, alpha=4.0)
+    adapted = add_adapters(build_model(TinyModelConfig(**TINY, seed=0)), lora)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if is_adapter_weight(name):
+                parameter.normal_(std=0.3, generator=generator)
+    adapter_dir = tmp_path / "adapter"
+    write_adapter_dir(str(adapter_dir), adapted.state_dict(), lora)
+    store.publish(1, str(adapter_dir), parent=0, base_version=0)
+    worker, base = HFBackend(seed=0), HFBackend(seed=0)
+    worker.load(store.pull(1, str(tmp_path / "worker-cache")), 1)
+    base.load(store.pull(0, str(tmp_path / "worker-cache")), 0)
+
+    state, _ = setup(new_worker_checks=1000)
+    cache = tmp_path / "vc"
+    verifier = Verifier(state.config.orchestrator.verification, store=store, cache_dir=str(cache), build=build_tiny)
+    lease = state.grant_leases(HONEST, 1)[0]
+    honest = [r.model_copy(update={"policy_version": 1}) for r in generated(worker, lease, state.sampling)]
+    claimed = [r.model_copy(update={"policy_version": 1}) for r in generated(base, lease, state.sampling)]
+    assert verifier.check(honest + claimed) == {r.rollout_id: "logprob_mismatch" for r in claimed}
+    assert verifier.largest_passing_diff < 1e-5 and verifier.loads == 1
+    assert sorted(os.listdir(cache)) == ["v000000", "v000001"]
 
 
 def test_next_checks_takes_one_group_of_a_token_without_a_passed_check(
