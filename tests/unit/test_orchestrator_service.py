@@ -20,7 +20,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgpack
 import pytest
 from aiohttp import web
@@ -596,3 +595,22 @@ def test_msgpack_posts_are_journaled_as_received_and_recover_equal(
     assert served is not None
     assert TrainBatch.model_validate(unpack_msgpack(state.batch_msgpack(served) or b"")) == served
     journal.close()
+
+
+def test_the_orchestrator_command_refuses_a_run_dir_it_cannot_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`decentrl orchestrator` (orchestrator/service.py `serve`) exits 2 with the fix in the message,
+    before it listens: no tokens file, then a journal of another run."""
+    from typer.testing import CliRunner
+
+    from decentrl.cli.main import app as cli
+
+    monkeypatch.delenv("DECENTRL_TOKENS", raising=False)
+    config = str(Path(__file__).parents[2] / "configs" / "local.toml")
+    runner = CliRunner()
+    command = ["orchestrator", config, "--run-dir", str(tmp_path), "--port", "0"]
+    missing = runner.invoke(cli, command)
+    assert missing.exit_code == 2 and "no tokens file" in missing.output and "decentrl token create" in missing.output
+    add_token(str(tmp_path / "tokens.json"), name="w", role="worker")
+    Journal(str(tmp_path / "journal.sqlite"), run_name="another-run").close()
+    other = runner.invoke(cli, command)
+    assert other.exit_code == 2 and "another-run" in other.output and "another --run-dir" in other.output
