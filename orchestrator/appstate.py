@@ -5,11 +5,11 @@
 tasks (orchestrator/upkeep.py, orchestrator/verification.py) read them. The keys live here, not
 in app.py, so that those modules can import them without importing the app factory.
 
-Wake-ups. Handlers and background tasks never poll one another: a handler that may have let a
-batch form notifies BATCH_READY (the trainer's long-poll waits on it), one that may have freed a
-place for a lease notifies LEASES_FREED (the workers' long-poll), and one that may have held a
-group back for its check, or moved the line ahead of one, calls `wake_checks` (the verification
-scheduler waits on CHECKS_WANTED).
+Wake-ups. Handlers and background tasks wake one another instead of polling: a handler that may
+have let a batch form notifies BATCH_READY (the trainer's long-poll waits on it), one that may
+have freed a place for a lease notifies LEASES_FREED (the workers' long-poll), and one that may
+have held a group back for its check, or moved the line ahead of one, calls `wake_checks` (the
+verification scheduler waits on CHECKS_WANTED).
 """
 
 from __future__ import annotations

@@ -228,6 +228,9 @@ async def batch(request: web.Request) -> web.StreamResponse:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return web.Response(status=204)
+            # The trainer waits: if for a held-back group (take_batch may also have evicted stale
+            # groups ahead of one), its check is due now.
+            wake_checks(request.app)
             with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
                 await asyncio.wait_for(ready.wait(), timeout=min(remaining, 1.0))
     await commit(state)

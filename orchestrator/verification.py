@@ -9,9 +9,10 @@ serve (a batch formed, a place for a lease freed).
 
 It is a `cleanup_ctx` entry of create_app (orchestrator/app.py). It sleeps on CHECKS_WANTED
 (orchestrator/appstate.py), which handlers set through `wake_checks` when a group may have been
-held back (after ingest) or the line ahead of one moved (a batch served, a version announced);
-its first look at startup covers groups the journal recovered still held back. While groups
-wait without being due, it sleeps at most until the oldest has waited `check_wait_s`.
+held back (after ingest), when the line ahead of one moved (a batch served, a version
+announced), and while the trainer waits for a batch; its first look at startup covers groups
+the journal recovered still held back. While groups wait without being due, it sleeps at most
+until the oldest has waited `check_wait_s`.
 """
 
 from __future__ import annotations
