@@ -73,9 +73,10 @@ def serve_orchestrator(port: int, run_dir: str, cpus: list[int] | None, group_si
     from decentrl.config import SortingTaskConfig, parse_config
     from decentrl.model import build_tiny_tokenizer
     from decentrl.tasks.sorting import SortingTask
-    from orchestrator.app import create_app, tune_gc
+    from orchestrator.app import create_app
     from orchestrator.auth import TokenRegistry
     from orchestrator.journal import Journal
+    from orchestrator.service import tune_gc
     from orchestrator.state import RunState
 
     logging.basicConfig(level=logging.WARNING)
@@ -129,7 +130,7 @@ class Bodies:
     def __init__(self, seed: int) -> None:
         import msgpack
 
-        from decentrl.wire import EXT_FLOAT32, EXT_INT32
+        from decentrl.encoding import EXT_FLOAT32, EXT_INT32
 
         rng = random.Random(seed)
         self.msgpack = msgpack
@@ -168,7 +169,7 @@ async def _client_main(
 ) -> dict[str, Any]:
     import aiohttp
 
-    from decentrl.wire import MEDIA_MSGPACK, unpack_msgpack
+    from decentrl.encoding import MEDIA_MSGPACK, unpack_msgpack
 
     bodies = Bodies(seed)
     headers = {"Authorization": f"Bearer {token}", "Content-Type": MEDIA_MSGPACK, "Accept": MEDIA_MSGPACK}
@@ -231,7 +232,7 @@ async def _consume(url: str, token: str, stop_at: float) -> int:
     """The trainer's side: fetch batches (msgpack) as they form, so the buffer stays bounded."""
     import aiohttp
 
-    from decentrl.wire import MEDIA_MSGPACK
+    from decentrl.encoding import MEDIA_MSGPACK
 
     served, version = 0, 0
     headers = {"Authorization": f"Bearer {token}", "Accept": MEDIA_MSGPACK}

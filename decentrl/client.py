@@ -28,11 +28,9 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel
 
+from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, encode_model, unpack_msgpack
 from decentrl.wire import (
     API_PREFIX,
-    MEDIA_JSON,
-    MEDIA_MSGPACK,
-    MSGPACK_TYPES,
     IngestResponse,
     Lease,
     LeaseRequest,
@@ -47,8 +45,6 @@ from decentrl.wire import (
     TokenList,
     TrainBatch,
     VersionAnnouncement,
-    encode_model,
-    unpack_msgpack,
 )
 
 log = logging.getLogger("decentrl.client")

@@ -1,20 +1,25 @@
 """The HTTP wire contract between workers, the orchestrator and the trainer.
 
 Every request and response body is one of these pydantic models; the orchestrator validates
-with them, workers and the trainer build them. Bodies travel as JSON or as msgpack (see
-"Encodings" at the end): the same objects, with the long token id and logprob lists packed as
-typed little-endian arrays. docs/api.md describes every route.
+with them, workers and the trainer build them. Bodies travel as JSON or as msgpack: the same
+objects, with the long token id and logprob lists packed as typed little-endian arrays
+(decentrl/encoding.py, the one module that reads and writes either). docs/api.md describes
+every route.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-from array import array
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, WrapValidator, model_validator
+
+from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, value_range
+
+# Transitional: orchestrator/state.py, orchestrator/journal.py and their tests still import these
+# encoding names from here; new code imports them from decentrl/encoding.py. Drop this line once
+# those imports have moved.
+from decentrl.encoding import MEDIA_MSGPACK, encode_model, unpack_msgpack  # noqa: F401, E402
 
 API_PREFIX = "/v1"
 WORKER_ID = r"^[A-Za-z0-9._:@-]{1,128}$"  # no "/": lease holders are "token-name/worker-id"
@@ -42,7 +47,7 @@ def _keep_typed_floats(value: Any, handler: ValidatorFunctionWrapHandler) -> Any
 
 
 # list[int] / list[float] on the wire and in /openapi.json; a msgpack typed array of the right
-# kind skips per-element validation (see "Encodings").
+# kind skips per-element validation (decentrl/encoding.py).
 IntArray = Annotated[list[int], WrapValidator(_keep_typed_ints)]
 FloatArray = Annotated[list[float], WrapValidator(_keep_typed_floats)]
 
@@ -294,132 +299,3 @@ class Health(Wire):
 
     ok: bool
     journal: bool
-
-
-# -- Encodings ------------------------------------------------------------------------------
-#
-# JSON (application/json) is the reference. msgpack (application/msgpack) carries the same
-# objects; the lists named in ARRAY_FIELDS travel as msgpack ext types holding little-endian
-# typed arrays: 4 bytes a token id instead of up to 6 characters, 4 (or 8) bytes a logprob
-# instead of about 20. Either may be gzip-compressed (Content-Encoding: gzip). Decoding turns
-# every ext into a list (a TypedList that keeps the bytes): the pydantic models see the same
-# objects from both encodings, except that an IntArray or FloatArray field takes a typed array
-# of its kind without checking each element (an int32 array holds ints), and value checks
-# (ranges, finiteness) run over its bytes with numpy.
-
-MEDIA_JSON = "application/json"
-MEDIA_MSGPACK = "application/msgpack"
-MSGPACK_TYPES = frozenset({MEDIA_MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
-EXT_INT32, EXT_INT64, EXT_FLOAT32, EXT_FLOAT64 = 1, 2, 3, 4
-_EXT_TYPECODES = {EXT_INT32: "i", EXT_INT64: "q", EXT_FLOAT32: "f", EXT_FLOAT64: "d"}
-ARRAY_FIELDS = {"prompt_token_ids": "int", "completion_token_ids": "int", "token_versions": "int", "logprobs": "float"}
-_SWAP = sys.byteorder != "little"
-
-
-class EncodingError(ValueError):
-    """A body that is not valid msgpack (or uses an unknown ext type)."""
-
-
-def _typed(values: list[Any], kind: str, exact_floats: bool) -> Any:
-    """A list as an ext-typed array where that is lossless, else the list itself."""
-    import msgpack
-
-    try:
-        if kind == "int":
-            try:
-                packed, code = array("i", values), EXT_INT32
-            except OverflowError:
-                packed, code = array("q", values), EXT_INT64
-        elif exact_floats:
-            packed, code = array("d", values), EXT_FLOAT64
-        else:
-            packed, code = array("f", values), EXT_FLOAT32
-            if packed.tolist() != values:  # not exactly representable in float32 (or NaN)
-                packed, code = array("d", values), EXT_FLOAT64
-    except (OverflowError, TypeError):
-        return values  # out of range or not numbers: plain msgpack, the receiver validates it
-    if _SWAP:
-        packed.byteswap()
-    return msgpack.ExtType(code, packed.tobytes())
-
-
-def _pack_arrays(value: Any, exact_floats: bool) -> Any:
-    if isinstance(value, dict):
-        return {
-            k: _typed(v, ARRAY_FIELDS[k], exact_floats)
-            if k in ARRAY_FIELDS and isinstance(v, list) and v
-            else _pack_arrays(v, exact_floats)
-            for k, v in value.items()
-        }
-    if isinstance(value, list) and value and isinstance(value[0], (dict, list)):
-        return [_pack_arrays(v, exact_floats) for v in value]
-    return value
-
-
-class TypedList(list):  # type: ignore[type-arg]
-    """A list decoded from a typed array; `ext` keeps the array as received, to store or send on
-    as is, and to check its values at C speed (`value_range`). IntArray and FloatArray fields
-    keep it without validating each element: its type says what they are."""
-
-    __slots__ = ("ext",)
-
-
-_EXT_DTYPES = {EXT_INT32: "<i4", EXT_INT64: "<i8", EXT_FLOAT32: "<f4", EXT_FLOAT64: "<f8"}
-
-
-def value_range(values: Sequence[Any]) -> tuple[Any, Any]:
-    """(min, max) of a non-empty list: from the packed bytes with numpy for a TypedList (about
-    8x faster than Python's min and max over a list; a NaN propagates to both), else min, max."""
-    if type(values) is TypedList:
-        import numpy as np
-
-        packed = np.frombuffer(values.ext.data, dtype=_EXT_DTYPES[values.ext.code])
-        return packed.min().item(), packed.max().item()
-    return min(values), max(values)
-
-
-def _ext_hook(code: int, data: bytes) -> list[Any]:
-    import msgpack
-
-    typecode = _EXT_TYPECODES.get(code)
-    if typecode is None:
-        raise EncodingError(f"unknown msgpack ext type {code}")
-    values = array(typecode)
-    if len(data) % values.itemsize:
-        raise EncodingError(f"msgpack ext type {code}: {len(data)} bytes is not a whole number of items")
-    values.frombytes(data)
-    if _SWAP:
-        values.byteswap()
-    decoded = TypedList(values.tolist())
-    decoded.ext = msgpack.ExtType(code, data)
-    return decoded
-
-
-def pack_msgpack(obj: Any, *, exact_floats: bool = False) -> bytes:
-    """msgpack bytes of a JSON-like object; ARRAY_FIELDS lists become typed arrays.
-
-    Floats go as float32 where that is exact (logprobs computed in float32 are), else float64;
-    `exact_floats` skips the check and always sends float64 (cheaper to encode, larger).
-    """
-    import msgpack
-
-    return msgpack.packb(_pack_arrays(obj, exact_floats), use_bin_type=True)
-
-
-def unpack_msgpack(data: bytes) -> Any:
-    """The JSON-like object of msgpack bytes (typed arrays back to lists); EncodingError if bad."""
-    import msgpack
-
-    try:
-        return msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=True)
-    except EncodingError:
-        raise
-    except Exception as exc:  # msgpack raises several unrelated types on bad input
-        raise EncodingError(f"not valid msgpack: {exc}") from None
-
-
-def encode_model(model: BaseModel, media_type: str) -> bytes:
-    """A model's body in `media_type` (MEDIA_JSON or MEDIA_MSGPACK)."""
-    if media_type in MSGPACK_TYPES:
-        return pack_msgpack(model.model_dump(mode="json"))
-    return model.model_dump_json().encode()

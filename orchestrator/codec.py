@@ -1,40 +1,44 @@
-"""Fast paths of the msgpack encoding (decentrl/wire.py, "Encodings") for the orchestrator's hot data.
+"""The orchestrator's hot path over the msgpack encoding (decentrl/encoding.py): arrays packed once.
 
-A rollout's completion ids and logprobs are packed into typed arrays once, when it is
-accepted: the journal stores those bytes, and the batch answer to the trainer reuses them, so
-the big lists are never walked again in Python. The wire format is exactly what
-`wire.pack_msgpack` produces (int32 ids, float64 logprobs: exact), so any client decodes it.
+A rollout's completion ids and logprobs are taken as the typed arrays they arrived in
+(`packed_arrays`, called by the rollouts handler) or packed once when it is accepted: the
+journal stores those bytes, and the batch answer to the trainer reuses them
+(`train_batch_msgpack`), so the big lists are never walked again in Python. The bytes are
+exactly what `encode_model` produces (int32 ids, float64 logprobs: exact), so any client decodes
+them.
 """
 
 from __future__ import annotations
 
-import sys
-from array import array
 from typing import Any
 
 import msgpack
 
-from decentrl.wire import EXT_FLOAT64, EXT_INT32, EXT_INT64, TrainBatch
+from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, pack_ints
+from decentrl.wire import TrainBatch
 
-_SWAP = sys.byteorder != "little"
+# Transitional: orchestrator/state.py and orchestrator/journal.py import the packers from here;
+# they live in decentrl/encoding.py. Drop this line once those imports have moved.
+from decentrl.encoding import pack_floats  # noqa: F401, E402
+
 Packed = tuple[msgpack.ExtType, msgpack.ExtType]  # (completion ids, logprobs)
 
 
-def pack_ints(values: list[int]) -> msgpack.ExtType:
-    try:
-        packed, code = array("i", values), EXT_INT32
-    except OverflowError:
-        packed, code = array("q", values), EXT_INT64
-    if _SWAP:
-        packed.byteswap()
-    return msgpack.ExtType(code, packed.tobytes())
+def packed_arrays(raw: dict[str, Any]) -> list[Packed | None]:
+    """Per rollout of a decoded msgpack RolloutBatch: its completion ids and logprobs as the typed
+    arrays they came in, to be journaled and served as they are (None where they were not).
 
-
-def pack_floats(values: list[float]) -> msgpack.ExtType:
-    packed = array("d", values)
-    if _SWAP:
-        packed.byteswap()
-    return msgpack.ExtType(EXT_FLOAT64, packed.tobytes())
+    `raw` is the body as decoded, once it has validated as a RolloutBatch (so it is a dict whose
+    "rollouts" are dicts)."""
+    found: list[Packed | None] = []
+    for rollout in raw["rollouts"]:
+        ids, logprobs = rollout.get("completion_token_ids"), rollout.get("logprobs")
+        typed = (
+            isinstance(ids, TypedList) and ids.ext.code in (EXT_INT32, EXT_INT64)
+            and isinstance(logprobs, TypedList) and logprobs.ext.code in (EXT_FLOAT32, EXT_FLOAT64)
+        )
+        found.append((ids.ext, logprobs.ext) if typed else None)
+    return found
 
 
 def train_batch_msgpack(batch: TrainBatch, packed: list[Packed], prompts: dict[str, msgpack.ExtType]) -> bytes:

@@ -1,15 +1,20 @@
-"""Per-token rate limits: a token bucket per token name.
+"""Request limits of the orchestrator: a rate per token, and a bound on rollout posts in flight.
 
-A bucket holds at most `burst` requests and refills at `rate_per_s`; a request that finds it
-empty is answered 429 with Retry-After (whole seconds, at least 1) saying when the next
-request would pass. Buckets are kept per token name, so memory is bounded by the tokens file.
+Called by the auth middleware (RateLimiter, orchestrator/middlewares.py) and the rollouts
+handler (InFlight, orchestrator/handlers.py); created by create_app from [orchestrator].
+
+Rate. A token bucket per token name: a bucket holds at most `burst` requests and refills at
+`rate_per_s`; a request that finds it empty is answered 429 with Retry-After (whole seconds, at
+least 1) saying when the next request would pass. Buckets are kept per token name, so memory is
+bounded by the tokens file.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 class RateLimiter:
@@ -43,3 +48,26 @@ class RateLimiter:
 def retry_after_header(seconds: float) -> str:
     """The Retry-After value (delta-seconds, an integer >= 1) for a wait of `seconds`."""
     return str(max(1, math.ceil(seconds)))
+
+
+class InFlight:
+    """Rollout posts being processed now (read, validated, ingested, journaled). At `limit`, a
+    new post is refused at once (503) instead of queueing behind the others, so that a client's
+    retry, not the orchestrator's memory, absorbs a burst (orchestrator.max_inflight_requests)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.limit
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Counts one post in flight for the duration of the block."""
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1

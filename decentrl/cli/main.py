@@ -67,73 +67,15 @@ def orchestrator(
     recovers. Tokens come from the tokens file and from env DECENTRL_TOKENS (name:role:token,...).
     """
     _setup_logging("orchestrator")
-    import signal
-
-    from aiohttp import web
-
-    from decentrl.model import load_tokenizer
-    from decentrl.tasks import build_task
-    from orchestrator.app import create_app, tune_gc
-    from orchestrator.auth import ENV_VAR, TokenRegistry
-    from orchestrator.journal import Journal, JournalError, JournalMismatch
-    from orchestrator.state import RunState
+    from orchestrator.service import StartupError, serve
 
     cfg = _resolve_store(_load(config), run_dir)
-    log = logging.getLogger("decentrl.orchestrator")
     try:
-        tokens = TokenRegistry.from_file(tokens_file or os.path.join(run_dir, "tokens.json"), env=os.environ.get(ENV_VAR))
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+        served_to_the_end = serve(cfg, run_dir=run_dir, host=host, port=port, tokens_file=tokens_file)
+    except StartupError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    journal = None
-    try:
-        if cfg.orchestrator.journal:
-            os.makedirs(run_dir, exist_ok=True)
-            journal = Journal(
-                os.path.join(run_dir, "journal.sqlite"), run_name=cfg.run_name, sync=cfg.orchestrator.journal_sync
-            )
-        state = RunState(config=cfg, task=build_task(cfg.task), tokenizer=load_tokenizer(cfg.model), journal=journal)
-    except (JournalMismatch, JournalError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    failed: list[BaseException] = []
-
-    def on_fatal(exc: BaseException) -> None:
-        """The journal failed: stop serving; a restart recovers what was committed."""
-        log.critical("journal failed (%s): shutting down so that a restart recovers from the journal", exc)
-        failed.append(exc)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    tune_gc()
-    loop = None
-    try:
-        import uvloop  # a faster event loop where it installs (Linux, macOS)
-
-        loop = uvloop.new_event_loop()
-    except ImportError:
-        pass
-    verifier = None
-    if cfg.orchestrator.verification.enabled:
-        from decentrl.model import build_model
-        from decentrl.store import CheckpointStore
-        from orchestrator.verify import Verifier
-
-        verifier = Verifier(
-            cfg.orchestrator.verification, store=CheckpointStore.from_config(cfg.store),
-            cache_dir=os.path.join(run_dir, "verifier-cache"), build=lambda: build_model(cfg.model),
-        )
-    web.run_app(
-        create_app(state=state, tokens=tokens, store_url=cfg.store.url, on_fatal=on_fatal, verifier=verifier),
-        host=host or cfg.orchestrator.host,
-        port=cfg.orchestrator.port if port is None else port,
-        print=lambda text: log.info(text.strip()),
-        handle_signals=True,
-        access_log=None,
-        loop=loop,
-    )
-    if journal is not None:
-        journal.close()
-    if failed:
+    if not served_to_the_end:  # the journal failed: a restart recovers what was committed
         raise typer.Exit(1)
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures of the unit tests: a tiny run config, the tiny tokenizer, a fake clock, rollouts.
 
-tests/conftest.py (not ours) sets HF_HUB_OFFLINE; everything here is built locally.
+tests/conftest.py sets HF_HUB_OFFLINE and serves a real orchestrator on loopback
+(`serve_orchestrator`); everything here is built locally.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The orchestrator's aiohttp app on real loopback HTTP: auth, validation, limits, a full cycle.
 
-Each test starts the app with AppRunner + TCPSite on 127.0.0.1:0 inside `asyncio.run`; raw
-requests go through aiohttp.ClientSession, and the real (synchronous, urllib) OrchestratorClient
-runs in a thread with `asyncio.to_thread` so the server's loop keeps serving.
+Each test starts the app with the shared `serve_orchestrator` fixture (tests/conftest.py) inside
+`asyncio.run`; raw requests go through its aiohttp.ClientSession, and the real (synchronous,
+urllib) OrchestratorClient runs in a thread with `asyncio.to_thread` so the server's loop keeps
+serving.
 """
 
 from __future__ import annotations
@@ -10,22 +11,21 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import pytest
-from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.client import OrchestratorClient, OrchestratorError
+from decentrl.client import OrchestratorError
 from decentrl.tasks import build_task
 from decentrl.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams
-from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
+
+if TYPE_CHECKING:
+    from tests.conftest import LiveOrchestrator as Server
 
 WORKER, TRAINER, ADMIN = "worker-secret", "trainer-secret", "admin-secret"
 TOKENS = [
@@ -40,38 +40,17 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-@dataclass
-class Server:
-    url: str
-    state: RunState
-    http: aiohttp.ClientSession
-
-    def client(self, token: str) -> OrchestratorClient:
-        return OrchestratorClient(self.url, token, timeout_s=10.0, max_wait_s=1.0)
-
-
-ServeFn = Callable[..., Any]
+ServeFn = Callable[..., AbstractAsyncContextManager["Server"]]
 
 
 @pytest.fixture
-def serve(make_config: Any, tokenizer: PreTrainedTokenizerBase) -> ServeFn:
-    """`async with serve(**config_overrides) as server:` a running app on loopback."""
+def serve(make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any) -> ServeFn:
+    """`async with serve(**config_overrides) as server:` a running app on loopback, no journal."""
 
-    @asynccontextmanager
-    async def running(**overrides: Any) -> AsyncIterator[Server]:
+    def running(**overrides: Any) -> AbstractAsyncContextManager[Server]:
         config = make_config(**overrides)
         state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
-        app = create_app(state=state, tokens=TokenRegistry(TOKENS), store_url=STORE_URL)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = runner.addresses[0][1]
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
-                yield Server(url=f"http://127.0.0.1:{port}", state=state, http=http)
-        finally:
-            await runner.cleanup()
+        return serve_orchestrator(state, TokenRegistry(TOKENS), store_url=STORE_URL)
 
     return running
 

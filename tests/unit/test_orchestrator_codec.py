@@ -1,5 +1,6 @@
-"""Pieces of the orchestrator service without HTTP: the msgpack encoding, the fast paths that
-must agree with the slow ones, the token registry, the rate limiter and the `token` CLI."""
+"""Pieces of the orchestrator service without HTTP: the msgpack encoding (decentrl/encoding.py),
+the fast paths that must agree with the slow ones, the token registry, the rate limiter and the
+`token` CLI."""
 
 from __future__ import annotations
 
@@ -18,25 +19,24 @@ from transformers import PreTrainedTokenizerBase
 from typer.testing import CliRunner
 
 from decentrl.cli.main import app as cli
-from decentrl.wire import (
+from decentrl.encoding import (
     EXT_FLOAT32,
     EXT_FLOAT64,
     EXT_INT32,
     EXT_INT64,
     MEDIA_MSGPACK,
     EncodingError,
-    Rollout,
-    SamplingParams,
-    TrainBatch,
-    TrainSample,
     TypedList,
     encode_model,
+    pack_floats,
+    pack_ints,
     pack_msgpack,
     unpack_msgpack,
     value_range,
 )
+from decentrl.wire import Rollout, SamplingParams, TrainBatch, TrainSample
 from orchestrator.auth import Identity, TokenRegistry, add_token, list_tokens, parse_env_tokens, revoke_token
-from orchestrator.codec import pack_floats, pack_ints, train_batch_msgpack
+from orchestrator.codec import train_batch_msgpack
 from orchestrator.detokenize import piece_table
 from orchestrator.limits import RateLimiter, retry_after_header
 from orchestrator.state import make_decoder, make_encoder

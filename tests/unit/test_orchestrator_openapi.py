@@ -28,9 +28,10 @@ from schemathesis.generation import GenerationMode
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.tasks import build_task
-from orchestrator.app import ROUTES, create_app, openapi_spec
+from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry
 from orchestrator.journal import Journal
+from orchestrator.routes import ROUTES, openapi_spec
 from orchestrator.state import RunState
 
 WORKER, TRAINER, ADMIN = "worker-token-0123456789", "trainer-token-0123456789", "admin-token-0123456789"

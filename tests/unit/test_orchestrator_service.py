@@ -1,8 +1,9 @@
 """The orchestrator as a service on real loopback HTTP: tokens and revocation, rate limits,
 backpressure, encodings, lease routes, metrics, journal failure, and malformed input.
 
-Same harness as test_app.py (AppRunner on 127.0.0.1:0 inside asyncio.run; the synchronous
-OrchestratorClient in a thread), plus a journal in a temp dir and a tokens file on disk.
+Started with the shared `serve_orchestrator` fixture (tests/conftest.py) inside asyncio.run, the
+synchronous OrchestratorClient in a thread; here with a journal in a temp dir and a tokens file
+on disk.
 """
 
 from __future__ import annotations
@@ -16,33 +17,24 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgpack
 import pytest
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.client import OrchestratorClient, OrchestratorError
+from decentrl.encoding import MEDIA_MSGPACK, encode_model, pack_msgpack, unpack_msgpack
 from decentrl.tasks import build_task
-from decentrl.wire import (
-    MEDIA_MSGPACK,
-    LeaseRequest,
-    Rollout,
-    RolloutBatch,
-    SamplingParams,
-    TrainBatch,
-    encode_model,
-    pack_msgpack,
-    unpack_msgpack,
-)
-from orchestrator.app import create_app
+from decentrl.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
 from orchestrator.auth import TokenRegistry, add_token, revoke_token
 from orchestrator.journal import Journal
 from orchestrator.state import RunState
+
+if TYPE_CHECKING:
+    from tests.conftest import LiveOrchestrator as Server
 
 WORKER, OTHER, TRAINER, ADMIN = "worker-secret-1", "worker-secret-2", "trainer-secret", "admin-secret"
 ENV_TOKENS = [
@@ -57,33 +49,12 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-@dataclass
-class Server:
-    url: str
-    state: RunState
-    app: web.Application
-    http: aiohttp.ClientSession
-    tokens_file: Path
-
-    def client(self, token: str, **options: Any) -> OrchestratorClient:
-        return OrchestratorClient(self.url, token, timeout_s=10.0, max_wait_s=options.pop("max_wait_s", 1.0), **options)
-
-    async def call(self, method: str, path: str, token: str | None = None, **kwargs: Any) -> tuple[int, Any, Any]:
-        headers = {**(bearer(token) if token else {}), **kwargs.pop("headers", {})}
-        async with self.http.request(method, self.url + path, headers=headers, **kwargs) as response:
-            body = await response.read()
-            if response.content_type == MEDIA_MSGPACK:
-                data = unpack_msgpack(body)
-            elif response.content_type == "application/json":
-                data = json.loads(body)
-            else:
-                data = body.decode()
-            return response.status, data, response.headers
-
-
 @pytest.fixture
-def serve(make_config: Any, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, clock: Any) -> Callable[..., Any]:
-    """`async with serve(journal=True, fake_clock=False, on_fatal=None, **config) as server:`."""
+def serve(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, clock: Any, serve_orchestrator: Any
+) -> Callable[..., Any]:
+    """`async with serve(journal=True, fake_clock=False, on_fatal=None, **config) as server:`;
+    the tokens file is `server.tokens.path` (tmp_path/tokens.json)."""
 
     @asynccontextmanager
     async def running(
@@ -99,17 +70,10 @@ def serve(make_config: Any, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, 
         if not tokens_file.exists():
             tokens_file.write_text('{"tokens": []}')
         registry = TokenRegistry(path=str(tokens_file), env_entries=ENV_TOKENS)
-        app = create_app(state=state, tokens=registry, store_url="memory://svc", on_fatal=on_fatal)
-        runner = web.AppRunner(app)
-        await runner.setup()
         try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = runner.addresses[0][1]
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
-                yield Server(f"http://127.0.0.1:{port}", state, app, http, tokens_file)
+            async with serve_orchestrator(state, registry, store_url="memory://svc", on_fatal=on_fatal) as server:
+                yield server
         finally:
-            await runner.cleanup()
             if j is not None:
                 j.close()
 
@@ -143,7 +107,7 @@ def test_admin_creates_and_revokes_tokens_and_revocation_is_immediate(serve: Any
         async with serve() as server:
             status, created, _ = await server.call("POST", "/v1/admin/tokens", ADMIN, json={"name": "carol", "role": "worker"})
             assert status == 201 and created["name"] == "carol" and len(created["token"]) >= 32
-            assert "carol" in server.tokens_file.read_text()  # persisted in the tokens file
+            assert "carol" in server.tokens.path.read_text()  # persisted in the tokens file
             assert (await server.call("GET", "/v1/info", created["token"]))[0] == 200
             status, listed, _ = await server.call("GET", "/v1/admin/tokens", ADMIN)
             assert {"name": "carol", "role": "worker", "source": "file"} in listed["tokens"]
@@ -167,9 +131,9 @@ def test_admin_creates_and_revokes_tokens_and_revocation_is_immediate(serve: Any
 def test_tokens_file_edits_apply_to_the_next_request(serve: Any) -> None:
     async def scenario() -> None:
         async with serve() as server:
-            token = add_token(str(server.tokens_file), name="dave", role="trainer")  # `decentrl token create`
+            token = add_token(str(server.tokens.path), name="dave", role="trainer")  # `decentrl token create`
             assert (await server.call("GET", "/v1/status", token))[0] == 200
-            assert revoke_token(str(server.tokens_file), name="dave")  # `decentrl token revoke`
+            assert revoke_token(str(server.tokens.path), name="dave")  # `decentrl token revoke`
             assert (await server.call("GET", "/v1/status", token))[0] == 401
 
     run(scenario())
@@ -631,3 +595,22 @@ def test_msgpack_posts_are_journaled_as_received_and_recover_equal(
     assert served is not None
     assert TrainBatch.model_validate(unpack_msgpack(state.batch_msgpack(served) or b"")) == served
     journal.close()
+
+
+def test_the_orchestrator_command_refuses_a_run_dir_it_cannot_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`decentrl orchestrator` (orchestrator/service.py `serve`) exits 2 with the fix in the message,
+    before it listens: no tokens file, then a journal of another run."""
+    from typer.testing import CliRunner
+
+    from decentrl.cli.main import app as cli
+
+    monkeypatch.delenv("DECENTRL_TOKENS", raising=False)
+    config = str(Path(__file__).parents[2] / "configs" / "local.toml")
+    runner = CliRunner()
+    command = ["orchestrator", config, "--run-dir", str(tmp_path), "--port", "0"]
+    missing = runner.invoke(cli, command)
+    assert missing.exit_code == 2 and "no tokens file" in missing.output and "decentrl token create" in missing.output
+    add_token(str(tmp_path / "tokens.json"), name="w", role="worker")
+    Journal(str(tmp_path / "journal.sqlite"), run_name="another-run").close()
+    other = runner.invoke(cli, command)
+    assert other.exit_code == 2 and "another-run" in other.output and "another --run-dir" in other.output

@@ -14,10 +14,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import pytest
 import torch
-from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.config import LoRAConfig, TinyModelConfig
@@ -26,8 +24,7 @@ from decentrl.store import CheckpointStore
 from decentrl.tasks import build_task
 from decentrl.trainer.lora import add_adapters, is_adapter_weight, write_adapter_dir
 from decentrl.weights import write_hf_dir
-from decentrl.wire import Lease, Rollout, SamplingParams
-from orchestrator.app import create_app
+from decentrl.wire import Lease, Rollout, RolloutBatch, SamplingParams
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
 from orchestrator.verify import Verifier
@@ -210,7 +207,8 @@ def test_identical_honest_samples_are_no_replay(setup: Any, make_rollout: Any) -
 
 
 def test_adversaries_on_loopback_are_banned_and_flooding_is_limited(
-    make_config: Any, tokenizer: PreTrainedTokenizerBase, world: dict[str, Any], tmp_path: Any
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, world: dict[str, Any], tmp_path: Any,
+    serve_orchestrator: Any,
 ) -> None:
     """The real app: a cheating worker posting foreign-model rollouts is banned (its token then gets
     401) while an honest one is not; a flood over the rate limit gets 429."""
@@ -229,37 +227,28 @@ def test_adversaries_on_loopback_are_banned_and_flooding_is_limited(
     registry = TokenRegistry(tokens)
 
     async def scenario() -> None:
-        runner = web.AppRunner(create_app(state=state, tokens=registry, store_url="memory://x", verifier=verifier))
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
-            async with aiohttp.ClientSession() as http:
-                async def post(token: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-                    async with http.post(url + path, json=body, headers={"Authorization": f"Bearer {token}"}) as r:
-                        return r.status, await r.json()
+        async with serve_orchestrator(state, registry, store_url="memory://x", verifier=verifier) as server:
+            async def post(token: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+                status, answer, _ = await server.call("POST", "/v1" + path, token, json=body)
+                return status, answer
 
-                for token, backend in (("h", world["honest"]), ("m", world["foreign"])):
-                    status, granted = await post(token, "/leases", {"worker_id": "w0", "max_groups": 1})
-                    lease = Lease(**granted["leases"][0])
-                    rollouts = await asyncio.to_thread(generated, backend, lease, state.sampling)
-                    status, _ = await post(token, "/rollouts", {"rollouts": [r.model_dump() for r in rollouts]})
-                    assert status == 200
-                for _ in range(600):  # the verifier thread judges both groups
-                    if not state.pending and not state.verify_queue:
-                        break
-                    await asyncio.sleep(0.05)
-                status, _ = await post("m", "/leases", {"worker_id": "w0", "max_groups": 1})
-                assert status == 401  # revoked
-                status, _ = await post("h", "/leases", {"worker_id": "w0", "max_groups": 1})
+            for token, backend in (("h", world["honest"]), ("m", world["foreign"])):
+                status, granted = await post(token, "/leases", {"worker_id": "w0", "max_groups": 1})
+                lease = Lease(**granted["leases"][0])
+                rollouts = await asyncio.to_thread(generated, backend, lease, state.sampling)
+                status, _ = await post(token, "/rollouts", {"rollouts": [r.model_dump() for r in rollouts]})
                 assert status == 200
-                statuses = [(await post("f", "/leases", {"worker_id": "w0", "max_groups": 1}))[0] for _ in range(30)]
-                assert statuses.count(429) >= 5 and statuses[:20] == [200] * 20
-                async with http.get(url + "/status", headers={"Authorization": "Bearer h"}) as r:
-                    seen = await r.json()
-        finally:
-            await runner.cleanup()
+            for _ in range(600):  # the verifier thread judges both groups
+                if not state.pending and not state.verify_queue:
+                    break
+                await asyncio.sleep(0.05)
+            status, _ = await post("m", "/leases", {"worker_id": "w0", "max_groups": 1})
+            assert status == 401  # revoked
+            status, _ = await post("h", "/leases", {"worker_id": "w0", "max_groups": 1})
+            assert status == 200
+            statuses = [(await post("f", "/leases", {"worker_id": "w0", "max_groups": 1}))[0] for _ in range(30)]
+            assert statuses.count(429) >= 5 and statuses[:20] == [200] * 20
+            _, seen, _ = await server.call("GET", "/v1/status", "h")
         assert seen["workers"]["mallory"]["banned"] and not seen["workers"]["honest"]["banned"]
         assert seen["verification"]["rollouts_checked"] == 6
         assert seen["groups_ready"] == 1  # the honest group only
@@ -381,7 +370,7 @@ def test_next_checks_takes_one_group_of_a_token_without_a_passed_check(
 ) -> None:
     """Batches are whole groups, oldest first, up to the rollout limit; a token whose checks have
     not passed yet gets one group in (a cheater is banned on it before the rest costs anything)."""
-    from orchestrator.app import next_checks
+    from orchestrator.verification import next_checks
 
     config = make_config(
         orchestrator={"verification": {"enabled": True, "new_worker_checks": 1000}}, trainer={"groups_per_step": 8}
@@ -406,7 +395,7 @@ def test_a_batch_waits_for_a_held_back_group_ahead_of_it_which_keeps_its_place(
     """A group held back for its check keeps its place in line: a batch that would skip it waits
     for the check (checks_due says to check at once), and the checked group trains first, as its
     lease was budgeted for; groups behind a full batch may wait for others to share a forward."""
-    from orchestrator.app import checks_due
+    from orchestrator.verification import checks_due
 
     config = make_config(orchestrator={"verification": {"enabled": True, "new_worker_checks": 3, "spot_check_fraction": 0.0}})
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
@@ -422,3 +411,115 @@ def test_a_batch_waits_for_a_held_back_group_ahead_of_it_which_keeps_its_place(
     batch = state.take_batch(0)
     assert batch is not None and [s.group_id for s in batch.samples][::3] == [first.lease_id, second.lease_id]
     assert not state.held_back_ahead(2) and not checks_due(state)
+
+
+# -- the scheduler (orchestrator/verification.py) in the real app ---------------------------
+
+
+class PassingVerifier:
+    """Stands in for Verifier in the app: every check passes; records the rollouts per check."""
+
+    def __init__(self) -> None:
+        self.checked: list[int] = []
+
+    def warm_up(self) -> None:
+        pass
+
+    def check(self, rollouts: list[Rollout]) -> dict[str, str]:
+        self.checked.append(len(rollouts))
+        return {}
+
+    def summary(self) -> dict[str, float]:
+        return {"rollouts_checked": float(sum(self.checked))}
+
+
+# Every group held back, and never checked for company's sake within a test's time: only a
+# wake-up (a batch that needs the check) starts one.
+PATIENT = {"enabled": True, "new_worker_checks": 1000, "spot_check_fraction": 0.0, "check_wait_s": 60.0,
+           "check_batch_rollouts": 1000}
+WORKER_TOKENS = [{"name": "honest", "role": "worker", "token": "h"}, {"name": "t", "role": "trainer", "token": "t"}]
+
+
+async def _batch_within(server: Any, seconds: float) -> dict[str, Any]:
+    """The trainer's long-poll, asked again until a batch comes; fails after `seconds`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while loop.time() < deadline:
+        status, body, _ = await server.call("GET", "/v1/batch?trainer_version=0", "t")
+        if status == 200:
+            return body
+        assert status == 204
+    raise AssertionError(f"no batch within {seconds} s")
+
+
+def test_the_scheduler_sleeps_until_a_batch_needs_a_check(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, make_rollout: Any, serve_orchestrator: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Held-back groups not yet needed wait (check_wait_s is long) without the scheduler polling
+    them; the post that completes the trainer's batch wakes it, and the batch follows at once."""
+    import orchestrator.verification as verification
+
+    looks: list[bool] = []
+    real_checks_due = verification.checks_due
+
+    def counted(state: RunState) -> bool:
+        looks.append(real_checks_due(state))
+        return looks[-1]
+
+    monkeypatch.setattr(verification, "checks_due", counted)
+    config = make_config(orchestrator={"verification": PATIENT})
+    state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
+    state.announce(0)
+    verifier = PassingVerifier()
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(WORKER_TOKENS), verifier=verifier) as server:
+            first, second = state.grant_leases(HONEST, 2)
+            body = RolloutBatch(rollouts=[make_rollout(first, "1234") for _ in range(3)]).model_dump_json()
+            assert (await server.call("POST", "/v1/rollouts", "h", data=body))[0] == 200
+            await asyncio.sleep(1.0)
+            # One look when the post woke it (not due: one group of the two a batch takes), then
+            # asleep: a poll every 0.05 s would have looked about 20 times.
+            assert looks == [False] and verifier.checked == [] and len(state.pending) == 1
+            body = RolloutBatch(rollouts=[make_rollout(second, "4321") for _ in range(3)]).model_dump_json()
+            assert (await server.call("POST", "/v1/rollouts", "h", data=body))[0] == 200
+            started = asyncio.get_running_loop().time()
+            batch = await _batch_within(server, 10.0)
+            assert asyncio.get_running_loop().time() - started < 10.0
+        assert [s["group_id"] for s in batch["samples"]][::3] == [first.lease_id, second.lease_id]
+        assert sum(verifier.checked) == 6  # the first group alone (a token's first check), then the second
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_groups_recovered_held_back_are_checked_at_startup(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, make_rollout: Any, serve_orchestrator: Any, tmp_path: Any,
+) -> None:
+    """Groups held back when the orchestrator stopped are checked when it starts again, with no
+    post to wake the scheduler: the trainer's batch comes."""
+    from orchestrator.journal import Journal
+
+    config = make_config(orchestrator={"verification": PATIENT})
+    path = str(tmp_path / "journal.sqlite")
+    journal = Journal(path, run_name=config.run_name)
+    before = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, journal=journal)
+    before.announce(0)
+    for lease in before.grant_leases(HONEST, 2):
+        assert before.ingest([make_rollout(lease, "1234") for _ in range(3)], HONEST).accepted == 3
+    assert len(before.pending) == 2
+    journal.flush()
+    journal.close()
+    journal = Journal(path, run_name=config.run_name)
+    state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, journal=journal)
+    assert len(state.verify_queue) == 2 and not state.ready
+    verifier = PassingVerifier()
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(WORKER_TOKENS), verifier=verifier) as server:
+            batch = await _batch_within(server, 10.0)
+            assert len(batch["samples"]) == 6
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    journal.close()
+    assert sum(verifier.checked) == 6

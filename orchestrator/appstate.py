@@ -1,0 +1,80 @@
+"""The typed state of the orchestrator's app (`web.AppKey`s) and the small helpers that act on it.
+
+`create_app` (orchestrator/app.py) sets every key before the app starts; the handlers
+(orchestrator/handlers.py), the middlewares (orchestrator/middlewares.py) and the background
+tasks (orchestrator/upkeep.py, orchestrator/verification.py) read them. The keys live here, not
+in app.py, so that those modules can import them without importing the app factory.
+
+Wake-ups. Handlers and background tasks wake one another instead of polling: a handler that may
+have let a batch form notifies BATCH_READY (the trainer's long-poll waits on it), one that may
+have freed a place for a lease notifies LEASES_FREED (the workers' long-poll), and one that may
+have held a group back for its check, or moved the line ahead of one, calls `wake_checks` (the
+verification scheduler waits on CHECKS_WANTED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from orchestrator.auth import Identity, TokenRegistry
+from orchestrator.limits import InFlight, RateLimiter
+from orchestrator.metrics import Metrics
+from orchestrator.state import RunState
+from orchestrator.verify import Verifier
+
+# (method, route template) -> the roles allowed to call it; None: no token needed.
+RouteRoles = dict[tuple[str, str], tuple[str, ...] | None]
+
+
+class JournalFailed:
+    """What happens when the journal fails (a request's commit or the upkeep's): the metric is
+    set each time, and the service's callback is called once (`decentrl orchestrator` then shuts
+    down, so that a restart recovers from the journal; orchestrator/service.py)."""
+
+    def __init__(self, metrics: Metrics, callback: Callable[[BaseException], Any] | None) -> None:
+        self._metrics = metrics
+        self._callback = callback
+
+    def __call__(self, exc: BaseException) -> None:
+        self._metrics.journal_failed.set(1)
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback(exc)
+
+
+STATE = web.AppKey("state", RunState)
+TOKENS = web.AppKey("tokens", TokenRegistry)
+STORE_URL = web.AppKey("store_url", str)
+METRICS = web.AppKey("metrics", Metrics)
+LIMITER = web.AppKey("limiter", RateLimiter)
+INFLIGHT = web.AppKey("inflight", InFlight)
+JOURNAL_FAILED = web.AppKey("journal_failed", JournalFailed)
+ROUTE_ROLES: web.AppKey[RouteRoles] = web.AppKey("route_roles")
+OPENAPI: web.AppKey[dict[str, Any]] = web.AppKey("openapi")
+VERIFIER = web.AppKey("verifier", Verifier)  # present when orchestrator.verification.enabled
+BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)  # notified when a batch may have formed
+LEASES_FREED = web.AppKey("leases_freed", asyncio.Condition)  # notified when a lease may be grantable
+CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when held-back groups may be due a check
+IDENTITY = web.RequestKey("identity", Identity)  # the caller's token, set by the auth middleware
+
+
+async def commit(state: RunState) -> None:
+    """Wait until everything the state recorded is on disk (no-op without a journal)."""
+    if state.journal is not None:
+        await state.journal.commit()
+
+
+async def notify_all(condition: asyncio.Condition) -> None:
+    async with condition:
+        condition.notify_all()
+
+
+def wake_checks(app: web.Application) -> None:
+    """Groups wait for their logprob check: the verification scheduler looks at them again (it
+    checks them now or later: orchestrator/verification.py)."""
+    if app[STATE].verify_queue:
+        app[CHECKS_WANTED].set()

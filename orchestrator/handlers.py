@@ -1,0 +1,325 @@
+"""The orchestrator's request handlers: thin, each validates, calls RunState, commits, answers.
+
+Registered by the route table (orchestrator/routes.py), which also says who may call each one;
+the middlewares (orchestrator/middlewares.py) have authenticated the caller before a handler
+runs. A handler that changes the run awaits the journal's commit before it answers
+(orchestrator/journal.py), so an acknowledged rollout, lease or batch survives a crash, and then
+wakes whoever may now proceed (orchestrator/appstate.py, "Wake-ups").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Callable
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK
+from decentrl.tasks.episodes import EpisodeTask
+from decentrl.wire import (
+    MAX_VERSION,
+    WORKER_ID,
+    Health,
+    LeaseRequest,
+    LeaseResponse,
+    RolloutBatch,
+    RunInfo,
+    StatusResponse,
+    TokenCreate,
+    TokenCreated,
+    TokenEntry,
+    TokenList,
+    VersionAnnouncement,
+)
+from orchestrator.appstate import (
+    BATCH_READY,
+    IDENTITY,
+    INFLIGHT,
+    LEASES_FREED,
+    METRICS,
+    OPENAPI,
+    STATE,
+    STORE_URL,
+    TOKENS,
+    VERIFIER,
+    commit,
+    notify_all,
+    wake_checks,
+)
+from orchestrator.bans import enforce_bans
+from orchestrator.body import error, parse_body, parse_body_with_raw, respond, wants_msgpack
+from orchestrator.codec import packed_arrays
+from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.state import LeaseError, RunState
+
+log = logging.getLogger("decentrl.orchestrator")
+
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def query_int(request: web.Request, name: str, *, low: int = 0, high: int = MAX_VERSION) -> int:
+    try:
+        value = int(request.query[name])
+    except (KeyError, ValueError):
+        raise error(web.HTTPBadRequest, f"query parameter {name} (an integer >= {low}) is required") from None
+    if not low <= value <= high:
+        raise error(web.HTTPBadRequest, f"query parameter {name} must be between {low} and {high}, got {value}")
+    return value
+
+
+def holder_of(request: web.Request, worker_id: str) -> str:
+    """Who holds a lease: the caller's token name and its worker id ("alice/w0")."""
+    return f"{request[IDENTITY].name}/{worker_id}"
+
+
+def query_worker(request: web.Request) -> str:
+    worker_id = request.query.get("worker_id", "")
+    if not re.fullmatch(WORKER_ID, worker_id):
+        raise error(web.HTTPBadRequest, f"query parameter worker_id is required and must match {WORKER_ID}")
+    return holder_of(request, worker_id)
+
+
+def run_status(app: web.Application) -> StatusResponse:
+    found = app[STATE].status()
+    if VERIFIER in app:
+        found.verification = app[VERIFIER].summary()
+    return found
+
+
+# -- workers ------------------------------------------------------------------------------
+
+
+async def info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return respond(
+        request,
+        RunInfo(
+            run_name=state.config.run_name,
+            store_url=request.app[STORE_URL],
+            policy_version=state.published_version,
+            max_staleness=state.config.max_staleness,
+            group_size=state.config.group_size,
+            episode_task=state.config.task.model_dump() if isinstance(state.task, EpisodeTask) else None,
+        ),
+    )
+
+
+async def leases(request: web.Request) -> web.Response:
+    body = await parse_body(request, LeaseRequest)
+    state = request.app[STATE]
+    if state.integrity.is_banned(request[IDENTITY].name):  # a token from DECENTRL_TOKENS outlives its ban
+        raise error(web.HTTPForbidden, f"token {request[IDENTITY].name!r} is banned (docs/security.md)")
+    holder, wait_s = holder_of(request, body.worker_id), state.config.orchestrator.lease_wait_s
+    # Long-poll: with nothing to grant, wait for a version, a served batch or a release to free
+    # groups, so a worker's slots start the moment the staleness budget allows and do not poll.
+    freed = request.app[LEASES_FREED]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    async with freed:
+        while not (granted := state.grant_leases(holder, body.max_groups)):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):  # every 0.5 s at least: leases expire unannounced
+                await asyncio.wait_for(freed.wait(), timeout=min(remaining, 0.5))
+    await commit(state)
+    return respond(
+        request,
+        LeaseResponse(
+            policy_version=state.published_version,
+            sampling=state.sampling,
+            leases=granted,
+            retry_after_s=0.0 if granted or wait_s > 0 else 0.2,
+        ),
+    )
+
+
+async def _on_lease(request: web.Request, operation: Callable[[RunState, str, str], BaseModel]) -> web.Response:
+    """`operation(state, lease_id, holder)` on the route's lease; what it changed is committed
+    before the answer (a read commits nothing, and answers with only committed state)."""
+    holder = query_worker(request)
+    state = request.app[STATE]
+    try:
+        answer = operation(state, request.match_info["lease_id"], holder)
+    except LeaseError as exc:
+        kinds: dict[int, type[web.HTTPException]] = {403: web.HTTPForbidden, 404: web.HTTPNotFound, 409: web.HTTPConflict}
+        raise error(kinds[exc.status], str(exc)) from None
+    await commit(state)
+    return respond(request, answer)
+
+
+async def lease_get(request: web.Request) -> web.Response:
+    return await _on_lease(request, RunState.lease_state)
+
+
+async def lease_renew(request: web.Request) -> web.Response:
+    return await _on_lease(request, RunState.renew_lease)
+
+
+async def lease_release(request: web.Request) -> web.Response:
+    answer = await _on_lease(request, RunState.release_lease)
+    await notify_all(request.app[LEASES_FREED])
+    return answer
+
+
+async def rollouts(request: web.Request) -> web.Response:
+    app = request.app
+    state = app[STATE]
+    inflight = app[INFLIGHT]
+    if inflight.full:
+        app[METRICS].backpressure.labels("inflight").inc()
+        raise error(web.HTTPServiceUnavailable, "too many rollout posts in flight; retry shortly", retry_after=1)
+    if state.buffer_full():
+        app[METRICS].backpressure.labels("buffer_full").inc()
+        raise error(
+            web.HTTPServiceUnavailable,
+            f"the buffer holds {len(state.ready)} groups (limit {state.buffer_limit}) waiting for the trainer; retry later",
+            retry_after=2,
+        )
+    with inflight.held():
+        body, raw = await parse_body_with_raw(request, RolloutBatch)
+        first = body.rollouts[0]
+        if any(r.worker_id != first.worker_id for r in body.rollouts):
+            raise error(web.HTTPBadRequest, "all rollouts of one request must carry the same worker_id")
+        if any(r.run_name != state.config.run_name for r in body.rollouts):
+            raise error(
+                web.HTTPConflict,
+                f"this orchestrator serves run {state.config.run_name!r}; rollouts name run "
+                f"{next(r.run_name for r in body.rollouts if r.run_name != state.config.run_name)!r}",
+            )
+        ready_before = len(state.ready)
+        packed = packed_arrays(raw) if raw is not None else None
+        result = state.ingest(body.rollouts, holder_of(request, first.worker_id), packed=packed)
+        enforce_bans(state, app[TOKENS])
+        await commit(state)
+    metrics, name = app[METRICS], request[IDENTITY].name
+    if result.accepted:
+        metrics.worker_rollouts.labels(name, "accepted").inc(result.accepted)
+    if result.duplicates:
+        metrics.worker_rollouts.labels(name, "duplicate").inc(result.duplicates)
+    if result.rejected:
+        metrics.worker_rollouts.labels(name, "rejected").inc(len(result.rejected))
+    wake_checks(app)  # a completed group may be held back for its check
+    if len(state.ready) > ready_before:
+        await notify_all(app[BATCH_READY])
+    if result.rejected:  # a rejected sample may have dropped its group, freeing its place
+        await notify_all(app[LEASES_FREED])
+    return respond(request, result)
+
+
+# -- trainer ------------------------------------------------------------------------------
+
+
+async def batch(request: web.Request) -> web.StreamResponse:
+    trainer_version = query_int(request, "trainer_version")
+    request_id = request.query.get("request_id")
+    if request_id is not None and not REQUEST_ID.fullmatch(request_id):
+        raise error(web.HTTPBadRequest, f"query parameter request_id must match {REQUEST_ID.pattern}")
+    state = request.app[STATE]
+    ready = request.app[BATCH_READY]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.orchestrator.batch_wait_s
+    async with ready:
+        while (served := state.take_batch(trainer_version, request_id)) is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return web.Response(status=204)
+            # The trainer waits: if for a held-back group (take_batch may also have evicted stale
+            # groups ahead of one), its check is due now.
+            wake_checks(request.app)
+            with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
+                await asyncio.wait_for(ready.wait(), timeout=min(remaining, 1.0))
+    await commit(state)
+    await notify_all(request.app[LEASES_FREED])  # the buffer has room again
+    wake_checks(request.app)  # a held-back group may now be in the next batch's way
+    histogram = request.app[METRICS].staleness
+    for lag, count in served.staleness_histogram.items():
+        for _ in range(count):
+            histogram.observe(int(lag))
+    if wants_msgpack(request) and (body := state.batch_msgpack(served)) is not None:
+        return web.Response(body=body, content_type=MEDIA_MSGPACK)
+    return respond(request, served)
+
+
+async def version(request: web.Request) -> web.Response:
+    body = await parse_body(request, VersionAnnouncement)
+    state = request.app[STATE]
+    state.announce(body.version)
+    await commit(state)
+    await notify_all(request.app[LEASES_FREED])  # the staleness budget grows by a step's groups
+    wake_checks(request.app)  # stale groups left the line ahead of a held-back one
+    log.info("version %d published", body.version)
+    return respond(request, run_status(request.app))
+
+
+# -- anyone with a token ------------------------------------------------------------------
+
+
+async def status(request: web.Request) -> web.Response:
+    return respond(request, run_status(request.app))
+
+
+# -- admin --------------------------------------------------------------------------------
+
+
+async def tokens_list(request: web.Request) -> web.Response:
+    entries = [TokenEntry(name=n, role=r, source=s) for n, r, s in request.app[TOKENS].entries()]  # type: ignore[arg-type]
+    return respond(request, TokenList(tokens=sorted(entries, key=lambda e: e.name)))
+
+
+async def tokens_create(request: web.Request) -> web.Response:
+    body = await parse_body(request, TokenCreate)
+    try:
+        token = request.app[TOKENS].create(body.name, body.role)
+    except ValueError as exc:
+        raise error(web.HTTPConflict, str(exc)) from None
+    log.info("token %r (%s) created by %r", body.name, body.role, request[IDENTITY].name)
+    return respond(request, TokenCreated(name=body.name, role=body.role, token=token), status=201)
+
+
+async def tokens_revoke(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if name == request[IDENTITY].name:
+        raise error(web.HTTPConflict, "an admin token cannot revoke itself; use another admin token")
+    registry = request.app[TOKENS]
+    entry = next(((n, r, s) for n, r, s in registry.entries() if n == name), None)
+    try:
+        removed = registry.revoke(name)
+    except PermissionError as exc:
+        raise error(web.HTTPConflict, str(exc)) from None
+    if not removed or entry is None:
+        raise error(web.HTTPNotFound, f"no token named {name!r}")
+    log.info("token %r revoked by %r", name, request[IDENTITY].name)
+    return respond(request, TokenEntry(name=entry[0], role=entry[1], source=entry[2]))  # type: ignore[arg-type]
+
+
+# -- operations ---------------------------------------------------------------------------
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
+async def healthz(request: web.Request) -> web.Response:
+    journal = request.app[STATE].journal
+    ok = journal is None or journal.failed is None
+    return web.Response(
+        text=Health(ok=ok, journal=journal is not None).model_dump_json(), status=200 if ok else 503,
+        content_type=MEDIA_JSON,
+    )
+
+
+async def status_page(request: web.Request) -> web.Response:
+    rows = "".join(
+        f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in run_status(request.app).model_dump().items()
+    )
+    html = f"<html><head><title>decentrl</title><meta http-equiv='refresh' content='2'></head><body><h1>decentrl orchestrator</h1><table>{rows}</table></body></html>"
+    return web.Response(text=html, content_type="text/html")

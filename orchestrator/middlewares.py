@@ -1,0 +1,111 @@
+"""The orchestrator's middlewares, outermost first: errors (and request metrics), then auth.
+
+Installed by create_app (orchestrator/app.py). Every request passes both before its handler:
+- `errors_middleware` turns every failure into a JSON error a client can act on (aiohttp's own
+  404/405/413 included), counts the request and its latency, and on a journal failure answers
+  503 and trips JOURNAL_FAILED (the service then stops; a restart recovers from the journal);
+- `auth_middleware` checks the bearer token against the route's roles (the route table,
+  orchestrator/routes.py), then the token's rate limit, and records the caller's IDENTITY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from decentrl.encoding import MEDIA_JSON
+from orchestrator.appstate import IDENTITY, JOURNAL_FAILED, LIMITER, METRICS, ROUTE_ROLES, TOKENS
+from orchestrator.body import error
+from orchestrator.journal import JournalError
+
+log = logging.getLogger("decentrl.orchestrator")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _route_of(request: web.Request) -> tuple[str, tuple[str, ...] | None] | None:
+    """(route template, roles) of the matched route; None when nothing matched (404/405)."""
+    info = request.match_info
+    if info.http_exception is not None:
+        return None
+    resource = info.route.resource
+    template = resource.canonical if resource is not None else request.path
+    return template, request.app[ROUTE_ROLES].get((request.method, template))
+
+
+def _as_json(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own errors (no route, wrong method, body too large) as JSON, headers kept."""
+    if exc.status == 404:
+        message = f"no route {request.method} {request.path}; see /openapi.json"
+    elif exc.status == 405:
+        message = f"{request.method} is not allowed on {request.path}; allowed: {exc.headers.get('Allow', '')}"
+    elif exc.status == 413:
+        message = f"{exc.text}; the limit is orchestrator.max_request_bytes"
+    else:
+        message = exc.text or exc.reason
+    headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
+    return web.Response(status=exc.status, text=json.dumps({"error": message}), content_type=MEDIA_JSON, headers=headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """JSON errors for everything, one log line for a bug, and the request metrics."""
+    started = time.perf_counter()
+    matched = _route_of(request)
+    route = matched[0] if matched is not None else "unmatched"
+    metrics = request.app[METRICS]
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        if exc.status < 400 or exc.content_type == MEDIA_JSON:
+            raise
+        return _as_json(request, exc)
+    except JournalError as exc:
+        status = 503
+        request.app[JOURNAL_FAILED](exc)
+        raise error(web.HTTPServiceUnavailable, f"{exc}; restart the orchestrator (it recovers from the journal)", retry_after=5) from None
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)  # never logs headers (tokens)
+        raise error(web.HTTPInternalServerError, "internal error; see the orchestrator's log") from None
+    finally:
+        metrics.requests.labels(route, request.method, str(status)).inc()
+        metrics.latency.labels(route).observe(time.perf_counter() - started)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """401 without a known bearer token, 403 for a role the route does not allow, 429 over the
+    token's rate; routes whose roles are None (the status page, /healthz, /openapi.json) pass."""
+    matched = _route_of(request)
+    allowed = matched[1] if matched is not None else None
+    if allowed is not None:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        identity = request.app[TOKENS].identify(token.strip()) if scheme == "Bearer" and token.strip() else None
+        if identity is None:
+            raise error(web.HTTPUnauthorized, "missing or unknown bearer token (Authorization: Bearer TOKEN)")
+        if identity.role not in allowed:
+            raise error(web.HTTPForbidden, f"role {identity.role!r} may not call {request.path}; needs {allowed}")
+        limiter = request.app[LIMITER]
+        wait = limiter.check(identity.name)
+        if wait > 0:
+            request.app[METRICS].rate_limited.labels(identity.name).inc()
+            raise error(
+                web.HTTPTooManyRequests,
+                f"token {identity.name!r} is over its rate limit of {limiter.rate_per_s:g} requests/s",
+                retry_after=wait,
+            )
+        request[IDENTITY] = identity
+    return await handler(request)

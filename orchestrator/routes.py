@@ -1,0 +1,137 @@
+"""The orchestrator's route table: every route, who may call it, its body and answers.
+
+One table (ROUTES) registers the handlers (`add_routes`, called by create_app), tells the auth
+middleware each route's roles (`route_roles`), and generates /openapi.json (`openapi_spec`, with
+orchestrator/openapi.py), so the three cannot drift apart. docs/api.md is the reference for
+clients. In short:
+
+  GET    /v1/info                    any token  what a worker needs to join
+  GET    /v1/status                  any token  counters, for progress displays
+  POST   /v1/leases                  worker     lease prompt groups, learn the newest version
+  GET    /v1/leases/{lease_id}       worker     where one of my leases stands
+  POST   /v1/leases/{lease_id}/renew worker     push my lease's deadline out (slow generation)
+  DELETE /v1/leases/{lease_id}       worker     give my lease back (its prompt goes out again)
+  POST   /v1/rollouts                worker     post samples; per-rollout accept/reject
+  GET    /v1/batch                   trainer    long-poll for the next fresh batch (204 if none in time)
+  POST   /v1/version                 trainer    announce a version complete in the store
+  GET    /v1/admin/tokens            admin      token names and roles
+  POST   /v1/admin/tokens            admin      create a token
+  DELETE /v1/admin/tokens/{name}     admin      revoke a token, at once
+  GET    /metrics                    trainer, admin (or none: metrics_public)  Prometheus text
+  GET    /openapi.json, /healthz, /  none
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+import decentrl
+from decentrl.encoding import MEDIA_JSON
+from decentrl.wire import (
+    API_PREFIX,
+    MAX_VERSION,
+    TOKEN_NAME,
+    WORKER_ID,
+    Health,
+    IngestResponse,
+    Lease,
+    LeaseRequest,
+    LeaseResponse,
+    LeaseState,
+    RolloutBatch,
+    RunInfo,
+    StatusResponse,
+    TokenCreate,
+    TokenCreated,
+    TokenEntry,
+    TokenList,
+    TrainBatch,
+    VersionAnnouncement,
+)
+from orchestrator import handlers
+from orchestrator.appstate import RouteRoles
+from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.openapi import Param, RouteSpec, build_openapi
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+ANY = ("worker", "trainer", "admin")
+P = API_PREFIX
+LEASE_ID = Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/leases.")
+WORKER_Q = Param("worker_id", "query", {"type": "string", "pattern": WORKER_ID}, "The worker id that leased it.")
+ROUTES: list[tuple[RouteSpec, Handler]] = [
+    (RouteSpec("GET", f"{P}/info", "What a worker needs to join: run, store URL, newest version.", ANY,
+               answers={200: RunInfo}, msgpack=True), handlers.info),
+    (RouteSpec("GET", f"{P}/status", "Run counters for progress displays.", ANY,
+               answers={200: StatusResponse}, msgpack=True), handlers.status),
+    (RouteSpec("POST", f"{P}/leases", "Lease prompt groups; with none due, waits up to lease_wait_s for one (then empty).", ("worker",),
+               body=LeaseRequest, answers={200: LeaseResponse}, msgpack=True, tag="worker"), handlers.leases),
+    (RouteSpec("GET", f"{P}/leases/{{lease_id}}", "Where one of my leases stands.", ("worker",),
+               params=(LEASE_ID, WORKER_Q), answers={200: LeaseState}, errors=(404,), msgpack=True, tag="worker"),
+     handlers.lease_get),
+    (RouteSpec("POST", f"{P}/leases/{{lease_id}}/renew", "Push my open lease's deadline lease_timeout_s from now.",
+               ("worker",), params=(LEASE_ID, WORKER_Q), answers={200: Lease}, errors=(404, 409), msgpack=True,
+               tag="worker"), handlers.lease_renew),
+    (RouteSpec("DELETE", f"{P}/leases/{{lease_id}}", "Give my open lease back; its prompt is leased again first.",
+               ("worker",), params=(LEASE_ID, WORKER_Q), answers={200: LeaseState}, errors=(404, 409), msgpack=True,
+               tag="worker"), handlers.lease_release),
+    (RouteSpec("POST", f"{P}/rollouts", "Post samples; each is accepted, a duplicate, or rejected with a reason.",
+               ("worker",), body=RolloutBatch, answers={200: IngestResponse}, errors=(409,), msgpack=True,
+               tag="worker"), handlers.rollouts),
+    (RouteSpec("GET", f"{P}/batch", "Long-poll for the next batch of fresh groups (204 if none within batch_wait_s).",
+               ("trainer",), params=(
+                   Param("trainer_version", "query", {"type": "integer", "minimum": 0, "maximum": MAX_VERSION},
+                         "The version the trainer holds (the step about to run starts from it)."),
+                   Param("request_id", "query", {"type": "string", "pattern": handlers.REQUEST_ID.pattern},
+                         "Idempotency key: asking again with it returns the same batch.", required=False),
+               ), answers={200: TrainBatch, 204: None}, msgpack=True, tag="trainer"), handlers.batch),
+    (RouteSpec("POST", f"{P}/version", "Announce a version complete in the store.", ("trainer",),
+               body=VersionAnnouncement, answers={200: StatusResponse}, msgpack=True, tag="trainer"), handlers.version),
+    (RouteSpec("GET", f"{P}/admin/tokens", "Token names, roles and sources (never the tokens).", ("admin",),
+               answers={200: TokenList}, tag="admin"), handlers.tokens_list),
+    (RouteSpec("POST", f"{P}/admin/tokens", "Create a token (written to the tokens file).", ("admin",),
+               body=TokenCreate, answers={201: TokenCreated}, errors=(409,), tag="admin"), handlers.tokens_create),
+    (RouteSpec("DELETE", f"{P}/admin/tokens/{{name}}", "Revoke a token; the next request with it gets 401.", ("admin",),
+               params=(Param("name", "path", {"type": "string", "pattern": TOKEN_NAME}, "The token's name."),),
+               answers={200: TokenEntry}, errors=(404, 409), tag="admin"), handlers.tokens_revoke),
+    (RouteSpec("GET", "/metrics", "Prometheus metrics (text format 0.0.4).", ("trainer", "admin"),
+               answers={200: METRICS_CONTENT_TYPE}, tag="ops"), handlers.metrics),
+    (RouteSpec("GET", "/openapi.json", "This description.", None, answers={200: MEDIA_JSON}, tag="ops"), handlers.openapi),
+    (RouteSpec("GET", "/healthz", "Liveness: 503 once the journal has failed.", None,
+               answers={200: Health}, tag="ops"), handlers.healthz),
+    (RouteSpec("GET", "/", "A small HTML status page.", None, answers={200: "text/html"}, tag="ops"), handlers.status_page),
+]
+
+
+def route_specs(*, metrics_public: bool = False) -> list[RouteSpec]:
+    """The routes as served: with `metrics_public`, /metrics needs no token."""
+    specs = [spec for spec, _ in ROUTES]
+    if metrics_public:
+        specs = [dataclasses.replace(s, roles=None) if s.path == "/metrics" else s for s in specs]
+    return specs
+
+
+def route_roles(*, metrics_public: bool = False) -> RouteRoles:
+    """(method, route template) -> the roles that may call it (None: no token), for the auth middleware."""
+    return {(s.method, s.path): s.roles for s in route_specs(metrics_public=metrics_public)}
+
+
+def openapi_spec(*, metrics_public: bool = False) -> dict[str, Any]:
+    """The OpenAPI document an app serves at /openapi.json."""
+    return build_openapi(
+        route_specs(metrics_public=metrics_public),
+        title="decentrl orchestrator",
+        version=decentrl.__version__,
+        description="Leases prompts to inference workers, ingests and scores their rollouts, serves batches to "
+        "the trainer. Bodies: JSON or msgpack (typed arrays for token ids and logprobs), optionally gzip. "
+        "See docs/api.md.",
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    for spec, handler in ROUTES:
+        app.router.add_route(spec.method, spec.path, handler)

@@ -1,0 +1,153 @@
+"""The verification scheduler: when held-back groups get their logprob check, and what follows.
+
+With `[orchestrator.verification] enabled`, ingest holds some complete groups back
+(RunState.pending, their jobs in RunState.verify_queue) until the Verifier (orchestrator/
+verify.py) has recomputed their sampled logprobs. This module decides when to check which groups,
+runs the Verifier on one worker thread off the event loop, hands the verdicts back to RunState,
+enforces the bans they cause (orchestrator/bans.py), and wakes the long-polls a verdict may
+serve (a batch formed, a place for a lease freed).
+
+It is a `cleanup_ctx` entry of create_app (orchestrator/app.py). It sleeps on CHECKS_WANTED
+(orchestrator/appstate.py), which handlers set through `wake_checks` when a group may have been
+held back (after ingest), when the line ahead of one moved (a batch served, a version
+announced), and while the trainer waits for a batch; its first look at startup covers groups
+the journal recovered still held back. While groups wait without being due, it sleeps at most
+until the oldest has waited `check_wait_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from orchestrator.appstate import (
+    BATCH_READY,
+    CHECKS_WANTED,
+    JOURNAL_FAILED,
+    LEASES_FREED,
+    STATE,
+    TOKENS,
+    VERIFIER,
+    commit,
+    notify_all,
+)
+from orchestrator.bans import enforce_bans
+from orchestrator.integrity import token_of
+from orchestrator.journal import JournalError
+from orchestrator.state import RunState, VerifyJob
+from orchestrator.verify import Verifier
+
+log = logging.getLogger("decentrl.orchestrator")
+
+
+def next_checks(state: RunState, limit: int) -> list[VerifyJob]:
+    """The held-back groups to check together, taken off `state.verify_queue`: whole groups, oldest
+    first, up to `limit` rollouts (at least one group). A token none of whose checks has passed yet
+    (a new worker, or a cheater) gets one group in per batch: its first verdict bans a cheater
+    before the rest of what it posted costs a forward (drop_banned then drops it unchecked)."""
+    taken: list[VerifyJob] = []
+    left: deque[VerifyJob] = deque()
+    rollouts, unproven = 0, set()
+    for job in state.verify_queue:
+        token = token_of(job.holder)
+        first = not state.integrity.has_passed_check(job.holder)
+        if (taken and rollouts + len(job.rollouts) > limit) or (first and token in unproven):
+            left.append(job)
+            continue
+        if first:
+            unproven.add(token)
+        taken.append(job)
+        rollouts += len(job.rollouts)
+    state.verify_queue = left
+    return taken
+
+
+def checks_due(state: RunState) -> bool:
+    """Whether the trainer's next batch waits for a held-back group (RunState.held_back_ahead)
+    and a batch's worth of groups is complete: then check at once. Until then a check may wait
+    for others to share its forward at no cost to the trainer, which could not take a batch
+    sooner anyway."""
+    wanted = state.config.trainer.groups_per_step
+    return len(state.ready) + len(state.pending) >= wanted and state.held_back_ahead(wanted)
+
+
+async def _judge(app: web.Application, executor: concurrent.futures.Executor, jobs: list[VerifyJob]) -> None:
+    """Check `jobs` in one forward on the verifier's thread; verdicts to RunState, bans enforced."""
+    state = app[STATE]
+    rollouts = [rollout for job in jobs for rollout in job.rollouts]
+    try:
+        failed = await asyncio.get_running_loop().run_in_executor(executor, app[VERIFIER].check, rollouts)
+    except Exception:  # a bug must not hold groups back for good: they are dropped, unjudged
+        log.exception("verification failed; dropping %d groups unjudged", len(jobs))
+        failed = {rollout.rollout_id: "unverifiable" for rollout in rollouts}
+    for job in jobs:
+        state.verification_done(
+            job.lease_id, {r.rollout_id: failed[r.rollout_id] for r in job.rollouts if r.rollout_id in failed}
+        )
+    enforce_bans(state, app[TOKENS])
+    await commit(state)
+    # A batch may form now: groups joined the buffer, or a held-back group it waited for was
+    # dropped (which also frees its place for a new lease).
+    await notify_all(app[BATCH_READY])
+    await notify_all(app[LEASES_FREED])
+
+
+async def _check_when_due(app: web.Application, executor: concurrent.futures.Executor) -> None:
+    state, wanted = app[STATE], app[CHECKS_WANTED]
+    options = state.config.orchestrator.verification
+    loop = asyncio.get_running_loop()
+    waiting_since: float | None = None  # when the oldest job still queued was first seen
+    while True:
+        wanted.clear()  # before looking: a wake-up from here on is seen by the next wait
+        if not state.verify_queue:
+            waiting_since = None
+            await wanted.wait()
+            continue
+        now = loop.time()
+        waiting_since = now if waiting_since is None else waiting_since
+        queued = sum(len(job.rollouts) for job in state.verify_queue)
+        waited = now - waiting_since
+        if not checks_due(state) and queued < options.check_batch_rollouts and waited < options.check_wait_s:
+            with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
+                await asyncio.wait_for(wanted.wait(), timeout=options.check_wait_s - waited)
+            continue
+        jobs = next_checks(state, options.check_batch_rollouts)
+        if not state.verify_queue:
+            waiting_since = None  # else what is left waited as long: it goes next, at once
+        jobs = [job for job in jobs if job.lease_id in state.pending]  # not dropped meanwhile (a ban)
+        if not jobs:
+            continue
+        try:
+            await _judge(app, executor, jobs)
+        except JournalError as exc:
+            log.critical("journal failed: %s", exc)
+            app[JOURNAL_FAILED](exc)
+            return
+
+
+def _warm_up(verifier: Verifier) -> None:
+    try:
+        verifier.warm_up()
+    except Exception:  # the first check then loads what it needs itself
+        log.exception("verifier warm-up failed")
+
+
+async def verification(app: web.Application) -> AsyncIterator[None]:
+    """The logprob spot-checks, while the app runs (only with a Verifier: verification enabled)."""
+    if VERIFIER not in app:
+        yield
+        return
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier")
+    executor.submit(_warm_up, app[VERIFIER])  # imports and model builds, before the first check needs them
+    task = asyncio.create_task(_check_when_due(app, executor))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    executor.shutdown(wait=True)
