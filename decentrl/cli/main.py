@@ -156,8 +156,8 @@ def worker(
     token: TokenOpt,
     config: Annotated[
         str | None,
-        typer.Option(help="Run config (TOML, or the config.json of a run dir): its [worker], [store] and [simulation]. "
-                     "Default: the built-in defaults; the run itself comes from the orchestrator."),
+        typer.Option(help="Run config (TOML, or the config.json of a run dir): its worker, store and simulation "
+                     "sections. Default: the built-in defaults; the run itself comes from the orchestrator."),
     ] = None,
     overrides: SetOpt = None,
     worker_id: Annotated[str | None, typer.Option(help="Stable worker name; default host-pid.")] = None,
@@ -166,7 +166,7 @@ def worker(
 ) -> None:
     """Generate rollouts for a run: needs only the orchestrator URL and a worker token.
 
-    Settings are the config's [worker] section (backend, device, slots, swap deadline; see
+    Settings are the config's worker section (backend, device, slots, swap deadline; see
     docs/workers.md), e.g. --set worker.backend=openai --set worker.openai.url=http://127.0.0.1:8000
     --set worker.openai.model=NAME, or --set store.public_key=trainer.pub to refuse unsigned versions.
     """
@@ -242,8 +242,8 @@ def evaluate(
 ) -> None:
     """Score a published version on held-out prompts with the task's reward; prints one JSON line.
 
-    Reads the config's [task], [sampling] and [store] (store.public_key: refuse unsigned versions)
-    and generates on worker.device; e.g. --set worker.device=cuda --set store.public_key=trainer.pub.
+    Reads the config's task, sampling and store sections (store.public_key: refuse unsigned
+    versions) and generates on worker.device; e.g. --set worker.device=cuda --set store.public_key=trainer.pub.
     """
     import json
 
