@@ -229,7 +229,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="base,slow_worker,killed_worker")
     parser.add_argument("--steps", type=int, default=150, help="Optimizer steps per run (docs/benchmarks.md compares 60 and 150).")
-    parser.add_argument("--seeds", type=int, default=1, help="Runs per mode (trainer.seed 0..N-1); figures are means.")
+    parser.add_argument("--seeds", type=int, default=1, help="Runs per mode (trainer.seed = simulation.seed = 0..N-1); figures are means.")
     parser.add_argument("--target", type=float, default=0.3, help="Target mean reward (smoothed).")
     parser.add_argument("--smooth", type=int, default=5, help="Steps in the reward moving average.")
     parser.add_argument("--async-staleness", default="2", help="max_staleness of the asynchronous run; a comma list runs one per value.")

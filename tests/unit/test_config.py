@@ -44,6 +44,12 @@ def test_local_toml_loads() -> None:
     assert config.trainer.groups_per_step * config.group_size % config.trainer_ranks == 0
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda path: path.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    config = load_config(str(path))
+    assert config.simulation == RunConfig().simulation  # no shipped run is a simulation
+
+
 def test_empty_file_gives_all_defaults(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "")) == RunConfig()
 
