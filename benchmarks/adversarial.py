@@ -36,7 +36,6 @@ import math
 import os
 import random
 import sqlite3
-import sys
 import tempfile
 import threading
 import time
@@ -45,7 +44,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from decentrl.cli.launch import _free_port, _get_json, _start, _stop, _worker_flags
+from decentrl.cli.launch import _free_port, _get_json, _start, _stop, orchestrator_command, trainer_command, worker_command
 from decentrl.client import OrchestratorClient, OrchestratorError
 from decentrl.config import TinyModelConfig, load_config
 from decentrl.store import CheckpointStore
@@ -178,20 +177,19 @@ def main() -> None:
     honest = {f"worker-{i}": add_token(tokens, name=f"worker-{i}", role="worker") for i in range(config.num_workers)}
     cheats = {f"adv-{kind}": add_token(tokens, name=f"adv-{kind}", role="worker") for kind in KINDS}
     flood_token = add_token(tokens, name="adv-flood", role="worker")
-    url, py = f"http://127.0.0.1:{port}", [sys.executable, "-m"]
+    url = f"http://127.0.0.1:{port}"
     roles, adversaries, stop, flooded = [], [], threading.Event(), {"ok": 0}
     started = time.monotonic()
     try:
-        roles.append(_start("orchestrator", py + ["decentrl", "orchestrator", str(config_path), "--run-dir", str(run_dir)], run_dir, {}))
+        roles.append(_start("orchestrator", orchestrator_command(config_path, run_dir), run_dir, {}))
         while _get_json(f"{url}/v1/status", trainer_token) is None:
             if roles[0].process.poll() is not None:
                 raise RuntimeError(f"orchestrator died; see {roles[0].log_path}")
             time.sleep(0.3)
-        roles.append(_start("trainer", py + ["torch.distributed.run", "--standalone", f"--nproc-per-node={config.trainer_ranks}",
-                                             "-m", "decentrl", "trainer", str(config_path), "--orchestrator", url, "--run-dir", str(run_dir)],
+        roles.append(_start("trainer", trainer_command(config_path, run_dir, url, config.trainer_ranks),
                             run_dir, {"DECENTRL_TOKEN": trainer_token, "OMP_NUM_THREADS": "1"}))
-        for i, (name, token) in enumerate(honest.items()):
-            roles.append(_start(name, py + ["decentrl", "worker", "--orchestrator", url, *_worker_flags(config, i, run_dir)],
+        for name, token in honest.items():
+            roles.append(_start(name, worker_command(config_path, run_dir, url, name),
                                 run_dir, {"DECENTRL_TOKEN": token, "OMP_NUM_THREADS": "1"}))
         store = CheckpointStore(config.store.url)
         for kind in KINDS:

@@ -3,15 +3,14 @@
 Each scenario runs `decentrl run` twice with the same task, model, worker pool and seeds:
 max_staleness = 0 (synchronous, on-policy) and max_staleness = --async-staleness. Workers
 generate for real; on top, each request is held back by a log-normal delay (median
---latency-median-s, sigma --latency-sigma; workers/latency.py) that stands for long reasoning
-traces on the workers' own accelerators. Scenarios:
+--latency-median-s, sigma --latency-sigma: the config's [simulation], workers/simulation.py)
+that stands for long reasoning traces on the workers' own accelerators. Scenarios:
   base           the pool as configured
   slow_worker    worker-0 ten times slower than the rest
   killed_worker  worker-1 SIGKILLed after a third of the steps (its leases expire and are
                  leased again; the run tolerates the loss)
 
-Each pair of runs is repeated for --seeds seeds (trainer.seed = 0, 1, ...; the workers' sampling
-seeds follow it): figures are means over the seeds, the per-seed figures are kept under
+Each pair of runs is repeated for --seeds seeds (trainer.seed = simulation.seed = 0, 1, ...): figures are means over the seeds, the per-seed figures are kept under
 "seeds". Reward is compared at equal steps and at equal wall time (when the fastest run
 finished), two ways: the rewards of the training batches (the last 10 steps; the smoothed
 curve), and an evaluation of the policy itself (workers/evaluate.py, as `decentrl eval`: the
@@ -53,14 +52,13 @@ def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int,
     config["trainer"].update(steps=args.steps, seed=seed, **({"lr": args.lr} if args.lr else {}))
     config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s)
     config["store"].update(keep_last=args.steps + 1)  # every version stays, to be evaluated afterwards
-    config["worker"].update(
-        groups_per_request=1,
-        concurrency=args.slots,
-        simulated_latency_median_s=args.latency_median_s,
-        simulated_latency_sigma=args.latency_sigma,
-    )
-    if scenario == "slow_worker":
-        config["worker"]["slowdowns"] = [10.0]
+    config["worker"].update(groups_per_request=1, concurrency=args.slots)
+    config["simulation"] = {
+        "latency_median_s": args.latency_median_s,
+        "latency_sigma": args.latency_sigma,
+        "seed": seed,  # the delays differ from seed to seed, as the trainer's randomness does
+        "slowdowns": {"worker-0": 10.0} if scenario == "slow_worker" else {},
+    }
     if scenario == "killed_worker":
         config["tolerate_worker_exits"] = True
     return config
@@ -231,7 +229,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="base,slow_worker,killed_worker")
     parser.add_argument("--steps", type=int, default=150, help="Optimizer steps per run (docs/benchmarks.md compares 60 and 150).")
-    parser.add_argument("--seeds", type=int, default=1, help="Runs per mode (trainer.seed 0..N-1); figures are means.")
+    parser.add_argument("--seeds", type=int, default=1, help="Runs per mode (trainer.seed = simulation.seed = 0..N-1); figures are means.")
     parser.add_argument("--target", type=float, default=0.3, help="Target mean reward (smoothed).")
     parser.add_argument("--smooth", type=int, default=5, help="Steps in the reward moving average.")
     parser.add_argument("--async-staleness", default="2", help="max_staleness of the asynchronous run; a comma list runs one per value.")

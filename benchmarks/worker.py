@@ -197,13 +197,16 @@ class BenchRun:
         self.trainer.announce(version)
         return published
 
-    def worker(self, backend: Any, **options: Any) -> Any:
+    def worker(self, backend: Any, **settings: Any) -> Any:
         from decentrl.client import OrchestratorClient
-        from workers.worker import Worker, WorkerOptions
+        from decentrl.config import WorkerConfig
+        from workers.worker import Worker
 
-        options = {"worker_id": "bench", "cache_dir": os.path.join(self.tmp, "cache"), "groups_per_request": 2, **options}
         client = OrchestratorClient(self.server.url, "w", timeout_s=30.0, max_wait_s=1.0)
-        return Worker(options=WorkerOptions(**options), client=client, backend=backend)
+        return Worker(
+            WorkerConfig(**{"groups_per_request": 2, **settings}), worker_id="bench",
+            cache_dir=os.path.join(self.tmp, "cache"), client=client, backend=backend,
+        )
 
 
 def slots_throughput(shape: dict[str, int], args: argparse.Namespace, tmp: str) -> float:
@@ -217,7 +220,7 @@ def slots_throughput(shape: dict[str, int], args: argparse.Namespace, tmp: str) 
     try:
         run.publish(0)
         worker = run.worker(HFBackend(seed=0), concurrency=args.slots)
-        worker._swap(run.store.pull(0, worker.options.cache_dir), 0, pull_s=0.0)
+        worker._swap(run.store.pull(0, worker.cache_dir), 0, pull_s=0.0)
         sampling = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
         worker._generate([PROMPT] * args.slot_rows, sampling.model_copy(update={"max_tokens": 4}))  # warm-up
         rates = []

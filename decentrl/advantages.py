@@ -1,9 +1,9 @@
 """Group-relative advantages (GRPO): each sample's reward minus its group's mean.
 
-The options live in `trainer.advantages`. The orchestrator calls `group_advantages` when a group
-is complete, so the trainer receives ready advantages; the trainer calls `informative_samples`
-to drop the groups whose rewards are all equal (no policy-gradient signal) when
-`drop_zero_variance` is set.
+The orchestrator calls `group_advantages` when a group is complete (`[orchestrator.advantages]`
+normalize_std), so the trainer receives ready advantages; the trainer calls
+`informative_samples` to drop the groups whose rewards are all equal (no policy-gradient
+signal) when `[trainer.advantages]` drop_zero_variance is set.
 """
 
 from __future__ import annotations

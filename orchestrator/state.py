@@ -788,7 +788,7 @@ class RunState:
         return served
 
     def _build_batch(self, groups: list[Group], trainer_version: int, batch_id: str) -> TrainBatch:
-        normalize_std = self.config.trainer.advantages.normalize_std
+        normalize_std = self.config.orchestrator.advantages.normalize_std
         samples, histogram = [], Counter()
         for group in groups:
             rewards = [reward for _, reward in group.samples]

@@ -1,14 +1,16 @@
 """The worker loop: lease prompts, generate with the loaded version, post; swap weights softly.
 
-Called by `decentrl worker`. The worker only needs the orchestrator URL and a token: the run
-name, group size, store URL and sampling come from the orchestrator.
+Called by `decentrl worker` (through workers/main.py), by tests and by benchmarks/worker.py.
+Settings are the run config's `[worker]` section (`WorkerConfig`, the one declaration), with
+`[store]` for reading versions; the run name, group size, staleness bound, store URL and sampling
+come from the orchestrator, so a worker needs no more than its URL and a token.
 
 Threads:
 - `concurrency` slots each run lease -> generate -> post. A lock makes backend calls and weight
   swaps exclusive (a backend is not assumed thread-safe); the rows of slots that wait for it are
   generated together, up to `max_batch_rows` per call (workers/batching.py), the way an
-  inference server batches concurrent requests. With a simulated latency (workers/latency.py)
-  the slots overlap their delays.
+  inference server batches concurrent requests. A simulated latency ([simulation], benchmarks
+  only) wraps a slot's generation step (workers/simulation.py), so slots overlap their delays.
 - one swapper learns of new versions (lease answers, or polling /info), pulls them from the
   store while generation goes on, then swaps with a soft pause: new generations are held back,
   the one in flight may finish until `swap_deadline_s`, after which it is interrupted, the
@@ -34,39 +36,22 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentrl.client import OrchestratorClient
-from decentrl.signing import load_public_key
+from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
 from decentrl.store import CheckpointStore, StoreError
 from decentrl.tasks.episodes import TextCodec
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, RunInfo, SamplingParams
 from workers.backends import Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
-from workers.latency import LatencyModel
 from workers.sample import Sample
+from workers.simulation import SimulatedLatency
 from workers.spool import Spool
 
 log = logging.getLogger("decentrl.worker")
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    worker_id: str
-    cache_dir: str
-    groups_per_request: int
-    store_url: str | None = None  # overrides the URL the orchestrator announces
-    storage_options: dict[str, object] | None = None
-    public_key: str | None = None  # ed25519 public key file: refuse versions not signed by the trainer
-    cache_max_bytes: int | None = None  # evict the oldest pulled versions beyond this
-    concurrency: int = 1  # slots with a lease in flight at once
-    max_batch_rows: int = 256  # most rows (samples) of all slots generated in one backend call
-    latency: LatencyModel = LatencyModel()
-    seed: int = 0
-    spool_dir: str | None = None  # default <cache_dir>/spool/<worker_id>
-    swap_deadline_s: float = 5.0  # soft pause: in-flight generation may finish for this long
-    version_poll_s: float = 2.0  # ask /info for a new version this often while no lease answer tells
 
 
 @dataclass(frozen=True)
@@ -79,26 +64,39 @@ class SwapRecord:
 
 
 class Worker:
-    def __init__(self, *, options: WorkerOptions, client: OrchestratorClient, backend: Backend) -> None:
-        self.options = options
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        worker_id: str,
+        cache_dir: str,
+        client: OrchestratorClient,
+        backend: Backend,
+        store: StoreConfig = StoreConfig(),
+        simulation: SimulationConfig = SimulationConfig(),
+        spool_dir: str | None = None,  # default <cache_dir>/spool/<worker_id>
+    ) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.cache_dir = cache_dir
         self.client = client
         self.backend = backend
         self.info: RunInfo = client.info()
         self.episode_task = episode_task_of(self.info)  # None: single-turn task
         self._codec: TextCodec | None = None  # episodes: the model's tokenizer, from the first version loaded
-        self.store = CheckpointStore(
-            options.store_url or self.info.store_url,
-            options.storage_options,
-            public_key=load_public_key(options.public_key) if options.public_key else None,
-            cache_max_bytes=options.cache_max_bytes,
+        # store.url, when set, overrides the URL the orchestrator announces (a closer mirror).
+        self.store = CheckpointStore.from_config(store.for_reader(store.url or self.info.store_url))
+        self.spool = Spool(spool_dir or os.path.join(cache_dir, "spool", worker_id))
+        latency = SimulatedLatency.of(simulation, worker_id)
+        self._samples_for: Callable[[list[Lease], SamplingParams], list[Sample]] = (
+            self._generate_leases if latency is None else latency.around(self._generate_leases)
         )
-        self.spool = Spool(options.spool_dir or os.path.join(options.cache_dir, "spool", options.worker_id))
         self.stopping = False
         self.rollouts_posted = 0
         self.swaps: list[SwapRecord] = []
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
         self._lock = threading.Lock()  # backend calls and weight swaps never overlap
-        self._batcher = Batcher(max_rows=options.max_batch_rows)
+        self._batcher = Batcher(max_rows=config.max_batch_rows)
         self._stats_lock = threading.Lock()
         self._versions = threading.Condition()  # guards `announced`; notified when it or the loaded version changes
         self.announced: int | None = self.info.policy_version
@@ -123,7 +121,7 @@ class Worker:
         swapper.start()
         slots = [
             threading.Thread(target=self._slot, args=(i, max_iterations), name=f"slot-{i}", daemon=True)
-            for i in range(self.options.concurrency)
+            for i in range(self.config.concurrency)
         ]
         for slot in slots:
             slot.start()
@@ -134,7 +132,7 @@ class Worker:
         self._resend_spooled()
         left = len(self.spool.pending())
         log.info(
-            "worker %s stopping after %d rollouts%s", self.options.worker_id, self.rollouts_posted,
+            "worker %s stopping after %d rollouts%s", self.worker_id, self.rollouts_posted,
             f"; {left} batches stay spooled in {self.spool.directory} for the next start" if left else "",
         )
 
@@ -174,7 +172,7 @@ class Worker:
             with self._versions:
                 due = self.announced is not None and self.announced != self.backend.version
                 if not due:
-                    self._versions.wait(timeout=self.options.version_poll_s)
+                    self._versions.wait(timeout=self.config.version_poll_s)
                     due = self.announced is not None and self.announced != self.backend.version
             if self.stopping:
                 return
@@ -188,7 +186,7 @@ class Worker:
             assert version is not None
             started = time.perf_counter()
             try:
-                path = self.store.pull(version, self.options.cache_dir)
+                path = self.store.pull(version, self.cache_dir)
             except (StoreError, OSError) as exc:
                 # Keep generating with the loaded version while it is fresh (slots check).
                 failures += 1
@@ -208,7 +206,7 @@ class Worker:
             self._codec = load_codec(path)
         paused = time.perf_counter()
         self._admit.clear()
-        self._pause_deadline = time.monotonic() + self.options.swap_deadline_s
+        self._pause_deadline = time.monotonic() + self.config.swap_deadline_s
         with self._lock:  # waits for the generation in flight (interrupted at the deadline)
             self.backend.load(path, version)
         self._pause_deadline = None
@@ -235,7 +233,6 @@ class Worker:
     # -- slots ----------------------------------------------------------------------------
 
     def _slot(self, index: int, max_iterations: int | None) -> None:
-        rng = random.Random(f"{self.options.seed}/{self.options.worker_id}/{index}")
         iterations, failures = 0, 0
         while not self.stopping and (max_iterations is None or iterations < max_iterations):
             with self._versions:  # a stale version would only produce rejected rollouts
@@ -245,7 +242,7 @@ class Worker:
                 break
             try:
                 response = self.client.lease(
-                    LeaseRequest(worker_id=self.options.worker_id, max_groups=self.options.groups_per_request)
+                    LeaseRequest(worker_id=self.worker_id, max_groups=self.config.groups_per_request)
                 )
             except ConnectionError as exc:
                 failures += 1
@@ -263,19 +260,19 @@ class Worker:
             if self.stopping:
                 self._hand_back(response.leases)
                 break
-            started = time.perf_counter()
-            owners = [lease for lease in response.leases for _ in range(lease.group_size)]
-            if self.episode_task is None:
-                samples = self._generate([lease.prompt_token_ids for lease in owners], response.sampling)
-            else:
-                assert self._codec is not None  # set with the first version, loaded before any generation
-                samples = run_episodes(
-                    owners, response.sampling, task=self.episode_task, codec=self._codec, complete=self._complete
-                )
-            time.sleep(self.options.latency.extra_delay(rng, time.perf_counter() - started))
+            samples = self._samples_for(response.leases, response.sampling)
             self._post(response.leases, samples, response.sampling)
             if index == 0 and self._unsent:
                 self._resend_spooled()
+
+    def _generate_leases(self, leases: list[Lease], sampling: SamplingParams) -> list[Sample]:
+        """One sample per member of every leased group: a completion, or an episode of a
+        multi-turn task. The slot's generation step (what a simulated latency wraps)."""
+        owners = [lease for lease in leases for _ in range(lease.group_size)]
+        if self.episode_task is None:
+            return self._generate([lease.prompt_token_ids for lease in owners], sampling)
+        assert self._codec is not None  # set with the first version, loaded before any generation
+        return run_episodes(owners, sampling, task=self.episode_task, codec=self._codec, complete=self._complete)
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
         samples = [Sample(prompt=prompt, budget=sampling.max_tokens) for prompt in prompts]
@@ -300,7 +297,7 @@ class Worker:
     def _hand_back(self, leases: list[Lease]) -> None:
         for lease in leases:
             try:
-                self.client.release_lease(lease.lease_id, self.options.worker_id)
+                self.client.release_lease(lease.lease_id, self.worker_id)
             except ConnectionError:
                 log.info("could not hand back lease %s; it expires at its deadline", lease.lease_id)
 
@@ -309,7 +306,7 @@ class Worker:
     def _post(self, leases: list[Lease], samples: list[Sample], sampling: SamplingParams) -> None:
         owners = [lease for lease in leases for _ in range(lease.group_size)]
         batch = RolloutBatch(
-            rollouts=[to_rollout(self.info.run_name, self.options.worker_id, lease, sample, sampling)
+            rollouts=[to_rollout(self.info.run_name, self.worker_id, lease, sample, sampling)
                       for lease, sample in zip(owners, samples, strict=True)]
         )
         self._send(self.spool.add(batch), batch)

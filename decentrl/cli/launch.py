@@ -1,9 +1,12 @@
 """`decentrl run`: every role on this machine as separate processes, with live progress.
 
-Starts the orchestrator, then the trainer (torchrun, `trainer_ranks` processes) and the
-workers, all talking only over loopback HTTP and the checkpoint store. Each role runs in its
-own process group, so stopping one stops its children too (torchrun's ranks). The run ends
-when the trainer finishes its steps; Ctrl-C or any role exiting early stops everything.
+Resolves the config (store URL, port) into RUN_DIR/config.json and starts the orchestrator,
+then the trainer (torchrun, `trainer_ranks` processes) and the workers, each given that file:
+settings are never re-spelled as flags, only who a process is, where it connects and where it
+keeps its files (`orchestrator_command`, `trainer_command`, `worker_command`; benchmarks start
+roles with them too). The roles talk only over loopback HTTP and the checkpoint store. Each role
+runs in its own process group, so stopping one stops its children too (torchrun's ranks). The
+run ends when the trainer finishes its steps; Ctrl-C or any role exiting early stops everything.
 """
 
 from __future__ import annotations
@@ -112,25 +115,22 @@ def _stop(roles: list[Role], grace_s: float = 10.0) -> None:
         role.log.close()
 
 
-def _worker_flags(config: RunConfig, index: int, run_dir: Path) -> list[str]:
-    worker = config.worker
-    slowdown = worker.slowdowns[index] if index < len(worker.slowdowns) else 1.0
+def orchestrator_command(config_path: Path, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "decentrl", "orchestrator", str(config_path), "--run-dir", str(run_dir)]
+
+
+def trainer_command(config_path: Path, run_dir: Path, url: str, ranks: int) -> list[str]:
     return [
-        "--worker-id", f"worker-{index}",
-        "--cache-dir", str(run_dir / "cache" / f"worker-{index}"),
-        "--groups-per-request", str(worker.groups_per_request),
-        "--device", worker.device,
-        "--torch-threads", str(worker.torch_threads),
-        "--concurrency", str(worker.concurrency),
-        "--max-batch-rows", str(worker.max_batch_rows),
-        "--simulated-latency-median-s", str(worker.simulated_latency_median_s),
-        "--simulated-latency-sigma", str(worker.simulated_latency_sigma),
-        "--slowdown", str(slowdown),
-        "--seed", str(config.trainer.seed + index),
-        "--backend", worker.backend,
-        "--swap-deadline-s", str(worker.swap_deadline_s),
-        *(["--public-key", config.store.public_key] if config.store.public_key else []),
-        *(["--cache-max-gb", str(config.store.cache_max_gb)] if config.store.cache_max_gb else []),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        "-m", "decentrl", "trainer", str(config_path), "--orchestrator", url, "--run-dir", str(run_dir),
+    ]
+
+
+def worker_command(config_path: Path, run_dir: Path, url: str, worker_id: str) -> list[str]:
+    """One local worker: the resolved config, its name, and its own cache under the run dir."""
+    return [
+        sys.executable, "-m", "decentrl", "worker", "--orchestrator", url, "--config", str(config_path),
+        "--worker-id", worker_id, "--cache-dir", str(run_dir / "cache" / worker_id),
     ]
 
 
@@ -207,27 +207,24 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
     config_path.write_text(config.model_dump_json(indent=2))
     tokens_path = str(run_dir / "tokens.json")
     trainer_token = add_token(tokens_path, name="trainer", role="trainer")
-    worker_tokens = [add_token(tokens_path, name=f"worker-{i}", role="worker") for i in range(config.num_workers)]
+    worker_tokens = {f"worker-{i}": add_token(tokens_path, name=f"worker-{i}", role="worker") for i in range(config.num_workers)}
     url = f"http://127.0.0.1:{port}"
-    py = [sys.executable, "-m"]
     roles: list[Role] = []
     console.print(f"run dir: {run_dir}\norchestrator: {url}  store: {config.store.url}")
     try:
-        roles.append(_start("orchestrator", py + ["decentrl", "orchestrator", str(config_path), "--run-dir", str(run_dir)], run_dir, {}))
+        roles.append(_start("orchestrator", orchestrator_command(config_path, run_dir), run_dir, {}))
         deadline = time.monotonic() + 120
         while _get_json(f"{url}/v1/status", trainer_token) is None:
             if roles[0].process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"orchestrator did not start; last lines of {roles[0].log_path}:\n{_tail(roles[0].log_path)}")
             time.sleep(0.3)
         roles.append(_start(
-            "trainer",
-            py + ["torch.distributed.run", "--standalone", f"--nproc-per-node={config.trainer_ranks}",
-                  "-m", "decentrl", "trainer", str(config_path), "--orchestrator", url, "--run-dir", str(run_dir)],
+            "trainer", trainer_command(config_path, run_dir, url, config.trainer_ranks),
             run_dir, {"DECENTRL_TOKEN": trainer_token, "OMP_NUM_THREADS": str(config.trainer.torch_threads)},
         ))
-        for i, token in enumerate(worker_tokens):
+        for name, token in worker_tokens.items():
             roles.append(_start(
-                f"worker-{i}", py + ["decentrl", "worker", "--orchestrator", url, *_worker_flags(config, i, run_dir)],
+                name, worker_command(config_path, run_dir, url, name),
                 run_dir, {"DECENTRL_TOKEN": token, "OMP_NUM_THREADS": str(config.worker.torch_threads)},
             ))
         return _watch(config, run_dir, roles, url, trainer_token)

@@ -1,7 +1,10 @@
 """`decentrl` command line: one thin command per role, plus `run`, `store` and `token`.
 
 Each command parses its config and calls one function; torch, transformers and aiohttp are
-imported inside commands so `decentrl --help` stays fast.
+imported inside commands so `decentrl --help` stays fast. Settings come from the run config
+(decentrl/config/), changed on the command line with `--set key=value`; flags are kept for
+what is not a run setting: where to connect, with which token, and where this process keeps
+its files.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
 
-from decentrl.config import ConfigError, RunConfig, load_config
+from decentrl.config import ConfigError, RunConfig, StoreConfig, load_config
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="Decentralized asynchronous RL for language models.")
@@ -26,6 +30,14 @@ app.add_typer(token_app, name="token")
 
 ConfigArg = Annotated[str, typer.Argument(help="Run config: a TOML file from configs/ or a resolved config.json.")]
 TokenOpt = Annotated[str, typer.Option(envvar="DECENTRL_TOKEN", help="Bearer token (or env DECENTRL_TOKEN).")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set", metavar="KEY=VALUE",
+        help="Override one config setting by its dotted key (repeatable), e.g. --set worker.concurrency=4 "
+        "--set trainer.lr=1e-4; a value is read as TOML (4, 1e-4, true, [1, 2]), else as text (cuda:0, s3://b/run).",
+    ),
+]
 
 
 def _setup_logging(role: str) -> None:
@@ -37,9 +49,10 @@ def _setup_logging(role: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def _load(path: str) -> RunConfig:
+def _load(path: str | None, overrides: Sequence[str] | None = None) -> RunConfig:
+    """The run config at `path` (None: the defaults) with `--set` overrides; exit 2 naming the bad key."""
     try:
-        return load_config(path)
+        return load_config(path, overrides or ())
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -59,6 +72,7 @@ def orchestrator(
     host: Annotated[str | None, typer.Option(help="Overrides orchestrator.host.")] = None,
     port: Annotated[int | None, typer.Option(help="Overrides orchestrator.port.")] = None,
     tokens_file: Annotated[str | None, typer.Option(help="Tokens JSON; default RUN_DIR/tokens.json.")] = None,
+    overrides: SetOpt = None,
 ) -> None:
     """Serve the run's HTTP API: leases, rollout ingest, batches, versions (docs/api.md).
 
@@ -69,7 +83,7 @@ def orchestrator(
     _setup_logging("orchestrator")
     from orchestrator.service import StartupError, serve
 
-    cfg = _resolve_store(_load(config), run_dir)
+    cfg = _resolve_store(_load(config, overrides), run_dir)
     try:
         served_to_the_end = serve(cfg, run_dir=run_dir, host=host, port=port, tokens_file=tokens_file)
     except StartupError as exc:
@@ -83,70 +97,31 @@ def orchestrator(
 def worker(
     orchestrator_url: Annotated[str, typer.Option("--orchestrator", help="Orchestrator URL, e.g. http://host:8740.")],
     token: TokenOpt,
+    config: Annotated[
+        str | None,
+        typer.Option(help="Run config (TOML, or the config.json of a run dir): its worker, store and simulation "
+                     "sections. Default: the built-in defaults; the run itself comes from the orchestrator."),
+    ] = None,
+    overrides: SetOpt = None,
     worker_id: Annotated[str | None, typer.Option(help="Stable worker name; default host-pid.")] = None,
     cache_dir: Annotated[str, typer.Option(help="Local cache of pulled versions.")] = "~/.cache/decentrl",
-    groups_per_request: Annotated[int, typer.Option(min=1, help="Prompt groups leased at once.")] = 4,
-    device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
-    torch_threads: Annotated[int, typer.Option(min=1, help="CPU threads for generation.")] = 1,
-    store_url: Annotated[str | None, typer.Option(help="Override the store URL the orchestrator announces.")] = None,
-    public_key: Annotated[str | None, typer.Option(help="Trainer's ed25519 public key: refuse unsigned versions.")] = None,
-    cache_max_gb: Annotated[float, typer.Option(min=0.001, help="Cap on the cache; oldest versions evicted.")] = 20.0,
-    concurrency: Annotated[int, typer.Option(min=1, help="Lease slots in flight at once.")] = 1,
-    max_batch_rows: Annotated[int, typer.Option(min=1, help="Most rows of all slots generated in one call.")] = 256,
-    simulated_latency_median_s: Annotated[float, typer.Option(min=0, help="Benchmarks: injected delay median.")] = 0.0,
-    simulated_latency_sigma: Annotated[float, typer.Option(min=0, help="Benchmarks: injected delay shape.")] = 1.0,
-    slowdown: Annotated[float, typer.Option(min=1, help="Benchmarks: factor on generation time.")] = 1.0,
-    seed: Annotated[int, typer.Option(min=0, help="Seed of the injected delays.")] = 0,
-    backend: Annotated[str, typer.Option(help="hf (transformers), vllm (in-process engine) or openai (a server).")] = "hf",
-    server_url: Annotated[str, typer.Option(help="openai backend: the server, e.g. http://127.0.0.1:8000.")] = "",
-    server_model: Annotated[str, typer.Option(help="openai backend: the model name the server serves.")] = "",
-    reload: Annotated[str, typer.Option(help="openai backend: 'weights' (reload route) or 'lora' (adapter).")] = "weights",
-    reload_route: Annotated[str, typer.Option(help="openai backend: route taking {model_path}.")] = "/update_weights_from_disk",
-    swap_deadline_s: Annotated[float, typer.Option(min=0, help="Soft pause: in-flight work may finish this long.")] = 5.0,
     spool_dir: Annotated[str | None, typer.Option(help="Unacknowledged rollouts; default CACHE_DIR/spool/WORKER_ID.")] = None,
 ) -> None:
-    """Generate rollouts for a run: needs only the orchestrator URL and a worker token."""
+    """Generate rollouts for a run: needs only the orchestrator URL and a worker token.
+
+    Settings are the config's worker section (backend, device, slots, swap deadline; see
+    docs/workers.md), e.g. --set worker.backend=openai --set worker.openai.url=http://127.0.0.1:8000
+    --set worker.openai.model=NAME, or --set store.public_key=trainer.pub to refuse unsigned versions.
+    """
     _setup_logging("worker")
-    import torch
+    from workers.main import run_worker
+    from workers.worker import default_worker_id
 
-    from decentrl.client import OrchestratorClient
-    from workers.backends.hf import HFBackend
-    from workers.latency import LatencyModel
-    from workers.worker import Worker, WorkerOptions, default_worker_id
-
-    torch.set_num_threads(torch_threads)
-    options = WorkerOptions(
-        worker_id=worker_id or default_worker_id(),
-        cache_dir=os.path.expanduser(cache_dir),
-        groups_per_request=groups_per_request,
-        store_url=store_url,
-        public_key=public_key,
-        cache_max_bytes=int(cache_max_gb * 2**30),
-        concurrency=concurrency,
-        max_batch_rows=max_batch_rows,
-        latency=LatencyModel(median_s=simulated_latency_median_s, sigma=simulated_latency_sigma, slowdown=slowdown),
-        seed=seed,
-        swap_deadline_s=swap_deadline_s,
-        spool_dir=spool_dir,
+    cfg = _load(config, overrides)
+    run_worker(
+        cfg, orchestrator_url=orchestrator_url, token=token, worker_id=worker_id or default_worker_id(),
+        cache_dir=os.path.expanduser(cache_dir), spool_dir=spool_dir,
     )
-    if backend == "hf":
-        engine = HFBackend(device=device)
-    elif backend == "vllm":
-        from workers.backends.vllm_engine import VLLMBackend
-
-        engine = VLLMBackend()
-    elif backend == "openai":
-        from workers.backends.openai import OpenAIBackend
-
-        if not server_url or not server_model:
-            typer.echo("error: --backend openai needs --server-url and --server-model", err=True)
-            raise typer.Exit(2)
-        engine = OpenAIBackend(url=server_url, model=server_model, reload=reload, reload_route=reload_route)  # type: ignore[arg-type]
-    else:
-        typer.echo(f"error: --backend must be hf, vllm or openai (got {backend!r})", err=True)
-        raise typer.Exit(2)
-    client = OrchestratorClient(orchestrator_url, token)
-    Worker(options=options, client=client, backend=engine).run()
 
 
 @app.command()
@@ -154,6 +129,7 @@ def trainer(
     config: ConfigArg,
     orchestrator_url: Annotated[str, typer.Option("--orchestrator", help="Orchestrator URL.")],
     token: TokenOpt,
+    overrides: SetOpt = None,
     run_dir: Annotated[
         str, typer.Option(help="Run directory: metrics.jsonl, cache, default store, trainer/ (checkpoints to resume from).")
     ] = ".",
@@ -165,7 +141,7 @@ def trainer(
     _setup_logging(f"trainer[{os.environ.get('RANK', '0')}]")
     from decentrl.trainer.train import TrainerOptions, train
 
-    cfg = _resolve_store(_load(config), run_dir)
+    cfg = _resolve_store(_load(config, overrides), run_dir)
     options = TrainerOptions(
         orchestrator_url=orchestrator_url,
         token=token,
@@ -179,17 +155,22 @@ def trainer(
 @app.command()
 def run(
     config: ConfigArg,
+    overrides: SetOpt = None,
     run_dir: Annotated[str | None, typer.Option(help="Run directory; default runs/NAME-TIMESTAMP.")] = None,
 ) -> None:
-    """Start every role locally as separate processes and show live progress until done."""
+    """Start every role locally as separate processes and show live progress until done.
+
+    The config, with any --set applied, is resolved into RUN_DIR/config.json, which every role reads.
+    """
     from decentrl.cli.launch import launch
 
-    raise typer.Exit(launch(_load(config), run_dir))
+    raise typer.Exit(launch(_load(config, overrides), run_dir))
 
 
 @app.command("eval")
 def evaluate(
     config: ConfigArg,
+    overrides: SetOpt = None,
     store_url: Annotated[
         str | None, typer.Option("--store", help="Store URL; default the config's store.url (or RUN_DIR/checkpoints).")
     ] = None,
@@ -201,10 +182,12 @@ def evaluate(
     greedy: Annotated[bool, typer.Option(help="Greedy decoding instead of the run's [sampling].")] = False,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the prompt choice and of sampling.")] = 0,
     cache_dir: Annotated[str, typer.Option(help="Local cache of pulled versions.")] = "~/.cache/decentrl",
-    public_key: Annotated[str | None, typer.Option(help="Trainer's ed25519 public key: refuse unsigned versions.")] = None,
-    device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
 ) -> None:
-    """Score a published version on held-out prompts with the task's reward; prints one JSON line."""
+    """Score a published version on held-out prompts with the task's reward; prints one JSON line.
+
+    Reads the config's task, sampling and store sections (store.public_key: refuse unsigned
+    versions) and generates on worker.device; e.g. --set worker.device=cuda --set store.public_key=trainer.pub.
+    """
     import json
 
     from transformers.utils import logging as hf_logging
@@ -217,12 +200,12 @@ def evaluate(
         typer.echo(f"error: --split must be heldout or train (got {split!r})", err=True)
         raise typer.Exit(2)
     hf_logging.disable_progress_bar()  # stdout carries the JSON line only
-    loaded = _load(config)
+    loaded = _load(config, overrides)
     url = store_url or loaded.store.url or (run_dir and _resolve_store(loaded, run_dir).store.url)
     if not url:
         typer.echo("error: the config's store.url is empty: pass --store URL or --run-dir RUN_DIR", err=True)
         raise typer.Exit(2)
-    store = _open_store(url, public_key)
+    store = _open_store_config(loaded.store.for_reader(url))
     try:
         chosen = store.latest() if version is None else version
         if chosen is None:
@@ -230,7 +213,7 @@ def evaluate(
         local = store.pull(chosen, os.path.expanduser(cache_dir))
         result = run_eval(
             loaded, local, chosen, prompts=prompts, samples_per_prompt=samples, split=split,  # type: ignore[arg-type]
-            greedy=greedy, seed=seed, device=device,
+            greedy=greedy, seed=seed, device=loaded.worker.device,
         )
     except (StoreError, EvalError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -250,6 +233,18 @@ def _open_store(url: str, public_key: str | None = None):  # noqa: ANN202 - Chec
 
     try:
         return CheckpointStore(url, public_key=load_public_key(public_key) if public_key else None)
+    except SigningKeyError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _open_store_config(config: StoreConfig):  # noqa: ANN202 - CheckpointStore, imported lazily
+    """A store as a run config describes it (`decentrl eval`): its key and cache settings."""
+    from decentrl.signing import SigningKeyError
+    from decentrl.store import CheckpointStore
+
+    try:
+        return CheckpointStore.from_config(config)
     except SigningKeyError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -324,7 +319,7 @@ def store_keygen(
     private_key: Annotated[str, typer.Option(help="Where to write the private key (trainer only; mode 600).")] = "decentrl-signing.key",
     public_key: Annotated[str, typer.Option(help="Where to write the public key (give it to workers).")] = "decentrl-signing.pub",
 ) -> None:
-    """Create an ed25519 key pair for signed manifests (store.signing_key / worker --public-key)."""
+    """Create an ed25519 key pair for signed manifests (the trainer's store.signing_key, the workers' store.public_key)."""
     from decentrl.signing import SigningKeyError, write_keypair
 
     try:
@@ -333,7 +328,7 @@ def store_keygen(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"private key: {private_key}  (set store.signing_key; keep it secret)")
-    typer.echo(f"public key:  {public_key}  (pass to workers with --public-key)")
+    typer.echo(f"public key:  {public_key}  (workers: store.public_key, e.g. --set store.public_key={public_key})")
 
 
 AdminUrlOpt = Annotated[

@@ -25,7 +25,7 @@ import torch
 from aiohttp import web
 
 from decentrl.client import OrchestratorClient
-from decentrl.config import GuessTaskConfig, RunConfig, TinyModelConfig, parse_config
+from decentrl.config import GuessTaskConfig, RunConfig, TinyModelConfig, WorkerConfig, parse_config
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
 from decentrl.tasks import build_task
@@ -39,7 +39,7 @@ from orchestrator.state import RunState
 from workers.backends.hf import HFBackend, sampling_distribution
 from tests.unit.test_episode_loss_mask import gradients as loss_mask_gradients
 from tests.unit.test_worker_batching import Recording
-from workers.worker import Worker, WorkerOptions
+from workers.worker import Worker
 
 WORKER, TRAINER = "worker-secret", "trainer-secret"
 TOKENS = [{"name": "vol", "role": "worker", "token": WORKER}, {"name": "trainer", "role": "trainer", "token": TRAINER}]
@@ -120,11 +120,10 @@ class Setup:
         self.orchestrator.client(TRAINER).announce(version)
         self.models[version] = model.eval()
 
-    def worker(self, **options: Any) -> Worker:
-        values: dict[str, Any] = {"worker_id": "w0", "cache_dir": os.path.join(self.tmp, "cache"), "groups_per_request": 2}
-        values.update(options)
+    def worker(self, **settings: Any) -> Worker:
         return Worker(
-            options=WorkerOptions(**values), client=self.orchestrator.client(WORKER, max_wait_s=1.0), backend=HFBackend(seed=0)
+            WorkerConfig(**{"groups_per_request": 2, **settings}), worker_id="w0", cache_dir=os.path.join(self.tmp, "cache"),
+            client=self.orchestrator.client(WORKER, max_wait_s=1.0), backend=HFBackend(seed=0),
         )
 
 
@@ -224,7 +223,7 @@ def test_soft_pause_swap_continues_in_flight_samples_under_the_new_version(long_
     setup = long_setup
     setup.publish(0, seed=0, eos=False)
     worker = setup.worker(swap_deadline_s=0.0)  # interrupt in-flight work at once
-    worker._swap(setup.store.pull(0, worker.options.cache_dir), 0, pull_s=0.0)
+    worker._swap(setup.store.pull(0, worker.cache_dir), 0, pull_s=0.0)
     response = worker.client.lease(LeaseRequest(worker_id="w0", max_groups=2))
     prompts = [lease.prompt_token_ids for lease in response.leases for _ in range(lease.group_size)]
     result: dict[str, Any] = {}
@@ -233,7 +232,7 @@ def test_soft_pause_swap_continues_in_flight_samples_under_the_new_version(long_
     while 0 not in worker.first_generation_at:
         time.sleep(0.001)
     setup.publish(1, seed=1, eos=False)
-    worker._swap(setup.store.pull(1, worker.options.cache_dir), 1, pull_s=0.0)
+    worker._swap(setup.store.pull(1, worker.cache_dir), 1, pull_s=0.0)
     generating.join(timeout=120)
     samples = result["samples"]
     for prompt, sample in zip(prompts, samples, strict=True):
@@ -260,7 +259,7 @@ def test_soft_pause_swap_continues_in_flight_samples_under_the_new_version(long_
 def test_rollouts_are_spooled_while_the_orchestrator_is_down_and_resent(setup: Setup) -> None:
     setup.publish(0, seed=0)
     worker = setup.worker()
-    worker._swap(setup.store.pull(0, worker.options.cache_dir), 0, pull_s=0.0)
+    worker._swap(setup.store.pull(0, worker.cache_dir), 0, pull_s=0.0)
     response = worker.client.lease(LeaseRequest(worker_id="w0", max_groups=2))
     samples = worker._generate(
         [lease.prompt_token_ids for lease in response.leases for _ in range(lease.group_size)], response.sampling
@@ -335,7 +334,7 @@ def test_store_outage_keeps_a_fresh_version_and_waits_once_stale(setup: Setup) -
 def test_slots_waiting_together_are_generated_in_one_backend_call(setup: Setup) -> None:
     setup.publish(0, seed=0)
     worker = setup.worker(concurrency=4)
-    worker._swap(setup.store.pull(0, worker.options.cache_dir), 0, pull_s=0.0)
+    worker._swap(setup.store.pull(0, worker.cache_dir), 0, pull_s=0.0)
     response = worker.client.lease(LeaseRequest(worker_id="w0", max_groups=2))
     prompts = [lease.prompt_token_ids for lease in response.leases for _ in range(lease.group_size)]
     recording = Recording(worker.backend)  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
-"""Group advantages and their options (trainer.advantages): std normalization in the orchestrator's
-batches, zero-variance group filtering in the trainer."""
+"""Group advantages and their options: std normalization in the orchestrator's batches
+(orchestrator.advantages), zero-variance group filtering in the trainer (trainer.advantages)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_select_samples_needs_group_ids_to_filter() -> None:
 def test_orchestrator_batches_follow_the_advantage_config(
     make_config: Any, tokenizer: PreTrainedTokenizerBase, make_rollout: Any, normalize_std: bool
 ) -> None:
-    config = make_config(trainer={"groups_per_step": 1, "advantages": {"normalize_std": normalize_std}})
+    config = make_config(trainer={"groups_per_step": 1}, orchestrator={"advantages": {"normalize_std": normalize_std}})
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     state.announce(0)
     (lease,) = state.grant_leases("alice/w0", 1)
@@ -92,5 +92,5 @@ def test_orchestrator_batches_follow_the_advantage_config(
 
 
 def test_dr_grpo_with_std_normalization_is_rejected_with_a_fix(make_config: Any) -> None:
-    with pytest.raises(ConfigError, match="set trainer.advantages.normalize_std = false"):
-        make_config(trainer={"loss": {"type": "dr_grpo"}, "advantages": {"normalize_std": True}})
+    with pytest.raises(ConfigError, match="set orchestrator.advantages.normalize_std = false"):
+        make_config(trainer={"loss": {"type": "dr_grpo"}}, orchestrator={"advantages": {"normalize_std": True}})

@@ -1,0 +1,53 @@
+"""Run configuration: one pydantic model per role, built from shared sub-models.
+
+A run is described by one TOML file (see configs/ and docs/config.md). `decentrl run` resolves
+it (with any `--set key=value`), writes the result as JSON into the run directory, and hands
+that file to every role it starts; a role started by hand on another machine reads the same
+file, or for a worker only needs the orchestrator URL and a token. Every field is declared once,
+documented and constrained, so that a bad file fails at load time with the field's dotted name
+and what is allowed.
+
+One module per section, named after the role that reads it: model, task, store, orchestrator
+(with [sampling]), worker, simulation (benchmarks only), trainer; run.py holds `RunConfig`,
+load.py reading files and overrides. Import from this package.
+"""
+
+from decentrl.config.load import ConfigError, apply_overrides, load_config, parse_config, path_in_file
+from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig
+from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, SamplingConfig, VerificationConfig
+from decentrl.config.run import RunConfig
+from decentrl.config.simulation import SimulationConfig
+from decentrl.config.store import StoreConfig
+from decentrl.config.task import (
+    ArithmeticTaskConfig,
+    CountdownTaskConfig,
+    GuessTaskConfig,
+    ImportTaskConfig,
+    SortingTaskConfig,
+    TaskConfig,
+)
+from decentrl.config.trainer import (
+    DrGRPOLossConfig,
+    GRPOLossConfig,
+    IcePopConfig,
+    LoRAConfig,
+    LossConfig,
+    OffPolicyConfig,
+    PolicyLossBase,
+    SeqMaskConfig,
+    TISConfig,
+    TokenLossConfig,
+    TrainerAdvantagesConfig,
+    TrainerConfig,
+)
+from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
+
+__all__ = [
+    "AdvantageConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig", "DrGRPOLossConfig",
+    "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig", "ImportTaskConfig", "LoRAConfig", "LossConfig",
+    "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig", "OrchestratorConfig", "PolicyLossBase",
+    "PretrainedModelConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig", "SimulationConfig",
+    "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TokenLossConfig",
+    "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig", "WorkerConfig", "apply_overrides",
+    "load_config", "parse_config", "path_in_file",
+]

@@ -1,0 +1,138 @@
+"""`[orchestrator]` and `[sampling]`: the central service's settings (orchestrator/ reads them).
+
+`[sampling]` is here because the orchestrator sends it to workers with every lease and rejects
+rollouts sampled otherwise. `[orchestrator.advantages]` is here because the orchestrator computes
+advantages; the trainer receives them ready.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from decentrl.config.base import Section
+
+
+class SamplingConfig(Section):
+    """How workers sample; sent to workers with every lease so all of them sample alike."""
+
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Softmax temperature.")
+    max_tokens: int = Field(8, ge=1, le=131072, description="Most completion tokens per sample.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens at each step; 0 = no top-k.")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Keep the smallest set of tokens whose probability reaches top_p; 1.0 = off."
+    )
+    stop: list[str] = Field(
+        default_factory=list, max_length=16,
+        description="Stop strings: a completion ends with the token that completes one (that token is kept).",
+    )
+
+
+class VerificationConfig(Section):
+    """Checks of untrusted workers' rollouts (docs/security.md); off for a run of trusted workers.
+
+    On: finish_reason must agree with the tokens, a replayed rollout is rejected, and a share of
+    rollouts (all of a new or flagged worker's) has its logprobs recomputed under the claimed
+    version. Groups holding a checked rollout wait for the check before the trainer sees them.
+    A rejected check is a strike against the token; at `max_strikes` the token is revoked.
+    """
+
+    enabled: bool = Field(False, description="Run the checks below (claimed rewards are never used either way).")
+    spot_check_fraction: float = Field(
+        0.03, ge=0.0, le=1.0,
+        description="Share of an established, unflagged worker's rollouts whose logprobs are recomputed "
+        "(docs/security.md: what a fraction buys in detection and costs in verifier compute).",
+    )
+    new_worker_checks: int = Field(
+        64, ge=0, description="A token's first N rollouts are all checked (a new worker earns trust first)."
+    )
+    tolerance: float = Field(
+        0.01, gt=0.0,
+        description="Largest accepted |claimed - recomputed| logprob of any one token. Honest fp32 CPU workers "
+        "measured at most 4.8e-7 (docs/security.md); the default leaves room for other CPUs and BLAS "
+        "libraries. Measure and raise it for bf16/GPU workers (vLLM).",
+    )
+    max_strikes: int = Field(3, ge=1, description="Strikes (rejections for cheating) after which a token is revoked.")
+    torch_threads: int = Field(1, ge=1, le=256, description="CPU threads of the verifier's forward passes.")
+    models_cached: int = Field(2, ge=1, le=16, description="Policy versions kept loaded by the verifier at once.")
+    check_wait_s: float = Field(
+        0.5, ge=0.0, le=60.0,
+        description="A held-back group waits up to this long for others to be checked with it in one forward "
+        "(each check has a fixed cost), but never once the trainer's next batch needs it; 0 = check at once.",
+    )
+    check_batch_rollouts: int = Field(
+        128, ge=1, le=65536,
+        description="Most rollouts recomputed in one forward (a group is never split); also starts a check "
+        "before check_wait_s. Lower it for long sequences or large vocabularies (memory).",
+    )
+
+
+class AdvantageConfig(Section):
+    """Group-relative advantages, computed by the orchestrator when a group is complete
+    (decentrl/advantages.py `group_advantages`): each reward minus its group's mean."""
+
+    normalize_std: bool = Field(
+        False, description="Divide each group's centered rewards by the group's std (GRPO); Dr.GRPO leaves it off."
+    )
+
+
+class OrchestratorConfig(Section):
+    """The central HTTP service: leases, ingest, rewards, groups, batches (see docs/api.md)."""
+
+    host: str = Field("127.0.0.1", description="Interface to bind; 0.0.0.0 to accept remote workers.")
+    port: int = Field(8740, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    lease_timeout_s: float = Field(
+        30.0, gt=0, description="A leased prompt not answered within this is leased again."
+    )
+    max_request_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest accepted request body (after gzip decompression): 413 above."
+    )
+    batch_wait_s: float = Field(
+        20.0, gt=0, description="How long one trainer batch request waits before answering 204."
+    )
+    lease_wait_s: float = Field(
+        2.0, ge=0, le=30,
+        description="How long a lease request with nothing to grant (the staleness budget or the buffer is "
+        "full) waits for groups to free up before answering empty; 0 = answer at once with retry_after_s.",
+    )
+    journal: bool = Field(
+        True,
+        description="Journal every acknowledged rollout, lease and version in <run_dir>/journal.sqlite "
+        "(SQLite, WAL) before answering, and recover from it on restart.",
+    )
+    journal_sync: Literal["full", "normal"] = Field(
+        "full",
+        description="full: fsync each commit (survives power loss); normal: survives a killed "
+        "orchestrator process, not a crashed machine.",
+    )
+    max_buffer_groups: int = Field(
+        4096, ge=1, description="Depth bound: complete groups waiting for the trainer plus open leases."
+    )
+    max_inflight_requests: int = Field(
+        64, ge=1, description="Rollout posts processed at once; more get 503 with Retry-After (bounds memory)."
+    )
+    rate_limit_per_s: float = Field(
+        1000.0, ge=0,
+        description="Requests per second per token (token bucket; a token may serve many workers); 0 = no limit. "
+        "Over it: 429 with Retry-After.",
+    )
+    rate_limit_burst: int = Field(2000, ge=1, description="Bucket size: requests a token may make at once.")
+    dedupe_window_s: float = Field(
+        900.0,
+        gt=0,
+        description="How long a closed lease and its rollout ids are remembered: a resend within it is "
+        "answered as a duplicate; later, as a rejection of its (forgotten) lease.",
+    )
+    batches_kept: int = Field(
+        4, ge=1, description="Served batches kept, so a trainer resending a lost request gets the same batch."
+    )
+    metrics_public: bool = Field(
+        False, description="Serve /metrics without a token (default: trainer or admin token)."
+    )
+    verification: VerificationConfig = Field(
+        default_factory=VerificationConfig, description="Checks of untrusted workers (docs/security.md)."
+    )
+    advantages: AdvantageConfig = Field(
+        default_factory=AdvantageConfig, description="How a complete group's rewards become advantages."
+    )

@@ -1,0 +1,67 @@
+"""`RunConfig`: everything one run needs, built from each role's section.
+
+Each role reads its own section plus the shared ones: the orchestrator [orchestrator],
+[sampling], [task], [model], [store]; workers [worker], [store] and [simulation]; the trainer
+[trainer], [model], [store]; `decentrl run` the top-level counts. Checks that span sections live
+here, with errors that say which keys to change.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from decentrl.config.base import Section
+from decentrl.config.model import ModelConfig, TinyModelConfig
+from decentrl.config.orchestrator import OrchestratorConfig, SamplingConfig
+from decentrl.config.simulation import SimulationConfig
+from decentrl.config.store import StoreConfig
+from decentrl.config.task import SortingTaskConfig, TaskConfig
+from decentrl.config.trainer import TrainerConfig
+from decentrl.config.worker import WorkerConfig
+
+
+class RunConfig(Section):
+    """Everything one run needs; each role reads its own section plus the shared ones."""
+
+    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Run id.")
+    max_staleness: int = Field(
+        1, ge=0, le=1024, description="Rollouts from version v train step s iff s - v <= this; 0 = synchronous."
+    )
+    group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (GRPO group).")
+    model: ModelConfig = Field(default_factory=TinyModelConfig, description="The policy ([model] type = ...).")
+    task: TaskConfig = Field(default_factory=SortingTaskConfig, description="Prompts and reward ([task] type = ...).")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="Where versions live.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="How workers sample.")
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig, description="The central service.")
+    worker: WorkerConfig = Field(default_factory=WorkerConfig, description="Inference workers.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The FSDP2 trainer.")
+    simulation: SimulationConfig = Field(
+        default_factory=SimulationConfig, description="Benchmarks only: injected generation delays."
+    )
+    num_workers: int = Field(2, ge=1, le=64, description="Workers `decentrl run` starts locally.")
+    trainer_ranks: int = Field(2, ge=1, le=64, description="Trainer processes `decentrl run` starts.")
+    tolerate_worker_exits: bool = Field(
+        False, description="`decentrl run` keeps going when a worker dies (as long as one is left)."
+    )
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> RunConfig:
+        samples = self.trainer.groups_per_step * self.group_size
+        if samples % self.trainer_ranks:
+            raise ValueError(
+                f"trainer.groups_per_step * group_size ({samples}) must be divisible by "
+                f"trainer_ranks ({self.trainer_ranks}) so every rank trains on the same number of samples"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _loss_matches_advantages(self) -> RunConfig:
+        if self.trainer.loss.type == "dr_grpo" and self.orchestrator.advantages.normalize_std:
+            raise ValueError(
+                "trainer.loss.type = 'dr_grpo' removes the std normalization of advantages: "
+                "set orchestrator.advantages.normalize_std = false, or use trainer.loss.type = 'grpo'"
+            )
+        return self
+
+    def with_store_url(self, url: str) -> RunConfig:
+        return self.model_copy(update={"store": self.store.model_copy(update={"url": url})})

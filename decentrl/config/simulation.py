@@ -1,0 +1,35 @@
+"""`[simulation]`: benchmarks only - make the toy task's millisecond generations look like real ones.
+
+A production run leaves this section out. benchmarks/async_vs_sync.py sets it to measure
+scheduling (asynchronous vs synchronous, a straggler) with the real system; workers/simulation.py
+applies it around a worker's generation step, the one place it acts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from decentrl.config.base import Section
+
+
+class SimulationConfig(Section):
+    """Hold each finished lease request back by an injected log-normal delay, and scale some
+    workers' generation time; the delay is a sleep, standing for work on the worker's own GPU."""
+
+    latency_median_s: float = Field(
+        0.0, ge=0, description="Median of the delay added to every lease request's generation (0 = none)."
+    )
+    latency_sigma: float = Field(
+        1.0, ge=0, le=4, description="Shape of the log-normal delay (1.0: p90 = 3.6x median, p99 = 10x)."
+    )
+    slowdowns: dict[str, Annotated[float, Field(ge=1)]] = Field(
+        default_factory=dict,
+        description="Per worker id, a factor >= 1 on its generation time and delay (others: 1), "
+        "e.g. { worker-0 = 10.0 } for one straggler among `decentrl run`'s workers.",
+    )
+    seed: int = Field(0, ge=0, description="Seed of the delays; each worker mixes in its id.")
+
+    def active_for(self, worker_id: str) -> bool:
+        return self.latency_median_s > 0 or self.slowdowns.get(worker_id, 1.0) > 1.0

@@ -1,0 +1,89 @@
+"""`[store]`: where versioned checkpoints live and how they are read and written.
+
+`decentrl/store.py` (`CheckpointStore.from_config`) is the one reader: the trainer publishes
+through it, workers and `decentrl eval` pull through it (`for_reader`), and the orchestrator
+announces its URL to workers. docs/store.md explains every field.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from decentrl.config.base import Section
+
+
+class StoreConfig(Section):
+    """Where versioned checkpoints live. Any fsspec URL; empty means `<run_dir>/checkpoints`.
+
+    For s3:// the endpoint, region and credentials below override the usual AWS environment
+    (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE), which
+    applies wherever they are left unset. See docs/store.md.
+    """
+
+    url: str = Field(
+        "", description="fsspec URL (file:///dir, s3://bucket/prefix, ...); '' = <run_dir>/checkpoints "
+        "(for a worker: the URL the orchestrator announces).",
+    )
+    keep_last: int = Field(
+        8, ge=1, description="Versions kept by retention; raised to max_staleness + 2 if smaller."
+    )
+    retention_grace_s: float = Field(
+        300.0, ge=0, description="A version is deleted only this long after a newer one was published "
+        "(a worker may still be pulling it); make it longer than the slowest worker's pull.",
+    )
+    storage_options: dict[str, object] = Field(
+        default_factory=dict, description="Extra fsspec filesystem options, e.g. {anon = true} for s3fs."
+    )
+    endpoint: str | None = Field(None, description="S3-compatible endpoint URL (MinIO, R2, ...); s3:// only.")
+    region: str | None = Field(None, description="S3 region; s3:// only.")
+    access_key_id: str | None = Field(
+        None, description="S3 access key; s3:// only. Prefer the environment: the resolved config is written to the run dir."
+    )
+    secret_access_key: str | None = Field(None, description="S3 secret key, set together with access_key_id.")
+    shard_size_mb: int = Field(
+        128, ge=1, description="Largest safetensors shard; more shards upload and download in parallel."
+    )
+    upload_concurrency: int = Field(4, ge=1, le=64, description="Files uploaded at once by a publish.")
+    download_concurrency: int = Field(4, ge=1, le=64, description="Files downloaded at once by a pull.")
+    link_local: bool = Field(
+        True, description="Local store on the cache's filesystem: pulls hard-link the verified files into "
+        "the cache instead of copying them (zero copy). Off, or a public_key set: pulls always copy.",
+    )
+    cache_max_gb: float | None = Field(
+        20.0, gt=0, description="Cap on a local pull cache; the oldest versions are evicted. None = no cap."
+    )
+    signing_key: str = Field(
+        "", description="Trainer: ed25519 private key file that signs every manifest ('' = unsigned)."
+    )
+    public_key: str = Field(
+        "", description="Readers: ed25519 public key file; unsigned or wrongly signed versions are refused."
+    )
+
+    @model_validator(mode="after")
+    def _s3_fields(self) -> StoreConfig:
+        s3_only = {"endpoint": self.endpoint, "region": self.region, "access_key_id": self.access_key_id}
+        used = [name for name, value in s3_only.items() if value is not None]
+        if used and not self.url.startswith("s3://"):
+            raise ValueError(f"{', '.join(used)} apply to s3:// URLs only (url is {self.url!r})")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("set access_key_id and secret_access_key together, or neither (then the AWS environment is used)")
+        return self
+
+    def fsspec_options(self) -> dict[str, object]:
+        """storage_options for fsspec: `storage_options` plus the s3 fields that are set."""
+        options = dict(self.storage_options)
+        client_kwargs = dict(options.get("client_kwargs") or {})  # type: ignore[call-overload]
+        if self.endpoint is not None:
+            client_kwargs["endpoint_url"] = self.endpoint
+        if self.region is not None:
+            client_kwargs["region_name"] = self.region
+        if client_kwargs:
+            options["client_kwargs"] = client_kwargs
+        if self.access_key_id is not None:
+            options.update(key=self.access_key_id, secret=self.secret_access_key)
+        return options
+
+    def for_reader(self, url: str) -> StoreConfig:
+        """This store as a reader uses it (a worker, `decentrl eval`): at `url`, and without the
+        trainer's signing key, which only the trainer's machine holds."""
+        return self.model_copy(update={"url": url, "signing_key": ""})

@@ -1,0 +1,80 @@
+"""`[worker]`: how an inference worker generates (workers/ reads it; docs/workers.md).
+
+The one declaration of a worker's settings: `decentrl worker` reads them from a run config
+(`--config`, the run's TOML or the resolved config.json `decentrl run` writes) or takes these
+defaults, then applies `--set worker.KEY=VALUE`. What the run decides (its name, group size,
+staleness bound, sampling, store URL, a multi-turn task) the worker learns from the
+orchestrator's GET /v1/info and every lease instead, so a worker with no config file still
+samples as the run wants.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from decentrl.config.base import Section, reject_moved
+
+
+class OpenAIServerConfig(Section):
+    """The OpenAI-compatible server a worker with backend "openai" drives (workers/backends/openai.py)."""
+
+    url: str = Field(min_length=1, description="The server, e.g. http://127.0.0.1:8000.")
+    model: str = Field(min_length=1, description="The model name the server serves.")
+    reload: Literal["weights", "lora"] = Field(
+        "weights", description="New versions: 'weights' POSTs the directory to reload_route; 'lora' loads an adapter."
+    )
+    reload_route: str = Field(
+        "/update_weights_from_disk", description="reload = 'weights': the route taking {\"model_path\": dir} (SGLang's)."
+    )
+
+
+class WorkerConfig(Section):
+    """An inference worker: pulls versions, generates, posts rollouts."""
+
+    backend: Literal["hf", "vllm", "openai"] = Field(
+        "hf", description="Inference backend: transformers, in-process vLLM, or an OpenAI-compatible server."
+    )
+    device: str = Field("cpu", description="torch device for the hf backend (and `decentrl eval`).")
+    openai: OpenAIServerConfig | None = Field(
+        None, description="The server, with backend = 'openai' ([worker.openai] url and model)."
+    )
+    swap_deadline_s: float = Field(
+        5.0, ge=0, description="Soft pause: in-flight generation may finish for this long before it continues "
+        "under the new weights as a partial rollout.",
+    )
+    version_poll_s: float = Field(
+        2.0, gt=0, le=300, description="Ask /v1/info for a new version this often while no lease answer says."
+    )
+    groups_per_request: int = Field(
+        4, ge=1, le=1024, description="Prompts (groups) leased and generated together."
+    )
+    torch_threads: int = Field(1, ge=1, description="Intra-op CPU threads.")
+    concurrency: int = Field(
+        1, ge=1, le=256, description="Lease slots in flight per worker (concurrent requests to the backend)."
+    )
+    max_batch_rows: int = Field(
+        256, ge=1, description="Most rows (samples) of all slots generated together in one backend call; bounds "
+        "the memory of a batched decode.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: object) -> object:
+        return reject_moved(data, {
+            "simulated_latency_median_s": "[simulation] latency_median_s",
+            "simulated_latency_sigma": "[simulation] latency_sigma",
+            "slowdowns": "[simulation] slowdowns, keyed by worker id (slowdowns = { worker-0 = 10.0 })",
+        })
+
+    @model_validator(mode="after")
+    def _server_given(self) -> WorkerConfig:
+        if self.backend == "openai" and self.openai is None:
+            raise ValueError(
+                "backend = 'openai' needs the server: add [worker.openai] with url and model "
+                "(or --set worker.openai.url=... --set worker.openai.model=...)"
+            )
+        if self.backend != "openai" and self.openai is not None:
+            raise ValueError(f"[worker.openai] is only read with backend = 'openai' (backend is {self.backend!r})")
+        return self

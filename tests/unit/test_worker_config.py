@@ -1,0 +1,99 @@
+"""A worker's settings come from `WorkerConfig` alone: the `decentrl worker` command takes only
+who it is and where it connects, `decentrl run` hands workers the resolved config file, the
+backend is built from [worker], and [simulation] acts in one place (workers/simulation.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from decentrl.cli.launch import worker_command
+from decentrl.cli.main import app
+from decentrl.config import SimulationConfig, load_config
+from decentrl.wire import RunInfo
+from workers.backends.hf import HFBackend
+from workers.backends.openai import OpenAIBackend
+from workers.main import build_backend
+from workers.simulation import SimulatedLatency
+from workers.worker import Worker
+
+IDENTITY_AND_CONNECTION = {"--orchestrator", "--token", "--config", "--set", "--worker-id", "--cache-dir", "--spool-dir"}
+
+
+def test_the_worker_command_has_no_setting_flags() -> None:
+    worker = typer.main.get_command(app).commands["worker"]  # type: ignore[attr-defined]
+    assert {opt for param in worker.params for opt in param.opts} == IDENTITY_AND_CONNECTION
+
+
+def test_a_bad_set_stops_the_worker_before_it_connects() -> None:
+    result = CliRunner().invoke(
+        app, ["worker", "--orchestrator", "http://127.0.0.1:9", "--token", "t", "--set", "worker.concurency=2"]
+    )
+    assert result.exit_code == 2
+    assert "worker.concurency: Extra inputs are not permitted" in result.output
+
+
+def test_decentrl_run_hands_workers_the_resolved_config(tmp_path: Path) -> None:
+    argv = worker_command(tmp_path / "config.json", tmp_path, "http://127.0.0.1:1", "worker-3")
+    assert argv[argv.index("--config") + 1] == str(tmp_path / "config.json")
+    assert argv[argv.index("--worker-id") + 1] == "worker-3"
+    assert {arg for arg in argv if arg.startswith("--")} <= IDENTITY_AND_CONNECTION
+
+
+def test_the_backend_is_built_from_the_worker_section() -> None:
+    hf = build_backend(load_config(None).worker)
+    assert isinstance(hf, HFBackend) and str(hf.device) == "cpu"
+    config = load_config(None, [
+        "worker.backend=openai", "worker.openai.url=http://127.0.0.1:8000", "worker.openai.model=m",
+        "worker.openai.reload=lora",
+    ])
+    server = build_backend(config.worker)
+    assert isinstance(server, OpenAIBackend)
+    assert (server.url, server.model, server.reload) == ("http://127.0.0.1:8000", "m", "lora")
+
+
+def test_simulated_latency_is_off_unless_configured() -> None:
+    assert SimulatedLatency.of(SimulationConfig(), "worker-0") is None
+    slow = SimulationConfig(slowdowns={"worker-0": 3.0})
+    assert SimulatedLatency.of(slow, "worker-1") is None
+    latency = SimulatedLatency.of(slow, "worker-0")
+    assert latency is not None and latency.extra_delay(0.5) == pytest.approx(1.0)  # 0.5 s more, twice over
+
+
+def test_simulated_latency_wraps_a_step_and_draws_a_log_normal_delay() -> None:
+    latency = SimulatedLatency(median_s=0.02, sigma=0.0, slowdown=2.0, seed="s")
+    assert latency.extra_delay(0.0) == pytest.approx(0.04)  # sigma 0: exactly the median, times the slowdown
+    step = latency.around(lambda x: x + 1)
+    started = time.perf_counter()
+    assert step(1) == 2
+    assert time.perf_counter() - started >= 0.04
+    spread = SimulatedLatency(median_s=1.0, sigma=1.0, slowdown=1.0, seed="s")
+    draws = sorted(spread.extra_delay(0.0) for _ in range(2001))
+    assert draws[1000] == pytest.approx(1.0, rel=0.15)  # the median is median_s
+
+
+class InfoOnly:
+    """A client that only answers /v1/info (enough to build a Worker)."""
+
+    def __init__(self, store_url: str) -> None:
+        self.store_url = store_url
+
+    def info(self) -> RunInfo:
+        return RunInfo(run_name="r", store_url=self.store_url, policy_version=None, max_staleness=1, group_size=2)
+
+
+def test_the_worker_wraps_its_generation_step_only_for_a_simulation(tmp_path: Path) -> None:
+    config = load_config(None, ["worker.concurrency=3"])
+
+    def worker(simulation: SimulationConfig) -> Worker:
+        return Worker(config.worker, worker_id="worker-0", cache_dir=str(tmp_path / "cache"),
+                      client=InfoOnly(f"file://{tmp_path}/store"), backend=HFBackend(), simulation=simulation)  # type: ignore[arg-type]
+
+    plain = worker(SimulationConfig())
+    assert plain._samples_for == plain._generate_leases
+    assert plain.store.url == f"file://{tmp_path}/store"  # the URL the orchestrator announced
+    assert worker(SimulationConfig(latency_median_s=1.0))._samples_for != plain._generate_leases

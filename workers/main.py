@@ -1,0 +1,51 @@
+"""The `decentrl worker` process: from a run config to a running worker.
+
+Called by `decentrl worker` (decentrl/cli/main.py) with the config already loaded and its
+`--set` overrides applied. Builds the backend `[worker] backend` names, the orchestrator client
+and the `Worker` (workers/worker.py), then runs it until SIGTERM. torch and the backends are
+imported here, not by the command line, so `decentrl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from decentrl.client import OrchestratorClient
+from decentrl.config import RunConfig, WorkerConfig
+from workers.backends import Backend
+from workers.worker import Worker
+
+
+def build_backend(config: WorkerConfig) -> Backend:
+    """The inference backend of `config.backend` (docs/workers.md: what each one needs)."""
+    if config.backend == "vllm":
+        from workers.backends.vllm_engine import VLLMBackend
+
+        return VLLMBackend()
+    if config.backend == "openai":
+        from workers.backends.openai import OpenAIBackend
+
+        server = config.openai
+        assert server is not None  # WorkerConfig requires [worker.openai] with backend "openai"
+        return OpenAIBackend(url=server.url, model=server.model, reload=server.reload, reload_route=server.reload_route)
+    from workers.backends.hf import HFBackend
+
+    return HFBackend(device=config.device)
+
+
+def run_worker(
+    config: RunConfig, *, orchestrator_url: str, token: str, worker_id: str, cache_dir: str, spool_dir: str | None
+) -> None:
+    """Generate for the run at `orchestrator_url` until stopped; reads [worker], [store] and [simulation]."""
+    import torch
+
+    torch.set_num_threads(config.worker.torch_threads)
+    worker = Worker(
+        config.worker,
+        worker_id=worker_id,
+        cache_dir=cache_dir,
+        spool_dir=spool_dir,
+        client=OrchestratorClient(orchestrator_url, token),
+        backend=build_backend(config.worker),
+        store=config.store,
+        simulation=config.simulation,
+    )
+    worker.run()
