@@ -383,3 +383,24 @@ def test_samples_recovered_into_open_leases_are_all_checked(
     assert state.leases[partial.lease_id].check == [0, 1]
     state.verification_done(held.lease_id, {})
     assert [g.lease_id for g in state.ready] == [held.lease_id]
+
+
+def test_content_of_a_group_evicted_as_stale_is_forgotten_on_disk(
+    open_state: Callable[..., RunState], group: Any
+) -> None:
+    """A group evicted from the buffer as stale closed without training: its content hashes go
+    from the journal as from memory (they went with a release already, not with a stale drop)."""
+    options = {"orchestrator": {"verification": {"enabled": True, "new_worker_checks": 0, "spot_check_fraction": 0.0}}}
+    state = open_state(max_staleness=1, **options)
+    state.announce(0)
+    lease = state.grant_leases(HOLDER, 1)[0]
+    assert state.ingest(group(state, lease), HOLDER).accepted == GROUP
+    state.journal.flush()
+    with sqlite3.connect(state.journal.path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM content").fetchone()[0] == 1
+    state.announce(2)  # evicted
+    state.journal.flush()
+    with sqlite3.connect(state.journal.path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM content").fetchone()[0] == 0
+    state = restart(state, open_state, max_staleness=1, **options)
+    assert state.lease_state(lease.lease_id, HOLDER).state == "dropped" and not state.ready
