@@ -30,7 +30,7 @@ The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
 then `take_batch` serves the front of the line as a batch (batches.py).
 
 Invariants:
-- a rollout is scored here with the task's verifier, never with the worker's claimed reward;
+- a rollout is scored with the task's verifier (scoring.py), never with the worker's claimed reward;
 - a group is served to the trainer at most once, and only if every sample is fresh for the
   trainer's version;
 - no more groups are leased than can be consumed without going stale (`lease_budget`), nor
