@@ -16,11 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler,
 
 from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, value_range
 
-# Transitional: orchestrator/state.py, orchestrator/journal.py and their tests still import these
-# encoding names from here; new code imports them from decentrl/encoding.py. Drop this line once
-# those imports have moved.
-from decentrl.encoding import MEDIA_MSGPACK, encode_model, unpack_msgpack  # noqa: F401, E402
-
 API_PREFIX = "/v1"
 WORKER_ID = r"^[A-Za-z0-9._:@-]{1,128}$"  # no "/": lease holders are "token-name/worker-id"
 TOKEN_NAME = r"^[A-Za-z0-9._:@-]{1,64}$"  # no "/" either, for the same reason

@@ -64,8 +64,7 @@ IDENTITY = web.RequestKey("identity", Identity)  # the caller's token, set by th
 
 async def commit(state: RunState) -> None:
     """Wait until everything the state recorded is on disk (no-op without a journal)."""
-    if state.journal is not None:
-        await state.journal.commit()
+    await state.journal.commit()
 
 
 async def notify_all(condition: asyncio.Condition) -> None:

@@ -17,10 +17,6 @@ import msgpack
 from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, pack_ints
 from decentrl.wire import TrainBatch
 
-# Transitional: orchestrator/state.py and orchestrator/journal.py import the packers from here;
-# they live in decentrl/encoding.py. Drop this line once those imports have moved.
-from decentrl.encoding import pack_floats  # noqa: F401, E402
-
 Packed = tuple[msgpack.ExtType, msgpack.ExtType]  # (completion ids, logprobs)
 
 

@@ -1,8 +1,9 @@
 """Completion text for scoring, by joining per-token bytes: the orchestrator's fast detokenizer.
 
-RunState (orchestrator/state.py) decodes every accepted completion once, to score it with the
-task's verifier; with the Rust tokenizer that was the largest single cost of ingest (about 70 ns
-a token, 75 us for a 1,024-token completion). Tokenizers whose decoder only concatenates tokens
+The scorer (orchestrator/scoring.py) decodes every accepted completion once, through the
+decoder of orchestrator/tokens.py, to score it with the task's verifier; with the Rust tokenizer
+that was the largest single cost of ingest (about 70 ns a token, 75 us for a 1,024-token
+completion). Tokenizers whose decoder only concatenates tokens
 (`decoders.Fuse`: the strings; `decoders.ByteLevel`, GPT-2 style BPE such as Qwen's and Llama 3's:
 the bytes each character stands for, then UTF-8 with replacement) decode to the join of a
 per-token table, about 3x faster in Python. `piece_table` builds the table only for those two

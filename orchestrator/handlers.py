@@ -310,9 +310,9 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     journal = request.app[STATE].journal
-    ok = journal is None or journal.failed is None
+    ok = journal.failed is None
     return web.Response(
-        text=Health(ok=ok, journal=journal is not None).model_dump_json(), status=200 if ok else 503,
+        text=Health(ok=ok, journal=journal.durable).model_dump_json(), status=200 if ok else 503,
         content_type=MEDIA_JSON,
     )
 

@@ -1,21 +1,23 @@
 """Bookkeeping of untrusted workers: strikes, bans, spot-check sampling, replays, finish reasons.
 
-RunState (orchestrator/state.py) owns one `Integrity` and consults it at ingest; the app's
-verification loop (orchestrator/app.py) reports the logprob checks of orchestrator/verify.py
-back through RunState. Everything is keyed by token name (the part of a lease holder before
-"/"): a token may serve many worker ids, and a ban revokes the token. Pure Python, no torch.
+RunState (orchestrator/state.py) owns one `Integrity`: the ingest checks consult it
+(orchestrator/checks.py), and the app's verification loop (orchestrator/app.py) reports the
+logprob checks of orchestrator/verify.py back through RunState to orchestrator/verdicts.py.
+Everything is keyed by token name (the part of a lease holder before "/"): a token may serve
+many worker ids, and a ban revokes the token. Pure Python, no torch.
 
 Invariants:
 - a strike is only given for something an honest worker never does (a replayed rollout, a
   finish_reason the tokens contradict, a future version, a prompt it was not leased, tokens
   outside the vocabulary, logprobs beyond the tolerance of the recomputed ones);
 - a token with `max_strikes` strikes is banned once (`newly_banned` hands it out once) and
-  everything of it still waiting for the trainer is dropped by RunState;
+  everything of it still waiting for the trainer is dropped (orchestrator/verdicts.py);
 - a replay is a rollout whose content (prompt, completion, logprobs) equals one already kept
   under another lease *with another claimed version*: identical logprobs under different weights
   do not happen honestly. The same content under the same version is an honest coincidence when
   a prompt comes back within one version (a valid sample of that version either way), so it is
-  accepted. Content of leases that closed without training is forgotten.
+  accepted. Content of leases that closed without training is forgotten: LeaseBook.close
+  (orchestrator/leases.py), the one way a lease closes, calls `forget_lease`.
 Journaled (orchestrator/journal.py, with RunState's journal): each token's record (strikes, ban,
 trust) and every kept content hash are handed to the journal at each commit (`journal_changes`)
 and restored on recovery (`restore`), so a restart forgets neither a ban nor a replay.
@@ -88,7 +90,7 @@ class Integrity:
         self, config: VerificationConfig, *, eos_ids: set[int], decode: Callable[[list[int]], str],
         rng: random.Random | None = None, journaled: bool = False,
     ) -> None:
-        """`journaled`: keep what changed for `journal_changes` (RunState with a journal)."""
+        """`journaled`: keep what changed for `journal_changes` (a durable journal asks for it)."""
         self.config = config
         self.eos_ids = eos_ids
         self.decode = decode

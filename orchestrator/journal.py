@@ -1,6 +1,7 @@
 """The orchestrator's durable journal: SQLite in WAL mode under the run dir.
 
-What is journaled (RunState calls the recording methods as it changes):
+What is journaled (the parts of RunState, orchestrator/state.py, call the recording methods as
+they change):
   meta      one row: versions, prompt cursor, prompts to lease again first, counters
   leases    every lease not yet forgotten: prompt, holder, deadline, status
             (open, complete, served, expired, released, dropped), rewards of a complete group
@@ -24,7 +25,13 @@ just-completed group) is never sent before that change is on disk.
 
 A failed write is fatal: the state in memory is then ahead of the disk, so `failed` is set,
 every later commit raises JournalError and the service answers 503 until restarted, when
-recovery rebuilds the state from what was committed.
+recovery rebuilds the state from what was committed (orchestrator/recovery.py).
+
+With journaling off (`orchestrator.journal = false`) the state holds a `NullJournal`: the same
+methods, recording nothing, so the state's code has one path either way.
+
+Over 400 lines on purpose: the journal is one file format, and its schema, its writer and its
+reader (`load`) stay in one module so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ from typing import Any
 import msgpack
 from pydantic import BaseModel
 
-from decentrl.wire import Lease, Rollout, unpack_msgpack
+from decentrl.encoding import unpack_msgpack
+from decentrl.wire import Lease, Rollout
 from orchestrator.codec import Packed, pack_ints
 
 log = logging.getLogger("decentrl.orchestrator.journal")
@@ -154,6 +162,8 @@ def decode_rollout(data: bytes, *, rollout_id: str, lease_id: str, run_name: str
 
 
 class Journal:
+    durable = True  # what is recorded survives a restart
+
     def __init__(self, path: str, *, run_name: str, sync: str = "full") -> None:
         self.path = path
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
@@ -369,3 +379,67 @@ class Journal:
         workers = {name: json.loads(record) for name, record in conn.execute("SELECT name, record FROM workers")}
         content = [tuple(row) for row in conn.execute("SELECT digest, lease_id, version FROM content")]
         return Snapshot(meta=meta, leases=leases, rollouts=rollouts, batches=batches, workers=workers, content=content)
+
+
+class NullJournal:
+    """The journal when journaling is off: `Journal`'s methods, recording nothing and committing
+    at once; `load()` finds nothing, so a state built on it starts from scratch."""
+
+    durable = False
+    path = "(no journal)"
+
+    def __init__(self) -> None:
+        self.meta_dirty = False
+        self.failed: BaseException | None = None  # never set: nothing is written
+        self.on_commit: Callable[[float, int], None] | None = None  # never called
+
+    def set_meta_source(self, source: Callable[[], dict[str, Any]]) -> None:
+        pass
+
+    def set_integrity_source(self, source: Callable[[], IntegrityChanges]) -> None:
+        pass
+
+    def lease_granted(self, lease: Lease, holder: str) -> None:
+        pass
+
+    def rollout_accepted(self, rollout: Rollout, packed: Packed) -> None:
+        pass
+
+    def group_completed(self, lease_id: str, ready_seq: int, rewards: list[float], at: float) -> None:
+        pass
+
+    def lease_closed(self, lease_id: str, status: str, at: float, *, drop_samples: bool) -> None:
+        pass
+
+    def lease_renewed(self, lease_id: str, deadline: float) -> None:
+        pass
+
+    def batch_served(self, request_id: str, at: float, body: dict[str, Any]) -> None:
+        pass
+
+    def batch_forgotten(self, request_id: str, lease_ids: list[str]) -> None:
+        pass
+
+    def lease_forgotten(self, lease_id: str) -> None:
+        pass
+
+    def load(self) -> Snapshot:
+        return Snapshot(meta={}, leases=[], rollouts={}, batches=[])
+
+    def flush(self) -> None:
+        pass
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass
+
+    async def commit(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+RunJournal = Journal | NullJournal  # what RunState's parts record to

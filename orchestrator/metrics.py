@@ -1,9 +1,9 @@
 """Prometheus metrics of one orchestrator app (GET /metrics, text format 0.0.4).
 
 Every app has its own CollectorRegistry (tests create many apps in one process). The run's
-counters (rollouts accepted, rejections and drops by reason, lease expirations, groups served)
-are read from RunState at scrape time, so they agree with /v1/status and survive a restart
-(they are journaled); the rest is measured by the HTTP layer as requests pass.
+counters (rollouts accepted, rejections and drops by reason, lease expirations, groups served;
+orchestrator/counters.py) are read from RunState at scrape time, so they agree with /v1/status
+and survive a restart (they are journaled); the rest is measured by the HTTP layer as requests pass.
 
 Per-worker counts are labelled by token name, never by the worker id a client picks, so the
 number of series is bounded by the tokens file.
@@ -30,29 +30,29 @@ class StateCollector(Collector):
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        s = self.state
+        s, c = self.state, self.state.counters
         yield CounterMetricFamily(
-            "decentrl_rollouts_accepted", "Rollouts acknowledged (journaled) since the run began.", value=s.rollouts_accepted
+            "decentrl_rollouts_accepted", "Rollouts acknowledged (journaled) since the run began.", value=c.rollouts_accepted
         )
         yield CounterMetricFamily(
-            "decentrl_ingest_tokens", "Prompt + completion tokens of acknowledged rollouts.", value=s.tokens_accepted
+            "decentrl_ingest_tokens", "Prompt + completion tokens of acknowledged rollouts.", value=c.tokens_accepted
         )
         yield CounterMetricFamily(
-            "decentrl_rollouts_duplicate", "Resends of rollouts already acknowledged (counted once).", value=s.duplicates
+            "decentrl_rollouts_duplicate", "Resends of rollouts already acknowledged (counted once).", value=c.duplicates
         )
         rejected = CounterMetricFamily("decentrl_rollouts_rejected", "Rollouts rejected at ingest, by reason.", labels=["reason"])
-        for reason, count in sorted(s.rejected.items()):
+        for reason, count in sorted(c.rejected.items()):
             rejected.add_metric([reason], count)
         yield rejected
         dropped = CounterMetricFamily(
             "decentrl_samples_dropped", "Acknowledged samples dropped later, by reason.", labels=["reason"]
         )
-        for reason, count in sorted(s.dropped.items()):
+        for reason, count in sorted(c.dropped.items()):
             dropped.add_metric([reason], count)
         yield dropped
-        yield CounterMetricFamily("decentrl_stale_dropped", "Samples dropped as stale (ingest or buffer).", value=s.stale_dropped)
-        yield CounterMetricFamily("decentrl_lease_expirations", "Leases that expired unanswered.", value=s.leases_expired)
-        yield CounterMetricFamily("decentrl_groups_served", "Groups served to the trainer.", value=s.groups_served)
+        yield CounterMetricFamily("decentrl_stale_dropped", "Samples dropped as stale (ingest or buffer).", value=c.stale_dropped)
+        yield CounterMetricFamily("decentrl_lease_expirations", "Leases that expired unanswered.", value=c.leases_expired)
+        yield CounterMetricFamily("decentrl_groups_served", "Groups served to the trainer.", value=c.groups_served)
         yield GaugeMetricFamily("decentrl_buffer_groups", "Complete groups waiting for the trainer.", value=len(s.ready))
         yield GaugeMetricFamily("decentrl_buffer_limit", "Depth bound: ready groups plus open leases.", value=s.buffer_limit)
         yield GaugeMetricFamily("decentrl_leases_open", "Leases granted and not yet answered.", value=len(s.leases))
@@ -61,7 +61,7 @@ class StateCollector(Collector):
             value=-1 if s.published_version is None else s.published_version,
         )
         yield GaugeMetricFamily("decentrl_trainer_version", "Version the trainer holds.", value=s.trainer_version)
-        yield GaugeMetricFamily("decentrl_recoveries", "Times this run's state was recovered from the journal.", value=s.recoveries)
+        yield GaugeMetricFamily("decentrl_recoveries", "Times this run's state was recovered from the journal.", value=c.recoveries)
 
 
 class Metrics:

@@ -120,6 +120,5 @@ def serve(config: RunConfig, *, run_dir: str, host: str | None = None, port: int
         access_log=None,
         loop=loop,
     )
-    if state.journal is not None:
-        state.journal.close()
+    state.journal.close()
     return not failed

@@ -28,9 +28,6 @@ UPKEEP_INTERVAL_S = 0.5  # at most this late does an overdue lease expire
 
 async def journal_writer(app: web.Application) -> AsyncIterator[None]:
     journal = app[STATE].journal
-    if journal is None:
-        yield
-        return
     journal.on_commit = app[METRICS].on_commit
     journal.start(asyncio.get_running_loop())
     yield

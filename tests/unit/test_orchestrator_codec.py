@@ -39,7 +39,7 @@ from orchestrator.auth import Identity, TokenRegistry, add_token, list_tokens, p
 from orchestrator.codec import train_batch_msgpack
 from orchestrator.detokenize import piece_table
 from orchestrator.limits import RateLimiter, retry_after_header
-from orchestrator.state import make_decoder, make_encoder
+from orchestrator.tokens import make_decoder, make_encoder
 
 
 def rollout(**fields: Any) -> Rollout:

@@ -46,7 +46,7 @@ def open_state(make_config: Any, tokenizer: PreTrainedTokenizerBase, clock: Any,
 
 def restart(state: RunState, open_state: Callable[..., RunState], **overrides: Any) -> RunState:
     """Simulate a crash right after the last commit: drop the process state, reopen the file."""
-    assert state.journal is not None
+    assert state.journal.durable
     state.journal.close()
     return open_state(**overrides)
 
@@ -77,7 +77,7 @@ def test_recovery_rebuilds_versions_counters_leases_buffer_and_batches(
     assert first is not None
     state.announce(1)
     clock.advance(1.0)
-    assert state.journal is not None
+    assert state.journal.durable
     state.journal.flush()
     before = state.status()
     ready_before = [(g.lease_id, [r for _, r in g.samples]) for g in state.ready]
@@ -117,7 +117,7 @@ def test_prompts_continue_where_they_were(open_state: Callable[..., RunState], g
     state = open_state()
     state.announce(0)
     first = state.grant_leases(HOLDER, 2)
-    assert state.journal is not None
+    assert state.journal.durable
     state.journal.flush()
     state = restart(state, open_state)
     (third,) = state.grant_leases(HOLDER, 1)
@@ -130,7 +130,7 @@ def test_only_committed_changes_survive(open_state: Callable[..., RunState], gro
     state = open_state()
     state.announce(0)
     (lease,) = state.grant_leases(HOLDER, 1)
-    assert state.journal is not None
+    assert state.journal.durable
     state.journal.flush()
     state.ingest(group(state, lease, 2), HOLDER)  # recorded, never committed: never acknowledged
     state = restart(state, open_state)
@@ -145,7 +145,7 @@ def test_a_lease_that_expired_while_down_is_leased_again_first(
     state.announce(0)
     (lease,) = state.grant_leases(HOLDER, 1)
     state.ingest(group(state, lease, 1), HOLDER)
-    assert state.journal is not None
+    assert state.journal.durable
     state.journal.flush()
     clock.advance(60)  # the orchestrator was down for a minute
     state = restart(state, open_state)
@@ -168,7 +168,7 @@ def test_evicted_and_released_groups_do_not_come_back(
     state.release_lease(released.lease_id, HOLDER)
     state.announce(2)  # version-0 samples are now too old: the first group is evicted
     assert [g.lease_id for g in state.ready] == [kept.lease_id]
-    assert state.journal is not None
+    assert state.journal.durable
     state.journal.flush()
     state = restart(state, open_state, max_staleness=1)
     assert [g.lease_id for g in state.ready] == [kept.lease_id]
@@ -194,7 +194,7 @@ def test_forgetting_closed_leases_bounds_memory_and_disk(
     # Batch "a" fell out of the kept batches; batch "b" may still be asked for again.
     assert forgotten == 2
     assert state.served_batch("b") is not None and state.served_batch("a") is None
-    assert state.journal is not None
+    assert state.journal.durable
     state.journal.flush()
     with sqlite3.connect(journal_path) as db:
         rows = db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0]
@@ -208,7 +208,7 @@ def test_forgetting_closed_leases_bounds_memory_and_disk(
 
 def test_a_journal_belongs_to_one_run(open_state: Callable[..., RunState], journal_path: str) -> None:
     state = open_state()
-    assert state.journal is not None
+    assert state.journal.durable
     state.journal.close()
     with pytest.raises(JournalMismatch, match="holds the journal of run 'unit'"):
         Journal(journal_path, run_name="another")
@@ -224,7 +224,7 @@ def test_writer_thread_group_commits_in_order(open_state: Callable[..., RunState
     state = open_state(max_staleness=100)  # room for 40 leases
     state.announce(0)
     journal = state.journal
-    assert journal is not None
+    assert journal.durable
     commits: list[tuple[float, int]] = []
     journal.on_commit = lambda seconds, statements: commits.append((seconds, statements))
 
@@ -252,7 +252,7 @@ def test_a_failed_write_fails_every_waiter_and_every_later_commit(
 ) -> None:
     state = open_state()
     journal = state.journal
-    assert journal is not None
+    assert journal.durable
 
     def broken(ops: Any) -> None:
         raise sqlite3.OperationalError("disk I/O error")
@@ -278,7 +278,7 @@ def test_acknowledged_only_after_the_commit_returns(
     """`commit()` resolves only once the transaction holding the caller's changes is committed."""
     state = open_state()
     journal = state.journal
-    assert journal is not None
+    assert journal.durable
     committed = threading.Event()
     original = journal._execute
 
@@ -310,7 +310,7 @@ def test_every_rollout_field_survives_recovery(open_state: Callable[..., RunStat
         expert_routing=[[1, 2], [3, 4], [5, 6]], claimed_reward=0.25, finish_reason="length", logprob=-1 / 3,
     )
     assert state.ingest([full], HOLDER).accepted == 1
-    assert state.journal is not None
+    assert state.journal.durable
     state.journal.flush()
     state = restart(state, open_state)
     assert state.leases[lease.lease_id].samples == [full]
@@ -383,3 +383,24 @@ def test_samples_recovered_into_open_leases_are_all_checked(
     assert state.leases[partial.lease_id].check == [0, 1]
     state.verification_done(held.lease_id, {})
     assert [g.lease_id for g in state.ready] == [held.lease_id]
+
+
+def test_content_of_a_group_evicted_as_stale_is_forgotten_on_disk(
+    open_state: Callable[..., RunState], group: Any
+) -> None:
+    """A group evicted from the buffer as stale closed without training: its content hashes go
+    from the journal as from memory (they went with a release already, not with a stale drop)."""
+    options = {"orchestrator": {"verification": {"enabled": True, "new_worker_checks": 0, "spot_check_fraction": 0.0}}}
+    state = open_state(max_staleness=1, **options)
+    state.announce(0)
+    lease = state.grant_leases(HOLDER, 1)[0]
+    assert state.ingest(group(state, lease), HOLDER).accepted == GROUP
+    state.journal.flush()
+    with sqlite3.connect(state.journal.path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM content").fetchone()[0] == 1
+    state.announce(2)  # evicted
+    state.journal.flush()
+    with sqlite3.connect(state.journal.path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM content").fetchone()[0] == 0
+    state = restart(state, open_state, max_staleness=1, **options)
+    assert state.lease_state(lease.lease_id, HOLDER).state == "dropped" and not state.ready

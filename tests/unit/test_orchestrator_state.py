@@ -6,6 +6,7 @@ BASE_CONFIG (conftest): group_size 3, groups_per_step 2, max_staleness 1, max_to
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,8 @@ from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.tasks import build_task
-from decentrl.wire import MEDIA_MSGPACK, Lease, Rejection, Rollout, SamplingParams, TypedList, encode_model, unpack_msgpack
+from decentrl.encoding import MEDIA_MSGPACK, TypedList, encode_model, unpack_msgpack
+from decentrl.wire import Lease, Rejection, Rollout, SamplingParams
 from orchestrator.state import RunState
 
 HOLDER = "alice/w0"
@@ -329,6 +331,55 @@ def test_expired_lease_is_leased_again_and_late_rollout_rejected(
     # The new holder answers the new lease.
     fresh = state.ingest([make_rollout(again, answer(state, again), worker_id="w1")], "bob/w1")
     assert fresh.accepted == 1
+
+
+# Verification on, every sample accepted unchecked: integrity keeps content hashes (replays).
+KEEP_CONTENT = {"verification": {"enabled": True, "new_worker_checks": 0, "spot_check_fraction": 0.0}}
+
+
+@pytest.mark.parametrize("path", ["completes_stale", "evicted_from_buffer"])
+def test_a_group_dropped_as_stale_forgets_its_content(
+    path: str, make_state: MakeState, make_rollout: Any, answer: Any
+) -> None:
+    """orchestrator/integrity.py: the content of a lease closed without training may honestly
+    come again. Both stale paths (a group completing after its first sample went stale, and a
+    group evicted from the buffer as the trainer moves on) once skipped `forget_lease`, so the
+    same answer sampled again for the prompt's next lease was refused as a replay, a strike."""
+    state = make_state(max_staleness=1, trainer={"groups_per_step": 1}, task={"num_prompts": 1}, orchestrator=KEEP_CONTENT)
+    state.announce(0)
+    (lease,) = state.grant_leases(HOLDER, 1)
+    first = make_rollout(lease, answer(state, lease), policy_version=0)
+    if path == "completes_stale":
+        assert state.ingest([first], HOLDER).accepted == 1
+        state.announce(2)  # the trainer holds version 2: the version-0 sample is stale now
+        rest = [make_rollout(lease, answer(state, lease), policy_version=2) for _ in range(GROUP - 1)]
+        assert state.ingest(rest, HOLDER).accepted == GROUP - 1  # each fresh; the group is not
+    else:
+        group = [first] + [make_rollout(lease, answer(state, lease), policy_version=0) for _ in range(GROUP - 1)]
+        assert state.ingest(group, HOLDER).accepted == GROUP
+        assert len(state.ready) == 1
+        state.announce(2)
+    assert state.dropped == {"stale_in_buffer": GROUP} and state.stale_dropped == GROUP
+    assert not state.ready and lease.lease_id not in state.leases
+
+    (again,) = state.grant_leases(HOLDER, 1)
+    assert again.prompt_id == lease.prompt_id  # a pool of one prompt
+    resampled = first.model_copy(update={"rollout_id": "resampled", "lease_id": again.lease_id, "policy_version": 2})
+    result = state.ingest([resampled], HOLDER)
+    assert (result.accepted, result.rejected) == (1, [])
+    assert state.integrity.workers["alice"].strikes == 0
+
+
+def test_without_a_journal_the_state_holds_a_null_one(make_state: MakeState, complete_group: Any) -> None:
+    """Journaling off: the same code path, recording nothing; the status says so."""
+    state = make_state()
+    assert state.journal.durable is False and state.status().journal is False
+    state.announce(0)
+    for lease in state.grant_leases(HOLDER, 2):
+        complete_group(state, lease)
+    assert state.take_batch(0) is not None
+    asyncio.run(state.journal.commit())  # awaitable, answers at once
+    assert state.journal.failed is None
 
 
 # -- batches ------------------------------------------------------------------------------

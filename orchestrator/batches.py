@@ -1,0 +1,199 @@
+"""The trainer's side: its version moving on, batches built with advantages, batches kept for re-asks.
+
+RunState (orchestrator/state.py) hands POST /v1/version (`advance`) and GET /v1/batch (`take`)
+here. A batch is the `groups_per_step` groups at the front of the line (orchestrator/buffer.py).
+Invariants:
+- a group is served at most once, and only if every sample is fresh for the trainer's version:
+  groups that can no longer train are evicted when the version moves on (`stale_in_buffer`);
+- a served batch is journaled before it is sent (its leases as served), and the last
+  `batches_kept` are kept by request id, so a trainer that lost an answer and asks again with
+  the same request id gets the same batch, never a second one;
+- advantages are computed per group (decentrl/advantages.py) when the batch is built; this is
+  the one place that reads their setting;
+- the completion ids and logprobs of every sample were packed as typed arrays at ingest
+  (`pack_sample`), and a batch is encoded from them (orchestrator/codec.py), not packed again.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from decentrl.advantages import group_advantages
+from decentrl.config import RunConfig
+from decentrl.staleness import is_fresh, staleness
+from decentrl.wire import Rollout, TrainBatch, TrainSample
+from orchestrator.buffer import Buffer, Group
+from decentrl.encoding import pack_floats, pack_ints
+from orchestrator.codec import Packed, train_batch_msgpack
+from orchestrator.counters import Counters, Versions
+from orchestrator.integrity import Integrity
+from orchestrator.journal import RunJournal
+from orchestrator.leases import LeaseBook
+
+
+def pack_sample(rollout: Rollout) -> Packed:
+    """A sample's completion ids and logprobs as the typed arrays a batch is served from."""
+    return pack_ints(rollout.completion_token_ids), pack_floats(rollout.logprobs)
+
+
+@dataclass
+class ServedBatch:
+    batch: TrainBatch
+    lease_ids: list[str]
+    packed: list[Packed]  # per sample of the batch
+    prompts: dict[str, Any]  # lease id -> packed prompt ids
+
+    def msgpack(self) -> bytes:
+        return train_batch_msgpack(self.batch, self.packed, self.prompts)
+
+
+def build_batch(
+    groups: list[Group], *, trainer_version: int, batch_id: str, normalize_std: bool,
+    rollouts_accepted: int, stale_dropped: int,
+) -> TrainBatch:
+    samples, histogram = [], Counter()
+    for group in groups:
+        rewards = [reward for _, reward in group.samples]
+        advantages = group_advantages(rewards, normalize_std=normalize_std)
+        for (rollout, reward), advantage in zip(group.samples, advantages, strict=True):
+            # Fields were validated at ingest: construct without copying the token lists.
+            samples.append(
+                TrainSample.model_construct(
+                    prompt_token_ids=rollout.prompt_token_ids,
+                    completion_token_ids=rollout.completion_token_ids,
+                    logprobs=rollout.logprobs,
+                    advantage=advantage,
+                    reward=reward,
+                    policy_version=rollout.policy_version,
+                    group_id=rollout.lease_id,
+                    rollout_id=rollout.rollout_id,
+                    sampling_mask=rollout.sampling_mask,
+                    loss_mask=rollout.loss_mask,
+                )
+            )
+            histogram[str(staleness(trainer_version, rollout.policy_version))] += 1
+    return TrainBatch(
+        trainer_version=trainer_version,
+        samples=samples,
+        staleness_histogram=dict(sorted(histogram.items())),
+        rollouts_accepted=rollouts_accepted,
+        stale_dropped=stale_dropped,
+        batch_id=batch_id,
+    )
+
+
+class Batches:
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        versions: Versions,
+        counters: Counters,
+        lease_book: LeaseBook,
+        buffer: Buffer,
+        integrity: Integrity,
+        journal: RunJournal,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.versions = versions
+        self.counters = counters
+        self.lease_book = lease_book
+        self.buffer = buffer
+        self.integrity = integrity
+        self.journal = journal
+        self.clock = clock
+        self.served: OrderedDict[str, ServedBatch] = OrderedDict()  # request id -> batch, newest last
+        self.leases: set[str] = set()  # leases of the batches in `served` (not to be forgotten yet)
+        self._by_batch_id: dict[str, ServedBatch] = {}
+
+    def advance(self, trainer_version: int) -> None:
+        """The trainer now holds `trainer_version`: evict groups that can no longer train."""
+        if trainer_version <= self.versions.trainer:
+            return  # groups in the buffer were fresh for this version when they arrived
+        self.versions.trainer = trainer_version
+        self.journal.meta_dirty = True
+        max_staleness = self.config.max_staleness
+        for group in self.buffer.evict(lambda group: not is_fresh(trainer_version, group.oldest_version(), max_staleness)):
+            self.lease_book.close(group.lease_id, "dropped", reason="stale_in_buffer", counted=len(group.samples))
+
+    def take(self, trainer_version: int, request_id: str | None) -> TrainBatch | None:
+        """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet; for a
+        `request_id` already answered, the same batch again while it is kept."""
+        if request_id is not None and (again := self.again(request_id)) is not None:
+            return again
+        self.advance(trainer_version)
+        wanted = self.config.trainer.groups_per_step
+        if len(self.buffer.ready) < wanted or self.buffer.held_back_ahead(wanted):
+            return None
+        groups = self.buffer.take_front(wanted)
+        self.counters.groups_served += wanted
+        batch = self.build(
+            groups, trainer_version=self.versions.trainer, batch_id=uuid.uuid4().hex,
+            rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
+        )
+        for group in groups:
+            self.counters.recent_rewards.extend(reward for _, reward in group.samples)
+            closed = self.lease_book.close(group.lease_id, "served")
+            self.integrity.record(closed.holder).served += len(group.samples)
+        assert batch.batch_id is not None
+        self._serve(request_id or batch.batch_id, batch, groups)
+        return batch
+
+    def build(
+        self, groups: list[Group], *, trainer_version: int, batch_id: str, rollouts_accepted: int, stale_dropped: int
+    ) -> TrainBatch:
+        return build_batch(
+            groups, trainer_version=trainer_version, batch_id=batch_id,
+            normalize_std=self.config.orchestrator.advantages.normalize_std,
+            rollouts_accepted=rollouts_accepted, stale_dropped=stale_dropped,
+        )
+
+    def again(self, request_id: str) -> TrainBatch | None:
+        """The batch already served for this request id, if it is still kept."""
+        served = self.served.get(request_id)
+        return served.batch if served is not None else None
+
+    def msgpack(self, batch: TrainBatch) -> bytes | None:
+        """A kept batch as msgpack, from the arrays packed at ingest (None if no longer kept)."""
+        served = self._by_batch_id.get(batch.batch_id or "")
+        return served.msgpack() if served is not None and served.batch is batch else None
+
+    def _serve(self, request_id: str, batch: TrainBatch, groups: list[Group]) -> None:
+        """Journal a batch as served under `request_id` and keep it; the oldest beyond
+        `batches_kept` can no longer be asked for again."""
+        assert batch.batch_id is not None
+        self.journal.batch_served(
+            request_id,
+            self.clock(),
+            {
+                "batch_id": batch.batch_id,
+                "trainer_version": batch.trainer_version,
+                "lease_ids": [group.lease_id for group in groups],
+                "rewards": [[reward for _, reward in group.samples] for group in groups],
+                "rollouts_accepted": batch.rollouts_accepted,
+                "stale_dropped": batch.stale_dropped,
+            },
+        )
+        self.keep(request_id, batch, groups)
+        while len(self.served) > self.config.orchestrator.batches_kept:
+            old_key, old = self.served.popitem(last=False)
+            self.leases.difference_update(old.lease_ids)
+            self._by_batch_id.pop(old.batch.batch_id or "", None)
+            self.journal.batch_forgotten(old_key, old.lease_ids)
+
+    def keep(self, request_id: str, batch: TrainBatch, groups: list[Group]) -> None:
+        """Keep a batch for re-asks (one just served, or one recovered from the journal)."""
+        served = ServedBatch(
+            batch,
+            [group.lease_id for group in groups],
+            [packed for group in groups for packed in group.packed],
+            {group.lease_id: pack_ints(group.samples[0][0].prompt_token_ids) for group in groups if group.samples},
+        )
+        self.served[request_id] = served
+        self._by_batch_id[batch.batch_id or ""] = served
+        self.leases.update(served.lease_ids)

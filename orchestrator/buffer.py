@@ -1,0 +1,112 @@
+"""The buffer: complete, scored groups in line for the trainer, and groups held back for their check.
+
+RunState (orchestrator/state.py) puts each scored group here; the batch builder
+(orchestrator/batches.py) takes them from the front. Invariants:
+- groups are in line in the order they completed (`seq`); a group held back for a logprob check
+  (orchestrator/verify.py; the app's verification loop takes `verify_queue`) keeps its place,
+  and joins the line there once it checks out, so no later group overtakes it towards staleness;
+- a group is journaled as complete (with its place and rewards) when it joins the line; a group
+  held back when the orchestrator stops is checked again after the restart (orchestrator/recovery.py).
+Closing the lease of a group taken out of the buffer (evicted, banned, failed) is the caller's,
+through LeaseBook.close (orchestrator/leases.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from decentrl.wire import Rollout
+from orchestrator.codec import Packed
+from orchestrator.journal import RunJournal
+
+
+@dataclass
+class Group:
+    lease_id: str
+    prompt_id: int
+    samples: list[tuple[Rollout, float]]  # (rollout, reward)
+    packed: list[Packed]
+    seq: int = 0  # place in line (completion order; ready_seq in the journal), set on joining the line or being held back
+
+    def oldest_version(self) -> int:
+        return min(rollout.policy_version for rollout, _ in self.samples)
+
+
+@dataclass
+class VerifyJob:
+    """A complete group held back until the logprobs of `rollouts` are recomputed (orchestrator/verify.py)."""
+
+    lease_id: str
+    rollouts: list[Rollout]
+    holder: str
+
+
+class Buffer:
+    def __init__(self, *, journal: RunJournal, clock: Callable[[], float]) -> None:
+        self.journal = journal
+        self.clock = clock
+        self.ready: deque[Group] = deque()  # in line, oldest first
+        self.pending: dict[str, Group] = {}  # lease id -> complete group waiting for its logprob check
+        self.verify_queue: deque[VerifyJob] = deque()
+        self.ready_seq = 0  # the last place in line given
+
+    def waiting(self) -> int:
+        """Complete groups not yet served: in line or held back."""
+        return len(self.ready) + len(self.pending)
+
+    def hold_back(self, group: Group, job: VerifyJob) -> None:
+        """The trainer sees the group only once its sampled logprobs check out; it keeps its
+        place in line meanwhile."""
+        self.ready_seq += 1
+        group.seq = self.ready_seq
+        self.pending[group.lease_id] = group
+        self.verify_queue.append(job)
+
+    def to_ready(self, group: Group) -> None:
+        if not group.seq:
+            self.ready_seq += 1
+            group.seq = self.ready_seq
+            self.ready.append(group)
+        else:  # checked after being held back: back to its place in line
+            position = len(self.ready)
+            while position and self.ready[position - 1].seq > group.seq:
+                position -= 1
+            self.ready.insert(position, group)
+        self.journal.group_completed(group.lease_id, group.seq, [reward for _, reward in group.samples], self.clock())
+
+    def held_back_ahead(self, count: int) -> bool:
+        """Whether a group held back for its check is among the first `count` complete groups in
+        line. A batch taken now would skip it and it would train a batch later than its lease
+        was budgeted for (maybe stale by then): the batch waits for the check instead."""
+        if not self.pending:
+            return False
+        first = min(group.seq for group in self.pending.values())
+        ahead = 0
+        for group in self.ready:  # in line order
+            if group.seq > first or ahead >= count:
+                break
+            ahead += 1
+        return ahead < count
+
+    def take_front(self, count: int) -> list[Group]:
+        return [self.ready.popleft() for _ in range(count)]
+
+    def evict(self, leaves: Callable[[Group], bool]) -> list[Group]:
+        """Take the groups in line for which `leaves(group)` is true out of the line, in order."""
+        kept: deque[Group] = deque()
+        gone: list[Group] = []
+        for group in self.ready:
+            (gone if leaves(group) else kept).append(group)
+        self.ready = kept
+        return gone
+
+    def release_held_back(self, leaves: Callable[[Group], bool]) -> list[Group]:
+        """Take the held-back groups for which `leaves(group)` is true out of the buffer, and
+        their checks off the queue (no check is wasted on them)."""
+        gone = [group for group in self.pending.values() if leaves(group)]
+        for group in gone:
+            del self.pending[group.lease_id]
+        self.verify_queue = deque(job for job in self.verify_queue if job.lease_id in self.pending)
+        return gone

@@ -1,0 +1,115 @@
+"""The ingest checks: why a posted rollout is refused, or None to accept it.
+
+The first stage of RunState.ingest (orchestrator/state.py), run on every rollout that is not a
+resend. Cheap checks come first (the lease, the prompt, the sampling params, the versions, the
+token ranges); an episode is replayed against its environment (orchestrator/scoring.py); with
+verification on, finish reasons and replays of content kept before are refused too
+(orchestrator/integrity.py). The reasons are the `reason` of a `Rejection` on the wire and are
+listed in docs/api.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+from decentrl.config import RunConfig
+from decentrl.staleness import is_fresh
+from decentrl.tasks import Task
+from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask
+from decentrl.wire import Rollout, SamplingParams, value_range
+from orchestrator.counters import Versions
+from orchestrator.integrity import Integrity
+from orchestrator.leases import CLOSED_REASON, LeaseBook
+from orchestrator.scoring import Scorer
+
+log = logging.getLogger("decentrl.orchestrator.checks")
+
+MAX_EXPERT_ID = 2**31  # expert routing ids beyond this are not expert ids
+
+
+class Verdict(NamedTuple):
+    reason: str | None  # why the rollout is refused; None: accepted
+    digest: bytes | None  # its content hash, to keep for replay detection (verification on only)
+
+
+class IngestChecks:
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        task: Task | EpisodeTask,
+        sampling: SamplingParams,
+        vocab_size: int,
+        versions: Versions,
+        lease_book: LeaseBook,
+        integrity: Integrity,
+        scorer: Scorer,
+    ) -> None:
+        self.config = config
+        self.task = task
+        self.sampling = sampling  # every rollout must have been sampled with exactly these
+        self.vocab_size = vocab_size
+        self.versions = versions
+        self.lease_book = lease_book
+        self.integrity = integrity
+        self.scorer = scorer
+
+    def check(self, rollout: Rollout, holder: str) -> Verdict:
+        if self.integrity.is_banned(holder):
+            return Verdict("banned", None)
+        reason = self.reason(rollout, holder)
+        if reason is not None or not self.config.orchestrator.verification.enabled:
+            return Verdict(reason, None)
+        digest = self.integrity.replay_of(rollout)
+        return Verdict("replay", None) if digest is None else Verdict(None, digest)
+
+    def reason(self, rollout: Rollout, holder: str) -> str | None:
+        """The reason to reject a rollout, or None to accept it."""
+        if rollout.run_name != self.config.run_name:
+            return "wrong_run"
+        open_lease = self.lease_book.open.get(rollout.lease_id)
+        if open_lease is None:
+            closed = self.lease_book.closed.get(rollout.lease_id)
+            return CLOSED_REASON[closed.status] if closed is not None else "unknown_or_expired_lease"
+        lease = open_lease.lease
+        if open_lease.holder != holder:
+            return "not_lease_holder"
+        if rollout.prompt_id != lease.prompt_id or rollout.prompt_token_ids != lease.prompt_token_ids:
+            return "prompt_mismatch"
+        if rollout.sampling != self.sampling:
+            return "sampling_mismatch"
+        published = self.versions.published
+        if published is None or rollout.policy_version > published:
+            return "future_version"
+        if not is_fresh(self.versions.trainer, rollout.policy_version, self.config.max_staleness):
+            return "stale"
+        ids = rollout.completion_token_ids
+        low, high = value_range(ids)  # numpy over the packed bytes when they came packed
+        if low < 0 or high >= self.vocab_size:
+            return "token_out_of_vocabulary"
+        if len(ids) > self.sampling.max_tokens:
+            return "too_many_tokens"
+        if rollout.token_versions is not None:
+            low, high = value_range(rollout.token_versions)
+            if low < rollout.policy_version or high > published:
+                return "bad_token_versions"
+        if rollout.sampling_mask is not None and any(
+            mask and (min(mask) < 0 or max(mask) >= self.vocab_size) for mask in rollout.sampling_mask
+        ):
+            return "token_out_of_vocabulary"
+        if rollout.expert_routing is not None and any(
+            route and (min(route) < 0 or max(route) > MAX_EXPERT_ID) for route in rollout.expert_routing
+        ):
+            return "bad_expert_routing"
+        if isinstance(self.task, EpisodeTask):  # the replay checks the ending too
+            try:
+                self.scorer.episode_reward(rollout)
+            except EpisodeMismatch as exc:
+                log.info("rollout %s: %s", rollout.rollout_id, exc)
+                return "episode_mismatch"
+        elif rollout.loss_mask is not None:
+            return "loss_mask_without_episodes"  # a single-turn task has no environment tokens
+        elif self.config.orchestrator.verification.enabled and self.integrity.finish_reason_problem(rollout):
+            return "bad_finish_reason"
+        return None

@@ -1,0 +1,34 @@
+"""Where the run stands: the policy versions it knows and the counters it reports.
+
+RunState (orchestrator/state.py) makes one `Versions` and one `Counters` and hands the same
+objects to the parts that read or bump them (leases, checks, batches). Both are journaled in
+the journal's meta row (orchestrator/recovery.py writes and reads that row), so /v1/status and
+/metrics (orchestrator/metrics.py) agree across a restart.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+RECENT_REWARDS = 512  # rewards served lately, for the status page's running mean (not journaled)
+
+
+@dataclass
+class Versions:
+    published: int | None = None  # newest version complete in the store; None until version 0 is
+    trainer: int = 0  # the version the trainer holds: its next step starts from it
+
+
+@dataclass
+class Counters:
+    rollouts_accepted: int = 0
+    tokens_accepted: int = 0  # prompt + completion tokens of the rollouts accepted
+    duplicates: int = 0  # resends of rollout ids already acknowledged (counted once)
+    rejected: Counter[str] = field(default_factory=Counter)  # rollouts refused at ingest, per reason
+    dropped: Counter[str] = field(default_factory=Counter)  # accepted samples dropped later, per reason
+    stale_dropped: int = 0  # samples dropped as stale, at ingest or in the buffer
+    groups_served: int = 0
+    leases_expired: int = 0
+    recoveries: int = 0  # times the state was rebuilt from the journal
+    recent_rewards: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_REWARDS))

@@ -1,0 +1,326 @@
+"""Prompt leases: which prompt goes out next, open leases and their deadlines, the one way a lease
+closes, and the closed leases remembered for late samples and resends.
+
+RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its public methods
+(grant, renew, release, expire, ingest, batches, bans). Invariants:
+- a lease is one group: `group_size` samples of one prompt, all answered by its holder;
+- a lease has a deadline (`lease_timeout_s` after it was granted or last renewed); an overdue
+  lease expires, its prompt is leased again first and a late sample gets `lease_expired`;
+- no more leases are open than can be consumed without going stale (`lease_budget`,
+  decentrl/staleness.py), nor than the buffer bound allows (`orchestrator.max_buffer_groups`);
+- every status change of a lease goes through `LeaseBook.close`: it journals the change, and a
+  lease closed without training (expired, released, dropped) has its samples counted as
+  dropped and its content forgotten by orchestrator/integrity.py (so it may honestly come again);
+- a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample
+  gets a precise reason and a resend is answered as a duplicate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Literal
+
+from decentrl.config import RunConfig
+from decentrl.staleness import lease_budget
+from decentrl.tasks import Task
+from decentrl.tasks.episodes import EpisodeTask
+from decentrl.wire import Lease, LeaseState, Rollout
+from orchestrator.codec import Packed
+from orchestrator.counters import Counters, Versions
+from orchestrator.integrity import Integrity, token_of
+from orchestrator.journal import RunJournal
+from orchestrator.tokens import Encoder
+
+ClosedStatus = Literal["complete", "served", "expired", "released", "dropped"]
+Requeue = Literal["back", "front"]
+
+# A lease closed with one of these did not train: its samples are dropped.
+UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped"})
+# Drop reasons that are staleness (also counted in `stale_dropped`).
+STALE_REASONS = frozenset({"stale_in_buffer", "stale_at_ingest"})
+# Why a closed lease no longer takes samples -> the rejection reason of a late sample.
+CLOSED_REASON = {
+    "complete": "group_full",
+    "served": "group_full",
+    "expired": "lease_expired",
+    "released": "lease_released",
+    "dropped": "group_dropped",
+}
+PROMPT_CACHE = 4096  # prompts whose token ids are kept (prompts come back each epoch)
+
+
+class LeaseError(Exception):
+    """A lease operation that cannot be done; `status` is the HTTP status to answer with."""
+
+    status = 409
+
+
+class LeaseNotFound(LeaseError):
+    status = 404
+
+
+class NotLeaseHolder(LeaseError):
+    status = 403
+
+
+class LeaseClosed(LeaseError):
+    status = 409
+
+
+@dataclass
+class OpenLease:
+    lease: Lease
+    holder: str  # token name + worker id: only the holder may answer
+    samples: list[Rollout] = field(default_factory=list)
+    packed: list[Packed] = field(default_factory=list)  # per sample: completion ids and logprobs, packed
+    check: list[int] = field(default_factory=list)  # samples whose logprobs are to be recomputed
+
+
+@dataclass
+class ClosedLease:
+    lease: Lease
+    holder: str
+    status: ClosedStatus  # complete (in the buffer or held back), served, expired, released, dropped
+    closed_at: float
+    rollout_ids: list[str]
+
+
+class PromptQueue:
+    """The order prompts are leased in: a seeded shuffle of the task's pool, cycled, with the
+    prompts of leases that closed unanswered going out first."""
+
+    def __init__(self, *, task: Task | EpisodeTask, encode: Encoder, seed: int) -> None:
+        self.task = task
+        self.encode = encode
+        self.order = list(range(task.num_prompts))
+        random.Random(seed).shuffle(self.order)
+        self.cursor = 0
+        self.requeued: deque[int] = deque()
+        self._cache: OrderedDict[int, list[int]] = OrderedDict()
+
+    def next_id(self) -> int:
+        if self.requeued:
+            return self.requeued.popleft()
+        prompt_id = self.order[self.cursor % len(self.order)]
+        self.cursor += 1
+        return prompt_id
+
+    def requeue(self, prompt_id: int, where: Requeue) -> None:
+        if where == "front":
+            self.requeued.appendleft(prompt_id)
+        else:
+            self.requeued.append(prompt_id)
+
+    def token_ids(self, prompt_id: int) -> list[int]:
+        """The prompt's token ids; the last few thousand are cached."""
+        ids = self._cache.pop(prompt_id, None)
+        if ids is None:
+            ids = self.encode(self.task.prompt(prompt_id).text)
+        self._cache[prompt_id] = ids
+        if len(self._cache) > PROMPT_CACHE:
+            self._cache.popitem(last=False)
+        return ids
+
+
+class LeaseBook:
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        prompts: PromptQueue,
+        versions: Versions,
+        counters: Counters,
+        integrity: Integrity,
+        journal: RunJournal,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.prompts = prompts
+        self.versions = versions
+        self.counters = counters
+        self.integrity = integrity
+        self.journal = journal
+        self.clock = clock
+        self.open: dict[str, OpenLease] = {}
+        self.closed: dict[str, ClosedLease] = {}
+        self.seen_rollout_ids: dict[str, str] = {}  # rollout id -> lease id, while its lease is remembered
+        self.deadlines: list[tuple[float, str]] = []  # heap; entries of closed or renewed leases skipped lazily
+        self.closed_order: deque[tuple[float, str]] = deque()  # (closed_at, lease_id), oldest first, for forgetting
+
+    # -- granting -------------------------------------------------------------------------
+
+    def capacity(self, *, groups_served: int, waiting: int) -> int:
+        """How many leases may be granted now. `waiting`: complete groups not yet served (in
+        line or held back for their check)."""
+        if self.versions.published is None:
+            return 0
+        committed = groups_served + waiting + len(self.open)
+        budget = lease_budget(
+            self.versions.published, self.config.max_staleness, self.config.trainer.groups_per_step, committed
+        )
+        room = self.config.orchestrator.max_buffer_groups - waiting - len(self.open)
+        return max(0, min(budget, room))
+
+    def grant(self, holder: str, count: int) -> list[Lease]:
+        granted = []
+        for _ in range(count):
+            prompt_id = self.prompts.next_id()
+            lease = Lease(
+                lease_id=uuid.uuid4().hex,
+                prompt_id=prompt_id,
+                prompt_token_ids=self.prompts.token_ids(prompt_id),
+                group_size=self.config.group_size,
+                deadline=self.clock() + self.config.orchestrator.lease_timeout_s,
+            )
+            self.open[lease.lease_id] = OpenLease(lease=lease, holder=holder)
+            heapq.heappush(self.deadlines, (lease.deadline, lease.lease_id))
+            self.journal.lease_granted(lease, holder)
+            self.journal.meta_dirty = True  # the prompt cursor moved
+            granted.append(lease)
+        return granted
+
+    def expire(self) -> int:
+        """Close overdue leases and lease their prompts again; a late answer is rejected."""
+        now, expired = self.clock(), 0
+        while self.deadlines and self.deadlines[0][0] < now:
+            deadline, lease_id = heapq.heappop(self.deadlines)
+            open_lease = self.open.get(lease_id)
+            if open_lease is None or open_lease.lease.deadline != deadline:
+                continue  # closed already, or renewed (a later heap entry stands for it)
+            self.close(lease_id, "expired", requeue="back", reason="lease_expired")
+            self.counters.leases_expired += 1
+            expired += 1
+        return expired
+
+    # -- samples --------------------------------------------------------------------------
+
+    def add_sample(self, rollout: Rollout, packed: Packed) -> OpenLease:
+        """Keep an accepted sample with its open lease (the checks found the lease open)."""
+        self.seen_rollout_ids[rollout.rollout_id] = rollout.lease_id
+        open_lease = self.open[rollout.lease_id]
+        # Equal to the lease's prompt (checked): share that list instead of keeping a copy.
+        rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids
+        open_lease.samples.append(rollout)
+        open_lease.packed.append(packed)
+        return open_lease
+
+    def held_by(self, token: str) -> list[str]:
+        """The open leases of a worker token (any of its worker ids)."""
+        return [lease_id for lease_id, lease in self.open.items() if token_of(lease.holder) == token]
+
+    # -- the one close path -----------------------------------------------------------------
+
+    def close(
+        self,
+        lease_id: str,
+        status: ClosedStatus,
+        *,
+        reason: str | None = None,
+        counted: int | None = None,
+        requeue: Requeue | None = None,
+    ) -> ClosedLease:
+        """Close an open lease, or move a closed one on (complete -> served or dropped).
+
+        A lease closed without training (`UNTRAINED`) needs the `reason` its samples are dropped
+        for: `counted` of them (default: all it holds) are counted under `dropped[reason]` (and
+        `stale_dropped` for a stale reason), and integrity forgets their content. `requeue`
+        puts an open lease's prompt back in line. A complete group is journaled by the buffer
+        when it joins the line (with its place and rewards), not here.
+        """
+        now = self.clock()
+        open_lease = self.open.pop(lease_id, None)
+        if open_lease is not None:
+            closed = ClosedLease(open_lease.lease, open_lease.holder, status, now, [r.rollout_id for r in open_lease.samples])
+            self.closed[lease_id] = closed
+            if requeue is not None:
+                self.prompts.requeue(open_lease.lease.prompt_id, requeue)
+        else:
+            closed = self.closed[lease_id]
+            closed.status, closed.closed_at = status, now
+        self.closed_order.append((now, lease_id))
+        if status in UNTRAINED:
+            assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
+            self.integrity.forget_lease(lease_id)
+            if closed.rollout_ids:
+                samples = len(closed.rollout_ids) if counted is None else counted
+                self.counters.dropped[reason] += samples
+                if reason in STALE_REASONS:
+                    self.counters.stale_dropped += samples
+            self.journal.lease_closed(lease_id, status, now, drop_samples=bool(closed.rollout_ids))
+        elif status == "served":
+            self.journal.lease_closed(lease_id, status, now, drop_samples=False)
+        self.journal.meta_dirty = True
+        return closed
+
+    # -- a holder's requests ----------------------------------------------------------------
+
+    def owned(self, lease_id: str, holder: str) -> OpenLease | ClosedLease:
+        found: OpenLease | ClosedLease | None = self.open.get(lease_id) or self.closed.get(lease_id)
+        if found is None:
+            raise LeaseNotFound(
+                f"no lease {lease_id!r}: never granted, or closed more than "
+                f"{self.config.orchestrator.dedupe_window_s:.0f}s ago"
+            )
+        if found.holder != holder:
+            raise NotLeaseHolder(f"lease {lease_id!r} is held by another worker")
+        return found
+
+    def state_of(self, lease_id: str, holder: str) -> LeaseState:
+        found = self.owned(lease_id, holder)
+        if isinstance(found, OpenLease):
+            state, samples = "open", len(found.samples)
+        else:
+            state, samples = found.status, len(found.rollout_ids)
+        lease = found.lease
+        return LeaseState(
+            lease_id=lease_id, prompt_id=lease.prompt_id, state=state, samples=samples,  # type: ignore[arg-type]
+            group_size=lease.group_size, deadline=lease.deadline,
+        )
+
+    def renew(self, lease_id: str, holder: str) -> Lease:
+        """Push an open lease's deadline to `lease_timeout_s` from now (a slow worker's heartbeat)."""
+        found = self.owned(lease_id, holder)
+        if not isinstance(found, OpenLease):
+            raise LeaseClosed(f"lease {lease_id!r} is {found.status}; it can no longer be renewed")
+        deadline = self.clock() + self.config.orchestrator.lease_timeout_s
+        found.lease = found.lease.model_copy(update={"deadline": deadline})
+        heapq.heappush(self.deadlines, (deadline, lease_id))
+        self.journal.lease_renewed(lease_id, deadline)
+        return found.lease
+
+    def release(self, lease_id: str, holder: str) -> LeaseState:
+        """The holder gives an open lease back: its prompt goes out again next, its samples are dropped."""
+        found = self.owned(lease_id, holder)
+        if not isinstance(found, OpenLease):
+            raise LeaseClosed(f"lease {lease_id!r} is {found.status}; there is nothing to release")
+        self.close(lease_id, "released", requeue="front", reason="lease_released")
+        return self.state_of(lease_id, holder)
+
+    # -- forgetting -----------------------------------------------------------------------
+
+    def forget_closed(self, *, in_batches: Collection[str], limit: int) -> int:
+        """Forget leases closed more than `dedupe_window_s` ago (and their rollout ids), except
+        those still in the buffer or in a batch that may be asked for again (`in_batches`)."""
+        horizon = self.clock() - self.config.orchestrator.dedupe_window_s
+        forgotten = 0
+        while self.closed_order and self.closed_order[0][0] < horizon and forgotten < limit:
+            closed_at, lease_id = self.closed_order.popleft()
+            closed = self.closed.get(lease_id)
+            if closed is None or closed.closed_at != closed_at:
+                continue  # its status changed later; a later entry stands for it
+            if closed.status == "complete" or lease_id in in_batches:
+                # In the buffer, or in a batch that may be asked for again: look again later.
+                self.closed_order.append((self.clock(), lease_id))
+                closed.closed_at = self.closed_order[-1][0]
+                continue
+            del self.closed[lease_id]
+            for rollout_id in closed.rollout_ids:
+                self.seen_rollout_ids.pop(rollout_id, None)
+            self.journal.lease_forgotten(lease_id)
+            forgotten += 1
+        return forgotten
