@@ -3,7 +3,7 @@
 RunState (orchestrator/state.py) puts each scored group here; the batch builder
 (orchestrator/batches.py) takes them from the front. Invariants:
 - groups are in line in the order they completed (`seq`); a group held back for a logprob check
-  (orchestrator/verify.py; the app's verification loop takes `verify_queue`) keeps its place,
+  (orchestrator/verify.py; orchestrator/verification.py takes `verify_queue`) keeps its place,
   and joins the line there once it checks out, so no later group overtakes it towards staleness;
 - a group is journaled as complete (with its place and rewards) when it joins the line; a group
   held back when the orchestrator stops is checked again after the restart (orchestrator/recovery.py).

@@ -1,7 +1,7 @@
 """Bookkeeping of untrusted workers: strikes, bans, spot-check sampling, replays, finish reasons.
 
 RunState (orchestrator/state.py) owns one `Integrity`: the ingest checks consult it
-(orchestrator/checks.py), and the app's verification loop (orchestrator/app.py) reports the
+(orchestrator/checks.py), and the verification scheduler (orchestrator/verification.py) reports the
 logprob checks of orchestrator/verify.py back through RunState to orchestrator/verdicts.py.
 Everything is keyed by token name (the part of a lease holder before "/"): a token may serve
 many worker ids, and a ban revokes the token. Pure Python, no torch.

@@ -1,8 +1,8 @@
 """RunState: the orchestrator's run, as its parts, with the one pipeline a rollout goes through.
 
-Plain synchronous code with no HTTP in it; orchestrator/app.py calls it from the event loop (one
-thread, so no locks), as do decentrl/cli/main.py (which builds it), orchestrator/metrics.py and
-benchmarks/. The parts, each in a file named for what it holds:
+Plain synchronous code with no HTTP in it; the handlers (orchestrator/handlers.py) call it from
+the event loop (one thread, so no locks), as do orchestrator/service.py (which builds it),
+orchestrator/verification.py, orchestrator/metrics.py and benchmarks/. The parts, each in a file named for what it holds:
 
   lease_book  orchestrator/leases.py    prompt order, open leases and deadlines, the lease budget,
                                         the one lease-close path, closed leases remembered
@@ -24,8 +24,8 @@ The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
   3. record   the sample joins its open lease; integrity keeps its content hash and may pick it
               for a logprob check; the journal records it
   4. score    when the group is full (and still fresh): scoring.py rewards each sample
-  5. line up  the group is held back until its check is done (buffer.hold_back; the app's
-              verification loop reports through `verification_done`), or joins the line for
+  5. line up  the group is held back until its check is done (buffer.hold_back;
+              orchestrator/verification.py reports through `verification_done`), or joins the line for
               the trainer (buffer.to_ready)
 then `take_batch` serves the front of the line as a batch (batches.py).
 
@@ -66,7 +66,7 @@ from orchestrator.scoring import Scorer
 from orchestrator.tokens import make_decoder, make_encoder
 from orchestrator.verdicts import Verdicts
 
-# Re-exported: orchestrator/app.py answers lease errors and runs the verification loop on jobs.
+# Re-exported: orchestrator/handlers.py answers lease errors, orchestrator/verification.py runs jobs.
 __all__ = ["LeaseError", "RunState", "VerifyJob"]
 
 log = logging.getLogger("decentrl.orchestrator.state")
@@ -400,9 +400,9 @@ class RunState:
         return self.counters.leases_expired
 
     @property
-    def _prompt_order(self) -> list[int]:  # tests/unit/test_orchestrator_journal.py
+    def _prompt_order(self) -> list[int]:  # tests/orchestrator/test_orchestrator_journal.py
         return self.lease_book.prompts.order
 
     @property
-    def _requeued(self) -> deque[int]:  # tests/unit/test_orchestrator_journal.py
+    def _requeued(self) -> deque[int]:  # tests/orchestrator/test_orchestrator_journal.py
         return self.lease_book.prompts.requeued

@@ -1,6 +1,6 @@
 """What follows a verdict on a worker: the result of a held-back group's logprob check, or a ban.
 
-The app's verification loop (orchestrator/app.py) runs the checks of orchestrator/verify.py and
+The verification scheduler (orchestrator/verification.py) runs the checks of orchestrator/verify.py and
 reports each through RunState.verification_done; a token that reaches `max_strikes`
 (orchestrator/integrity.py) is banned and RunState.drop_banned drops what it still has waiting.
 Both go through RunState (orchestrator/state.py) to this part. Every group dropped here closes

@@ -1,8 +1,8 @@
 """Logprob spot-checks: recompute a rollout's per-token sampling logprobs under its claimed version.
 
-Runs inside the orchestrator, on one worker thread of the app's verification loop
-(orchestrator/app.py), so ingest latency does not depend on it; the orchestrator holds back a
-group containing a sampled rollout until its check is done (orchestrator/state.py), so an
+Runs inside the orchestrator, on one worker thread of the verification scheduler
+(orchestrator/verification.py), so ingest latency does not depend on it; the orchestrator holds back a
+group containing a sampled rollout until its check is done (orchestrator/buffer.py), so an
 unverified sample never reaches the trainer. `warm_up`, which the app runs on that thread at
 startup, imports torch and transformers and builds the models (an orchestrator with
 verification off never loads them).

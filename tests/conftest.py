@@ -1,10 +1,18 @@
-"""Fixtures every test directory shares: no model hub, GPU and vLLM skips, and a real
-orchestrator served on loopback (`serve_orchestrator`)."""
+"""Fixtures every test directory shares: no model hub, GPU and vLLM skips, a real orchestrator
+served on loopback (`serve_orchestrator`), and the small parts most tests build from: a tiny run
+config (`make_config`), the tiny tokenizer, a fake clock and rollouts (`make_rollout`).
+
+Test folders mirror the code: core/ (decentrl/ outside the trainer), trainer/, orchestrator/,
+workers/, and pipeline/ (every role together). Tests that start real processes carry the
+`integration` marker.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -19,8 +27,13 @@ import aiohttp  # noqa: E402
 import pytest  # noqa: E402
 from aiohttp import web  # noqa: E402
 
+from transformers import PreTrainedTokenizerBase  # noqa: E402
+
 from decentrl.client import OrchestratorClient  # noqa: E402
+from decentrl.config import RunConfig, parse_config  # noqa: E402
 from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK, unpack_msgpack  # noqa: E402
+from decentrl.model import build_tiny_tokenizer  # noqa: E402
+from decentrl.wire import Lease, Rollout, SamplingParams  # noqa: E402
 from orchestrator.app import create_app  # noqa: E402
 from orchestrator.appstate import STATE, TOKENS  # noqa: E402
 from orchestrator.auth import TokenRegistry  # noqa: E402
@@ -107,3 +120,122 @@ def serve_orchestrator() -> ServeOrchestrator:
             await runner.cleanup()
 
     return running
+
+
+# Small enough that a whole run state fits in a test: 2 groups of 3 samples a step.
+BASE_CONFIG: dict[str, Any] = {
+    "run_name": "unit",
+    "max_staleness": 1,
+    "group_size": 3,
+    "num_workers": 1,
+    "trainer_ranks": 1,
+    "model": {"type": "tiny", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+    "task": {"type": "sorting", "num_digits": 4, "num_prompts": 64, "seed": 0},
+    "sampling": {"temperature": 1.0, "max_tokens": 6},
+    "orchestrator": {"host": "127.0.0.1", "port": 0, "lease_timeout_s": 10.0, "batch_wait_s": 0.5},
+    "trainer": {"groups_per_step": 2, "steps": 3},
+}
+
+MakeConfig = Callable[..., RunConfig]
+MakeRollout = Callable[..., Rollout]
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@pytest.fixture
+def make_config() -> MakeConfig:
+    """`make_config(max_staleness=0, trainer={"groups_per_step": 1})`: BASE_CONFIG, sections merged."""
+
+    def make(**overrides: Any) -> RunConfig:
+        return parse_config(_merge(BASE_CONFIG, overrides), source="unit-test")
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return build_tiny_tokenizer()
+
+
+class FakeClock:
+    """A clock the test advances by hand; RunState reads it through `clock()`."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def completion_ids(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:
+    """Token ids of a completion text followed by end-of-sequence, as a worker would post them."""
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+
+    return encode
+
+
+@pytest.fixture
+def sorted_answer() -> Callable[[str], str]:
+    """The right answer to a sorting prompt: "3141=" -> "1134"."""
+
+    def answer(prompt_text: str) -> str:
+        return "".join(sorted(prompt_text.rstrip("=")))
+
+    return answer
+
+
+@pytest.fixture
+def make_rollout(completion_ids: Callable[[str], list[int]]) -> MakeRollout:
+    """A valid Rollout answering `lease`; `completion` is text (eos appended) or token ids."""
+
+    def make(
+        lease: Lease,
+        completion: str | list[int],
+        *,
+        run_name: str = BASE_CONFIG["run_name"],
+        worker_id: str = "w0",
+        policy_version: int = 0,
+        sampling: SamplingParams | None = None,
+        logprob: float = -1.0,
+        **fields: Any,
+    ) -> Rollout:
+        ids = completion_ids(completion) if isinstance(completion, str) else completion
+        values: dict[str, Any] = {
+            "rollout_id": uuid.uuid4().hex,
+            "run_name": run_name,
+            "lease_id": lease.lease_id,
+            "prompt_id": lease.prompt_id,
+            "worker_id": worker_id,
+            "policy_version": policy_version,
+            "prompt_token_ids": lease.prompt_token_ids,
+            "completion_token_ids": ids,
+            "logprobs": [logprob] * len(ids),
+            "finish_reason": "stop",
+            "sampling": sampling
+            or SamplingParams(
+                temperature=BASE_CONFIG["sampling"]["temperature"], max_tokens=BASE_CONFIG["sampling"]["max_tokens"]
+            ),
+        }
+        values.update(fields)
+        return Rollout(**values)
+
+    return make

@@ -1,5 +1,5 @@
 """A small OpenAI-compatible server over the transformers engine, on loopback: the protocol peer
-of workers/backends/openai.py in its tests (tests/unit/test_worker_openai.py) and its benchmark
+of workers/backends/openai.py in its tests (tests/workers/test_worker_openai.py) and its benchmark
 (benchmarks/worker.py, which imports this module).
 
 It serves /v1/completions (token-id prompts, "token_id:N" tokens, the processed logprobs of the

@@ -38,7 +38,7 @@ from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks, token
 from decentrl.weights import load_pretrained, read_adapter, read_hf_weights, write_hf_dir
 from decentrl.wire import TrainBatch
 
-__all__ = ["TrainerOptions", "collate", "token_logprobs", "train"]  # collate, token_logprobs: tests/unit/test_trainer_math.py
+__all__ = ["TrainerOptions", "collate", "token_logprobs", "train"]  # collate, token_logprobs: tests/trainer/test_trainer_math.py
 
 log = logging.getLogger("decentrl.trainer")
 

@@ -16,7 +16,7 @@ from decentrl.model import build_model
 from decentrl.trainer.batching import collate
 from decentrl.trainer.step import token_logprobs
 from decentrl.wire import SamplingParams, TrainSample
-from tests.unit.test_worker_sampling import write_version
+from tests.workers.test_worker_sampling import write_version
 from workers.backends.hf import HFBackend
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=5)

@@ -24,7 +24,7 @@ def no_retry_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def store(tmp_path: Path) -> CheckpointStore:
     # Copying pulls, as from a remote store: the faults below are staged in fs.open, which the
-    # zero-copy pull of a local store (a hard link, tests/unit/test_store.py) never calls.
+    # zero-copy pull of a local store (a hard link, tests/core/test_store.py) never calls.
     return CheckpointStore(str(tmp_path / "store"), link_local=False)
 
 

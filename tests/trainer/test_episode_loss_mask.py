@@ -1,6 +1,6 @@
 """Multi-turn episodes on the data path: a rollout's loss mask marks environment tokens, the
 trainer trains only the model's tokens (environment tokens are context: no loss, not counted,
-their logprobs unused). Episodes themselves: tests/unit/test_episodes.py.
+their logprobs unused). Episodes themselves: tests/core/test_episodes.py.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ from decentrl.store import (
     signed_payload,
 )
 
+pytestmark = pytest.mark.integration  # a real S3 protocol server (moto) on loopback
+
 SHARD = 2 * 1024 * 1024 + 5
 
 

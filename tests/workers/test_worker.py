@@ -37,9 +37,11 @@ from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
 from workers.backends.hf import HFBackend, sampling_distribution
-from tests.unit.test_episode_loss_mask import gradients as loss_mask_gradients
-from tests.unit.test_worker_batching import Recording
+from tests.trainer.test_episode_loss_mask import gradients as loss_mask_gradients
+from tests.workers.test_worker_batching import Recording
 from workers.worker import Worker
+
+pytestmark = pytest.mark.integration  # real servers and worker processes on loopback
 
 WORKER, TRAINER = "worker-secret", "trainer-secret"
 TOKENS = [{"name": "vol", "role": "worker", "token": WORKER}, {"name": "trainer", "role": "trainer", "token": TRAINER}]
@@ -187,7 +189,7 @@ def test_worker_plays_episodes_that_the_orchestrator_replays_and_scores(guess_se
         assert [rollout.logprobs[i] for i in model_positions] == pytest.approx(expected[model_positions].tolist(), abs=2e-4)
     assert any(0 in rollout.loss_mask for rollout, _ in scored if rollout.loss_mask)  # some episodes had several turns
     # The trainer gets the masks and trains only model tokens: its gradient ignores the
-    # environment tokens' logprobs (tests/unit/test_episode_loss_mask.py).
+    # environment tokens' logprobs (tests/trainer/test_episode_loss_mask.py).
     batch = setup.orchestrator.client(TRAINER).batch(0)
     assert batch is not None and all(sample.loss_mask is not None for sample in batch.samples)
     altered = [s.model_copy(update={"logprobs": [lp if m else -7.0 for lp, m in zip(s.logprobs, s.loss_mask or [])]})

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from decentrl.store import CheckpointStore
-from tests.integration.test_pipeline import pipeline_config, run_config
+from tests.pipeline.test_pipeline import pipeline_config, run_config
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from decentrl.config import GuessTaskConfig, TinyModelConfig
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
 from decentrl.weights import write_hf_dir
-from tests.unit.conftest import MakeConfig
+from tests.conftest import MakeConfig
 from workers.evaluate import EvalError, eval_prompts, evaluate
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=5)

@@ -37,7 +37,7 @@ import pytest
 from decentrl.client import OrchestratorClient
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
 from orchestrator.auth import add_token
-from tests.integration.test_pipeline import TINY_MODEL
+from tests.pipeline.test_pipeline import TINY_MODEL
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import torch
 from decentrl.config import TinyModelConfig
 from decentrl.model import build_model
 from decentrl.wire import SamplingParams
-from tests.unit.test_worker_sampling import reference_logprobs, write_version
+from tests.workers.test_worker_sampling import reference_logprobs, write_version
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
 

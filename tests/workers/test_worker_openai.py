@@ -16,7 +16,7 @@ from decentrl.config import TinyModelConfig
 from decentrl.model import build_model
 from decentrl.wire import SamplingParams
 from tests.openai_server import Loopback, completions_app
-from tests.unit.test_worker_sampling import reference_logprobs, write_version
+from tests.workers.test_worker_sampling import reference_logprobs, write_version
 from workers.backends.hf import HFBackend
 from workers.backends.openai import OpenAIBackend
 

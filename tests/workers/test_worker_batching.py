@@ -15,7 +15,7 @@ import torch
 
 from decentrl.model import build_model
 from decentrl.wire import SamplingParams
-from tests.unit.test_worker_sampling import TINY, reference_logprobs, write_version
+from tests.workers.test_worker_sampling import TINY, reference_logprobs, write_version
 from workers.backends import Completion, never
 from workers.backends.hf import HFBackend
 from workers.batching import Batcher, Request
