@@ -45,6 +45,7 @@ from workers.backends import Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
 from workers.latency import LatencyModel
+from workers.progress import Progress
 from workers.sample import Sample
 from workers.spool import Spool
 
@@ -95,6 +96,7 @@ class Worker:
         self.spool = Spool(options.spool_dir or os.path.join(options.cache_dir, "spool", options.worker_id))
         self.stopping = False
         self.rollouts_posted = 0
+        self.progress = Progress()
         self.swaps: list[SwapRecord] = []
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
         self._lock = threading.Lock()  # backend calls and weight swaps never overlap
@@ -324,6 +326,7 @@ class Worker:
         self.spool.remove(path)  # acknowledged: accepted, duplicate or rejected, never to be sent again
         with self._stats_lock:
             self.rollouts_posted += result.accepted
+        self.progress.posted(batch, result)  # a line every 10 s (workers/progress.py)
         if result.rejected:
             reasons: dict[str, int] = {}
             for rejection in result.rejected:
