@@ -212,6 +212,7 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
     py = [sys.executable, "-m"]
     roles: list[Role] = []
     console.print(f"run dir: {run_dir}\norchestrator: {url}  store: {config.store.url}")
+    console.print(f"dashboard: {url}/  (asks for a token: any in {tokens_path})", markup=False)
     try:
         roles.append(_start("orchestrator", py + ["decentrl", "orchestrator", str(config_path), "--run-dir", str(run_dir)], run_dir, {}))
         deadline = time.monotonic() + 120
