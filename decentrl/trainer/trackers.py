@@ -68,6 +68,7 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+        self.wandb.teardown()  # waits for wandb's writer process: finish() returns before the records are on disk
 
 
 class TensorBoardTracker:
