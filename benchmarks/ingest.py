@@ -20,6 +20,13 @@ each) and the medians are compared, so both see the same machine load.
 
 The last line of stdout is one JSON object: rollouts_per_s, tokens_per_s, p50_ms, p99_ms (of
 POST /v1/rollouts), ratio_to_echo, plus the echo figures and the settings.
+
+    .venv/bin/python benchmarks/ingest.py --dashboard    # the dashboard's cost to ingest
+
+With --dashboard a third kind of round joins the alternation: the orchestrator with a dashboard
+client attached, which polls GET /v1/dashboard?since=... every --dashboard-poll-s seconds as the
+page does (orchestrator/static/dashboard.html). The summary adds dashboard_rollouts_per_s and
+dashboard_ingest_ratio (with / without; the goal is at least 0.95).
 """
 
 from __future__ import annotations
@@ -228,7 +235,16 @@ def client_process(args: dict[str, Any], out: Any) -> None:
         loop.close()
 
 
-async def _consume(url: str, token: str, stop_at: float) -> int:
+async def _poll_dashboard(session: Any, url: str, token: str, stop_at: float, every_s: float) -> None:
+    """What an open dashboard page does: GET /v1/dashboard?since=<its last answer> every `every_s`."""
+    since = 0.0
+    while time.perf_counter() < stop_at:
+        async with session.get(f"{url}/v1/dashboard?since={since}", headers={"Authorization": f"Bearer {token}"}) as response:
+            since = (await response.json())["now"]
+        await asyncio.sleep(every_s)
+
+
+async def _consume(url: str, token: str, stop_at: float, dashboard_poll_s: float = 0.0) -> int:
     """The trainer's side: fetch batches (msgpack) as they form, so the buffer stays bounded."""
     import aiohttp
 
@@ -237,16 +253,20 @@ async def _consume(url: str, token: str, stop_at: float) -> int:
     served, version = 0, 0
     headers = {"Authorization": f"Bearer {token}", "Accept": MEDIA_MSGPACK}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        if dashboard_poll_s:
+            poller = asyncio.create_task(_poll_dashboard(session, url, token, stop_at, dashboard_poll_s))
         while time.perf_counter() < stop_at:
             async with session.get(f"{url}/v1/batch?trainer_version={version}", headers=headers) as response:
                 await response.read()
                 served += response.status == 200
+        if dashboard_poll_s:
+            await poller
     return served
 
 
-def consumer_process(url: str, token: str, duration: float, cpus: list[int] | None, out: Any) -> None:
+def consumer_process(url: str, token: str, duration: float, cpus: list[int] | None, out: Any, dashboard_poll_s: float) -> None:
     _pin(cpus)
-    out.send(asyncio.run(_consume(url, token, time.perf_counter() + duration)))
+    out.send(asyncio.run(_consume(url, token, time.perf_counter() + duration, dashboard_poll_s)))
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -287,7 +307,7 @@ def run_round(kind: str, options: argparse.Namespace, cpus: list[int] | None) ->
     port = _free_port()
     run_dir = tempfile.mkdtemp(prefix="decentrl-ingest-", dir=options.dir)
     tokens = {}
-    if kind == "orchestrator":
+    if kind in ("orchestrator", "dashboard"):
         from orchestrator.auth import add_token
 
         tokens = {f"c{i}": add_token(os.path.join(run_dir, "tokens.json"), name=f"c{i}", role="worker")
@@ -314,9 +334,10 @@ def run_round(kind: str, options: argparse.Namespace, cpus: list[int] | None) ->
             procs.append(ctx.Process(target=client_process, args=(args, send)))
             pipes.append(receive)
         consumer = None
-        if kind == "orchestrator":
+        if kind in ("orchestrator", "dashboard"):
             receive, send = ctx.Pipe(duplex=False)
-            consumer = (ctx.Process(target=consumer_process, args=(url, tokens["trainer"], options.duration, cpus, send)), receive)
+            poll_s = options.dashboard_poll_s if kind == "dashboard" else 0.0
+            consumer = (ctx.Process(target=consumer_process, args=(url, tokens["trainer"], options.duration, cpus, send, poll_s)), receive)
         cpu_before = _cpu_seconds(server.pid)  # type: ignore[arg-type]
         for proc in procs:
             proc.start()
@@ -362,12 +383,15 @@ def main() -> None:
     parser.add_argument("--journal-sync", choices=["full", "normal"], default="full")
     parser.add_argument("--cpus", default="", help="Pin every process to these CPUs, e.g. 0,1.")
     parser.add_argument("--dir", default=None, help="Where the run dirs (journal) go; default the system temp dir.")
+    parser.add_argument("--dashboard", action="store_true", help="Also rounds with a dashboard client polling.")
+    parser.add_argument("--dashboard-poll-s", type=float, default=2.0, help="The dashboard client's poll interval.")
     options = parser.parse_args()
     cpus = [int(c) for c in options.cpus.split(",")] if options.cpus else None
     _pin(cpus)
-    rounds: dict[str, list[dict[str, Any]]] = {"echo": [], "orchestrator": []}
+    kinds = ("echo", "orchestrator", "dashboard") if options.dashboard else ("echo", "orchestrator")
+    rounds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     for index in range(options.rounds):
-        for kind in ("echo", "orchestrator"):
+        for kind in kinds:
             result = run_round(kind, options, cpus)
             rounds[kind].append(result)
             print(f"round {index + 1} {kind}: " + json.dumps({k: v for k, v in result.items() if k != "kind"}), flush=True)
@@ -395,6 +419,11 @@ def main() -> None:
             "prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS,
         },
     }
+    if options.dashboard:
+        summary["dashboard_rollouts_per_s"] = round(median("dashboard", "rollouts_per_s"), 1)
+        summary["dashboard_ingest_ratio"] = round(median("dashboard", "rollouts_per_s") / rollouts_per_s, 3)
+        summary["dashboard_p50_ms"] = round(median("dashboard", "p50_ms"), 2)
+        summary["settings"]["dashboard_poll_s"] = options.dashboard_poll_s
     print(json.dumps(summary), flush=True)
 
 

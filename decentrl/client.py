@@ -24,7 +24,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -44,6 +44,7 @@ from decentrl.wire import (
     TokenEntry,
     TokenList,
     TrainBatch,
+    TrainerStep,
     VersionAnnouncement,
 )
 
@@ -175,6 +176,10 @@ class OrchestratorClient:
 
     def announce(self, version: int) -> StatusResponse:
         return self._call("POST", "/version", StatusResponse, VersionAnnouncement(version=version))
+
+    def report_step(self, record: dict[str, Any]) -> None:
+        """Send a step's metrics.jsonl record (its finite numbers) to the dashboard."""
+        self._request("POST", f"{API_PREFIX}/trainer/steps", TrainerStep.from_record(record))
 
     def batch(self, trainer_version: int, request_id: str | None = None) -> TrainBatch | None:
         """The next batch for a trainer holding `trainer_version`; None if none came in time.

@@ -211,6 +211,33 @@ class VersionAnnouncement(Wire):
     version: int = Field(ge=0, le=MAX_VERSION)
 
 
+METRIC_NAME = r"^[a-z][a-z0-9_]{0,63}$"
+MAX_STEP_METRICS = 64
+
+
+class TrainerStep(Wire):
+    """POST /v1/trainer/steps (trainer): one optimizer step's metrics, for the dashboard.
+
+    Only finite numbers (a non-finite value stays in the trainer's metrics.jsonl); at most
+    MAX_STEP_METRICS of them, named like `grad_norm`. The orchestrator keeps the newest few
+    thousand steps in memory (orchestrator/history.py) and never journals them.
+    """
+
+    step: int = Field(ge=1, le=MAX_VERSION)
+    metrics: dict[Annotated[str, Field(pattern=METRIC_NAME)], Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        max_length=MAX_STEP_METRICS, description="Metric name -> value (loss, grad_norm, entropy, ...)."
+    )
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> TrainerStep:
+        """The numeric, finite entries of a metrics.jsonl record (decentrl/trainer/metrics.py)."""
+        metrics = {
+            name: float(value) for name, value in record.items()
+            if name != "step" and type(value) in (int, float) and math.isfinite(value)
+        }
+        return cls(step=int(record["step"]), metrics=dict(sorted(metrics.items())[:MAX_STEP_METRICS]))
+
+
 class StatusResponse(Wire):
     """GET /v1/status: counters for progress displays."""
 

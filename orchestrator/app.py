@@ -10,6 +10,7 @@ benchmarks on loopback. Where each part lives:
   orchestrator/appstate.py     the app's typed state (web.AppKey) and its wake-ups
   orchestrator/upkeep.py       background: the journal's writer, lease expiry
   orchestrator/verification.py background: the logprob spot-check scheduler
+  orchestrator/dashboard.py    the live page at /, the JSON it polls; history.py its curves
   orchestrator/state.py        the run itself (leases, ingest, groups, batches), no HTTP in it
 
 A request passes errors_middleware -> auth_middleware -> its handler; every change a handler
@@ -30,6 +31,7 @@ from aiohttp import web
 from orchestrator.appstate import (
     BATCH_READY,
     CHECKS_WANTED,
+    HISTORY,
     INFLIGHT,
     JOURNAL_FAILED,
     LEASES_FREED,
@@ -44,6 +46,8 @@ from orchestrator.appstate import (
     JournalFailed,
 )
 from orchestrator.auth import TokenRegistry
+from orchestrator.dashboard import sampler
+from orchestrator.history import History
 from orchestrator.limits import InFlight, RateLimiter
 from orchestrator.metrics import Metrics
 from orchestrator.middlewares import auth_middleware, errors_middleware
@@ -81,6 +85,7 @@ def create_app(
     app[BATCH_READY] = asyncio.Condition()
     app[LEASES_FREED] = asyncio.Condition()
     app[CHECKS_WANTED] = asyncio.Event()
+    app[HISTORY] = History(clock=state.clock)
     if options.verification.enabled:
         if verifier is None:
             raise ValueError("orchestrator.verification.enabled needs a Verifier (orchestrator/verify.py)")
@@ -89,5 +94,6 @@ def create_app(
     app.cleanup_ctx.append(journal_writer)
     app.cleanup_ctx.append(lease_upkeep)
     app.cleanup_ctx.append(verification)
+    app.cleanup_ctx.append(sampler)
     add_routes(app)
     return app

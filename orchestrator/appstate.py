@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from orchestrator.auth import Identity, TokenRegistry
+from orchestrator.history import History
 from orchestrator.limits import InFlight, RateLimiter
 from orchestrator.metrics import Metrics
 from orchestrator.state import RunState
@@ -59,6 +60,7 @@ VERIFIER = web.AppKey("verifier", Verifier)  # present when orchestrator.verific
 BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)  # notified when a batch may have formed
 LEASES_FREED = web.AppKey("leases_freed", asyncio.Condition)  # notified when a lease may be grantable
 CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when held-back groups may be due a check
+HISTORY = web.AppKey("history", History)  # bounded curves and samples for the dashboard
 IDENTITY = web.RequestKey("identity", Identity)  # the caller's token, set by the auth middleware
 
 

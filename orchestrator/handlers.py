@@ -37,6 +37,7 @@ from decentrl.wire import (
 )
 from orchestrator.appstate import (
     BATCH_READY,
+    HISTORY,
     IDENTITY,
     INFLIGHT,
     LEASES_FREED,
@@ -203,6 +204,7 @@ async def rollouts(request: web.Request) -> web.Response:
         metrics.worker_rollouts.labels(name, "duplicate").inc(result.duplicates)
     if result.rejected:
         metrics.worker_rollouts.labels(name, "rejected").inc(len(result.rejected))
+    app[HISTORY].posted(name, body, result)
     wake_checks(app)  # a completed group may be held back for its check
     if len(state.ready) > ready_before:
         await notify_all(app[BATCH_READY])
@@ -240,6 +242,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
     for lag, count in served.staleness_histogram.items():
         for _ in range(count):
             histogram.observe(int(lag))
+    request.app[HISTORY].served(served)
     if wants_msgpack(request) and (body := state.batch_msgpack(served)) is not None:
         return web.Response(body=body, content_type=MEDIA_MSGPACK)
     return respond(request, served)
@@ -250,6 +253,7 @@ async def version(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.announce(body.version)
     await commit(state)
+    request.app[HISTORY].announced(body.version)
     await notify_all(request.app[LEASES_FREED])  # the staleness budget grows by a step's groups
     wake_checks(request.app)  # stale groups left the line ahead of a held-back one
     log.info("version %d published", body.version)
@@ -315,11 +319,3 @@ async def healthz(request: web.Request) -> web.Response:
         text=Health(ok=ok, journal=journal.durable).model_dump_json(), status=200 if ok else 503,
         content_type=MEDIA_JSON,
     )
-
-
-async def status_page(request: web.Request) -> web.Response:
-    rows = "".join(
-        f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in run_status(request.app).model_dump().items()
-    )
-    html = f"<html><head><title>decentrl</title><meta http-equiv='refresh' content='2'></head><body><h1>decentrl orchestrator</h1><table>{rows}</table></body></html>"
-    return web.Response(text=html, content_type="text/html")

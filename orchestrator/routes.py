@@ -14,11 +14,13 @@ clients. In short:
   POST   /v1/rollouts                worker     post samples; per-rollout accept/reject
   GET    /v1/batch                   trainer    long-poll for the next fresh batch (204 if none in time)
   POST   /v1/version                 trainer    announce a version complete in the store
+  POST   /v1/trainer/steps           trainer    one step's metrics, for the dashboard
+  GET    /v1/dashboard               any token (or none: metrics_public)  curves, workers, samples
   GET    /v1/admin/tokens            admin      token names and roles
   POST   /v1/admin/tokens            admin      create a token
   DELETE /v1/admin/tokens/{name}     admin      revoke a token, at once
   GET    /metrics                    trainer, admin (or none: metrics_public)  Prometheus text
-  GET    /openapi.json, /healthz, /  none
+  GET    /openapi.json, /healthz, /  none       (/ is the dashboard page, which holds no data)
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ from decentrl.wire import (
     TokenEntry,
     TokenList,
     TrainBatch,
+    TrainerStep,
     VersionAnnouncement,
 )
-from orchestrator import handlers
+from orchestrator import dashboard, handlers
 from orchestrator.appstate import RouteRoles
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.openapi import Param, RouteSpec, build_openapi
@@ -103,15 +106,26 @@ ROUTES: list[tuple[RouteSpec, Handler]] = [
     (RouteSpec("GET", "/openapi.json", "This description.", None, answers={200: MEDIA_JSON}, tag="ops"), handlers.openapi),
     (RouteSpec("GET", "/healthz", "Liveness: 503 once the journal has failed.", None,
                answers={200: Health}, tag="ops"), handlers.healthz),
-    (RouteSpec("GET", "/", "A small HTML status page.", None, answers={200: "text/html"}, tag="ops"), handlers.status_page),
+    (RouteSpec("POST", f"{P}/trainer/steps", "One optimizer step's metrics, for the dashboard.", ("trainer",),
+               body=TrainerStep, answers={200: MEDIA_JSON}, msgpack=True, tag="trainer"), dashboard.trainer_steps),
+    (RouteSpec("GET", f"{P}/dashboard", "The run's curves, workers and recent samples since `since` (the page's poll).",
+               ANY, params=(Param("since", "query", {"type": "number", "minimum": 0, "maximum": dashboard.MAX_SINCE},
+                                  "Time stamp of the last poll: only newer points come back.", required=False),),
+               answers={200: MEDIA_JSON}, tag="ops"), dashboard.dashboard),
+    (RouteSpec("GET", "/", "The live dashboard page (its script polls /v1/dashboard).", None,
+               answers={200: "text/html"}, tag="ops"), dashboard.page),
 ]
 
 
+# Read-only views of the run that `orchestrator.metrics_public` opens to callers without a token.
+PUBLIC_WITH_METRICS = ("/metrics", f"{P}/dashboard")
+
+
 def route_specs(*, metrics_public: bool = False) -> list[RouteSpec]:
-    """The routes as served: with `metrics_public`, /metrics needs no token."""
+    """The routes as served: with `metrics_public`, /metrics and /v1/dashboard need no token."""
     specs = [spec for spec, _ in ROUTES]
     if metrics_public:
-        specs = [dataclasses.replace(s, roles=None) if s.path == "/metrics" else s for s in specs]
+        specs = [dataclasses.replace(s, roles=None) if s.path in PUBLIC_WITH_METRICS else s for s in specs]
     return specs
 
 

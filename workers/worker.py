@@ -47,6 +47,7 @@ from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, RunInfo, S
 from workers.backends import Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
+from workers.progress import Progress
 from workers.sample import Sample
 from workers.simulation import SimulatedLatency
 from workers.spool import Spool
@@ -93,6 +94,7 @@ class Worker:
         )
         self.stopping = False
         self.rollouts_posted = 0
+        self.progress = Progress()
         self.swaps: list[SwapRecord] = []
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
         self._lock = threading.Lock()  # backend calls and weight swaps never overlap
@@ -321,6 +323,7 @@ class Worker:
         self.spool.remove(path)  # acknowledged: accepted, duplicate or rejected, never to be sent again
         with self._stats_lock:
             self.rollouts_posted += result.accepted
+        self.progress.posted(batch, result)  # a line every 10 s (workers/progress.py)
         if result.rejected:
             reasons: dict[str, int] = {}
             for rejection in result.rejected:

@@ -211,6 +211,7 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
     url = f"http://127.0.0.1:{port}"
     roles: list[Role] = []
     console.print(f"run dir: {run_dir}\norchestrator: {url}  store: {config.store.url}")
+    console.print(f"dashboard: {url}/  (asks for a token: any in {tokens_path})", markup=False)
     try:
         roles.append(_start("orchestrator", orchestrator_command(config_path, run_dir), run_dir, {}))
         deadline = time.monotonic() + 120

@@ -21,10 +21,14 @@ import typer
 
 from decentrl.config import ConfigError, RunConfig, StoreConfig, load_config
 
+# rich_markup_mode=None: help texts are plain text, so "[sampling]" or "decentrl[wandb]" stay as
+# written (rich markup would take them for style tags and drop them).
 app = typer.Typer(
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="Decentralized asynchronous RL for language models.")
-store_app = typer.Typer(no_args_is_help=True, help="Inspect, pull and verify versioned checkpoints in a store.")
-token_app = typer.Typer(no_args_is_help=True, help="Manage the orchestrator's bearer tokens.")
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+    help="Decentralized asynchronous RL for language models.")
+store_app = typer.Typer(
+    no_args_is_help=True, rich_markup_mode=None, help="Inspect, pull and verify versioned checkpoints in a store.")
+token_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Manage the orchestrator's bearer tokens.")
 app.add_typer(store_app, name="store")
 app.add_typer(token_app, name="token")
 
@@ -165,6 +169,18 @@ def run(
     from decentrl.cli.launch import launch
 
     raise typer.Exit(launch(_load(config, overrides), run_dir))
+
+
+@app.command()
+def status(
+    url: Annotated[str, typer.Argument(help="The orchestrator's URL, e.g. http://host:8400.")],
+    token: TokenOpt,
+    as_json: Annotated[bool, typer.Option("--json", help="Print GET /v1/status as JSON instead.")] = False,
+) -> None:
+    """Print a run's state (versions, counters, workers by token name); any token will do."""
+    from decentrl.cli.status import print_status
+
+    raise typer.Exit(print_status(url, token, as_json=as_json))
 
 
 @app.command("eval")

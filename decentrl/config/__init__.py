@@ -8,11 +8,12 @@ documented and constrained, so that a bad file fails at load time with the field
 and what is allowed.
 
 One module per section, named after the role that reads it: model, task, store, orchestrator
-(with [sampling]), worker, simulation (benchmarks only), trainer; run.py holds `RunConfig`,
+(with [sampling]), worker, simulation (benchmarks only), trainer, logging (trackers); run.py holds `RunConfig`,
 load.py reading files and overrides. Import from this package.
 """
 
 from decentrl.config.load import ConfigError, apply_overrides, load_config, parse_config, path_in_file
+from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig
 from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, SamplingConfig, VerificationConfig
 from decentrl.config.run import RunConfig
@@ -44,7 +45,7 @@ from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
     "AdvantageConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig", "DrGRPOLossConfig",
-    "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig", "ImportTaskConfig", "LoRAConfig", "LossConfig",
+    "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig", "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig",
     "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig", "OrchestratorConfig", "PolicyLossBase",
     "PretrainedModelConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig", "SimulationConfig",
     "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TokenLossConfig",

@@ -128,7 +128,8 @@ class OrchestratorConfig(Section):
         4, ge=1, description="Served batches kept, so a trainer resending a lost request gets the same batch."
     )
     metrics_public: bool = Field(
-        False, description="Serve /metrics without a token (default: trainer or admin token)."
+        False, description="Serve /metrics and the dashboard's data (/v1/dashboard) without a token (default: a token; "
+        "/metrics: trainer or admin)."
     )
     verification: VerificationConfig = Field(
         default_factory=VerificationConfig, description="Checks of untrusted workers (docs/security.md)."

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from decentrl.config.base import Section
+from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, TinyModelConfig
 from decentrl.config.orchestrator import OrchestratorConfig, SamplingConfig
 from decentrl.config.simulation import SimulationConfig
@@ -35,6 +36,7 @@ class RunConfig(Section):
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig, description="The central service.")
     worker: WorkerConfig = Field(default_factory=WorkerConfig, description="Inference workers.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The FSDP2 trainer.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment trackers (trainer).")
     simulation: SimulationConfig = Field(
         default_factory=SimulationConfig, description="Benchmarks only: injected generation delays."
     )

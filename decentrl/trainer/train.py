@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from decentrl.client import OrchestratorClient
 from decentrl.config import RunConfig, TrainerConfig
@@ -35,6 +35,7 @@ from decentrl.trainer.metrics import MetricsLog, StepTimes, step_record
 from decentrl.trainer.prefetch import BatchPrefetcher
 from decentrl.trainer.publisher import Publisher
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks, token_logprobs
+from decentrl.trainer.trackers import Trackers
 from decentrl.weights import load_pretrained, read_adapter, read_hf_weights, write_hf_dir
 from decentrl.wire import TrainBatch
 
@@ -107,6 +108,17 @@ def replay_difference(
     return max((weights[k] - published[k]).abs().max().item() for k in weights)
 
 
+def open_trackers(config: RunConfig, *, run_dir: str, model_dir: str) -> Trackers | None:
+    """Rank 0: the experiment trackers `[logging]` lists (decentrl/trainer/trackers.py), if any."""
+    if not config.logging.trackers:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return Trackers(
+        config.logging, run_name=config.run_name, run_config=config.model_dump(mode="json"),
+        directory=os.path.join(run_dir, "trackers"), decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+
+
 def train(config: RunConfig, options: TrainerOptions) -> None:
     rank, world, device = init_distributed()
     cfg = config.trainer
@@ -128,7 +140,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
     if plan.replay_through > plan.checkpoint or plan.checkpoint:
         log.info("resuming from checkpoint step %d; replaying steps %d..%d from the journal; store holds up to v%d",
                  plan.checkpoint, plan.checkpoint + 1, plan.replay_through, plan.published)
-    publisher = metrics = None
+    publisher = metrics = trackers = None
     if rank == 0:
         publisher = Publisher(
             store=store,
@@ -140,6 +152,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
             lora=cfg.lora,
         )
         metrics = MetricsLog(options.metrics_path, keep_through=plan.checkpoint)
+        trackers = open_trackers(config, run_dir=os.path.dirname(options.metrics_path), model_dir=initial_dir)
     gather = WeightGather(
         model, deliver=publisher.submit if publisher else None, select=is_adapter_weight if cfg.lora else lambda name: True
     )
@@ -206,7 +219,12 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
             record["compute_s_all_ranks"], record["compute_cpu_s_all_ranks"] = all_ranks.tolist()
             if replay_diff is not None:
                 record["replay_max_abs_diff"] = replay_diff
+            if publisher is not None and publisher.publish_seconds:
+                record["publish_s"] = publisher.publish_seconds[-1]  # the newest publish finished
             metrics.write(record)
+            client.report_step(record)  # the orchestrator's dashboard (orchestrator/dashboard.py)
+            if trackers is not None:
+                trackers.step(step, record, batch)
             log.info("step %d reward %.3f loss %.4f", step, record["reward_mean"], loss_total)
 
     gather.close()
@@ -215,5 +233,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
         log.info("skipped publishing versions %s (uploads fell behind)", publisher.skipped or "none")
     if metrics is not None:
         metrics.close()
+    if trackers is not None:
+        trackers.close()
     dist.barrier()
     dist.destroy_process_group()

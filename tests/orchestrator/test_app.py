@@ -149,14 +149,14 @@ def test_any_role_may_read_info(serve: ServeFn) -> None:
     run(scenario())
 
 
-def test_status_page_needs_no_token(serve: ServeFn) -> None:
+def test_dashboard_page_needs_no_token(serve: ServeFn) -> None:
     async def scenario() -> None:
         async with serve() as server:
             async with server.http.get(server.url + "/") as response:
                 assert response.status == 200
                 assert response.content_type == "text/html"
                 text = await response.text()
-                assert "decentrl" in text and "unit" in text  # the run name
+                assert "decentrl" in text and "/v1/dashboard" in text  # the dashboard page, which polls
 
     run(scenario())
 

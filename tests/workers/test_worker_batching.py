@@ -161,3 +161,23 @@ def test_a_backend_error_reaches_every_slot_of_its_batch(backend: Recording) -> 
 def test_max_rows_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="max_batch_rows must be at least 1"):
         Batcher(max_rows=0)
+
+
+def test_worker_progress_line_says_version_accepted_rate_and_rejections(caplog: pytest.LogCaptureFixture) -> None:
+    from decentrl.wire import IngestResponse, Rejection, Rollout, RolloutBatch, SamplingParams
+    from workers.progress import Progress
+
+    now = [0.0]
+    progress = Progress(interval_s=10.0, clock=lambda: now[0])
+    rollout = Rollout(rollout_id="r", run_name="x", lease_id="l", prompt_id=0, worker_id="w", policy_version=3,
+                      prompt_token_ids=[1], completion_token_ids=[1] * 50, logprobs=[-0.1] * 50, finish_reason="stop",
+                      sampling=SamplingParams(temperature=1.0, max_tokens=50))
+    batch = RolloutBatch(rollouts=[rollout, rollout.model_copy(update={"rollout_id": "s"})])
+    with caplog.at_level("INFO", logger="decentrl.worker.progress"):
+        now[0] = 5.0
+        progress.posted(batch, IngestResponse(accepted=2))
+        assert not caplog.records  # not yet: one line every interval_s
+        now[0] = 10.0
+        progress.posted(batch, IngestResponse(accepted=1, rejected=[Rejection(rollout_id="s", reason="stale")]))
+    (record,) = caplog.records
+    assert record.getMessage() == "progress: v3  rollouts accepted 3  20 tokens/s  rejected: stale 1"

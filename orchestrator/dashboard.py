@@ -1,0 +1,132 @@
+"""The orchestrator's live dashboard: the page at `/`, the JSON it polls, the trainer's step metrics.
+
+Routes (orchestrator/routes.py):
+  GET  /                   none        the page (orchestrator/static/dashboard.html): static, holds
+                                       no data; its script asks for a token and polls the JSON
+  GET  /v1/dashboard       any token   (none with `metrics_public`) the run's history since `since`
+  POST /v1/trainer/steps   trainer     one step's metrics (decentrl/wire.py TrainerStep)
+
+The page is one hand-written HTML file with its own small canvas plotting script: no build
+step, no CDN, it works offline. It polls rather than streams (server-sent events) because a
+poll costs the orchestrator one short request every `POLL_S` whatever the number of open
+pages, and answers only what is new since the page's last poll (`since`).
+
+Tokens never appear: the page and the JSON name workers by token name (and worker id), and the
+page keeps the token the reader typed in the tab's sessionStorage, or takes it from the URL's
+fragment (`/#token=...`), which browsers never send to the server, so it is in no access log.
+
+`sampler` (a cleanup_ctx entry of create_app) records the run's counters once a second
+(orchestrator/history.py keeps them in ring buffers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator
+from importlib.resources import files
+from typing import Any
+
+from aiohttp import web
+
+from decentrl.wire import TrainerStep
+from orchestrator.appstate import HISTORY, INFLIGHT, STATE, VERIFIER
+from orchestrator.body import error, parse_body
+from orchestrator.history import SAMPLE_INTERVAL_S, History
+
+PAGE = files("orchestrator").joinpath("static", "dashboard.html").read_bytes()
+MAX_SINCE = 1e12  # a time stamp, in seconds
+
+
+async def sampler(app: web.Application) -> AsyncIterator[None]:
+    async def run() -> None:
+        history, state, inflight = app[HISTORY], app[STATE], app[INFLIGHT]
+        while True:
+            history.sample(state.status(), inflight.count)
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+    task = asyncio.create_task(run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def page(request: web.Request) -> web.Response:
+    return web.Response(body=PAGE, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-cache"})
+
+
+async def trainer_steps(request: web.Request) -> web.Response:
+    body = await parse_body(request, TrainerStep)
+    request.app[HISTORY].trainer_step(body.step, body.metrics)
+    return web.json_response({"step": body.step})
+
+
+def _since(request: web.Request) -> float:
+    text = request.query.get("since", "0")
+    try:
+        since = float(text)
+    except ValueError:
+        raise error(web.HTTPBadRequest, f"query parameter since must be a number of seconds, got {text[:40]!r}") from None
+    if not 0 <= since <= MAX_SINCE:
+        raise error(web.HTTPBadRequest, f"query parameter since must be between 0 and {MAX_SINCE:g}")
+    return since
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN
+
+
+def workers_table(app: web.Application, history: History) -> list[dict[str, Any]]:
+    """One row per worker token (its name, never the token): the posts seen since the
+    orchestrator started (history), with strikes, bans and samples served from the integrity
+    record it journals per token. tokens_per_s: completion tokens accepted a second over the last
+    minute."""
+    integrity = app[STATE].integrity.summary()
+    now, rows = history.now(), []
+    for token_name in sorted(set(integrity) | set(history.workers)):
+        record, activity = integrity.get(token_name, {}), history.workers.get(token_name)
+        rows.append({
+            "worker": token_name,
+            "accepted": activity.accepted if activity else 0,
+            "rejections": dict(activity.rejections) if activity else {},
+            "strikes": record.get("strikes", 0),
+            "banned": record.get("banned", False),
+            "served": record.get("served", 0),
+            "version": activity.newest_version if activity else None,
+            "last_seen_s": now - activity.last_seen if activity else None,
+            "tokens_per_s": history.token_rate(token_name),
+        })
+    return rows
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    since = _since(request)
+    app, history = request.app, request.app[HISTORY]
+    status = app[STATE].status()
+    if VERIFIER in app:
+        status.verification = app[VERIFIER].summary()
+    tokenizer = app[STATE].tokenizer
+    points = [{k: _finite(v) for k, v in p.items()} for p in history.points_since(since)]
+    return web.json_response({
+        "now": history.now(),
+        "status": status.model_dump(exclude={"workers"}),
+        "points": points,
+        "steps": history.steps_since(since),
+        "versions": [
+            {"version": e.version, "announced": e.announced, "first_rollout": e.first_rollout}
+            for e in history.versions if e.announced > since or e.first_rollout is None or e.first_rollout > since
+        ],
+        "staleness": {str(lag): count for lag, count in sorted(history.staleness.items())},
+        "workers": workers_table(app, history),
+        "samples": [
+            {
+                "time": s.time, "policy_version": s.policy_version, "trainer_version": s.trainer_version,
+                "reward": s.reward, "advantage": s.advantage,
+                "prompt": tokenizer.decode(s.prompt_token_ids, skip_special_tokens=True),
+                "completion": tokenizer.decode(s.completion_token_ids, skip_special_tokens=True),
+            }
+            for s in history.samples if s.time > since
+        ],
+    })

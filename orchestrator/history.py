@@ -1,0 +1,169 @@
+"""Bounded history of a run for the dashboard: time series, trainer steps, versions, samples.
+
+The orchestrator already holds the run's counters (RunState) but only their current values; the
+dashboard (orchestrator/dashboard.py) draws curves, so something must remember them. `History`
+keeps, each in a ring buffer of fixed length (memory stays bounded however long the run):
+
+- `points`: one sample of the run's counters a second (`sample`, called by the dashboard's
+  sampler task; rates are differences of consecutive counters, taken by the page);
+- `steps`: the trainer's per-step metrics, as the trainer posts them (POST /v1/trainer/steps);
+- `versions`: when each version was announced, and when its first rollout came back (the
+  workers' pull, swap and first generation, as the orchestrator sees it);
+- `samples`: a few recent completions served to the trainer, with their rewards (token ids, decoded
+  only when the page asks);
+- `workers`: per token name, completion tokens accepted, newest version posted, last seen (bounded
+  by the tokens file: entries are keyed by token name, never by a worker id a client picks).
+
+Fed by the handlers (orchestrator/handlers.py: rollouts, batch, version, trainer_steps), read by
+the dashboard's JSON endpoint. Nothing here is journaled: after a restart the curves start again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from decentrl.wire import IngestResponse, RolloutBatch, StatusResponse, TrainBatch
+
+POINTS_KEPT = 3600  # one an hour at one a second
+STEPS_KEPT = 5000
+VERSIONS_KEPT = 1000
+SAMPLES_KEPT = 16
+SAMPLE_INTERVAL_S = 1.0
+RATE_WINDOW = 60  # samples: tokens/s per worker is measured over the last minute
+
+
+@dataclass
+class WorkerActivity:
+    """What the orchestrator saw of one token's posts (the integrity record holds the rest)."""
+
+    accepted: int = 0
+    rejections: Counter[str] = field(default_factory=Counter)
+    completion_tokens: int = 0
+    newest_version: int = -1
+    last_seen: float = 0.0
+    # (time, completion_tokens) at each of the last RATE_WINDOW samples: the token's rate.
+    marks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW + 1))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion served to the trainer; decoded lazily (orchestrator/dashboard.py)."""
+
+    time: float
+    policy_version: int
+    trainer_version: int
+    reward: float
+    advantage: float
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+
+
+@dataclass
+class VersionEvent:
+    version: int
+    announced: float
+    first_rollout: float | None = None
+
+
+@dataclass
+class History:
+    clock: Callable[[], float] = time.time  # a field so that tests can pass a fake
+    points: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=POINTS_KEPT))
+    steps: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    versions: deque[VersionEvent] = field(default_factory=lambda: deque(maxlen=VERSIONS_KEPT))
+    samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
+    workers: dict[str, WorkerActivity] = field(default_factory=dict)
+    staleness: Counter[int] = field(default_factory=Counter)  # samples served, by staleness
+
+    def now(self) -> float:
+        return self.clock()
+
+    # -- fed by the handlers --------------------------------------------------------------
+
+    def sample(self, status: StatusResponse, inflight: int) -> None:
+        """Record the run's counters now (rates and fractions are computed by the reader)."""
+        self.points.append({
+            "t": self.now(),
+            "rollouts_accepted": status.rollouts_accepted,
+            "rejected": sum(status.rollouts_rejected.values()),
+            "stale_dropped": status.stale_dropped,
+            "groups_served": status.groups_served,
+            "groups_ready": status.groups_ready,
+            "leases_active": status.leases_active,
+            "policy_version": -1 if status.policy_version is None else status.policy_version,
+            "trainer_version": status.trainer_version,
+            "reward_mean_recent": status.reward_mean_recent if status.reward_mean_recent is not None else float("nan"),
+            "inflight": inflight,
+        })
+        for activity in self.workers.values():
+            activity.marks.append((self.points[-1]["t"], activity.completion_tokens))
+
+    def posted(self, token_name: str, batch: RolloutBatch, result: IngestResponse) -> None:
+        """A worker's post was answered: count what it got accepted, and rejected by reason."""
+        now = self.now()
+        if (activity := self.workers.get(token_name)) is None:
+            activity = self.workers[token_name] = WorkerActivity()
+            activity.marks.append((now, 0))  # its rate counts from its first post
+        activity.last_seen = now
+        activity.accepted += result.accepted
+        activity.rejections.update(rejection.reason for rejection in result.rejected)
+        rejected_ids = {rejection.rollout_id for rejection in result.rejected}
+        newest = -1
+        for rollout in batch.rollouts:
+            newest = max(newest, rollout.policy_version)
+            if rollout.rollout_id not in rejected_ids:
+                activity.completion_tokens += len(rollout.completion_token_ids)
+        activity.newest_version = max(activity.newest_version, newest)
+        # The first rollout of a version newer than any seen: the workers have it.
+        for event in reversed(self.versions):
+            if event.version <= newest and event.first_rollout is None:
+                event.first_rollout = now
+            elif event.version <= newest:
+                break
+
+    def served(self, batch: TrainBatch) -> None:
+        """A batch went to the trainer: its staleness, and one completion of each of its first groups."""
+        for lag, count in batch.staleness_histogram.items():
+            self.staleness[int(lag)] += count
+        now, seen = self.now(), set()
+        for sample in batch.samples:
+            if sample.group_id in seen:
+                continue
+            seen.add(sample.group_id)
+            self.samples.append(Sample(
+                now, sample.policy_version, batch.trainer_version, sample.reward, sample.advantage,
+                list(sample.prompt_token_ids), list(sample.completion_token_ids),
+            ))
+            if len(seen) >= 4:  # a few per batch: the newest batches' samples are what a reader wants
+                break
+
+    def announced(self, version: int) -> None:
+        if self.versions and self.versions[-1].version >= version:
+            return  # announced again (a trainer restart re-announces its newest version)
+        self.versions.append(VersionEvent(version, self.now()))
+
+    def trainer_step(self, step: int, metrics: dict[str, float]) -> None:
+        if self.steps and self.steps[-1]["step"] >= step:
+            # A resumed trainer trains the steps after its checkpoint again: keep the new ones.
+            while self.steps and self.steps[-1]["step"] >= step:
+                self.steps.pop()
+        self.steps.append({"step": step, "t": self.now(), **metrics})
+
+    # -- read by the dashboard ------------------------------------------------------------
+
+    def token_rate(self, token_name: str) -> float | None:
+        """Completion tokens a second accepted from `token_name`'s posts over the last minute."""
+        activity = self.workers.get(token_name)
+        if activity is None or len(activity.marks) < 2:
+            return None
+        (t0, n0), (t1, n1) = activity.marks[0], activity.marks[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+
+    def points_since(self, since: float) -> list[dict[str, float]]:
+        return [point for point in self.points if point["t"] > since]
+
+    def steps_since(self, since: float) -> list[dict[str, float]]:
+        return [step for step in self.steps if step["t"] > since]
