@@ -58,6 +58,7 @@ from orchestrator.codec import Packed, pack_floats, pack_ints, train_batch_msgpa
 from orchestrator.detokenize import piece_table, table_decoder
 from orchestrator.integrity import Integrity, token_of
 from orchestrator.journal import Journal, Snapshot, decode_rollout
+from orchestrator.routing_check import routing_problem_of
 
 log = logging.getLogger("decentrl.orchestrator.state")
 
@@ -545,10 +546,8 @@ class RunState:
             mask and (min(mask) < 0 or max(mask) >= self.vocab_size) for mask in rollout.sampling_mask
         ):
             return "token_out_of_vocabulary"
-        if rollout.expert_routing is not None and any(
-            route and (min(route) < 0 or max(route) > 2**31) for route in rollout.expert_routing
-        ):
-            return "bad_expert_routing"
+        if (problem := routing_problem_of(rollout, self.config.model)) is not None:
+            return problem
         if isinstance(self.task, EpisodeTask):  # the replay checks the ending too
             try:
                 self._episode_reward(rollout)
@@ -807,6 +806,7 @@ class RunState:
                         rollout_id=rollout.rollout_id,
                         sampling_mask=rollout.sampling_mask,
                         loss_mask=rollout.loss_mask,
+                        expert_routing=rollout.expert_routing,
                     )
                 )
                 histogram[str(staleness(trainer_version, rollout.policy_version))] += 1
