@@ -28,10 +28,15 @@ from pydantic import BaseModel
 MEDIA_JSON = "application/json"
 MEDIA_MSGPACK = "application/msgpack"
 MSGPACK_TYPES = frozenset({MEDIA_MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
-EXT_INT32, EXT_INT64, EXT_FLOAT32, EXT_FLOAT64 = 1, 2, 3, 4
-_EXT_TYPECODES = {EXT_INT32: "i", EXT_INT64: "q", EXT_FLOAT32: "f", EXT_FLOAT64: "d"}
-_EXT_DTYPES = {EXT_INT32: "<i4", EXT_INT64: "<i8", EXT_FLOAT32: "<f4", EXT_FLOAT64: "<f8"}
-ARRAY_FIELDS = {"prompt_token_ids": "int", "completion_token_ids": "int", "token_versions": "int", "logprobs": "float"}
+EXT_INT32, EXT_INT64, EXT_FLOAT32, EXT_FLOAT64, EXT_UINT8, EXT_UINT16 = 1, 2, 3, 4, 5, 6
+INT_EXTS = frozenset({EXT_INT32, EXT_INT64, EXT_UINT8, EXT_UINT16})
+_EXT_TYPECODES = {EXT_INT32: "i", EXT_INT64: "q", EXT_FLOAT32: "f", EXT_FLOAT64: "d", EXT_UINT8: "B", EXT_UINT16: "H"}
+_EXT_DTYPES = {EXT_INT32: "<i4", EXT_INT64: "<i8", EXT_FLOAT32: "<f4", EXT_FLOAT64: "<f8", EXT_UINT8: "<u1", EXT_UINT16: "<u2"}
+# "route": MoE expert ids (decentrl/routing.py), one byte each while every id is below 256.
+ARRAY_FIELDS = {
+    "prompt_token_ids": "int", "completion_token_ids": "int", "token_versions": "int", "logprobs": "float",
+    "experts": "route",
+}
 _SWAP = sys.byteorder != "little"  # the wire is little-endian whatever the machine
 
 
@@ -61,6 +66,15 @@ def pack_ints(values: Sequence[int]) -> msgpack.ExtType:
         return _ext(array("q", values), EXT_INT64)
 
 
+def pack_routes(values: Sequence[int]) -> msgpack.ExtType:
+    """Expert ids as a uint8 array, or uint16 where one is 256 or more (OverflowError past 65535
+    or below 0: such ids then travel as a plain list and the receiver rejects them)."""
+    try:
+        return _ext(array("B", values), EXT_UINT8)
+    except OverflowError:
+        return _ext(array("H", values), EXT_UINT16)
+
+
 def pack_floats(values: Sequence[float]) -> msgpack.ExtType:
     """Floats as a float64 array: exact, and cheaper to build than checking float32 first."""
     return _ext(array("d", values), EXT_FLOAT64)
@@ -78,6 +92,8 @@ def _typed(values: list[Any], kind: str, exact_floats: bool) -> Any:
     try:
         if kind == "int":
             return pack_ints(values)
+        if kind == "route":
+            return pack_routes(values)
         return pack_floats(values) if exact_floats else _pack_float32_where_exact(values)
     except (OverflowError, TypeError):
         return values  # out of range or not numbers: plain msgpack, the receiver validates it

@@ -71,6 +71,9 @@ def build_model(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedMo
     if isinstance(config, PretrainedModelConfig):
         return load_pretrained(config.path)
     tokenizer = build_tiny_tokenizer()
+    if config.moe is not None:
+        torch.manual_seed(config.seed)
+        return build_tiny_moe(config, tokenizer).float()
     model_config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
@@ -86,3 +89,32 @@ def build_model(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedMo
     )
     torch.manual_seed(config.seed)
     return Qwen2ForCausalLM(model_config).float()
+
+
+def build_tiny_moe(config: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A Qwen3-MoE (transformers) built from `[model]` and `[model.moe]`; seeded by the caller."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    assert config.moe is not None
+    moe = config.moe
+    model_config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,  # the dense layers' MLP
+        moe_intermediate_size=moe.expert_intermediate_size,
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        decoder_sparse_step=moe.sparse_every,
+        mlp_only_layers=list(moe.dense_layers),
+        norm_topk_prob=moe.normalize_top_k,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        head_dim=config.hidden_size // config.num_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return Qwen3MoeForCausalLM(model_config)

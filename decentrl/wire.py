@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, WrapValidator, model_validator
 
-from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, value_range
+from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, INT_EXTS, TypedList, value_range
 
 API_PREFIX = "/v1"
 WORKER_ID = r"^[A-Za-z0-9._:@-]{1,128}$"  # no "/": lease holders are "token-name/worker-id"
@@ -30,7 +30,7 @@ def _keep_typed_ints(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     # A non-empty TypedList decoded from an int32/int64 array holds ints by construction: kept
     # as it is (C-speed checks of its values: `value_range`) instead of validating each
     # element again, about 20 ns a number. Anything else, an empty one included, is validated.
-    if type(value) is TypedList and value and value.ext.code in (EXT_INT32, EXT_INT64):
+    if type(value) is TypedList and value and value.ext.code in INT_EXTS:
         return value
     return handler(value)
 
@@ -67,6 +67,10 @@ class RunInfo(Wire):
     policy_version: int | None = Field(description="Newest published version; None before v0 exists.")
     max_staleness: int = Field(ge=0)
     group_size: int = Field(ge=1)
+    keep_routing: bool = Field(
+        False, description="MoE runs: every rollout carries its expert routes (docs/routing.md); workers "
+        "whose backend cannot record them refuse to start."
+    )
     episode_task: dict[str, Any] | None = Field(
         None, description="The run's [task] config when it is multi-turn: workers build its environment from it "
         "(decentrl/tasks/episodes.py). None for single-turn tasks."
@@ -98,6 +102,17 @@ class LeaseResponse(Wire):
 FinishReason = Literal["stop", "length"]
 
 
+class ExpertRouting(Wire):
+    """An MoE sample's routes (Keep Routing, docs/routing.md): `experts` is row-major
+    [tokens, layers, top_k], one row per token fed to the model (prompt, then every completion
+    token but the last), one block per sparse layer. On msgpack `experts` is a uint8 (uint16 past
+    256 experts) typed array."""
+
+    layers: int = Field(ge=1, le=1024, description="Sparse layers of the model (dense layers send nothing).")
+    top_k: int = Field(ge=1, le=1024, description="Experts per token per sparse layer.")
+    experts: IntArray = Field(max_length=2**26, description="Expert ids, [tokens, layers, top_k] flattened.")
+
+
 class Rollout(Wire):
     """One sample of a group, as the worker produced it."""
 
@@ -120,7 +135,9 @@ class Rollout(Wire):
     sampling_mask: list[list[int]] | None = Field(
         None, description="Per token, the vocabulary ids kept by top-k/top-p truncation (None: all)."
     )
-    expert_routing: list[list[int]] | None = Field(None, description="MoE routing per token, if any.")
+    expert_routing: ExpertRouting | None = Field(
+        None, description="MoE runs with keep_routing: the experts every sparse layer chose for each token fed."
+    )
     claimed_reward: float | None = Field(None, description="The worker's own reward; never trusted.")
     loss_mask: list[Literal[0, 1]] | None = Field(
         None, description="Multi-turn episodes: per completion token 1 if the model sampled it, 0 if the "
@@ -189,6 +206,9 @@ class TrainSample(Wire):
     )
     loss_mask: list[Literal[0, 1]] | None = Field(
         None, description="The rollout's loss mask (multi-turn): 0 marks environment tokens the trainer skips."
+    )
+    expert_routing: ExpertRouting | None = Field(
+        None, description="The rollout's MoE routes; the trainer replays them (docs/routing.md)."
     )
 
 

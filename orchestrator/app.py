@@ -52,6 +52,7 @@ from orchestrator.limits import InFlight, RateLimiter
 from orchestrator.metrics import Metrics
 from orchestrator.middlewares import auth_middleware, errors_middleware
 from orchestrator.routes import add_routes, openapi_spec, route_roles
+from orchestrator.routing_check import run_keeps_routing
 from orchestrator.state import RunState
 from orchestrator.upkeep import journal_writer, lease_upkeep
 from orchestrator.verification import verification
@@ -70,6 +71,7 @@ def create_app(
     when the journal fails. `verifier` runs the logprob spot-checks; required when
     orchestrator.verification.enabled."""
     options = state.config.orchestrator
+    run_keeps_routing(state.config.model)  # a keep_routing the model cannot honour fails here, at start-up
     app = web.Application(
         middlewares=[errors_middleware, auth_middleware], client_max_size=options.max_request_bytes
     )

@@ -73,6 +73,7 @@ def build_batch(
                     rollout_id=rollout.rollout_id,
                     sampling_mask=rollout.sampling_mask,
                     loss_mask=rollout.loss_mask,
+                    expert_routing=rollout.expert_routing,
                 )
             )
             histogram[str(staleness(trainer_version, rollout.policy_version))] += 1

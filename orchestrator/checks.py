@@ -21,11 +21,11 @@ from decentrl.wire import Rollout, SamplingParams, value_range
 from orchestrator.counters import Versions
 from orchestrator.integrity import Integrity
 from orchestrator.leases import CLOSED_REASON, LeaseBook
+from orchestrator.routing_check import routing_problem_of
 from orchestrator.scoring import Scorer
 
 log = logging.getLogger("decentrl.orchestrator.checks")
 
-MAX_EXPERT_ID = 2**31  # expert routing ids beyond this are not expert ids
 
 
 class Verdict(NamedTuple):
@@ -98,10 +98,8 @@ class IngestChecks:
             mask and (min(mask) < 0 or max(mask) >= self.vocab_size) for mask in rollout.sampling_mask
         ):
             return "token_out_of_vocabulary"
-        if rollout.expert_routing is not None and any(
-            route and (min(route) < 0 or max(route) > MAX_EXPERT_ID) for route in rollout.expert_routing
-        ):
-            return "bad_expert_routing"
+        if (problem := routing_problem_of(rollout, self.config.model)) is not None:
+            return problem
         if isinstance(self.task, EpisodeTask):  # the replay checks the ending too
             try:
                 self.scorer.episode_reward(rollout)

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgpack
 
-from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, pack_ints
-from decentrl.wire import TrainBatch
+from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, pack_ints, pack_routes
+from decentrl.wire import ExpertRouting, TrainBatch
 
 Packed = tuple[msgpack.ExtType, msgpack.ExtType]  # (completion ids, logprobs)
 
@@ -50,7 +50,18 @@ def train_batch_msgpack(batch: TrainBatch, packed: list[Packed], prompts: dict[s
         fields["prompt_token_ids"] = prompt if prompt is not None else pack_ints(sample.prompt_token_ids)
         fields["completion_token_ids"] = ids
         fields["logprobs"] = logprobs
+        fields["expert_routing"] = routing_body(sample.expert_routing)
         samples.append(fields)
     body = {name: getattr(batch, name) for name in type(batch).model_fields}
     body["samples"] = samples
     return msgpack.packb(body, use_bin_type=True)
+
+
+def routing_body(routing: ExpertRouting | None) -> dict[str, Any] | None:
+    """A sample's routes as `encode_model` sends them: the expert ids as the typed array they
+    arrived in, else packed (uint8 or uint16)."""
+    if routing is None:
+        return None
+    experts = routing.experts
+    packed = experts.ext if type(experts) is TypedList else pack_routes(experts)
+    return {"layers": routing.layers, "top_k": routing.top_k, "experts": packed}

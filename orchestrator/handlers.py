@@ -55,6 +55,7 @@ from orchestrator.bans import enforce_bans
 from orchestrator.body import error, parse_body, parse_body_with_raw, respond, wants_msgpack
 from orchestrator.codec import packed_arrays
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.routing_check import run_keeps_routing
 from orchestrator.state import LeaseError, RunState
 
 log = logging.getLogger("decentrl.orchestrator")
@@ -104,6 +105,7 @@ async def info(request: web.Request) -> web.Response:
             policy_version=state.published_version,
             max_staleness=state.config.max_staleness,
             group_size=state.config.group_size,
+            keep_routing=run_keeps_routing(state.config.model),
             episode_task=state.config.task.model_dump() if isinstance(state.task, EpisodeTask) else None,
         ),
     )

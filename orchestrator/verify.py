@@ -173,6 +173,7 @@ class Verifier:
         """The logprobs (N,) of every completion token of `rollouts`, concatenated."""
         import torch
 
+        from decentrl.routers import batch_routes, replaying
         from decentrl.sampling import sampling_distribution
 
         model = self._model(version)
@@ -189,7 +190,9 @@ class Verifier:
         ])  # (N,)
         targets = torch.tensor([t for r in rollouts for t in r.completion_token_ids]).unsqueeze(-1)  # (N, 1)
         with torch.inference_mode():
-            logits = model(input_ids=ids).logits  # (B, L, V)
+            # MoE: the worker's recorded experts, replayed as the trainer does (decentrl/routers.py).
+            with replaying(model, batch_routes([r.expert_routing for r in rollouts], width)):
+                logits = model(input_ids=ids).logits  # (B, L, V)
             # Every completion position of every rollout in one (N, V) block: one distribution call.
             chosen = sampling_distribution(logits[rows, columns], rollouts[0].sampling).gather(-1, targets).squeeze(-1)
         self.forward_s += time.perf_counter() - started

@@ -80,6 +80,7 @@ class Batcher:
                 budget = sampling.model_copy(update={"max_tokens": left})
                 completions = backend.generate([s.prompt + s.token_ids for s in group], budget, should_stop)
                 for sample, completion in zip(group, completions, strict=True):
+                    sample.extend_routes(completion.routes)
                     sample.extend(
                         completion.token_ids, completion.logprobs, [version] * len(completion.token_ids),
                         completion.sampling_mask,

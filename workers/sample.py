@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from decentrl.wire import ExpertRouting
+
 
 @dataclass
 class Sample:
@@ -19,6 +21,7 @@ class Sample:
     finish_reason: str | None = None
     loss_mask: list[int] | None = None  # episodes: 1 model token, 0 environment token
     claimed_reward: float | None = None
+    routes: ExpertRouting | None = None  # MoE: experts of every token fed (decentrl/routing.py)
 
     def extend(
         self, token_ids: list[int], logprobs: list[float], versions: list[int], masks: list[list[int]] | None
@@ -28,3 +31,13 @@ class Sample:
         self.versions += versions
         if masks is not None:
             self.masks = (self.masks or []) + masks
+
+    def extend_routes(self, routes: ExpertRouting | None) -> None:
+        """Routes of a generation of prompt + the tokens before its `extend`. After a weight swap
+        the rows already recorded stay (they routed the tokens sampled under the old weights);
+        the continuation adds the rows past them."""
+        if routes is None or self.routes is None:
+            self.routes = routes
+            return
+        kept = self.routes.experts
+        self.routes = routes.model_copy(update={"experts": list(kept) + list(routes.experts)[len(kept) :]})

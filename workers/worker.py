@@ -83,6 +83,7 @@ class Worker:
         self.client = client
         self.backend = backend
         self.info: RunInfo = client.info()
+        require_routes(self.info, backend)
         self.episode_task = episode_task_of(self.info)  # None: single-turn task
         self._codec: TextCodec | None = None  # episodes: the model's tokenizer, from the first version loaded
         # store.url, when set, overrides the URL the orchestrator announces (a closer mirror).
@@ -360,7 +361,18 @@ def to_rollout(run_name: str, worker_id: str, lease: Lease, sample: Sample, samp
         sampling_mask=sample.masks,
         loss_mask=sample.loss_mask,  # type: ignore[arg-type]
         claimed_reward=sample.claimed_reward,
+        expert_routing=sample.routes,
     )
+
+
+def require_routes(info: RunInfo, backend: Backend) -> None:
+    """A keep_routing run needs every rollout's MoE routes: refuse a backend that cannot record them."""
+    if info.keep_routing and not backend.records_routes:
+        raise ValueError(
+            f"run {info.run_name!r} keeps MoE routing (its trainer replays each token's experts) but the "
+            f"{type(backend).__name__} backend cannot record routes; use [worker] backend = \"hf\" "
+            "(docs/routing.md), or set [model] keep_routing = false in the run's config"
+        )
 
 
 def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:

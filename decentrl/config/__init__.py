@@ -14,7 +14,7 @@ load.py reading files and overrides. Import from this package.
 
 from decentrl.config.load import ConfigError, apply_overrides, load_config, parse_config, path_in_file
 from decentrl.config.logging import LoggingConfig
-from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig
+from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig, TinyMoEConfig
 from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, SamplingConfig, VerificationConfig
 from decentrl.config.run import RunConfig
 from decentrl.config.simulation import SimulationConfig
@@ -48,7 +48,7 @@ __all__ = [
     "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig", "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig",
     "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig", "OrchestratorConfig", "PolicyLossBase",
     "PretrainedModelConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig", "SimulationConfig",
-    "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TokenLossConfig",
+    "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig", "TokenLossConfig",
     "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig", "WorkerConfig", "apply_overrides",
     "load_config", "parse_config", "path_in_file",
 ]

@@ -14,6 +14,7 @@ import torch
 from decentrl.advantages import informative_samples
 from decentrl.config import TrainerConfig
 from decentrl.losses import BatchTotals
+from decentrl.routers import batch_routes
 from decentrl.wire import TrainBatch, TrainSample
 
 
@@ -27,6 +28,9 @@ class Tensors:
     # (B, L-1, K) the vocabulary ids the worker's top-k/top-p kept at each target position,
     # padded with -1; a row of -1 means no truncation there. None when no sample is truncated.
     kept_ids: torch.Tensor | None = None
+    # (B, L, sparse layers, top_k) MoE expert ids the worker's routers chose for each input
+    # position, -1 where none was recorded (decentrl/routers.py replays them). None: no routes.
+    routes: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Tensors:
         return Tensors(*(None if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)))
@@ -48,7 +52,7 @@ def collate(samples: list[TrainSample], pad_id: int) -> Tensors:
         mask[row, p - 1 : p - 1 + c] = 1.0 if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32)
         sampler[row, p - 1 : p - 1 + c] = torch.tensor(sample.logprobs)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Tensors(ids, attention, mask, sampler, advantages, kept_ids(samples, width))
+    return Tensors(ids, attention, mask, sampler, advantages, kept_ids(samples, width), batch_routes([s.expert_routing for s in samples], width))
 
 
 def kept_ids(samples: list[TrainSample], width: int) -> torch.Tensor | None:

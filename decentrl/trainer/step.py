@@ -7,11 +7,14 @@ is exactly the gradient of the whole batch in one piece. Called by the training 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 
 from decentrl.config import TrainerConfig
 from decentrl.losses import STAT_KEYS, BatchTotals, policy_loss
+from decentrl.routers import replaying
 from decentrl.trainer.batching import Tensors
 
 
@@ -44,8 +47,10 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(model: torch.nn.Module, batch: Tensors, temperature: float) -> torch.Tensor:
-    """Logprob of each next token under the tempered policy the workers sample from.  # (B, L-1)"""
-    return sampled_logprobs(next_token_logits(model, batch, temperature), batch.input_ids[:, 1:], batch.kept_ids)
+    """Logprob of each next token under the tempered policy the workers sample from, with the
+    workers' MoE routes replayed when the batch carries them.  # (B, L-1)"""
+    with replaying(model, batch.routes):
+        return sampled_logprobs(next_token_logits(model, batch, temperature), batch.input_ids[:, 1:], batch.kept_ids)
 
 
 def accumulate_gradients(
@@ -61,31 +66,49 @@ def accumulate_gradients(
     loss_sum = torch.zeros(())
     sums = {key: torch.zeros(()) for key in STAT_KEYS}
     for batch in micro_batches:
-        logits = next_token_logits(model, batch, temperature)  # (B, T, V)
-        targets = batch.input_ids[:, 1:]  # (B, T)
-        with torch.set_grad_enabled(config.entropy_coef > 0):
-            entropies = entropy(logits)  # (B, T)
-        ref_logprobs = None
-        if reference is not None:
-            with torch.no_grad():
-                ref_logprobs = sampled_logprobs(next_token_logits(reference, batch, temperature), targets, batch.kept_ids)
-        loss, stats = policy_loss(
-            sampled_logprobs(logits, targets, batch.kept_ids),
-            batch.sampler_logprobs,
-            batch.advantages,
-            batch.completion_mask,
-            totals=totals,
-            loss=config.loss,
-            off_policy=config.off_policy,
-            entropy=entropies,
-            ref_logprobs=ref_logprobs,
-            kl_coef=config.kl_coef,
-            entropy_coef=config.entropy_coef,
-        )
-        loss.backward()
+        # Routes replayed from the forward through the backward: activation checkpointing's
+        # recomputation must route as the forward did (decentrl/routers.py).
+        replay_reference = replaying(reference, batch.routes) if reference is not None else nullcontext()
+        with replaying(model, batch.routes), replay_reference:
+            loss, stats = micro_batch_loss(model, reference, batch, totals=totals, config=config, temperature=temperature)
+            loss.backward()
         loss_sum = loss_sum.to(loss.device) + loss.detach()
         sums = merge_sums(sums, stats)
     return loss_sum, sums
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    batch: Tensors,
+    *,
+    totals: BatchTotals,
+    config: TrainerConfig,
+    temperature: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's forward and loss (see policy_loss)."""
+    logits = next_token_logits(model, batch, temperature)  # (B, T, V)
+    targets = batch.input_ids[:, 1:]  # (B, T)
+    with torch.set_grad_enabled(config.entropy_coef > 0):
+        entropies = entropy(logits)  # (B, T)
+    ref_logprobs = None
+    if reference is not None:
+        with torch.no_grad():
+            ref_logprobs = sampled_logprobs(next_token_logits(reference, batch, temperature), targets, batch.kept_ids)
+    loss, stats = policy_loss(
+        sampled_logprobs(logits, targets, batch.kept_ids),
+        batch.sampler_logprobs,
+        batch.advantages,
+        batch.completion_mask,
+        totals=totals,
+        loss=config.loss,
+        off_policy=config.off_policy,
+        entropy=entropies,
+        ref_logprobs=ref_logprobs,
+        kl_coef=config.kl_coef,
+        entropy_coef=config.entropy_coef,
+    )
+    return loss, stats
 
 
 def merge_sums(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -302,12 +302,14 @@ def test_acknowledged_only_after_the_commit_returns(
 
 
 def test_every_rollout_field_survives_recovery(open_state: Callable[..., RunState], make_rollout: Any) -> None:
-    state = open_state()
+    state = open_state(model={"num_layers": 2, "moe": {"num_experts": 8, "top_k": 2}})  # two sparse layers
     state.announce(0)
     (lease,) = state.grant_leases(HOLDER, 1)
+    rows = len(lease.prompt_token_ids) + 3 - 1  # every token fed: the prompt and all but the last completion token
+    routes = {"layers": 2, "top_k": 2, "experts": [(i * 3 + i // 2) % 8 for i in range(rows * 2 * 2)]}
     full = make_rollout(
         lease, [4, 5, 2], token_versions=[0, 0, 0], sampling_mask=[[4, 5], [5], [2, 3]],
-        expert_routing=[[1, 2], [3, 4], [5, 6]], claimed_reward=0.25, finish_reason="length", logprob=-1 / 3,
+        expert_routing=routes, claimed_reward=0.25, finish_reason="length", logprob=-1 / 3,
     )
     assert state.ingest([full], HOLDER).accepted == 1
     assert state.journal.durable

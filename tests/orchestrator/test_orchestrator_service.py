@@ -509,6 +509,8 @@ def test_garbage_in_never_gets_a_server_error(serve: Any, sorted_answer: Any, co
         lambda r: r.update(token_versions=[-1] * len(r["completion_token_ids"])),
         lambda r: r.update(sampling_mask=[[2**62]] * len(r["completion_token_ids"])),
         lambda r: r.update(expert_routing=[[2**62, -(2**62)]]),
+        lambda r: r.update(expert_routing={"layers": 1, "top_k": 2, "experts": [2**62, -(2**62)]}),
+        lambda r: r.update(expert_routing={"layers": 0, "top_k": 2**40, "experts": "x"}),
         lambda r: r.update(prompt_id=2**63),
         lambda r: r.update(policy_version=-1),
         lambda r: r.update(rollout_id="x" * 200),

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from decentrl.wire import SamplingParams
+from decentrl.wire import ExpertRouting, SamplingParams
 
 # "interrupted": generation stopped early because a weight swap was due (the worker continues
 # it under the new weights); never posted as such.
@@ -29,6 +29,9 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     sampling_mask: list[list[int]] | None = None  # per token, the kept vocabulary ids; None: no truncation
+    # MoE models (backends that record routes): the experts of every token fed, prompt first
+    # (decentrl/routing.py has the layout). None: a dense model or a backend that cannot record.
+    routes: ExpertRouting | None = None
 
 
 def never() -> bool:
@@ -37,6 +40,7 @@ def never() -> bool:
 
 class Backend(Protocol):
     version: int | None
+    records_routes: bool  # whether `generate` returns MoE routes (a keep_routing run needs them)
 
     def load(self, checkpoint_dir: str, version: int) -> None:
         """Make `version` (a verified local checkpoint directory) the weights used from now on."""

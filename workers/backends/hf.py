@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from decentrl.routers import RouteRecorder, to_wire
 from decentrl.sampling import sampling_distribution
 from decentrl.stopping import eos_id_set, stop_cut
 from decentrl.weights import copy_into, load_pretrained, model_dir, read_weights
@@ -23,6 +24,8 @@ from workers.backends import Completion, never, truncates
 
 
 class HFBackend:
+    records_routes = True  # router hooks, for the MoE architectures decentrl/routers.py knows
+
     def __init__(self, *, device: str = "cpu", seed: int | None = None) -> None:
         self.device = torch.device(device)
         self.model: PreTrainedModel | None = None
@@ -70,9 +73,27 @@ class HFBackend:
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        with RouteRecorder(self.model) as recorder:
+            return self._decode(prompts, sampling, should_stop, input_ids, attention, positions, cache, recorder)
+
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        should_stop: Callable[[], bool],
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache,
+        recorder: RouteRecorder,
+    ) -> list[Completion]:
+        eos_ids, _ = self._eos_and_pad()
+        moe = recorder.layers > 0
         logits = self.model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
         ).logits[:, -1]  # (B, V)
+        # Routes: the prefill's (B, W, layers, K), then one (B, 1, layers, K) per fed token.
+        fed = [recorder.take().view(*input_ids.shape, recorder.layers, -1)] if moe else []
         rows = len(prompts)
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logprobs: list[list[float]] = [[] for _ in range(rows)]
@@ -101,12 +122,18 @@ class HFBackend:
             logits = self.model(
                 input_ids=chosen, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
             ).logits[:, -1]
+            if moe:
+                fed.append(recorder.take().view(rows, 1, recorder.layers, -1))
+        routes = torch.cat(fed, dim=1) if moe else None  # (B, W + steps, layers, K)
+        width = input_ids.shape[1]
         return [
             Completion(
                 tokens[row],
                 logprobs[row],
                 finish[row] or ("length" if len(tokens[row]) == sampling.max_tokens else "interrupted"),  # type: ignore[arg-type]
                 masks[row] if record_mask else None,
+                # The prompt's columns (left padding cut) and every completion token but the last.
+                to_wire(routes[row, width - len(prompts[row]) : width + len(tokens[row]) - 1]) if routes is not None else None,
             )
             for row in range(rows)
         ]

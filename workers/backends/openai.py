@@ -26,6 +26,8 @@ from workers.backends import Completion, never, truncates
 
 
 class OpenAIBackend:
+    records_routes = False  # the OpenAI API has no routed experts: keep_routing runs refuse it
+
     def __init__(
         self,
         *,

