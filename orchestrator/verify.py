@@ -26,7 +26,6 @@ at startup are `startup_s`, apart, as the trainer's compute time leaves out its 
 
 from __future__ import annotations
 
-import glob
 import logging
 import math
 import os
@@ -36,13 +35,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from decentrl.config import VerificationConfig
-from decentrl.store import CheckpointStore, StoreError
+from decentrl.store import CheckpointStore, StoreError, version_dirname
 from decentrl.wire import Rollout
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("decentrl.orchestrator.verify")
+
+
+class UnloadableVersion(StoreError):
+    """A version whose bytes verified but whose weights do not load into the run's model."""
 
 
 def _sampled(rollout: Rollout, version: int) -> list[bool]:
@@ -106,7 +109,14 @@ class Verifier:
         found = self._models.pop(version, None)
         if found is None:
             started, cpu_started = time.perf_counter(), time.thread_time()
-            found = self._load(version)
+            try:
+                found = self._load(version)
+            except StoreError:
+                raise
+            # Whatever a version holds, failing to load it is the version's fault, never the
+            # verifier thread's: its rollouts become `unverifiable` (see `differences`).
+            except Exception as exc:  # noqa: BLE001 - a LoadError, a SafetensorError, a bad adapter config
+                raise UnloadableVersion(f"version {version} cannot be loaded: {exc}") from exc
             self.loads += 1
             self.load_s += time.perf_counter() - started
             self.load_cpu_s += time.thread_time() - cpu_started
@@ -120,10 +130,9 @@ class Verifier:
         as the HF worker does; without a built model the version is loaded from its pulled
         directory."""
         import torch
-        from safetensors.torch import load as load_safetensors
-        from safetensors.torch import load_file
 
-        from workers.backends.adapters import adapter_base_dir, merged_weights
+        from decentrl.loadcheck import load_bytes, read_weight_files
+        from workers.backends.adapters import adapter_base_dir, merged_weights, weight_files
 
         torch.set_num_threads(self.config.torch_threads)
         if self._spare:
@@ -136,15 +145,14 @@ class Verifier:
             manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors"))
             weights: dict[str, torch.Tensor] = {}
             if manifest.base_version is None:
-                for data in files.values():
-                    weights.update(load_safetensors(data))
+                for name, data in files.items():
+                    weights.update(load_bytes(f"{version_dirname(version)}/{name}", data))
                 self._copy_in(model, weights, strict=True)
             else:
                 directory = self._pull(version)
                 base_dir = adapter_base_dir(directory)
                 assert base_dir is not None
-                for shard in sorted(glob.glob(os.path.join(base_dir, "*.safetensors"))):
-                    weights.update(load_file(shard))
+                weights.update(read_weight_files(base_dir, [os.path.basename(path) for path in weight_files(base_dir)]))
                 self._copy_in(model, weights, strict=True)
                 self._copy_in(model, merged_weights(base_dir, directory), strict=False)
         except BaseException:
@@ -170,14 +178,12 @@ class Verifier:
     def _copy_in(self, model: torch.nn.Module, weights: dict[str, torch.Tensor], *, strict: bool) -> None:
         import torch
 
+        from decentrl.loadcheck import check_loadable
+
         params = self._params.get(id(model))
         if params is None:
             params = self._params[id(model)] = model.state_dict()  # tensors aliasing the model's
-        if (strict and weights.keys() != params.keys()) or not weights.keys() <= params.keys():
-            raise StoreError(
-                f"weights do not match the model: missing {sorted(params.keys() - weights.keys())[:5]}, "
-                f"unexpected {sorted(weights.keys() - params.keys())[:5]}"
-            )
+        check_loadable(params, weights, strict=strict, where="verifier")  # nothing copied unless all fits
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].copy_(tensor)

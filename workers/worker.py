@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from decentrl.client import OrchestratorClient
 from decentrl.signing import load_public_key
-from decentrl.store import CheckpointStore, StoreError
+from decentrl.store import CheckpointStore, StoreError, VerificationError
 from decentrl.tasks.episodes import TextCodec
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, RunInfo, SamplingParams
 from workers.backends import Backend
@@ -91,11 +91,13 @@ class Worker:
             options.storage_options,
             public_key=load_public_key(options.public_key) if options.public_key else None,
             cache_max_bytes=options.cache_max_bytes,
+            run_name=self.info.run_name,  # with a public key, another run's signed versions are refused
         )
         self.spool = Spool(options.spool_dir or os.path.join(options.cache_dir, "spool", options.worker_id))
         self.stopping = False
         self.rollouts_posted = 0
         self.swaps: list[SwapRecord] = []
+        self.refused: dict[int, str] = {}  # version -> why it was not loaded; skipped for good
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
         self._lock = threading.Lock()  # backend calls and weight swaps never overlap
         self._batcher = Batcher(max_rows=options.max_batch_rows)
@@ -134,7 +136,8 @@ class Worker:
         self._resend_spooled()
         left = len(self.spool.pending())
         log.info(
-            "worker %s stopping after %d rollouts%s", self.options.worker_id, self.rollouts_posted,
+            "worker %s stopping after %d rollouts, %d versions refused%s", self.options.worker_id,
+            self.rollouts_posted, len(self.refused),
             f"; {left} batches stay spooled in {self.spool.directory} for the next start" if left else "",
         )
 
@@ -159,6 +162,7 @@ class Worker:
                 version is not None
                 and not self.stopping
                 and not self._store_failing
+                and version not in self.refused
                 and (self.backend.version is None or self.backend.version < version)
             ):
                 self._versions.wait(timeout=0.5)
@@ -167,15 +171,21 @@ class Worker:
         loaded = self.backend.version
         return loaded is not None and self.announced is not None and self.announced - loaded <= self.info.max_staleness
 
+    def _due(self) -> bool:
+        return self.announced is not None and self.announced != self.backend.version and self.announced not in self.refused
+
     def _swapper(self) -> None:
-        """The one place weights change: pull the newest announced version, then swap softly."""
+        """The one place weights change: pull the newest announced version, then swap softly.
+        It never dies on what a version holds: a store that cannot be read is retried with
+        backoff; a version that fails verification or loading is refused and skipped, and
+        generation goes on with the weights last loaded (`_refuse`)."""
         failures = 0
         while not self.stopping:
             with self._versions:
-                due = self.announced is not None and self.announced != self.backend.version
+                due = self._due()
                 if not due:
                     self._versions.wait(timeout=self.options.version_poll_s)
-                    due = self.announced is not None and self.announced != self.backend.version
+                    due = self._due()
             if self.stopping:
                 return
             if not due:
@@ -189,6 +199,9 @@ class Worker:
             started = time.perf_counter()
             try:
                 path = self.store.pull(version, self.options.cache_dir)
+            except VerificationError as exc:  # the store answered with something not to be trusted
+                self._refuse(version, exc)
+                continue
             except (StoreError, OSError) as exc:
                 # Keep generating with the loaded version while it is fresh (slots check).
                 failures += 1
@@ -201,7 +214,22 @@ class Worker:
                 continue
             failures = 0
             self._store_failing = False
-            self._swap(path, version, pull_s=time.perf_counter() - started)
+            try:
+                self._swap(path, version, pull_s=time.perf_counter() - started)
+            # Any failure to load a verified version is that version's: the backends check before
+            # they copy (decentrl/loadcheck.py), so the weights loaded before are still whole.
+            except Exception as exc:  # noqa: BLE001 - LoadError, VerificationError, a backend's own
+                self._refuse(version, exc)
+
+    def _refuse(self, version: int, exc: Exception) -> None:
+        """Skip `version` for good; slots waiting for it go on with the loaded version while fresh."""
+        with self._versions:
+            self.refused[version] = f"{type(exc).__name__}: {exc}"
+            self._versions.notify_all()
+        log.error(
+            "refused version %d (%s): %s; still generating with version %s (%d versions refused so far)",
+            version, type(exc).__name__, exc, self.backend.version, len(self.refused),
+        )
 
     def _swap(self, path: str, version: int, *, pull_s: float) -> None:
         if self.episode_task is not None and self._codec is None:
@@ -209,10 +237,12 @@ class Worker:
         paused = time.perf_counter()
         self._admit.clear()
         self._pause_deadline = time.monotonic() + self.options.swap_deadline_s
-        with self._lock:  # waits for the generation in flight (interrupted at the deadline)
-            self.backend.load(path, version)
-        self._pause_deadline = None
-        self._admit.set()
+        try:
+            with self._lock:  # waits for the generation in flight (interrupted at the deadline)
+                self.backend.load(path, version)
+        finally:  # loaded or refused, generation resumes
+            self._pause_deadline = None
+            self._admit.set()
         record = SwapRecord(
             version=version,
             seen_at=self._seen_at.get(version, time.time()),

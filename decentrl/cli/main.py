@@ -119,7 +119,7 @@ def orchestrator(
         from orchestrator.verify import Verifier
 
         verifier = Verifier(
-            cfg.orchestrator.verification, store=CheckpointStore.from_config(cfg.store),
+            cfg.orchestrator.verification, store=CheckpointStore.from_config(cfg.store, run_name=cfg.run_name),
             cache_dir=os.path.join(run_dir, "verifier-cache"), build=lambda: build_model(cfg.model),
         )
     web.run_app(
@@ -280,7 +280,7 @@ def evaluate(
     if not url:
         typer.echo("error: the config's store.url is empty: pass --store URL or --run-dir RUN_DIR", err=True)
         raise typer.Exit(2)
-    store = _open_store(url, public_key)
+    store = _open_store(url, public_key, loaded.run_name)
     try:
         chosen = store.latest() if version is None else version
         if chosen is None:
@@ -300,14 +300,17 @@ StoreUrlArg = Annotated[str, typer.Argument(help="Store URL (path, file://, s3:/
 PublicKeyOpt = Annotated[
     str | None, typer.Option(help="Trainer's ed25519 public key file: unsigned or wrongly signed versions fail.")
 ]
+RunOpt = Annotated[
+    str | None, typer.Option(help="With --public-key: the run the versions must be signed for (default: any run).")
+]
 
 
-def _open_store(url: str, public_key: str | None = None):  # noqa: ANN202 - CheckpointStore, imported lazily
+def _open_store(url: str, public_key: str | None = None, run: str | None = None):  # noqa: ANN202 - CheckpointStore, imported lazily
     from decentrl.signing import SigningKeyError, load_public_key
     from decentrl.store import CheckpointStore
 
     try:
-        return CheckpointStore(url, public_key=load_public_key(public_key) if public_key else None)
+        return CheckpointStore(url, public_key=load_public_key(public_key) if public_key else None, run_name=run)
     except SigningKeyError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -339,11 +342,12 @@ def store_pull(
     dest: Annotated[str, typer.Option(help="Local directory; the version lands in DEST/vNNNNNN.")],
     version: Annotated[int | None, typer.Option(min=0, help="Version; default the newest.")] = None,
     public_key: PublicKeyOpt = None,
+    run: RunOpt = None,
 ) -> None:
     """Download a version (resuming an interrupted pull into DEST) and verify every file's sha256."""
     from decentrl.store import StoreError
 
-    store = _open_store(url, public_key)
+    store = _open_store(url, public_key, run)
     try:
         chosen = store.latest() if version is None else version
         if chosen is None:
@@ -359,11 +363,12 @@ def store_verify(
     url: StoreUrlArg,
     version: Annotated[int | None, typer.Option(min=0, help="Version; default all.")] = None,
     public_key: PublicKeyOpt = None,
+    run: RunOpt = None,
 ) -> None:
     """Check every file of a version (or all) against its manifest; non-zero exit on any mismatch."""
     from decentrl.store import StoreError
 
-    store = _open_store(url, public_key)
+    store = _open_store(url, public_key, run)
     try:
         versions = store.versions() if version is None else [version]
         problems = [problem for v in versions for problem in store.verify(v)]

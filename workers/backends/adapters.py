@@ -10,7 +10,6 @@ an in-place weight copy like that of a full version. Called by workers/backends/
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -36,6 +35,14 @@ def adapter_base_dir(checkpoint_dir: str) -> str | None:
     return os.path.join(os.path.dirname(checkpoint_dir), version_dirname(base))
 
 
+def weight_files(version_dir: str) -> list[str]:
+    """The safetensors files of a pulled version as its manifest lists them (never a glob: a file
+    planted beside them is not the version's)."""
+    with open(os.path.join(version_dir, MANIFEST_NAME), "rb") as f:
+        files = Manifest.model_validate_json(f.read()).files
+    return [os.path.join(version_dir, entry.path) for entry in files if entry.path.endswith(".safetensors")]
+
+
 def merged_weights(base_dir: str, adapter_dir: str) -> dict[str, torch.Tensor]:
     """The adapted Linears' weights, W0 + scale * B @ A, under the base model's names."""
     with open(os.path.join(adapter_dir, ADAPTER_CONFIG), encoding="utf-8") as f:
@@ -46,7 +53,7 @@ def merged_weights(base_dir: str, adapter_dir: str) -> dict[str, torch.Tensor]:
     modules = [name.removeprefix(_PREFIX).removesuffix(".lora_A.weight") for name in adapter if name.endswith(".lora_A.weight")]
     wanted = {f"{module}.weight": module for module in modules}
     merged: dict[str, torch.Tensor] = {}
-    for shard in sorted(glob.glob(os.path.join(base_dir, "*.safetensors"))):
+    for shard in weight_files(base_dir):
         with safe_open(shard, framework="pt") as base:
             for name in wanted.keys() & set(base.keys()):
                 module = wanted[name]

@@ -10,16 +10,17 @@ soft-pause deadline interrupts a generation for a weight swap.
 
 from __future__ import annotations
 
-import glob
+import json
 import os
 from collections.abc import Callable
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from decentrl.loadcheck import check_loadable, read_weight_files
 from decentrl.sampling import sampling_distribution
 from decentrl.stopping import eos_id_set, stop_cut
+from decentrl.store import MANIFEST_NAME, read_cached_manifest
 from decentrl.wire import SamplingParams
 from workers.backends import Completion, never, truncates
 from workers.backends.adapters import adapter_base_dir, merged_weights
@@ -38,20 +39,19 @@ class HFBackend:
             self.generator.seed()
 
     def load(self, checkpoint_dir: str, version: int) -> None:
-        if (base_dir := adapter_base_dir(checkpoint_dir)) is not None:  # LoRA run: an adapter on base_dir
-            self.load(base_dir, version)
-            self.model.load_state_dict(merged_weights(base_dir, checkpoint_dir), strict=False)  # type: ignore[union-attr]
-            return
+        """Make `version` the weights used from now on, or raise (LoadError, VerificationError)
+        leaving the model exactly as it was: every file is read and checked against the model
+        before the first tensor is copied (`load_in_place`)."""
         if self.model is None:
-            self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
-            self.model.to(self.device).eval()
-            self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+            source = adapter_base_dir(checkpoint_dir) or checkpoint_dir  # LoRA run: built from the base
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+            model.to(self.device).eval()
+            # from_pretrained fills a missing tensor with random values and reads the shards its
+            # index names: load the manifest's files over it, checked, as every later version is.
+            load_in_place(model, checkpoint_dir)
+            self.model, self.tokenizer = model, AutoTokenizer.from_pretrained(source)
         else:
-            # Same architecture, new weights: copy in place instead of rebuilding the module.
-            state: dict[str, torch.Tensor] = {}
-            for shard in sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors"))):
-                state.update(load_file(shard))
-            self.model.load_state_dict(state, strict=True)
+            load_in_place(self.model, checkpoint_dir)  # same architecture, new weights: no rebuild
         self.version = version
 
     def _eos_and_pad(self) -> tuple[set[int], int]:
@@ -118,3 +118,34 @@ class HFBackend:
             )
             for row in range(rows)
         ]
+
+
+def load_in_place(model: PreTrainedModel, checkpoint_dir: str) -> None:
+    """Copy a pulled version's weights into `model`: only the files its manifest lists, all of
+    them read and checked (names, shapes, dtypes) before any tensor is copied, so a version that
+    does not fit leaves the model untouched. A LoRA adapter version is merged onto its base."""
+    base_dir = adapter_base_dir(checkpoint_dir)
+    weights_dir = base_dir or checkpoint_dir
+    weights = read_weight_files(weights_dir, weight_names(weights_dir))
+    params = model.state_dict()  # tensors aliasing the model's
+    check_loadable(params, weights, where=weights_dir)
+    if base_dir is not None:
+        merged = merged_weights(base_dir, checkpoint_dir)
+        check_loadable(params, merged, strict=False, where=checkpoint_dir)
+        weights.update(merged)
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+
+
+def weight_names(directory: str) -> list[str]:
+    """The safetensors files of a version: in a pulled one, as its manifest lists them (never a
+    glob: a file planted beside them is not the version's); in a directory that was not pulled
+    (a local checkpoint, a test's), as from_pretrained finds them: the index's shards or model.safetensors."""
+    if os.path.lexists(os.path.join(directory, MANIFEST_NAME)):
+        return [f.path for f in read_cached_manifest(directory).files if f.path.endswith(".safetensors")]
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    return ["model.safetensors"]
