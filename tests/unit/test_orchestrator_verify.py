@@ -12,6 +12,7 @@ import math
 import os
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -358,3 +359,47 @@ def test_a_batch_waits_for_a_held_back_group_ahead_of_it_which_keeps_its_place(
     batch = state.take_batch(0)
     assert batch is not None and [s.group_id for s in batch.samples][::3] == [first.lease_id, second.lease_id]
     assert not state.held_back_ahead(2) and not checks_due(state)
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["in-place", "pulled"])
+@pytest.mark.parametrize("damage", ["header-size bomb", "malformed header", "wrong shape", "missing tensor", "files: []"])
+def test_a_version_that_verifies_but_does_not_load_is_unverifiable(
+    damage: str, built: bool, setup: Any, world: dict[str, Any], tmp_path: Any
+) -> None:
+    """Whatever a version holds, the verifier's loader turns a failure into `unverifiable` for the
+    rollouts that need it (no strike), and the verifier goes on."""
+    import json
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    store = CheckpointStore(f"file://{tmp_path}/store")
+    directory = publish(store, str(tmp_path), -1, seed=0)  # written, published below
+    weights = os.path.join(directory, "model.safetensors")
+    state = load_file(weights)
+    first = sorted(state)[0]
+    if damage == "header-size bomb":
+        Path(weights).write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    elif damage == "malformed header":
+        Path(weights).write_bytes(struct.pack("<Q", 8) + b"{not js}" + bytes(32))
+    elif damage == "wrong shape":
+        state[first] = torch.zeros(state[first].shape[0] + 1, *state[first].shape[1:])
+        save_file(state, weights)
+    elif damage == "missing tensor":
+        del state[first]
+        save_file(state, weights)
+    store.publish(0, directory)
+    if damage == "files: []":
+        manifest = tmp_path / "store" / "v000000" / "manifest.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "files": []}))
+    state_, _ = setup(new_worker_checks=1000)
+    verifier = Verifier(
+        state_.config.orchestrator.verification, store=store, cache_dir=str(tmp_path / "vc"),
+        build=(lambda: build_model(TinyModelConfig(**TINY))) if built else None,
+    )
+    verifier.warm_up()
+    lease = state_.grant_leases(HONEST, 1)[0]
+    assert state_.ingest(generated(world["honest"], lease, state_.sampling), HONEST).accepted == 3
+    failures = verify_all(state_, verifier)
+    assert set(failures.values()) == {"unverifiable"} and len(failures) == 3
+    assert state_.integrity.workers["honest"].strikes == 0 and verifier.loads == 0
