@@ -34,6 +34,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from decentrl import signing
 from decentrl.cache import (
+    CHUNK,
     NotRegularFile,
     VerifiedFiles,
     cached_manifest,
@@ -77,9 +78,11 @@ log = logging.getLogger("decentrl.store")
 
 
 def _read_block(declared: int, have: int = 0) -> int:
-    """fsspec's read-ahead for a file declared `declared` bytes of which `have` are local: a
-    read never fetches more than one block past the declared size (+1 byte to see it is longer)."""
-    return max(1, min(_READ_BLOCK, declared + 1 - have))
+    """fsspec's read-ahead for a file declared `declared` bytes of which `have` are local. Its
+    read-ahead cache fetches each read (a CHUNK) plus one block; sized so, a file up to
+    _READ_BLOCK is fetched in one ranged GET ending one byte past its declared size (to see that
+    it is longer), and a larger one overshoots by at most one block."""
+    return max(1, min(_READ_BLOCK, declared + 1 - have - CHUNK))
 
 
 def _link_hashing(remote: str, local_path: str, limit: int) -> tuple[int, str, os.stat_result] | None:

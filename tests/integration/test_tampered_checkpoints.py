@@ -238,3 +238,33 @@ def test_tampered_versions_are_refused_and_the_worker_generates_on(harness: Harn
     worker.request_stop()
     swapper.join(timeout=10)
     assert not swapper.is_alive()
+
+
+def test_an_s3_object_larger_than_declared_is_not_downloaded_in_full(
+    endpoint: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch  # noqa: F811 - the moto fixture
+) -> None:
+    """A 1.3 MB entry replaced by a 26 MB object: each of the 3 attempts stops one byte past the
+    declared size (the ranged GETs ask for no more), instead of reading 26 MB three times."""
+    import s3fs
+
+    monkeypatch.setattr("decentrl.store._RETRY_DELAYS", (0.0, 0.0))
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    store = CheckpointStore(new_bucket_url(endpoint), options)
+    src = tmp_path / "src"
+    src.mkdir()
+    declared = 1_300_000
+    (src / "model.safetensors").write_bytes(os.urandom(declared))
+    store.publish(0, str(src))
+    store.fs.pipe_file(f"{store.root}/v000000/model.safetensors", os.urandom(26 * 1024 * 1024))
+    fetched: list[int] = []
+    real = s3fs.core.S3File._fetch_range
+
+    def counting(self: Any, start: int, end: int) -> bytes:
+        data = real(self, start, end)
+        fetched.append(len(data))
+        return data
+
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", counting)
+    with pytest.raises(Exception, match="size mismatch"):
+        store.pull(0, str(tmp_path / "cache"))
+    assert len(fetched) == 3 and max(fetched) <= declared + 1, fetched
