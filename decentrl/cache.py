@@ -87,7 +87,9 @@ def is_real_dir(path: str) -> bool:
 
 
 def make_dir(path: str) -> None:
-    """`path` as a directory: one made here, or a real one found there (a symlink is replaced)."""
+    """`path` as a directory: one made here, or a real one found there (a symlink is replaced).
+    Its parents are the caller's (the configured cache directory's): made as needed, as found."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     while True:
         try:
             os.mkdir(path)
