@@ -13,6 +13,11 @@ directory, so a cached version is complete and verified or absent; the partial d
 an interrupted pull and the next pull resumes it. A cached version is served only while its
 manifest is the store's, byte for byte: caches are keyed by version number, which another store
 (another run, or this URL before its run restarted) also uses.
+
+Size: ~590 lines, for one object over one fsspec filesystem and one layout (publish, pull with its
+resume and cache checks, verify, retain). The manifest's format and parser are in
+decentrl/manifest.py and the cache's local files in decentrl/cache.py; moving `pull` into a cache
+object of its own is the seam issue 13 names.
 """
 
 from __future__ import annotations
