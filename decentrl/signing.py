@@ -12,7 +12,6 @@ A signature is the text "ed25519:" followed by the base64 of the 64 signature by
 from __future__ import annotations
 
 import base64
-import binascii
 import os
 
 from cryptography.exceptions import InvalidSignature
@@ -82,6 +81,7 @@ def is_valid(key: Ed25519PublicKey, payload: bytes, signature: str) -> bool:
         return False
     try:
         key.verify(base64.b64decode(signature[len(_PREFIX) :], validate=True), payload)
-    except (InvalidSignature, binascii.Error):
+    # binascii.Error: not base64; ValueError: non-ASCII text, which b64decode refuses to read.
+    except (InvalidSignature, ValueError):
         return False
     return True

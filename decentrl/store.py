@@ -13,37 +13,68 @@ directory, so a cached version is complete and verified or absent; the partial d
 an interrupted pull and the next pull resumes it. A cached version is served only while its
 manifest is the store's, byte for byte: caches are keyed by version number, which another store
 (another run, or this URL before its run restarted) also uses.
+
+Size: ~580 lines, for one object over one fsspec filesystem and one layout (publish, pull with its
+resume and cache checks, verify, retain). What has a seam is out: the manifest's format and
+parser (decentrl/manifest.py), the cache's local files (decentrl/cache.py), the weights inside a
+version (decentrl/weights.py). `pull` stays here because each of its steps asks the store: whether
+a cached version may be served is decided against the store's manifest, read and signature-checked
+on every pull, and its downloads stream from the store's filesystem; a cache object of its own
+would hold a reference back to this one.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
-import json
 import logging
 import os
 import re
-import shutil
+import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
-from typing import BinaryIO
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, Field, ValidationError
 
 from decentrl import signing
+from decentrl.cache import (
+    CHUNK,
+    NotRegularFile,
+    VerifiedFiles,
+    cached_manifest,
+    check_cached_file,
+    copy_hashing,
+    dir_bytes,
+    hash_regular,
+    is_real_dir,
+    locked,
+    make_dir,
+    mismatch,
+    open_regular,
+    read_regular,
+    remove_path,
+)
 from decentrl.config import StoreConfig
 
-MANIFEST_NAME = "manifest.json"
-# Streaming unit, read into one reused buffer: small enough to stay in CPU cache between the
-# read, the hash and the write (several times faster than fresh 8 MiB reads on a local disk).
-_CHUNK = 1024 * 1024
+# The manifest's format lives in decentrl/manifest.py; these names stay importable from here.
+from decentrl.manifest import (  # noqa: F401 - re-exported
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ManifestFile,
+    SignatureError,
+    StoreError,
+    VerificationError,
+    check_manifest,
+    parse_manifest,
+    signed_payload,
+    version_dirname,
+)
+
 # fsspec read-ahead for remote files: a few large ranged GETs per file, not one per chunk.
 _READ_BLOCK = 64 * 1024 * 1024
 _RETRY_DELAYS = (0.2, 0.4)  # sleeps between the 3 download attempts of one file
@@ -54,93 +85,33 @@ _DEFAULTS = StoreConfig()
 log = logging.getLogger("decentrl.store")
 
 
-def version_dirname(version: int) -> str:
-    return f"v{version:06d}"
+def _read_block(declared: int, have: int = 0) -> int:
+    """fsspec's read-ahead for a file declared `declared` bytes of which `have` are local. Its
+    read-ahead cache fetches each read (a CHUNK) plus one block; sized so, a file up to
+    _READ_BLOCK is fetched in one ranged GET ending one byte past its declared size (to see that
+    it is longer), and a larger one overshoots by at most one block."""
+    return max(1, min(_READ_BLOCK, declared + 1 - have - CHUNK))
 
 
-class ManifestFile(BaseModel):
-    # Flat file name only: it is joined onto local cache paths, so no separators or "..".
-    path: str = Field(
-        description="File name relative to the version directory, e.g. model.safetensors",
-        pattern=r"^[^/\\]*[^/\\.][^/\\]*$",
-    )
-    size: int = Field(description="Size in bytes", ge=0)
-    sha256: str = Field(description="Lowercase hex SHA-256 of the file", pattern=r"^[0-9a-f]{64}$")
-
-
-class Manifest(BaseModel):
-    version: int = Field(description="Policy version this checkpoint holds", ge=0)
-    parent: int | None = Field(description="Version this one was trained from; None for the first", ge=0)
-    created_at: float = Field(description="Unix time the version was published", ge=0)
-    files: list[ManifestFile] = Field(description="Every file of the version except the manifest")
-    base_version: int | None = Field(
-        default=None,
-        ge=0,
-        description="LoRA runs: the full version this adapter-only version (adapter_config.json, "
-        "adapter_model.safetensors) applies to; None for a full checkpoint",
-    )
-    signature: str | None = Field(
-        default=None, description="ed25519 signature of `signed_payload` of the manifest (decentrl.signing)"
-    )
-
-
-class StoreError(Exception):
-    """A store operation cannot proceed; the message says what is wrong and what to do."""
-
-
-class VerificationError(StoreError):
-    """A stored file is missing or does not match its manifest entry, or the manifest is not trusted."""
-
-
-class SignatureError(VerificationError):
-    """A public key is configured and the manifest is unsigned or signed by another key."""
-
-
-def signed_payload(manifest: dict[str, object]) -> bytes:
-    """What a signature covers: the manifest's JSON object minus `signature`, canonically encoded."""
-    body = {key: value for key, value in manifest.items() if key != "signature"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _copy_hashing(src: BinaryIO, dst: BinaryIO | None, digest: hashlib._Hash, size: int = 0) -> tuple[int, str]:
-    """Stream src (into dst if given) through `digest`, which already covers `size` bytes."""
-    buffer = memoryview(bytearray(_CHUNK))
-    while n := src.readinto(buffer):
-        chunk = buffer[:n]
-        digest.update(chunk)
-        size += n
-        if dst is not None:
-            dst.write(chunk)
-    return size, digest.hexdigest()
-
-
-def _hash_file(path: str) -> tuple[int, str]:
-    with open(path, "rb", buffering=0) as f:
-        return _copy_hashing(f, None, hashlib.sha256())
-
-
-def _link_hashing(remote: str, local_path: str) -> tuple[int, str] | None:
-    """Hard-link a local store file into the cache and hash the link: (size, sha256), or None where
+def _link_hashing(remote: str, local_path: str, limit: int) -> tuple[int, str, os.stat_result] | None:
+    """Hard-link a local store file into the cache and hash the link: (size, sha256, stat), or None where
     the cache cannot link to the store (another filesystem). The link and the store name one inode,
     which the store never rewrites (a version's files are written once, then the manifest), and
     which outlives the store's name when retention deletes it."""
-    if os.path.lexists(local_path):
-        os.remove(local_path)  # a partial copy from an earlier attempt
+    remove_path(local_path)  # a partial copy from an earlier attempt
     try:
         os.link(remote, local_path)
     except FileNotFoundError:
         raise
     except OSError:
         return None
-    return _hash_file(local_path)
+    return hash_regular(local_path, limit)
 
 
-def _mismatch(entry: ManifestFile, size: int, sha256: str) -> str | None:
-    if size != entry.size:
-        return f"size mismatch (expected {entry.size}, got {size})"
-    if sha256 != entry.sha256:
-        return f"sha256 mismatch (expected {entry.sha256[:12]}.., got {sha256[:12]}..)"
-    return None
+def _hash_own_file(path: str) -> tuple[int, str]:
+    """(size, sha256) of a file being published: the trainer's own, so a symlink (an HF snapshot's) is followed."""
+    with open(path, "rb", buffering=0) as f:
+        return copy_hashing(f, None, hashlib.sha256())
 
 
 def _run_all(pool: ThreadPoolExecutor, tasks: list[Callable[[], object]]) -> list[object]:
@@ -154,33 +125,6 @@ def _run_all(pool: ThreadPoolExecutor, tasks: list[Callable[[], object]]) -> lis
     return [future.result() for future in futures]
 
 
-@contextmanager
-def _locked(path: str, *, blocking: bool = True) -> Iterator[bool]:
-    """flock `path` (created if needed); yields False at once if non-blocking and it is held.
-
-    Eviction unlinks the lock files of evicted versions while holding them, so after acquiring,
-    check the path still names the locked file; if not, lock the new one.
-    """
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            yield False
-            return
-        try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    try:
-        yield True
-    finally:
-        os.close(fd)
-
-
 @functools.cache
 def _read_errors() -> tuple[type[Exception], ...]:
     """What a backend raises when the store cannot be read: OSError (fsspec's convention), and the
@@ -190,27 +134,16 @@ def _read_errors() -> tuple[type[Exception], ...]:
     return (OSError, BotoCoreError, ClientError)
 
 
-def _cached_manifest(version_dir: str) -> bytes | None:
-    """The raw manifest a pull kept in `version_dir`; None where there is none."""
-    try:
-        with open(os.path.join(version_dir, MANIFEST_NAME), "rb") as f:
-            return f.read()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
 def _short_sha(data: bytes | None) -> str:
     return "none" if data is None else hashlib.sha256(data).hexdigest()[:12]
 
 
 def _cached_base(version_dir: str) -> int | None:
     """The base version of a cached (hence verified) version directory; None for a full checkpoint."""
-    with open(os.path.join(version_dir, MANIFEST_NAME), "rb") as f:
-        return Manifest.model_validate_json(f.read()).base_version
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+    raw = cached_manifest(version_dir)
+    if raw is None:
+        return None
+    return parse_manifest(raw, os.path.join(version_dir, MANIFEST_NAME))[0].base_version
 
 
 class CheckpointStore:
@@ -218,7 +151,9 @@ class CheckpointStore:
 
     signing_key: publishes signed manifests (the trainer). public_key: refuses unsigned or
     wrongly signed versions (workers). cache_max_bytes: after each pull, evict the oldest cached
-    versions until the cache fits. retention_grace_s: see `retain`.
+    versions until the cache fits. retention_grace_s: see `retain`. run_name: the run this store
+    belongs to, written into every manifest published and, with a public key, required of every
+    manifest read (the signature covers it); None reads any run's (`decentrl store` without --run).
     """
 
     def __init__(
@@ -233,6 +168,7 @@ class CheckpointStore:
         cache_max_bytes: int | None = None,
         retention_grace_s: float = _DEFAULTS.retention_grace_s,
         link_local: bool = _DEFAULTS.link_local,
+        run_name: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
@@ -242,13 +178,15 @@ class CheckpointStore:
         self.download_concurrency = download_concurrency
         self.cache_max_bytes = cache_max_bytes
         self.retention_grace_s = retention_grace_s
+        self.run_name = run_name
+        self.verified = VerifiedFiles()  # cache files this process hashed against their manifest
         # Zero-copy pulls need a store on this machine's filesystem and a trusted one: with a
         # public key, whoever can write the store is not trusted, and a hard link would let a
         # later in-place write reach a cache that was verified before it.
         self.link_local = link_local and isinstance(self.fs, LocalFileSystem) and public_key is None
 
     @classmethod
-    def from_config(cls, config: StoreConfig) -> CheckpointStore:
+    def from_config(cls, config: StoreConfig, *, run_name: str | None = None) -> CheckpointStore:
         """A store as the run config describes it; key files are read here (errors name the file)."""
         return cls(
             config.url,
@@ -260,6 +198,7 @@ class CheckpointStore:
             cache_max_bytes=None if config.cache_max_gb is None else int(config.cache_max_gb * 2**30),
             retention_grace_s=config.retention_grace_s,
             link_local=config.link_local,
+            run_name=run_name,
         )
 
     def _vdir(self, version: int) -> str:
@@ -287,8 +226,9 @@ class CheckpointStore:
         return versions[-1] if versions else None
 
     def _manifest_bytes(self, version: int) -> bytes:
+        """At most MAX_MANIFEST_BYTES + 1 bytes (one ranged read), so an oversize one is seen as such."""
         try:
-            return self.fs.cat_file(self._manifest_path(version))
+            return self.fs.cat_file(self._manifest_path(version), start=0, end=MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
             raise StoreError(
                 f"version {version} not found in {self.url} (no manifest); "
@@ -304,22 +244,10 @@ class CheckpointStore:
         """The manifest and its raw bytes, after checking it is well formed, for `version`, and signed."""
         raw = self._manifest_bytes(version)
         where = f"{version_dirname(version)}/{MANIFEST_NAME}"
-        try:
-            data = json.loads(raw)
-            manifest = Manifest.model_validate(data)
-        except ValueError as exc:  # JSONDecodeError and ValidationError alike
-            detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-            raise VerificationError(f"{where}: not a valid manifest ({detail})") from None
-        if manifest.version != version:
-            raise VerificationError(f"{where}: describes version {manifest.version}, not {version}")
-        if self.public_key is not None:
-            if manifest.signature is None:
-                raise SignatureError(f"{where}: unsigned, and a public key is configured; refusing the version")
-            if not signing.is_valid(self.public_key, signed_payload(data), manifest.signature):
-                raise SignatureError(
-                    f"{where}: signature does not match the configured public key; refusing the version"
-                )
-        return manifest, raw
+        return self._trusted(raw, version, where), raw
+
+    def _trusted(self, raw: bytes, version: int, where: str) -> Manifest:
+        return check_manifest(raw, version, where=where, public_key=self.public_key, run_name=self.run_name)
 
     def manifest(self, version: int) -> Manifest:
         return self._checked_manifest(version)[0]
@@ -336,12 +264,14 @@ class CheckpointStore:
                 continue
             where = f"{version_dirname(version)}/{entry.path}"
             try:
-                data = self.fs.cat_file(f"{self._vdir(version)}/{entry.path}")
+                # Never more than the declared size (+1 to see a larger object), whatever is stored.
+                with self.fs.open(f"{self._vdir(version)}/{entry.path}", "rb", block_size=_read_block(entry.size)) as f:
+                    data = f.read(entry.size + 1)
             except FileNotFoundError:
                 raise VerificationError(f"{where}: missing from store") from None
             except _read_errors() as e:
                 raise StoreError(f"{where}: read failed ({e}); check the store is reachable") from None
-            problem = _mismatch(entry, len(data), hashlib.sha256(data).hexdigest())
+            problem = mismatch(entry, len(data), hashlib.sha256(data).hexdigest())
             if problem is not None:
                 raise VerificationError(f"{where}: {problem}")
             found[entry.path] = data
@@ -377,11 +307,13 @@ class CheckpointStore:
                 pool.submit(self._put_local, p, f"{vdir}/{n}", hand_over) if local else pool.submit(self.fs.put_file, p, f"{vdir}/{n}")
                 for p, n in zip(paths, names)
             ]
-            hashes = list(hashers.map(_hash_file, paths))
+            hashes = list(hashers.map(_hash_own_file, paths))
             for upload in uploads:
                 upload.result()
         files = [ManifestFile(path=n, size=size, sha256=sha) for n, (size, sha) in zip(names, hashes)]
-        manifest = Manifest(version=version, parent=parent, created_at=time.time(), files=files, base_version=base_version)
+        manifest = Manifest(
+            version=version, parent=parent, created_at=time.time(), files=files, base_version=base_version, run=self.run_name
+        )
         if self.signing_key is not None:
             payload = signed_payload(manifest.model_dump(mode="json"))
             manifest = manifest.model_copy(update={"signature": signing.sign(self.signing_key, payload)})
@@ -429,73 +361,95 @@ class CheckpointStore:
         """The cached directory of `version` and the base version it is an adapter for.
 
         A cached directory is served when its manifest is the store's, byte for byte (the manifest
-        covers every file's sha256, and its signature is checked as for a download); else it is
-        another store's version of that number and is replaced. Where the store cannot say - it is
-        unreachable, or retention already deleted the version - the cached directory is served
-        unchecked: a worker keeps generating with what it has through a store outage."""
+        covers every file's sha256, and its signature is checked as for a download), and its files
+        still match it (`_cached_problem`); else it is replaced by a fresh pull. Where the store
+        cannot say - it is unreachable, or retention already deleted the version - the cached
+        directory is served only after its own manifest passes the same checks (signature and run
+        included) and its files match it: a worker keeps generating with what it has through a
+        store outage, and never with what it could not verify."""
         final = os.path.join(cache_dir, version_dirname(version))
         try:
             manifest, raw = self._checked_manifest(version)
         except VerificationError:
             raise
         except StoreError as exc:
-            if not os.path.isdir(final):
+            cached = cached_manifest(final)
+            if cached is None:
                 raise
-            log.warning("serving cached %s unchecked: %s", final, exc)
-            return final, _cached_base(final)
-        if _cached_manifest(final) != raw:
-            os.makedirs(cache_dir, exist_ok=True)
+            kept = self._trusted(cached, version, f"cached {final}/{MANIFEST_NAME}")
+            problem = self._cached_problem(final, kept)
+            if problem is not None:
+                raise VerificationError(f"cached {final}: {problem}; and the store cannot be read to pull it again ({exc})") from None
+            log.warning("serving cached %s (its manifest and files verified again): %s", final, exc)
+            return final, kept.base_version
+        if not self._cache_holds(final, raw, manifest):
+            make_dir(cache_dir)
             # One puller per version per cache dir: the partial directory is shared across attempts.
             lock = os.path.join(cache_dir, f".{version_dirname(version)}.lock")
-            with _locked(lock):
-                if _cached_manifest(final) != raw:
+            with locked(lock):
+                if not self._cache_holds(final, raw, manifest):
                     self._demote_foreign(final, raw)
                     self._pull_locked(manifest, raw, cache_dir)
-                os.remove(lock)  # safe while held (see _locked); a failed pull leaves it beside its partial
+                os.remove(lock)  # safe while held (see locked); a failed pull leaves it beside its partial
         return final, manifest.base_version
+
+    def _cache_holds(self, final: str, raw: bytes, manifest: Manifest) -> bool:
+        """Whether `final` is the store's version: the same manifest, and files that still match it."""
+        if cached_manifest(final) != raw:
+            return False
+        problem = self._cached_problem(final, manifest)
+        if problem is not None:
+            log.warning("cached %s no longer matches its manifest (%s); pulling it again", final, problem)
+        return problem is None
+
+    def _cached_problem(self, final: str, manifest: Manifest) -> str | None:
+        """The first problem with a cached version's files against its manifest, or None: each
+        file re-hashed unless this process verified it and its identity is unchanged since
+        (decentrl/cache.py). Files the manifest does not list are left alone: nothing loads them."""
+        with ThreadPoolExecutor(self.download_concurrency) as pool:
+            problems = pool.map(
+                lambda entry: check_cached_file(os.path.join(final, entry.path), entry, self.verified), manifest.files
+            )
+            return next((f"{entry.path}: {p}" for entry, p in zip(manifest.files, problems) if p is not None), None)
 
     def _demote_foreign(self, final: str, raw: bytes) -> None:
         """Turn a cached directory that is not the store's version (held under its pull lock) into
         that version's partial directory, which the pull then discards as started for another
         manifest: a crash part-way leaves a partial, never a half-deleted version. Only names in
         the cache go; files hard-linked from a local store keep the store's names."""
-        if not os.path.isdir(final):
+        if not os.path.lexists(final):
             return
         log.warning(
             "cached %s (manifest sha256 %s..) is not that version of %s (manifest sha256 %s..): it came "
-            "from another store or an earlier run; pulling it again",
-            final, _short_sha(_cached_manifest(final)), self.url, _short_sha(raw),
+            "from another store or an earlier run, or was altered; pulling it again",
+            final, _short_sha(cached_manifest(final)), self.url, _short_sha(raw),
         )
         head, name = os.path.split(final)
         partial = os.path.join(head, f".{name}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        os.rename(final, partial)
+        remove_path(partial)
+        os.rename(final, partial)  # a symlink found at `final` is renamed, not followed
 
     def _pull_locked(self, manifest: Manifest, raw: bytes, cache_dir: str) -> None:
         version, name = manifest.version, version_dirname(manifest.version)
         final, partial = os.path.join(cache_dir, name), os.path.join(cache_dir, f".{name}.partial")
         manifest_copy = os.path.join(partial, MANIFEST_NAME)
-        # Resume only what was started for this very manifest (a version may be re-published).
-        try:
-            with open(manifest_copy, "rb") as f:
-                resumable = f.read() == raw
-        except FileNotFoundError:
-            resumable = False
-        if not resumable:
-            shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial, exist_ok=True)
-        with open(manifest_copy, "wb") as f:
+        # Resume only what was started for this very manifest (a version may be re-published),
+        # in a real directory (a symlink planted there is removed, not written through).
+        if not is_real_dir(partial) or read_regular(manifest_copy) != raw:
+            remove_path(partial)
+        make_dir(partial)
+        with open_regular(manifest_copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as f:
             f.write(raw)
         expected = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
         for stray in set(os.listdir(partial)) - expected:
-            os.remove(os.path.join(partial, stray))
+            remove_path(os.path.join(partial, stray))
         with ThreadPoolExecutor(self.download_concurrency) as pool:
             _run_all(pool, [lambda e=e: self._download(version, e, os.path.join(partial, e.path)) for e in manifest.files])
         try:
             os.rename(partial, final)
         except OSError:
-            shutil.rmtree(partial)
-            if not os.path.isdir(final):
+            remove_path(partial)
+            if not is_real_dir(final):
                 raise
             # else another process finished the same pull first; its copy is as good.
 
@@ -508,11 +462,16 @@ class CheckpointStore:
                 time.sleep(_RETRY_DELAYS[attempt - 1])
             error: type[StoreError] = VerificationError
             try:
-                problem = _mismatch(entry, *self._fetch_resuming(remote, local_path, entry.size))
-                if problem is not None:
+                size, sha256, written = self._fetch_resuming(remote, local_path, entry.size)
+                problem = mismatch(entry, size, sha256)
+                if problem is None:
+                    self.verified.remember(written, sha256)
+                else:
                     os.remove(local_path)  # wrong bytes somewhere: the next attempt starts over
             except FileNotFoundError:
                 problem = "missing from store"
+            except NotRegularFile as e:  # the store's file is a symlink (a local store, hard-linked)
+                problem = f"not a regular file in the store ({e.strerror})"
             except _read_errors() as e:
                 # Not a verification failure: the store could not be read. What arrived is kept.
                 problem, error = f"download failed ({e}); check the store is reachable", StoreError
@@ -520,28 +479,35 @@ class CheckpointStore:
                 return
         raise error(f"{where}: {problem}")
 
-    def _fetch_resuming(self, remote: str, local_path: str, expected_size: int) -> tuple[int, str]:
-        """Append the rest of `remote` to `local_path`, hashing as it streams; (size, sha256) of the whole."""
+    def _fetch_resuming(self, remote: str, local_path: str, expected_size: int) -> tuple[int, str, os.stat_result]:
+        """Append the rest of `remote` to `local_path`, hashing as it streams: (size, sha256) of the
+        whole, read no further than `expected_size` + 1 bytes, and the stat of the file written."""
+        limit = expected_size + 1
         if self.link_local:
-            linked = _link_hashing(remote, local_path)
+            linked = _link_hashing(remote, local_path, limit)
             if linked is not None:
                 return linked
             self.link_local = False  # another filesystem, or no hard links there: copy from now on
         digest, have = hashlib.sha256(), 0
-        if os.path.exists(local_path):
-            have = os.path.getsize(local_path)
-            if have > expected_size:
-                os.remove(local_path)
-                have = 0
+        try:
+            st = os.lstat(local_path)
+            if st.st_size > expected_size or not stat.S_ISREG(st.st_mode):
+                remove_path(local_path)
             else:
-                with open(local_path, "rb", buffering=0) as f:
-                    _copy_hashing(f, None, digest)
-                if have == expected_size:  # finished before the interruption: nothing to fetch
-                    return have, digest.hexdigest()
-        with self.fs.open(remote, "rb", block_size=_READ_BLOCK) as src, open(local_path, "ab") as dst:
+                with open_regular(local_path) as f:
+                    have, _ = copy_hashing(f, None, digest, limit=limit)
+                    if have == expected_size:  # finished before the interruption: nothing to fetch
+                        return have, digest.hexdigest(), os.fstat(f.fileno())
+        except FileNotFoundError:
+            pass
+        with (
+            self.fs.open(remote, "rb", block_size=_read_block(expected_size, have)) as src,
+            open_regular(local_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as dst,
+        ):
             if have:
                 src.seek(have)
-            return _copy_hashing(src, dst, digest, have)
+            size, sha256 = copy_hashing(src, dst, digest, have, limit=limit)
+            return size, sha256, os.fstat(dst.fileno())
 
     def evict(self, cache_dir: str, keep: int) -> list[int]:
         """Delete the oldest cached versions (never `keep`, nor the base version it is an adapter
@@ -552,9 +518,9 @@ class CheckpointStore:
         entries = []
         for entry in os.scandir(cache_dir):
             match = _CACHE_ENTRY.fullmatch(entry.name)
-            if match and entry.is_dir():
+            if match and entry.is_dir(follow_symlinks=False):
                 entries.append((int(match.group(1)), entry.path))
-        total = sum(_dir_bytes(path) for _, path in entries)
+        total = sum(dir_bytes(path) for _, path in entries)
         evicted = []
         for version, path in sorted(entries):
             if total <= self.cache_max_bytes:
@@ -562,11 +528,11 @@ class CheckpointStore:
             if version in kept:
                 continue
             lock = os.path.join(cache_dir, f".{version_dirname(version)}.lock")
-            with _locked(lock, blocking=False) as acquired:
+            with locked(lock, blocking=False) as acquired:
                 if not acquired:  # another process is pulling it right now
                     continue
-                size = _dir_bytes(path)
-                shutil.rmtree(path)
+                size = dir_bytes(path)
+                remove_path(path)
                 os.remove(lock)
             total -= size
             evicted.append(version)
@@ -581,8 +547,9 @@ class CheckpointStore:
 
         def check(entry: ManifestFile) -> str | None:
             try:
-                with self.fs.open(f"{self._vdir(version)}/{entry.path}", "rb", block_size=_READ_BLOCK) as src:
-                    problem = _mismatch(entry, *_copy_hashing(src, None, hashlib.sha256()))
+                remote = f"{self._vdir(version)}/{entry.path}"
+                with self.fs.open(remote, "rb", block_size=_read_block(entry.size)) as src:
+                    problem = mismatch(entry, *copy_hashing(src, None, hashlib.sha256(), limit=entry.size + 1))
             except FileNotFoundError:
                 problem = "missing from store"
             return None if problem is None else f"{version_dirname(version)}/{entry.path}: {problem}"
@@ -613,7 +580,7 @@ class CheckpointStore:
                 continue
             # `newer` superseded `older` when it was published; read without the signature check:
             # a timestamp can only delay a deletion.
-            superseded_at = Manifest.model_validate_json(self._manifest_bytes(newer)).created_at
+            superseded_at = parse_manifest(self._manifest_bytes(newer), f"{version_dirname(newer)}/{MANIFEST_NAME}")[0].created_at
             if now - superseded_at >= self.retention_grace_s:
                 doomed.append(older)
         for version in doomed:

@@ -10,7 +10,11 @@ Here: the write side (`write_hf_dir`, `write_adapter_weights`, called by the tra
 decentrl/trainer/publisher.py and lora.py), the read side (`read_weights`: a pulled version as one
 full state dict, an adapter merged onto its base; `weights_from_files`: the same from bytes read
 into memory), `load_pretrained` (a model built from a directory) and `copy_into` (new weights into
-a built model, in place, all or nothing). Callers: the trainer (decentrl/trainer/train.py), the
+a built model, in place, all or nothing: keys, shapes and dtypes are all checked before the
+first tensor is copied). A pulled version is read as its manifest lists it, never as its
+directory is found, and anything wrong with a version's weights (an unreadable file, a tensor
+that does not fit) is one CheckpointError, which the worker's swapper and the verifier catch
+to refuse the version and keep their loaded weights whole. Callers: the trainer (decentrl/trainer/train.py), the
 HF worker backend's loads and weight swaps (workers/backends/hf.py), the orchestrator's verifier
 (orchestrator/verify.py) and decentrl/model.py. torch is imported here: import this module
 lazily from code that runs without it (the orchestrator with verification off).
@@ -21,17 +25,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file, save_file
 
+from decentrl.cache import read_cached_manifest, read_regular
 from decentrl.config import StoreConfig
-from decentrl.store import MANIFEST_NAME, Manifest, version_dirname
+from decentrl.manifest import MANIFEST_NAME, version_dirname
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -89,28 +95,75 @@ def write_adapter_weights(directory: str, adapter: Mapping[str, torch.Tensor]) -
 
 
 # -- read -------------------------------------------------------------------------------------
+#
+# Which files hold the weights is decided from names alone (`weight_shards`): a pulled version's
+# names are its manifest's (decentrl/cache.py `read_cached_manifest`), never a listing of its
+# directory, so a file planted beside them is never read; a directory that was not pulled (the
+# trainer's own, a test's) is listed, as `from_pretrained` would. Every way a weight file can be
+# bad (a header-size bomb, a malformed header, truncated data, a tensor in two files) is one
+# CheckpointError naming it.
+
+
+def is_pulled(directory: str) -> bool:
+    """Whether `directory` is a pulled version: it holds the manifest its pull kept."""
+    return os.path.lexists(os.path.join(directory, MANIFEST_NAME))
+
+
+def _index_shards(index: bytes) -> list[str]:
+    try:
+        weight_map = json.loads(index)["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # not JSON, not an object, no weight_map
+        raise CheckpointError(f"{INDEX_NAME}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise CheckpointError(f"{INDEX_NAME}: weight_map is not a map of tensor names to file names")
+    return sorted(set(weight_map.values()))
 
 
 def weight_shards(names: Collection[str], index: bytes | None) -> list[str]:
     """The files holding an HF checkpoint's weights, given the names in its directory and its
     index: the shards the index maps tensors to, else the single `model.safetensors`."""
     if index is not None:
-        return sorted(set(json.loads(index)["weight_map"].values()))
+        return _index_shards(index)
     if WEIGHTS_NAME in names:
         return [WEIGHTS_NAME]
     raise CheckpointError(f"neither {WEIGHTS_NAME} nor {INDEX_NAME} in the checkpoint")
 
 
+def _safetensors(where: str, load: Callable[[], StateDict]) -> StateDict:
+    try:
+        return load()
+    except SafetensorError as exc:  # header too large, malformed header, truncated data
+        raise CheckpointError(f"{where}: not a readable safetensors file ({exc})") from None
+
+
+def _add(state: StateDict, found: StateDict, where: str) -> None:
+    if twice := sorted(found.keys() & state.keys()):
+        raise CheckpointError(f"{where}: tensors also in another file: {_listed(twice)}")
+    state.update(found)
+
+
 def read_hf_weights(directory: str) -> StateDict:
-    """The state dict of an HF checkpoint directory (one file, or shards + index)."""
-    index = Path(directory, INDEX_NAME)
-    shards = weight_shards(os.listdir(directory), index.read_bytes() if index.is_file() else None)
+    """The state dict of an HF checkpoint directory (one file, or shards + index). A pulled
+    version is read as its manifest lists it: only its files, each a regular file (a pull makes
+    no symlinks); a directory that was not pulled as it is found."""
+    if is_pulled(directory):
+        listed = {entry.path: entry for entry in read_cached_manifest(directory).files}
+        entry = listed.get(INDEX_NAME)
+        index = None if entry is None else read_regular(os.path.join(directory, INDEX_NAME), limit=entry.size)
+        if entry is not None and index is None:
+            raise CheckpointError(f"{directory}: {INDEX_NAME} is missing (or not a regular file); pull the version again")
+        names: Collection[str] = listed.keys()
+    else:
+        path = Path(directory, INDEX_NAME)
+        index, names = (path.read_bytes() if path.is_file() else None), os.listdir(directory)
     state: StateDict = {}
-    for name in shards:
+    for name in weight_shards(names, index):
         path = os.path.join(directory, name)
-        if not os.path.isfile(path):
+        if name not in names or not os.path.isfile(path):
             raise CheckpointError(f"{directory}: {name}, named by {INDEX_NAME}, is missing")
-        state.update(load_file(path))
+        if is_pulled(directory) and os.path.islink(path):
+            raise CheckpointError(f"{path}: a symlink, not a file the pull made; pull the version again")
+        _add(state, _safetensors(path, lambda path=path: load_file(path)), path)
     return state
 
 
@@ -121,7 +174,7 @@ def weights_from_files(files: Mapping[str, bytes]) -> StateDict:
     for name in weight_shards(files.keys(), files.get(INDEX_NAME)):
         if name not in files:
             raise CheckpointError(f"{name}, named by {INDEX_NAME}, is missing")
-        state.update(load_safetensors(files[name]))
+        _add(state, _safetensors(name, lambda name=name: load_safetensors(files[name])), name)
     return state
 
 
@@ -134,17 +187,20 @@ class Adapter:
 
 
 def read_adapter(directory: str) -> Adapter:
-    with open(os.path.join(directory, ADAPTER_CONFIG), encoding="utf-8") as f:
-        config = json.load(f)
-    return Adapter(load_file(os.path.join(directory, ADAPTER_WEIGHTS)), config["lora_alpha"] / config["r"])
+    path, config_path = os.path.join(directory, ADAPTER_WEIGHTS), os.path.join(directory, ADAPTER_CONFIG)
+    try:
+        config = json.loads(Path(config_path).read_bytes())
+        scale = float(config["lora_alpha"]) / float(config["r"])
+    except (ValueError, KeyError, TypeError, ZeroDivisionError, RecursionError) as exc:
+        raise CheckpointError(f"{config_path}: not a LoRA adapter config ({type(exc).__name__}: {exc})") from None
+    return Adapter(_safetensors(path, lambda: load_file(path)), scale)
 
 
 def adapter_base_dir(checkpoint_dir: str) -> str | None:
     """The cached base version directory when `checkpoint_dir` (pulled) is an adapter version, else None."""
     if not os.path.isfile(os.path.join(checkpoint_dir, ADAPTER_CONFIG)):
         return None
-    with open(os.path.join(checkpoint_dir, MANIFEST_NAME), "rb") as f:
-        base = Manifest.model_validate_json(f.read()).base_version
+    base = read_cached_manifest(checkpoint_dir).base_version
     if base is None:
         raise CheckpointError(f"{checkpoint_dir} holds a LoRA adapter but its manifest names no base_version")
     return os.path.join(os.path.dirname(checkpoint_dir), version_dirname(base))
@@ -164,6 +220,15 @@ def merge_adapter(base: Mapping[str, torch.Tensor], adapter: Adapter) -> StateDi
     missing += [name for module in modules if (name := f"{ADAPTER_PREFIX}{module}.lora_B.weight") not in adapter.tensors]
     if missing:
         raise CheckpointError(f"the adapter does not fit its base: missing {_listed(missing)}")
+    wrong = []
+    for module in modules:  # B @ A must have W0's shape: (out, r) @ (r, in)
+        a = adapter.tensors[f"{ADAPTER_PREFIX}{module}.lora_A.weight"]
+        b = adapter.tensors[f"{ADAPTER_PREFIX}{module}.lora_B.weight"]
+        w0 = base[f"{module}.weight"]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w0.shape):
+            wrong.append(f"{module} A {tuple(a.shape)} B {tuple(b.shape)} (base: {tuple(w0.shape)})")
+    if wrong:
+        raise CheckpointError(f"the adapter does not fit its base: wrong shape {_listed(wrong)}")
     merged = dict(base)
     for module in modules:
         a = adapter.tensors[f"{ADAPTER_PREFIX}{module}.lora_A.weight"]
@@ -190,13 +255,16 @@ def model_dir(checkpoint_dir: str) -> str:
 def load_pretrained(directory: str) -> PreTrainedModel:
     """A model built from a checkpoint directory, float32 on CPU: an HF directory (a published
     version, or a downloaded pretrained model in any layout transformers reads), or a pulled
-    adapter version (its base, with the merged weights copied in)."""
+    adapter version (its base, with the merged weights copied in). A pulled version's weights
+    are read as every later version's are (`read_weights`) and copied over what from_pretrained
+    built, checked: from_pretrained fills a missing tensor with random values and reads whichever
+    weight files it finds in the directory, not only the manifest's."""
     from transformers import AutoModelForCausalLM
 
     base_dir = adapter_base_dir(directory)
     model = AutoModelForCausalLM.from_pretrained(base_dir or directory, dtype=torch.float32)
-    if base_dir is not None:
-        copy_into(model, merge_adapter(read_hf_weights(base_dir), read_adapter(directory)))
+    if is_pulled(directory):  # an adapter version always is: its manifest names its base
+        copy_into(model, read_weights(directory))
     return model
 
 

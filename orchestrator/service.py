@@ -77,7 +77,7 @@ def build_verifier(config: RunConfig, run_dir: str) -> Verifier | None:
     if not config.orchestrator.verification.enabled:
         return None
     return Verifier(
-        config.orchestrator.verification, store=CheckpointStore.from_config(config.store),
+        config.orchestrator.verification, store=CheckpointStore.from_config(config.store, run_name=config.run_name),
         cache_dir=os.path.join(run_dir, "verifier-cache"), build=lambda: build_model(config.model),
     )
 

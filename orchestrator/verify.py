@@ -14,7 +14,8 @@ weights. A version is loaded once: its weight files are read from the store into
 checked against the (signed) manifest's sha256, and copied into a model built at startup, in
 place and all or nothing (decentrl/weights.py, which the worker's weight swap uses too); the
 last `models_cached` versions stay loaded. One load path: weights that cannot be read or do not
-fit the model are an error the check reports (the rollouts are left `unverifiable`). A completion that spanned a weight swap
+fit the model, whatever the version holds, are an error the check reports (the rollouts are left
+`unverifiable`, nobody struck) and never end the verifier's thread. A completion that spanned a weight swap
 (`token_versions`) is checked token by token against the version of each token. A rollout
 fails when any token's |claimed - recomputed| exceeds `tolerance` (a claimed token outside the
 recomputed kept set differs by infinity). docs/security.md: the calibration and the costs.
@@ -148,13 +149,23 @@ class Verifier:
         """`version`'s full weights. A full version's files are read from the store into memory,
         each checked against the (signed) manifest's sha256: no cache directory. A LoRA adapter
         version is pulled with its base into the cache (verified once) and merged onto it, as the
-        HF worker does."""
-        from decentrl.weights import INDEX_NAME, read_weights, weights_from_files
+        HF worker does. Only the manifest's files are read, and whatever they hold, a failure is
+        a StoreError (the store, the manifest, a file's bytes) or a CheckpointError (weights that
+        do not read): the verifier's thread never dies of a version."""
+        from decentrl.weights import INDEX_NAME, CheckpointError, read_weights, weights_from_files
 
-        manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors") or name == INDEX_NAME)
-        if manifest.base_version is None:
-            return weights_from_files(files)
-        return read_weights(self._pull(version))
+        try:
+            manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors") or name == INDEX_NAME)
+            if manifest.base_version is None:
+                return weights_from_files(files)
+            return read_weights(self._pull(version))
+        except (StoreError, CheckpointError):
+            raise
+        # decentrl/weights.py turns the failures it knows of into CheckpointError; anything else
+        # a version's bytes provoke (a dtype safetensors reads but torch cannot copy, an oddity of
+        # a future format) is still the version's fault, never the verifier's.
+        except Exception as exc:  # noqa: BLE001 - see above
+            raise CheckpointError(f"version {version} cannot be loaded ({type(exc).__name__}: {exc})") from exc
 
     def _pull(self, version: int) -> str:
         started = time.perf_counter()
@@ -218,7 +229,7 @@ class Verifier:
             try:
                 recomputed = self._recompute(batch, version)  # (N,)
             except (StoreError, CheckpointError) as exc:
-                log.error("version %d cannot be read from the store (%s): %d rollouts left unjudged", version, exc, len(batch))
+                log.error("version %d cannot be loaded (%s): %d rollouts left unjudged", version, exc, len(batch))
                 worst[indices] = math.nan
                 continue
             claimed = torch.tensor([lp for r in batch for lp in r.logprobs], dtype=torch.float32)  # (N,)

@@ -1,10 +1,12 @@
-"""One completion as the worker builds it, before it becomes a wire Rollout (workers/worker.py)."""
+"""One completion as the worker builds it, and the wire Rollout it becomes (`to_rollout`);
+used by workers/worker.py, workers/batching.py and workers/episodes.py."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
-from decentrl.wire import ExpertRouting
+from decentrl.wire import ExpertRouting, Lease, Rollout, SamplingParams
 
 
 @dataclass
@@ -41,3 +43,26 @@ class Sample:
             return
         kept = self.routes.experts
         self.routes = routes.model_copy(update={"experts": list(kept) + list(routes.experts)[len(kept) :]})
+
+
+def to_rollout(run_name: str, worker_id: str, lease: Lease, sample: Sample, sampling: SamplingParams) -> Rollout:
+    """The rollout to post for `sample`, generated for `lease`; `token_versions` only when it spans a swap."""
+    mixed = len(set(sample.versions)) > 1
+    return Rollout(
+        rollout_id=uuid.uuid4().hex,
+        run_name=run_name,
+        lease_id=lease.lease_id,
+        prompt_id=lease.prompt_id,
+        worker_id=worker_id,
+        policy_version=sample.versions[0],
+        token_versions=sample.versions if mixed else None,
+        prompt_token_ids=lease.prompt_token_ids,
+        completion_token_ids=sample.token_ids,
+        logprobs=sample.logprobs,
+        finish_reason=sample.finish_reason,  # type: ignore[arg-type]
+        sampling=sampling,
+        sampling_mask=sample.masks,
+        loss_mask=sample.loss_mask,  # type: ignore[arg-type]
+        claimed_reward=sample.claimed_reward,
+        expert_routing=sample.routes,
+    )

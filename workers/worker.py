@@ -23,7 +23,9 @@ instead of single completions; each model turn goes through the same generation 
 Faults: an unreachable orchestrator is retried with exponential backoff and jitter (the client,
 then this loop); every finished batch is spooled to disk before it is sent and removed only once
 acknowledged (workers/spool.py); an unreachable store leaves the current version in use while it
-is fresh (announced - loaded <= max_staleness). SIGTERM: no new leases, in-flight generations
+is fresh (announced - loaded <= max_staleness); a version that fails verification or does not
+load is refused, counted (`refused`) and skipped, and generation goes on with the weights last
+loaded, which an all-or-nothing load left whole. SIGTERM: no new leases, in-flight generations
 finish and are posted, leases not yet started are handed back, then the worker exits.
 """
 
@@ -35,20 +37,19 @@ import random
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentrl.client import OrchestratorClient
 from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
-from decentrl.store import CheckpointStore, StoreError
+from decentrl.store import CheckpointStore, StoreError, VerificationError
 from decentrl.tasks.episodes import TextCodec
-from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, RunInfo, SamplingParams
+from decentrl.wire import Lease, LeaseRequest, RolloutBatch, RunInfo, SamplingParams
 from workers.backends import Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
 from workers.progress import Progress
-from workers.sample import Sample
+from workers.sample import Sample, to_rollout
 from workers.simulation import SimulatedLatency
 from workers.spool import Spool
 
@@ -86,8 +87,11 @@ class Worker:
         require_routes(self.info, backend)
         self.episode_task = episode_task_of(self.info)  # None: single-turn task
         self._codec: TextCodec | None = None  # episodes: the model's tokenizer, from the first version loaded
-        # store.url, when set, overrides the URL the orchestrator announces (a closer mirror).
-        self.store = CheckpointStore.from_config(store.for_reader(store.url or self.info.store_url))
+        # store.url, when set, overrides the URL the orchestrator announces (a closer mirror);
+        # with a public key, versions signed for another run are refused (they name their run).
+        self.store = CheckpointStore.from_config(
+            store.for_reader(store.url or self.info.store_url), run_name=self.info.run_name
+        )
         self.spool = Spool(spool_dir or os.path.join(cache_dir, "spool", worker_id))
         latency = SimulatedLatency.of(simulation, worker_id)
         self._samples_for: Callable[[list[Lease], SamplingParams], list[Sample]] = (
@@ -97,6 +101,7 @@ class Worker:
         self.rollouts_posted = 0
         self.progress = Progress()
         self.swaps: list[SwapRecord] = []
+        self.refused: dict[int, str] = {}  # version -> why it was not loaded; skipped for good
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
         self._lock = threading.Lock()  # backend calls and weight swaps never overlap
         self._batcher = Batcher(max_rows=config.max_batch_rows)
@@ -135,7 +140,8 @@ class Worker:
         self._resend_spooled()
         left = len(self.spool.pending())
         log.info(
-            "worker %s stopping after %d rollouts%s", self.worker_id, self.rollouts_posted,
+            "worker %s stopping after %d rollouts, %d versions refused%s", self.worker_id,
+            self.rollouts_posted, len(self.refused),
             f"; {left} batches stay spooled in {self.spool.directory} for the next start" if left else "",
         )
 
@@ -160,6 +166,7 @@ class Worker:
                 version is not None
                 and not self.stopping
                 and not self._store_failing
+                and version not in self.refused
                 and (self.backend.version is None or self.backend.version < version)
             ):
                 self._versions.wait(timeout=0.5)
@@ -168,15 +175,21 @@ class Worker:
         loaded = self.backend.version
         return loaded is not None and self.announced is not None and self.announced - loaded <= self.info.max_staleness
 
+    def _due(self) -> bool:
+        return self.announced is not None and self.announced != self.backend.version and self.announced not in self.refused
+
     def _swapper(self) -> None:
-        """The one place weights change: pull the newest announced version, then swap softly."""
+        """The one place weights change: pull the newest announced version, then swap softly.
+        It never dies on what a version holds: a store that cannot be read is retried with
+        backoff; a version that fails verification or loading is refused and skipped, and
+        generation goes on with the weights last loaded (`_refuse`)."""
         failures = 0
         while not self.stopping:
             with self._versions:
-                due = self.announced is not None and self.announced != self.backend.version
+                due = self._due()
                 if not due:
                     self._versions.wait(timeout=self.config.version_poll_s)
-                    due = self.announced is not None and self.announced != self.backend.version
+                    due = self._due()
             if self.stopping:
                 return
             if not due:
@@ -190,6 +203,9 @@ class Worker:
             started = time.perf_counter()
             try:
                 path = self.store.pull(version, self.cache_dir)
+            except VerificationError as exc:  # the store answered with something not to be trusted
+                self._refuse(version, exc)
+                continue
             except (StoreError, OSError) as exc:
                 # Keep generating with the loaded version while it is fresh (slots check).
                 failures += 1
@@ -202,7 +218,22 @@ class Worker:
                 continue
             failures = 0
             self._store_failing = False
-            self._swap(path, version, pull_s=time.perf_counter() - started)
+            try:
+                self._swap(path, version, pull_s=time.perf_counter() - started)
+            # Any failure to load a verified version is that version's: the backends check before
+            # they copy (decentrl/weights.py `copy_into`), so the weights loaded before are still whole.
+            except Exception as exc:  # noqa: BLE001 - CheckpointError, VerificationError, a backend's own
+                self._refuse(version, exc)
+
+    def _refuse(self, version: int, exc: Exception) -> None:
+        """Skip `version` for good; slots waiting for it go on with the loaded version while fresh."""
+        with self._versions:
+            self.refused[version] = f"{type(exc).__name__}: {exc}"
+            self._versions.notify_all()
+        log.error(
+            "refused version %d (%s): %s; still generating with version %s (%d versions refused so far)",
+            version, type(exc).__name__, exc, self.backend.version, len(self.refused),
+        )
 
     def _swap(self, path: str, version: int, *, pull_s: float) -> None:
         if self.episode_task is not None and self._codec is None:
@@ -210,10 +241,12 @@ class Worker:
         paused = time.perf_counter()
         self._admit.clear()
         self._pause_deadline = time.monotonic() + self.config.swap_deadline_s
-        with self._lock:  # waits for the generation in flight (interrupted at the deadline)
-            self.backend.load(path, version)
-        self._pause_deadline = None
-        self._admit.set()
+        try:
+            with self._lock:  # waits for the generation in flight (interrupted at the deadline)
+                self.backend.load(path, version)
+        finally:  # loaded or refused, generation resumes
+            self._pause_deadline = None
+            self._admit.set()
         record = SwapRecord(
             version=version,
             seen_at=self._seen_at.get(version, time.time()),
@@ -341,28 +374,6 @@ class Worker:
                 continue
             if not self._send(path, batch):
                 return  # still unreachable: try again later
-
-
-def to_rollout(run_name: str, worker_id: str, lease: Lease, sample: Sample, sampling: SamplingParams) -> Rollout:
-    mixed = len(set(sample.versions)) > 1
-    return Rollout(
-        rollout_id=uuid.uuid4().hex,
-        run_name=run_name,
-        lease_id=lease.lease_id,
-        prompt_id=lease.prompt_id,
-        worker_id=worker_id,
-        policy_version=sample.versions[0],
-        token_versions=sample.versions if mixed else None,
-        prompt_token_ids=lease.prompt_token_ids,
-        completion_token_ids=sample.token_ids,
-        logprobs=sample.logprobs,
-        finish_reason=sample.finish_reason,  # type: ignore[arg-type]
-        sampling=sampling,
-        sampling_mask=sample.masks,
-        loss_mask=sample.loss_mask,  # type: ignore[arg-type]
-        claimed_reward=sample.claimed_reward,
-        expert_routing=sample.routes,
-    )
 
 
 def require_routes(info: RunInfo, backend: Backend) -> None:

@@ -1,4 +1,5 @@
-"""`decentrl` command line: one thin command per role, plus `run`, `store` and `token`.
+"""`decentrl` command line: one thin command per role, plus `run`, `store` (decentrl/cli/store.py)
+and `token`.
 
 Each command parses its config and calls one function; torch, transformers and aiohttp are
 imported inside commands so `decentrl --help` stays fast. Settings come from the run config
@@ -19,6 +20,7 @@ from typing import Annotated
 
 import typer
 
+from decentrl.cli.store import store_app
 from decentrl.config import ConfigError, RunConfig, StoreConfig, load_config
 
 # rich_markup_mode=None: help texts are plain text, so "[sampling]" or "decentrl[wandb]" stay as
@@ -26,8 +28,6 @@ from decentrl.config import ConfigError, RunConfig, StoreConfig, load_config
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
     help="Decentralized asynchronous RL for language models.")
-store_app = typer.Typer(
-    no_args_is_help=True, rich_markup_mode=None, help="Inspect, pull and verify versioned checkpoints in a store.")
 token_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Manage the orchestrator's bearer tokens.")
 app.add_typer(store_app, name="store")
 app.add_typer(token_app, name="token")
@@ -221,7 +221,7 @@ def evaluate(
     if not url:
         typer.echo("error: the config's store.url is empty: pass --store URL or --run-dir RUN_DIR", err=True)
         raise typer.Exit(2)
-    store = _open_store_config(loaded.store.for_reader(url))
+    store = _open_store_config(loaded.store.for_reader(url), run_name=loaded.run_name)
     try:
         chosen = store.latest() if version is None else version
         if chosen is None:
@@ -237,114 +237,17 @@ def evaluate(
     typer.echo(json.dumps(result.as_dict()))
 
 
-StoreUrlArg = Annotated[str, typer.Argument(help="Store URL (path, file://, s3://, ...); s3 reads the AWS environment.")]
-PublicKeyOpt = Annotated[
-    str | None, typer.Option(help="Trainer's ed25519 public key file: unsigned or wrongly signed versions fail.")
-]
-
-
-def _open_store(url: str, public_key: str | None = None):  # noqa: ANN202 - CheckpointStore, imported lazily
-    from decentrl.signing import SigningKeyError, load_public_key
-    from decentrl.store import CheckpointStore
-
-    try:
-        return CheckpointStore(url, public_key=load_public_key(public_key) if public_key else None)
-    except SigningKeyError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-
-
-def _open_store_config(config: StoreConfig):  # noqa: ANN202 - CheckpointStore, imported lazily
-    """A store as a run config describes it (`decentrl eval`): its key and cache settings."""
+def _open_store_config(config: StoreConfig, *, run_name: str):  # noqa: ANN202 - CheckpointStore, imported lazily
+    """A store as a run config describes it (`decentrl eval`): its key and cache settings, and
+    its run, which signed versions must name."""
     from decentrl.signing import SigningKeyError
     from decentrl.store import CheckpointStore
 
     try:
-        return CheckpointStore.from_config(config)
+        return CheckpointStore.from_config(config, run_name=run_name)
     except SigningKeyError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-
-
-@store_app.command("ls")
-def store_ls(url: StoreUrlArg) -> None:
-    """List the published versions with their sizes."""
-    from decentrl.store import StoreError
-
-    store = _open_store(url)
-    versions = store.versions()
-    if not versions:
-        typer.echo(f"no versions in {url}")
-    for version in versions:
-        try:
-            manifest = store.manifest(version)
-        except StoreError as exc:  # deleted meanwhile, or a corrupt manifest: list the rest
-            typer.echo(f"v{version:06d}  error: {exc}")
-            continue
-        size = sum(f.size for f in manifest.files)
-        signed = "signed" if manifest.signature else "unsigned"
-        typer.echo(f"v{version:06d}  parent={manifest.parent}  files={len(manifest.files)}  bytes={size}  {signed}")
-
-
-@store_app.command("pull")
-def store_pull(
-    url: StoreUrlArg,
-    dest: Annotated[str, typer.Option(help="Local directory; the version lands in DEST/vNNNNNN.")],
-    version: Annotated[int | None, typer.Option(min=0, help="Version; default the newest.")] = None,
-    public_key: PublicKeyOpt = None,
-) -> None:
-    """Download a version (resuming an interrupted pull into DEST) and verify every file's sha256."""
-    from decentrl.store import StoreError
-
-    store = _open_store(url, public_key)
-    try:
-        chosen = store.latest() if version is None else version
-        if chosen is None:
-            raise StoreError(f"no versions in {url}")
-        typer.echo(store.pull(chosen, dest))
-    except StoreError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-
-
-@store_app.command("verify")
-def store_verify(
-    url: StoreUrlArg,
-    version: Annotated[int | None, typer.Option(min=0, help="Version; default all.")] = None,
-    public_key: PublicKeyOpt = None,
-) -> None:
-    """Check every file of a version (or all) against its manifest; non-zero exit on any mismatch."""
-    from decentrl.store import StoreError
-
-    store = _open_store(url, public_key)
-    try:
-        versions = store.versions() if version is None else [version]
-        problems = [problem for v in versions for problem in store.verify(v)]
-    except StoreError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    for problem in problems:
-        typer.echo(problem, err=True)
-    if problems:
-        raise typer.Exit(1)
-    typer.echo(f"ok: {len(versions)} version(s) verified")
-
-
-@store_app.command("keygen")
-def store_keygen(
-    private_key: Annotated[str, typer.Option(help="Where to write the private key (trainer only; mode 600).")] = "decentrl-signing.key",
-    public_key: Annotated[str, typer.Option(help="Where to write the public key (give it to workers).")] = "decentrl-signing.pub",
-) -> None:
-    """Create an ed25519 key pair for signed manifests (the trainer's store.signing_key, the workers' store.public_key)."""
-    from decentrl.signing import SigningKeyError, write_keypair
-
-    try:
-        write_keypair(private_key, public_key)
-    except SigningKeyError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"private key: {private_key}  (set store.signing_key; keep it secret)")
-    typer.echo(f"public key:  {public_key}  (workers: store.public_key, e.g. --set store.public_key={public_key})")
 
 
 AdminUrlOpt = Annotated[

@@ -124,7 +124,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
     cfg = config.trainer
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed + rank)
-    store = CheckpointStore.from_config(config.store)
+    store = CheckpointStore.from_config(config.store, run_name=config.run_name)  # manifests name the run
     client = OrchestratorClient(options.orchestrator_url, options.token)
     checkpoints = TrainerCheckpoints(os.path.join(options.state_dir, "checkpoints"), keep=cfg.checkpoint_keep)
     journal = BatchJournal(os.path.join(options.state_dir, "batches")) if rank == 0 else None

@@ -10,6 +10,7 @@ from typing import BinaryIO
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from decentrl import cache as cache_mod
 from decentrl import store as store_mod
 from decentrl.store import MANIFEST_NAME, CheckpointStore, SignatureError, StoreError
 
@@ -164,7 +165,7 @@ def test_eviction_skips_a_version_another_process_is_pulling(tmp_path: Path) -> 
     partial.mkdir(parents=True)
     (partial / "model.safetensors").write_bytes(os.urandom(5000))
     store.publish(2, str(make_ckpt(tmp_path, "b")))
-    with store_mod._locked(str(cache / ".v000001.lock")):
+    with cache_mod.locked(str(cache / ".v000001.lock")):
         store.pull(2, str(cache))
         assert partial.is_dir()  # locked by its puller: left alone
     store.evict(str(cache), keep=2)

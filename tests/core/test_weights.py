@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from decentrl.config import TinyModelConfig
@@ -143,3 +144,53 @@ def test_a_worker_keeps_its_version_when_the_next_does_not_fit(model: PreTrained
         backend.load(str(wide), 1)
     assert backend.version == 0
     assert_same(backend.model.state_dict(), before)
+
+
+def pulled_version(tmp_path: Path, state: dict[str, torch.Tensor], model: PreTrainedModel, *, shard_bytes: int | None = None) -> Path:
+    """`state` written as the trainer writes a version, published and pulled: a directory
+    holding the manifest its pull kept."""
+    from decentrl.store import CheckpointStore
+
+    source = tmp_path / "source"
+    build_tiny_tokenizer().save_pretrained(source)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    write_hf_dir(str(source), state, model.config, extras_from=str(source), max_shard_bytes=shard_bytes or total)
+    store = CheckpointStore(str(tmp_path / "store"), link_local=False)
+    store.publish(0, str(source))
+    return Path(store.pull(0, str(tmp_path / "cache")))
+
+
+def test_a_pulled_versions_first_load_is_checked_too(model: PreTrainedModel, tmp_path: Path) -> None:
+    """from_pretrained fills a missing tensor with random values: the first version a worker
+    loads is refused for it, as every later one is."""
+    state = snapshot(model)
+    del state["lm_head.weight"]
+    pulled = pulled_version(tmp_path, state, model)
+    with pytest.raises(CheckpointError, match="missing lm_head.weight"):
+        HFBackend(seed=0).load(str(pulled), 0)
+
+
+def test_a_pulled_version_is_read_as_its_manifest_lists_it(model: PreTrainedModel, tmp_path: Path) -> None:
+    """Only the manifest's files, each a regular file; an index that is not one, or a tensor in
+    two shards, is a CheckpointError naming the file."""
+    state = snapshot(model)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    pulled = pulled_version(tmp_path, state, model, shard_bytes=total // 4)
+    # A model.safetensors planted beside the manifest's shards is never read.
+    save_file({name: torch.zeros_like(tensor) for name, tensor in state.items()}, str(pulled / WEIGHTS_NAME))
+    assert_same(read_hf_weights(str(pulled)), state)
+    first, second = sorted(pulled.glob("model-*.safetensors"))[:2]
+    second.unlink()
+    second.symlink_to(first)
+    with pytest.raises(CheckpointError, match="a symlink, not a file the pull made"):
+        read_hf_weights(str(pulled))
+    second.unlink()
+    second.write_bytes(first.read_bytes())  # the same tensors in two files
+    with pytest.raises(CheckpointError, match="tensors also in another file"):
+        read_hf_weights(str(pulled))
+    (pulled / INDEX_NAME).write_text('{"weight_map": [1, 2]}')
+    with pytest.raises(CheckpointError, match="weight_map is not a map"):
+        read_hf_weights(str(pulled))
+    files = {path.name: path.read_bytes() for path in pulled.iterdir() if path.name != "config.json"}
+    with pytest.raises(CheckpointError, match=f"{INDEX_NAME}: weight_map is not a map"):
+        weights_from_files(files)

@@ -12,6 +12,7 @@ import math
 import os
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,6 +50,20 @@ def publish(store: CheckpointStore, tmp: str, version: int, seed: int) -> str:
     if version >= 0:
         store.publish(version, directory, parent=version - 1 if version else None)
     return directory
+
+
+def publish_adapter(store: CheckpointStore, tmp: str, version: int, base_version: int) -> None:
+    """A LoRA adapter version (rank 2, random adapter weights) on `base_version`."""
+    lora = LoRAConfig(rank=2, alpha=4.0)
+    adapted = add_adapters(build_model(TinyModelConfig(**TINY, seed=0)), lora)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if is_adapter_weight(name):
+                parameter.normal_(std=0.3, generator=generator)
+    directory = os.path.join(tmp, f"adapter-{version}")
+    write_adapter_dir(directory, adapted.state_dict(), lora)
+    store.publish(version, directory, parent=base_version, base_version=base_version)
 
 
 @pytest.fixture(scope="module")
@@ -340,16 +355,7 @@ def test_a_lora_adapter_version_is_checked_merged_onto_its_base(setup: Any, tmp_
     model's, claimed as the adapter version's, fail."""
     store = CheckpointStore(f"file://{tmp_path}/store")
     publish(store, str(tmp_path), 0, seed=0)
-    lora = LoRAConfig(rank=2, alpha=4.0)
-    adapted = add_adapters(build_model(TinyModelConfig(**TINY, seed=0)), lora)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in adapted.named_parameters():
-            if is_adapter_weight(name):
-                parameter.normal_(std=0.3, generator=generator)
-    adapter_dir = tmp_path / "adapter"
-    write_adapter_dir(str(adapter_dir), adapted.state_dict(), lora)
-    store.publish(1, str(adapter_dir), parent=0, base_version=0)
+    publish_adapter(store, str(tmp_path), 1, base_version=0)
     worker, base = HFBackend(seed=0), HFBackend(seed=0)
     worker.load(store.pull(1, str(tmp_path / "worker-cache")), 1)
     base.load(store.pull(0, str(tmp_path / "worker-cache")), 0)
@@ -523,3 +529,50 @@ def test_groups_recovered_held_back_are_checked_at_startup(
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
     journal.close()
     assert sum(verifier.checked) == 6
+
+
+@pytest.mark.parametrize("read", ["in memory", "pulled"])
+@pytest.mark.parametrize("damage", ["header-size bomb", "malformed header", "wrong shape", "missing tensor", "files: []"])
+def test_a_version_that_verifies_but_does_not_load_is_unverifiable(
+    damage: str, read: str, setup: Any, world: dict[str, Any], tmp_path: Any
+) -> None:
+    """Whatever a version holds, the verifier's loader turns a failure into `unverifiable` for the
+    rollouts that need it (no strike), and the verifier goes on. A full version is read into
+    memory; an adapter version's damaged base is pulled into the cache."""
+    import json
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    store = CheckpointStore(f"file://{tmp_path}/store")
+    directory = publish(store, str(tmp_path), -1, seed=0)  # written, published below
+    weights = os.path.join(directory, "model.safetensors")
+    state = load_file(weights)
+    first = sorted(state)[0]
+    if damage == "header-size bomb":
+        Path(weights).write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    elif damage == "malformed header":
+        Path(weights).write_bytes(struct.pack("<Q", 8) + b"{not js}" + bytes(32))
+    elif damage == "wrong shape":
+        state[first] = torch.zeros(state[first].shape[0] + 1, *state[first].shape[1:])
+        save_file(state, weights)
+    elif damage == "missing tensor":
+        del state[first]
+        save_file(state, weights)
+    store.publish(0, directory)
+    if damage == "files: []":
+        manifest = tmp_path / "store" / "v000000" / "manifest.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "files": []}))
+    version = 0 if read == "in memory" else 1
+    if read == "pulled":
+        publish_adapter(store, str(tmp_path), 1, base_version=0)
+    state_, _ = setup(new_worker_checks=1000)
+    state_.announce(version)
+    verifier = Verifier(state_.config.orchestrator.verification, store=store, cache_dir=str(tmp_path / "vc"), build=build_tiny)
+    verifier.warm_up()
+    lease = state_.grant_leases(HONEST, 1)[0]
+    rollouts = [r.model_copy(update={"policy_version": version}) for r in generated(world["honest"], lease, state_.sampling)]
+    assert state_.ingest(rollouts, HONEST).accepted == 3
+    failures = verify_all(state_, verifier)
+    assert set(failures.values()) == {"unverifiable"} and len(failures) == 3
+    assert state_.integrity.workers["honest"].strikes == 0 and verifier.loads == 0

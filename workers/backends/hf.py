@@ -39,11 +39,12 @@ class HFBackend:
 
     def load(self, checkpoint_dir: str, version: int) -> None:
         """The first version builds the model; later ones are copied into it in place, all or
-        nothing (decentrl/weights.py): a version that does not fit raises and leaves the loaded
-        one in use. A LoRA adapter version arrives merged onto its base."""
+        nothing (decentrl/weights.py): only the files the version's manifest lists are read, and
+        a version that cannot be read or does not fit raises (CheckpointError) and leaves the
+        loaded one in use. A LoRA adapter version arrives merged onto its base."""
         if self.model is None:
-            self.model = load_pretrained(checkpoint_dir).to(self.device).eval()
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir(checkpoint_dir))
+            model = load_pretrained(checkpoint_dir).to(self.device).eval()
+            self.model, self.tokenizer = model, AutoTokenizer.from_pretrained(model_dir(checkpoint_dir))
         else:
             # Same architecture, new weights: copy in place instead of rebuilding the module.
             copy_into(self.model, read_weights(checkpoint_dir))

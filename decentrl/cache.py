@@ -1,0 +1,229 @@
+"""The local side of a pull: files in a pull cache, opened so that nothing planted there is followed.
+
+`CheckpointStore.pull` (decentrl/store.py) downloads into ``<cache>/.vNNNNNN.partial/`` and renames
+it to ``<cache>/vNNNNNN``; this module holds what it does with local files. A cache directory may
+be shared (several workers on a machine) and outlives runs, so whatever is found there is treated
+as a neighbour's: every open refuses a symlink (O_NOFOLLOW) and anything but a regular file
+(O_NONBLOCK, so a planted FIFO cannot hang the open), a symlink or file found where a directory
+belongs is removed rather than entered, and a cached version is re-verified before it is served
+again (`check_cached_file`).
+
+Re-verification is bound to file identity: `VerifiedFiles` remembers, in this process's memory,
+each file it hashed (or wrote while hashing) by (device, inode) with its size, mtime and ctime.
+A write to a file changes its ctime, which no unprivileged process can set back, and a
+replacement is another inode; so a cached file whose identity is unchanged since this process
+verified it holds the same bytes and is not hashed again. Anything else - a file this process
+has not seen (a restart, another worker's pull) or one whose identity moved - is hashed in full
+against the manifest. The memory is not on disk: a marker file in the cache could be rewritten
+by whoever rewrote the weights.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
+
+from decentrl.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestFile, VerificationError, parse_manifest
+
+# Streaming unit, read into one reused buffer: small enough to stay in CPU cache between the
+# read, the hash and the write (several times faster than fresh 8 MiB reads on a local disk).
+CHUNK = 1024 * 1024
+_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class NotRegularFile(OSError):
+    """A path in the cache is a symlink, directory, FIFO or device where a file of ours belongs."""
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> BinaryIO:
+    """`path` opened unbuffered, refusing a symlink or anything but a regular file."""
+    try:
+        fd = os.open(path, flags | _OPEN, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegularFile(errno.ELOOP, "a symlink, not a file the cache made", path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, "not a regular file", path)
+    writing = flags & (os.O_WRONLY | os.O_RDWR)
+    return os.fdopen(fd, ("ab" if flags & os.O_APPEND else "wb") if writing else "rb", buffering=0)
+
+
+def read_regular(path: str, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
+    """The bytes of a small file of ours (at most `limit` + 1, so an oversize file is seen as
+    such); None where there is no regular file at `path`."""
+    try:
+        with open_regular(path) as f:
+            return f.read(limit + 1)
+    except (FileNotFoundError, NotADirectoryError, NotRegularFile):
+        return None
+
+
+def remove_path(path: str) -> None:
+    """Remove whatever is at `path` (a directory tree, a file, a symlink - not its target)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path)  # rmtree removes symlinks inside a tree, never their targets
+    else:
+        os.unlink(path)
+
+
+def is_real_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def make_dir(path: str) -> None:
+    """`path` as a directory: one made here, or a real one found there (a symlink is replaced).
+    Its parents are the caller's (the configured cache directory's): made as needed, as found."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    while True:
+        try:
+            os.mkdir(path)
+            return
+        except FileExistsError:
+            if is_real_dir(path):
+                return
+            remove_path(path)
+
+
+def copy_hashing(
+    src: BinaryIO, dst: BinaryIO | None, digest: hashlib._Hash, size: int = 0, limit: int | None = None
+) -> tuple[int, str]:
+    """Stream src (into dst if given) through `digest`, which already covers `size` bytes; stop
+    once the total reaches `limit` (a file's declared size + 1: enough to see it is too large)."""
+    buffer = memoryview(bytearray(CHUNK))
+    while limit is None or size < limit:
+        want = CHUNK if limit is None else min(CHUNK, limit - size)
+        n = src.readinto(buffer[:want])
+        if not n:
+            break
+        chunk = buffer[:n]
+        digest.update(chunk)
+        size += n
+        if dst is not None:
+            dst.write(chunk)
+    return size, digest.hexdigest()
+
+
+def mismatch(entry: ManifestFile, size: int, sha256: str) -> str | None:
+    if size != entry.size:
+        got = f"more than {entry.size}" if size > entry.size else str(size)
+        return f"size mismatch (expected {entry.size}, got {got})"
+    if sha256 != entry.sha256:
+        return f"sha256 mismatch (expected {entry.sha256[:12]}.., got {sha256[:12]}..)"
+    return None
+
+
+Identity = tuple[int, int, int]  # size, mtime_ns, ctime_ns of one (device, inode)
+
+
+class VerifiedFiles:
+    """What this process knows to hold a manifest entry's bytes: (device, inode) -> identity and sha256."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, int], tuple[Identity, str]] = {}
+
+    def remember(self, st: os.stat_result, sha256: str) -> None:
+        self._known[(st.st_dev, st.st_ino)] = ((st.st_size, st.st_mtime_ns, st.st_ctime_ns), sha256)
+
+    def holds(self, st: os.stat_result, entry: ManifestFile) -> bool:
+        known = self._known.get((st.st_dev, st.st_ino))
+        return known == ((st.st_size, st.st_mtime_ns, st.st_ctime_ns), entry.sha256) and st.st_size == entry.size
+
+
+def check_cached_file(path: str, entry: ManifestFile, verified: VerifiedFiles) -> str | None:
+    """What is wrong with the cached file at `path` against its manifest entry; None when it
+    holds exactly those bytes (known from its unchanged identity, else hashed now)."""
+    try:
+        with open_regular(path) as f:
+            before = os.fstat(f.fileno())
+            if verified.holds(before, entry):
+                return None
+            size, sha256 = copy_hashing(f, None, hashlib.sha256(), limit=entry.size + 1)
+            after = os.fstat(f.fileno())
+    except FileNotFoundError:
+        return "missing from the cache"
+    except NotRegularFile as exc:
+        return f"{exc.strerror} in the cache"
+    if (before.st_size, before.st_mtime_ns, before.st_ctime_ns) != (after.st_size, after.st_mtime_ns, after.st_ctime_ns):
+        return "changed while it was being verified"
+    problem = mismatch(entry, size, sha256)
+    if problem is None:
+        verified.remember(after, sha256)
+    return problem
+
+
+def hash_regular(path: str, limit: int) -> tuple[int, str, os.stat_result]:
+    """(size up to `limit`, sha256, stat) of the regular file at `path`."""
+    with open_regular(path) as f:
+        size, sha256 = copy_hashing(f, None, hashlib.sha256(), limit=limit)
+        return size, sha256, os.fstat(f.fileno())
+
+
+@contextmanager
+def locked(path: str, *, blocking: bool = True) -> Iterator[bool]:
+    """flock `path` (created if needed); yields False at once if non-blocking and it is held.
+
+    Eviction unlinks the lock files of evicted versions while holding them, so after acquiring,
+    check the path still names the locked file; if not, lock the new one. A symlink planted at
+    the path is removed, never opened.
+    """
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            os.unlink(path)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
+        try:
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield True
+    finally:
+        os.close(fd)
+
+
+def cached_manifest(version_dir: str) -> bytes | None:
+    """The raw manifest a pull kept in `version_dir` (a real directory); None where there is none."""
+    if not is_real_dir(version_dir):
+        return None
+    return read_regular(os.path.join(version_dir, MANIFEST_NAME))
+
+
+def read_cached_manifest(version_dir: str) -> Manifest:
+    """The manifest a pull kept in `version_dir` (a pulled version), parsed strictly: what a
+    reader of the version's weights (decentrl/weights.py) goes by to know which files are its."""
+    where = os.path.join(version_dir, MANIFEST_NAME)
+    raw = cached_manifest(version_dir)
+    if raw is None:
+        raise VerificationError(f"{where}: missing (or not a regular file); pull the version again")
+    return parse_manifest(raw, where)[0]
+
+
+def dir_bytes(path: str) -> int:
+    return sum(entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path) if entry.is_file(follow_symlinks=False))

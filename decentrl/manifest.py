@@ -1,0 +1,146 @@
+"""A version's manifest: its format, its strict parser and the check of its signature.
+
+The manifest (``<store>/vNNNNNN/manifest.json``) names every file of a version with its size and
+sha256 and, when the trainer has a signing key, carries an ed25519 signature over all of that plus
+the run name and the version number. Everything that reads a manifest - the store on a pull
+(decentrl/store.py), a cached version before it is served again, the hf backend choosing which
+files to load (workers/backends/hf.py) - parses it here, so that every way a manifest can be bad
+(too large, not JSON, nested 100k deep, a wrong type, a NUL in a file name, a non-ASCII
+signature) is one `VerificationError` naming the file, never another exception in a caller's thread.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from decentrl import signing
+
+MANIFEST_NAME = "manifest.json"
+# A manifest lists a version's files: a few hundred shards at most. The cap bounds what a reader
+# downloads and parses before it knows whether the manifest is even signed.
+MAX_MANIFEST_BYTES = 1024 * 1024
+MAX_FILES = 4096
+_RUN_NAME = r"^[A-Za-z0-9._-]{1,64}$"  # as RunConfig.run_name
+_NO_CONTROL = "\x00-\x1f\x7f"
+
+
+def version_dirname(version: int) -> str:
+    return f"v{version:06d}"
+
+
+class StoreError(Exception):
+    """A store operation cannot proceed; the message says what is wrong and what to do."""
+
+
+class VerificationError(StoreError):
+    """A stored file is missing or does not match its manifest entry, or the manifest is not trusted."""
+
+
+class SignatureError(VerificationError):
+    """A public key is configured and the manifest is unsigned, signed by another key, or for another run."""
+
+
+class ManifestFile(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    # Flat file name only: it is joined onto local cache paths, so no separators, no "..", and no
+    # control characters (a NUL makes every os call on the joined path fail).
+    path: str = Field(
+        description="File name relative to the version directory, e.g. model.safetensors",
+        pattern=rf"^[^/\\{_NO_CONTROL}]*[^/\\.{_NO_CONTROL}][^/\\{_NO_CONTROL}]*$",
+        max_length=255,
+    )
+    size: int = Field(description="Size in bytes", ge=0, le=2**44)
+    sha256: str = Field(description="Lowercase hex SHA-256 of the file", pattern=r"^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
+    # Strict: `true` is not a version, "3" is not a size.
+    model_config = ConfigDict(strict=True)
+
+    version: int = Field(description="Policy version this checkpoint holds", ge=0, le=2**31 - 1)
+    parent: int | None = Field(description="Version this one was trained from; None for the first", ge=0)
+    created_at: float = Field(description="Unix time the version was published", ge=0, allow_inf_nan=False)
+    files: Annotated[list[ManifestFile], Field(min_length=1, max_length=MAX_FILES)] = Field(
+        description="Every file of the version except the manifest"
+    )
+    base_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="LoRA runs: the full version this adapter-only version (adapter_config.json, "
+        "adapter_model.safetensors) applies to; None for a full checkpoint",
+    )
+    run: str | None = Field(
+        default=None,
+        pattern=_RUN_NAME,
+        description="Run that published the version; covered by the signature, so a signed version "
+        "cannot be replayed into another run's store. None in manifests from before it existed.",
+    )
+    signature: str | None = Field(
+        default=None,
+        pattern=r"^ed25519:[A-Za-z0-9+/]{86}==$",
+        description="ed25519 signature of `signed_payload` of the manifest (decentrl.signing)",
+    )
+
+    @model_validator(mode="after")
+    def _distinct_files(self) -> Manifest:
+        names = [entry.path for entry in self.files]
+        if len(set(names)) != len(names):
+            raise ValueError("files: a file is listed twice")
+        if MANIFEST_NAME in names:
+            raise ValueError(f"files: {MANIFEST_NAME} cannot be one of the version's files")
+        return self
+
+
+def signed_payload(manifest: dict[str, object]) -> bytes:
+    """What a signature covers: the manifest's JSON object minus `signature`, canonically encoded."""
+    body = {key: value for key, value in manifest.items() if key != "signature"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def parse_manifest(raw: bytes, where: str) -> tuple[Manifest, dict[str, object]]:
+    """The manifest and the JSON object it was read from (what the signature covers); any way the
+    bytes can be bad is a VerificationError naming `where`."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise VerificationError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes; not a manifest decentrl wrote")
+    try:
+        data = json.loads(raw)
+        manifest = Manifest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "manifest"
+        raise VerificationError(f"{where}: not a valid manifest ({field}: {first['msg']})") from None
+    except RecursionError:
+        raise VerificationError(f"{where}: not a valid manifest (JSON nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of 5000 digits
+        raise VerificationError(f"{where}: not a valid manifest ({exc})") from None
+    assert isinstance(data, dict)  # a model validated from it
+    return manifest, data
+
+
+def check_manifest(
+    raw: bytes, version: int, *, where: str, public_key: Ed25519PublicKey | None, run_name: str | None
+) -> Manifest:
+    """The manifest of `version` in `raw`, after checking it is well formed, describes `version`
+    and - with a public key - is signed by it for run `run_name` (None: any run, for a reader
+    that does not know the run, such as `decentrl store pull` without --run)."""
+    manifest, data = parse_manifest(raw, where)
+    if manifest.version != version:
+        raise VerificationError(f"{where}: describes version {manifest.version}, not {version}")
+    if public_key is None:
+        return manifest
+    if manifest.signature is None:
+        raise SignatureError(f"{where}: unsigned, and a public key is configured; refusing the version")
+    if not signing.is_valid(public_key, signed_payload(data), manifest.signature):
+        raise SignatureError(f"{where}: signature does not match the configured public key; refusing the version")
+    if run_name is not None and manifest.run != run_name:
+        found = "no run (published before signatures named the run)" if manifest.run is None else f"run {manifest.run!r}"
+        raise SignatureError(
+            f"{where}: signed for {found}, not for run {run_name!r}; refusing the version "
+            "(a version copied from another run, or republish it with this run's trainer)"
+        )
+    return manifest
