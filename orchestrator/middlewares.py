@@ -91,9 +91,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     matched = _route_of(request)
     allowed = matched[1] if matched is not None else None
     if allowed is not None:
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        identity = request.app[TOKENS].identify(token.strip()) if scheme == "Bearer" and token.strip() else None
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        # RFC 9110 11.1: the scheme is case-insensitive ("bearer" is "Bearer").
+        identity = request.app[TOKENS].identify(token) if scheme.lower() == "bearer" and token else None
         if identity is None:
             raise error(web.HTTPUnauthorized, "missing or unknown bearer token (Authorization: Bearer TOKEN)")
         if identity.role not in allowed:

@@ -31,6 +31,7 @@ from decentrl.tasks import build_task
 from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry
 from orchestrator.journal import Journal
+from orchestrator.protocol import OrchestratorRunner
 from orchestrator.routes import ROUTES, openapi_spec
 from orchestrator.state import RunState
 
@@ -56,7 +57,7 @@ class LiveServer:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self.app)
+        self.runner = OrchestratorRunner(self.app)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
