@@ -22,6 +22,7 @@ from decentrl.encoding import MEDIA_JSON
 from orchestrator.appstate import IDENTITY, JOURNAL_FAILED, LIMITER, METRICS, ROUTE_ROLES, TOKENS
 from orchestrator.body import error
 from orchestrator.journal import JournalError
+from orchestrator.protocol import client_faults
 
 log = logging.getLogger("decentrl.orchestrator")
 
@@ -73,9 +74,13 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         status = 503
         request.app[JOURNAL_FAILED](exc)
         raise error(web.HTTPServiceUnavailable, f"{exc}; restart the orchestrator (it recovers from the journal)", retry_after=5) from None
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         status = 499
         raise
+    except ConnectionResetError:  # the client went away mid-request: its fault, one throttled line
+        status = 499
+        client_faults.warning("disconnect", "client %s went away during %s %s", request.remote, request.method, route)
+        return web.Response(status=499, text=json.dumps({"error": "the client closed the connection"}), content_type=MEDIA_JSON)
     except Exception:
         log.exception("%s %s failed", request.method, request.path)  # never logs headers (tokens)
         raise error(web.HTTPInternalServerError, "internal error; see the orchestrator's log") from None
