@@ -7,7 +7,7 @@ line past 8190 bytes, a bad request line) never reaches the app's middlewares: a
 itself, with the offending line in a text/plain body, and logs it at ERROR with a traceback that
 quotes the line again. That line may be `Authorization: Bearer <token>`. Here such a request gets
 a JSON 400 that names only the kind of fault, and one throttled WARNING line without the bytes
-(orchestrator/loglines.py). tests/integration/test_orchestrator_hostile.py sends such requests
+(orchestrator/loglines.py). tests/unit/test_orchestrator_hostile.py sends such requests
 over raw sockets and greps the answers and the captured log for the token.
 """
 

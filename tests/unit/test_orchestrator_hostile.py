@@ -13,7 +13,6 @@ import asyncio
 import gzip
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
