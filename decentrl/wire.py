@@ -165,9 +165,10 @@ class Rollout(Wire):
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries but completion_token_ids has {n}")
-        ids = sum(len(entry) for name in ("sampling_mask", "expert_routing") for entry in getattr(self, name) or ())
-        if ids > MAX_LIST_IDS:
-            raise ValueError(f"sampling_mask and expert_routing hold {ids} ids together; at most {MAX_LIST_IDS}")
+        if self.sampling_mask is not None or self.expert_routing is not None:
+            ids = sum(map(len, self.sampling_mask or ())) + sum(map(len, self.expert_routing or ()))
+            if ids > MAX_LIST_IDS:
+                raise ValueError(f"sampling_mask and expert_routing hold {ids} ids together; at most {MAX_LIST_IDS}")
         if not _valid_logprobs(self.logprobs):
             raise ValueError("logprobs must be finite and <= 0 (log of a probability)")
         return self
