@@ -5,7 +5,7 @@
 
 For each size N, a run directory's journal is filled with N acknowledged rollouts through the
 orchestrator's own code, in this process: RunState grants leases, ingests complete groups of
-8 samples (checked, scored, journaled exactly as POST /v1/rollouts does, without HTTP) and a
+16 samples (checked, scored, journaled exactly as POST /v1/rollouts does, without HTTP) and a
 trainer-like loop takes batches, so the journal holds what a long run leaves: every rollout id
 within the dedupe window (`dedupe_window_s` is a day here, so all N are remembered for
 idempotent resends), served leases, a full buffer and open leases. Then the real service runs
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-GROUP = 8
+GROUP = 16  # 1M rollouts in 62.5k groups: fewer than the task's 100k prompts (each is leased once)
 CONFIG = f"""
 run_name = "recovery"
 max_staleness = 1024
@@ -83,7 +83,10 @@ def fill(run_dir: Path, rollouts: int) -> float:
     ids = state.tokenizer.encode("1234")[1:] + [state.tokenizer.eos_token_id]  # a sorted answer (after <s>), its end
     started, holder, done = time.perf_counter(), "bench/w0", 0
     while done < rollouts:
-        for lease in state.grant_leases(holder, 64):
+        leases = state.grant_leases(holder, 64)
+        if not leases and not state.ready:
+            raise RuntimeError(f"no lease granted after {done} rollouts: the task's prompts ran out")
+        for lease in leases:
             batch = [
                 Rollout.model_construct(
                     rollout_id=f"{lease.lease_id}-{i}", run_name=config.run_name, lease_id=lease.lease_id,
