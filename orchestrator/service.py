@@ -20,9 +20,10 @@ import signal
 from aiohttp import web
 
 from decentrl.config import RunConfig
-from decentrl.model import build_model, load_tokenizer
+from decentrl.model import build_model
 from decentrl.store import CheckpointStore
 from decentrl.tasks import build_task
+from decentrl.tokenizer import load_text_tokenizer
 from orchestrator.app import create_app
 from orchestrator.auth import ENV_VAR, TokenRegistry
 from orchestrator.journal import Journal, JournalError, JournalMismatch
@@ -69,7 +70,8 @@ def open_state(config: RunConfig, run_dir: str) -> RunState:
             journal = Journal(
                 os.path.join(run_dir, "journal.sqlite"), run_name=config.run_name, sync=config.orchestrator.journal_sync
             )
-        return RunState(config=config, task=build_task(config.task), tokenizer=load_tokenizer(config.model), journal=journal)
+        return RunState(config=config, task=build_task(config.task), tokenizer=load_text_tokenizer(config.model),
+                        journal=journal)
     except (JournalMismatch, JournalError, ValueError) as exc:
         raise StartupError(str(exc)) from None
 
