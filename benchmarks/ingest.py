@@ -96,7 +96,7 @@ def serve_orchestrator(port: int, run_dir: str, cpus: list[int] | None, group_si
             "sampling": {"temperature": 1.0, "max_tokens": COMPLETION_TOKENS},
             "orchestrator": {
                 "lease_timeout_s": 600.0, "journal_sync": sync, "max_buffer_groups": 4096,
-                "rate_limit_per_s": 0, "max_inflight_requests": 1024, "batch_wait_s": 1.0,
+                "rate_limit_per_s": 0, "max_inflight_requests": 1024, "max_inflight_per_token": 1024, "batch_wait_s": 1.0,
                 "max_request_bytes": 64 * 1024 * 1024,
             },
             "trainer": {"groups_per_step": 32},

@@ -12,18 +12,20 @@ from typing import TYPE_CHECKING
 
 from decentrl.config import PretrainedModelConfig, TinyModelConfig
 from decentrl.stopping import eos_id_set
+from decentrl.tokenizer import RustTokenizer
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TINY_SPECIALS = ["<pad>", "<s>", "</s>"]
+TINY_EOS = "</s>"
 TINY_SYMBOLS = ["="] + [str(d) for d in range(10)]
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
-    """A character-level tokenizer over digits and '=', made locally with `tokenizers`."""
+def tiny_tokenizer_core() -> Tokenizer:
+    """The tiny tokenizer as a `tokenizers.Tokenizer`: character-level over digits and '='."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate(TINY_SPECIALS + TINY_SYMBOLS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
@@ -32,8 +34,16 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
         single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
     )
     core.decoder = decoders.Fuse()
+    return core
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A character-level tokenizer over digits and '=', made locally with `tokenizers` (the
+    orchestrator uses `tiny_tokenizer_core` directly: decentrl/tokenizer.py)."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<pad>"
+        tokenizer_object=tiny_tokenizer_core(), pad_token="<pad>", bos_token="<s>", eos_token=TINY_EOS, unk_token="<pad>"
     )
 
 
@@ -45,10 +55,14 @@ def load_tokenizer(config: TinyModelConfig | PretrainedModelConfig) -> PreTraine
     return AutoTokenizer.from_pretrained(config.path)
 
 
-def end_of_sequence_ids(config: TinyModelConfig | PretrainedModelConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def end_of_sequence_ids(
+    config: TinyModelConfig | PretrainedModelConfig, tokenizer: PreTrainedTokenizerBase | RustTokenizer
+) -> set[int]:
     """The ids a worker's generation stops at: the tokenizer's end-of-sequence and the model's
     generation config's (transformers and vLLM stop at those; a chat model often lists several,
     e.g. end-of-turn and end-of-text). The tiny model's generation config is the tokenizer's."""
+    if isinstance(tokenizer, RustTokenizer):  # the tiny model's (decentrl/tokenizer.py)
+        return {tokenizer.eos_token_id}
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     if isinstance(config, PretrainedModelConfig):
         from transformers import AutoConfig, GenerationConfig

@@ -12,7 +12,15 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, WrapValidator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
 
 from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, INT_EXTS, TypedList, value_range
 
@@ -20,6 +28,22 @@ API_PREFIX = "/v1"
 WORKER_ID = r"^[A-Za-z0-9._:@-]{1,128}$"  # no "/": lease holders are "token-name/worker-id"
 TOKEN_NAME = r"^[A-Za-z0-9._:@-]{1,64}$"  # no "/" either, for the same reason
 MAX_VERSION = 2**31 - 1  # versions and prompt ids fit the journal's integers with room to spare
+
+# Size bounds of every list on the wire, whatever the run's config: they bound what one request
+# can make the orchestrator hold before its config-derived checks run (orchestrator/bounds.py;
+# the body itself is bounded by orchestrator.max_request_bytes).
+MAX_SEQUENCE = 2**17  # token ids of one prompt or completion (and their per-token lists)
+MAX_VOCAB = 2**20  # ids one sampling-mask entry may keep: above any real vocabulary
+MAX_ROUTES = 1024  # expert ids routed per token fed (sparse layers x top-k)
+# Expert ids of one rollout's routes: 64k tokens fed at MAX_ROUTES each, or a 48-layer top-8 model
+# (384 a token) over 170k tokens; the request's max_request_bytes binds first in practice.
+MAX_EXPERT_IDS = 2**26
+MAX_LIST_IDS = 2**20  # ids of all the per-token lists of one rollout together
+MAX_STOP = 64  # stop strings, each at most MAX_TEXT characters
+MAX_TEXT = 1024
+
+# An integer on the wire is an integer: `true` is not 1 (pydantic's lax mode would take it).
+Int = Annotated[int, Strict()]
 
 
 class Wire(BaseModel):
@@ -43,19 +67,22 @@ def _keep_typed_floats(value: Any, handler: ValidatorFunctionWrapHandler) -> Any
 
 # list[int] / list[float] on the wire and in /openapi.json; a msgpack typed array of the right
 # kind skips per-element validation (decentrl/encoding.py).
-IntArray = Annotated[list[int], WrapValidator(_keep_typed_ints)]
-FloatArray = Annotated[list[float], WrapValidator(_keep_typed_floats)]
+IntArray = Annotated[list[Int], WrapValidator(_keep_typed_ints), Field(max_length=MAX_SEQUENCE)]
+FloatArray = Annotated[list[float], WrapValidator(_keep_typed_floats), Field(max_length=MAX_SEQUENCE)]
+IdLists = Annotated[
+    list[Annotated[list[Int], Field(max_length=MAX_VOCAB)]], Field(max_length=MAX_SEQUENCE)
+]  # per completion token, a list of ids
 
 
 class SamplingParams(Wire):
     """The sampling the worker actually applied; logprobs are of this distribution."""
 
     temperature: float = Field(gt=0, description="Softmax temperature.")
-    max_tokens: int = Field(ge=1, description="Most completion tokens.")
-    top_k: int = Field(0, ge=0, description="0 = no top-k truncation.")
+    max_tokens: Int = Field(ge=1, description="Most completion tokens.")
+    top_k: Int = Field(0, ge=0, description="0 = no top-k truncation.")
     top_p: float = Field(1.0, gt=0, le=1, description="1.0 = no nucleus truncation.")
-    stop: list[str] = Field(
-        default_factory=list, description="Stop strings; the token completing one is the last token kept."
+    stop: list[Annotated[str, Field(max_length=MAX_TEXT)]] = Field(
+        default_factory=list, max_length=MAX_STOP, description="Stop strings; the token completing one is the last token kept."
     )
 
 
@@ -64,9 +91,9 @@ class RunInfo(Wire):
 
     run_name: str
     store_url: str = Field(description="fsspec URL of the checkpoint store.")
-    policy_version: int | None = Field(description="Newest published version; None before v0 exists.")
-    max_staleness: int = Field(ge=0)
-    group_size: int = Field(ge=1)
+    policy_version: Int | None = Field(description="Newest published version; None before v0 exists.")
+    max_staleness: Int = Field(ge=0)
+    group_size: Int = Field(ge=1)
     keep_routing: bool = Field(
         False, description="MoE runs: every rollout carries its expert routes (docs/routing.md); workers "
         "whose backend cannot record them refuse to start."
@@ -79,21 +106,21 @@ class RunInfo(Wire):
 
 class LeaseRequest(Wire):
     worker_id: str = Field(pattern=WORKER_ID, description="Stable name of the worker.")
-    max_groups: int = Field(ge=1, le=1024, description="Most prompt groups wanted.")
+    max_groups: Int = Field(ge=1, le=1024, description="Most prompt groups wanted.")
 
 
 class Lease(Wire):
     """One prompt leased to one worker: it owes `group_size` samples before `deadline`."""
 
     lease_id: str
-    prompt_id: int = Field(ge=0, le=MAX_VERSION)
+    prompt_id: Int = Field(ge=0, le=MAX_VERSION)
     prompt_token_ids: IntArray
-    group_size: int = Field(ge=1)
+    group_size: Int = Field(ge=1)
     deadline: float = Field(description="Unix time after which the prompt is leased again.")
 
 
 class LeaseResponse(Wire):
-    policy_version: int | None = Field(description="Newest published version; generate with it.")
+    policy_version: Int | None = Field(description="Newest published version; generate with it.")
     sampling: SamplingParams
     leases: list[Lease] = Field(description="Empty when the run needs no more rollouts right now.")
     retry_after_s: float = Field(0.0, ge=0, description="When empty: wait this long before asking again.")
@@ -108,20 +135,30 @@ class ExpertRouting(Wire):
     token but the last), one block per sparse layer. On msgpack `experts` is a uint8 (uint16 past
     256 experts) typed array."""
 
-    layers: int = Field(ge=1, le=1024, description="Sparse layers of the model (dense layers send nothing).")
-    top_k: int = Field(ge=1, le=1024, description="Experts per token per sparse layer.")
-    experts: IntArray = Field(max_length=2**26, description="Expert ids, [tokens, layers, top_k] flattened.")
+    layers: Int = Field(ge=1, le=MAX_ROUTES, description="Sparse layers of the model (dense layers send nothing).")
+    top_k: Int = Field(ge=1, le=MAX_ROUTES, description="Experts per token per sparse layer.")
+    experts: Annotated[list[Int], WrapValidator(_keep_typed_ints), Field(max_length=MAX_EXPERT_IDS)] = Field(
+        description="Expert ids, [tokens, layers, top_k] flattened."
+    )
+
+    @model_validator(mode="after")
+    def _routes_bounded(self) -> ExpertRouting:
+        # The shape against the run's model is a per-rollout check (decentrl/routing.py); this
+        # only bounds what one token may carry, whatever the run.
+        if self.layers * self.top_k > MAX_ROUTES:
+            raise ValueError(f"layers x top_k is {self.layers * self.top_k} expert ids a token; at most {MAX_ROUTES}")
+        return self
 
 
 class Rollout(Wire):
     """One sample of a group, as the worker produced it."""
 
     rollout_id: str = Field(min_length=1, max_length=128, description="Unique; resends are idempotent.")
-    run_name: str
+    run_name: str = Field(max_length=MAX_TEXT)
     lease_id: str = Field(max_length=128, description="The lease this sample answers; also its group id.")
-    prompt_id: int = Field(ge=0, le=MAX_VERSION)
+    prompt_id: Int = Field(ge=0, le=MAX_VERSION)
     worker_id: str = Field(pattern=WORKER_ID)
-    policy_version: int = Field(
+    policy_version: Int = Field(
         ge=0, le=MAX_VERSION, description="Version of the weights that sampled the first token."
     )
     token_versions: IntArray | None = Field(
@@ -132,7 +169,7 @@ class Rollout(Wire):
     logprobs: FloatArray = Field(description="Sampling logprob of each completion token.")
     finish_reason: FinishReason
     sampling: SamplingParams
-    sampling_mask: list[list[int]] | None = Field(
+    sampling_mask: IdLists | None = Field(
         None, description="Per token, the vocabulary ids kept by top-k/top-p truncation (None: all)."
     )
     expert_routing: ExpertRouting | None = Field(
@@ -140,7 +177,7 @@ class Rollout(Wire):
     )
     claimed_reward: float | None = Field(None, description="The worker's own reward; never trusted.")
     loss_mask: list[Literal[0, 1]] | None = Field(
-        None, description="Multi-turn episodes: per completion token 1 if the model sampled it, 0 if the "
+        None, max_length=MAX_SEQUENCE, description="Multi-turn episodes: per completion token 1 if the model sampled it, 0 if the "
         "environment inserted it (feedback, tool output; not trained, logprob unused). None: all 1."
     )
 
@@ -151,6 +188,10 @@ class Rollout(Wire):
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries but completion_token_ids has {n}")
+        if self.sampling_mask is not None:
+            ids = sum(map(len, self.sampling_mask))
+            if ids > MAX_LIST_IDS:
+                raise ValueError(f"sampling_mask holds {ids} ids in all; at most {MAX_LIST_IDS}")
         if not _valid_logprobs(self.logprobs):
             raise ValueError("logprobs must be finite and <= 0 (log of a probability)")
         return self
@@ -184,8 +225,8 @@ class Rejection(Wire):
 
 
 class IngestResponse(Wire):
-    accepted: int = Field(ge=0)
-    duplicates: int = Field(0, ge=0, description="Already acknowledged earlier; counted once.")
+    accepted: Int = Field(ge=0)
+    duplicates: Int = Field(0, ge=0, description="Already acknowledged earlier; counted once.")
     rejected: list[Rejection] = Field(default_factory=list)
 
 
@@ -197,15 +238,15 @@ class TrainSample(Wire):
     logprobs: FloatArray
     advantage: float
     reward: float
-    policy_version: int
+    policy_version: Int
     group_id: str | None = Field(None, description="The group (lease) it belongs to; the trainer filters by group.")
     rollout_id: str | None = Field(None, description="The worker's rollout id, to trace a sample back.")
-    sampling_mask: list[list[int]] | None = Field(
+    sampling_mask: IdLists | None = Field(
         None, description="The rollout's sampling mask: per completion token, the vocabulary ids kept by "
         "top-k/top-p (None: no truncation). The trainer truncates its distribution the same way."
     )
     loss_mask: list[Literal[0, 1]] | None = Field(
-        None, description="The rollout's loss mask (multi-turn): 0 marks environment tokens the trainer skips."
+        None, max_length=MAX_SEQUENCE, description="The rollout's loss mask (multi-turn): 0 marks environment tokens the trainer skips."
     )
     expert_routing: ExpertRouting | None = Field(
         None, description="The rollout's MoE routes; the trainer replays them (docs/routing.md)."
@@ -215,11 +256,11 @@ class TrainSample(Wire):
 class TrainBatch(Wire):
     """GET /v1/batch answer: complete groups, fresh for the trainer's current version."""
 
-    trainer_version: int = Field(ge=0)
+    trainer_version: Int = Field(ge=0)
     samples: list[TrainSample]
-    staleness_histogram: dict[str, int] = Field(description="Samples per (trainer_version - policy_version).")
-    rollouts_accepted: int = Field(ge=0, description="Run total acknowledged so far.")
-    stale_dropped: int = Field(ge=0, description="Run total dropped as stale (ingest or buffer).")
+    staleness_histogram: dict[str, Int] = Field(description="Samples per (trainer_version - policy_version).")
+    rollouts_accepted: Int = Field(ge=0, description="Run total acknowledged so far.")
+    stale_dropped: Int = Field(ge=0, description="Run total dropped as stale (ingest or buffer).")
     batch_id: str | None = Field(
         None, description="Unique per batch; a resent request (same request_id) gets the same batch again."
     )
@@ -228,7 +269,7 @@ class TrainBatch(Wire):
 class VersionAnnouncement(Wire):
     """POST /v1/version (trainer): version N is complete in the store."""
 
-    version: int = Field(ge=0, le=MAX_VERSION)
+    version: Int = Field(ge=0, le=MAX_VERSION)
 
 
 METRIC_NAME = r"^[a-z][a-z0-9_]{0,63}$"
@@ -243,8 +284,8 @@ class TrainerStep(Wire):
     thousand steps in memory (orchestrator/history.py) and never journals them.
     """
 
-    step: int = Field(ge=1, le=MAX_VERSION)
-    metrics: dict[Annotated[str, Field(pattern=METRIC_NAME)], Annotated[float, Field(allow_inf_nan=False)]] = Field(
+    step: Int = Field(ge=1, le=MAX_VERSION)
+    metrics: dict[Annotated[str, Field(pattern=METRIC_NAME)], Annotated[float, Strict(), Field(allow_inf_nan=False)]] = Field(
         max_length=MAX_STEP_METRICS, description="Metric name -> value (loss, grad_norm, entropy, ...)."
     )
 
@@ -262,25 +303,25 @@ class StatusResponse(Wire):
     """GET /v1/status: counters for progress displays."""
 
     run_name: str
-    policy_version: int | None
-    trainer_version: int
-    rollouts_accepted: int
-    rollouts_rejected: dict[str, int]
-    stale_dropped: int
-    groups_ready: int
-    groups_served: int
-    leases_active: int
-    leases_expired: int
+    policy_version: Int | None
+    trainer_version: Int
+    rollouts_accepted: Int
+    rollouts_rejected: dict[str, Int]
+    stale_dropped: Int
+    groups_ready: Int
+    groups_served: Int
+    leases_active: Int
+    leases_expired: Int
     reward_mean_recent: float | None
     uptime_s: float
-    rollouts_duplicate: int = Field(0, description="Resends of rollouts already acknowledged (counted once).")
-    dropped: dict[str, int] = Field(
+    rollouts_duplicate: Int = Field(0, description="Resends of rollouts already acknowledged (counted once).")
+    dropped: dict[str, Int] = Field(
         default_factory=dict, description="Accepted samples dropped later, per reason (stale, lease expired, ...)."
     )
-    buffer_limit: int | None = Field(None, description="Depth bound: ready groups plus open leases.")
+    buffer_limit: Int | None = Field(None, description="Depth bound: ready groups plus open leases.")
     journal: bool = Field(False, description="Whether acknowledged state is journaled on disk.")
-    recoveries: int = Field(0, description="How many times this run's state was recovered from the journal.")
-    groups_verifying: int = Field(0, description="Complete groups held back until their logprob spot-check is done.")
+    recoveries: Int = Field(0, description="How many times this run's state was recovered from the journal.")
+    groups_verifying: Int = Field(0, description="Complete groups held back until their logprob spot-check is done.")
     verification: dict[str, float] | None = Field(
         None, description="Logprob spot-checks: rollouts_checked, checks, loads, compute_s, cpu_s, load_s, load_cpu_s, "
         "forward_s, forward_cpu_s, startup_s, largest_passing_diff, tolerance (None when verification is off; "
@@ -298,10 +339,10 @@ class LeaseState(Wire):
     """GET /v1/leases/{lease_id}: where one lease stands (its holder only)."""
 
     lease_id: str
-    prompt_id: int
+    prompt_id: Int
     state: Literal["open", "complete", "served", "expired", "released", "dropped"]
-    samples: int = Field(ge=0, description="Samples acknowledged for it so far.")
-    group_size: int = Field(ge=1)
+    samples: Int = Field(ge=0, description="Samples acknowledged for it so far.")
+    group_size: Int = Field(ge=1)
     deadline: float = Field(description="Unix time; for an open lease, when it expires.")
 
 

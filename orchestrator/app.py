@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from decentrl.store import CheckpointStore
 from orchestrator.appstate import (
     BATCH_READY,
     CHECKS_WANTED,
@@ -40,10 +41,13 @@ from orchestrator.appstate import (
     OPENAPI,
     ROUTE_ROLES,
     STATE,
+    STORE,
+    STOPPING,
     STORE_URL,
     TOKENS,
     VERIFIER,
     JournalFailed,
+    stop_waiting,
 )
 from orchestrator.auth import TokenRegistry
 from orchestrator.dashboard import sampler
@@ -66,21 +70,28 @@ def create_app(
     store_url: str,
     on_fatal: Callable[[BaseException], Any] | None = None,
     verifier: Verifier | None = None,
+    store: CheckpointStore | None = None,
 ) -> web.Application:
     """The orchestrator's app over `state` (its config is the run's). `on_fatal` is called (once)
     when the journal fails. `verifier` runs the logprob spot-checks; required when
-    orchestrator.verification.enabled."""
+    orchestrator.verification.enabled. `store`: the run's checkpoint store, in which every
+    announced version must exist (`serve` always passes it; without one, announcements are taken
+    on the trainer's word, as unit tests of other behaviour do). Serve the app with
+    OrchestratorRunner (orchestrator/protocol.py)."""
     options = state.config.orchestrator
     run_keeps_routing(state.config.model)  # a keep_routing the model cannot honour fails here, at start-up
     app = web.Application(
-        middlewares=[errors_middleware, auth_middleware], client_max_size=options.max_request_bytes
+        middlewares=[errors_middleware, auth_middleware], client_max_size=options.max_request_bytes,
+        # Bodies are decompressed by orchestrator/body.py (bounded, and a bad one is a 400).
+        handler_args={"auto_decompress": False},
     )
     app[STATE] = state
     app[TOKENS] = tokens
     app[STORE_URL] = store_url
     app[METRICS] = metrics = Metrics(state)
     app[LIMITER] = RateLimiter(options.rate_limit_per_s, options.rate_limit_burst)
-    app[INFLIGHT] = InFlight(options.max_inflight_requests)
+    app[INFLIGHT] = InFlight(options.max_inflight_requests, options.max_inflight_per_token)
+    app[STORE] = store
     app[JOURNAL_FAILED] = JournalFailed(metrics, on_fatal)
     app[ROUTE_ROLES] = route_roles(metrics_public=options.metrics_public)
     app[OPENAPI] = openapi_spec(metrics_public=options.metrics_public)
@@ -88,6 +99,7 @@ def create_app(
     app[LEASES_FREED] = asyncio.Condition()
     app[CHECKS_WANTED] = asyncio.Event()
     app[HISTORY] = History(clock=state.clock)
+    app[STOPPING] = asyncio.Event()
     if options.verification.enabled:
         if verifier is None:
             raise ValueError("orchestrator.verification.enabled needs a Verifier (orchestrator/verify.py)")
@@ -97,5 +109,6 @@ def create_app(
     app.cleanup_ctx.append(lease_upkeep)
     app.cleanup_ctx.append(verification)
     app.cleanup_ctx.append(sampler)
+    app.on_shutdown.append(stop_waiting)  # long-polls answer at once: SIGTERM stops in well under 2 s
     add_routes(app)
     return app

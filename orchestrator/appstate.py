@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from decentrl.store import CheckpointStore
 from orchestrator.auth import Identity, TokenRegistry
 from orchestrator.history import History
 from orchestrator.limits import InFlight, RateLimiter
@@ -50,6 +51,8 @@ class JournalFailed:
 STATE = web.AppKey("state", RunState)
 TOKENS = web.AppKey("tokens", TokenRegistry)
 STORE_URL = web.AppKey("store_url", str)
+STORE: web.AppKey[CheckpointStore | None] = web.AppKey("store")  # announced versions must exist in it
+STOPPING = web.AppKey("stopping", asyncio.Event)  # set when the app shuts down: long-polls answer now
 METRICS = web.AppKey("metrics", Metrics)
 LIMITER = web.AppKey("limiter", RateLimiter)
 INFLIGHT = web.AppKey("inflight", InFlight)
@@ -72,6 +75,14 @@ async def commit(state: RunState) -> None:
 async def notify_all(condition: asyncio.Condition) -> None:
     async with condition:
         condition.notify_all()
+
+
+async def stop_waiting(app: web.Application) -> None:
+    """The app is shutting down (on_shutdown): every long-poll answers now, as if its wait ran out,
+    instead of holding the shutdown for up to batch_wait_s."""
+    app[STOPPING].set()
+    await notify_all(app[BATCH_READY])
+    await notify_all(app[LEASES_FREED])
 
 
 def wake_checks(app: web.Application) -> None:

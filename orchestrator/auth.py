@@ -57,6 +57,9 @@ def _check_entry(entry: dict[str, str], where: str) -> None:
         raise ValueError(f"{where}: token {entry['name']!r}: role must be one of {ROLES}, got {entry['role']!r}")
     if not isinstance(entry["token"], str) or not entry["token"]:
         raise ValueError(f"{where}: token {entry['name']!r} is empty")
+    if not entry["token"].isascii() or not entry["token"].isprintable() or " " in entry["token"]:
+        # An HTTP header carries nothing else intact; such a token could never be presented.
+        raise ValueError(f"{where}: token {entry['name']!r} must be printable ASCII without spaces")
 
 
 def parse_env_tokens(text: str) -> list[dict[str, str]]:
@@ -215,6 +218,8 @@ class TokenRegistry:
     def identify(self, token: str) -> Identity | None:
         if self.path is not None:
             self._reload()
+        if not token.isascii():  # header bytes that are not ASCII (aiohttp keeps them as surrogates): no token is
+            return None
         presented = _digest(token)
         found = self._by_digest.get(presented)  # a lookup by digest: timing says nothing of the token
         if found is None:

@@ -1,27 +1,38 @@
 """HTTP bodies of the orchestrator: parsing requests, answering, and errors a user can act on.
 
 Called by the handlers (orchestrator/handlers.py) and the middlewares (orchestrator/middlewares.py).
-A request body is JSON or msgpack by its Content-Type (gzip already undone by aiohttp, and
-counted against `max_request_bytes` after decompression); an answer is msgpack when the
-request's Accept names it, JSON otherwise; an error is always JSON {"error": "..."}. The
-encodings themselves are decentrl/encoding.py.
+A request body is JSON or msgpack by its Content-Type, optionally gzip- or deflate-compressed
+(Content-Encoding); an answer is msgpack when the request's Accept names it, JSON otherwise; an
+error is always JSON {"error": "..."}. The encodings themselves are decentrl/encoding.py.
+
+Bodies are read here, not by aiohttp's own decompression (create_app turns it off): a body that
+does not decompress, or is cut short, must be a 400 saying so (aiohttp's answered 500, or took a
+gzip stream without its end), an encoding we do not speak a 415 (RFC 9110), and the decompressed
+size is bounded as it is produced (`max_request_bytes`: 413), so a small bomb stays small. The
+whole body must arrive within `body_timeout_s` (408): a slow client holds no place for longer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import zlib
 from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, EncodingError, encode_model, unpack_msgpack
+from orchestrator.appstate import STATE
 from orchestrator.limits import retry_after_header
 
 M = TypeVar("M", bound=BaseModel)
 
 # Read as JSON: clients that send JSON without saying so (curl's default, a bare POST).
 JSON_TYPES = frozenset({MEDIA_JSON, "text/plain", "application/octet-stream", ""})
+# Content-Encoding -> zlib's wbits: gzip (with its header and trailer), deflate (RFC 9110: the
+# zlib format; raw deflate is not accepted).
+ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 def error(
@@ -41,6 +52,41 @@ def respond(request: web.Request, model: BaseModel, status: int = 200) -> web.Re
     if wants_msgpack(request):
         return web.Response(body=encode_model(model, MEDIA_MSGPACK), status=status, content_type=MEDIA_MSGPACK)
     return web.Response(body=model.model_dump_json().encode(), status=status, content_type=MEDIA_JSON)
+
+
+async def read_body(request: web.Request, *, limit: int, timeout_s: float) -> bytes:
+    """The request's body, decompressed by its Content-Encoding: 408 if it takes longer than
+    `timeout_s` to arrive, 413 above `limit` bytes (compressed or not), 415 for an encoding other
+    than gzip or deflate, 400 if it does not decompress or ends early."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ENCODINGS and encoding not in ("identity", ""):
+        raise error(
+            web.HTTPUnsupportedMediaType,
+            f"Content-Encoding {encoding[:40]!r} is not supported; send gzip, deflate or none",
+        )
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout=timeout_s)  # 413 above client_max_size
+    except asyncio.TimeoutError:
+        raise error(
+            web.HTTPRequestTimeout,
+            f"the body did not arrive within {timeout_s:g} s (orchestrator.body_timeout_s); send it faster or smaller",
+        ) from None
+    if encoding not in ENCODINGS:
+        return raw
+    inflate = zlib.decompressobj(ENCODINGS[encoding])
+    try:
+        body = inflate.decompress(raw, limit + 1)  # at most one byte past the limit is ever produced
+    except zlib.error as exc:
+        raise error(web.HTTPBadRequest, f"the body is not valid {encoding} ({exc}); compress it or drop Content-Encoding") from None
+    if len(body) > limit:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit, actual_size=len(body), content_type=MEDIA_JSON,
+            text=json.dumps({"error": f"the body decompresses to more than {limit} bytes; "
+                             "the limit is orchestrator.max_request_bytes"}),
+        )
+    if not inflate.eof or inflate.unused_data:
+        raise error(web.HTTPBadRequest, f"the {encoding} body is cut short or has bytes after its end; send it whole")
+    return body
 
 
 def _problems(exc: ValidationError) -> str:
@@ -66,7 +112,8 @@ async def parse_body_with_raw(request: web.Request, model: type[M]) -> tuple[M, 
             web.HTTPUnsupportedMediaType,
             f"Content-Type {media!r} is not supported; send {MEDIA_JSON} or {MEDIA_MSGPACK} (optionally gzip-encoded)",
         )
-    body = await request.read()  # 413 above client_max_size, counted after decompression
+    options = request.app[STATE].config.orchestrator
+    body = await read_body(request, limit=options.max_request_bytes, timeout_s=options.body_timeout_s)
     try:
         if msgpack:
             decoded = unpack_msgpack(body)

@@ -59,6 +59,9 @@ async def page(request: web.Request) -> web.Response:
 
 async def trainer_steps(request: web.Request) -> web.Response:
     body = await parse_body(request, TrainerStep)
+    steps = request.app[STATE].config.trainer.steps
+    if body.step > steps:  # the curves' x axis is the run's steps: nothing past its end
+        raise error(web.HTTPBadRequest, f"step {body.step} is past this run's last step (trainer.steps = {steps})")
     request.app[HISTORY].trainer_step(body.step, body.metrics)
     return web.json_response({"step": body.step})
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK
+from decentrl.store import StoreError
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.wire import (
     MAX_VERSION,
@@ -44,6 +45,8 @@ from orchestrator.appstate import (
     METRICS,
     OPENAPI,
     STATE,
+    STOPPING,
+    STORE,
     STORE_URL,
     TOKENS,
     VERIFIER,
@@ -53,6 +56,7 @@ from orchestrator.appstate import (
 )
 from orchestrator.bans import enforce_bans
 from orchestrator.body import error, parse_body, parse_body_with_raw, respond, wants_msgpack
+from orchestrator.bounds import oversized
 from orchestrator.codec import packed_arrays
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.routing_check import run_keeps_routing
@@ -125,7 +129,7 @@ async def leases(request: web.Request) -> web.Response:
     async with freed:
         while not (granted := state.grant_leases(holder, body.max_groups)):
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= 0 or request.app[STOPPING].is_set():
                 break
             with contextlib.suppress(asyncio.TimeoutError):  # every 0.5 s at least: leases expire unannounced
                 await asyncio.wait_for(freed.wait(), timeout=min(remaining, 0.5))
@@ -172,10 +176,11 @@ async def lease_release(request: web.Request) -> web.Response:
 async def rollouts(request: web.Request) -> web.Response:
     app = request.app
     state = app[STATE]
-    inflight = app[INFLIGHT]
-    if inflight.full:
-        app[METRICS].backpressure.labels("inflight").inc()
-        raise error(web.HTTPServiceUnavailable, "too many rollout posts in flight; retry shortly", retry_after=1)
+    inflight, name = app[INFLIGHT], request[IDENTITY].name
+    if (crowded := inflight.full(name)) is not None:
+        app[METRICS].backpressure.labels("inflight" if crowded == "all" else "inflight_token").inc()
+        whose = "" if crowded == "all" else f" for token {name!r} (orchestrator.max_inflight_per_token)"
+        raise error(web.HTTPServiceUnavailable, f"too many rollout posts in flight{whose}; retry shortly", retry_after=1)
     if state.buffer_full():
         app[METRICS].backpressure.labels("buffer_full").inc()
         raise error(
@@ -183,8 +188,10 @@ async def rollouts(request: web.Request) -> web.Response:
             f"the buffer holds {len(state.ready)} groups (limit {state.buffer_limit}) waiting for the trainer; retry later",
             retry_after=2,
         )
-    with inflight.held():
+    with inflight.held(name):
         body, raw = await parse_body_with_raw(request, RolloutBatch)
+        if (problem := oversized(body.rollouts, state.sampling, state.vocab_size)) is not None:
+            raise error(web.HTTPBadRequest, f"invalid RolloutBatch: {problem}")
         first = body.rollouts[0]
         if any(r.worker_id != first.worker_id for r in body.rollouts):
             raise error(web.HTTPBadRequest, "all rollouts of one request must carry the same worker_id")
@@ -199,7 +206,7 @@ async def rollouts(request: web.Request) -> web.Response:
         result = state.ingest(body.rollouts, holder_of(request, first.worker_id), packed=packed)
         enforce_bans(state, app[TOKENS])
         await commit(state)
-    metrics, name = app[METRICS], request[IDENTITY].name
+    metrics = app[METRICS]
     if result.accepted:
         metrics.worker_rollouts.labels(name, "accepted").inc(result.accepted)
     if result.duplicates:
@@ -219,7 +226,9 @@ async def rollouts(request: web.Request) -> web.Response:
 
 
 async def batch(request: web.Request) -> web.StreamResponse:
-    trainer_version = query_int(request, "trainer_version")
+    # The trainer holds at most the version its last step publishes: a larger one would make
+    # every rollout stale at once.
+    trainer_version = query_int(request, "trainer_version", high=request.app[STATE].config.trainer.steps)
     request_id = request.query.get("request_id")
     if request_id is not None and not REQUEST_ID.fullmatch(request_id):
         raise error(web.HTTPBadRequest, f"query parameter request_id must match {REQUEST_ID.pattern}")
@@ -230,7 +239,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
     async with ready:
         while (served := state.take_batch(trainer_version, request_id)) is None:
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= 0 or request.app[STOPPING].is_set():
                 return web.Response(status=204)
             # The trainer waits: if for a held-back group (take_batch may also have evicted stale
             # groups ahead of one), its check is due now.
@@ -253,6 +262,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
 async def version(request: web.Request) -> web.Response:
     body = await parse_body(request, VersionAnnouncement)
     state = request.app[STATE]
+    await check_in_store(request.app, body.version)
     state.announce(body.version)
     await commit(state)
     request.app[HISTORY].announced(body.version)
@@ -260,6 +270,22 @@ async def version(request: web.Request) -> web.Response:
     wake_checks(request.app)  # stale groups left the line ahead of a held-back one
     log.info("version %d published", body.version)
     return respond(request, run_status(request.app))
+
+
+async def check_in_store(app: web.Application, version: int) -> None:
+    """409 unless `version` is complete in the run's store (its manifest is there and checks,
+    signature included when the store has a public key): workers could not pull it, and a version
+    announced past the real one would make every rollout stale."""
+    store = app[STORE]
+    published = app[STATE].published_version
+    if store is None or (published is not None and version <= published):  # an older one changes nothing
+        return
+    try:
+        await asyncio.to_thread(store.manifest, version)
+    except StoreError as exc:
+        raise error(
+            web.HTTPConflict, f"version {version} is not complete in the store: {exc}; publish it, then announce it"
+        ) from None
 
 
 # -- anyone with a token ------------------------------------------------------------------

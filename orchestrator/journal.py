@@ -51,7 +51,7 @@ import msgpack
 from pydantic import BaseModel
 
 from decentrl.encoding import unpack_msgpack
-from decentrl.wire import Lease, Rollout
+from decentrl.wire import ExpertRouting, Lease, Rollout, SamplingParams
 from orchestrator.codec import Packed, pack_ints
 
 log = logging.getLogger("decentrl.orchestrator.journal")
@@ -156,9 +156,15 @@ def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:
 
 
 def decode_rollout(data: bytes, *, rollout_id: str, lease_id: str, run_name: str, prompt_token_ids: list[int]) -> Rollout:
+    """A journaled rollout, built without validating it again: the journal only holds rollouts
+    that were validated and checked at ingest, written by `encode_rollout` (validation was about
+    a third of recovery's time; orchestrator/recovery.py)."""
     body = unpack_msgpack(data)
     body.update(rollout_id=rollout_id, lease_id=lease_id, run_name=run_name, prompt_token_ids=prompt_token_ids)
-    return Rollout.model_validate(body)
+    body["sampling"] = SamplingParams.model_construct(**body["sampling"])
+    if body.get("expert_routing") is not None:
+        body["expert_routing"] = ExpertRouting.model_construct(**body["expert_routing"])
+    return Rollout.model_construct(**body)
 
 
 class Journal:

@@ -1,4 +1,4 @@
-"""Request limits of the orchestrator: a rate per token, and a bound on rollout posts in flight.
+"""Request limits of the orchestrator: a rate per token, and bounds on rollout posts in flight.
 
 Called by the auth middleware (RateLimiter, orchestrator/middlewares.py) and the rollouts
 handler (InFlight, orchestrator/handlers.py); created by create_app from [orchestrator].
@@ -51,23 +51,35 @@ def retry_after_header(seconds: float) -> str:
 
 
 class InFlight:
-    """Rollout posts being processed now (read, validated, ingested, journaled). At `limit`, a
-    new post is refused at once (503) instead of queueing behind the others, so that a client's
-    retry, not the orchestrator's memory, absorbs a burst (orchestrator.max_inflight_requests)."""
+    """Rollout posts being processed now (read, validated, ingested, journaled), in all and per
+    token. At `limit` in all, or `per_key` for the caller's token, a new post is refused at once
+    (503) instead of queueing behind the others, so that a client's retry, not the orchestrator's
+    memory, absorbs a burst (orchestrator.max_inflight_requests), and one token's slow or
+    flooding clients fill only their own places (orchestrator.max_inflight_per_token)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_key: int | None = None) -> None:
         self.limit = limit
+        self.per_key = limit if per_key is None else per_key
         self.count = 0
+        self._by_key: dict[str, int] = {}  # keys with posts in flight only: bounded by `limit`
 
-    @property
-    def full(self) -> bool:
-        return self.count >= self.limit
+    def full(self, key: str) -> str | None:
+        """Why a post by `key` may not start now ("all", "token"), or None if it may."""
+        if self.count >= self.limit:
+            return "all"
+        if self._by_key.get(key, 0) >= self.per_key:
+            return "token"
+        return None
 
     @contextmanager
-    def held(self) -> Iterator[None]:
-        """Counts one post in flight for the duration of the block."""
+    def held(self, key: str) -> Iterator[None]:
+        """Counts one post by `key` in flight for the duration of the block."""
         self.count += 1
+        self._by_key[key] = self._by_key.get(key, 0) + 1
         try:
             yield
         finally:
             self.count -= 1
+            left = self._by_key.pop(key) - 1
+            if left:
+                self._by_key[key] = left

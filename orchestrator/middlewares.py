@@ -22,6 +22,7 @@ from decentrl.encoding import MEDIA_JSON
 from orchestrator.appstate import IDENTITY, JOURNAL_FAILED, LIMITER, METRICS, ROUTE_ROLES, TOKENS
 from orchestrator.body import error
 from orchestrator.journal import JournalError
+from orchestrator.protocol import client_faults
 
 log = logging.getLogger("decentrl.orchestrator")
 
@@ -73,9 +74,13 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         status = 503
         request.app[JOURNAL_FAILED](exc)
         raise error(web.HTTPServiceUnavailable, f"{exc}; restart the orchestrator (it recovers from the journal)", retry_after=5) from None
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         status = 499
         raise
+    except ConnectionResetError:  # the client went away mid-request: its fault, one throttled line
+        status = 499
+        client_faults.warning("disconnect", "client %s went away during %s %s", request.remote, request.method, route)
+        return web.Response(status=499, text=json.dumps({"error": "the client closed the connection"}), content_type=MEDIA_JSON)
     except Exception:
         log.exception("%s %s failed", request.method, request.path)  # never logs headers (tokens)
         raise error(web.HTTPInternalServerError, "internal error; see the orchestrator's log") from None
@@ -91,9 +96,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     matched = _route_of(request)
     allowed = matched[1] if matched is not None else None
     if allowed is not None:
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        identity = request.app[TOKENS].identify(token.strip()) if scheme == "Bearer" and token.strip() else None
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        # RFC 9110 11.1: the scheme is case-insensitive ("bearer" is "Bearer").
+        identity = request.app[TOKENS].identify(token) if scheme.lower() == "bearer" and token else None
         if identity is None:
             raise error(web.HTTPUnauthorized, "missing or unknown bearer token (Authorization: Bearer TOKEN)")
         if identity.role not in allowed:

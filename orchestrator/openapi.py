@@ -46,9 +46,10 @@ ERROR_TEXT = {
     401: "No bearer token, or an unknown (or revoked) one.",
     403: "The token's role may not call this route, or the lease is another worker's.",
     404: "No such lease, token or route.",
-    409: "Conflict: another run, a closed lease, an existing token name.",
+    408: "The body did not arrive within orchestrator.body_timeout_s.",
+    409: "Conflict: another run, a closed lease, an existing token name, a version not in the store.",
     413: "Body over orchestrator.max_request_bytes (after decompression).",
-    415: "Content-Type is neither JSON nor msgpack.",
+    415: "Content-Type is neither JSON nor msgpack, or Content-Encoding is neither gzip nor deflate.",
     429: "This token is over its rate limit: retry after Retry-After seconds.",
     503: "Overloaded (too many requests in flight, buffer full) or the journal failed: retry after Retry-After.",
 }
@@ -109,7 +110,7 @@ def build_openapi(routes: list[RouteSpec], *, title: str, version: str, descript
             operation["responses"][str(status)] = response
         errors = set(route.errors) | {429, 503} | ({401, 403} if route.roles is not None else set())
         if route.body is not None:
-            errors |= {400, 413, 415}
+            errors |= {400, 408, 413, 415}
         if route.params:
             errors.add(400)
         for status in sorted(errors):

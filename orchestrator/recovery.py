@@ -85,7 +85,7 @@ def recover(
     ready: list[Group] = []
     rebuilt: dict[str, list[Rollout]] = {}  # lease id -> its samples still held in the journal
     for row in sorted(snapshot.leases, key=lambda r: (r["closed_at"] or 0.0, r["lease_id"])):
-        lease = Lease(
+        lease = Lease.model_construct(  # journaled as granted: validated when it was made
             lease_id=row["lease_id"],
             prompt_id=row["prompt_id"],
             prompt_token_ids=unpack_msgpack(row["prompt_token_ids"]),

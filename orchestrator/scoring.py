@@ -8,17 +8,23 @@ replayed against its environment (decentrl/tasks/episodes.py), which the ingest 
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask, replay_episode, tokenizer_codec
 from decentrl.wire import Rollout
 from orchestrator.tokens import Decoder
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from decentrl.tokenizer import RustTokenizer
+
 
 class Scorer:
     def __init__(
-        self, *, task: Task | EpisodeTask, tokenizer: PreTrainedTokenizerBase, decode: Decoder, end_ids: set[int]
+        self, *, task: Task | EpisodeTask, tokenizer: PreTrainedTokenizerBase | RustTokenizer, decode: Decoder,
+        end_ids: set[int],
     ) -> None:
         """`end_ids`: what ends a model turn (the ids the worker backends stop at)."""
         self.task = task

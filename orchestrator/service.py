@@ -3,9 +3,10 @@
 Called by `decentrl orchestrator` (decentrl/cli/main.py), which only parses its arguments.
 `serve` builds everything the app needs from the run's config: the tokens (RUN_DIR/tokens.json
 and env DECENTRL_TOKENS), the journal (RUN_DIR/journal.sqlite, from which RunState recovers a
-crashed run), the task and tokenizer, the verifier when verification is enabled; then tunes the
-garbage collector and runs the app (orchestrator/app.py) on uvloop where it installs, until
-SIGINT or SIGTERM. A journal failure stops the process: a restart recovers what was committed.
+crashed run), the task and tokenizer, the verifier when verification is enabled, the store (an
+announced version must exist in it); then tunes the garbage collector and runs the app
+(orchestrator/app.py) on uvloop where it installs, until SIGINT or SIGTERM (stopped within 2 s).
+A journal failure stops the process: a restart recovers what was committed.
 """
 
 from __future__ import annotations
@@ -19,16 +20,19 @@ import signal
 from aiohttp import web
 
 from decentrl.config import RunConfig
-from decentrl.model import build_model, load_tokenizer
+from decentrl.model import build_model
 from decentrl.store import CheckpointStore
 from decentrl.tasks import build_task
+from decentrl.tokenizer import load_text_tokenizer
 from orchestrator.app import create_app
 from orchestrator.auth import ENV_VAR, TokenRegistry
 from orchestrator.journal import Journal, JournalError, JournalMismatch
+from orchestrator.protocol import OrchestratorRunner
 from orchestrator.state import RunState
 from orchestrator.verify import Verifier
 
 log = logging.getLogger("decentrl.orchestrator")
+STOP_S = 1.0  # the most a request may hold up a stop (SIGTERM ends the process within 2 s)
 
 
 class StartupError(Exception):
@@ -66,7 +70,8 @@ def open_state(config: RunConfig, run_dir: str) -> RunState:
             journal = Journal(
                 os.path.join(run_dir, "journal.sqlite"), run_name=config.run_name, sync=config.orchestrator.journal_sync
             )
-        return RunState(config=config, task=build_task(config.task), tokenizer=load_tokenizer(config.model), journal=journal)
+        return RunState(config=config, task=build_task(config.task), tokenizer=load_text_tokenizer(config.model),
+                        journal=journal)
     except (JournalMismatch, JournalError, ValueError) as exc:
         raise StartupError(str(exc)) from None
 
@@ -91,6 +96,25 @@ def _event_loop() -> asyncio.AbstractEventLoop | None:
     return uvloop.new_event_loop()
 
 
+async def _run(app: web.Application, host: str, port: int) -> None:
+    """Serve `app` until SIGINT or SIGTERM, then stop within STOP_S: the long-polls answer at once
+    (orchestrator/appstate.py, `stop_waiting`) and any other request still running after that is
+    cancelled, so a supervisor's SIGTERM never waits for batch_wait_s."""
+    runner = OrchestratorRunner(app, access_log=None, shutdown_timeout=STOP_S)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("serving on http://%s:%d", host, runner.addresses[0][1])
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await runner.cleanup()
+
+
 def serve(config: RunConfig, *, run_dir: str, host: str | None = None, port: int | None = None,
           tokens_file: str | None = None) -> bool:
     """Serve the run until SIGINT or SIGTERM. Returns False when it stopped because the journal
@@ -106,19 +130,15 @@ def serve(config: RunConfig, *, run_dir: str, host: str | None = None, port: int
         os.kill(os.getpid(), signal.SIGTERM)
 
     tune_gc()
-    loop = _event_loop()
     app = create_app(
         state=state, tokens=tokens, store_url=config.store.url, on_fatal=on_fatal,
-        verifier=build_verifier(config, run_dir),
+        verifier=build_verifier(config, run_dir), store=CheckpointStore.from_config(config.store),
     )
-    web.run_app(
-        app,
-        host=host or config.orchestrator.host,
-        port=config.orchestrator.port if port is None else port,
-        print=lambda text: log.info(text.strip()),
-        handle_signals=True,
-        access_log=None,
-        loop=loop,
-    )
+    where = (host or config.orchestrator.host, config.orchestrator.port if port is None else port)
+    loop = _event_loop() or asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(_run(app, *where))
+    finally:
+        loop.close()
     state.journal.close()
     return not failed

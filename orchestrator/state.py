@@ -44,8 +44,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from decentrl.config import RunConfig
 from decentrl.model import end_of_sequence_ids
@@ -66,6 +65,11 @@ from orchestrator.scoring import Scorer
 from orchestrator.tokens import make_decoder, make_encoder
 from orchestrator.verdicts import Verdicts
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from decentrl.tokenizer import RustTokenizer
+
 # Re-exported: orchestrator/handlers.py answers lease errors, orchestrator/verification.py runs jobs.
 __all__ = ["LeaseError", "RunState", "VerifyJob"]
 
@@ -78,7 +82,7 @@ class RunState:
         *,
         config: RunConfig,
         task: Task | EpisodeTask,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | RustTokenizer,
         clock: Callable[[], float] = time.time,
         journal: Journal | None = None,
     ) -> None:

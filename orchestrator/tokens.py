@@ -11,19 +11,23 @@ orchestrator/detokenize.py.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
-
+from decentrl.tokenizer import RustTokenizer
 from orchestrator.detokenize import piece_table, table_decoder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Encoder = Callable[[str], list[int]]
 Decoder = Callable[[list[list[int]]], list[str]]
 
 
-def _plain_fast_tokenizer(tokenizer: PreTrainedTokenizerBase, *methods: str) -> Any:
+def _plain_fast_tokenizer(tokenizer: PreTrainedTokenizerBase | RustTokenizer, *methods: str) -> Any:
     """The Rust tokenizer behind `tokenizer` if calling it directly gives what the HF methods
     would (the methods are not overridden by a subclass), else None."""
+    if isinstance(tokenizer, RustTokenizer):  # decentrl/tokenizer.py: the Rust tokenizer itself
+        return tokenizer.backend_tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase as Base
@@ -37,7 +41,7 @@ def _plain_fast_tokenizer(tokenizer: PreTrainedTokenizerBase, *methods: str) -> 
     return backend
 
 
-def make_decoder(tokenizer: PreTrainedTokenizerBase) -> Decoder:
+def make_decoder(tokenizer: PreTrainedTokenizerBase | RustTokenizer) -> Decoder:
     """`tokenizer.batch_decode(ids, skip_special_tokens=True)`, calling the Rust tokenizer directly
     when that gives the same text (a plain fast tokenizer without clean-up): half the cost; and
     where its decode is a join of per-token pieces, joining them (orchestrator/detokenize.py): a
@@ -51,7 +55,7 @@ def make_decoder(tokenizer: PreTrainedTokenizerBase) -> Decoder:
     return lambda sequences: tokenizer.batch_decode(sequences, skip_special_tokens=True)
 
 
-def make_encoder(tokenizer: PreTrainedTokenizerBase) -> Encoder:
+def make_encoder(tokenizer: PreTrainedTokenizerBase | RustTokenizer) -> Encoder:
     """`tokenizer(text).input_ids`, calling the Rust tokenizer directly when that gives the same ids
     (a plain fast tokenizer with no truncation or padding of its own): half the cost."""
     backend = _plain_fast_tokenizer(tokenizer, "__call__", "_encode_plus")

@@ -37,6 +37,7 @@ from decentrl.wire import Lease, Rollout, SamplingParams  # noqa: E402
 from orchestrator.app import create_app  # noqa: E402
 from orchestrator.appstate import STATE, TOKENS  # noqa: E402
 from orchestrator.auth import TokenRegistry  # noqa: E402
+from orchestrator.protocol import OrchestratorRunner  # noqa: E402
 from orchestrator.state import RunState  # noqa: E402
 
 
@@ -109,7 +110,7 @@ def serve_orchestrator() -> ServeOrchestrator:
         state: RunState, tokens: TokenRegistry, *, store_url: str = "memory://test", **options: Any
     ) -> AsyncIterator[LiveOrchestrator]:
         app = create_app(state=state, tokens=tokens, store_url=store_url, **options)
-        runner = web.AppRunner(app)
+        runner = OrchestratorRunner(app)
         await runner.setup()
         try:
             await web.TCPSite(runner, "127.0.0.1", 0).start()

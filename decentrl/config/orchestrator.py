@@ -118,6 +118,14 @@ class OrchestratorConfig(Section):
         "Over it: 429 with Retry-After.",
     )
     rate_limit_burst: int = Field(2000, ge=1, description="Bucket size: requests a token may make at once.")
+    max_inflight_per_token: int = Field(
+        16, ge=1, description="Rollout posts of one token processed at once (<= max_inflight_requests counts): "
+        "one token's slow or flooding clients get 503 before they crowd out other tokens.",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Most seconds to receive a request body; slower uploads get 408 (a slow client "
+        "never holds a place in flight for longer).",
+    )
     dedupe_window_s: float = Field(
         900.0,
         gt=0,

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from decentrl.client import OrchestratorClient
+from decentrl.store import CheckpointStore
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
 from orchestrator.auth import add_token
 from tests.pipeline.test_pipeline import TINY_MODEL
@@ -62,6 +63,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def publish(run_dir: Path, *versions: int) -> None:
+    """Put `versions` in the run's default store (RUN_DIR/checkpoints), as a trainer would before
+    announcing them: the orchestrator refuses to announce a version the store lacks. Their one
+    file is not a model; nothing here pulls them."""
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    files = run_dir / "version-files"
+    files.mkdir(exist_ok=True)
+    (files / "config.json").write_text("{}")
+    for version in versions:
+        store.publish(version, str(files))
 
 
 def start(config: Path, run_dir: Path, port: int, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -168,6 +181,7 @@ def test_kill_9_mid_load_loses_nothing_acknowledged_and_serves_nothing_twice(tmp
     url = f"http://127.0.0.1:{port}"
     process = start(config, run_dir, port)
     try:
+        publish(run_dir, 0)
         OrchestratorClient(url, trainer_token).announce(0)
         workers = [WorkerThread(url, token, f"w{i}-gpu0") for i, token in enumerate(worker_tokens)]
         trainer = TrainerThread(url, trainer_token)

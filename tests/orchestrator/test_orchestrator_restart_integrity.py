@@ -21,7 +21,7 @@ import pytest
 from decentrl.client import OrchestratorClient, OrchestratorError
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams
 from orchestrator.auth import add_token
-from tests.orchestrator.test_orchestrator_kill9 import free_port, start
+from tests.orchestrator.test_orchestrator_kill9 import free_port, publish, start
 from tests.pipeline.test_pipeline import TINY_MODEL
 
 pytestmark = pytest.mark.integration
@@ -71,6 +71,7 @@ def test_bans_strikes_and_replay_hashes_survive_a_kill_and_restart(tmp_path: Pat
     trainer, honest = OrchestratorClient(url, trainer_token), OrchestratorClient(url, honest_token)
     eve, mallory = OrchestratorClient(url, eve_token), OrchestratorClient(url, "mallory-secret-token-0123456789")
 
+    publish(tmp_path, 0, 1)
     process = start(config, tmp_path, port, env)
     try:
         trainer.announce(0)

@@ -1,0 +1,74 @@
+"""A tokenizer from the `tokenizers` library alone, for the orchestrator's start-up.
+
+The orchestrator (orchestrator/service.py, `open_state`) needs of its tokenizer only the
+vocabulary size, an encoder for prompts, a decoder for completions, and the special and
+end-of-sequence ids; importing transformers for that cost about 1.4 s of every start-up and
+restart (docs/benchmarks.md, recovery). `load_text_tokenizer` gives a `RustTokenizer`, which
+answers the few PreTrainedTokenizerBase methods the orchestrator calls with exactly what
+transformers' tokenizer answers (tests/core/test_tokenizer.py compares them), for the tiny model.
+
+A pretrained model's tokenizer is transformers' AutoTokenizer (decentrl/model.py): transformers 5
+picks the tokenizer class from the model type and may rebuild the tokenizer from its vocabulary
+(Qwen2Tokenizer does), so tokenizer.json read alone is not always what it answers (the test shows
+one such difference), and custom code, slow tokenizers and chat templates need it anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
+
+    from decentrl.config import PretrainedModelConfig, TinyModelConfig
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: list[int]
+
+
+class RustTokenizer:
+    """The calls the orchestrator makes of a tokenizer, answered by a `tokenizers.Tokenizer`."""
+
+    clean_up_tokenization_spaces = False
+
+    def __init__(self, backend: Tokenizer, *, special_tokens: Sequence[str], eos_token: str) -> None:
+        self.backend_tokenizer = backend
+        self.all_special_ids = sorted({backend.token_to_id(token) for token in special_tokens})
+        self.eos_token_id = backend.token_to_id(eos_token)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoded:
+        return Encoded(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
+        return self.backend_tokenizer.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
+
+
+def load_text_tokenizer(config: TinyModelConfig | PretrainedModelConfig) -> RustTokenizer | PreTrainedTokenizerBase:
+    """The run's tokenizer for the orchestrator: without transformers for the tiny model,
+    transformers' AutoTokenizer for a pretrained one (module docstring)."""
+    from tokenizers import AddedToken
+
+    from decentrl.config import TinyModelConfig
+    from decentrl.model import TINY_EOS, TINY_SPECIALS, load_tokenizer, tiny_tokenizer_core
+
+    if isinstance(config, TinyModelConfig):
+        core = tiny_tokenizer_core()
+        # As PreTrainedTokenizerFast does with its pad/bos/eos/unk: special added tokens, so
+        # "</s>" in a text is one token and a decode can skip them.
+        core.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in TINY_SPECIALS])
+        return RustTokenizer(core, special_tokens=TINY_SPECIALS, eos_token=TINY_EOS)
+    return load_tokenizer(config)
