@@ -17,7 +17,10 @@ curve), and an evaluation of the policy itself (workers/evaluate.py, as `decentr
 final version, and the newest version at that wall time, on --eval-prompts held-out prompts x
 --eval-samples samples). The evaluation is the fair one: an asynchronous run's last batches were
 sampled by policies up to max_staleness versions older than its final one. A comma list for
---async-staleness adds one asynchronous run per value.
+--async-staleness adds one asynchronous run per value. --deterministic adds "async_deterministic":
+the asynchronous run again with deterministic = true (docs/reproducibility.md), same seeds, and
+reports its trainer busy fraction and time to target against the free-running one
+("deterministic_cost"; the goal is busy within 0.05).
 
 Writes one PNG per scenario (reward vs wall time; trainer busy/idle timeline of the first seed)
 and prints, as its last line, one JSON object: the base scenario's {"sync", "async",
@@ -46,9 +49,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int) -> dict:
+def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int, deterministic: bool) -> dict:
     config = tomllib.loads((ROOT / "configs" / "local.toml").read_text())
-    config.update(run_name=f"{scenario}-s{max_staleness}", max_staleness=max_staleness, num_workers=args.workers)
+    config.update(
+        run_name=f"{scenario}-s{max_staleness}{'-det' if deterministic else ''}", max_staleness=max_staleness,
+        num_workers=args.workers, deterministic=deterministic, seed=seed,
+    )
     config["trainer"].update(steps=args.steps, seed=seed, **({"lr": args.lr} if args.lr else {}))
     config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s)
     config["store"].update(keep_last=args.steps + 1)  # every version stays, to be evaluated afterwards
@@ -76,11 +82,11 @@ def worker_pid(run_dir: Path, name: str) -> int | None:
     return None
 
 
-def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int, work: Path) -> dict:
-    name = f"{scenario}-s{max_staleness}-seed{seed}"
+def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int, work: Path, deterministic: bool = False) -> dict:
+    name = f"{scenario}-s{max_staleness}{'-det' if deterministic else ''}-seed{seed}"
     run_dir = work / name
     config_path = work / f"{name}.json"
-    config_path.write_text(json.dumps(scenario_config(args, scenario, max_staleness, seed)))
+    config_path.write_text(json.dumps(scenario_config(args, scenario, max_staleness, seed, deterministic)))
     log = open(work / f"{name}.out", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "decentrl", "run", str(config_path), "--run-dir", str(run_dir)],
@@ -242,6 +248,7 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=1024, help="Held-out prompts per evaluation of a version.")
     parser.add_argument("--eval-samples", type=int, default=4, help="Samples per held-out prompt.")
     parser.add_argument("--out", default="docs/figures", help="Where the PNGs go.")
+    parser.add_argument("--deterministic", action="store_true", help="Also run the asynchronous mode with deterministic = true.")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -254,13 +261,16 @@ def main() -> None:
     if not stalenesses or min(stalenesses) < 1:
         raise SystemExit(f"--async-staleness takes integers >= 1 separated by commas (got {args.async_staleness!r})")
     modes = {"sync": 0, "async": stalenesses[0], **{f"async_s{n}": n for n in stalenesses[1:]}}
+    if args.deterministic:
+        modes["async_deterministic"] = stalenesses[0]
     for scenario in args.scenarios.split(","):
         results: dict[str, list[dict]] = {mode: [] for mode in modes}
         seeds = []
         for seed in range(args.seeds):
             for mode, staleness in modes.items():
-                result = run_once(args, scenario, staleness, seed, Path(tmp))
-                result["label"] = f"max_staleness={staleness}"
+                deterministic = mode == "async_deterministic"
+                result = run_once(args, scenario, staleness, seed, Path(tmp), deterministic)
+                result["label"] = f"max_staleness={staleness}{' deterministic' if deterministic else ''}"
                 results[mode].append(result)
                 print(f"{scenario} seed {seed} {mode}: " + json.dumps({k: v for k, v in result.items() if k not in plain}), flush=True)
             pair = {mode: runs[-1] for mode, runs in results.items()}
@@ -298,10 +308,25 @@ def main() -> None:
             "seeds": seeds,
             "plot": str(figure),
         }
+        if args.deterministic:
+            free, fixed = means["async"], means["async_deterministic"]
+            report[scenario]["deterministic_cost"] = {
+                "busy_fraction_free": free["trainer_busy_fraction"],
+                "busy_fraction_deterministic": fixed["trainer_busy_fraction"],
+                "busy_gap": free["trainer_busy_fraction"] - fixed["trainer_busy_fraction"],
+                "time_to_target_s_free": free["time_to_target_s"],
+                "time_to_target_s_deterministic": fixed["time_to_target_s"],
+                "wall_s_free": free["wall_s"],
+                "wall_s_deterministic": fixed["wall_s"],
+            }
     shutil.rmtree(tmp)
-    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples")}
+    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic")}
     first = report[next(iter(report))]
-    print(json.dumps({"sync": first["sync"], "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"], "settings": settings, "scenarios": report}))
+    print(json.dumps({
+        "sync": first["sync"], "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"],
+        **({"deterministic_cost": first["deterministic_cost"]} if args.deterministic else {}),
+        "settings": settings, "scenarios": report,
+    }))
 
 
 if __name__ == "__main__":

@@ -102,6 +102,11 @@ class RunInfo(Wire):
         None, description="The run's [task] config when it is multi-turn: workers build its environment from it "
         "(decentrl/tasks/episodes.py). None for single-turn tasks."
     )
+    deterministic: bool = Field(
+        False, description="A deterministic run (docs/reproducibility.md): sample each lease under its "
+        "`policy_version`, seeding sample j of it with decentrl/determinism.py `sample_seed(seed, prompt_id, j, version)`."
+    )
+    seed: Int = Field(0, ge=0, le=2**63 - 1, description="The run's sampling seed (deterministic runs).")
 
 
 class LeaseRequest(Wire):
@@ -117,6 +122,13 @@ class Lease(Wire):
     prompt_token_ids: IntArray
     group_size: Int = Field(ge=1)
     deadline: float = Field(description="Unix time after which the prompt is leased again.")
+    index: Int | None = Field(
+        None, ge=0, le=MAX_VERSION, description="Deterministic runs: the group's place in the consumption order (None otherwise)."
+    )
+    policy_version: Int | None = Field(
+        None, ge=0, le=MAX_VERSION, description="Deterministic runs: sample under exactly this version (a rollout sampled under "
+        "another is rejected as wrong_version). None: the newest the worker has."
+    )
 
 
 class LeaseResponse(Wire):

@@ -8,6 +8,8 @@ Invariants:
 - a served batch is journaled before it is sent (its leases as served), and the last
   `batches_kept` are kept by request id, so a trainer that lost an answer and asks again with
   the same request id gets the same batch, never a second one;
+- a deterministic run's batch s is exactly the groups at places s*groups_per_step onwards of the
+  consumption order, in that order, whatever order they completed in;
 - advantages are computed per group (decentrl/advantages.py) when the batch is built; this is
   the one place that reads their setting;
 - the completion ids and logprobs of every sample were packed as typed arrays at ingest
@@ -131,6 +133,8 @@ class Batches:
         wanted = self.config.trainer.groups_per_step
         if len(self.buffer.ready) < wanted or self.buffer.held_back_ahead(wanted):
             return None
+        if self.config.deterministic and not self._next_places_ready(wanted):
+            return None
         groups = self.buffer.take_front(wanted)
         self.counters.groups_served += wanted
         batch = self.build(
@@ -144,6 +148,12 @@ class Batches:
         assert batch.batch_id is not None
         self._serve(request_id or batch.batch_id, batch, groups)
         return batch
+
+    def _next_places_ready(self, wanted: int) -> bool:
+        """Deterministic runs: whether the line starts with the next `wanted` places, consecutive
+        (groups are served in place order, so the next place is groups_served + 1 as a `seq`)."""
+        first = self.counters.groups_served + 1
+        return all(self.buffer.ready[i].seq == first + i for i in range(wanted))
 
     def build(
         self, groups: list[Group], *, trainer_version: int, batch_id: str, rollouts_accepted: int, stale_dropped: int

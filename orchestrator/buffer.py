@@ -2,7 +2,8 @@
 
 RunState (orchestrator/state.py) puts each scored group here; the batch builder
 (orchestrator/batches.py) takes them from the front. Invariants:
-- groups are in line in the order they completed (`seq`); a group held back for a logprob check
+- groups are in line in the order they completed (`seq`), in a deterministic run in the
+  consumption order (`seq` = the lease's place + 1, set before they get here); a group held back for a logprob check
   (orchestrator/verify.py; orchestrator/verification.py takes `verify_queue`) keeps its place,
   and joins the line there once it checks out, so no later group overtakes it towards staleness;
 - a group is journaled as complete (with its place and rewards) when it joins the line; a group
@@ -59,8 +60,9 @@ class Buffer:
     def hold_back(self, group: Group, job: VerifyJob) -> None:
         """The trainer sees the group only once its sampled logprobs check out; it keeps its
         place in line meanwhile."""
-        self.ready_seq += 1
-        group.seq = self.ready_seq
+        if not group.seq:
+            self.ready_seq += 1
+            group.seq = self.ready_seq
         self.pending[group.lease_id] = group
         self.verify_queue.append(job)
 
@@ -69,7 +71,7 @@ class Buffer:
             self.ready_seq += 1
             group.seq = self.ready_seq
             self.ready.append(group)
-        else:  # checked after being held back: back to its place in line
+        else:  # checked after being held back, or a deterministic run's group: to its place in line
             position = len(self.ready)
             while position and self.ready[position - 1].seq > group.seq:
                 position -= 1

@@ -79,6 +79,10 @@ class IngestChecks:
             return "prompt_mismatch"
         if rollout.sampling != self.sampling:
             return "sampling_mismatch"
+        if lease.policy_version is not None and (
+            rollout.policy_version != lease.policy_version or rollout.token_versions is not None
+        ):
+            return "wrong_version"  # a deterministic run: the lease names the one version to sample under
         published = self.versions.published
         if published is None or rollout.policy_version > published:
             return "future_version"

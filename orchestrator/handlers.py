@@ -111,6 +111,8 @@ async def info(request: web.Request) -> web.Response:
             group_size=state.config.group_size,
             keep_routing=run_keeps_routing(state.config.model),
             episode_task=state.config.task.model_dump() if isinstance(state.task, EpisodeTask) else None,
+            deterministic=state.config.deterministic,
+            seed=state.config.seed,
         ),
     )
 

@@ -12,11 +12,16 @@ RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its publ
   lease closed without training (expired, released, dropped) has its samples counted as
   dropped and its content forgotten by orchestrator/integrity.py (so it may honestly come again);
 - a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample
-  gets a precise reason and a resend is answered as a duplicate.
+  gets a precise reason and a resend is answered as a duplicate;
+- deterministic runs (docs/reproducibility.md): a lease is a place in the consumption order
+  (`Lease.index`), which fixes its prompt (the seeded order, cycled) and the version it is
+  sampled under (decentrl/determinism.py `required_version`); a place closed without training
+  is leased again, lowest first, with the same prompt and version, so no place is ever skipped.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 import uuid
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from decentrl.config import RunConfig
+from decentrl.determinism import required_version
 from decentrl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
@@ -92,15 +98,19 @@ class ClosedLease:
 
 class PromptQueue:
     """The order prompts are leased in: a seeded shuffle of the task's pool, cycled, with the
-    prompts of leases that closed unanswered going out first."""
+    prompts of leases that closed unanswered going out first.
 
-    def __init__(self, *, task: Task | EpisodeTask, encode: Encoder, seed: int) -> None:
+    In a deterministic run the queue hands out places in the consumption order instead
+    (`next_index`; the prompt is `prompt_at(index)`), and `requeued` holds places, lowest first."""
+
+    def __init__(self, *, task: Task | EpisodeTask, encode: Encoder, seed: int, deterministic: bool = False) -> None:
         self.task = task
         self.encode = encode
+        self.deterministic = deterministic
         self.order = list(range(task.num_prompts))
         random.Random(seed).shuffle(self.order)
         self.cursor = 0
-        self.requeued: deque[int] = deque()
+        self.requeued: deque[int] = deque()  # prompt ids; deterministic: places, ascending
         self._cache: OrderedDict[int, list[int]] = OrderedDict()
 
     def next_id(self) -> int:
@@ -110,11 +120,24 @@ class PromptQueue:
         self.cursor += 1
         return prompt_id
 
-    def requeue(self, prompt_id: int, where: Requeue) -> None:
-        if where == "front":
-            self.requeued.appendleft(prompt_id)
+    def next_index(self) -> int:
+        """Deterministic runs: the next place to lease, a requeued one first (the lowest)."""
+        if self.requeued:
+            return self.requeued.popleft()
+        self.cursor += 1
+        return self.cursor - 1
+
+    def prompt_at(self, index: int) -> int:
+        return self.order[index % len(self.order)]
+
+    def requeue(self, item: int, where: Requeue) -> None:
+        """Lease `item` (a prompt id; deterministic: a place, kept in ascending order) again first."""
+        if self.deterministic:
+            bisect.insort(self.requeued, item)
+        elif where == "front":
+            self.requeued.appendleft(item)
         else:
-            self.requeued.append(prompt_id)
+            self.requeued.append(item)
 
     def token_ids(self, prompt_id: int) -> list[int]:
         """The prompt's token ids; the last few thousand are cached."""
@@ -167,15 +190,29 @@ class LeaseBook:
         return max(0, min(budget, room))
 
     def grant(self, holder: str, count: int) -> list[Lease]:
+        """`count` leases (the caller checked `capacity`). In a deterministic run each is the next
+        place in the consumption order, to be sampled under the version that place requires; the
+        budget guarantees that version is published (place < (published + max_staleness + 1) *
+        groups_per_step), so a worker asking early is held back by the budget, not given a lease."""
         granted = []
         for _ in range(count):
-            prompt_id = self.prompts.next_id()
+            index = version = None
+            if self.prompts.deterministic:
+                index = self.prompts.next_index()
+                prompt_id = self.prompts.prompt_at(index)
+                version = required_version(
+                    index, groups_per_step=self.config.trainer.groups_per_step, max_staleness=self.config.max_staleness
+                )
+            else:
+                prompt_id = self.prompts.next_id()
             lease = Lease(
                 lease_id=uuid.uuid4().hex,
                 prompt_id=prompt_id,
                 prompt_token_ids=self.prompts.token_ids(prompt_id),
                 group_size=self.config.group_size,
                 deadline=self.clock() + self.config.orchestrator.lease_timeout_s,
+                index=index,
+                policy_version=version,
             )
             self.open[lease.lease_id] = OpenLease(lease=lease, holder=holder)
             heapq.heappush(self.deadlines, (lease.deadline, lease.lease_id))
@@ -229,19 +266,22 @@ class LeaseBook:
         A lease closed without training (`UNTRAINED`) needs the `reason` its samples are dropped
         for: `counted` of them (default: all it holds) are counted under `dropped[reason]` (and
         `stale_dropped` for a stale reason), and integrity forgets their content. `requeue`
-        puts an open lease's prompt back in line. A complete group is journaled by the buffer
-        when it joins the line (with its place and rewards), not here.
+        puts an open lease's prompt back in line; in a deterministic run every lease closed
+        without training puts its place back (a skipped place would change the run). A complete
+        group is journaled by the buffer when it joins the line (with its place and rewards), not here.
         """
         now = self.clock()
         open_lease = self.open.pop(lease_id, None)
         if open_lease is not None:
             closed = ClosedLease(open_lease.lease, open_lease.holder, status, now, [r.rollout_id for r in open_lease.samples])
             self.closed[lease_id] = closed
-            if requeue is not None:
+            if requeue is not None and not self.prompts.deterministic:
                 self.prompts.requeue(open_lease.lease.prompt_id, requeue)
         else:
             closed = self.closed[lease_id]
             closed.status, closed.closed_at = status, now
+        if self.prompts.deterministic and status in UNTRAINED and closed.lease.index is not None:
+            self.prompts.requeue(closed.lease.index, "back")
         self.closed_order.append((now, lease_id))
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"

@@ -18,6 +18,7 @@ import logging
 from collections import Counter, deque
 from typing import Any
 
+from decentrl.determinism import required_version
 from decentrl.encoding import unpack_msgpack
 from decentrl.wire import Lease, Rollout
 from orchestrator.batches import Batches, pack_sample
@@ -69,6 +70,28 @@ def _restore_meta(
     counters.recoveries = meta["recoveries"] + 1
 
 
+def _with_place(lease: Lease, lease_book: LeaseBook, ready_seq: int | None, groups_served: int) -> Lease:
+    """Deterministic runs: a recovered lease with its place and version again. The journal keeps a
+    complete group's place (its ready_seq) and an open lease's prompt; a prompt occurs once in any
+    num_prompts consecutive places, and an open lease's place lies between the groups served and
+    the cursor, so it is the last place before the cursor that holds its prompt."""
+    queue = lease_book.prompts
+    if ready_seq:
+        index = ready_seq - 1
+    else:
+        if queue.cursor - groups_served > len(queue.order):
+            raise ValueError(
+                f"journal: cannot place open lease {lease.lease_id} of a deterministic run: more places are in "
+                f"flight ({queue.cursor - groups_served}) than the task has prompts ({len(queue.order)}); "
+                "use a task with more prompts than (max_staleness + 2) * trainer.groups_per_step"
+            )
+        index = queue.cursor - 1 - (queue.cursor - 1 - queue.order.index(lease.prompt_id)) % len(queue.order)
+    version = required_version(
+        index, groups_per_step=lease_book.config.trainer.groups_per_step, max_staleness=lease_book.config.max_staleness
+    )
+    return lease.model_copy(update={"index": index, "policy_version": version})
+
+
 def recover(
     snapshot: Snapshot,
     *,
@@ -92,6 +115,8 @@ def recover(
             group_size=row["group_size"],
             deadline=row["deadline"],
         )
+        if lease_book.prompts.deterministic and row["status"] in ("open", "complete"):
+            lease = _with_place(lease, lease_book, row["ready_seq"], counters.groups_served)
         entries = snapshot.rollouts.get(lease.lease_id, [])
         ids = [rollout_id for rollout_id, _ in entries]
         for rollout_id in ids:

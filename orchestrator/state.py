@@ -93,6 +93,11 @@ class RunState:
                 f"orchestrator.max_buffer_groups ({options.max_buffer_groups}) must be at least "
                 f"trainer.groups_per_step ({config.trainer.groups_per_step}), or no batch could ever form"
             )
+        if config.deterministic and isinstance(task, EpisodeTask):
+            raise ValueError(
+                "deterministic = true supports single-turn tasks only (docs/reproducibility.md): "
+                "set deterministic = false for a multi-turn task"
+            )
         self.config = config
         self.task = task
         self.tokenizer = tokenizer
@@ -112,7 +117,9 @@ class RunState:
         )
         self.lease_book = LeaseBook(
             config=config,
-            prompts=PromptQueue(task=task, encode=make_encoder(tokenizer), seed=config.task.seed),
+            prompts=PromptQueue(
+                task=task, encode=make_encoder(tokenizer), seed=config.task.seed, deterministic=config.deterministic
+            ),
             versions=self.versions, counters=self.counters, integrity=self.integrity, journal=self.journal, clock=clock,
         )
         self.scorer = Scorer(task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids)
@@ -251,7 +258,9 @@ class RunState:
         rewards = self.scorer.rewards(open_lease.samples)
         for rollout, reward in zip(open_lease.samples, rewards, strict=True):
             self.integrity.reward_claimed(open_lease.holder, rollout.claimed_reward, reward)
-        group = Group(lease.lease_id, lease.prompt_id, list(zip(open_lease.samples, rewards)), open_lease.packed)
+        # A deterministic run's groups take their place in line from the consumption order.
+        seq = lease.index + 1 if lease.index is not None else 0
+        group = Group(lease.lease_id, lease.prompt_id, list(zip(open_lease.samples, rewards)), open_lease.packed, seq)
         self.lease_book.close(lease.lease_id, "complete")
         if open_lease.check:
             checked = [open_lease.samples[i] for i in open_lease.check]

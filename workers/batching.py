@@ -11,6 +11,11 @@ sequential ones, and the rows in memory at once stay bounded by `max_rows`.
 Invariants: rows in one backend call share their tokens left (no row can exceed its budget) and
 their sampling parameters; requests are served first come, first served; a backend error ends
 the requests of the batch it hit, and each of their slots raises it.
+
+Deterministic runs (docs/reproducibility.md): a request names the version its rows must be
+sampled under, and a round takes only requests of the version at the head of the queue (the
+lead loads it first: `next_version`); rows carry their own seeds, and each group's rows are one
+backend call of their own, so a row's logits and tokens do not depend on what else was queued.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Request:
 
     rows: list[Sample]
     sampling: SamplingParams
+    version: int | None = None  # deterministic runs: the version every row must be sampled under
     done: bool = False  # generated this round (each row finished or was interrupted by a swap)
     error: BaseException | None = None
 
@@ -48,11 +54,16 @@ class Batcher:
         self._changed = threading.Condition()  # guards the queue, `_leading` and every request's `done`
         self._leading = False
 
-    def submit(self, rows: list[Sample], sampling: SamplingParams) -> Request:
-        request = Request(rows, sampling)
+    def submit(self, rows: list[Sample], sampling: SamplingParams, version: int | None = None) -> Request:
+        request = Request(rows, sampling, version)
         with self._changed:
             self._queue.append(request)
         return request
+
+    def next_version(self) -> int | None:
+        """The version the lead's next round samples under (deterministic runs), None: any."""
+        with self._changed:
+            return self._queue[0].version
 
     def lead(self, request: Request) -> bool:
         """Block until `request` is done (False) or no slot leads and it is not done (True:
@@ -65,20 +76,43 @@ class Batcher:
             self._leading = True
             return True
 
+    def fail_next(self, error: BaseException) -> None:
+        """The lead cannot serve the next round (deterministic runs: its version cannot be
+        loaded): every queued request of that version ends with `error`, and the lead passes on."""
+        with self._changed:
+            version = self._queue[0].version
+            failed = [request for request in self._queue if request.version == version]
+            self._queue = deque(request for request in self._queue if request.version != version)
+            for request in failed:
+                request.error, request.done = error, True
+            self._leading = False
+            self._changed.notify_all()
+
     def generate_next(self, backend: Backend, version: int, should_stop: Callable[[], bool]) -> None:
         """The lead's round: take queued requests (whole, first come first served, at least
         one) while they fit in `max_rows`, generate them with `backend` (whose weights are
-        `version`: the caller holds the lock that excludes swaps), and mark them done."""
+        `version`: the caller holds the lock that excludes swaps), and mark them done. Only
+        requests of the head's version (deterministic runs) join it."""
         with self._changed:
             taken = [self._queue.popleft()]
             rows = len(taken[0].rows)
-            while self._queue and rows + len(self._queue[0].rows) <= self.max_rows:
+            while (
+                self._queue
+                and rows + len(self._queue[0].rows) <= self.max_rows
+                and self._queue[0].version == taken[0].version
+            ):
                 rows += len(self._queue[0].rows)
                 taken.append(self._queue.popleft())
         try:
             for (left, sampling), group in batches(taken, self.max_rows):
                 budget = sampling.model_copy(update={"max_tokens": left})
-                completions = backend.generate([s.prompt + s.token_ids for s in group], budget, should_stop)
+                prompts = [s.prompt + s.token_ids for s in group]
+                seeds = [s.seed for s in group]
+                completions = (
+                    backend.generate(prompts, budget, should_stop)
+                    if None in seeds
+                    else backend.generate(prompts, budget, should_stop, seeds=seeds)  # type: ignore[call-arg]
+                )
                 for sample, completion in zip(group, completions, strict=True):
                     sample.extend_routes(completion.routes)
                     sample.extend(
@@ -100,16 +134,17 @@ class Batcher:
 
 
 def batches(requests: list[Request], max_rows: int) -> list[tuple[tuple[int, SamplingParams], list[Sample]]]:
-    """The backend calls for `requests`: rows grouped by (tokens left, sampling), in order of
-    first appearance, each group cut into chunks of at most `max_rows` rows."""
-    groups: dict[tuple[int, str], tuple[SamplingParams, list[Sample]]] = {}
+    """The backend calls for `requests`: rows grouped by (tokens left, sampling, and in
+    deterministic runs their group), in order of first appearance, each cut into chunks of at
+    most `max_rows` rows."""
+    groups: dict[tuple[int, str, str | None], tuple[SamplingParams, list[Sample]]] = {}
     for request in requests:
         key = request.sampling.model_dump_json()
         for sample in request.rows:
             left = sample.budget - len(sample.token_ids)
-            groups.setdefault((left, key), (request.sampling, []))[1].append(sample)
+            groups.setdefault((left, key, sample.group), (request.sampling, []))[1].append(sample)
     return [
         ((left, sampling), rows[start : start + max_rows])
-        for (left, _), (sampling, rows) in groups.items()
+        for (left, _, _), (sampling, rows) in groups.items()
         for start in range(0, len(rows), max_rows)
     ]

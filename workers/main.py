@@ -48,4 +48,8 @@ def run_worker(
         store=config.store,
         simulation=config.simulation,
     )
+    if worker.info.deterministic:  # the run decides (RunInfo), whatever this worker's config says
+        from decentrl.determinism import use_deterministic_torch
+
+        use_deterministic_torch(config.worker.torch_threads)
     worker.run()

@@ -24,6 +24,11 @@ class Sample:
     loss_mask: list[int] | None = None  # episodes: 1 model token, 0 environment token
     claimed_reward: float | None = None
     routes: ExpertRouting | None = None  # MoE: experts of every token fed (decentrl/routing.py)
+    # Deterministic runs: the sample's own seed, its group (generated alone, workers/batching.py)
+    # and the version it must be sampled under (the lease's).
+    seed: int | None = None
+    group: str | None = None
+    version: int | None = None
 
     def extend(
         self, token_ids: list[int], logprobs: list[float], versions: list[int], masks: list[list[int]] | None

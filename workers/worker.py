@@ -17,8 +17,16 @@ Threads:
   weights are swapped, and it continues under the new version as a partial rollout whose
   `token_versions` say which version sampled each token.
 
+Deterministic runs (`RunInfo.deterministic`, docs/reproducibility.md): there is no swapper; each
+lease names the version it is sampled under, and the slot that leads a generation round loads
+that version (pulling it from the store) before generating; every sample is seeded from (run
+seed, prompt id, sample index, version) and each group is generated alone (workers/batching.py).
+
 For a multi-turn task (`RunInfo.episode_task`) a slot plays episodes (workers/episodes.py)
 instead of single completions; each model turn goes through the same generation path.
+
+(This module passes 400 lines: the loop's two modes share its slots, posting and spooling;
+splitting the deterministic path out would split the one place a slot's generation is read.)
 
 Faults: an unreachable orchestrator is retried with exponential backoff and jitter (the client,
 then this loop); every finished batch is spooled to disk before it is sent and removed only once
@@ -42,6 +50,7 @@ from dataclasses import dataclass
 
 from decentrl.client import OrchestratorClient
 from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
+from decentrl.determinism import sample_seed
 from decentrl.store import CheckpointStore, StoreError, VerificationError
 from decentrl.tasks.episodes import TextCodec
 from decentrl.wire import Lease, LeaseRequest, RolloutBatch, RunInfo, SamplingParams
@@ -86,6 +95,11 @@ class Worker:
         self.info: RunInfo = client.info()
         require_routes(self.info, backend)
         self.episode_task = episode_task_of(self.info)  # None: single-turn task
+        if self.info.deterministic and self.episode_task is not None:
+            raise ValueError(
+                f"run {self.info.run_name!r} is deterministic and multi-turn: deterministic runs support "
+                "single-turn tasks only (docs/reproducibility.md); set deterministic = false in the run's config"
+            )
         self._codec: TextCodec | None = None  # episodes: the model's tokenizer, from the first version loaded
         # store.url, when set, overrides the URL the orchestrator announces (a closer mirror);
         # with a public key, versions signed for another run are refused (they name their run).
@@ -125,8 +139,8 @@ class Worker:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.request_stop)
         self._resend_spooled()  # work finished but not acknowledged before a previous exit
-        swapper = threading.Thread(target=self._swapper, name="swapper", daemon=True)
-        swapper.start()
+        if not self.info.deterministic:  # a deterministic run's slots load the versions their leases name
+            threading.Thread(target=self._swapper, name="swapper", daemon=True).start()
         slots = [
             threading.Thread(target=self._slot, args=(i, max_iterations), name=f"slot-{i}", daemon=True)
             for i in range(self.config.concurrency)
@@ -272,7 +286,7 @@ class Worker:
         iterations, failures = 0, 0
         while not self.stopping and (max_iterations is None or iterations < max_iterations):
             with self._versions:  # a stale version would only produce rejected rollouts
-                while not self.stopping and not self._fresh():
+                while not self.stopping and not self.info.deterministic and not self._fresh():
                     self._versions.wait(timeout=1.0)
             if self.stopping:
                 break
@@ -292,11 +306,18 @@ class Worker:
             if not response.leases:
                 time.sleep(response.retry_after_s)
                 continue
-            self._await_version(response.policy_version)
+            if not self.info.deterministic:
+                self._await_version(response.policy_version)
             if self.stopping:
                 self._hand_back(response.leases)
                 break
-            samples = self._samples_for(response.leases, response.sampling)
+            try:
+                samples = self._samples_for(response.leases, response.sampling)
+            except UnloadableVersion as exc:  # deterministic runs: the leases' version cannot be loaded
+                log.error("%s; handing its leases back", exc)
+                self._hand_back(response.leases)
+                time.sleep(backoff(1, base_s=5.0))
+                continue
             self._post(response.leases, samples, response.sampling)
             if index == 0 and self._unsent:
                 self._resend_spooled()
@@ -305,6 +326,8 @@ class Worker:
         """One sample per member of every leased group: a completion, or an episode of a
         multi-turn task. The slot's generation step (what a simulated latency wraps)."""
         owners = [lease for lease in leases for _ in range(lease.group_size)]
+        if self.info.deterministic:
+            return self._generate_seeded(leases, sampling)
         if self.episode_task is None:
             return self._generate([lease.prompt_token_ids for lease in owners], sampling)
         assert self._codec is not None  # set with the first version, loaded before any generation
@@ -315,20 +338,81 @@ class Worker:
         self._complete(samples, sampling)
         return samples
 
+    def _generate_seeded(self, leases: list[Lease], sampling: SamplingParams) -> list[Sample]:
+        """Deterministic runs: sample j of a lease is seeded from (run seed, prompt id, j, the
+        lease's version) and generated under that version, with its group alone."""
+        samples = []
+        for lease in leases:
+            if lease.policy_version is None:
+                raise ValueError(f"lease {lease.lease_id} of a deterministic run names no policy_version")
+            samples += [
+                Sample(
+                    prompt=lease.prompt_token_ids, budget=sampling.max_tokens,
+                    seed=sample_seed(self.info.seed, lease.prompt_id, j, lease.policy_version),
+                    group=lease.lease_id, version=lease.policy_version,
+                )
+                for j in range(lease.group_size)
+            ]
+        self._complete(samples, sampling)
+        return samples
+
     def _complete(self, samples: list[Sample], sampling: SamplingParams) -> None:
         """Complete every sample up to its budget; a generation interrupted by a swap continues
         under the new weights from where it stopped (prompt + tokens so far). The rows of all
-        slots waiting at once are generated together (workers/batching.py)."""
+        slots waiting at once are generated together (workers/batching.py); in a deterministic
+        run one request per version the samples name, each generated under that version."""
         while unfinished := [s for s in samples if s.finish_reason is None]:
             self._admit.wait()
-            request = self._batcher.submit(unfinished, sampling)
-            while self._batcher.lead(request):  # this slot generates the queued rows of every slot
-                with self._lock:
-                    version = self.backend.version
-                    assert version is not None
-                    self.first_generation_at.setdefault(version, time.time())
-                    self._batcher.generate_next(self.backend, version, self._pause_due)
-            request.raise_error()
+            wanted = sorted({s.version for s in unfinished}, key=lambda v: -1 if v is None else v)
+            requests = [
+                self._batcher.submit([s for s in unfinished if s.version == v], sampling, v) for v in wanted
+            ]
+            for request in requests:
+                while self._batcher.lead(request):  # this slot generates the queued rows of every slot
+                    with self._lock:
+                        if (needed := self._batcher.next_version()) is not None:
+                            try:
+                                self._load(needed)
+                            except UnloadableVersion as exc:  # its rows' slots hand their leases back
+                                self._batcher.fail_next(exc)
+                                continue
+                        version = self.backend.version
+                        assert version is not None
+                        self.first_generation_at.setdefault(version, time.time())
+                        self._batcher.generate_next(self.backend, version, self._pause_due)
+            for request in requests:
+                request.raise_error()
+
+    def _load(self, version: int) -> None:
+        """Deterministic runs (under `_lock`): make `version` the loaded one, pulling it first;
+        a failing store is retried with backoff (the lease is renewed by nobody meanwhile: if it
+        expires, it is leased again under the same version, so the run stays the same)."""
+        if self.backend.version == version:
+            return
+        if version in self.refused:
+            raise UnloadableVersion(version, self.refused[version])
+        started, failures = time.perf_counter(), 0
+        while True:
+            try:
+                path = self.store.pull(version, self.cache_dir)
+                break
+            except VerificationError as exc:  # not to be trusted: refused, as the swapper does
+                self._refuse(version, exc)
+                raise UnloadableVersion(version, self.refused[version]) from exc
+            except (StoreError, OSError) as exc:
+                failures += 1
+                delay = backoff(failures, cap_s=10.0)
+                log.warning("pulling version %d failed (%s); retrying in %.1fs", version, exc, delay)
+                time.sleep(delay)
+        pulled = time.perf_counter()
+        try:
+            self.backend.load(path, version)
+        # As in the swapper: the backends check before they copy, so the old weights are whole.
+        except Exception as exc:  # noqa: BLE001 - CheckpointError, a backend's own
+            self._refuse(version, exc)
+            raise UnloadableVersion(version, self.refused[version]) from exc
+        now = time.time()
+        self.swaps.append(SwapRecord(version, now, pulled - started, time.perf_counter() - pulled, now))
 
     def _hand_back(self, leases: list[Lease]) -> None:
         for lease in leases:
@@ -374,6 +458,14 @@ class Worker:
                 continue
             if not self._send(path, batch):
                 return  # still unreachable: try again later
+
+
+class UnloadableVersion(Exception):
+    """A deterministic run's lease names a version this worker refused (it failed verification or
+    loading): the slot hands such leases back instead of generating under another version."""
+
+    def __init__(self, version: int, why: str) -> None:
+        super().__init__(f"version {version} cannot be loaded ({why})")
 
 
 def require_routes(info: RunInfo, backend: Backend) -> None:

@@ -29,6 +29,15 @@ class RunConfig(Section):
         1, ge=0, le=1024, description="Rollouts from version v train step s iff s - v <= this; 0 = synchronous."
     )
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (GRPO group).")
+    seed: int = Field(
+        0, ge=0, description="The run's sampling seed: with `deterministic`, every sample's randomness derives "
+        "from (seed, prompt id, sample index, policy version) (docs/reproducibility.md)."
+    )
+    deterministic: bool = Field(
+        False, description="Same seed, same run, whatever the number and timing of workers: each group is "
+        "sampled under the version its place in the consumption order fixes, with per-sample seeds, and "
+        "batches take groups in that order; deterministic kernels everywhere (docs/reproducibility.md)."
+    )
     model: ModelConfig = Field(default_factory=TinyModelConfig, description="The policy ([model] type = ...).")
     task: TaskConfig = Field(default_factory=SortingTaskConfig, description="Prompts and reward ([task] type = ...).")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where versions live.")
@@ -62,6 +71,16 @@ class RunConfig(Section):
             raise ValueError(
                 "trainer.loss.type = 'dr_grpo' removes the std normalization of advantages: "
                 "set orchestrator.advantages.normalize_std = false, or use trainer.loss.type = 'grpo'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic_backend(self) -> RunConfig:
+        if self.deterministic and self.worker.backend != "hf":
+            raise ValueError(
+                f"deterministic = true needs [worker] backend = 'hf' (per-sample seeded sampling); the "
+                f"{self.worker.backend!r} backend samples with its own RNG: set deterministic = false, "
+                "or backend = 'hf' (docs/reproducibility.md)"
             )
         return self
 

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from decentrl.client import OrchestratorClient
 from decentrl.config import RunConfig, TrainerConfig
+from decentrl.determinism import use_deterministic_torch
 from decentrl.losses import summarize
 from decentrl.model import build_model, load_tokenizer
 from decentrl.store import CheckpointStore
@@ -123,6 +124,8 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
     rank, world, device = init_distributed()
     cfg = config.trainer
     torch.set_num_threads(cfg.torch_threads)
+    if config.deterministic:
+        use_deterministic_torch(cfg.torch_threads)
     torch.manual_seed(cfg.seed + rank)
     store = CheckpointStore.from_config(config.store, run_name=config.run_name)  # manifests name the run
     client = OrchestratorClient(options.orchestrator_url, options.token)

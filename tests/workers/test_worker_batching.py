@@ -158,6 +158,24 @@ def test_a_backend_error_reaches_every_slot_of_its_batch(backend: Recording) -> 
     assert [len(rows) for rows, _ in failing.calls] == [3]  # one batch: every slot's error is that call's
 
 
+def test_a_version_the_lead_cannot_load_fails_only_its_own_requests() -> None:
+    """Deterministic runs: when the lead cannot load the head's version (refused: tampered or
+    unloadable), every slot waiting on that version gets the error at once (and hands its leases
+    back); requests of other versions stay queued and another lead serves them."""
+    batcher = Batcher(max_rows=64)
+    sampling = SamplingParams(temperature=1.0, max_tokens=3)
+    bad = [batcher.submit([Sample(prompt=[1, 5, 3], budget=3)], sampling, 3) for _ in range(2)]
+    good = batcher.submit([Sample(prompt=[1, 5, 3], budget=3)], sampling, 4)
+    assert batcher.lead(bad[0])  # this slot leads the round of version 3
+    batcher.fail_next(RuntimeError("version 3 cannot be loaded"))
+    for request in bad:
+        assert not batcher.lead(request)  # done: no slot waits for a round that will never come
+        with pytest.raises(RuntimeError, match="version 3 cannot be loaded"):
+            request.raise_error()
+    assert batcher.next_version() == 4 and not good.done
+    assert batcher.lead(good)  # the lead passed on
+
+
 def test_max_rows_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="max_batch_rows must be at least 1"):
         Batcher(max_rows=0)

@@ -146,3 +146,18 @@ def test_interruption_returns_partial_completions(backend: HFBackend) -> None:
         assert len(completion.token_ids) <= 2
         assert completion.finish_reason in ("stop", "interrupted")
         assert all(math.isfinite(lp) and lp <= 0 for lp in completion.logprobs)
+
+
+def test_seeded_rows_do_not_depend_on_their_batch(backend: HFBackend) -> None:
+    """Deterministic runs: row i samples from its own generator, so a row's tokens are the same
+    alone, next to other rows, or in another place of the call (workers/batching.py)."""
+    sampling = SamplingParams(temperature=1.0, max_tokens=8)
+    prompt, other = [1, 5, 3, 7], [1, 6, 2, 4]
+    alone = backend.generate([prompt], sampling, seeds=[11])[0]
+    paired = backend.generate([other, prompt, other], sampling, seeds=[5, 11, 6])
+    assert paired[1].token_ids == alone.token_ids
+    again = backend.generate([prompt, prompt], sampling, seeds=[11, 12])
+    assert again[0].token_ids == alone.token_ids
+    assert again[0].logprobs == alone.logprobs  # same shapes, same kernels: bitwise
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        backend.generate([prompt], sampling, seeds=[1, 2])

@@ -50,7 +50,8 @@ class Backend(Protocol):
         self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
     ) -> list[Completion]:
         """One completion per prompt. When `should_stop()` turns true, unfinished completions
-        end early as "interrupted" (checked between tokens or chunks of tokens)."""
+        end early as "interrupted" (checked between tokens or chunks of tokens). The hf backend
+        also takes `seeds=` (one per prompt) for deterministic runs (workers/backends/hf.py)."""
         ...
 
 

@@ -6,6 +6,11 @@ that the distribution sampled from is computed here, once: temperature, then top
 and the logprob of each sampled token and the kept set (the sampling mask) come from exactly
 that distribution. The loop also checks `should_stop` between tokens, which is how a
 soft-pause deadline interrupts a generation for a weight swap.
+
+With `seeds` (deterministic runs, docs/reproducibility.md) each row samples from its own
+generator, seeded for that sample alone, so a row's tokens do not depend on which other rows
+share the call; the worker calls it with one group's rows at a time, so the logits are computed
+at the same shapes whatever the worker count or slot timing.
 """
 
 from __future__ import annotations
@@ -58,15 +63,35 @@ class HFBackend:
         pad = config.pad_token_id if config.pad_token_id is not None else min(eos_ids, default=0)
         return eos_ids, pad
 
+    def _sample(self, dist: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
+        """One token id per row (B, 1) from log-probabilities `dist` (B, V)."""
+        probs = dist.exp()
+        if generators is None:
+            return torch.multinomial(probs, 1, generator=self.generator)
+        return torch.cat([torch.multinomial(probs[row : row + 1], 1, generator=g) for row, g in enumerate(generators)])
+
     def _text(self, token_ids: list[int]) -> str:
         assert self.tokenizer is not None
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        should_stop: Callable[[], bool] = never,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
+        """One completion per prompt; with `seeds` (one per prompt), row i samples from a generator
+        seeded with seeds[i] instead of the backend's shared one."""
         assert self.model is not None, "load() a version before generate()"
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt")
+        generators = None
+        if seeds is not None:
+            generators = [torch.Generator(device=self.device) for _ in seeds]
+            for generator, seed in zip(generators, seeds, strict=True):
+                generator.manual_seed(seed)
         eos_ids, pad = self._eos_and_pad()
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token in the last column.
@@ -75,7 +100,7 @@ class HFBackend:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         with RouteRecorder(self.model) as recorder:
-            return self._decode(prompts, sampling, should_stop, input_ids, attention, positions, cache, recorder)
+            return self._decode(prompts, sampling, should_stop, input_ids, attention, positions, cache, recorder, generators)
 
     def _decode(
         self,
@@ -87,6 +112,7 @@ class HFBackend:
         positions: torch.Tensor,
         cache: DynamicCache,
         recorder: RouteRecorder,
+        generators: list[torch.Generator] | None,
     ) -> list[Completion]:
         eos_ids, _ = self._eos_and_pad()
         moe = recorder.layers > 0
@@ -103,7 +129,7 @@ class HFBackend:
         record_mask = truncates(sampling)
         for _ in range(sampling.max_tokens):
             dist = sampling_distribution(logits, sampling)  # (B, V)
-            chosen = torch.multinomial(dist.exp(), 1, generator=self.generator)  # (B, 1)
+            chosen = self._sample(dist, generators)  # (B, 1)
             chosen_lp = dist.gather(-1, chosen).squeeze(-1).tolist()
             kept = torch.isfinite(dist) if record_mask else None
             for row, token in enumerate(chosen.squeeze(-1).tolist()):
