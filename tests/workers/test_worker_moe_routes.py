@@ -1,6 +1,8 @@
-"""Keep Routing across a weight swap (issue 15): a partial rollout keeps the routes recorded before
-the swap and the continuation adds the rest, through the real hf backend, the worker's batcher
-(workers/batching.py, which interrupts on `should_stop` and continues) and `Sample.extend_routes`."""
+"""Keep Routing on the worker (issue 15), through the real hf backend, the worker's batcher
+(workers/batching.py, which interrupts on `should_stop` and continues) and `Sample.extend_routes`:
+a partial rollout keeps the routes recorded before a weight swap and the continuation adds the
+rest; a multi-turn episode's environment tokens get the routes of the next model turn's forward;
+[simulation] router_noise changes the choice and the recording follows it."""
 
 from __future__ import annotations
 
@@ -115,5 +117,47 @@ def test_router_noise_changes_the_choice_and_the_recording_follows_it(tmp_path: 
     batch = collate(samples, pad_id=0)
     with torch.no_grad():
         replayed = token_logprobs(trainer, batch, temperature=1.0)
+    mask = batch.completion_mask.bool()
+    assert torch.allclose(replayed[mask], batch.sampler_logprobs[mask], atol=1e-5)
+
+
+def test_a_multi_turn_episode_carries_a_route_for_every_fed_token(tmp_path: Path) -> None:
+    from decentrl.config import GuessTaskConfig
+    from decentrl.tasks.episodes import tokenizer_codec
+    from decentrl.tasks.guess import GuessTask
+    from decentrl.trainer.batching import collate
+    from decentrl.trainer.step import token_logprobs
+    from decentrl.wire import Lease, TrainSample
+    from workers.episodes import run_episodes
+
+    directory = version_dir(tmp_path, 0)
+    backend = HFBackend(seed=0)
+    backend.load(directory, 0)
+    batcher = Batcher(max_rows=8)
+
+    def complete(samples: list[Sample], sampling: SamplingParams) -> None:
+        request = batcher.submit(samples, sampling)
+        while batcher.lead(request):
+            batcher.generate_next(backend, 0, lambda: False)
+
+    task = GuessTask(GuessTaskConfig(max_number=9, max_turns=3, num_prompts=8))
+    codec = tokenizer_codec(build_tiny_tokenizer())
+    leases = [Lease(lease_id=f"l{i}", prompt_id=i, prompt_token_ids=[1] + codec.encode(task.prompt(i).text),
+                    group_size=1, deadline=0.0) for i in range(4)]
+    episodes = run_episodes(leases, SamplingParams(temperature=1.0, max_tokens=12), task=task, codec=codec, complete=complete)
+    assert any(0 in e.loss_mask for e in episodes)  # type: ignore[operator]  # some answered by the environment
+    spec = spec_of(MOE)
+    samples = []
+    for episode in episodes:
+        assert routing_problem(episode.routes, spec, True, len(episode.prompt) + len(episode.token_ids)) is None
+        samples.append(TrainSample(
+            prompt_token_ids=episode.prompt, completion_token_ids=episode.token_ids, logprobs=episode.logprobs,
+            advantage=0.0, reward=0.0, policy_version=0, expert_routing=episode.routes, loss_mask=episode.loss_mask,
+        ))
+    # Replayed, the trainer reproduces every model token's logprob, the later turns' included
+    # (their forward saw the environment's tokens routed as recorded).
+    batch = collate(samples, pad_id=0)
+    with torch.no_grad():
+        replayed = token_logprobs(build_model(MOE).eval(), batch, temperature=1.0)
     mask = batch.completion_mask.bool()
     assert torch.allclose(replayed[mask], batch.sampler_logprobs[mask], atol=1e-5)
