@@ -18,7 +18,7 @@ and masked_fraction (share of tokens IcePop [0.5, 2] masks); plus route_bytes_pe
 bytes of the routes per fed token) and equal_replay_logprob_abs_diff_max.
 
 With --runs N, it also trains configs/moe.toml (`decentrl run`, every role a process, the workers'
-routers noisy by [simulation] router_noise) N times with replay and N times with
+routers noisy by `--set simulation.router_noise=<--router-noise>`) N times with replay and N times with
 `--set model.keep_routing=false` (model seeds 0..N-1), scores each final version with `decentrl eval`
 (held-out prompts) and adds `run_replay` and `run_no_replay`: the eval reward (mean and stderr
 over runs; each run's own mean +- stderr over prompts), the batch reward of the last 10 steps, and
@@ -150,7 +150,8 @@ def decentrl(*argv: str, log: Path) -> str:
 def train_and_eval(args: argparse.Namespace, work: Path, keep: bool, seed: int) -> dict[str, float]:
     """One `decentrl run configs/moe.toml` (replayed or not), then `decentrl eval` of its final version."""
     run_dir = work / f"{'replay' if keep else 'no_replay'}-seed{seed}"
-    overrides = [f"model.keep_routing={str(keep).lower()}", f"max_staleness={args.staleness}", f"model.seed={seed}"]
+    overrides = [f"model.keep_routing={str(keep).lower()}", f"max_staleness={args.staleness}", f"model.seed={seed}",
+                 f"simulation.router_noise={args.router_noise}"]
     sets = [arg for value in overrides for arg in ("--set", value)]
     decentrl("run", "configs/moe.toml", *sets, "--run-dir", str(run_dir), log=work / f"{run_dir.name}.run.log")
     evaluated = json.loads(decentrl(
