@@ -309,7 +309,7 @@ class Worker:
     def _post(self, leases: list[Lease], samples: list[Sample], sampling: SamplingParams) -> None:
         owners = [lease for lease in leases for _ in range(lease.group_size)]
         batch = RolloutBatch(
-            rollouts=[to_rollout(self.info.run_name, self.worker_id, lease, sample, sampling)
+            rollouts=[to_rollout(self.info.run_name, self.worker_id, lease, sample, sampling, keep_routing=self.info.keep_routing)
                       for lease, sample in zip(owners, samples, strict=True)]
         )
         self._send(self.spool.add(batch), batch)
@@ -343,7 +343,11 @@ class Worker:
                 return  # still unreachable: try again later
 
 
-def to_rollout(run_name: str, worker_id: str, lease: Lease, sample: Sample, sampling: SamplingParams) -> Rollout:
+def to_rollout(
+    run_name: str, worker_id: str, lease: Lease, sample: Sample, sampling: SamplingParams, *, keep_routing: bool
+) -> Rollout:
+    """The wire rollout of a finished sample. MoE routes travel only in a keep_routing run: in any
+    other the trainer would replay them all the same (`keep_routing = false` means its routers decide)."""
     mixed = len(set(sample.versions)) > 1
     return Rollout(
         rollout_id=uuid.uuid4().hex,
@@ -361,7 +365,7 @@ def to_rollout(run_name: str, worker_id: str, lease: Lease, sample: Sample, samp
         sampling_mask=sample.masks,
         loss_mask=sample.loss_mask,  # type: ignore[arg-type]
         claimed_reward=sample.claimed_reward,
-        expert_routing=sample.routes,
+        expert_routing=sample.routes if keep_routing else None,
     )
 
 

@@ -161,3 +161,18 @@ def test_a_multi_turn_episode_carries_a_route_for_every_fed_token(tmp_path: Path
         replayed = token_logprobs(build_model(MOE).eval(), batch, temperature=1.0)
     mask = batch.completion_mask.bool()
     assert torch.allclose(replayed[mask], batch.sampler_logprobs[mask], atol=1e-5)
+
+
+def test_routes_travel_only_in_a_keep_routing_run() -> None:
+    """With keep_routing off the orchestrator rejects routes (`bad_expert_routing:not_kept`): the
+    trainer replays whatever a batch carries, so an unreplayed run must not get any."""
+    from decentrl.wire import ExpertRouting, Lease
+    from workers.worker import to_rollout
+
+    routes = ExpertRouting(layers=2, top_k=2, experts=[0, 1] * 4)
+    sample = Sample(prompt=[1, 4], budget=2, token_ids=[5, 6], logprobs=[-1.0, -1.0], versions=[0, 0],
+                    finish_reason="length", routes=routes)
+    lease = Lease(lease_id="l0", prompt_id=0, prompt_token_ids=[1, 4], group_size=1, deadline=0.0)
+    sampling = SamplingParams(temperature=1.0, max_tokens=2)
+    assert to_rollout("r", "w", lease, sample, sampling, keep_routing=True).expert_routing == routes
+    assert to_rollout("r", "w", lease, sample, sampling, keep_routing=False).expert_routing is None
