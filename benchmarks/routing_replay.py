@@ -17,7 +17,15 @@ forward differs from the worker's; 0 by construction with replay), logprob_abs_d
 and masked_fraction (share of tokens IcePop [0.5, 2] masks); plus route_bytes_per_token (msgpack
 bytes of the routes per fed token) and equal_replay_logprob_abs_diff_max.
 
-    .venv/bin/python benchmarks/routing_replay.py [--prompts 64] [--max-tokens 16]
+With --runs N, it also trains configs/moe.toml (`decentrl run`, every role a process, the workers'
+routers noisy by `--set simulation.router_noise=<--router-noise>`) N times with replay and N times with
+`--set model.keep_routing=false` (model seeds 0..N-1), scores each final version with `decentrl eval`
+(held-out prompts) and adds `run_replay` and `run_no_replay`: the eval reward (mean and stderr
+over runs; each run's own mean +- stderr over prompts), the batch reward of the last 10 steps, and
+sampler_kl (the trainer's k3 KL(sampler || trainer), metrics.jsonl) averaged over all steps and
+over the last 50.
+
+    .venv/bin/python benchmarks/routing_replay.py [--prompts 64] [--max-tokens 16] [--runs 2 --staleness 0]
 """
 
 from __future__ import annotations
@@ -26,40 +34,24 @@ import argparse
 import dataclasses
 import json
 import random
+import statistics
+import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from decentrl.config import TinyModelConfig
 from decentrl.encoding import MEDIA_MSGPACK, encode_model
 from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.routers import RouteRecorder, routers
+from decentrl.routers import RouteRecorder
 from decentrl.trainer.batching import collate
 from decentrl.trainer.step import token_logprobs
 from decentrl.wire import SamplingParams, TrainSample
 from workers.backends.hf import HFBackend
 
-
-@contextmanager
-def router_noise(model: torch.nn.Module, std: float, generator: torch.Generator) -> Iterator[None]:
-    """Gaussian noise on every router's logits before its top-k (the worker's numeric drift)."""
-
-    def noisy(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        logits = output[0] + std * torch.randn(output[0].shape, generator=generator).to(output[0].dtype)
-        probs = logits.float().softmax(-1)
-        top, chosen = probs.topk(module.top_k, dim=-1)
-        if module.norm_topk_prob:
-            top = top / top.sum(-1, keepdim=True)
-        return logits, top.to(output[1].dtype), chosen
-
-    handles = [router.register_forward_hook(noisy) for router, _ in routers(model)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def sample(backend: HFBackend, prompts: list[list[int]], max_tokens: int) -> list[TrainSample]:
@@ -103,6 +95,10 @@ def main() -> None:
     parser.add_argument("--expert-scale", type=float, default=30.0)
     parser.add_argument("--worker-dtype", default="bfloat16")
     parser.add_argument("--router-noise", type=float, default=0.05)
+    parser.add_argument("--runs", type=int, default=0, help="Also train configs/moe.toml this many times each way.")
+    parser.add_argument("--staleness", type=int, default=0, help="max_staleness of those runs (0: sampler_kl is all mismatch).")
+    parser.add_argument("--eval-prompts", type=int, default=512)
+    parser.add_argument("--work", default="", help="Directory of the runs; default a temporary one.")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
@@ -123,17 +119,61 @@ def main() -> None:
     assert worker.model is not None
     equal = compare(trainer, sample(worker, prompts, args.max_tokens), replay=True)
     worker.model.to(getattr(torch, args.worker_dtype))
-    with router_noise(worker.model, args.router_noise, torch.Generator().manual_seed(1)):
-        samples = sample(worker, prompts, args.max_tokens)
+    worker.router_noise = args.router_noise  # [simulation] router_noise (workers/simulation.py)
+    samples = sample(worker, prompts, args.max_tokens)
     fed = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) - 1 for s in samples)
     route_bytes = sum(len(encode_model(s.expert_routing, MEDIA_MSGPACK)) for s in samples if s.expert_routing is not None)
-    print(json.dumps({
+    result = {
         "replay": compare(trainer, samples, replay=True),
         "no_replay": compare(trainer, samples, replay=False),
         "route_bytes_per_token": route_bytes / fed,
         "equal_replay_logprob_abs_diff_max": equal["logprob_abs_diff_max"],
         "settings": vars(args) | {"tokens_fed": fed, "completion_tokens": sum(len(s.completion_token_ids) for s in samples)},
-    }))
+    }
+    if args.runs:
+        with tempfile.TemporaryDirectory() as scratch:
+            work = Path(args.work or scratch)
+            for keep, key in ((True, "run_replay"), (False, "run_no_replay")):
+                result[key] = summarize_runs([train_and_eval(args, work, keep, seed) for seed in range(args.runs)])
+    print(json.dumps(result))
+
+
+def decentrl(*argv: str, log: Path) -> str:
+    """Run a `decentrl` command to completion; its stdout (its log on failure: SystemExit)."""
+    done = subprocess.run([sys.executable, "-m", "decentrl", *argv], cwd=ROOT, capture_output=True, text=True)
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode:
+        raise SystemExit(f"decentrl {' '.join(argv)} failed ({done.returncode}): see {log}")
+    return done.stdout
+
+
+def train_and_eval(args: argparse.Namespace, work: Path, keep: bool, seed: int) -> dict[str, float]:
+    """One `decentrl run configs/moe.toml` (replayed or not), then `decentrl eval` of its final version."""
+    run_dir = work / f"{'replay' if keep else 'no_replay'}-seed{seed}"
+    overrides = [f"model.keep_routing={str(keep).lower()}", f"max_staleness={args.staleness}", f"model.seed={seed}",
+                 f"simulation.router_noise={args.router_noise}"]
+    sets = [arg for value in overrides for arg in ("--set", value)]
+    decentrl("run", "configs/moe.toml", *sets, "--run-dir", str(run_dir), log=work / f"{run_dir.name}.run.log")
+    evaluated = json.loads(decentrl(
+        "eval", str(run_dir / "config.json"), "--run-dir", str(run_dir), "--prompts", str(args.eval_prompts),
+        "--cache-dir", str(work / "cache"), log=work / f"{run_dir.name}.eval.log",
+    ).strip().splitlines()[-1])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "eval_reward": evaluated["reward_mean"],
+        "eval_reward_stderr": evaluated["reward_stderr"],
+        "reward_last10": statistics.fmean(m["reward_mean"] for m in metrics[-10:]),
+        "sampler_kl": statistics.fmean(m["sampler_kl"] for m in metrics),
+        "sampler_kl_last50": statistics.fmean(m["sampler_kl"] for m in metrics[-50:]),
+        "is_ratio_max": max(m["is_ratio_max"] for m in metrics),
+    }
+
+
+def summarize_runs(runs: list[dict[str, float]]) -> dict[str, object]:
+    """Means over runs, the eval reward's stderr over runs, and every run's figures."""
+    means = {key: statistics.fmean(run[key] for run in runs) for key in runs[0]}
+    spread = statistics.stdev(run["eval_reward"] for run in runs) / len(runs) ** 0.5 if len(runs) > 1 else None
+    return means | {"eval_reward_stderr_over_runs": spread, "runs": runs}
 
 
 if __name__ == "__main__":

@@ -163,11 +163,14 @@ def policy_loss(
             "clipped": ((1.0 - clip_keep) * mask).sum(),
             "entropy_sum": (entropy.detach() * mask).sum(),
             "kl_sum": (kl.detach() * mask).sum(),
+            # k3 estimate of KL(sampler || trainer) on the sampled tokens: e^d - 1 - d, d = log_ratio
+            # (0 off the completion). Staleness and inference/training mismatch (MoE routing) both add to it.
+            "sampler_kl_sum": ((log_ratio.exp() - 1.0 - log_ratio) * mask).sum(),
         }
     return value, sums
 
 
-STAT_KEYS = ("tokens", "ratio_sum", "ratio_max", "truncated", "masked", "clipped", "entropy_sum", "kl_sum")
+STAT_KEYS = ("tokens", "ratio_sum", "ratio_max", "truncated", "masked", "clipped", "entropy_sum", "kl_sum", "sampler_kl_sum")
 
 
 def summarize(sums: dict[str, float]) -> dict[str, float]:
@@ -181,4 +184,5 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
         "clipped_fraction": sums["clipped"] / tokens,
         "entropy": sums["entropy_sum"] / tokens,
         "kl": sums["kl_sum"] / tokens,
+        "sampler_kl": sums["sampler_kl_sum"] / tokens,
     }

@@ -104,6 +104,7 @@ def routing_problem(routing: ExpertRouting | None, spec: RouteSpec | None, keep:
 
     Reasons (rejection names): `bad_expert_routing:dense_model` (routes for a model with no
     sparse layer), `bad_expert_routing:missing` (none while keep_routing is on),
+    `bad_expert_routing:not_kept` (routes in a run with keep_routing off: the trainer would replay them),
     `bad_expert_routing:shape` (not [tokens - 1, sparse layers, top_k]),
     `bad_expert_routing:expert_out_of_range`, `bad_expert_routing:repeated_expert` (a token
     routed twice to one expert in one layer: no router does that)."""
@@ -111,6 +112,8 @@ def routing_problem(routing: ExpertRouting | None, spec: RouteSpec | None, keep:
         return "bad_expert_routing:missing" if keep else None
     if spec is None:
         return "bad_expert_routing:dense_model"
+    if not keep:
+        return "bad_expert_routing:not_kept"
     rows = tokens - 1
     if routing.layers != spec.layers or routing.top_k != spec.top_k or len(routing.experts) != rows * spec.layers * spec.top_k:
         return "bad_expert_routing:shape"

@@ -63,6 +63,10 @@ def take_turn(
 ) -> None:
     """Append the model's turn, let the environment answer, and append the answer or end the episode."""
     assert episode.loss_mask is not None
+    # MoE routes: the model turn was generated on the whole transcript, so its routes cover every
+    # token fed so far; the rows of earlier turns stay as recorded, and the environment's tokens
+    # (and the previous turn's last token) get the rows this turn's forward computed for them.
+    episode.extend_routes(model.routes)
     episode.extend(model.token_ids, model.logprobs, model.versions, model.masks)
     episode.loss_mask += [1] * len(model.token_ids)
     answer = environment.step(codec.decode(model.token_ids))

@@ -14,8 +14,9 @@ from workers.backends import Backend
 from workers.worker import Worker
 
 
-def build_backend(config: WorkerConfig) -> Backend:
-    """The inference backend of `config.backend` (docs/workers.md: what each one needs)."""
+def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend:
+    """The inference backend of `config.backend` (docs/workers.md: what each one needs).
+    `router_noise`: [simulation] router_noise (RunConfig allows it with the hf backend only)."""
     if config.backend == "vllm":
         from workers.backends.vllm_engine import VLLMBackend
 
@@ -28,7 +29,7 @@ def build_backend(config: WorkerConfig) -> Backend:
         return OpenAIBackend(url=server.url, model=server.model, reload=server.reload, reload_route=server.reload_route)
     from workers.backends.hf import HFBackend
 
-    return HFBackend(device=config.device)
+    return HFBackend(device=config.device, router_noise=router_noise)
 
 
 def run_worker(
@@ -44,7 +45,7 @@ def run_worker(
         cache_dir=cache_dir,
         spool_dir=spool_dir,
         client=OrchestratorClient(orchestrator_url, token),
-        backend=build_backend(config.worker),
+        backend=build_backend(config.worker, router_noise=config.simulation.router_noise),
         store=config.store,
         simulation=config.simulation,
     )

@@ -50,8 +50,12 @@ class Sample:
         self.routes = routes.model_copy(update={"experts": list(kept) + list(routes.experts)[len(kept) :]})
 
 
-def to_rollout(run_name: str, worker_id: str, lease: Lease, sample: Sample, sampling: SamplingParams) -> Rollout:
-    """The rollout to post for `sample`, generated for `lease`; `token_versions` only when it spans a swap."""
+def to_rollout(
+    run_name: str, worker_id: str, lease: Lease, sample: Sample, sampling: SamplingParams, *, keep_routing: bool
+) -> Rollout:
+    """The rollout to post for `sample`, generated for `lease`; `token_versions` only when it spans a
+    swap. MoE routes travel only in a keep_routing run: in any other the trainer would replay them
+    all the same (`keep_routing = false` means its routers decide)."""
     mixed = len(set(sample.versions)) > 1
     return Rollout(
         rollout_id=uuid.uuid4().hex,
@@ -69,5 +73,5 @@ def to_rollout(run_name: str, worker_id: str, lease: Lease, sample: Sample, samp
         sampling_mask=sample.masks,
         loss_mask=sample.loss_mask,  # type: ignore[arg-type]
         claimed_reward=sample.claimed_reward,
-        expert_routing=sample.routes,
+        expert_routing=sample.routes if keep_routing else None,
     )

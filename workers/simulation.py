@@ -10,6 +10,10 @@ worker's own accelerator, and slots overlap their delays as they would overlap r
 
 `Worker` wraps its generation step with `SimulatedLatency.around` when the config asks for it;
 nothing else in the worker knows about simulation.
+
+`noisy_routers` ([simulation] router_noise) perturbs an MoE model's router logits during the hf
+backend's generation, so that a CPU worker routes differently from the fp32 trainer, as a real
+inference engine does (Keep Routing, docs/routing.md); benchmarks/routing_replay.py uses it too.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from decentrl.config import SimulationConfig
+
+if TYPE_CHECKING:
+    import torch
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -62,3 +70,34 @@ class SimulatedLatency:
             return result
 
         return slowed
+
+
+@contextmanager
+def noisy_routers(model: torch.nn.Module, std: float, generator: torch.Generator) -> Iterator[None]:
+    """Within the block, every router of `model` chooses its top-k experts by its logits plus
+    N(0, std) noise; the chosen experts' gate weights come from the clean logits (softmax gathered,
+    renormalized where the architecture renormalizes). That is an engine whose near-tied routing
+    decisions flip under its own numerics: the mismatch replay removes. Hooked before a
+    RouteRecorder, the recorder sees the noisy choice. std 0: no hooks."""
+    from decentrl.routers import routers
+
+    def noisy(renormalize: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
+        def hook(module: torch.nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            import torch
+
+            logits, weights, own = output  # (N, E), (N, K), (N, K)
+            noise = torch.randn(logits.shape, generator=generator, device=generator.device)
+            chosen = (logits.float() + std * noise).topk(own.shape[-1], dim=-1).indices  # (N, K)
+            gates = logits.float().softmax(dim=-1).gather(-1, chosen)  # (N, K)
+            if renormalize:
+                gates = gates / gates.sum(dim=-1, keepdim=True)
+            return logits, gates.to(weights.dtype), chosen
+
+        return hook
+
+    handles = [router.register_forward_hook(noisy(renorm)) for router, renorm in routers(model)] if std > 0 else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

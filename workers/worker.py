@@ -426,8 +426,10 @@ class Worker:
     def _post(self, leases: list[Lease], samples: list[Sample], sampling: SamplingParams) -> None:
         owners = [lease for lease in leases for _ in range(lease.group_size)]
         batch = RolloutBatch(
-            rollouts=[to_rollout(self.info.run_name, self.worker_id, lease, sample, sampling)
-                      for lease, sample in zip(owners, samples, strict=True)]
+            rollouts=[
+                to_rollout(self.info.run_name, self.worker_id, lease, sample, sampling, keep_routing=self.info.keep_routing)
+                for lease, sample in zip(owners, samples, strict=True)
+            ]
         )
         self._send(self.spool.add(batch), batch)
 

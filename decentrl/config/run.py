@@ -84,5 +84,14 @@ class RunConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _router_noise_on_hf(self) -> RunConfig:
+        if self.simulation.router_noise and self.worker.backend != "hf":
+            raise ValueError(
+                f"simulation.router_noise is applied by the hf backend only (worker.backend is "
+                f"{self.worker.backend!r}): set worker.backend = \"hf\" or drop router_noise"
+            )
+        return self
+
     def with_store_url(self, url: str) -> RunConfig:
         return self.model_copy(update={"store": self.store.model_copy(update={"url": url})})

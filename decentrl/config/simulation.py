@@ -1,8 +1,11 @@
-"""`[simulation]`: benchmarks only - make the toy task's millisecond generations look like real ones.
+"""`[simulation]`: benchmarks only - make the toy task's millisecond generations look like real ones,
+and a CPU worker's routers drift like a real inference engine's.
 
-A production run leaves this section out. benchmarks/async_vs_sync.py sets it to measure
+A production run leaves this section out. benchmarks/async_vs_sync.py sets the delays to measure
 scheduling (asynchronous vs synchronous, a straggler) with the real system; workers/simulation.py
-applies it around a worker's generation step, the one place it acts.
+applies them around a worker's generation step. `router_noise` (configs/moe.toml,
+benchmarks/routing_replay.py) is applied by the hf backend's generation (workers/simulation.py
+`noisy_routers`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ class SimulationConfig(Section):
         "e.g. { worker-0 = 10.0 } for one straggler among `decentrl run`'s workers.",
     )
     seed: int = Field(0, ge=0, description="Seed of the delays; each worker mixes in its id.")
+    router_noise: float = Field(
+        0.0, ge=0, le=10,
+        description="Std of Gaussian noise on the hf worker's MoE router logits when choosing the top-k experts "
+        "(gate weights from the clean logits): an inference engine's flipped routing decisions, reproduced on "
+        "CPU (docs/routing.md). 0 = none.",
+    )
 
     def active_for(self, worker_id: str) -> bool:
         return self.latency_median_s > 0 or self.slowdowns.get(worker_id, 1.0) > 1.0

@@ -2,7 +2,8 @@
 
 `decentrl run`'s display, the summary and the tests read it. Keys: step, policy_version
 (published after the step), trainer_version (the weights it started from), reward_mean, loss,
-grad_norm, the loss statistics (entropy, kl, is_ratio_mean/max, is_truncated_fraction,
+grad_norm, the loss statistics (entropy, kl (to the reference model), sampler_kl (k3 estimate of
+KL(sampler || trainer) on the sampled tokens), is_ratio_mean/max, is_truncated_fraction,
 masked_fraction, clipped_fraction), samples / samples_trained / tokens, tokens_per_s, the timing
 split (wait_for_batch_s, compute_s, publish_wait_s, publish_wait_fraction, checkpoint_s, step_s),
 trainer_busy_fraction (this step) and trainer_busy_fraction_total, and the orchestrator's

@@ -276,7 +276,7 @@ def test_loss_stats_use_completion_tokens_only(inputs: dict[str, torch.Tensor], 
     stats = summarize({k: v.item() for k, v in sums.items()})
 
     config = CORRECTIONS[correction]
-    ratios, truncated, masked, clipped, entropies = [], 0, 0, 0, []
+    ratios, truncated, masked, clipped, entropies, k3 = [], 0, 0, 0, [], []
     lp, lps, mask, adv = rows(inputs["logprobs"]), rows(sampler), rows(inputs["mask"]), inputs["advantages"].tolist()
     for b in range(len(lp)):
         kept = [t for t in range(len(lp[b])) if mask[b][t]]
@@ -284,6 +284,7 @@ def test_loss_stats_use_completion_tokens_only(inputs: dict[str, torch.Tensor], 
         for t in kept:
             r = math.exp(lp[b][t] - lps[b][t])
             ratios.append(r)
+            k3.append(r - 1 - math.log(r))  # KL(sampler || trainer), one sampled token
             entropies.append(inputs["entropy"][b, t].item())
             truncated += correction != "icepop" and r > config.cap
             if correction == "icepop":
@@ -299,6 +300,7 @@ def test_loss_stats_use_completion_tokens_only(inputs: dict[str, torch.Tensor], 
     assert stats["masked_fraction"] == pytest.approx(masked / n)
     assert stats["clipped_fraction"] == pytest.approx(clipped / n)
     assert stats["entropy"] == pytest.approx(statistics.fmean(entropies), rel=1e-5)
+    assert stats["sampler_kl"] == pytest.approx(statistics.fmean(k3), rel=1e-5) and stats["sampler_kl"] > 0
     if correction != "tis":
         assert 0 < stats["masked_fraction"] < 1
 

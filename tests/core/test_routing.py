@@ -67,6 +67,7 @@ def test_routes_travel_as_one_byte_per_id_on_msgpack_and_as_a_list_in_json() -> 
         (routing(5, top_k=1), SPEC, True, "bad_expert_routing:shape"),
         (ExpertRouting(layers=2, top_k=2, experts=[6, 0] * 10), SPEC, True, "bad_expert_routing:expert_out_of_range"),
         (ExpertRouting(layers=2, top_k=2, experts=[3, 3] * 10), SPEC, True, "bad_expert_routing:repeated_expert"),
+        (routing(5), SPEC, False, "bad_expert_routing:not_kept"),  # keep_routing off: the trainer's routers decide
         (routing(5), SPEC, True, None),
         (None, SPEC, False, None),
         (None, None, False, None),

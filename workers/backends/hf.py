@@ -26,13 +26,15 @@ from decentrl.stopping import eos_id_set, stop_cut
 from decentrl.weights import copy_into, load_pretrained, model_dir, read_weights
 from decentrl.wire import SamplingParams
 from workers.backends import Completion, never, truncates
+from workers.simulation import noisy_routers
 
 
 class HFBackend:
     records_routes = True  # router hooks, for the MoE architectures decentrl/routers.py knows
 
-    def __init__(self, *, device: str = "cpu", seed: int | None = None) -> None:
+    def __init__(self, *, device: str = "cpu", seed: int | None = None, router_noise: float = 0.0) -> None:
         self.device = torch.device(device)
+        self.router_noise = router_noise  # [simulation] router_noise: benchmarks only (workers/simulation.py)
         self.model: PreTrainedModel | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.version: int | None = None
@@ -99,7 +101,8 @@ class HFBackend:
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        with RouteRecorder(self.model) as recorder:
+        # The noise hooks first: the recorder records the routes the (noisy) model really ran.
+        with noisy_routers(self.model, self.router_noise, self.generator), RouteRecorder(self.model) as recorder:
             return self._decode(prompts, sampling, should_stop, input_ids, attention, positions, cache, recorder, generators)
 
     def _decode(
