@@ -1,7 +1,7 @@
 """A version's manifest: its format, its strict parser and the check of its signature.
 
 The manifest (``<store>/vNNNNNN/manifest.json``) names every file of a version with its size and
-sha256 and, when the trainer has a signing key, carries an ed25519 signature over all of that plus
+digest (BLAKE3, or sha256 in manifests written before BLAKE3) and, when the trainer has a signing key, carries an ed25519 signature over all of that plus
 the run name and the version number. Everything that reads a manifest - the store on a pull
 (decentrl/store.py), a cached version before it is served again, the hf backend choosing which
 files to load (workers/backends/hf.py) - parses it here, so that every way a manifest can be bad
@@ -11,9 +11,11 @@ signature) is one `VerificationError` naming the file, never another exception i
 
 from __future__ import annotations
 
+import hashlib
 import json
-from typing import Annotated
+from typing import Annotated, Protocol
 
+import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -55,7 +57,46 @@ class ManifestFile(BaseModel):
         max_length=255,
     )
     size: int = Field(description="Size in bytes", ge=0, le=2**44)
-    sha256: str = Field(description="Lowercase hex SHA-256 of the file", pattern=r"^[0-9a-f]{64}$")
+    # Exactly one digest. BLAKE3 for versions published since it was added (it hashes several times
+    # faster than sha256, so a verified pull runs at copy speed); sha256 in older manifests, still
+    # read and verified. Both are cryptographic: a signature over either covers the bytes.
+    blake3: str | None = Field(default=None, description="Lowercase hex BLAKE3 (32 bytes) of the file", pattern=r"^[0-9a-f]{64}$")
+    sha256: str | None = Field(default=None, description="Lowercase hex SHA-256 of the file (older manifests)", pattern=r"^[0-9a-f]{64}$")
+
+    @model_validator(mode="after")
+    def _one_digest(self) -> ManifestFile:
+        if (self.blake3 is None) == (self.sha256 is None):
+            raise ValueError("give exactly one of blake3 and sha256")
+        return self
+
+    @property
+    def algorithm(self) -> str:
+        """The digest's name: 'blake3' or 'sha256'."""
+        return "sha256" if self.blake3 is None else "blake3"
+
+    @property
+    def digest(self) -> str:
+        """The file's hex digest under `algorithm`."""
+        found = self.blake3 if self.blake3 is not None else self.sha256
+        assert found is not None  # _one_digest
+        return found
+
+
+DIGESTS = ("blake3", "sha256")
+
+
+class Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+    def hexdigest(self) -> str: ...
+
+
+def new_hasher(algorithm: str) -> Hasher:
+    """A fresh hasher for a manifest digest; BLAKE3 on as many threads as the machine has."""
+    if algorithm == "blake3":
+        return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown digest {algorithm!r}; use one of {DIGESTS}")
 
 
 class Manifest(BaseModel):

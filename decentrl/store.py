@@ -5,7 +5,7 @@ The trainer publishes each new policy version here (`decentrl.trainer.publisher`
 works (local path, ``file://``, ``memory://``, ``s3://`` ...). docs/store.md has the whole story.
 
 Layout under ``<url>/``: one directory per version, ``v000042``, holding HF-compatible files plus
-``manifest.json`` (sizes, sha256 and, with a signing key, an ed25519 signature). The manifest is
+``manifest.json`` (sizes, BLAKE3 digests - sha256 in older versions - and, with a signing key, an ed25519 signature). The manifest is
 written last and deleted first, so a version exists for readers exactly when its manifest does.
 
 A pull lands in ``<cache>/v000042`` only by renaming a fully verified ``.v000042.partial``
@@ -70,6 +70,7 @@ from decentrl.manifest import (  # noqa: F401 - re-exported
     StoreError,
     VerificationError,
     check_manifest,
+    new_hasher,
     parse_manifest,
     signed_payload,
     version_dirname,
@@ -93,8 +94,8 @@ def _read_block(declared: int, have: int = 0) -> int:
     return max(1, min(_READ_BLOCK, declared + 1 - have - CHUNK))
 
 
-def _link_hashing(remote: str, local_path: str, limit: int) -> tuple[int, str, os.stat_result] | None:
-    """Hard-link a local store file into the cache and hash the link: (size, sha256, stat), or None where
+def _link_hashing(remote: str, local_path: str, limit: int, algorithm: str) -> tuple[int, str, os.stat_result] | None:
+    """Hard-link a local store file into the cache and hash the link: (size, digest, stat), or None where
     the cache cannot link to the store (another filesystem). The link and the store name one inode,
     which the store never rewrites (a version's files are written once, then the manifest), and
     which outlives the store's name when retention deletes it."""
@@ -105,13 +106,13 @@ def _link_hashing(remote: str, local_path: str, limit: int) -> tuple[int, str, o
         raise
     except OSError:
         return None
-    return hash_regular(local_path, limit)
+    return hash_regular(local_path, limit, algorithm)
 
 
-def _hash_own_file(path: str) -> tuple[int, str]:
-    """(size, sha256) of a file being published: the trainer's own, so a symlink (an HF snapshot's) is followed."""
+def _hash_own_file(path: str, algorithm: str) -> tuple[int, str]:
+    """(size, digest) of a file being published: the trainer's own, so a symlink (an HF snapshot's) is followed."""
     with open(path, "rb", buffering=0) as f:
-        return copy_hashing(f, None, hashlib.sha256())
+        return copy_hashing(f, None, new_hasher(algorithm))
 
 
 def _run_all(pool: ThreadPoolExecutor, tasks: list[Callable[[], object]]) -> list[object]:
@@ -169,6 +170,7 @@ class CheckpointStore:
         retention_grace_s: float = _DEFAULTS.retention_grace_s,
         link_local: bool = _DEFAULTS.link_local,
         run_name: str | None = None,
+        digest: str = _DEFAULTS.digest,
     ) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
@@ -179,6 +181,7 @@ class CheckpointStore:
         self.cache_max_bytes = cache_max_bytes
         self.retention_grace_s = retention_grace_s
         self.run_name = run_name
+        self.digest = digest  # of the files this store publishes; a reader verifies whichever a manifest lists
         self.verified = VerifiedFiles()  # cache files this process hashed against their manifest
         # Zero-copy pulls need a store on this machine's filesystem and a trusted one: with a
         # public key, whoever can write the store is not trusted, and a hard link would let a
@@ -199,6 +202,7 @@ class CheckpointStore:
             retention_grace_s=config.retention_grace_s,
             link_local=config.link_local,
             run_name=run_name,
+            digest=config.digest,
         )
 
     def _vdir(self, version: int) -> str:
@@ -255,7 +259,7 @@ class CheckpointStore:
     def read_verified(self, version: int, select: Callable[[str], bool]) -> tuple[Manifest, dict[str, bytes]]:
         """`version`'s checked (and, with a public key, signature-verified) manifest and the bytes
         of each of its files whose name `select` accepts, every one checked against the manifest's
-        size and sha256: read into memory, not into a cache. For a reader that copies new weights
+        size and digest: read into memory, not into a cache. For a reader that copies new weights
         straight into a model it holds (the orchestrator's verifier, orchestrator/verify.py)."""
         manifest, _ = self._checked_manifest(version)
         found: dict[str, bytes] = {}
@@ -271,7 +275,9 @@ class CheckpointStore:
                 raise VerificationError(f"{where}: missing from store") from None
             except _read_errors() as e:
                 raise StoreError(f"{where}: read failed ({e}); check the store is reachable") from None
-            problem = mismatch(entry, len(data), hashlib.sha256(data).hexdigest())
+            hasher = new_hasher(entry.algorithm)
+            hasher.update(data)
+            problem = mismatch(entry, len(data), hasher.hexdigest())
             if problem is not None:
                 raise VerificationError(f"{where}: {problem}")
             found[entry.path] = data
@@ -307,10 +313,10 @@ class CheckpointStore:
                 pool.submit(self._put_local, p, f"{vdir}/{n}", hand_over) if local else pool.submit(self.fs.put_file, p, f"{vdir}/{n}")
                 for p, n in zip(paths, names)
             ]
-            hashes = list(hashers.map(_hash_own_file, paths))
+            hashes = list(hashers.map(functools.partial(_hash_own_file, algorithm=self.digest), paths))
             for upload in uploads:
                 upload.result()
-        files = [ManifestFile(path=n, size=size, sha256=sha) for n, (size, sha) in zip(names, hashes)]
+        files = [ManifestFile.model_validate({"path": n, "size": size, self.digest: d}) for n, (size, d) in zip(names, hashes)]
         manifest = Manifest(
             version=version, parent=parent, created_at=time.time(), files=files, base_version=base_version, run=self.run_name
         )
@@ -361,7 +367,7 @@ class CheckpointStore:
         """The cached directory of `version` and the base version it is an adapter for.
 
         A cached directory is served when its manifest is the store's, byte for byte (the manifest
-        covers every file's sha256, and its signature is checked as for a download), and its files
+        covers every file's digest, and its signature is checked as for a download), and its files
         still match it (`_cached_problem`); else it is replaced by a fresh pull. Where the store
         cannot say - it is unreachable, or retention already deleted the version - the cached
         directory is served only after its own manifest passes the same checks (signature and run
@@ -462,10 +468,10 @@ class CheckpointStore:
                 time.sleep(_RETRY_DELAYS[attempt - 1])
             error: type[StoreError] = VerificationError
             try:
-                size, sha256, written = self._fetch_resuming(remote, local_path, entry.size)
-                problem = mismatch(entry, size, sha256)
+                size, digest, written = self._fetch_resuming(remote, local_path, entry.size, entry.algorithm)
+                problem = mismatch(entry, size, digest)
                 if problem is None:
-                    self.verified.remember(written, sha256)
+                    self.verified.remember(written, entry)
                 else:
                     os.remove(local_path)  # wrong bytes somewhere: the next attempt starts over
             except FileNotFoundError:
@@ -479,16 +485,18 @@ class CheckpointStore:
                 return
         raise error(f"{where}: {problem}")
 
-    def _fetch_resuming(self, remote: str, local_path: str, expected_size: int) -> tuple[int, str, os.stat_result]:
-        """Append the rest of `remote` to `local_path`, hashing as it streams: (size, sha256) of the
+    def _fetch_resuming(
+        self, remote: str, local_path: str, expected_size: int, algorithm: str
+    ) -> tuple[int, str, os.stat_result]:
+        """Append the rest of `remote` to `local_path`, hashing as it streams: (size, digest) of the
         whole, read no further than `expected_size` + 1 bytes, and the stat of the file written."""
         limit = expected_size + 1
         if self.link_local:
-            linked = _link_hashing(remote, local_path, limit)
+            linked = _link_hashing(remote, local_path, limit, algorithm)
             if linked is not None:
                 return linked
             self.link_local = False  # another filesystem, or no hard links there: copy from now on
-        digest, have = hashlib.sha256(), 0
+        digest, have = new_hasher(algorithm), 0
         try:
             st = os.lstat(local_path)
             if st.st_size > expected_size or not stat.S_ISREG(st.st_mode):
@@ -506,8 +514,8 @@ class CheckpointStore:
         ):
             if have:
                 src.seek(have)
-            size, sha256 = copy_hashing(src, dst, digest, have, limit=limit)
-            return size, sha256, os.fstat(dst.fileno())
+            size, hexdigest = copy_hashing(src, dst, digest, have, limit=limit)
+            return size, hexdigest, os.fstat(dst.fileno())
 
     def evict(self, cache_dir: str, keep: int) -> list[int]:
         """Delete the oldest cached versions (never `keep`, nor the base version it is an adapter
@@ -549,7 +557,7 @@ class CheckpointStore:
             try:
                 remote = f"{self._vdir(version)}/{entry.path}"
                 with self.fs.open(remote, "rb", block_size=_read_block(entry.size)) as src:
-                    problem = mismatch(entry, *copy_hashing(src, None, hashlib.sha256(), limit=entry.size + 1))
+                    problem = mismatch(entry, *copy_hashing(src, None, new_hasher(entry.algorithm), limit=entry.size + 1))
             except FileNotFoundError:
                 problem = "missing from store"
             return None if problem is None else f"{version_dirname(version)}/{entry.path}: {problem}"

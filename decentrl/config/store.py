@@ -7,6 +7,8 @@ announces its URL to workers. docs/store.md explains every field.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from decentrl.config.base import Section
@@ -51,6 +53,10 @@ class StoreConfig(Section):
     )
     cache_max_gb: float | None = Field(
         20.0, gt=0, description="Cap on a local pull cache; the oldest versions are evicted. None = no cap."
+    )
+    digest: Literal["blake3", "sha256"] = Field(
+        "blake3", description="Digest the trainer writes into each new manifest. BLAKE3 hashes several times "
+        "faster (verified pulls at copy speed); readers verify either, so older sha256 versions stay readable.",
     )
     signing_key: str = Field(
         "", description="Trainer: ed25519 private key file that signs every manifest ('' = unsigned)."
