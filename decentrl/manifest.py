@@ -46,6 +46,16 @@ class SignatureError(VerificationError):
     """A public key is configured and the manifest is unsigned, signed by another key, or for another run."""
 
 
+class DeltaFile(BaseModel):
+    """How a file of a delta version is stored: `<path>.delta`, the zstd-compressed XOR of the file
+    with the same file of the manifest's `delta_base` (decentrl/delta.py)."""
+
+    model_config = ConfigDict(strict=True)
+
+    size: int = Field(description="Size of the stored delta in bytes", ge=0, le=2**44)
+    blake3: str = Field(description="Lowercase hex BLAKE3 of the stored delta", pattern=r"^[0-9a-f]{64}$")
+
+
 class ManifestFile(BaseModel):
     model_config = ConfigDict(strict=True)
 
@@ -62,6 +72,10 @@ class ManifestFile(BaseModel):
     # read and verified. Both are cryptographic: a signature over either covers the bytes.
     blake3: str | None = Field(default=None, description="Lowercase hex BLAKE3 (32 bytes) of the file", pattern=r"^[0-9a-f]{64}$")
     sha256: str | None = Field(default=None, description="Lowercase hex SHA-256 of the file (older manifests)", pattern=r"^[0-9a-f]{64}$")
+    delta: DeltaFile | None = Field(
+        default=None, description="Set when the store holds the file as a delta against the manifest's delta_base; "
+        "size and digest above are then those of the full, rebuilt file",
+    )
 
     @model_validator(mode="after")
     def _one_digest(self) -> ManifestFile:
@@ -115,6 +129,12 @@ class Manifest(BaseModel):
         description="LoRA runs: the full version this adapter-only version (adapter_config.json, "
         "adapter_model.safetensors) applies to; None for a full checkpoint",
     )
+    delta_base: int | None = Field(
+        default=None,
+        ge=0,
+        description="Delta versions: the version whose files the `delta` entries apply to (the previous one "
+        "published); None for a key version, whose files are all stored whole",
+    )
     run: str | None = Field(
         default=None,
         pattern=_RUN_NAME,
@@ -134,6 +154,15 @@ class Manifest(BaseModel):
             raise ValueError("files: a file is listed twice")
         if MANIFEST_NAME in names:
             raise ValueError(f"files: {MANIFEST_NAME} cannot be one of the version's files")
+        deltas = [entry.path for entry in self.files if entry.delta is not None]
+        if deltas and self.delta_base is None:
+            raise ValueError("files: a file is stored as a delta, but the manifest names no delta_base")
+        if self.delta_base is not None and self.delta_base >= self.version:
+            raise ValueError(f"delta_base: {self.delta_base} is not an earlier version than {self.version}")
+        if self.delta_base is not None and self.base_version is not None:
+            raise ValueError("delta_base: adapter versions (base_version) are never deltas")
+        if any(f"{name}.delta" in names for name in deltas):
+            raise ValueError("files: a file's stored delta name is another listed file")
         return self
 
 
