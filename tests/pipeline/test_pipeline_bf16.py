@@ -1,6 +1,6 @@
-"""A run that publishes its versions in bf16 (`store.publish_dtype`): the trainer keeps float32
-master weights, the workers and the verifier load and sample with the bf16 weights, and the run
-learns. The real pipeline (`decentrl run`: orchestrator, two workers, a two-rank gloo trainer)."""
+"""A run that publishes its versions in bf16 (`store.publish_dtype`) and as deltas (the default
+store.full_every): the trainer keeps float32 master weights, the workers and the verifier load and
+sample with the bf16 weights rebuilt from deltas, and the run learns. The real pipeline (`decentrl run`: orchestrator, two workers, a two-rank gloo trainer)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ def test_a_bf16_published_run_learns_and_is_verified(tmp_path: Path) -> None:
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, f"the bf16-published run did not learn: {rewards}"
 
     store = CheckpointStore(str(run_dir / "checkpoints"))
+    # Deltas are on by default (store.full_every = 8): the workers pulled most versions as deltas.
+    bases = [store.manifest(v).delta_base for v in store.versions()]
+    assert sum(base is not None for base in bases) >= steps // 2, bases
     cache = tmp_path / "pulled"
     first = load_file(Path(store.pull(0, str(cache))) / "model.safetensors")
     last = load_file(Path(store.pull(steps, str(cache))) / "model.safetensors")
