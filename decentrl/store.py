@@ -14,10 +14,10 @@ an interrupted pull and the next pull resumes it. A cached version is served onl
 manifest is the store's, byte for byte: caches are keyed by version number, which another store
 (another run, or this URL before its run restarted) also uses.
 
-Size: ~580 lines, for one object over one fsspec filesystem and one layout (publish, pull with its
-resume and cache checks, verify, retain). What has a seam is out: the manifest's format and
-parser (decentrl/manifest.py), the cache's local files (decentrl/cache.py), the weights inside a
-version (decentrl/weights.py). `pull` stays here because each of its steps asks the store: whether
+Size: ~700 lines, for one object over one fsspec filesystem and one layout (publish, pull with its
+resume and cache checks and delta chains, verify, retain). What has a seam is out: the manifest's format and
+parser (decentrl/manifest.py), the cache's local files (decentrl/cache.py), a delta file's format
+(decentrl/delta.py), the weights inside a version (decentrl/weights.py). `pull` stays here because each of its steps asks the store: whether
 a cached version may be served is decided against the store's manifest, read and signature-checked
 on every pull, and its downloads stream from the store's filesystem; a cache object of its own
 would hold a reference back to this one.
