@@ -6,13 +6,13 @@ Builds a real checkpoint of about --size-mb (random float32 weights written by t
 
   raw publish   fsspec `put` of the checkpoint files (what a plain copy costs)
   publish       CheckpointStore.publish as the trainer calls it (hand_over): parallel upload +
-                sha256 of every file + manifest; a local store takes the files by hard link
+                digest (BLAKE3) of every file + manifest; a local store takes the files by hard link
   publish copy  file:// only: the same with hand_over=False (the files are copied)
   raw pull      fsspec `get` of the same files
-  pull          CheckpointStore.pull: parallel download, sha256 while streaming, atomic rename;
-                on file:// (link_local, the default) a hard link of each file, then its sha256
-  pull copy     file:// only: the pull with link_local = false (copy + sha256 while streaming)
-  stream pull   the store's download path (parallel fsspec reads) without the sha256
+  pull          CheckpointStore.pull: parallel download, BLAKE3 while streaming, atomic rename;
+                on file:// (link_local, the default) a hard link of each file, then its digest
+  pull copy     file:// only: the pull with link_local = false (copy + BLAKE3 while streaming)
+  stream pull   the store's download path (parallel fsspec reads) without the digest
   verify        CheckpointStore.verify: re-read and hash the stored version (no local copy)
 
 Every figure comes from this run. The last stdout line is one JSON object:
@@ -20,13 +20,16 @@ Every figure comes from this run. The last stdout line is one JSON object:
   pull_vs_raw_*, publish_vs_raw_*           raw time / store time (1.0 = as fast as a raw copy)
   pull_copy_vs_raw_file, publish_copy_vs_raw_file   the same for the copying variants
   verify_overhead_*                         copying pull time / stream pull time - 1 (what hashing adds)
-  verify_mb_s_*, sha256_mb_s                hashing-only throughputs, for scale
+  verify_mb_s_*, sha256_mb_s, blake3_mb_s   hashing-only throughputs, for scale (blake3: the manifest digest)
   load_avg_1m_*                             how busy the machine was (figures are noisy when high)
   lora_adapter_vs_full_bytes                LoRA runs: bytes of one adapter version / bytes of the full
                                             model (version 0), both written as the trainer writes them,
                                             for a ~500 MB float32 Qwen2-shaped model, rank 16 on q,k,v,o
 
-    .venv/bin/python benchmarks/checkpoint_io.py [--size-mb 500] [--shard-mb N] [--repeats 5]
+  delta_*, link_*           delta versions of a 162M-parameter bf16 model trained at lr 1e-6 and
+                            1e-5, and a 100 Mbit/s link: see benchmarks/checkpoint_delta.py
+
+    .venv/bin/python benchmarks/checkpoint_io.py [--size-mb 500] [--shard-mb N] [--repeats 5] [--delta-steps 3]
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from transformers import Qwen2Config
 
+from checkpoint_delta import delta_figures  # this script's folder is on sys.path
 from decentrl.config import LoRAConfig, StoreConfig
+from decentrl.manifest import new_hasher
 from decentrl.store import CheckpointStore
 from decentrl.trainer.lora import add_adapters, write_adapter_dir
 from decentrl.weights import write_hf_dir
@@ -186,6 +191,16 @@ def sha256_mb_s() -> float:
     return len(data) / MB / (time.perf_counter() - started)
 
 
+def blake3_mb_s() -> float:
+    """The manifest digest as the store runs it (decentrl.manifest.new_hasher: all cores)."""
+    data = os.urandom(64 * 2**20)
+    digest = new_hasher("blake3")
+    started = time.perf_counter()
+    digest.update(data)
+    digest.hexdigest()
+    return len(data) / MB / (time.perf_counter() - started)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=500, help="Checkpoint size (default 500).")
@@ -194,6 +209,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="Rounds; each figure is the best round (default 5).")
     concurrency = StoreConfig.model_fields["download_concurrency"].default
     parser.add_argument("--concurrency", type=int, default=concurrency, help=f"Parallel uploads/downloads (default {concurrency}).")
+    parser.add_argument("--delta-steps", type=int, default=3, help="Delta versions per learning rate (0: skip the delta figures).")
+    parser.add_argument("--link-mbit", type=float, default=100.0, help="Shaped link for the delta figures, Mbit/s.")
     args = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
@@ -238,7 +255,10 @@ def main() -> None:
                     f"publish_copy_vs_raw_{label}": round(t["raw_publish"] / t["publish_copy"], 3),
                 }
         results["sha256_mb_s"] = round(sha256_mb_s(), 1)
+        results["blake3_mb_s"] = round(blake3_mb_s(), 1)
         results |= lora_sizes(work)
+        if args.delta_steps:
+            results |= delta_figures(work, steps=args.delta_steps, link_mbit=args.link_mbit, s3=("s3://bench/delta", s3_options))
         results["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     finally:
         if server is not None:

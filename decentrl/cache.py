@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import shutil
 import stat
@@ -30,7 +29,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from decentrl.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestFile, VerificationError, parse_manifest
+from decentrl.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Hasher,
+    Manifest,
+    ManifestFile,
+    VerificationError,
+    new_hasher,
+    parse_manifest,
+)
 
 # Streaming unit, read into one reused buffer: small enough to stay in CPU cache between the
 # read, the hash and the write (several times faster than fresh 8 MiB reads on a local disk).
@@ -101,7 +109,7 @@ def make_dir(path: str) -> None:
 
 
 def copy_hashing(
-    src: BinaryIO, dst: BinaryIO | None, digest: hashlib._Hash, size: int = 0, limit: int | None = None
+    src: BinaryIO, dst: BinaryIO | None, digest: Hasher, size: int = 0, limit: int | None = None
 ) -> tuple[int, str]:
     """Stream src (into dst if given) through `digest`, which already covers `size` bytes; stop
     once the total reaches `limit` (a file's declared size + 1: enough to see it is too large)."""
@@ -119,12 +127,14 @@ def copy_hashing(
     return size, digest.hexdigest()
 
 
-def mismatch(entry: ManifestFile, size: int, sha256: str) -> str | None:
+def mismatch(entry: ManifestFile, size: int, digest: str) -> str | None:
+    """What differs between a file of `size` bytes hashing to `digest` (under the entry's
+    algorithm) and its manifest entry; None when nothing does."""
     if size != entry.size:
         got = f"more than {entry.size}" if size > entry.size else str(size)
         return f"size mismatch (expected {entry.size}, got {got})"
-    if sha256 != entry.sha256:
-        return f"sha256 mismatch (expected {entry.sha256[:12]}.., got {sha256[:12]}..)"
+    if digest != entry.digest:
+        return f"{entry.algorithm} mismatch (expected {entry.digest[:12]}.., got {digest[:12]}..)"
     return None
 
 
@@ -132,17 +142,19 @@ Identity = tuple[int, int, int]  # size, mtime_ns, ctime_ns of one (device, inod
 
 
 class VerifiedFiles:
-    """What this process knows to hold a manifest entry's bytes: (device, inode) -> identity and sha256."""
+    """What this process knows to hold a manifest entry's bytes: (device, inode) -> identity and digest."""
 
     def __init__(self) -> None:
         self._known: dict[tuple[int, int], tuple[Identity, str]] = {}
 
-    def remember(self, st: os.stat_result, sha256: str) -> None:
-        self._known[(st.st_dev, st.st_ino)] = ((st.st_size, st.st_mtime_ns, st.st_ctime_ns), sha256)
+    def remember(self, st: os.stat_result, entry: ManifestFile) -> None:
+        """`st` is a file just hashed and found to match `entry`."""
+        self._known[(st.st_dev, st.st_ino)] = ((st.st_size, st.st_mtime_ns, st.st_ctime_ns), f"{entry.algorithm}:{entry.digest}")
 
     def holds(self, st: os.stat_result, entry: ManifestFile) -> bool:
         known = self._known.get((st.st_dev, st.st_ino))
-        return known == ((st.st_size, st.st_mtime_ns, st.st_ctime_ns), entry.sha256) and st.st_size == entry.size
+        identity = ((st.st_size, st.st_mtime_ns, st.st_ctime_ns), f"{entry.algorithm}:{entry.digest}")
+        return known == identity and st.st_size == entry.size
 
 
 def check_cached_file(path: str, entry: ManifestFile, verified: VerifiedFiles) -> str | None:
@@ -153,7 +165,7 @@ def check_cached_file(path: str, entry: ManifestFile, verified: VerifiedFiles) -
             before = os.fstat(f.fileno())
             if verified.holds(before, entry):
                 return None
-            size, sha256 = copy_hashing(f, None, hashlib.sha256(), limit=entry.size + 1)
+            size, digest = copy_hashing(f, None, new_hasher(entry.algorithm), limit=entry.size + 1)
             after = os.fstat(f.fileno())
     except FileNotFoundError:
         return "missing from the cache"
@@ -161,17 +173,17 @@ def check_cached_file(path: str, entry: ManifestFile, verified: VerifiedFiles) -
         return f"{exc.strerror} in the cache"
     if (before.st_size, before.st_mtime_ns, before.st_ctime_ns) != (after.st_size, after.st_mtime_ns, after.st_ctime_ns):
         return "changed while it was being verified"
-    problem = mismatch(entry, size, sha256)
+    problem = mismatch(entry, size, digest)
     if problem is None:
-        verified.remember(after, sha256)
+        verified.remember(after, entry)
     return problem
 
 
-def hash_regular(path: str, limit: int) -> tuple[int, str, os.stat_result]:
-    """(size up to `limit`, sha256, stat) of the regular file at `path`."""
+def hash_regular(path: str, limit: int, algorithm: str) -> tuple[int, str, os.stat_result]:
+    """(size up to `limit`, hex digest under `algorithm`, stat) of the regular file at `path`."""
     with open_regular(path) as f:
-        size, sha256 = copy_hashing(f, None, hashlib.sha256(), limit=limit)
-        return size, sha256, os.fstat(f.fileno())
+        size, digest = copy_hashing(f, None, new_hasher(algorithm), limit=limit)
+        return size, digest, os.fstat(f.fileno())
 
 
 @contextmanager

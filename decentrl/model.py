@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from decentrl.config import PretrainedModelConfig, TinyModelConfig
+from decentrl.config import PretrainedModelConfig, StoreConfig, TinyModelConfig
 from decentrl.stopping import eos_id_set
 from decentrl.tokenizer import RustTokenizer
 
 if TYPE_CHECKING:
+    import torch
     from tokenizers import Tokenizer
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -73,6 +74,26 @@ def end_of_sequence_ids(
             generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(config.path))
         ids |= eos_id_set(generation.eos_token_id)
     return ids
+
+
+_PUBLISH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def publish_dtype(store: StoreConfig, config: TinyModelConfig | PretrainedModelConfig) -> torch.dtype:
+    """The dtype versions are published in: store.publish_dtype, else the model's own config dtype
+    (a pretrained model's config.json; float32 for the tiny model, built in float32)."""
+    import torch
+    from transformers import AutoConfig
+
+    if store.publish_dtype is not None:
+        return getattr(torch, _PUBLISH_DTYPES[store.publish_dtype])
+    if isinstance(config, PretrainedModelConfig):
+        declared = AutoConfig.from_pretrained(config.path).dtype
+        if isinstance(declared, str):
+            declared = getattr(torch, declared)
+        if declared in (torch.float32, torch.bfloat16, torch.float16):
+            return declared
+    return torch.float32
 
 
 def build_model(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedModel:

@@ -5,7 +5,7 @@ The trainer publishes each new policy version here (`decentrl.trainer.publisher`
 works (local path, ``file://``, ``memory://``, ``s3://`` ...). docs/store.md has the whole story.
 
 Layout under ``<url>/``: one directory per version, ``v000042``, holding HF-compatible files plus
-``manifest.json`` (sizes, sha256 and, with a signing key, an ed25519 signature). The manifest is
+``manifest.json`` (sizes, BLAKE3 digests - sha256 in older versions - and, with a signing key, an ed25519 signature). The manifest is
 written last and deleted first, so a version exists for readers exactly when its manifest does.
 
 A pull lands in ``<cache>/v000042`` only by renaming a fully verified ``.v000042.partial``
@@ -14,10 +14,10 @@ an interrupted pull and the next pull resumes it. A cached version is served onl
 manifest is the store's, byte for byte: caches are keyed by version number, which another store
 (another run, or this URL before its run restarted) also uses.
 
-Size: ~580 lines, for one object over one fsspec filesystem and one layout (publish, pull with its
-resume and cache checks, verify, retain). What has a seam is out: the manifest's format and
-parser (decentrl/manifest.py), the cache's local files (decentrl/cache.py), the weights inside a
-version (decentrl/weights.py). `pull` stays here because each of its steps asks the store: whether
+Size: ~700 lines, for one object over one fsspec filesystem and one layout (publish, pull with its
+resume and cache checks and delta chains, verify, retain). What has a seam is out: the manifest's format and
+parser (decentrl/manifest.py), the cache's local files (decentrl/cache.py), a delta file's format
+(decentrl/delta.py), the weights inside a version (decentrl/weights.py). `pull` stays here because each of its steps asks the store: whether
 a cached version may be served is decided against the store's manifest, read and signature-checked
 on every pull, and its downloads stream from the store's filesystem; a cache object of its own
 would hold a reference back to this one.
@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import stat
+import tempfile
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
@@ -59,17 +60,20 @@ from decentrl.cache import (
     remove_path,
 )
 from decentrl.config import StoreConfig
+from decentrl.delta import DELTA_SUFFIX, apply, encode
 
 # The manifest's format lives in decentrl/manifest.py; these names stay importable from here.
 from decentrl.manifest import (  # noqa: F401 - re-exported
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    DeltaFile,
     Manifest,
     ManifestFile,
     SignatureError,
     StoreError,
     VerificationError,
     check_manifest,
+    new_hasher,
     parse_manifest,
     signed_payload,
     version_dirname,
@@ -79,6 +83,9 @@ from decentrl.manifest import (  # noqa: F401 - re-exported
 _READ_BLOCK = 64 * 1024 * 1024
 _RETRY_DELAYS = (0.2, 0.4)  # sleeps between the 3 download attempts of one file
 _VERSION_DIR = re.compile(r"v(\d{6,})")  # 6+ digits: version_dirname pads, never truncates
+# A delta chain is store.full_every - 1 links at most (full_every <= 64); a longer one was not published by a
+# trainer, and each link is one level of `_pull_one`'s recursion.
+_MAX_CHAIN = 64
 _CACHE_ENTRY = re.compile(r"\.?v(\d{6,})(\.partial)?")
 _DEFAULTS = StoreConfig()
 
@@ -93,8 +100,8 @@ def _read_block(declared: int, have: int = 0) -> int:
     return max(1, min(_READ_BLOCK, declared + 1 - have - CHUNK))
 
 
-def _link_hashing(remote: str, local_path: str, limit: int) -> tuple[int, str, os.stat_result] | None:
-    """Hard-link a local store file into the cache and hash the link: (size, sha256, stat), or None where
+def _link_hashing(remote: str, local_path: str, limit: int, algorithm: str) -> tuple[int, str, os.stat_result] | None:
+    """Hard-link a local store file into the cache and hash the link: (size, digest, stat), or None where
     the cache cannot link to the store (another filesystem). The link and the store name one inode,
     which the store never rewrites (a version's files are written once, then the manifest), and
     which outlives the store's name when retention deletes it."""
@@ -105,13 +112,13 @@ def _link_hashing(remote: str, local_path: str, limit: int) -> tuple[int, str, o
         raise
     except OSError:
         return None
-    return hash_regular(local_path, limit)
+    return hash_regular(local_path, limit, algorithm)
 
 
-def _hash_own_file(path: str) -> tuple[int, str]:
-    """(size, sha256) of a file being published: the trainer's own, so a symlink (an HF snapshot's) is followed."""
+def _hash_own_file(path: str, algorithm: str) -> tuple[int, str]:
+    """(size, digest) of a file being published: the trainer's own, so a symlink (an HF snapshot's) is followed."""
     with open(path, "rb", buffering=0) as f:
-        return copy_hashing(f, None, hashlib.sha256())
+        return copy_hashing(f, None, new_hasher(algorithm))
 
 
 def _run_all(pool: ThreadPoolExecutor, tasks: list[Callable[[], object]]) -> list[object]:
@@ -136,6 +143,14 @@ def _read_errors() -> tuple[type[Exception], ...]:
 
 def _short_sha(data: bytes | None) -> str:
     return "none" if data is None else hashlib.sha256(data).hexdigest()[:12]
+
+
+def _stored_entry(entry: ManifestFile) -> ManifestFile:
+    """What the store holds for a manifest entry: the file, or - stored as a delta - `<path>.delta`
+    with the delta's size and digest."""
+    if entry.delta is None:
+        return entry
+    return ManifestFile(path=entry.path + DELTA_SUFFIX, size=entry.delta.size, blake3=entry.delta.blake3)
 
 
 def _cached_base(version_dir: str) -> int | None:
@@ -169,6 +184,7 @@ class CheckpointStore:
         retention_grace_s: float = _DEFAULTS.retention_grace_s,
         link_local: bool = _DEFAULTS.link_local,
         run_name: str | None = None,
+        digest: str = _DEFAULTS.digest,
     ) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
@@ -179,6 +195,7 @@ class CheckpointStore:
         self.cache_max_bytes = cache_max_bytes
         self.retention_grace_s = retention_grace_s
         self.run_name = run_name
+        self.digest = digest  # of the files this store publishes; a reader verifies whichever a manifest lists
         self.verified = VerifiedFiles()  # cache files this process hashed against their manifest
         # Zero-copy pulls need a store on this machine's filesystem and a trusted one: with a
         # public key, whoever can write the store is not trusted, and a hard link would let a
@@ -199,6 +216,7 @@ class CheckpointStore:
             retention_grace_s=config.retention_grace_s,
             link_local=config.link_local,
             run_name=run_name,
+            digest=config.digest,
         )
 
     def _vdir(self, version: int) -> str:
@@ -255,7 +273,7 @@ class CheckpointStore:
     def read_verified(self, version: int, select: Callable[[str], bool]) -> tuple[Manifest, dict[str, bytes]]:
         """`version`'s checked (and, with a public key, signature-verified) manifest and the bytes
         of each of its files whose name `select` accepts, every one checked against the manifest's
-        size and sha256: read into memory, not into a cache. For a reader that copies new weights
+        size and digest: read into memory, not into a cache. For a reader that copies new weights
         straight into a model it holds (the orchestrator's verifier, orchestrator/verify.py)."""
         manifest, _ = self._checked_manifest(version)
         found: dict[str, bytes] = {}
@@ -271,7 +289,9 @@ class CheckpointStore:
                 raise VerificationError(f"{where}: missing from store") from None
             except _read_errors() as e:
                 raise StoreError(f"{where}: read failed ({e}); check the store is reachable") from None
-            problem = mismatch(entry, len(data), hashlib.sha256(data).hexdigest())
+            hasher = new_hasher(entry.algorithm)
+            hasher.update(data)
+            problem = mismatch(entry, len(data), hasher.hexdigest())
             if problem is not None:
                 raise VerificationError(f"{where}: {problem}")
             found[entry.path] = data
@@ -279,12 +299,15 @@ class CheckpointStore:
 
     def publish(
         self, version: int, local_dir: str, parent: int | None = None, base_version: int | None = None,
-        *, hand_over: bool = False,
+        *, hand_over: bool = False, delta_from: tuple[int, str] | None = None,
     ) -> Manifest:
         """Upload every file of `local_dir` in parallel, then the (signed) manifest last.
         `base_version`: `local_dir` holds a LoRA adapter to apply to that (full) version.
         `hand_over`: the caller never writes these files again (the trainer's temporary dir), so a
-        local store on the same filesystem takes them by hard link instead of a copy."""
+        local store on the same filesystem takes them by hard link instead of a copy.
+        `delta_from`: (version, its local directory) of the version published before: each weight
+        file of the same size there is stored as a delta against it (decentrl/delta.py), the rest
+        whole. A key version (every file whole) when that version is no longer in the store."""
         if self.fs.exists(self._manifest_path(version)):
             raise StoreError(
                 f"version {version} already published in {self.url}; "
@@ -299,26 +322,57 @@ class CheckpointStore:
         vdir = self._vdir(version)
         self.fs.makedirs(vdir, exist_ok=True)
         paths = [os.path.join(local_dir, name) for name in names]
-        # Hashed beside fsspec's own (multipart, concurrent) uploads: the local files are ours and
-        # do not change, so this is as sound as hashing the uploaded stream, and costs no wait.
-        with ThreadPoolExecutor(self.upload_concurrency) as pool, ThreadPoolExecutor(self.upload_concurrency) as hashers:
-            local = isinstance(self.fs, LocalFileSystem)
-            uploads = [
-                pool.submit(self._put_local, p, f"{vdir}/{n}", hand_over) if local else pool.submit(self.fs.put_file, p, f"{vdir}/{n}")
-                for p, n in zip(paths, names)
-            ]
-            hashes = list(hashers.map(_hash_own_file, paths))
-            for upload in uploads:
-                upload.result()
-        files = [ManifestFile(path=n, size=size, sha256=sha) for n, (size, sha) in zip(names, hashes)]
+        if delta_from is not None and not self.fs.exists(self._manifest_path(delta_from[0])):
+            log.info("version %d: its delta base v%d is not in the store; publishing a key version", version, delta_from[0])
+            delta_from = None
+        with tempfile.TemporaryDirectory(prefix=f"decentrl-delta-v{version}-") as scratch:
+            deltas = self._encode_deltas(names, paths, delta_from, scratch)
+            uploaded = [(os.path.join(scratch, n + DELTA_SUFFIX), n + DELTA_SUFFIX) if n in deltas else (p, n) for p, n in zip(paths, names)]
+            hashes = self._upload_hashing(vdir, paths, uploaded, hand_over)
+        files = [
+            ManifestFile.model_validate({"path": n, "size": size, self.digest: d, "delta": deltas.get(n)})
+            for n, (size, d) in zip(names, hashes)
+        ]
         manifest = Manifest(
-            version=version, parent=parent, created_at=time.time(), files=files, base_version=base_version, run=self.run_name
+            version=version, parent=parent, created_at=time.time(), files=files, base_version=base_version,
+            delta_base=delta_from[0] if deltas and delta_from else None, run=self.run_name,
         )
         if self.signing_key is not None:
             payload = signed_payload(manifest.model_dump(mode="json"))
             manifest = manifest.model_copy(update={"signature": signing.sign(self.signing_key, payload)})
         self._write_manifest(version, manifest.model_dump_json(indent=2).encode())
         return manifest
+
+    def _encode_deltas(
+        self, names: list[str], paths: list[str], delta_from: tuple[int, str] | None, scratch: str
+    ) -> dict[str, DeltaFile]:
+        """The weight files stored as deltas against `delta_from`'s, written into `scratch`."""
+        if delta_from is None:
+            return {}
+        todo = [(n, p) for n, p in zip(names, paths) if n.endswith(".safetensors") and os.path.isfile(os.path.join(delta_from[1], n))]
+        with ThreadPoolExecutor(self.upload_concurrency) as pool:
+            encoded = pool.map(
+                lambda item: encode(item[1], os.path.join(delta_from[1], item[0]), os.path.join(scratch, item[0] + DELTA_SUFFIX), "blake3"),
+                todo,
+            )
+            return {n: DeltaFile(size=found[0], blake3=found[1]) for (n, _), found in zip(todo, encoded) if found is not None}
+
+    def _upload_hashing(
+        self, vdir: str, paths: list[str], uploaded: list[tuple[str, str]], hand_over: bool
+    ) -> list[tuple[int, str]]:
+        """Upload each (local file, stored name) into `vdir`; (size, digest) of each of `paths`."""
+        # Hashed beside fsspec's own (multipart, concurrent) uploads: the local files are ours and
+        # do not change, so this is as sound as hashing the uploaded stream, and costs no wait.
+        with ThreadPoolExecutor(self.upload_concurrency) as pool, ThreadPoolExecutor(self.upload_concurrency) as hashers:
+            local = isinstance(self.fs, LocalFileSystem)
+            uploads = [
+                pool.submit(self._put_local, p, f"{vdir}/{n}", hand_over) if local else pool.submit(self.fs.put_file, p, f"{vdir}/{n}")
+                for p, n in uploaded
+            ]
+            hashes = list(hashers.map(functools.partial(_hash_own_file, algorithm=self.digest), paths))
+            for upload in uploads:
+                upload.result()
+        return hashes
 
     def _put_local(self, local_path: str, remote: str, link: bool) -> None:
         """Into a new file, never into an existing one (a failed publish's or delete's leftover),
@@ -357,11 +411,16 @@ class CheckpointStore:
         self.evict(cache_dir, keep=version)
         return final
 
-    def _pull_one(self, version: int, cache_dir: str) -> tuple[str, int | None]:
+    def _pull_one(self, version: int, cache_dir: str, depth: int = 0) -> tuple[str, int | None]:
         """The cached directory of `version` and the base version it is an adapter for.
 
+        A delta version is rebuilt from its delta base's cached directory, which is pulled first
+        the same way (`depth` links down its chain, at most _MAX_CHAIN): a base cached and still
+        valid costs nothing; one missing or corrupted in the cache is pulled again, itself rebuilt
+        from its own base, down to the chain's key version, whose files are stored whole.
+
         A cached directory is served when its manifest is the store's, byte for byte (the manifest
-        covers every file's sha256, and its signature is checked as for a download), and its files
+        covers every file's digest, and its signature is checked as for a download), and its files
         still match it (`_cached_problem`); else it is replaced by a fresh pull. Where the store
         cannot say - it is unreachable, or retention already deleted the version - the cached
         directory is served only after its own manifest passes the same checks (signature and run
@@ -383,15 +442,36 @@ class CheckpointStore:
             log.warning("serving cached %s (its manifest and files verified again): %s", final, exc)
             return final, kept.base_version
         if not self._cache_holds(final, raw, manifest):
+            base_dir = self._delta_base_dir(manifest, cache_dir, depth)
             make_dir(cache_dir)
             # One puller per version per cache dir: the partial directory is shared across attempts.
             lock = os.path.join(cache_dir, f".{version_dirname(version)}.lock")
             with locked(lock):
                 if not self._cache_holds(final, raw, manifest):
                     self._demote_foreign(final, raw)
-                    self._pull_locked(manifest, raw, cache_dir)
+                    self._pull_locked(manifest, raw, cache_dir, base_dir)
                 os.remove(lock)  # safe while held (see locked); a failed pull leaves it beside its partial
         return final, manifest.base_version
+
+    def _delta_base_dir(self, manifest: Manifest, cache_dir: str, depth: int) -> str | None:
+        """The cached, verified directory of the version a delta version's files apply to; None
+        for a key version. A base that is in neither the store nor the cache refuses the version."""
+        if manifest.delta_base is None:
+            return None
+        first = next(entry.path for entry in manifest.files if entry.delta is not None)
+        where = f"{version_dirname(manifest.version)}/{first}"
+        if depth >= _MAX_CHAIN:
+            raise VerificationError(f"{where}: more than {_MAX_CHAIN} delta versions in a row; not a chain decentrl publishes")
+        try:
+            return self._pull_one(manifest.delta_base, cache_dir, depth + 1)[0]
+        except VerificationError as exc:
+            raise VerificationError(f"{where}: its delta base v{manifest.delta_base} cannot be verified ({exc})") from None
+        except StoreError:
+            if manifest.delta_base in self.versions():
+                raise  # the store could not be read: a caller may retry
+            raise VerificationError(
+                f"{where}: stored as a delta against v{manifest.delta_base}, which is in neither the store nor the cache"
+            ) from None
 
     def _cache_holds(self, final: str, raw: bytes, manifest: Manifest) -> bool:
         """Whether `final` is the store's version: the same manifest, and files that still match it."""
@@ -429,7 +509,7 @@ class CheckpointStore:
         remove_path(partial)
         os.rename(final, partial)  # a symlink found at `final` is renamed, not followed
 
-    def _pull_locked(self, manifest: Manifest, raw: bytes, cache_dir: str) -> None:
+    def _pull_locked(self, manifest: Manifest, raw: bytes, cache_dir: str, base_dir: str | None) -> None:
         version, name = manifest.version, version_dirname(manifest.version)
         final, partial = os.path.join(cache_dir, name), os.path.join(cache_dir, f".{name}.partial")
         manifest_copy = os.path.join(partial, MANIFEST_NAME)
@@ -441,10 +521,15 @@ class CheckpointStore:
         with open_regular(manifest_copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as f:
             f.write(raw)
         expected = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
+        expected |= {entry.path + DELTA_SUFFIX for entry in manifest.files if entry.delta is not None}
         for stray in set(os.listdir(partial)) - expected:
             remove_path(os.path.join(partial, stray))
         with ThreadPoolExecutor(self.download_concurrency) as pool:
-            _run_all(pool, [lambda e=e: self._download(version, e, os.path.join(partial, e.path)) for e in manifest.files])
+            _run_all(pool, [
+                (lambda e=e: self._rebuild(version, e, partial, base_dir)) if e.delta is not None
+                else (lambda e=e: self._download(version, e, os.path.join(partial, e.path)))
+                for e in manifest.files
+            ])
         try:
             os.rename(partial, final)
         except OSError:
@@ -452,6 +537,21 @@ class CheckpointStore:
             if not is_real_dir(final):
                 raise
             # else another process finished the same pull first; its copy is as good.
+
+    def _rebuild(self, version: int, entry: ManifestFile, partial: str, base_dir: str | None) -> None:
+        """Download a file's delta (resumable, retried, checked against the delta's size and digest),
+        rebuild the file from the base version's and check it against the manifest's size and
+        digest of the full file; only then is it in the partial directory."""
+        assert base_dir is not None  # a manifest with delta entries names its delta_base
+        stored = _stored_entry(entry)
+        delta_path = os.path.join(partial, stored.path)
+        self._download(version, stored, delta_path)
+        with open_regular(delta_path) as f:
+            delta = f.read(stored.size + 1)
+        where = f"{version_dirname(version)}/{entry.path}"
+        written = apply(os.path.join(base_dir, entry.path), delta, entry, os.path.join(partial, entry.path), where)
+        self.verified.remember(written, entry)
+        os.remove(delta_path)
 
     def _download(self, version: int, entry: ManifestFile, local_path: str) -> None:
         where = f"{version_dirname(version)}/{entry.path}"
@@ -462,10 +562,10 @@ class CheckpointStore:
                 time.sleep(_RETRY_DELAYS[attempt - 1])
             error: type[StoreError] = VerificationError
             try:
-                size, sha256, written = self._fetch_resuming(remote, local_path, entry.size)
-                problem = mismatch(entry, size, sha256)
+                size, digest, written = self._fetch_resuming(remote, local_path, entry.size, entry.algorithm)
+                problem = mismatch(entry, size, digest)
                 if problem is None:
-                    self.verified.remember(written, sha256)
+                    self.verified.remember(written, entry)
                 else:
                     os.remove(local_path)  # wrong bytes somewhere: the next attempt starts over
             except FileNotFoundError:
@@ -479,16 +579,18 @@ class CheckpointStore:
                 return
         raise error(f"{where}: {problem}")
 
-    def _fetch_resuming(self, remote: str, local_path: str, expected_size: int) -> tuple[int, str, os.stat_result]:
-        """Append the rest of `remote` to `local_path`, hashing as it streams: (size, sha256) of the
+    def _fetch_resuming(
+        self, remote: str, local_path: str, expected_size: int, algorithm: str
+    ) -> tuple[int, str, os.stat_result]:
+        """Append the rest of `remote` to `local_path`, hashing as it streams: (size, digest) of the
         whole, read no further than `expected_size` + 1 bytes, and the stat of the file written."""
         limit = expected_size + 1
         if self.link_local:
-            linked = _link_hashing(remote, local_path, limit)
+            linked = _link_hashing(remote, local_path, limit, algorithm)
             if linked is not None:
                 return linked
             self.link_local = False  # another filesystem, or no hard links there: copy from now on
-        digest, have = hashlib.sha256(), 0
+        digest, have = new_hasher(algorithm), 0
         try:
             st = os.lstat(local_path)
             if st.st_size > expected_size or not stat.S_ISREG(st.st_mode):
@@ -506,8 +608,8 @@ class CheckpointStore:
         ):
             if have:
                 src.seek(have)
-            size, sha256 = copy_hashing(src, dst, digest, have, limit=limit)
-            return size, sha256, os.fstat(dst.fileno())
+            size, hexdigest = copy_hashing(src, dst, digest, have, limit=limit)
+            return size, hexdigest, os.fstat(dst.fileno())
 
     def evict(self, cache_dir: str, keep: int) -> list[int]:
         """Delete the oldest cached versions (never `keep`, nor the base version it is an adapter
@@ -546,10 +648,11 @@ class CheckpointStore:
             return [str(exc)]
 
         def check(entry: ManifestFile) -> str | None:
+            entry = _stored_entry(entry)  # a delta version's file: its stored delta
             try:
                 remote = f"{self._vdir(version)}/{entry.path}"
                 with self.fs.open(remote, "rb", block_size=_read_block(entry.size)) as src:
-                    problem = mismatch(entry, *copy_hashing(src, None, hashlib.sha256(), limit=entry.size + 1))
+                    problem = mismatch(entry, *copy_hashing(src, None, new_hasher(entry.algorithm), limit=entry.size + 1))
             except FileNotFoundError:
                 problem = "missing from store"
             return None if problem is None else f"{version_dirname(version)}/{entry.path}: {problem}"
@@ -566,10 +669,29 @@ class CheckpointStore:
             self.fs.rm(self._manifest_path(version))
         self.fs.rm(vdir, recursive=True)
 
+    def _chains(self, kept: AbstractSet[int]) -> set[int]:
+        """Every version the delta chains of `kept` versions pass through. Manifests are read
+        without the signature check: a chain can only keep a version longer."""
+        needed: set[int] = set()
+        for version in kept:
+            base = self._delta_base_of(version)
+            while base is not None and base not in needed:
+                needed.add(base)
+                base = self._delta_base_of(base)
+        return needed
+
+    def _delta_base_of(self, version: int) -> int | None:
+        where = f"{version_dirname(version)}/{MANIFEST_NAME}"
+        try:
+            return parse_manifest(self._manifest_bytes(version), where)[0].delta_base
+        except StoreError:  # gone (a broken chain: nothing further to keep), or not a manifest
+            return None
+
     def retain(self, keep_last: int, protect: AbstractSet[int] = frozenset(), now: float | None = None) -> list[int]:
         """Delete versions older than the newest `keep_last`, except `protect`ed ones and any
         superseded less than `retention_grace_s` ago: a worker that began pulling a version while
-        it was the newest may still be downloading it. Returns the deleted versions."""
+        it was the newest may still be downloading it, and any version a kept delta version's chain
+        reaches (down to its key version): it is rebuilt from them. Returns the deleted versions."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         now = time.time() if now is None else now
@@ -583,6 +705,8 @@ class CheckpointStore:
             superseded_at = parse_manifest(self._manifest_bytes(newer), f"{version_dirname(newer)}/{MANIFEST_NAME}")[0].created_at
             if now - superseded_at >= self.retention_grace_s:
                 doomed.append(older)
+        needed = self._chains({v for v in versions if v not in doomed})
+        doomed = [version for version in doomed if version not in needed]
         for version in doomed:
             self.delete(version)
         return doomed

@@ -22,6 +22,7 @@ lazily from code that runs without it (the orchestrator with verification off).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -67,12 +68,19 @@ def write_hf_dir(
     model_config: PretrainedConfig,
     extras_from: str,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """An HF-loadable checkpoint: config.json, tokenizer files copied from `extras_from`, and the
     weights as `model.safetensors` when they fit one shard, else `model-00001-of-0000N.safetensors`
-    ... plus `model.safetensors.index.json`, the layout `from_pretrained` reads."""
+    ... plus `model.safetensors.index.json`, the layout `from_pretrained` reads. `dtype`: the
+    floating-point tensors are written in it (store.publish_dtype; the trainer's own stay float32),
+    and config.json says so."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
+    if dtype is not None:
+        state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
+        model_config = copy.deepcopy(model_config)
+        model_config.dtype = dtype
     model_config.save_pretrained(directory)
     split = split_torch_state_dict_into_shards(dict(state), max_shard_size=max_shard_bytes)
     for filename, names in split.filename_to_tensors.items():
@@ -252,19 +260,26 @@ def model_dir(checkpoint_dir: str) -> str:
     return adapter_base_dir(checkpoint_dir) or checkpoint_dir
 
 
-def load_pretrained(directory: str) -> PreTrainedModel:
-    """A model built from a checkpoint directory, float32 on CPU: an HF directory (a published
-    version, or a downloaded pretrained model in any layout transformers reads), or a pulled
-    adapter version (its base, with the merged weights copied in). A pulled version's weights
-    are read as every later version's are (`read_weights`) and copied over what from_pretrained
-    built, checked: from_pretrained fills a missing tensor with random values and reads whichever
-    weight files it finds in the directory, not only the manifest's."""
+def load_pretrained(directory: str, *, as_published: bool = False) -> PreTrainedModel:
+    """A model built from a checkpoint directory on CPU: an HF directory (a published version, or
+    a downloaded pretrained model in any layout transformers reads), or a pulled adapter version
+    (its base, with the merged weights copied in). A pulled version's weights are read as every
+    later version's are (`read_weights`) and copied over what from_pretrained built, checked:
+    from_pretrained fills a missing tensor with random values and reads whichever weight files it
+    finds in the directory, not only the manifest's. float32 (the trainer's master weights), or
+    with `as_published` in the dtype the version was published in (store.publish_dtype: workers
+    sample with exactly the published weights)."""
     from transformers import AutoModelForCausalLM
 
     base_dir = adapter_base_dir(directory)
     model = AutoModelForCausalLM.from_pretrained(base_dir or directory, dtype=torch.float32)
     if is_pulled(directory):  # an adapter version always is: its manifest names its base
-        copy_into(model, read_weights(directory))
+        weights = read_weights(directory)
+        if as_published:
+            adopt_dtype(model, weights)
+        else:  # the trainer's float32 master weights start from the published (maybe bf16) version 0
+            weights = {name: t.float() if t.is_floating_point() else t for name, t in weights.items()}
+        copy_into(model, weights)
     return model
 
 
@@ -287,6 +302,21 @@ def mismatches(expected: Mapping[str, torch.Tensor], given: Mapping[str, torch.T
     if wrong:
         problems.append(f"wrong shape or dtype {_listed(wrong)}")
     return problems
+
+
+def published_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The one floating-point dtype of a version's tensors (its store.publish_dtype)."""
+    found = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(found) != 1:
+        raise CheckpointError(f"a version's floating-point tensors share one dtype; found {sorted(map(str, found))}")
+    return found.pop()
+
+
+def adopt_dtype(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Convert `model` (built in float32) to the dtype `state` was published in, before its first
+    `copy_into`; every later version of the run comes in that dtype, and `copy_into` refuses any
+    tensor of another."""
+    model.to(published_dtype(state))
 
 
 def copy_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:

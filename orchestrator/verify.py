@@ -128,7 +128,7 @@ class Verifier:
         as it was."""
         import torch
 
-        from decentrl.weights import copy_into
+        from decentrl.weights import adopt_dtype, copy_into
 
         torch.set_num_threads(self.config.torch_threads)
         weights = self._weights(version)
@@ -139,6 +139,7 @@ class Verifier:
         else:
             model = self._build()
         try:
+            adopt_dtype(model, weights)  # sample as the workers do: in the dtype the version was published in
             copy_into(model, weights)
         except BaseException:
             self._spare.append(model)  # no longer counted as holding its version: as good as a fresh build
@@ -147,17 +148,19 @@ class Verifier:
 
     def _weights(self, version: int) -> dict[str, torch.Tensor]:
         """`version`'s full weights. A full version's files are read from the store into memory,
-        each checked against the (signed) manifest's sha256: no cache directory. A LoRA adapter
+        each checked against the (signed) manifest's digest: no cache directory. A LoRA adapter
         version is pulled with its base into the cache (verified once) and merged onto it, as the
-        HF worker does. Only the manifest's files are read, and whatever they hold, a failure is
+        HF worker does; a delta version is pulled into the cache, rebuilt from its base there. Only the manifest's files are read, and whatever they hold, a failure is
         a StoreError (the store, the manifest, a file's bytes) or a CheckpointError (weights that
         do not read): the verifier's thread never dies of a version."""
         from decentrl.weights import INDEX_NAME, CheckpointError, read_weights, weights_from_files
 
         try:
-            manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors") or name == INDEX_NAME)
-            if manifest.base_version is None:
-                return weights_from_files(files)
+            # A delta version's files are rebuilt from its base: pulled into the cache like an adapter's.
+            if self.store.manifest(version).delta_base is None:
+                manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors") or name == INDEX_NAME)
+                if manifest.base_version is None:
+                    return weights_from_files(files)
             return read_weights(self._pull(version))
         except (StoreError, CheckpointError):
             raise

@@ -59,7 +59,7 @@ def store_pull(
     public_key: PublicKeyOpt = None,
     run: RunOpt = None,
 ) -> None:
-    """Download a version (resuming an interrupted pull into DEST) and verify every file's sha256."""
+    """Download a version (resuming an interrupted pull into DEST) and verify every file's digest."""
     from decentrl.store import StoreError
 
     store = _open_store(url, public_key, run)
@@ -80,13 +80,20 @@ def store_verify(
     public_key: PublicKeyOpt = None,
     run: RunOpt = None,
 ) -> None:
-    """Check every file of a version (or all) against its manifest; non-zero exit on any mismatch."""
+    """Check every file of a version (or all) against its manifest and say which digest it uses
+    (blake3, or sha256 for versions published before it); non-zero exit on any mismatch."""
     from decentrl.store import StoreError
 
     store = _open_store(url, public_key, run)
+    problems: list[str] = []
     try:
         versions = store.versions() if version is None else [version]
-        problems = [problem for v in versions for problem in store.verify(v)]
+        for v in versions:
+            found = store.verify(v)
+            problems += found
+            if not found:  # which digest: BLAKE3 for new versions, sha256 for older ones
+                digests = sorted({entry.algorithm for entry in store.manifest(v).files})
+                typer.echo(f"v{v:06d}  ok  ({', '.join(digests)})")
     except StoreError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

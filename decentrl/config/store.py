@@ -7,6 +7,8 @@ announces its URL to workers. docs/store.md explains every field.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from decentrl.config.base import Section
@@ -51,6 +53,20 @@ class StoreConfig(Section):
     )
     cache_max_gb: float | None = Field(
         20.0, gt=0, description="Cap on a local pull cache; the oldest versions are evicted. None = no cap."
+    )
+    publish_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="Dtype of the published weights (the trainer keeps float32 master weights); workers and "
+        "the verifier load and sample in it. None: the model's own config dtype (a pretrained model's config.json "
+        "dtype, float32 for the tiny model). bf16 halves every pull; see docs/store.md for the verifier tolerance.",
+    )
+    full_every: int = Field(
+        8, ge=1, le=64, description="Full-model runs: every this many versions one is a key version (every file stored "
+        "whole); the others store each weight file as a delta against the version before (decentrl/delta.py), a "
+        "small fraction of its bytes at RL learning rates. 1 = no deltas. LoRA runs publish adapters only.",
+    )
+    digest: Literal["blake3", "sha256"] = Field(
+        "blake3", description="Digest the trainer writes into each new manifest. BLAKE3 hashes several times "
+        "faster (verified pulls at copy speed); readers verify either, so older sha256 versions stay readable.",
     )
     signing_key: str = Field(
         "", description="Trainer: ed25519 private key file that signs every manifest ('' = unsigned)."

@@ -43,9 +43,16 @@ class Publisher:
         on_published: Callable[[int], None],
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
         lora: LoRAConfig | None = None,
+        dtype: torch.dtype | None = None,
+        full_every: int = 1,
     ) -> None:
         self.store = store
         self.lora = lora
+        self.dtype = dtype  # of the published weights (store.publish_dtype); the trainer's stay float32
+        self.full_every = full_every  # store.full_every: a key version after full_every - 1 deltas
+        # The last full-model version published and its local files: the next one's delta base.
+        self._previous: tuple[int, tempfile.TemporaryDirectory[str]] | None = None
+        self._deltas_in_row = 0
         self.max_shard_bytes = max_shard_bytes
         self.model_config = model_config
         self.extras_from = extras_from
@@ -83,6 +90,8 @@ class Publisher:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+        if self._previous is not None:
+            self._previous[1].cleanup()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -109,15 +118,33 @@ class Publisher:
 
     def _publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-") as directory:
-            parent = version - 1 if version > 0 else None
-            if self.lora is None:
-                write_hf_dir(directory, state, self.model_config, self.extras_from, self.max_shard_bytes)
-                self.store.publish(version, directory, parent=parent, hand_over=True)
-            else:
+        parent = version - 1 if version > 0 else None
+        if self.lora is None:
+            self._publish_full(version, state, parent)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-") as directory:
                 write_adapter_dir(directory, state, self.lora)
                 self.store.publish(version, directory, parent=parent, base_version=BASE_VERSION, hand_over=True)
         self.on_published(version)
         self.store.retain(self.keep_last, protect={0})
         self.publish_seconds.append(time.perf_counter() - started)
         log.info("published version %d in %.2fs", version, self.publish_seconds[-1])
+
+    def _publish_full(self, version: int, state: dict[str, torch.Tensor], parent: int | None) -> None:
+        """A full-model version: a delta against the last one published (kept on local disk for
+        that), or a key version every `full_every` versions; the store makes it a key version too
+        when the last one is no longer in the store."""
+        directory = tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-")
+        try:
+            write_hf_dir(directory.name, state, self.model_config, self.extras_from, self.max_shard_bytes, dtype=self.dtype)
+            delta_from = None
+            if self._previous is not None and self._deltas_in_row + 1 < self.full_every:
+                delta_from = (self._previous[0], self._previous[1].name)
+            manifest = self.store.publish(version, directory.name, parent=parent, hand_over=True, delta_from=delta_from)
+        except BaseException:
+            directory.cleanup()
+            raise
+        self._deltas_in_row = 0 if manifest.delta_base is None else self._deltas_in_row + 1
+        if self._previous is not None:
+            self._previous[1].cleanup()
+        self._previous = (version, directory)

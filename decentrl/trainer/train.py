@@ -25,7 +25,7 @@ from decentrl.client import OrchestratorClient
 from decentrl.config import RunConfig, TrainerConfig
 from decentrl.determinism import use_deterministic_torch
 from decentrl.losses import summarize
-from decentrl.model import build_model, load_tokenizer
+from decentrl.model import build_model, load_tokenizer, publish_dtype
 from decentrl.store import CheckpointStore
 from decentrl.trainer.batching import collate, rank_share
 from decentrl.trainer.checkpoint import BatchJournal, Progress, ResumePlan, TrainerCheckpoints, plan_resume
@@ -63,7 +63,7 @@ def prepare_store(config: RunConfig, store: CheckpointStore, client: Orchestrato
             model.generation_config.save_pretrained(directory)
             write_hf_dir(
                 directory, model.state_dict(), model.config, extras_from=directory,
-                max_shard_bytes=config.store.shard_size_mb * 2**20,
+                max_shard_bytes=config.store.shard_size_mb * 2**20, dtype=publish_dtype(config.store, config.model),
             )
             store.publish(0, directory, parent=None, hand_over=True)
     plan = plan_resume(checkpoints.latest(), journal.steps(), store.versions())
@@ -106,7 +106,8 @@ def replay_difference(
     (in LoRA runs the adapter's tensors, as stored)."""
     directory = store.pull(version, cache_dir)
     published = read_adapter(directory).tensors if lora else read_hf_weights(directory)
-    return max((weights[k] - published[k]).abs().max().item() for k in weights)
+    # Published in store.publish_dtype: compare in it (the replayed float32 weights rounded as they were).
+    return max((weights[k].to(published[k].dtype).float() - published[k].float()).abs().max().item() for k in weights)
 
 
 def open_trackers(config: RunConfig, *, run_dir: str, model_dir: str) -> Trackers | None:
@@ -153,6 +154,8 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
             on_published=client.announce,
             max_shard_bytes=config.store.shard_size_mb * 2**20,
             lora=cfg.lora,
+            dtype=publish_dtype(config.store, config.model),
+            full_every=config.store.full_every,
         )
         metrics = MetricsLog(options.metrics_path, keep_through=plan.checkpoint)
         trackers = open_trackers(config, run_dir=os.path.dirname(options.metrics_path), model_dir=initial_dir)

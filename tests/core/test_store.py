@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import blake3
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
@@ -101,7 +101,7 @@ def test_pull_gives_identical_bytes_and_correct_hashes(
     for entry in store.manifest(3).files:
         data = (src / entry.path).read_bytes()
         assert (out / entry.path).read_bytes() == data
-        assert entry.sha256 == hashlib.sha256(data).hexdigest()
+        assert entry.algorithm == "blake3" and entry.digest == blake3.blake3(data).hexdigest()
         assert entry.size == len(data)
     assert store.verify(3) == []
     assert cache_entries(tmp_path / "cache") == ["v000003"]  # no partial dir left
@@ -132,14 +132,14 @@ def test_flipped_byte_fails_pull_and_verify(
     store.fs.pipe_file(path, bytes(data))
 
     cache = tmp_path / "cache"
-    with pytest.raises(VerificationError, match=r"v000003/model\.safetensors: sha256 mismatch"):
+    with pytest.raises(VerificationError, match=r"v000003/model\.safetensors: blake3 mismatch"):
         store.pull(3, str(cache))
     assert "v000003" not in cache_entries(cache)
     # The good file is kept for a resumed pull; the bad bytes are not.
     assert sorted(os.listdir(cache / ".v000003.partial")) == ["config.json", MANIFEST_NAME]
     problems = store.verify(3)
     assert len(problems) == 1
-    assert "model.safetensors" in problems[0] and "sha256 mismatch" in problems[0]
+    assert "model.safetensors" in problems[0] and "blake3 mismatch" in problems[0]
 
 
 def test_truncated_file_reports_size_mismatch(store: CheckpointStore, make_ckpt: MakeCkpt) -> None:

@@ -47,7 +47,7 @@ def test_verify_fails_naming_the_file(published: Path) -> None:
     path.write_bytes(bytes(data))
     result = runner.invoke(app, ["store", "verify", str(published)])
     assert result.exit_code == 1
-    assert "v000001/model.safetensors: sha256 mismatch" in result.output
+    assert "v000001/model.safetensors: blake3 mismatch" in result.output
     assert runner.invoke(app, ["store", "verify", str(published), "--version", "0"]).exit_code == 0
     result = runner.invoke(app, ["store", "verify", str(published), "--version", "5"])
     assert result.exit_code == 1 and "version 5 not found" in result.output
@@ -108,3 +108,37 @@ def test_store_from_config_loads_the_keys(tmp_path: Path) -> None:
     store = CheckpointStore.from_config(config)
     assert store.signing_key is not None and store.public_key is not None
     assert (store.cache_max_bytes, store.retention_grace_s, store.download_concurrency) == (2**29, 7, 3)
+
+
+def test_verify_reads_older_sha256_versions_and_says_which_digest(tmp_path: Path) -> None:
+    """Versions published before BLAKE3 list sha256 digests: still pulled and verified, and
+    `store verify` names the digest of each version."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(os.urandom(3000))
+    CheckpointStore(str(tmp_path / "store"), digest="sha256").publish(0, str(src))
+    CheckpointStore(str(tmp_path / "store")).publish(1, str(src), parent=0)
+    reader = CheckpointStore(str(tmp_path / "store"), link_local=False)
+    assert [entry.algorithm for entry in reader.manifest(0).files] == ["sha256"]
+    assert [entry.algorithm for entry in reader.manifest(1).files] == ["blake3"]
+    assert (Path(reader.pull(0, str(tmp_path / "cache"))) / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    result = runner.invoke(app, ["store", "verify", str(tmp_path / "store")])
+    assert result.exit_code == 0, result.output
+    assert "v000000  ok  (sha256)" in result.output and "v000001  ok  (blake3)" in result.output
+    path = tmp_path / "store" / "v000000" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    result = runner.invoke(app, ["store", "verify", str(tmp_path / "store"), "--version", "0"])
+    assert result.exit_code == 1 and "v000000/model.safetensors: sha256 mismatch" in result.output
+
+
+def test_a_manifest_entry_needs_exactly_one_digest() -> None:
+    from pydantic import ValidationError
+
+    from decentrl.manifest import ManifestFile
+
+    with pytest.raises(ValidationError, match="exactly one of blake3 and sha256"):
+        ManifestFile(path="a", size=1)
+    with pytest.raises(ValidationError, match="exactly one of blake3 and sha256"):
+        ManifestFile(path="a", size=1, sha256="0" * 64, blake3="0" * 64)

@@ -131,7 +131,7 @@ def test_a_cached_version_is_served_through_an_outage_only_once_verified_again(t
     data = bytearray((out / "model.safetensors").read_bytes())
     data[0] ^= 1
     (out / "model.safetensors").write_bytes(bytes(data))  # corrupted in the cache after a good pull
-    with pytest.raises(VerificationError, match="sha256 mismatch.*store cannot be read"):
+    with pytest.raises(VerificationError, match="blake3 mismatch.*store cannot be read"):
         reader.pull(152, cache)
     os.rename(tmp_path / "ours.away", tmp_path / "ours")
     assert (Path(reader.pull(152, cache)) / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()

@@ -6,7 +6,6 @@ multipart uploads, and the same guarantees as on disk - verified, atomic, signed
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import blake3
 import pytest
 
 from decentrl import signing
@@ -124,7 +124,7 @@ def test_publish_pull_verify(store: CheckpointStore, tmp_path: Path) -> None:
     assert store.versions() == [0, 1] and store.latest() == 1
     assert len(manifest.files) == 5
     for entry in manifest.files:
-        assert entry.sha256 == hashlib.sha256((src / entry.path).read_bytes()).hexdigest()
+        assert entry.blake3 == blake3.blake3((src / entry.path).read_bytes()).hexdigest()
     assert store.verify(0) == [] and store.verify(1) == []
     out = Path(store.pull(0, str(tmp_path / "cache")))
     assert same_files(out, src)
@@ -137,11 +137,11 @@ def test_flipped_byte_is_caught(store: CheckpointStore, tmp_path: Path) -> None:
     data = bytearray(store.fs.cat_file(path))
     data[SHARD // 2] ^= 0x01
     store.fs.pipe_file(path, bytes(data))
-    with pytest.raises(VerificationError, match=r"v000003/model-00002-of-00003\.safetensors: sha256 mismatch"):
+    with pytest.raises(VerificationError, match=r"v000003/model-00002-of-00003\.safetensors: blake3 mismatch"):
         store.pull(3, str(tmp_path / "cache"))
     assert not (tmp_path / "cache" / "v000003").exists()
     problems = store.verify(3)
-    assert len(problems) == 1 and problems[0].startswith("v000003/model-00002-of-00003.safetensors: sha256 mismatch")
+    assert len(problems) == 1 and problems[0].startswith("v000003/model-00002-of-00003.safetensors: blake3 mismatch")
 
 
 def test_missing_shard_is_caught(store: CheckpointStore, tmp_path: Path) -> None:
@@ -269,7 +269,7 @@ def test_signatures_on_s3(url: str, options: dict[str, object], keys: tuple[str,
     trainer.fs.pipe_file(f"{trainer.root}/v000000/{MANIFEST_NAME}", json.dumps(manifest).encode())
     assert "signature does not match" in worker.verify(0)[0]
 
-    # A forged version: new weights with the right sha256 in the manifest, signed by another key.
+    # A forged version: new weights with the right digest in the manifest, signed by another key.
     trainer.publish(2, str(src))
     forged = os.urandom(SHARD)
     name = "model-00001-of-00003.safetensors"
@@ -277,7 +277,7 @@ def test_signatures_on_s3(url: str, options: dict[str, object], keys: tuple[str,
     manifest = json.loads(trainer.fs.cat_file(f"{trainer.root}/v000002/{MANIFEST_NAME}"))
     for entry in manifest["files"]:
         if entry["path"] == name:
-            entry["sha256"] = hashlib.sha256(forged).hexdigest()
+            entry["blake3"] = blake3.blake3(forged).hexdigest()
     write_keypair(str(tmp_path / "attacker.key"), str(tmp_path / "attacker.pub"))
     manifest["signature"] = signing.sign(load_private_key(str(tmp_path / "attacker.key")), signed_payload(manifest))
     trainer.fs.pipe_file(f"{trainer.root}/v000002/{MANIFEST_NAME}", json.dumps(manifest).encode())
@@ -394,7 +394,7 @@ def test_s3_outage_mid_pull_and_listing_are_store_errors(
     # botocore's EndpointConnectionError there, which is not an OSError.
     attempts = []
 
-    def endpoint_gone(remote: str, local_path: str, expected_size: int) -> tuple[int, str]:
+    def endpoint_gone(remote: str, local_path: str, expected_size: int, algorithm: str) -> tuple[int, str]:
         attempts.append(remote)
         raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
 from pathlib import Path
 
+import blake3
 import pytest
 
 from decentrl import signing
@@ -105,13 +105,13 @@ def test_version_signed_by_another_key_is_refused(
 
 
 def forge(store_root: Path, version: int, new_weights: bytes) -> dict[str, object]:
-    """Bucket write access only: swap the weights and fix their size and sha256 in the manifest."""
+    """Bucket write access only: swap the weights and fix their size and digest in the manifest."""
     vdir = store_root / version_dirname(version)
     (vdir / "model.safetensors").write_bytes(new_weights)
     manifest = json.loads((vdir / MANIFEST_NAME).read_text())
     for entry in manifest["files"]:
         if entry["path"] == "model.safetensors":
-            entry.update(size=len(new_weights), sha256=hashlib.sha256(new_weights).hexdigest())
+            entry.update(size=len(new_weights), blake3=blake3.blake3(new_weights).hexdigest())
     (vdir / MANIFEST_NAME).write_text(json.dumps(manifest))
     return manifest
 
@@ -122,7 +122,7 @@ def test_forged_manifest_is_refused(tmp_path: Path, keys: tuple[str, str], other
     trainer.publish(1, str(ckpt))
     forged = os.urandom(4000)
     manifest = forge(root, 1, forged)  # keeps the trainer's signature of the old content
-    # Every sha256 matches the forged bytes: without a key the forgery would pass.
+    # Every digest matches the forged bytes: without a key the forgery would pass.
     assert CheckpointStore(str(root)).verify(1) == []
     with pytest.raises(SignatureError, match="does not match"):
         worker.pull(1, str(tmp_path / "cache"))

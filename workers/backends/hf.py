@@ -50,7 +50,7 @@ class HFBackend:
         a version that cannot be read or does not fit raises (CheckpointError) and leaves the
         loaded one in use. A LoRA adapter version arrives merged onto its base."""
         if self.model is None:
-            model = load_pretrained(checkpoint_dir).to(self.device).eval()
+            model = load_pretrained(checkpoint_dir, as_published=True).to(self.device).eval()
             self.model, self.tokenizer = model, AutoTokenizer.from_pretrained(model_dir(checkpoint_dir))
         else:
             # Same architecture, new weights: copy in place instead of rebuilding the module.

@@ -1,0 +1,258 @@
+"""Delta versions (decentrl/delta.py through CheckpointStore): published as deltas against the
+version before, rebuilt and verified on pull, chained down to a key version, kept by retention,
+and refused - naming the file, loading nothing - when a delta is truncated, forged or has no base.
+On file:// (hard-linking and copying pulls) and on a real S3 protocol server (moto)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import blake3
+import numpy as np
+import pytest
+import zstandard
+
+from decentrl import signing
+from decentrl import store as store_mod
+from decentrl.delta import DELTA_SUFFIX, apply
+from decentrl.manifest import ManifestFile
+from decentrl.signing import load_private_key, load_public_key, write_keypair
+from decentrl.store import MANIFEST_NAME, CheckpointStore, SignatureError, VerificationError, signed_payload
+
+SHARD = 1024 * 1024 + 13
+SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(params=["local", "local-copy", pytest.param("s3", marks=pytest.mark.integration)])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, object], bool]:
+    """(url, storage options, link_local) of an empty store."""
+    if request.param != "s3":
+        return str(tmp_path / "store"), {}, request.param == "local"
+    from tests.core.test_store_s3 import new_bucket_url
+
+    endpoint = request.getfixturevalue("endpoint")
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    return new_bucket_url(endpoint), options, False
+
+
+def open_store(location: tuple[str, dict[str, object], bool], **kwargs: object) -> CheckpointStore:
+    url, options, link = location
+    return CheckpointStore(url, options, link_local=link, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def no_retry_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_mod, "_RETRY_DELAYS", (0.0, 0.0))
+
+
+def versions_like_training(root: Path, count: int) -> list[Path]:
+    """`count` checkpoint dirs: random shards, then each version changing ~1% of the bytes of the one before."""
+    rng = np.random.default_rng(0)
+    dirs = []
+    for version in range(count):
+        d = root / f"src{version}"
+        d.mkdir(parents=True)
+        for name in SHARDS:
+            if version == 0:
+                data = rng.integers(0, 256, SHARD, dtype=np.uint8)
+            else:
+                data = np.fromfile(dirs[-1] / name, dtype=np.uint8)
+                where = rng.integers(0, SHARD, SHARD // 100)
+                data[where] ^= rng.integers(1, 256, len(where), dtype=np.uint8)
+            data.tofile(d / name)
+        (d / "config.json").write_text(json.dumps({"version": version}))
+        dirs.append(d)
+    return dirs
+
+
+def publish_chain(store: CheckpointStore, dirs: list[Path], full_every: int = 100) -> None:
+    """As the trainer's publisher does: a delta against the version before, a key every `full_every`."""
+    for version, d in enumerate(dirs):
+        delta_from = None if version % full_every == 0 else (version - 1, str(dirs[version - 1]))
+        store.publish(version, str(d), parent=version - 1 if version else None, delta_from=delta_from)
+
+
+def same_files(pulled: str, source: Path) -> bool:
+    names = sorted(p.name for p in source.iterdir())
+    return sorted(n for n in os.listdir(pulled) if n != MANIFEST_NAME) == names and all(
+        Path(pulled, n).read_bytes() == (source / n).read_bytes() for n in names
+    )
+
+
+def stored(store: CheckpointStore, version: int, name: str) -> str:
+    return f"{store.root}/v{version:06d}/{name}"
+
+
+def test_deltas_are_published_small_and_pulled_by_a_worker_holding_the_version_before(location, tmp_path: Path) -> None:
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 4)
+    publish_chain(store, dirs)
+    assert store.manifest(0).delta_base is None
+    for version in (1, 2, 3):
+        manifest = store.manifest(version)
+        assert manifest.delta_base == version - 1
+        for entry in manifest.files:
+            if entry.path in SHARDS:
+                # The manifest lists the full file's size and digest, and the delta's own.
+                assert entry.delta is not None and entry.size == SHARD
+                assert entry.digest == blake3.blake3((dirs[version] / entry.path).read_bytes()).hexdigest()
+                assert entry.delta.size < SHARD * 0.05
+                assert not store.fs.exists(stored(store, version, entry.path))
+                assert store.fs.size(stored(store, version, entry.path + DELTA_SUFFIX)) == entry.delta.size
+            else:
+                assert entry.delta is None  # config.json: stored whole
+        assert store.verify(version) == []
+    worker = open_store(location)
+    cache = tmp_path / "cache"
+    for version, d in enumerate(dirs):
+        assert same_files(worker.pull(version, str(cache)), d)
+    assert sorted(os.listdir(cache)) == [f"v{v:06d}" for v in range(4)]  # no .delta, no partial left
+
+
+def test_a_late_joining_worker_pulls_the_key_version_then_the_deltas(location, tmp_path: Path) -> None:
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 6)
+    publish_chain(store, dirs, full_every=3)  # keys: v0, v3
+    assert [store.manifest(v).delta_base for v in range(6)] == [None, 0, 1, None, 3, 4]
+    late = open_store(location)
+    cache = tmp_path / "late"
+    assert same_files(late.pull(5, str(cache)), dirs[5])
+    # Its chain only: key v3, then v4, then v5 rebuilt from it; nothing of the older chain.
+    assert sorted(os.listdir(cache)) == ["v000003", "v000004", "v000005"]
+
+
+def test_a_corrupted_cache_falls_back_to_the_key_version(location, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 4)
+    publish_chain(store, dirs)
+    cache = tmp_path / "cache"
+    for version in range(3):
+        open_store(location).pull(version, str(cache))
+    for version in range(3):  # every cached version of the chain damaged (a new worker process reads them)
+        path = cache / f"v{version:06d}" / SHARDS[0]
+        path.chmod(0o644)
+        data = bytearray(path.read_bytes())
+        data[1000] ^= 0xFF
+        path.unlink()  # a new inode: a hard-linked store file is not touched
+        path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="decentrl.store"):
+        assert same_files(open_store(location).pull(3, str(cache)), dirs[3])
+    warned = {r.getMessage().split()[1] for r in caplog.records if "no longer matches its manifest" in r.getMessage()}
+    assert warned == {str(cache / f"v{version:06d}") for version in range(3)}  # down to the key version v0
+    for version in range(3):
+        assert same_files(str(cache / f"v{version:06d}"), dirs[version])
+
+
+def test_a_truncated_delta_is_refused_naming_the_file(location, tmp_path: Path) -> None:
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 3)
+    publish_chain(store, dirs)
+    name = SHARDS[1] + DELTA_SUFFIX
+    data = store.fs.cat_file(stored(store, 2, name))
+    store.fs.rm(stored(store, 2, name))
+    store.fs.pipe_file(stored(store, 2, name), data[: len(data) // 2])
+    cache = tmp_path / "cache"
+    with pytest.raises(VerificationError, match=rf"v000002/{SHARDS[1]}\.delta: size mismatch"):
+        open_store(location).pull(2, str(cache))
+    assert not (cache / "v000002").exists()  # nothing unverified in the cache
+    assert [p for p in store.verify(2)] == [f"v000002/{name}: size mismatch (expected {len(data)}, got {len(data) // 2})"]
+    assert same_files(open_store(location).pull(1, str(cache)), dirs[1])  # the versions before still pull
+
+
+def test_a_delta_whose_base_is_missing_is_refused_naming_the_file(location, tmp_path: Path) -> None:
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 3)
+    publish_chain(store, dirs)
+    store.delete(1)
+    with pytest.raises(VerificationError, match=rf"v000002/{SHARDS[0]}: stored as a delta against v1, which is in neither"):
+        open_store(location).pull(2, str(tmp_path / "cache"))
+    assert not (tmp_path / "cache" / "v000002").exists()
+    # The trainer's next version, whose base (v2) is still there, stays a delta; with v1 gone as
+    # the base it would have had, the store publishes a key version instead.
+    more = versions_like_training(tmp_path / "more", 1)[0]
+    assert store.publish(3, str(more), parent=2, delta_from=(1, str(dirs[1]))).delta_base is None
+
+
+def test_a_rebuilt_file_that_does_not_match_the_manifest_is_refused(location, tmp_path: Path) -> None:
+    """A delta of the right size and digest for the manifest (an unsigned store: whoever can
+    write it rewrote both) whose reconstruction is not the file the manifest lists."""
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 2)
+    publish_chain(store, dirs)
+    other = zstandard.ZstdCompressor().compress(os.urandom(SHARD))
+    manifest = json.loads(store.fs.cat_file(stored(store, 1, MANIFEST_NAME)))
+    for entry in manifest["files"]:
+        if entry["path"] == SHARDS[0]:
+            entry["delta"] = {"size": len(other), "blake3": blake3.blake3(other).hexdigest()}
+    store.fs.rm(stored(store, 1, SHARDS[0] + DELTA_SUFFIX))
+    store.fs.pipe_file(stored(store, 1, SHARDS[0] + DELTA_SUFFIX), other)
+    store.fs.pipe_file(stored(store, 1, MANIFEST_NAME), json.dumps(manifest).encode())
+    with pytest.raises(VerificationError, match=rf"v000001/{SHARDS[0]}: rebuilt from its delta, the file does not match"):
+        open_store(location).pull(1, str(tmp_path / "cache"))
+    assert not (tmp_path / "cache" / "v000001").exists()
+
+
+def test_a_forged_delta_is_refused_by_the_signature(location, tmp_path: Path) -> None:
+    write_keypair(str(tmp_path / "k"), str(tmp_path / "k.pub"))
+    trainer = open_store(location, signing_key=load_private_key(str(tmp_path / "k")), run_name="r")
+    dirs = versions_like_training(tmp_path, 2)
+    publish_chain(trainer, dirs)
+    worker = open_store(location, public_key=load_public_key(str(tmp_path / "k.pub")), run_name="r")
+    assert same_files(worker.pull(1, str(tmp_path / "good")), dirs[1])  # signed deltas pull
+    # Bucket write access: a delta of other weights, with its size and digest fixed in the manifest.
+    forged = zstandard.ZstdCompressor().compress(os.urandom(SHARD))
+    manifest = json.loads(trainer.fs.cat_file(stored(trainer, 1, MANIFEST_NAME)))
+    for entry in manifest["files"]:
+        if entry["path"] == SHARDS[0]:
+            entry["delta"] = {"size": len(forged), "blake3": blake3.blake3(forged).hexdigest()}
+    write_keypair(str(tmp_path / "evil"), str(tmp_path / "evil.pub"))
+    manifest["signature"] = signing.sign(load_private_key(str(tmp_path / "evil")), signed_payload(manifest))
+    trainer.fs.rm(stored(trainer, 1, SHARDS[0] + DELTA_SUFFIX))
+    trainer.fs.pipe_file(stored(trainer, 1, SHARDS[0] + DELTA_SUFFIX), forged)
+    trainer.fs.pipe_file(stored(trainer, 1, MANIFEST_NAME), json.dumps(manifest).encode())
+    cache = tmp_path / "fresh"
+    with pytest.raises(SignatureError, match="v000001/manifest.json: signature does not match"):
+        open_store(location, public_key=load_public_key(str(tmp_path / "k.pub")), run_name="r").pull(1, str(cache))
+    assert not (cache / "v000001").exists()
+
+
+def test_retention_keeps_every_version_a_chain_needs(location, tmp_path: Path) -> None:
+    store = open_store(location, retention_grace_s=0)
+    dirs = versions_like_training(tmp_path, 7)
+    publish_chain(store, dirs, full_every=4)  # keys v0, v4; v5, v6 chain to v4
+    assert store.retain(keep_last=1, now=1e12) == [0, 1, 2, 3]
+    assert store.versions() == [4, 5, 6]
+    assert same_files(open_store(location).pull(6, str(tmp_path / "cache")), dirs[6])
+
+
+def test_apply_refuses_a_delta_that_would_decompress_past_the_file(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.write_bytes(bytes(1000))
+    entry = ManifestFile(path="m.safetensors", size=1000, blake3=blake3.blake3(bytes(1000)).hexdigest())
+    bomb = zstandard.ZstdCompressor().compress(bytes(10**7))
+    with pytest.raises(VerificationError, match="m.safetensors: the delta decompresses to more than 1000 bytes"):
+        apply(str(base), bomb, entry, str(tmp_path / "out"), "v000001/m.safetensors")
+    with pytest.raises(VerificationError, match="m.safetensors: the delta does not decompress"):
+        apply(str(base), b"not zstd" * 10, entry, str(tmp_path / "out"), "v000001/m.safetensors")
+    with pytest.raises(VerificationError, match="not 1000"):
+        apply(str(base), zstandard.ZstdCompressor().compress(bytes(999)), entry, str(tmp_path / "out"), "v000001/m.safetensors")
+    assert not (tmp_path / "out").exists()
+    apply(str(base), zstandard.ZstdCompressor().compress(bytes(1000)), entry, str(tmp_path / "out"), "v1/m")
+    assert (tmp_path / "out").read_bytes() == bytes(1000)
+
