@@ -38,6 +38,7 @@ from transformers import PreTrainedTokenizerBase
 from decentrl.advantages import group_advantages
 from decentrl.config import RunConfig
 from decentrl.model import end_of_sequence_ids
+from decentrl.prompts import make_prompt_encoder
 from decentrl.staleness import is_fresh, lease_budget, staleness
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, replay_episode, tokenizer_codec
@@ -204,6 +205,7 @@ class RunState:
         self.vocab_size = len(tokenizer)
         self._decode = make_decoder(tokenizer)
         self._encode = make_encoder(tokenizer)
+        self._render_prompt = make_prompt_encoder(config.prompt, tokenizer, task, raw=self._encode)
         self._episode_codec = tokenizer_codec(tokenizer) if isinstance(task, EpisodeTask) else None
         self.published_version: int | None = None
         self.trainer_version = 0
@@ -383,7 +385,7 @@ class RunState:
         """The prompt's token ids; the last few thousand are cached (prompts come back each epoch)."""
         ids = self._prompt_cache.pop(prompt_id, None)
         if ids is None:
-            ids = self._encode(self.task.prompt(prompt_id).text)
+            ids = self._render_prompt(self.task.prompt(prompt_id))
         self._prompt_cache[prompt_id] = ids
         if len(self._prompt_cache) > 4096:
             self._prompt_cache.popitem(last=False)

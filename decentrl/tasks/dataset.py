@@ -78,10 +78,15 @@ def check_row(path: str, number: int, row: dict, config: DatasetTaskConfig) -> P
     return Prompt(prompt_id=number - 1, text="\n".join(content for _, content in pairs), messages=tuple(pairs))
 
 
-def score(reward_name: str, answer_config: AnswerConfig, completion: str, reference: str) -> float:
-    """One reward: extract the answer, compare it with the reference (no answer found: 0)."""
-    answer = extract_answer(completion, answer_config)
-    return 0.0 if answer is None else reward_function(reward_name)(answer, reference)
+def scorer(reward_name: str, answer_config: AnswerConfig):  # noqa: ANN201 - the guard's child calls it
+    """score(completion, reference) for the guard's child, the reward function resolved once."""
+    reward = reward_function(reward_name)
+
+    def score(completion: str, reference: str) -> float:
+        answer = extract_answer(completion, answer_config)
+        return 0.0 if answer is None else reward(answer, reference)
+
+    return score
 
 
 class DatasetTask:
@@ -107,7 +112,7 @@ class DatasetTask:
         self.part = part
         reward_function(config.reward)  # an unknown import fails here, at start-up
         self._guard = RewardGuard(
-            functools.partial(score, config.reward, config.answer), timeout_s=config.reward_timeout_s,
+            functools.partial(scorer, config.reward, config.answer), timeout_s=config.reward_timeout_s,
             name=f"dataset {config.reward}",
         )
 

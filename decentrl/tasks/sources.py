@@ -8,7 +8,7 @@ Called by `decentrl.tasks.build_task`. Both sources hold a held-out part for `de
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from decentrl.config import DatasetTaskConfig, ReasoningGymTaskConfig
 
@@ -18,10 +18,18 @@ if TYPE_CHECKING:
 EXTRA_HINT = 'install the tasks extra: pip install -e ".[tasks]"'
 
 
+@runtime_checkable
 class HeldOutSource(Protocol):
     """A task whose held-out prompts are not its training prompts reseeded (a dataset's eval split)."""
 
     def heldout_task(self) -> Task: ...
+
+
+@runtime_checkable
+class AnswerSource(Protocol):
+    """A task that knows each prompt's reference answer (a tokenizer may learn from it)."""
+
+    def answer(self, prompt_id: int) -> str: ...
 
 
 def require(*modules: str, needed_by: str) -> None:
