@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fresh-machine setup: a virtualenv in .venv with torch (CPU build unless a CUDA driver is
-# present), then decentrl itself in editable mode with the test extras. Idempotent.
+# present), then decentrl itself in editable mode with the test and task extras. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,4 +17,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
       || $PIP install -q "torch==$TORCH" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-$PIP install -q -e ".[dev]"
+# The tasks extra (reasoning-gym, math-verify, datasets) so CI runs the task-source tests too.
+$PIP install -q -e ".[dev,tasks]"

@@ -49,6 +49,7 @@ from transformers import PreTrainedTokenizerBase
 
 from decentrl.config import RunConfig
 from decentrl.model import end_of_sequence_ids
+from decentrl.prompts import make_prompt_encoder
 from decentrl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
@@ -97,6 +98,7 @@ class RunState:
         self.started_at = clock()
         self.vocab_size = len(tokenizer)
         decode = self._decode = make_decoder(tokenizer)
+        render_prompt = make_prompt_encoder(config.prompt, tokenizer, task, raw=make_encoder(tokenizer))
         # What ends a generation for the finish-reason and turn-end checks: the ids the worker
         # backends stop at (tokenizer and generation config) and, leniently, any special token.
         end_ids = end_of_sequence_ids(config.model, tokenizer) | set(tokenizer.all_special_ids)
@@ -108,7 +110,7 @@ class RunState:
         )
         self.lease_book = LeaseBook(
             config=config,
-            prompts=PromptQueue(task=task, encode=make_encoder(tokenizer), seed=config.task.seed),
+            prompts=PromptQueue(task=task, render=render_prompt, seed=config.task.seed),
             versions=self.versions, counters=self.counters, integrity=self.integrity, journal=self.journal, clock=clock,
         )
         self.scorer = Scorer(task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids)

@@ -19,6 +19,7 @@ from typing import Annotated
 
 import typer
 
+from decentrl.cli.model import model_app
 from decentrl.config import ConfigError, RunConfig, StoreConfig, load_config
 
 app = typer.Typer(
@@ -27,6 +28,7 @@ store_app = typer.Typer(no_args_is_help=True, help="Inspect, pull and verify ver
 token_app = typer.Typer(no_args_is_help=True, help="Manage the orchestrator's bearer tokens.")
 app.add_typer(store_app, name="store")
 app.add_typer(token_app, name="token")
+app.add_typer(model_app, name="model")
 
 ConfigArg = Annotated[str, typer.Argument(help="Run config: a TOML file from configs/ or a resolved config.json.")]
 TokenOpt = Annotated[str, typer.Option(envvar="DECENTRL_TOKEN", help="Bearer token (or env DECENTRL_TOKEN).")]

@@ -7,22 +7,27 @@ file, or for a worker only needs the orchestrator URL and a token. Every field i
 documented and constrained, so that a bad file fails at load time with the field's dotted name
 and what is allowed.
 
-One module per section, named after the role that reads it: model, task, store, orchestrator
-(with [sampling]), worker, simulation (benchmarks only), trainer; run.py holds `RunConfig`,
+One module per section, named after the role that reads it: model, task, prompt, store,
+orchestrator (with [sampling]), worker, simulation (benchmarks only), trainer; run.py holds `RunConfig`,
 load.py reading files and overrides. Import from this package.
 """
 
 from decentrl.config.load import ConfigError, apply_overrides, load_config, parse_config, path_in_file
 from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig
 from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, SamplingConfig, VerificationConfig
+from decentrl.config.prompt import PromptConfig
 from decentrl.config.run import RunConfig
 from decentrl.config.simulation import SimulationConfig
 from decentrl.config.store import StoreConfig
 from decentrl.config.task import (
+    AnswerConfig,
     ArithmeticTaskConfig,
     CountdownTaskConfig,
+    DatasetTaskConfig,
     GuessTaskConfig,
     ImportTaskConfig,
+    ReasoningGymDatasetSpec,
+    ReasoningGymTaskConfig,
     SortingTaskConfig,
     TaskConfig,
 )
@@ -43,10 +48,11 @@ from decentrl.config.trainer import (
 from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
-    "AdvantageConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig", "DrGRPOLossConfig",
-    "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig", "ImportTaskConfig", "LoRAConfig", "LossConfig",
-    "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig", "OrchestratorConfig", "PolicyLossBase",
-    "PretrainedModelConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig", "SimulationConfig",
+    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
+    "DatasetTaskConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig",
+    "ImportTaskConfig", "LoRAConfig", "LossConfig", "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig",
+    "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "ReasoningGymDatasetSpec",
+    "ReasoningGymTaskConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig", "SimulationConfig",
     "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TokenLossConfig",
     "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig", "WorkerConfig", "apply_overrides",
     "load_config", "parse_config", "path_in_file",

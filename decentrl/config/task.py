@@ -63,6 +63,73 @@ class GuessTaskConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the secrets and of the prompt order.")
 
 
+class AnswerConfig(Section):
+    """Where the answer sits in a completion, before the reward compares it (decentrl/tasks/rewards.py)."""
+
+    format: Literal["raw", "tag", "boxed", "last_line"] = Field(
+        "raw",
+        description="raw: the whole completion (stripped); tag: the text inside the last <TAG>...</TAG>; "
+        "boxed: the last \\boxed{...}; last_line: the last non-empty line. No answer found scores 0.",
+    )
+    tag: str = Field("answer", pattern=r"^[A-Za-z_][\w-]{0,31}$", description="The tag name for format = 'tag'.")
+
+
+class ReasoningGymDatasetSpec(Section):
+    """One reasoning-gym dataset of a weighted mix."""
+
+    name: str = Field(min_length=1, description="A reasoning-gym dataset name (e.g. 'spell_backward').")
+    weight: float = Field(1.0, gt=0, description="Relative share of prompts drawn from it.")
+    options: dict[str, object] = Field(
+        default_factory=dict, description="Its generator's config fields (e.g. {max_word_len = 4})."
+    )
+
+
+class ReasoningGymTaskConfig(Section):
+    """Prompts from reasoning-gym procedural generators, scored by each dataset's own `score_answer`
+    (decentrl/tasks/reasoning_gym.py; needs the `tasks` extra)."""
+
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    datasets: list[ReasoningGymDatasetSpec] = Field(
+        min_length=1, max_length=64, description="One dataset, or a weighted mix of several."
+    )
+    size: int = Field(10000, ge=1, le=10_000_000, description="Prompts generated (seeded).")
+    seed: int = Field(0, ge=0, description="Seed of the generators and of the prompt order; eval reseeds it.")
+    answer: AnswerConfig = Field(default_factory=AnswerConfig, description="Answer extraction before scoring.")
+    reward_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="A reward call running longer is stopped and scores 0 (counted, logged)."
+    )
+
+
+class DatasetTaskConfig(Section):
+    """Prompts and answers from a local file (jsonl, json, parquet, csv, arrow) read with the `datasets`
+    library, scored by a named reward (decentrl/tasks/dataset.py; needs the `tasks` extra)."""
+
+    type: Literal["dataset"] = "dataset"
+    path: str = Field(min_length=1, description="The data file (by extension: .jsonl/.json, .parquet, .csv, .arrow).")
+    prompt_column: str = Field("prompt", min_length=1, description="Column of the prompt text (a string).")
+    messages_column: str | None = Field(
+        None, description="Column of chat messages ([{role, content}, ...]); when set, used instead of prompt_column."
+    )
+    answer_column: str = Field("answer", min_length=1, description="Column of the reference answer (string or number).")
+    reward: str = Field(
+        "exact",
+        pattern=r"^(math|exact|regex|contains|[\w.]+:\w+)$",
+        description="math (math-verify), exact, regex (the answer is a pattern the extracted answer must fully "
+        "match), contains, or 'package.module:function' called as function(completion, answer) -> float in [0, 1].",
+    )
+    answer: AnswerConfig = Field(default_factory=AnswerConfig, description="Answer extraction before scoring.")
+    eval_path: str | None = Field(None, description="A held-out file for `decentrl eval` (same columns).")
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Without eval_path: this share of rows (seeded) is held out of training for eval."
+    )
+    max_rows: int = Field(1_000_000, ge=1, description="Files with more rows are refused (bounds memory).")
+    seed: int = Field(0, ge=0, description="Seed of the held-out choice and of the prompt order.")
+    reward_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="A reward call running longer is stopped and scores 0 (counted, logged)."
+    )
+
+
 TaskConfig = keyed_union(
-    SortingTaskConfig, ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig
+    SortingTaskConfig, ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig,
+    ReasoningGymTaskConfig, DatasetTaskConfig,
 )

@@ -15,7 +15,7 @@ from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
 from decentrl.weights import write_hf_dir
 from tests.conftest import MakeConfig
-from workers.evaluate import EvalError, eval_prompts, evaluate
+from workers.evaluate import EvalError, eval_prompts, evaluate, pass_at_k, pass_at_k_table
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=5)
 
@@ -88,3 +88,11 @@ def test_cli_pulls_the_newest_version_and_prints_json(make_config: MakeConfig, c
     assert missing.exit_code == 1 and "error:" in missing.output
     no_store = CliRunner().invoke(app, ["eval", str(config_path)])
     assert no_store.exit_code == 2 and "pass --store URL or --run-dir" in no_store.output
+
+
+def test_pass_at_k() -> None:
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 3, 2) == 1.0
+    table = pass_at_k_table([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0], samples=4)
+    assert table == {"pass@1": pytest.approx(0.125), "pass@2": pytest.approx(0.25), "pass@4": pytest.approx(0.5)}
