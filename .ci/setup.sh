@@ -17,5 +17,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
       || $PIP install -q "torch==$TORCH" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-# The tasks extra (reasoning-gym, math-verify, datasets) so CI runs the task-source tests too.
-$PIP install -q -e ".[dev,tasks]"
+# The tasks extra (reasoning-gym, math-verify, datasets) so CI runs the task-source tests too;
+# EXTRAS=dev,tasks,verifiers adds the verifiers environments (heavy; their tests skip without it).
+$PIP install -q -e ".[${EXTRAS:-dev,tasks}]"

@@ -53,6 +53,7 @@ from decentrl.prompts import make_prompt_encoder
 from decentrl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
+from decentrl.tasks.guard import reward_failures
 from decentrl.wire import IngestResponse, Lease, LeaseState, Rejection, Rollout, SamplingParams, StatusResponse, TrainBatch
 from orchestrator.batches import Batches, pack_sample
 from orchestrator.buffer import Buffer, Group, VerifyJob
@@ -337,6 +338,7 @@ class RunState:
             recoveries=counters.recoveries,
             groups_verifying=len(self.buffer.pending),
             workers=self.integrity.summary(),
+            reward_failures=reward_failures(self.task),
         )
 
     # -- the parts' state under the names app.py, metrics.py, benchmarks and tests read ---------

@@ -30,6 +30,7 @@ from decentrl.config.task import (
     ReasoningGymTaskConfig,
     SortingTaskConfig,
     TaskConfig,
+    VerifiersTaskConfig,
 )
 from decentrl.config.trainer import (
     DrGRPOLossConfig,
@@ -51,9 +52,9 @@ __all__ = [
     "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
     "DatasetTaskConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig",
     "ImportTaskConfig", "LoRAConfig", "LossConfig", "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig",
-    "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "ReasoningGymDatasetSpec",
-    "ReasoningGymTaskConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig", "SimulationConfig",
-    "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TokenLossConfig",
-    "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig", "WorkerConfig", "apply_overrides",
-    "load_config", "parse_config", "path_in_file",
+    "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig",
+    "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig",
+    "SimulationConfig", "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig",
+    "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig",
+    "VerifiersTaskConfig", "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",
 ]

@@ -2,14 +2,16 @@
 
 The orchestrator leases the task's prompts and scores every rollout with it; workers build a
 multi-turn task's environment from the copy the orchestrator announces (`RunInfo.episode_task`);
-`decentrl eval` rebuilds it to hold prompts out.
+`decentrl eval` rebuilds it to hold prompts out. Built-in tasks (sorting, arithmetic, countdown,
+guess), a user class (import), and sources from the ecosystem (reasoning_gym, dataset, verifiers;
+optional extras, docs/tasks.md).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from decentrl.config.base import Section, keyed_union
 
@@ -129,7 +131,51 @@ class DatasetTaskConfig(Section):
     )
 
 
+class VerifiersTaskConfig(Section):
+    """A verifiers environment (the `verifiers.v1` API): its taskset gives the prompts, its task's
+    `@vf.reward` functions score them on the orchestrator (decentrl/tasks/verifiers_env.py; needs
+    the `verifiers` extra). Single-turn unless the environment's `Env` converses: then multi-turn,
+    through decentrl's episode interface (decentrl/tasks/episodes.py)."""
+
+    type: Literal["verifiers"] = "verifiers"
+    taskset: str = Field(
+        pattern=r"^[\w./@-]+$",
+        description="The taskset id, resolved by verifiers' own loader: an importable module or installed "
+        "package exporting its Taskset subclass in __all__ (e.g. 'my_env', 'owner/my-env', 'pkg.module').",
+    )
+    env: str = Field(
+        "", pattern=r"^[\w./@-]*$",
+        description="An Env id; empty: the Env the taskset's package exports, else verifiers' SingleAgentEnv "
+        "(single-turn). An Env other than SingleAgentEnv makes the task multi-turn.",
+    )
+    options: dict[str, object] = Field(
+        default_factory=dict, description="The taskset's own config fields (its TasksetConfig), e.g. {task = {...}}."
+    )
+    size: int = Field(10000, ge=1, le=1_000_000, description="Tasks read from the taskset at most (it may be infinite).")
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1, description="This share of the tasks (seeded) is held out of training for `decentrl eval`."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the held-out choice and of the prompt order.")
+    reward_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="A reward call running longer is stopped and scores 0 (counted, logged)."
+    )
+    max_turns: int = Field(8, ge=1, le=256, description="Multi-turn: model turns per episode at most.")
+    max_turn_tokens: int = Field(64, ge=1, le=32768, description="Multi-turn: tokens per model turn at most.")
+    user_turn: str = Field(
+        "{message}", max_length=1000,
+        description="Multi-turn: how the environment's message is written into the transcript between model "
+        "turns; '{message}' is replaced by it. For a ChatML template: "
+        "'\\n<|im_start|>user\\n{message}<|im_end|>\\n<|im_start|>assistant\\n'.",
+    )
+
+    @model_validator(mode="after")
+    def _user_turn_has_message(self) -> VerifiersTaskConfig:
+        if "{message}" not in self.user_turn:
+            raise ValueError("task.user_turn must contain '{message}' (where the environment's message goes)")
+        return self
+
+
 TaskConfig = keyed_union(
     SortingTaskConfig, ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig,
-    ReasoningGymTaskConfig, DatasetTaskConfig,
+    ReasoningGymTaskConfig, DatasetTaskConfig, VerifiersTaskConfig,
 )

@@ -19,6 +19,7 @@ from decentrl.config import (
     ImportTaskConfig,
     ReasoningGymTaskConfig,
     TaskConfig,
+    VerifiersTaskConfig,
 )
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def build_task(config: TaskConfig) -> Task | EpisodeTask:
         return GuessTask(config)
     if isinstance(config, ImportTaskConfig):
         return import_task(config.target)(**config.options)
-    if isinstance(config, (DatasetTaskConfig, ReasoningGymTaskConfig)):
+    if isinstance(config, (DatasetTaskConfig, ReasoningGymTaskConfig, VerifiersTaskConfig)):
         from decentrl.tasks.sources import build_source_task
 
         return build_source_task(config)

@@ -12,18 +12,16 @@ eval`) and runs in the reward guard's child process (decentrl/tasks/guard.py).
 from __future__ import annotations
 
 import functools
-import random
 from pathlib import Path
-from typing import Literal
 
 from decentrl.config import AnswerConfig, DatasetTaskConfig
 from decentrl.tasks import Prompt
 from decentrl.tasks.guard import RewardGuard
 from decentrl.tasks.rewards import extract_answer, reward_function
+from decentrl.tasks.sources import Part, held_out
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 ROLES = ("system", "user", "assistant")
-Part = Literal["train", "eval"]
 
 
 class DatasetError(ValueError):
@@ -100,9 +98,7 @@ class DatasetTask:
             for number, row in enumerate(load_rows(path, columns, config.max_rows), start=1)
         ]
         if config.eval_path is None and config.eval_fraction > 0:
-            order = list(range(len(rows)))
-            random.Random(config.seed).shuffle(order)
-            held = set(order[: max(1, round(len(rows) * config.eval_fraction))])
+            held = held_out(len(rows), config.eval_fraction, config.seed)
             rows = [row for i, row in enumerate(rows) if (i in held) == (part == "eval")]
             if not rows:
                 raise DatasetError(f"{config.path}: eval_fraction {config.eval_fraction} leaves no {part} rows")

@@ -5,7 +5,8 @@ importable function, a reasoning-gym scorer, math-verify on an adversarial answe
 loop forever or return nonsense. The guard runs it in a spawned child process, so a hang is
 ended by killing the child (a thread cannot be killed) and a crash cannot reach the orchestrator.
 A failed call scores 0, is counted in `failures` by kind and logged with its prompt id; the next
-call starts a fresh child.
+call starts a fresh child. The counts are exported by the orchestrator (`reward_failures`); they
+are not journaled, so they count from the orchestrator's start.
 
 Called by the file-based tasks (decentrl/tasks/dataset.py, reasoning_gym.py) from `Task.reward`;
 the child builds its own scorer from a picklable factory, and each call sends the completion
@@ -21,11 +22,28 @@ from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
 Scorer = Callable[..., float]  # (decoded completion, what the task sends along) -> reward in [0, 1]
 START_TIMEOUT_S = 120.0  # a child imports the task's libraries (math-verify, datasets) and reads its data
+
+
+@runtime_checkable
+class GuardedRewards(Protocol):
+    """A task whose reward code runs in a RewardGuard (the dataset, reasoning_gym and verifiers
+    sources): its failed calls by kind, which the orchestrator exports (orchestrator/metrics.py,
+    /v1/status)."""
+
+    @property
+    def reward_failures(self) -> dict[str, int]: ...
+
+
+def reward_failures(task: object) -> dict[str, int]:
+    """The task's failed reward calls by kind ("timeout", "error", "out_of_range"); {} for a task
+    whose reward is decentrl's own code (no guard)."""
+    return task.reward_failures if isinstance(task, GuardedRewards) else {}
 
 
 class RewardGuardError(RuntimeError):
@@ -41,7 +59,10 @@ def _serve(conn: Connection, factory: Callable[[], Scorer]) -> None:
         return
     conn.send(("ready", None))
     while True:
-        request = conn.recv()
+        try:
+            request = conn.recv()
+        except EOFError:  # the parent dropped its end (its task is gone, or it exited): nothing more to score
+            return
         if request is None:
             return
         try:
