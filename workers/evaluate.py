@@ -54,7 +54,9 @@ class EvalResult:
 
 
 def eval_prompts(config: RunConfig, split: Split, count: int, seed: int = 0) -> tuple[Task, list[Prompt]]:
-    """The task that scores and `count` prompts of `split`, drawn without replacement."""
+    """`count` prompts of `split`, drawn without replacement, and the task they belong to, which
+    scores them: a prompt id indexes its own task's entries (a held-out split's, a reseeded
+    generator's), never the training pool's."""
     task = build_task(config.task)
     if isinstance(task, EpisodeTask):
         raise EvalError(f"task.type {config.task.type!r} is multi-turn; `decentrl eval` scores single-turn tasks only")
@@ -78,7 +80,7 @@ def eval_prompts(config: RunConfig, split: Split, count: int, seed: int = 0) -> 
         hint = " (this task's seed only reorders one fixed prompt set: use split 'train')" if split == "heldout" else ""
         raise EvalError(f"split {split!r} has {len(pool)} prompts, fewer than the {count} asked for{hint}")
     chosen = random.Random(seed).sample(list(pool), count)
-    return task, [pool_task.prompt(i) for i in chosen]
+    return pool_task, [pool_task.prompt(i) for i in chosen]
 
 
 def evaluate(

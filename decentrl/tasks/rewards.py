@@ -15,17 +15,23 @@ from decentrl.config import AnswerConfig
 
 RewardFn = Callable[[str, str], float]  # (extracted answer, reference answer) -> score in [0, 1]
 
+# What is stripped around an answer and collapsed inside one: spaces, tabs and line breaks only.
+# Python's own whitespace also counts control bytes (\x1c-\x1f) that a byte-level tokenizer can
+# emit: a policy trained on configs/reasoning.toml learned to end answers with \x1d, which
+# str.strip() removed, instead of ending its turn.
+SPACE = " \t\r\n"
+
 
 def extract_answer(text: str, config: AnswerConfig) -> str | None:
     """The answer part of a decoded completion; None when the format's marker is absent."""
     if config.format == "raw":
-        return text.strip()
+        return text.strip(SPACE)
     if config.format == "tag":
         found = re.findall(rf"<{config.tag}>(.*?)</{config.tag}>", text, flags=re.DOTALL)
-        return found[-1].strip() if found else None
+        return found[-1].strip(SPACE) if found else None
     if config.format == "boxed":
         return last_boxed(text)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.strip(SPACE) for line in text.split("\n") if line.strip(SPACE)]
     return lines[-1] if lines else None
 
 
@@ -40,21 +46,25 @@ def last_boxed(text: str) -> str | None:
             depth += 1
         elif text[i] == "}":
             if depth == 0:
-                return text[begin:i].strip()
+                return text[begin:i].strip(SPACE)
             depth -= 1
     return None
 
 
+def words(text: str) -> list[str]:
+    return [word for word in re.split(f"[{SPACE}]+", text) if word]
+
+
 def exact(answer: str, reference: str) -> float:
-    return float(" ".join(answer.split()) == " ".join(reference.split()))
+    return float(words(answer) == words(reference))
 
 
 def contains(answer: str, reference: str) -> float:
-    return float(reference.strip() in answer)
+    return float(reference.strip(SPACE) in answer)
 
 
 def regex(answer: str, reference: str) -> float:
-    return float(re.fullmatch(reference, answer.strip(), flags=re.DOTALL) is not None)
+    return float(re.fullmatch(reference, answer.strip(SPACE), flags=re.DOTALL) is not None)
 
 
 def math(answer: str, reference: str) -> float:

@@ -74,16 +74,13 @@ def load_tasks(config: VerifiersTaskConfig) -> list[vf.Task]:
     return tasks
 
 
-def env_class(config: VerifiersTaskConfig) -> type:
+def is_multi_turn(config: VerifiersTaskConfig) -> bool:
+    """Whether the environment's Env (verifiers' choice: `env`, else the taskset package's own, else
+    SingleAgentEnv) is one that converses."""
+    from verifiers.v1.envs.single_agent import SingleAgentEnv
     from verifiers.v1.utils.loaders import environment_class
 
-    return environment_class(config.taskset, config.env)
-
-
-def is_multi_turn(config: VerifiersTaskConfig) -> bool:
-    from verifiers.v1.envs.single_agent import SingleAgentEnv
-
-    return not issubclass(env_class(config), SingleAgentEnv)
+    return not issubclass(environment_class(config.taskset, config.env), SingleAgentEnv)
 
 
 def prompt_turns(task: vf.Task) -> list[Turn]:

@@ -180,3 +180,17 @@ def test_answer_extraction_formats() -> None:
     assert extract_answer("\\boxed{\\frac{1}{2}} and \\boxed{x^{2}}", AnswerConfig(format="boxed")) == "x^{2}"
     assert extract_answer("\\boxed{unclosed", AnswerConfig(format="boxed")) is None
     assert extract_answer("a\n\nb\n", AnswerConfig(format="last_line")) == "b"
+
+
+def test_control_bytes_are_no_whitespace_around_an_answer() -> None:
+    """A policy learned to end its answer with \\x1d, which str.strip() removes: such an answer is
+    not exactly right, only contained (reasoning-gym's partial credit)."""
+    from decentrl.tasks.rewards import exact
+
+    assert extract_answer("1\x1d", AnswerConfig()) == "1\x1d"
+    assert extract_answer("1\x1d2", AnswerConfig(format="last_line")) == "1\x1d2"
+    assert exact("1\x1d", "1") == 0.0 and exact(" 1 \n", "1") == 1.0
+    task = build_task(parse_config({"task": {"type": "reasoning_gym", "datasets": [{"name": "gcd"}], "size": 2}}).task)
+    answer = task.answer(0)
+    assert task.reward(task.prompt(0), answer + "\n") == 1.0
+    assert task.reward(task.prompt(0), answer + "\x1d") == pytest.approx(len(answer) / (len(answer) + 1))
