@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fresh-machine setup: a virtualenv in .venv with torch (CPU build unless a CUDA driver is
-# present), then decentrl itself in editable mode with the test extras. Idempotent.
+# present), then decentrl itself in editable mode with the test and task extras. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,8 +17,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
       || $PIP install -q "torch==$TORCH" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-# The test extras, and the optional trackers so their tests run for real (each skips where missing).
-$PIP install -q -e ".[dev,trackio,wandb,tensorboard]"
+# The test extras, the task sources (reasoning-gym, math-verify, datasets) and the optional
+# trackers, so their tests run for real (each skips, saying why, where its package is missing);
+# EXTRAS=dev,tasks,verifiers,... adds the verifiers environments (heavy: docs/tasks.md).
+$PIP install -q -e ".[${EXTRAS:-dev,tasks,trackio,wandb,tensorboard}]"
 # Chromium for the dashboard's browser test (tests/orchestrator/test_dashboard_browser.py), in CI
 # only and only where apt-get can install it (about 40 s on a Debian runner, measured 2026-11-24);
 # a failure here never fails setup: that test then skips and says why.

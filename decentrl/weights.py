@@ -45,7 +45,9 @@ if TYPE_CHECKING:
 
 WEIGHTS_NAME = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME: the weights when they fit one shard
 INDEX_NAME = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME: tensor name -> shard
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja"
+)
 ADAPTER_CONFIG = "adapter_config.json"  # peft's CONFIG_NAME
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
 ADAPTER_PREFIX = "base_model.model."  # peft's prefix of saved adapter weight names

@@ -345,6 +345,12 @@ class StatusResponse(Wire):
         "reward_mismatches (claimed reward disagreed; never used), served, rejections by reason, banned. "
         "See docs/security.md.",
     )
+    reward_failures: dict[str, int] = Field(
+        default_factory=dict,
+        description="Reward calls of the task's own reward code that failed and scored 0, by kind (timeout, "
+        "error, out_of_range); only tasks whose rewards run in the reward guard (dataset, reasoning_gym, "
+        "verifiers; docs/tasks.md). Counted since this orchestrator started (not journaled).",
+    )
 
 
 class LeaseState(Wire):

@@ -32,6 +32,7 @@ from typing import Literal
 
 from decentrl.config import RunConfig
 from decentrl.determinism import required_version
+from decentrl.prompts import PromptEncoder
 from decentrl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
@@ -40,7 +41,6 @@ from orchestrator.codec import Packed
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity, token_of
 from orchestrator.journal import RunJournal
-from orchestrator.tokens import Encoder
 
 ClosedStatus = Literal["complete", "served", "expired", "released", "dropped"]
 Requeue = Literal["back", "front"]
@@ -98,14 +98,17 @@ class ClosedLease:
 
 class PromptQueue:
     """The order prompts are leased in: a seeded shuffle of the task's pool, cycled, with the
-    prompts of leases that closed unanswered going out first.
+    prompts of leases that closed unanswered going out first; and each prompt's token ids, as
+    `render` makes them (decentrl/prompts.py: the chat template, or the raw text).
 
     In a deterministic run the queue hands out places in the consumption order instead
     (`next_index`; the prompt is `prompt_at(index)`), and `requeued` holds places, lowest first."""
 
-    def __init__(self, *, task: Task | EpisodeTask, encode: Encoder, seed: int, deterministic: bool = False) -> None:
+    def __init__(
+        self, *, task: Task | EpisodeTask, render: PromptEncoder, seed: int, deterministic: bool = False
+    ) -> None:
         self.task = task
-        self.encode = encode
+        self.render = render
         self.deterministic = deterministic
         self.order = list(range(task.num_prompts))
         random.Random(seed).shuffle(self.order)
@@ -143,7 +146,7 @@ class PromptQueue:
         """The prompt's token ids; the last few thousand are cached."""
         ids = self._cache.pop(prompt_id, None)
         if ids is None:
-            ids = self.encode(self.task.prompt(prompt_id).text)
+            ids = self.render(self.task.prompt(prompt_id))
         self._cache[prompt_id] = ids
         if len(self._cache) > PROMPT_CACHE:
             self._cache.popitem(last=False)

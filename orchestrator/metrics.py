@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from decentrl.tasks.guard import reward_failures
 from orchestrator.state import RunState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,6 +63,12 @@ class StateCollector(Collector):
         )
         yield GaugeMetricFamily("decentrl_trainer_version", "Version the trainer holds.", value=s.trainer_version)
         yield GaugeMetricFamily("decentrl_recoveries", "Times this run's state was recovered from the journal.", value=c.recoveries)
+        failures = CounterMetricFamily(
+            "decentrl_reward_failures", "Reward calls that failed and scored 0 (reward guard), by kind.", labels=["kind"]
+        )
+        for kind, count in sorted(reward_failures(s.task).items()):
+            failures.add_metric([kind], count)
+        yield failures
 
 
 class Metrics:

@@ -48,9 +48,11 @@ from typing import TYPE_CHECKING
 
 from decentrl.config import RunConfig
 from decentrl.model import end_of_sequence_ids
+from decentrl.prompts import make_prompt_encoder
 from decentrl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
+from decentrl.tasks.guard import reward_failures
 from decentrl.wire import IngestResponse, Lease, LeaseState, Rejection, Rollout, SamplingParams, StatusResponse, TrainBatch
 from orchestrator.batches import Batches, pack_sample
 from orchestrator.buffer import Buffer, Group, VerifyJob
@@ -106,6 +108,7 @@ class RunState:
         self.started_at = clock()
         self.vocab_size = len(tokenizer)
         decode = self._decode = make_decoder(tokenizer)
+        render_prompt = make_prompt_encoder(config.prompt, tokenizer, task, raw=make_encoder(tokenizer))
         # What ends a generation for the finish-reason and turn-end checks: the ids the worker
         # backends stop at (tokenizer and generation config) and, leniently, any special token.
         end_ids = end_of_sequence_ids(config.model, tokenizer) | set(tokenizer.all_special_ids)
@@ -118,7 +121,7 @@ class RunState:
         self.lease_book = LeaseBook(
             config=config,
             prompts=PromptQueue(
-                task=task, encode=make_encoder(tokenizer), seed=config.task.seed, deterministic=config.deterministic
+                task=task, render=render_prompt, seed=config.task.seed, deterministic=config.deterministic
             ),
             versions=self.versions, counters=self.counters, integrity=self.integrity, journal=self.journal, clock=clock,
         )
@@ -348,6 +351,7 @@ class RunState:
             recoveries=counters.recoveries,
             groups_verifying=len(self.buffer.pending),
             workers=self.integrity.summary(),
+            reward_failures=reward_failures(self.task),
         )
 
     # -- the parts' state under the names app.py, metrics.py, benchmarks and tests read ---------

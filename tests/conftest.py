@@ -1,6 +1,7 @@
 """Fixtures every test directory shares: no model hub, GPU and vLLM skips, a real orchestrator
 served on loopback (`serve_orchestrator`), and the small parts most tests build from: a tiny run
-config (`make_config`), the tiny tokenizer, a fake clock and rollouts (`make_rollout`).
+config (`make_config`), the tiny tokenizer, a tiny chat model directory (`chat_dir`), a fake
+clock and rollouts (`make_rollout`).
 
 Test folders mirror the code: core/ (decentrl/ outside the trainer), trainer/, orchestrator/,
 workers/, and pipeline/ (every role together). Tests that start real processes carry the
@@ -16,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Set before anything imports transformers, which reads them once. No model hub: tiny models are
@@ -164,6 +166,20 @@ def make_config() -> MakeConfig:
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerBase:
     return build_tiny_tokenizer()
+
+
+# Prompts of the sorting task's shape, on which the chat model's tokenizer is trained.
+CHAT_TEXTS = [f"{a}{b}{c}{d}=" for a in "0123" for b in "4567" for c in "89" for d in "0123"]
+
+
+@pytest.fixture(scope="session")
+def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny chat model in HF format: a byte-level BPE tokenizer (270 ids) trained on CHAT_TEXTS
+    with a ChatML template ending turns at <|im_end|> (decentrl/chat_model.py)."""
+    from decentrl.chat_model import ChatModelSpec, write_chat_model
+
+    spec = ChatModelSpec(vocab_size=270, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    return Path(write_chat_model(CHAT_TEXTS, str(tmp_path_factory.mktemp("chat")), spec))
 
 
 class FakeClock:

@@ -4,11 +4,13 @@ Called by `decentrl eval` and by benchmarks/async_vs_sync.py, which judges a run
 policy rather than by the rewards of its last training batches (in an asynchronous run those
 were sampled by policies up to `max_staleness` versions older than the final one).
 
-Prompts come from a held-out pool by default: the task rebuilt with another seed, minus every
-prompt text of the training pool. Tasks whose seed only orders a fixed prompt set (arithmetic,
+Prompts come from a held-out pool by default: a dataset task's eval split, else the task rebuilt
+with another seed, minus every prompt text of the training pool. Tasks whose seed only orders a fixed prompt set (arithmetic,
 countdown, a JSONL file) have no held-out prompts that way; evaluate them with split="train".
-Completions are sampled with the run's `[sampling]` settings (or greedily), through the same
+Prompts are rendered as the orchestrator renders them (decentrl/prompts.py: chat template or raw);
+completions are sampled with the run's `[sampling]` settings (or greedily), through the same
 transformers backend the workers use, and decoded the way the orchestrator decodes to score.
+Besides the mean reward it reports pass@k (a sample counts as solved at reward 1.0).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from decentrl.config import RunConfig, SamplingConfig
+from decentrl.prompts import make_prompt_encoder
 from decentrl.tasks import Prompt, Task, build_task
+from decentrl.tasks.sources import HeldOutSource
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.wire import SamplingParams
 from workers.backends.hf import HFBackend
@@ -43,18 +47,27 @@ class EvalResult:
     reward_stderr: float  # over prompts: the spread of per-prompt means / sqrt(prompts)
     solved_fraction: float  # samples with reward 1.0
     completion_tokens_mean: float
+    pass_at_k: dict[str, float]  # "pass@1", "pass@2", ... up to samples_per_prompt (solved = reward 1.0)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 def eval_prompts(config: RunConfig, split: Split, count: int, seed: int = 0) -> tuple[Task, list[Prompt]]:
-    """The task that scores and `count` prompts of `split`, drawn without replacement."""
+    """`count` prompts of `split`, drawn without replacement, and the task they belong to, which
+    scores them: a prompt id indexes its own task's entries (a held-out split's, a reseeded
+    generator's), never the training pool's."""
     task = build_task(config.task)
     if isinstance(task, EpisodeTask):
         raise EvalError(f"task.type {config.task.type!r} is multi-turn; `decentrl eval` scores single-turn tasks only")
     if split == "train":
         pool_task, pool = task, range(task.num_prompts)
+    elif isinstance(task, HeldOutSource):  # a dataset's eval split: held out by the file, not by a seed
+        try:
+            pool_task = task.heldout_task()
+        except ValueError as exc:
+            raise EvalError(f"{exc}, or evaluate with split 'train'") from None
+        pool = range(pool_task.num_prompts)
     else:
         pool_task = build_task(config.task.model_copy(update={"seed": config.task.seed + HELDOUT_SEED_OFFSET}))
         seen = {task.prompt(i).text for i in range(task.num_prompts)}
@@ -67,7 +80,7 @@ def eval_prompts(config: RunConfig, split: Split, count: int, seed: int = 0) -> 
         hint = " (this task's seed only reorders one fixed prompt set: use split 'train')" if split == "heldout" else ""
         raise EvalError(f"split {split!r} has {len(pool)} prompts, fewer than the {count} asked for{hint}")
     chosen = random.Random(seed).sample(list(pool), count)
-    return task, [pool_task.prompt(i) for i in chosen]
+    return pool_task, [pool_task.prompt(i) for i in chosen]
 
 
 def evaluate(
@@ -90,7 +103,8 @@ def evaluate(
     assert backend.tokenizer is not None
     sampling = _sampling(config.sampling, greedy)
     samples = 1 if greedy else samples_per_prompt
-    rows = [(prompt, backend.tokenizer(prompt.text).input_ids) for prompt in chosen for _ in range(samples)]
+    encode = make_prompt_encoder(config.prompt, backend.tokenizer, task)  # as the orchestrator renders
+    rows = [(prompt, encode(prompt)) for prompt in chosen for _ in range(samples)]
     rewards: list[float] = []
     tokens = 0
     for start in range(0, len(rows), batch_rows):
@@ -112,7 +126,21 @@ def evaluate(
         reward_stderr=spread / math.sqrt(len(per_prompt)),
         solved_fraction=sum(r == 1.0 for r in rewards) / len(rewards),
         completion_tokens_mean=tokens / len(rewards),
+        pass_at_k=pass_at_k_table(rewards, samples),
     )
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chance that at least one of k samples drawn without replacement from n, c of them solved
+    (reward 1.0), is solved: the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_at_k_table(rewards: list[float], samples: int) -> dict[str, float]:
+    """pass@k averaged over prompts for k = 1, 2, 4, ... up to the samples per prompt."""
+    solved = [sum(r == 1.0 for r in rewards[i : i + samples]) for i in range(0, len(rewards), samples)]
+    ks = sorted({2**i for i in range(samples.bit_length()) if 2**i <= samples} | {samples})
+    return {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in solved) / len(solved) for k in ks}
 
 
 def _sampling(config: SamplingConfig, greedy: bool) -> SamplingParams:

@@ -20,6 +20,7 @@ from typing import Annotated
 
 import typer
 
+from decentrl.cli.model import model_app
 from decentrl.cli.store import store_app
 from decentrl.config import ConfigError, RunConfig, StoreConfig, load_config
 
@@ -31,6 +32,7 @@ app = typer.Typer(
 token_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Manage the orchestrator's bearer tokens.")
 app.add_typer(store_app, name="store")
 app.add_typer(token_app, name="token")
+app.add_typer(model_app, name="model")
 
 ConfigArg = Annotated[str, typer.Argument(help="Run config: a TOML file from configs/ or a resolved config.json.")]
 TokenOpt = Annotated[str, typer.Option(envvar="DECENTRL_TOKEN", help="Bearer token (or env DECENTRL_TOKEN).")]

@@ -7,8 +7,9 @@ file, or for a worker only needs the orchestrator URL and a token. Every field i
 documented and constrained, so that a bad file fails at load time with the field's dotted name
 and what is allowed.
 
-One module per section, named after the role that reads it: model, task, store, orchestrator
-(with [sampling]), worker, simulation (benchmarks only), trainer, logging (trackers); run.py holds `RunConfig`,
+One module per section, named after the role that reads it: model, task, prompt, store,
+orchestrator (with [sampling]), worker, simulation (benchmarks only), trainer, logging (trackers);
+run.py holds `RunConfig`,
 load.py reading files and overrides. Import from this package.
 """
 
@@ -16,16 +17,22 @@ from decentrl.config.load import ConfigError, apply_overrides, load_config, pars
 from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig, TinyMoEConfig
 from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, SamplingConfig, VerificationConfig
+from decentrl.config.prompt import PromptConfig
 from decentrl.config.run import RunConfig
 from decentrl.config.simulation import SimulationConfig
 from decentrl.config.store import StoreConfig
 from decentrl.config.task import (
+    AnswerConfig,
     ArithmeticTaskConfig,
     CountdownTaskConfig,
+    DatasetTaskConfig,
     GuessTaskConfig,
     ImportTaskConfig,
+    ReasoningGymDatasetSpec,
+    ReasoningGymTaskConfig,
     SortingTaskConfig,
     TaskConfig,
+    VerifiersTaskConfig,
 )
 from decentrl.config.trainer import (
     DrGRPOLossConfig,
@@ -44,11 +51,12 @@ from decentrl.config.trainer import (
 from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
-    "AdvantageConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig", "DrGRPOLossConfig",
-    "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig", "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig",
-    "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig", "OrchestratorConfig", "PolicyLossBase",
-    "PretrainedModelConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig", "SimulationConfig",
-    "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig", "TokenLossConfig",
-    "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig", "WorkerConfig", "apply_overrides",
-    "load_config", "parse_config", "path_in_file",
+    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
+    "DatasetTaskConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig",
+    "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig",
+    "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig",
+    "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig",
+    "SimulationConfig", "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
+    "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig",
+    "VerifiersTaskConfig", "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",
 ]

@@ -1,7 +1,7 @@
 """`RunConfig`: everything one run needs, built from each role's section.
 
 Each role reads its own section plus the shared ones: the orchestrator [orchestrator],
-[sampling], [task], [model], [store]; workers [worker], [store] and [simulation]; the trainer
+[sampling], [task], [prompt], [model], [store]; workers [worker], [store] and [simulation]; the trainer
 [trainer], [model], [store]; `decentrl run` the top-level counts. Checks that span sections live
 here, with errors that say which keys to change.
 """
@@ -14,6 +14,7 @@ from decentrl.config.base import Section
 from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, TinyModelConfig
 from decentrl.config.orchestrator import OrchestratorConfig, SamplingConfig
+from decentrl.config.prompt import PromptConfig
 from decentrl.config.simulation import SimulationConfig
 from decentrl.config.store import StoreConfig
 from decentrl.config.task import SortingTaskConfig, TaskConfig
@@ -40,6 +41,7 @@ class RunConfig(Section):
     )
     model: ModelConfig = Field(default_factory=TinyModelConfig, description="The policy ([model] type = ...).")
     task: TaskConfig = Field(default_factory=SortingTaskConfig, description="Prompts and reward ([task] type = ...).")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="Chat template or raw prompts.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where versions live.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="How workers sample.")
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig, description="The central service.")

@@ -2,14 +2,16 @@
 
 The orchestrator leases the task's prompts and scores every rollout with it; workers build a
 multi-turn task's environment from the copy the orchestrator announces (`RunInfo.episode_task`);
-`decentrl eval` rebuilds it to hold prompts out.
+`decentrl eval` rebuilds it to hold prompts out. Built-in tasks (sorting, arithmetic, countdown,
+guess), a user class (import), and sources from the ecosystem (reasoning_gym, dataset, verifiers;
+optional extras, docs/tasks.md).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from decentrl.config.base import Section, keyed_union
 
@@ -63,6 +65,117 @@ class GuessTaskConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the secrets and of the prompt order.")
 
 
+class AnswerConfig(Section):
+    """Where the answer sits in a completion, before the reward compares it (decentrl/tasks/rewards.py)."""
+
+    format: Literal["raw", "tag", "boxed", "last_line"] = Field(
+        "raw",
+        description="raw: the whole completion (stripped); tag: the text inside the last <TAG>...</TAG>; "
+        "boxed: the last \\boxed{...}; last_line: the last non-empty line. No answer found scores 0.",
+    )
+    tag: str = Field("answer", pattern=r"^[A-Za-z_][\w-]{0,31}$", description="The tag name for format = 'tag'.")
+
+
+class ReasoningGymDatasetSpec(Section):
+    """One reasoning-gym dataset of a weighted mix."""
+
+    name: str = Field(min_length=1, description="A reasoning-gym dataset name (e.g. 'spell_backward').")
+    weight: float = Field(1.0, gt=0, description="Relative share of prompts drawn from it.")
+    options: dict[str, object] = Field(
+        default_factory=dict, description="Its generator's config fields (e.g. {max_word_len = 4})."
+    )
+
+
+class ReasoningGymTaskConfig(Section):
+    """Prompts from reasoning-gym procedural generators, scored by each dataset's own `score_answer`
+    (decentrl/tasks/reasoning_gym.py; needs the `tasks` extra)."""
+
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    datasets: list[ReasoningGymDatasetSpec] = Field(
+        min_length=1, max_length=64, description="One dataset, or a weighted mix of several."
+    )
+    size: int = Field(10000, ge=1, le=10_000_000, description="Prompts generated (seeded).")
+    seed: int = Field(0, ge=0, description="Seed of the generators and of the prompt order; eval reseeds it.")
+    answer: AnswerConfig = Field(default_factory=AnswerConfig, description="Answer extraction before scoring.")
+    reward_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="A reward call running longer is stopped and scores 0 (counted, logged)."
+    )
+
+
+class DatasetTaskConfig(Section):
+    """Prompts and answers from a local file (jsonl, json, parquet, csv, arrow) read with the `datasets`
+    library, scored by a named reward (decentrl/tasks/dataset.py; needs the `tasks` extra)."""
+
+    type: Literal["dataset"] = "dataset"
+    path: str = Field(min_length=1, description="The data file (by extension: .jsonl/.json, .parquet, .csv, .arrow).")
+    prompt_column: str = Field("prompt", min_length=1, description="Column of the prompt text (a string).")
+    messages_column: str | None = Field(
+        None, description="Column of chat messages ([{role, content}, ...]); when set, used instead of prompt_column."
+    )
+    answer_column: str = Field("answer", min_length=1, description="Column of the reference answer (string or number).")
+    reward: str = Field(
+        "exact",
+        pattern=r"^(math|exact|regex|contains|[\w.]+:\w+)$",
+        description="math (math-verify), exact, regex (the answer is a pattern the extracted answer must fully "
+        "match), contains, or 'package.module:function' called as function(completion, answer) -> float in [0, 1].",
+    )
+    answer: AnswerConfig = Field(default_factory=AnswerConfig, description="Answer extraction before scoring.")
+    eval_path: str | None = Field(None, description="A held-out file for `decentrl eval` (same columns).")
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Without eval_path: this share of rows (seeded) is held out of training for eval."
+    )
+    max_rows: int = Field(1_000_000, ge=1, description="Files with more rows are refused (bounds memory).")
+    seed: int = Field(0, ge=0, description="Seed of the held-out choice and of the prompt order.")
+    reward_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="A reward call running longer is stopped and scores 0 (counted, logged)."
+    )
+
+
+class VerifiersTaskConfig(Section):
+    """A verifiers environment (the `verifiers.v1` API): its taskset gives the prompts, its task's
+    `@vf.reward` functions score them on the orchestrator (decentrl/tasks/verifiers_env.py; needs
+    the `verifiers` extra). Single-turn unless the environment's `Env` converses: then multi-turn,
+    through decentrl's episode interface (decentrl/tasks/episodes.py)."""
+
+    type: Literal["verifiers"] = "verifiers"
+    taskset: str = Field(
+        pattern=r"^[\w./@-]+$",
+        description="The taskset id, resolved by verifiers' own loader: an importable module or installed "
+        "package exporting its Taskset subclass in __all__ (e.g. 'my_env', 'owner/my-env', 'pkg.module').",
+    )
+    env: str = Field(
+        "", pattern=r"^[\w./@-]*$",
+        description="An Env id; empty: the Env the taskset's package exports, else verifiers' SingleAgentEnv "
+        "(single-turn). An Env other than SingleAgentEnv makes the task multi-turn.",
+    )
+    options: dict[str, object] = Field(
+        default_factory=dict, description="The taskset's own config fields (its TasksetConfig), e.g. {task = {...}}."
+    )
+    size: int = Field(10000, ge=1, le=1_000_000, description="Tasks read from the taskset at most (it may be infinite).")
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1, description="This share of the tasks (seeded) is held out of training for `decentrl eval`."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the held-out choice and of the prompt order.")
+    reward_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="A reward call running longer is stopped and scores 0 (counted, logged)."
+    )
+    max_turns: int = Field(8, ge=1, le=256, description="Multi-turn: model turns per episode at most.")
+    max_turn_tokens: int = Field(64, ge=1, le=32768, description="Multi-turn: tokens per model turn at most.")
+    user_turn: str = Field(
+        "{message}", max_length=1000,
+        description="Multi-turn: how the environment's message is written into the transcript between model "
+        "turns; '{message}' is replaced by it. For a ChatML template: "
+        "'\\n<|im_start|>user\\n{message}<|im_end|>\\n<|im_start|>assistant\\n'.",
+    )
+
+    @model_validator(mode="after")
+    def _user_turn_has_message(self) -> VerifiersTaskConfig:
+        if "{message}" not in self.user_turn:
+            raise ValueError("task.user_turn must contain '{message}' (where the environment's message goes)")
+        return self
+
+
 TaskConfig = keyed_union(
-    SortingTaskConfig, ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig
+    SortingTaskConfig, ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig,
+    ReasoningGymTaskConfig, DatasetTaskConfig, VerifiersTaskConfig,
 )

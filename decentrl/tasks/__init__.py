@@ -11,7 +11,16 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from decentrl.config import ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig, TaskConfig
+from decentrl.config import (
+    ArithmeticTaskConfig,
+    CountdownTaskConfig,
+    DatasetTaskConfig,
+    GuessTaskConfig,
+    ImportTaskConfig,
+    ReasoningGymTaskConfig,
+    TaskConfig,
+    VerifiersTaskConfig,
+)
 
 if TYPE_CHECKING:
     from decentrl.tasks.episodes import EpisodeTask
@@ -21,6 +30,9 @@ if TYPE_CHECKING:
 class Prompt:
     prompt_id: int
     text: str
+    # Chat messages ((role, content), ...) of a task that has them (a dataset's messages column);
+    # None: one user message of `text` when a chat template renders it (decentrl/prompts.py).
+    messages: tuple[tuple[str, str], ...] | None = None
 
 
 class Task(Protocol):
@@ -48,6 +60,10 @@ def build_task(config: TaskConfig) -> Task | EpisodeTask:
         return GuessTask(config)
     if isinstance(config, ImportTaskConfig):
         return import_task(config.target)(**config.options)
+    if isinstance(config, (DatasetTaskConfig, ReasoningGymTaskConfig, VerifiersTaskConfig)):
+        from decentrl.tasks.sources import build_source_task
+
+        return build_source_task(config)
     from decentrl.tasks.sorting import SortingTask
 
     return SortingTask(config)

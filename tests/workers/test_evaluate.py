@@ -10,12 +10,13 @@ import torch
 from typer.testing import CliRunner
 
 from decentrl.cli.main import app
-from decentrl.config import GuessTaskConfig, TinyModelConfig
+from decentrl.config import GuessTaskConfig, ReasoningGymDatasetSpec, ReasoningGymTaskConfig, TinyModelConfig
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
+from decentrl.tasks import build_task
 from decentrl.weights import write_hf_dir
 from tests.conftest import MakeConfig
-from workers.evaluate import EvalError, eval_prompts, evaluate
+from workers.evaluate import EvalError, eval_prompts, evaluate, pass_at_k, pass_at_k_table
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=5)
 
@@ -33,12 +34,25 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_heldout_prompts_are_outside_the_training_pool(make_config: MakeConfig) -> None:
     config = make_config(task={"num_prompts": 64})
-    task, prompts = eval_prompts(config, "heldout", 30)
+    _, prompts = eval_prompts(config, "heldout", 30)
+    task = build_task(config.task)
     training = {task.prompt(i).text for i in range(task.num_prompts)}
     assert len({p.text for p in prompts}) == 30  # distinct texts, none of them trained on
     assert not training & {p.text for p in prompts}
     _, train = eval_prompts(config, "train", 64)
     assert {p.text for p in train} == training
+
+
+def test_heldout_prompts_are_scored_against_their_own_entries(make_config: MakeConfig) -> None:
+    """A reseeded generator's prompt id indexes the reseeded entries: scoring it with the training
+    task would compare against another prompt's answer."""
+    pytest.importorskip("reasoning_gym", reason='needs the tasks extra: pip install -e ".[tasks]"')
+    bits = ReasoningGymDatasetSpec(name="count_bits", options={"max_n": 1023})
+    config = make_config().model_copy(update={"task": ReasoningGymTaskConfig(datasets=[bits], size=200)})
+    task, prompts = eval_prompts(config, "heldout", 20)
+    for prompt in prompts:
+        number = int(prompt.text.rstrip("?").split()[-1])
+        assert task.reward(prompt, str(bin(number).count("1"))) == 1.0
 
 
 def test_a_split_too_small_says_what_to_change(make_config: MakeConfig) -> None:
@@ -88,3 +102,11 @@ def test_cli_pulls_the_newest_version_and_prints_json(make_config: MakeConfig, c
     assert missing.exit_code == 1 and "error:" in missing.output
     no_store = CliRunner().invoke(app, ["eval", str(config_path)])
     assert no_store.exit_code == 2 and "pass --store URL or --run-dir" in no_store.output
+
+
+def test_pass_at_k() -> None:
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 3, 2) == 1.0
+    table = pass_at_k_table([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0], samples=4)
+    assert table == {"pass@1": pytest.approx(0.125), "pass@2": pytest.approx(0.25), "pass@4": pytest.approx(0.5)}

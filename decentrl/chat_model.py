@@ -1,0 +1,92 @@
+"""A tiny chat model directory made locally: a byte-level BPE tokenizer trained with `tokenizers`
+on a task's text, a ChatML chat template, and a small Qwen2 model from a config, saved in HF format.
+
+It is an honest stand-in for an instruct model (Qwen2.5-style special tokens and template, an
+end-of-turn token its generation config stops at), loaded with `[model] type = "pretrained"`.
+Called by `decentrl model init` (decentrl/cli/model.py) and by tests; no hub, no download.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# ChatML as Qwen2.5/Qwen3 write it; `enable_thinking = false` (prompt.template_options) pre-fills an
+# empty thought, as Qwen3's template does.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ChatModelSpec:
+    """Sizes of the tokenizer and the model (hidden 128, 2 layers: about 0.4M parameters at vocab 320)."""
+
+    vocab_size: int = 320
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    max_positions: int = 512
+    seed: int = 0
+
+
+def train_chat_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (every byte is a token, so any text encodes) trained on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [END_OF_TEXT, IM_START, IM_END]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=IM_END, pad_token=END_OF_TEXT, chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=[IM_START],
+    )
+
+
+def write_chat_model(texts: list[str], out: str, spec: ChatModelSpec) -> Path:
+    """Train the tokenizer on `texts`, build the model, save both to `out`; returns the directory."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if len(set(texts)) < 2:
+        raise ValueError("a tokenizer needs text to learn from: the task gave fewer than 2 distinct texts")
+    tokenizer = train_chat_tokenizer(texts, spec.vocab_size)
+    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids([IM_END, END_OF_TEXT])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_positions, tie_word_embeddings=False,
+        eos_token_id=end_of_turn, pad_token_id=end_of_text, bos_token_id=None,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).float()
+    # A chat model ends its turn with <|im_end|>; <|endoftext|> ends a document. Both stop generation.
+    model.generation_config = GenerationConfig(eos_token_id=[end_of_turn, end_of_text], pad_token_id=end_of_text)
+    directory = Path(out)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def task_texts(task_prompts: list[str], answers: list[str]) -> list[str]:
+    """The text a task's tokenizer learns from: its prompts and, where it has them, its answers."""
+    return task_prompts + answers

@@ -1,0 +1,43 @@
+"""`decentrl model init`: write a tiny chat model directory for a run config's task.
+
+Thin entry point over decentrl/chat_model.py; registered on the main app in decentrl/cli/main.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+model_app = typer.Typer(help="Make model directories locally (no hub).", no_args_is_help=True)
+
+
+@model_app.command("init")
+def init(
+    config: Annotated[str, typer.Argument(help="Run config (TOML): the tokenizer learns from its task's prompts.")],
+    out: Annotated[str, typer.Option(help="Directory to write (an HF model directory).")],
+    vocab_size: Annotated[int, typer.Option(min=260, max=65536, help="BPE vocabulary (256 bytes + 3 specials + merges).")] = 320,
+    hidden_size: Annotated[int, typer.Option(min=16, max=4096)] = 128,
+    num_layers: Annotated[int, typer.Option(min=1, max=64)] = 2,
+    num_heads: Annotated[int, typer.Option(min=1, max=64)] = 4,
+    intermediate_size: Annotated[int, typer.Option(min=16)] = 256,
+    texts: Annotated[int, typer.Option(min=2, help="Prompts (and answers) the tokenizer is trained on, at most.")] = 20000,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the initial weights.")] = 0,
+) -> None:
+    """Train a byte-level BPE tokenizer with a chat template on the task's text and save it with a
+    tiny Qwen2 model: use the directory as `[model] type = "pretrained"`, `path = OUT`."""
+    from decentrl.chat_model import ChatModelSpec, task_texts, write_chat_model
+    from decentrl.cli.main import _load
+    from decentrl.tasks import build_task
+    from decentrl.tasks.sources import AnswerSource
+
+    if hidden_size % num_heads:
+        typer.echo(f"error: --hidden-size ({hidden_size}) must be a multiple of --num-heads ({num_heads})", err=True)
+        raise typer.Exit(2)
+    task = build_task(_load(config).task)
+    count = min(texts, task.num_prompts)
+    prompts = [task.prompt(i).text for i in range(count)]
+    answers = [task.answer(i) for i in range(count)] if isinstance(task, AnswerSource) else []
+    spec = ChatModelSpec(vocab_size, hidden_size, num_layers, num_heads, intermediate_size, seed=seed)
+    directory = write_chat_model(task_texts(prompts, answers), out, spec)
+    typer.echo(f"wrote {directory} (vocabulary {vocab_size}); use it as [model] type = \"pretrained\", path = \"{out}\"")
