@@ -35,6 +35,7 @@ class RustTokenizer:
     """The calls the orchestrator makes of a tokenizer, answered by a `tokenizers.Tokenizer`."""
 
     clean_up_tokenization_spaces = False
+    chat_template: str | None = None  # the tiny tokenizer has none: its prompts are raw text (decentrl/prompts.py)
 
     def __init__(self, backend: Tokenizer, *, special_tokens: Sequence[str], eos_token: str) -> None:
         self.backend_tokenizer = backend

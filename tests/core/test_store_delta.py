@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import blake3
@@ -22,21 +21,10 @@ from decentrl.delta import DELTA_SUFFIX, apply
 from decentrl.manifest import ManifestFile
 from decentrl.signing import load_private_key, load_public_key, write_keypair
 from decentrl.store import MANIFEST_NAME, CheckpointStore, SignatureError, VerificationError, signed_payload
+from tests.core.test_store_s3 import endpoint  # noqa: F401 - the moto S3 server fixture
 
 SHARD = 1024 * 1024 + 13
 SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture(params=["local", "local-copy", pytest.param("s3", marks=pytest.mark.integration)])

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,16 +22,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.loopback import free_port
+
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 LINE_PLOTS = ["c-reward", "c-rate", "c-busy", "c-is", "c-masked", "c-entropy", "c-loss", "c-versions", "c-latency"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_config(port: int) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from decentrl.store import CheckpointStore
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
 from orchestrator.auth import add_token
 from tests.pipeline.test_pipeline import TINY_MODEL
+from tests.loopback import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -57,12 +57,6 @@ batch_wait_s = 2.0
 [trainer]
 groups_per_step = 1
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def publish(run_dir: Path, *versions: int) -> None:

@@ -21,7 +21,8 @@ import pytest
 from decentrl.client import OrchestratorClient, OrchestratorError
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams
 from orchestrator.auth import add_token
-from tests.orchestrator.test_orchestrator_kill9 import free_port, publish, start
+from tests.loopback import free_port
+from tests.orchestrator.test_orchestrator_kill9 import publish, start
 from tests.pipeline.test_pipeline import TINY_MODEL
 
 pytestmark = pytest.mark.integration

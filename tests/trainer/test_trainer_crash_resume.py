@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 from decentrl.config import parse_config
 from decentrl.store import CheckpointStore
 from orchestrator.auth import add_token
+from tests.loopback import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -38,12 +38,6 @@ CONFIG = {
     "worker": {"groups_per_request": 4},
     "trainer": {"steps": STEPS, "groups_per_step": 4, "lr": 3e-3, "checkpoint_every": EVERY},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

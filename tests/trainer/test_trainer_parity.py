@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from decentrl.trainer.distributed import full_state_dict, init_distributed, shar
 from decentrl.trainer.gather import WeightGather
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
 from decentrl.wire import TrainBatch, TrainSample
+from tests.loopback import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -89,12 +89,6 @@ def one_step(rank: int, world: int, port: int, out: str, activation_checkpointin
             out,
         )
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(world: int, tmp_path: Path, activation_checkpointing: bool = False) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from decentrl.trainer.batching import batch_totals, collate, rank_share, select_
 from decentrl.trainer.distributed import init_distributed, shard_model
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
 from decentrl.wire import ExpertRouting, TrainBatch, TrainSample
+from tests.loopback import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -61,12 +61,6 @@ def one_step(rank: int, world: int, port: int, out: str, activation_checkpointin
     if rank == 0:
         torch.save({"loss": loss_total, "grads": grads}, out)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(world: int, tmp_path: Path, activation_checkpointing: bool = False) -> dict:
