@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 
 from tests.loopback import free_port
+from tests.pipeline.test_pipeline import TINY_MODEL
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -37,13 +38,7 @@ max_staleness = 1
 group_size = 4
 num_workers = 1
 trainer_ranks = 1
-[model]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-intermediate_size = 64
-[sampling]
-max_tokens = 6
+{TINY_MODEL}
 [orchestrator]
 port = {port}
 metrics_public = true
