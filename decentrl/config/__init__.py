@@ -16,7 +16,15 @@ load.py reading files and overrides. Import from this package.
 from decentrl.config.load import ConfigError, apply_overrides, load_config, parse_config, path_in_file
 from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig, TinyMoEConfig
-from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, SamplingConfig, VerificationConfig
+from decentrl.config.orchestrator import (
+    AdvantageConfig,
+    DelimiterStepsConfig,
+    OrchestratorConfig,
+    SamplingConfig,
+    StepsConfig,
+    TurnStepsConfig,
+    VerificationConfig,
+)
 from decentrl.config.prompt import PromptConfig
 from decentrl.config.run import RunConfig
 from decentrl.config.simulation import SimulationConfig
@@ -52,11 +60,11 @@ from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
     "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
-    "DatasetTaskConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig",
+    "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig",
     "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig",
     "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig",
     "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig",
-    "SimulationConfig", "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
-    "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig",
+    "SimulationConfig", "SortingTaskConfig", "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
+    "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "TurnStepsConfig", "VerificationConfig",
     "VerifiersTaskConfig", "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",
 ]

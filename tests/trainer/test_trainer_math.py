@@ -72,7 +72,8 @@ def test_collate_places_completion_at_shifted_positions() -> None:
         [0, 0, -0.5, -0.25, 0, 0, 0, 0],
         [0, 0, 0, 0, -1.0, -2.0, -3.0, -4.0],
     ]
-    assert batch.advantages.tolist() == [1.5, -0.5]
+    # Each completion position carries its sample's advantage (per token: process rewards may differ).
+    assert batch.advantages.tolist() == [[0, 0, 1.5, 1.5, 0, 0, 0, 0], [0, 0, 0, 0, -0.5, -0.5, -0.5, -0.5]]
     # The targets under the mask are exactly the completion tokens.
     targets = batch.input_ids[:, 1:]
     assert targets[0][batch.completion_mask[0].bool()].tolist() == [5, 2]
@@ -82,7 +83,7 @@ def test_collate_places_completion_at_shifted_positions() -> None:
 def test_collate_shapes_and_dtypes() -> None:
     batch = collate([sample([1, 4], [5]), sample([1], [6, 7, 2])], pad_id=0)
     assert batch.input_ids.shape == batch.attention_mask.shape == (2, 4)
-    assert batch.completion_mask.shape == batch.sampler_logprobs.shape == (2, 3)
+    assert batch.completion_mask.shape == batch.sampler_logprobs.shape == batch.advantages.shape == (2, 3)
     assert batch.input_ids.dtype == torch.long
     assert batch.completion_mask.dtype == batch.sampler_logprobs.dtype == batch.advantages.dtype == torch.float32
     assert batch.completion_mask.sum().item() == 4
