@@ -80,6 +80,16 @@ def test_collate_places_completion_at_shifted_positions() -> None:
     assert targets[1][batch.completion_mask[1].bool()].tolist() == [4, 4, 6, 2]
 
 
+def test_collate_places_token_advantages_at_the_shifted_completion_positions() -> None:
+    process = sample([1, 7, 3], [5, 2], advantage=9.0).model_copy(update={"token_advantages": [0.25, -0.5]})
+    outcome = sample([1, 7, 5, 8], [4, 4, 6], advantage=-0.75)
+    batch = collate([process, outcome], pad_id=0)
+    # Token advantages replace the sample's advantage; a sample without them carries its scalar
+    # advantage at each of its completion positions.
+    assert batch.advantages.tolist() == [[0, 0, 0.25, -0.5, 0, 0], [0, 0, 0, -0.75, -0.75, -0.75]]
+    assert batch.advantages.shape == batch.completion_mask.shape
+
+
 def test_collate_shapes_and_dtypes() -> None:
     batch = collate([sample([1, 4], [5]), sample([1], [6, 7, 2])], pad_id=0)
     assert batch.input_ids.shape == batch.attention_mask.shape == (2, 4)
