@@ -16,15 +16,18 @@ is split is `[orchestrator.advantages.steps]` (docs/rewards.md#process-rewards):
 
 Both keep at most `max_steps` steps: past it, the rest of the completion is the last step.
 
-Finding the token that ends a step decodes prefixes of the completion: a bisection per step boundary,
-all boundaries moving in lock-step, so one batch decode per round and about log2(len) rounds. Any
-tokenizer works (no per-token offsets needed) as long as decoding a longer prefix extends the text of
-a shorter one, which holds for the byte-level BPE and SentencePiece tokenizers; where it does not,
-a boundary that is never found falls into the last step.
+Finding the token that ends a step decodes prefixes of the completion: a guess from the text each
+token adds after its predecessor, checked by decoding two prefixes per step boundary (one batch decode for all of them),
+and where the guess is wrong a bisection (one batch decode per round). Any tokenizer works (no
+per-token offsets needed) as long as decoding a longer prefix extends the text of a shorter one,
+which holds for the byte-level BPE and SentencePiece tokenizers; where it does not, a boundary
+that is never found falls into the last step.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,20 +89,31 @@ def delimiter_steps(completion_token_ids: list[int], *, decode: BatchDecode, con
 
 def _tokens_completing(ids: list[int], prefixes: list[str], decode: BatchDecode) -> list[int]:
     """For each text prefix, the first token index t with decode(ids[: t + 1]) starting with it
-    (len(ids) - 1 when none does). Bisections in lock-step: one batch decode per round."""
+    (len(ids) - 1 or more when none does).
+
+    A first guess from the length each token adds to the text after its predecessor (exact where
+    decode joins token texts, as byte-level BPE does, and where it only drops the text's leading
+    space, as SentencePiece does), checked with the guess and the token before it; a guess that
+    fails narrows the range that bisections, all in lock-step (one batch decode per round), then search.
+    """
+    texts = decode([[token] for token in ids] + [ids[k - 1 : k + 1] for k in range(1, len(ids))])
+    singles, pairs = texts[: len(ids)], texts[len(ids) :]
+    added = [len(singles[0])] + [len(pair) - len(single) for pair, single in zip(pairs, singles, strict=False)]
+    ends = list(itertools.accumulate(added))
     low = [0] * len(prefixes)
     high = [len(ids) - 1] * len(prefixes)  # invariant: the answer is in [low, high]
-    while True:
-        open_ = [i for i in range(len(prefixes)) if low[i] < high[i]]
-        if not open_:
-            return low
-        mids = [(low[i] + high[i]) // 2 for i in open_]
-        texts = decode([ids[: mid + 1] for mid in mids])
-        for i, mid, decoded in zip(open_, mids, texts, strict=True):
+    probes = []
+    for i, prefix in enumerate(prefixes):
+        guess = min(bisect.bisect_left(ends, len(prefix)), len(ids) - 1)
+        probes += [(i, guess), (i, guess - 1)] if guess else [(i, guess)]
+    while probes:
+        for (i, mid), decoded in zip(probes, decode([ids[: mid + 1] for _, mid in probes]), strict=True):
             if decoded.startswith(prefixes[i]):
-                high[i] = mid
+                high[i] = min(high[i], mid)
             else:
-                low[i] = mid + 1
+                low[i] = max(low[i], mid + 1)
+        probes = [(i, (low[i] + high[i]) // 2) for i in range(len(prefixes)) if low[i] < high[i]]
+    return low
 
 
 def turn_steps(completion_token_ids: list[int], loss_mask: list[int] | None, *, decode: BatchDecode, max_steps: int) -> Steps:

@@ -8,6 +8,7 @@ the results are compared with ==.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import struct
 
@@ -66,8 +67,6 @@ def test_a_group_of_equal_step_scores_has_exactly_zero_process_advantage() -> No
 
 
 def test_a_reference_written_from_the_paper_agrees_on_a_random_group() -> None:
-    import random
-
     rng = random.Random(7)
     scores, ends, lengths = [], [], []
     for _ in range(6):

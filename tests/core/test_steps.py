@@ -9,6 +9,9 @@ token is the first whose prefix decode holds the delimiter run.
 
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -85,16 +88,52 @@ def test_a_configured_delimiter() -> None:
     assert split(ids, delimiter=".\n").texts == ["Let x=2", "Then y=3", "So"]
 
 
-def test_decoding_costs_one_batch_call_per_bisection_round() -> None:
-    calls: list[int] = []
-
-    def counting(sequences: list[list[int]]) -> list[str]:
+def counting(decode: BatchDecode, calls: list[int]) -> BatchDecode:
+    def counted(sequences: list[list[int]]) -> list[str]:
         calls.append(len(sequences))
-        return joined(sequences)
+        return decode(sequences)
 
+    return counted
+
+
+def test_a_join_of_token_texts_finds_every_step_in_three_decodes() -> None:
+    calls: list[int] = []
     ids = ids_of(*(["Let", " x", "\n\n"] * 20), "So", "</s>")  # 62 tokens, 20 boundaries
-    assert split(ids, decode=counting).ends == [*range(2, 60, 3), 61]
-    assert calls[0] == 1 and len(calls) <= 1 + 6  # the text, then ceil(log2 62) rounds
+    assert split(ids, decode=counting(joined, calls)).ends == [*range(2, 60, 3), 61]
+    # The text; each token alone and after its predecessor (the guesses); the guess and the token
+    # before it, per boundary.
+    assert calls == [1, 62 + 61, 40]
+
+
+def test_wrong_guesses_fall_back_to_bisection() -> None:
+    # A decode whose text of a token depends on the two before it (" x y=" becomes "X="): the
+    # guesses from single tokens and pairs overshoot the text, and bisection finds the ends.
+    def contextual(sequences: list[list[int]]) -> list[str]:
+        return [text.replace(" x y=", "X=") for text in joined(sequences)]
+
+    calls: list[int] = []
+    ids = ids_of(*([" x", " y", "=3", "\n\n"] * 8), "So", "</s>")
+    steps = split(ids, decode=counting(contextual, calls))
+    assert steps.ends == [*range(3, 32, 4), 33]
+    assert steps.texts == ["X=3"] * 8 + ["So"]
+    assert calls[:3] == [1, 34 + 33, 16] and 3 < len(calls) <= 3 + 6 and max(calls[3:]) <= 8  # bisection rounds
+
+
+def test_random_completions_end_steps_where_a_brute_force_search_does() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        ids = [rng.randrange(len(PIECES)) for _ in range(rng.randrange(1, 30))]
+        steps = split(ids)
+        (text,) = joined([ids])
+        run_ends = [m.end() for m in re.finditer("(?:\n\n)+", text) if 0 < m.start() and m.end() < len(text)]
+        # Brute force: the first token whose prefix holds each interior run, kept if a later
+        # token follows and no later run is completed by the same token.
+        first = [next(t for t in range(len(ids)) if joined([ids[: t + 1]])[0].startswith(text[:e])) for e in run_ends]
+        expected = sorted({t for t in first if t < len(ids) - 1}) + [len(ids) - 1]
+        assert steps.ends == expected, (ids, text)
+        assert len(steps.texts) == len(steps.ends)
+        # The texts are the whole text, less delimiters and the whitespace around steps.
+        assert re.sub(r"\s", "", "".join(steps.texts)) == re.sub(r"\s", "", text), (ids, text)
 
 
 def trained_tokenizer(kind: str) -> Tokenizer:
