@@ -10,18 +10,18 @@ is split is `[orchestrator.advantages.steps]` (docs/rewards.md#process-rewards):
   text completes the run, i.e. the first token t for which decode(ids[: t + 1]) holds all of it.
   The last step always ends at the last token, so end-of-sequence tokens (which decode to nothing)
   belong to it. A step's text leaves out the delimiter run that ends it and surrounding whitespace
-  (the third newline of "\n\n\n" with the delimiter "\n\n").
+  (the third newline of "\\n\\n\\n" with the delimiter "\\n\\n").
 - `turns` (multi-turn episodes): each run of loss_mask = 1 tokens (one model turn) is a step; the
   environment's tokens between turns belong to no step (they are not trained).
 
 Both keep at most `max_steps` steps: past it, the rest of the completion is the last step.
 
 Finding the token that ends a step decodes prefixes of the completion: a guess from the text each
-token adds after its predecessor, checked by decoding two prefixes per step boundary (one batch decode for all of them),
-and where the guess is wrong a bisection (one batch decode per round). Any tokenizer works (no
-per-token offsets needed) as long as decoding a longer prefix extends the text of a shorter one,
-which holds for the byte-level BPE and SentencePiece tokenizers; where it does not, a boundary
-that is never found falls into the last step.
+token adds after its predecessor, checked by decoding two prefixes per step boundary (one batch
+decode for all of them), and where the guess is wrong a bisection (one batch decode per round).
+Any tokenizer works (no per-token offsets needed) as long as decoding a longer prefix extends the
+text of a shorter one, which holds for the byte-level BPE and SentencePiece tokenizers; where it
+does not, a boundary that is never found falls into the last step. Cost: docs/rewards.md#steps.
 """
 
 from __future__ import annotations
