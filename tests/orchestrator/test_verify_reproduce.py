@@ -56,7 +56,7 @@ def run(make_config: Any, tokenizer: PreTrainedTokenizerBase, backend: Any, tmp_
     return make
 
 
-def sampled(worker: HFBackend, state: RunState, lease: Lease, holder: str, seed_offset: int = 0) -> list[Rollout]:
+def sampled(worker: HFBackend, state: RunState, lease: Lease, seed_offset: int = 0) -> list[Rollout]:
     """The group as a deterministic worker samples it (workers/worker.py `_generate_seeded`): sample
     j from the seed of (run seed, prompt, j, version) - or, with `seed_offset`, from another seed."""
     assert lease.policy_version is not None
@@ -75,7 +75,7 @@ def sampled(worker: HFBackend, state: RunState, lease: Lease, holder: str, seed_
 def test_honest_seeded_samples_reproduce(run: Any, backend: Any) -> None:
     state, verifier = run()
     for lease in state.grant_leases(HONEST, 4):
-        assert state.ingest(sampled(backend[1], state, lease, HONEST), HONEST).accepted == lease.group_size
+        assert state.ingest(sampled(backend[1], state, lease), HONEST).accepted == lease.group_size
     assert verify_all(state, verifier) == {}
     assert verifier.rollouts_checked == 12 and verifier.draw_s > 0
     assert state.integrity.workers["honest"].strikes == 0 and len(state.ready) == 4
@@ -86,12 +86,12 @@ def test_chosen_samples_with_honest_logprobs_are_struck(run: Any, backend: Any) 
     # their logprobs are the policy's own.
     state, verifier = run(reproduce=False)
     lease = state.grant_leases(CHEAT, 1)[0]
-    state.ingest(sampled(backend[1], state, lease, CHEAT, seed_offset=1), CHEAT)
+    state.ingest(sampled(backend[1], state, lease, seed_offset=1), CHEAT)
     assert verify_all(state, verifier) == {}
 
     state, verifier = run()
     for lease in state.grant_leases(CHEAT, 2):
-        assert state.ingest(sampled(backend[1], state, lease, CHEAT, seed_offset=1), CHEAT).accepted == lease.group_size
+        assert state.ingest(sampled(backend[1], state, lease, seed_offset=1), CHEAT).accepted == lease.group_size
     failures = verify_all(state, verifier)
     # Every sample whose tokens differ from its seed's draws is struck (a short completion may
     # coincide with the true draw: the tiny model's distribution is peaked on a few tokens).
@@ -106,7 +106,7 @@ def test_a_single_forged_token_is_enough(run: Any, backend: Any) -> None:
     the verifier itself (so the logprob check agrees): not the seed's draw, struck."""
     state, verifier = run()
     lease = state.grant_leases(CHEAT, 1)[0]
-    honest = sampled(backend[1], state, lease, CHEAT)
+    honest = sampled(backend[1], state, lease)
     first = honest[0]
     ids = list(first.completion_token_ids)
     ids[0] = 5 if ids[0] != 5 else 6  # ordinary tokens (ids from 3 up: tests/orchestrator/test_orchestrator_verify.py)
