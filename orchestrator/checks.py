@@ -83,6 +83,11 @@ class IngestChecks:
             rollout.policy_version != lease.policy_version or rollout.token_versions is not None
         ):
             return "wrong_version"  # a deterministic run: the lease names the one version to sample under
+        if lease.index is not None and (
+            rollout.sample_index is None or rollout.sample_index >= lease.group_size
+            or any(sample.sample_index == rollout.sample_index for sample in open_lease.samples)
+        ):
+            return "bad_sample_index"  # a deterministic run: each seed of the group once (the verifier re-draws)
         published = self.versions.published
         if published is None or rollout.policy_version > published:
             return "future_version"
