@@ -59,9 +59,8 @@ def build_batch(
 ) -> TrainBatch:
     samples, histogram = [], Counter()
     for group in groups:
-        rewards = [reward for _, reward in group.samples]
-        advantages = group_advantages(rewards, normalize_std=normalize_std)
-        for (rollout, reward), advantage in zip(group.samples, advantages, strict=True):
+        advantages = group_advantages(group.rewards, normalize_std=normalize_std)
+        for rollout, reward, advantage in zip(group.rollouts, group.rewards, advantages, strict=True):
             # Fields were validated at ingest: construct without copying the token lists.
             samples.append(
                 TrainSample.model_construct(
@@ -121,8 +120,8 @@ class Batches:
         self.versions.trainer = trainer_version
         self.journal.meta_dirty = True
         max_staleness = self.config.max_staleness
-        for group in self.buffer.evict(lambda group: not is_fresh(trainer_version, group.oldest_version(), max_staleness)):
-            self.lease_book.close(group.lease_id, "dropped", reason="stale_in_buffer", counted=len(group.samples))
+        for group in self.buffer.evict(lambda group: not is_fresh(trainer_version, group.oldest_version, max_staleness)):
+            self.lease_book.close(group.lease_id, "dropped", reason="stale_in_buffer", counted=group.size)
 
     def take(self, trainer_version: int, request_id: str | None) -> TrainBatch | None:
         """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet; for a
@@ -142,9 +141,9 @@ class Batches:
             rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
         )
         for group in groups:
-            self.counters.recent_rewards.extend(reward for _, reward in group.samples)
+            self.counters.recent_rewards.extend(group.rewards)
             closed = self.lease_book.close(group.lease_id, "served")
-            self.integrity.record(closed.holder).served += len(group.samples)
+            self.integrity.record(closed.holder).served += group.size
         assert batch.batch_id is not None
         self._serve(request_id or batch.batch_id, batch, groups)
         return batch
@@ -185,7 +184,7 @@ class Batches:
                 "batch_id": batch.batch_id,
                 "trainer_version": batch.trainer_version,
                 "lease_ids": [group.lease_id for group in groups],
-                "rewards": [[reward for _, reward in group.samples] for group in groups],
+                "rewards": [group.rewards for group in groups],
                 "rollouts_accepted": batch.rollouts_accepted,
                 "stale_dropped": batch.stale_dropped,
             },
@@ -203,7 +202,7 @@ class Batches:
             batch,
             [group.lease_id for group in groups],
             [packed for group in groups for packed in group.packed],
-            {group.lease_id: pack_ints(group.samples[0][0].prompt_token_ids) for group in groups if group.samples},
+            {group.lease_id: pack_ints(group.rollouts[0].prompt_token_ids) for group in groups if group.size},
         )
         self.served[request_id] = served
         self._by_batch_id[batch.batch_id or ""] = served
