@@ -22,7 +22,6 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from decentrl.advantages import group_advantages
 from decentrl.config import RunConfig
@@ -44,13 +43,28 @@ def pack_sample(rollout: Rollout) -> Packed:
 
 @dataclass
 class ServedBatch:
-    batch: TrainBatch
-    lease_ids: list[str]
-    packed: list[Packed]  # per sample of the batch
-    prompts: dict[str, Any]  # lease id -> packed prompt ids
+    """A batch kept for re-asks. One recovered from the journal is built again (its groups read
+    from the journal) only when it is asked for again (orchestrator/recovery.py)."""
+
+    batch_id: str
+    groups: list[Group]
+    build: Callable[[], TrainBatch]
+    built: TrainBatch | None = None
+
+    @property
+    def batch(self) -> TrainBatch:
+        if self.built is None:
+            self.built = self.build()
+        return self.built
+
+    @property
+    def lease_ids(self) -> list[str]:
+        return [group.lease_id for group in self.groups]
 
     def msgpack(self) -> bytes:
-        return train_batch_msgpack(self.batch, self.packed, self.prompts)
+        packed = [packed for group in self.groups for packed in group.packed]  # per sample of the batch
+        prompts = {group.lease_id: pack_ints(group.rollouts[0].prompt_token_ids) for group in self.groups if group.size}
+        return train_batch_msgpack(self.batch, packed, prompts)
 
 
 def build_batch(
@@ -189,21 +203,15 @@ class Batches:
                 "stale_dropped": batch.stale_dropped,
             },
         )
-        self.keep(request_id, batch, groups)
+        self.keep(request_id, ServedBatch(batch.batch_id, groups, lambda: batch, batch))
         while len(self.served) > self.config.orchestrator.batches_kept:
             old_key, old = self.served.popitem(last=False)
             self.leases.difference_update(old.lease_ids)
-            self._by_batch_id.pop(old.batch.batch_id or "", None)
+            self._by_batch_id.pop(old.batch_id, None)
             self.journal.batch_forgotten(old_key, old.lease_ids)
 
-    def keep(self, request_id: str, batch: TrainBatch, groups: list[Group]) -> None:
+    def keep(self, request_id: str, served: ServedBatch) -> None:
         """Keep a batch for re-asks (one just served, or one recovered from the journal)."""
-        served = ServedBatch(
-            batch,
-            [group.lease_id for group in groups],
-            [packed for group in groups for packed in group.packed],
-            {group.lease_id: pack_ints(group.rollouts[0].prompt_token_ids) for group in groups if group.size},
-        )
         self.served[request_id] = served
-        self._by_batch_id[batch.batch_id or ""] = served
+        self._by_batch_id[served.batch_id] = served
         self.leases.update(served.lease_ids)

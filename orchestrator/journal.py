@@ -134,9 +134,9 @@ class Snapshot:
 
     meta: dict[str, Any]
     leases: list[sqlite3.Row]  # open and complete leases, and the leases of the batches kept
-    rollouts: dict[str, list[tuple[str, bytes | None]]]  # of open leases and kept batches: lease_id -> [(rollout_id, body)] in acceptance order
+    rollouts: dict[str, list[tuple[str, bytes | None]]]  # of open leases: lease_id -> [(rollout_id, body)] in acceptance order
     batches: list[tuple[str, dict[str, Any]]]  # (request_id, body) oldest first
-    remembered: list[tuple[float, str]] = field(default_factory=list)  # (closed_at, lease_id) of the other closed leases, oldest first
+    remembered: list[tuple[float, str]] = field(default_factory=list)  # (closed_at, lease_id) of closed leases not open nor complete, oldest first
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # token name -> integrity record
     content: list[tuple[bytes, str, int]] = field(default_factory=list)  # (digest, lease_id, version)
 
@@ -410,15 +410,11 @@ class Journal:
         in_batches = list({lease_id for _, body in batches for lease_id in body["lease_ids"]})
         leases += _rows_of(conn, "SELECT * FROM leases WHERE status NOT IN ('open', 'complete') AND lease_id IN ({})",
                            in_batches)
-        kept = set(in_batches)
-        remembered = [
-            (closed_at, lease_id)
-            for lease_id, closed_at in conn.execute(
-                "SELECT lease_id, closed_at FROM leases WHERE status NOT IN ('open', 'complete') ORDER BY closed_at"
-            )
-            if lease_id not in kept
-        ]
-        wanted = [row["lease_id"] for row in leases if row["status"] == "open"] + in_batches
+        # Plain tuples (the reader has no row factory): at 1M rollouts these are 62k rows.
+        remembered = self._reader.execute(
+            "SELECT closed_at, lease_id FROM leases WHERE status NOT IN ('open', 'complete') ORDER BY closed_at"
+        ).fetchall()
+        wanted = [row["lease_id"] for row in leases if row["status"] == "open"]
         rollouts: dict[str, list[tuple[str, bytes | None]]] = {}
         for _, rollout_id, lease_id, data in sorted(
             _rows_of(conn, "SELECT rowid, rollout_id, lease_id, data FROM rollouts WHERE lease_id IN ({})", wanted),

@@ -394,6 +394,8 @@ class LeaseBook:
             self.journal.lease_forgotten(lease_id)
             forgotten += 1
         while self.remembered and self.remembered[0][0] < horizon and forgotten < limit:
-            self.journal.lease_forgotten(self.remembered.popleft()[1])  # recovered, never in memory
-            forgotten += 1
+            lease_id = self.remembered.popleft()[1]
+            if lease_id not in self.closed:  # else recovered into memory (a batch kept): forgotten from there
+                self.journal.lease_forgotten(lease_id)
+                forgotten += 1
         return forgotten

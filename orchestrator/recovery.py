@@ -21,7 +21,7 @@ from typing import Any
 
 from decentrl.determinism import required_version
 from decentrl.wire import Lease, Rollout
-from orchestrator.batches import Batches, pack_sample
+from orchestrator.batches import Batches, ServedBatch, pack_sample
 from orchestrator.buffer import Buffer, Group
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity
@@ -107,9 +107,9 @@ def recover(
 ) -> None:
     """Rebuild the state the journal committed (into freshly made, empty parts).
 
-    Held in memory again: open leases with their samples, the buffer's groups (their samples
-    read from the journal when served, `Group.read`), and the leases and samples of the batches
-    kept. Left on disk and looked up there (orchestrator/leases.py): the rollout ids of every
+    Held in memory again: open leases with their samples, the buffer's groups and the batches
+    kept (their samples read from the journal when served or asked for again: `Group.read`,
+    `ServedBatch.build`). Left on disk and looked up there (orchestrator/leases.py): the rollout ids of every
     closed lease (resends stay duplicates) and the closed leases not in the buffer nor in a kept
     batch, which are only remembered, oldest first, to be forgotten in time.
     """
@@ -117,23 +117,23 @@ def recover(
     lease_book.journaled = True
     lease_book.remembered = deque(snapshot.remembered)
     ready: list[Group] = []
-    rebuilt: dict[str, list[Rollout]] = {}  # lease id -> samples, of open leases and kept batches
     for row in sorted(snapshot.leases, key=lambda r: (r["closed_at"] or 0.0, r["lease_id"])):
         lease = lease_of(row)
         status = row["status"]
         if lease_book.prompts.deterministic and status in ("open", "complete"):
             lease = _with_place(lease, lease_book, row["ready_seq"], counters.groups_served)
-        if status == "complete":  # in the buffer: its samples stay on disk until it is served
+        if status != "open":  # in the buffer (complete) or in a batch kept (served): samples stay on disk
             rewards = json.loads(row["rewards"])
-            group = Group(
-                lease.lease_id, lease.prompt_id, rewards, row["oldest_version"], row["ready_seq"],
-                read=functools.partial(_read_samples, journal, lease, run_name),
-            )
-            if group.oldest_version is None:  # journaled before the column existed: read its samples now
-                group.oldest_version = min(rollout.policy_version for rollout in group.rollouts)
-            ready.append(group)
             lease_book.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], len(rewards))
             lease_book.closed_order.append((row["closed_at"], lease.lease_id))
+            if status == "complete":
+                group = Group(
+                    lease.lease_id, lease.prompt_id, rewards, row["oldest_version"], row["ready_seq"],
+                    read=functools.partial(_read_samples, journal, lease, run_name),
+                )
+                if group.oldest_version is None:  # journaled before the column existed: read its samples now
+                    group.oldest_version = min(rollout.policy_version for rollout in group.rollouts)
+                ready.append(group)
             continue
         entries = snapshot.rollouts.get(lease.lease_id, [])
         ids = [rollout_id for rollout_id, _ in entries]
@@ -147,32 +147,27 @@ def recover(
             for rollout_id, data in entries
             if data is not None
         ]
-        rebuilt[lease.lease_id] = samples
-        if status == "open":
-            packed = [pack_sample(sample) for sample in samples]
-            lease_book.open[lease.lease_id] = OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed)
-            heapq.heappush(lease_book.deadlines, (lease.deadline, lease.lease_id))
-            continue
-        lease_book.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], len(ids), ids)
-        lease_book.closed_order.append((row["closed_at"], lease.lease_id))
+        packed = [pack_sample(sample) for sample in samples]
+        lease_book.open[lease.lease_id] = OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed)
+        heapq.heappush(lease_book.deadlines, (lease.deadline, lease.lease_id))
     buffer.ready = deque(sorted(ready, key=lambda group: group.seq))
     for request_id, body in snapshot.batches:
         lease_ids = body["lease_ids"]
-        if not all(lease_id in lease_book.closed and lease_id in rebuilt for lease_id in lease_ids):
+        if not all(lease_id in lease_book.closed for lease_id in lease_ids):
             log.warning("journal: batch %s refers to forgotten leases; it cannot be served again", body["batch_id"])
             continue
-        groups = [
-            Group.of(
-                lease_id, lease_book.closed[lease_id].lease.prompt_id, rebuilt[lease_id], body["rewards"][i],
-                [pack_sample(sample) for sample in rebuilt[lease_id]],
-            )
-            for i, lease_id in enumerate(lease_ids)
-        ]
-        batch = batches.build(
-            groups, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
+        groups = []
+        for lease_id, rewards in zip(lease_ids, body["rewards"], strict=True):
+            lease = lease_book.closed[lease_id].lease
+            # A served group's oldest version is not asked again (nothing judges it stale): 0 stands in.
+            groups.append(Group(
+                lease_id, lease.prompt_id, rewards, 0, read=functools.partial(_read_samples, journal, lease, run_name)
+            ))
+        build = functools.partial(
+            batches.build, groups, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
             rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],
         )
-        batches.keep(request_id, batch, groups)
+        batches.keep(request_id, ServedBatch(body["batch_id"], groups, build))
     integrity.restore(snapshot.workers, snapshot.content)
 
 
