@@ -23,6 +23,13 @@ then wakes the handlers, which answer their clients. Statements are queued in th
 state changed, so an answer that depends on an earlier change (a duplicate, a batch holding a
 just-completed group) is never sent before that change is on disk.
 
+Read path. At startup `load` reads what recovery rebuilds in memory: the leases still in play
+(open, complete, in a kept batch), the open leases' samples and a (closed_at, lease_id) list of
+the other closed leases. Everything else (the rollout ids of closed leases, their rows, the
+bodies of buffered groups) stays on disk, and RunState's parts look it up from the event loop's
+thread through a second, read-only connection (`acknowledged`, `closed_lease`, `samples`):
+indexed queries of committed rows, which WAL lets run beside the writer.
+
 A failed write is fatal: the state in memory is then ahead of the disk, so `failed` is set,
 every later commit raises JournalError and the service answers 503 until restarted, when
 recovery rebuilds the state from what was committed (orchestrator/recovery.py).

@@ -12,7 +12,9 @@ RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its publ
   lease closed without training (expired, released, dropped) has its samples counted as
   dropped and its content forgotten by orchestrator/integrity.py (so it may honestly come again);
 - a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample
-  gets a precise reason and a resend is answered as a duplicate;
+  gets a precise reason and a resend is answered as a duplicate; after a recovery those of the
+  leases closed before it are remembered in the journal and looked up there (`journaled_ids`,
+  `closed_lease`), not held in memory;
 - deterministic runs (docs/reproducibility.md): a lease is a place in the consumption order
   (`Lease.index`), which fixes its prompt (the seeded order, cycled) and the version it is
   sampled under (decentrl/determinism.py `required_version`); a place closed without training
