@@ -208,7 +208,7 @@ class Journal:
         self._conn.execute("PRAGMA journal_size_limit=67108864")  # keep the WAL file near 64 MiB
         self._conn.executescript(SCHEMA)
         if "oldest_version" not in {row[1] for row in self._conn.execute("PRAGMA table_info(leases)")}:
-            self._conn.execute("ALTER TABLE leases ADD COLUMN oldest_version INTEGER")  # a journal of an older version
+            self._add_oldest_version()
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'run'").fetchone()
         if row is None:
             self._conn.execute(SQL_META, ("run", json.dumps({"run_name": run_name, "created_at": time.time()})))
@@ -236,6 +236,21 @@ class Journal:
         # still in memory (RunState holds every change it makes), so reading committed rows is enough.
         self._reader = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._reader.execute("PRAGMA query_only=1")
+
+    def _add_oldest_version(self) -> None:
+        """A journal of an older version: add leases.oldest_version, filled in for the complete
+        groups from their bodies, once (recovery reads the buffer from the lease rows alone)."""
+        conn = self._conn
+        oldest: dict[str, int] = {}
+        for lease_id, data in conn.execute(
+            "SELECT lease_id, data FROM rollouts WHERE lease_id IN (SELECT lease_id FROM leases WHERE status = 'complete')"
+        ):
+            version = msgpack.unpackb(data)["policy_version"]
+            oldest[lease_id] = min(version, oldest.get(lease_id, version))
+        conn.execute("BEGIN")
+        conn.execute("ALTER TABLE leases ADD COLUMN oldest_version INTEGER")
+        conn.executemany("UPDATE leases SET oldest_version = ? WHERE lease_id = ?", [(v, k) for k, v in oldest.items()])
+        conn.execute("COMMIT")
 
     # -- recording (event loop thread) ---------------------------------------------------
 

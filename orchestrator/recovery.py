@@ -127,13 +127,10 @@ def recover(
             lease_book.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], len(rewards))
             lease_book.closed_order.append((row["closed_at"], lease.lease_id))
             if status == "complete":
-                group = Group(
+                ready.append(Group(
                     lease.lease_id, lease.prompt_id, rewards, row["oldest_version"], row["ready_seq"],
                     read=functools.partial(_read_samples, journal, lease, run_name),
-                )
-                if group.oldest_version is None:  # journaled before the column existed: read its samples now
-                    group.oldest_version = min(rollout.policy_version for rollout in group.rollouts)
-                ready.append(group)
+                ))
             continue
         entries = snapshot.rollouts.get(lease.lease_id, [])
         ids = [rollout_id for rollout_id, _ in entries]
