@@ -3,9 +3,11 @@
 RunState (orchestrator/state.py) hands `meta_row` to the journal (written with the next commit
 after a change) and, when it starts on a journal that holds a run, calls `recover` with the
 journal's snapshot (orchestrator/journal.py) before it serves anything. Recovered: versions,
-counters, prompt order, open leases (deadlines, holders, partial samples), closed leases still
-remembered (and their rollout ids, so resends stay duplicates), the buffer in its order with
-its rewards, the last batches served (so a re-ask gets the same batch), and what integrity knew.
+counters, prompt order, open leases (deadlines, holders, partial samples), the closed leases
+still remembered (those of the buffer and the kept batches in memory; the others, and every
+closed lease's rollout ids, looked up in the journal, so resends stay duplicates), the buffer in
+its order with its rewards, the last batches served (so a re-ask gets the same batch), and what
+integrity knew.
 What a restart cannot know (which samples were picked for a logprob check) RunState redoes
 after `recover` returns.
 """
@@ -109,9 +111,9 @@ def recover(
 
     Held in memory again: open leases with their samples, the buffer's groups and the batches
     kept (their samples read from the journal when served or asked for again: `Group.read`,
-    `ServedBatch.build`). Left on disk and looked up there (orchestrator/leases.py): the rollout ids of every
-    closed lease (resends stay duplicates) and the closed leases not in the buffer nor in a kept
-    batch, which are only remembered, oldest first, to be forgotten in time.
+    `ServedBatch.build`). Left on disk and looked up there (orchestrator/leases.py): the rollout
+    ids of every closed lease (resends stay duplicates) and the closed leases not in the buffer
+    nor in a kept batch, which are only remembered, oldest first, to be forgotten in time.
     """
     _restore_meta(snapshot.meta, versions=versions, counters=counters, lease_book=lease_book, buffer=buffer)
     lease_book.journaled = True
