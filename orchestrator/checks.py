@@ -70,7 +70,7 @@ class IngestChecks:
             return "wrong_run"
         open_lease = self.lease_book.open.get(rollout.lease_id)
         if open_lease is None:
-            closed = self.lease_book.closed.get(rollout.lease_id)
+            closed = self.lease_book.closed_lease(rollout.lease_id)
             return CLOSED_REASON[closed.status] if closed is not None else "unknown_or_expired_lease"
         lease = open_lease.lease
         if open_lease.holder != holder:

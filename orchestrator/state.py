@@ -148,7 +148,7 @@ class RunState:
         snapshot = self.journal.load()
         if snapshot.meta:
             recover(
-                snapshot, run_name=config.run_name, versions=self.versions, counters=self.counters,
+                snapshot, journal=self.journal, run_name=config.run_name, versions=self.versions, counters=self.counters,
                 lease_book=self.lease_book, buffer=self.buffer, batches=self.batches, integrity=self.integrity,
             )
             self._redo_checks()
@@ -212,8 +212,9 @@ class RunState:
         """
         self.expire_leases()
         accepted, duplicates, rejected = 0, 0, []
+        journaled = self.lease_book.journaled_ids([rollout.rollout_id for rollout in rollouts])
         for index, rollout in enumerate(rollouts):
-            if rollout.rollout_id in self.lease_book.seen_rollout_ids:  # 1. dedupe
+            if rollout.rollout_id in self.lease_book.seen_rollout_ids or rollout.rollout_id in journaled:  # 1. dedupe
                 duplicates += 1
                 continue
             verdict = self.checks.check(rollout, holder)  # 2. check
@@ -263,7 +264,7 @@ class RunState:
             self.integrity.reward_claimed(open_lease.holder, rollout.claimed_reward, reward)
         # A deterministic run's groups take their place in line from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
-        group = Group(lease.lease_id, lease.prompt_id, list(zip(open_lease.samples, rewards)), open_lease.packed, seq)
+        group = Group.of(lease.lease_id, lease.prompt_id, open_lease.samples, rewards, open_lease.packed, seq)
         self.lease_book.close(lease.lease_id, "complete")
         if open_lease.check:
             checked = [open_lease.samples[i] for i in open_lease.check]
