@@ -8,8 +8,8 @@ A trained policy has learned the task only where it beats these, not merely its 
   prompt_last_word  the prompt's last word, echoed (spell_backward: the word unreversed, which
                     is right in the middle letter and whole for palindromes)
 Each: reward_mean, reward_stderr (over prompts) and solved_fraction (reward 1.0; a fixed answer's
-pass@k for every k). For tasks with reference answers (`answer(prompt_id)`): reasoning_gym,
-dataset and the built-ins that have one. docs/tasks.md reports the figures for configs/reasoning.toml.
+pass@k for every k). For tasks with reference answers (AnswerSource, decentrl/tasks/sources.py).
+docs/tasks.md reports the figures for configs/reasoning.toml.
 Last line: one JSON object.
 Usage: python benchmarks/answer_baselines.py configs/reasoning.toml [--prompts 256] [--seed 0]
 """
@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from decentrl.config import load_config
 from decentrl.tasks import Prompt, Task
+from decentrl.tasks.sources import AnswerSource
 from workers.evaluate import eval_prompts
 
 
@@ -50,8 +51,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    task, prompts = eval_prompts(load_config(args.config), "heldout", args.prompts, args.seed)
-    answers = [task.answer(p.prompt_id) for p in prompts]  # type: ignore[attr-defined] - an AnswerSource
+    config = load_config(args.config)
+    task, prompts = eval_prompts(config, "heldout", args.prompts, args.seed)
+    if not isinstance(task, AnswerSource):
+        raise SystemExit(f"task.type {config.task.type!r} has no reference answers to build constant answers from")
+    answers = [task.answer(p.prompt_id) for p in prompts]
     candidates = [a for a, _ in collections.Counter(answers).most_common(20)]
     candidates += [majority_string(answers), majority_string([a.lower() for a in answers])]
     constants = {c: score(task, prompts, lambda _p, c=c: c) for c in dict.fromkeys(candidates)}
