@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from decentrl.cli.main import app
-from decentrl.config import GuessTaskConfig, ReasoningGymDatasetSpec, ReasoningGymTaskConfig, TinyModelConfig
+from decentrl.config import GuessTaskConfig, ReasoningGymDatasetSpec, ReasoningGymTaskConfig, TinyModelConfig, load_config
 from decentrl.model import build_model, build_tiny_tokenizer
 from decentrl.store import CheckpointStore
 from decentrl.tasks import build_task
@@ -53,6 +53,19 @@ def test_heldout_prompts_are_scored_against_their_own_entries(make_config: MakeC
     for prompt in prompts:
         number = int(prompt.text.rstrip("?").split()[-1])
         assert task.reward(prompt, str(bin(number).count("1"))) == 1.0
+
+
+def test_reasoning_config_has_the_heldout_words_its_docs_evaluate() -> None:
+    """configs/reasoning.toml as docs/tasks.md evaluates it (`--prompts 256`): 256 held-out words,
+    none trained on, each answer 3 letters (what `max_tokens = 3` fits)."""
+    pytest.importorskip("reasoning_gym", reason='needs the tasks extra: pip install -e ".[tasks]"')
+    config = load_config(str(Path(__file__).parents[2] / "configs" / "reasoning.toml"))
+    task, prompts = eval_prompts(config, "heldout", 256)
+    training = build_task(config.task)
+    assert not {training.prompt(i).text for i in range(training.num_prompts)} & {p.text for p in prompts}
+    answers = [task.answer(p.prompt_id) for p in prompts]
+    assert {len(a) for a in answers} == {3} and config.sampling.max_tokens == 3
+    assert all(task.reward(p, a) == 1.0 for p, a in zip(prompts[:8], answers, strict=False))
 
 
 def test_a_split_too_small_says_what_to_change(make_config: MakeConfig) -> None:
