@@ -8,7 +8,7 @@ documented and constrained, so that a bad file fails at load time with the field
 and what is allowed.
 
 One module per section, named after the role that reads it: model, task, prompt, store,
-orchestrator (with [sampling]), worker, simulation (benchmarks only), trainer, logging (trackers);
+orchestrator (with [sampling]), worker, scorer, simulation (benchmarks only), trainer, logging (trackers);
 run.py holds `RunConfig`,
 load.py reading files and overrides. Import from this package.
 """
@@ -19,6 +19,14 @@ from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelC
 from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, RewardConfig, SamplingConfig, VerificationConfig
 from decentrl.config.prompt import PromptConfig
 from decentrl.config.run import RunConfig
+from decentrl.config.scorer import (
+    HFScorerConfig,
+    JsonVerdictConfig,
+    OpenAIScorerConfig,
+    PythonScorerConfig,
+    RegexVerdictConfig,
+    ScorerConfig,
+)
 from decentrl.config.simulation import SimulationConfig
 from decentrl.config.store import StoreConfig
 from decentrl.config.task import (
@@ -51,10 +59,10 @@ from decentrl.config.trainer import (
 from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
-    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
+    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig", "HFScorerConfig", "JsonVerdictConfig",
     "DatasetTaskConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig",
-    "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig",
-    "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig",
+    "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig",
+    "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig", "RegexVerdictConfig", "ScorerConfig",
     "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RewardConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig",
     "SimulationConfig", "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
     "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig",

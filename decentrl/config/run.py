@@ -2,7 +2,7 @@
 
 Each role reads its own section plus the shared ones: the orchestrator [orchestrator],
 [sampling], [task], [prompt], [model], [store]; workers [worker], [store] and [simulation]; the trainer
-[trainer], [model], [store]; `decentrl run` the top-level counts. Checks that span sections live
+[trainer], [model], [store]; scorers [scorer]; `decentrl run` the top-level counts. Checks that span sections live
 here, with errors that say which keys to change.
 """
 
@@ -15,6 +15,7 @@ from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, TinyModelConfig
 from decentrl.config.orchestrator import OrchestratorConfig, SamplingConfig
 from decentrl.config.prompt import PromptConfig
+from decentrl.config.scorer import ScorerConfig
 from decentrl.config.simulation import SimulationConfig
 from decentrl.config.store import StoreConfig
 from decentrl.config.task import SortingTaskConfig, TaskConfig
@@ -47,6 +48,10 @@ class RunConfig(Section):
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig, description="The central service.")
     worker: WorkerConfig = Field(default_factory=WorkerConfig, description="Inference workers.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The FSDP2 trainer.")
+    scorer: ScorerConfig | None = Field(
+        None, description="Scorer processes (`decentrl scorer`): their backend ([scorer] type = 'hf', 'openai' or "
+        "'python'); None in runs that score with verifiers only."
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment trackers (trainer).")
     simulation: SimulationConfig = Field(
         default_factory=SimulationConfig, description="Benchmarks only: injected generation delays."
