@@ -21,11 +21,14 @@ The reward is the same in the three model modes: the sorting verifier's plus `--
 times the classifier's sigmoid score (a real small AutoModelForSequenceClassification, a Qwen2
 built from a config with random weights: its score is noise the policy cannot learn, so
 `--model-weight` is small and the time to target still measures learning the task). The
-per-item delay (a sleep: it costs no CPU) stands for a reward model large enough to matter; by
-default it is chosen from the free-verifier run so that one scorer can score only 2/3 of what
-that run's trainer consumed (`--delay-factor 1.5`) and two scorers 4/3 of it: one scorer is too
-few, two are enough. Inline, the orchestrator scores one sample at a time, so it can score at most
-what one scorer does, and it holds every other request meanwhile.
+per-item delay (a sleep: it costs no CPU) stands for a reward model large enough to matter, run
+on each scorer's own accelerator: the classifier itself is kept tiny, so that on a CPU shared by
+every role the cost that scales with the number of scorers is the delay, as it would with one
+GPU per scorer. By default the delay is chosen from the free-verifier run so that the delay alone
+lets one scorer score only 1/1.2 of what that run's trainer consumed (`--delay-factor 1.2`) and
+two scorers 1.67 times it: one scorer is too few, two should be enough. Inline, the orchestrator
+scores one sample at a time (the task's reward is per sample), so it can score at most what one
+scorer does, and it holds every other request meanwhile. `--modes` may add `scorers_N` for any N.
 
 Prints, as its last line, one JSON object: `busy_<mode>`, `time_to_target_s_<mode>`,
 `ingest_per_s_<mode>` for every mode, the delay used, and the settings.
@@ -67,8 +70,8 @@ def write_classifier(out: Path) -> Path:
 
     tokenizer = build_tiny_tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     Qwen2ForSequenceClassification(config).save_pretrained(out)
@@ -173,9 +176,9 @@ def main() -> None:
     parser.add_argument("--smooth", type=int, default=5, help="Steps in the reward moving average.")
     parser.add_argument("--model-weight", type=float, default=0.02, help="Weight of the classifier's score in the reward.")
     parser.add_argument("--delay-ms", type=float, default=None, help="Delay per scored item; default: from the free run.")
-    parser.add_argument("--delay-factor", type=float, default=1.5,
+    parser.add_argument("--delay-factor", type=float, default=1.2,
                         help="Default delay = factor / (samples per second the free-verifier trainer consumed).")
-    parser.add_argument("--scorer-items", type=int, default=8, help="[scorer] max_items: samples per score lease.")
+    parser.add_argument("--scorer-items", type=int, default=64, help="[scorer] max_items: samples per score lease.")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--work", default=None, help="Where the runs go (default: a temporary directory).")
     args = parser.parse_args()
