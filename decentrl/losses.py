@@ -2,7 +2,9 @@
 
 Called by the trainer once per micro-batch (decentrl/trainer/step.py). `logprobs` are the
 trainer's (with grad) for the sampled tokens, `sampler_logprobs` those the workers sampled with,
-`mask` is 1.0 on completion tokens, `advantages` one per sample.
+`mask` is 1.0 on completion tokens, `advantages` one per token (B, T) - the trainer's batches
+always carry them so (decentrl/trainer/batching.py), process rewards giving each token its own - or
+one per sample (B,), broadcast over the sample's tokens: one code path either way.
 
 Every loss is a sum over tokens of a per-token term times a normalization weight computed from
 whole-batch counts (`BatchTotals`), never from the micro-batch at hand: micro-batches and ranks
@@ -102,14 +104,15 @@ CORRECTIONS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
 def ppo_clip_keep(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
     """1.0 where the clipped surrogate min(r A, clip(r, 1-eps_low, 1+eps_high) A) has gradient.  # (B, T)
 
+    `advantages` is per token (B, T): the clip side is chosen by each token's own advantage sign.
+
     r is pi_trainer / pi_sampler: with one optimizer step per batch, the sampling policy is the
     only "old" policy that differs from the current one. The surrogate's gradient is r A grad(log p)
     inside the trust region and 0 where the clip binds: a positive advantage beyond 1 + eps_high,
     a negative one below 1 - eps_low.
     """
     ratio = log_ratio.exp()
-    adv = advantages[:, None]  # (B, 1)
-    clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+    clipped = ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
     return (~clipped).to(log_ratio.dtype)
 
 
@@ -125,7 +128,7 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 def policy_loss(
     logprobs: torch.Tensor,  # (B, T) trainer logprobs of the sampled tokens, with grad
     sampler_logprobs: torch.Tensor,  # (B, T) workers' sampling logprobs
-    advantages: torch.Tensor,  # (B,)
+    advantages: torch.Tensor,  # (B, T) per token, or (B,) per sample
     mask: torch.Tensor,  # (B, T) 1.0 on completion tokens
     *,
     totals: BatchTotals,
@@ -138,16 +141,20 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance-corrected, clipped policy gradient (+ k3 KL, - entropy bonus), normalized per `loss.type`.
 
-    per token: -w_bt * keep_bt * clip_bt * A_b * log p_bt + kl_coef * k3_bt - entropy_coef * H_bt,
+    per token: -w_bt * keep_bt * clip_bt * A_bt * log p_bt + kl_coef * k3_bt - entropy_coef * H_bt,
     with w, keep, clip constants (no gradient): the gradient of the first term is the
-    off-policy corrected REINFORCE estimate with the group-relative advantage as baseline.
+    off-policy corrected REINFORCE estimate with the group-relative advantage as baseline
+    (A_bt = A_b for every token of sample b when advantages are per sample).
     Returns the loss and token sums (plus one max) that add up over micro-batches and ranks.
     """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]  # (B, 1)
+    advantages = advantages.expand_as(logprobs)  # (B, T)
     # Zero off the completion, so padding can never overflow exp() or reach a statistic.
     log_ratio = (logprobs.detach() - sampler_logprobs) * mask  # (B, T)
     weight, keep = CORRECTIONS[off_policy.type](log_ratio, mask, off_policy)  # (B, T), (B, T)
     clip_keep = ppo_clip_keep(log_ratio, advantages, loss.eps_low, loss.eps_high)  # (B, T)
-    per_token = -(weight * keep * clip_keep) * advantages[:, None] * logprobs  # (B, T)
+    per_token = -(weight * keep * clip_keep) * advantages * logprobs  # (B, T)
     kl = k3_kl(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)
     per_token = per_token + kl_coef * kl - entropy_coef * entropy
     value = (per_token * NORMALIZATIONS[loss.type](mask, totals)).sum()

@@ -364,6 +364,28 @@ class TrainSample(Wire):
     expert_routing: ExpertRouting | None = Field(
         None, description="The rollout's MoE routes; the trainer replays them (docs/routing.md)."
     )
+    token_advantages: FloatArray | None = Field(
+        None, description="Process rewards: one finite advantage per completion token (decentrl/advantages.py "
+        "`process_advantages`, docs/rewards.md); the trainer uses them instead of `advantage`. None: every token "
+        "has `advantage`."
+    )
+
+    @model_validator(mode="after")
+    def _token_advantages_fit(self) -> TrainSample:
+        if self.token_advantages is None:
+            return self
+        n = len(self.completion_token_ids)
+        if len(self.token_advantages) != n:
+            raise ValueError(f"token_advantages has {len(self.token_advantages)} entries but completion_token_ids has {n}")
+        if not _all_finite(self.token_advantages):
+            raise ValueError("token_advantages must be finite numbers")
+        return self
+
+
+def _all_finite(values: list[float]) -> bool:
+    if type(values) is TypedList and values:
+        return all(map(math.isfinite, value_range(values)))  # numpy's min and max propagate NaN
+    return all(map(math.isfinite, values))  # Python's min and max would not
 
 
 class TrainBatch(Wire):

@@ -16,7 +16,16 @@ load.py reading files and overrides. Import from this package.
 from decentrl.config.load import ConfigError, apply_overrides, load_config, parse_config, path_in_file
 from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig, TinyMoEConfig
-from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, RewardConfig, SamplingConfig, VerificationConfig
+from decentrl.config.orchestrator import (
+    AdvantageConfig,
+    DelimiterStepsConfig,
+    OrchestratorConfig,
+    RewardConfig,
+    SamplingConfig,
+    StepsConfig,
+    TurnStepsConfig,
+    VerificationConfig,
+)
 from decentrl.config.prompt import PromptConfig
 from decentrl.config.run import RunConfig
 from decentrl.config.scorer import (
@@ -59,12 +68,13 @@ from decentrl.config.trainer import (
 from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
-    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig", "HFScorerConfig", "JsonVerdictConfig",
-    "DatasetTaskConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig",
-    "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig",
-    "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig", "RegexVerdictConfig", "ScorerConfig",
-    "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RewardConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig",
-    "SimulationConfig", "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
-    "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig",
+    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
+    "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "HFScorerConfig",
+    "IcePopConfig", "ImportTaskConfig", "JsonVerdictConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig",
+    "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig", "OrchestratorConfig", "PolicyLossBase",
+    "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig", "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig",
+    "RegexVerdictConfig", "RewardConfig", "RunConfig", "SamplingConfig", "ScorerConfig", "SeqMaskConfig",
+    "SimulationConfig", "SortingTaskConfig", "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
+    "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "TurnStepsConfig", "VerificationConfig",
     "VerifiersTaskConfig", "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",
 ]

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from decentrl.config.base import Section
+from decentrl.config.base import Section, keyed_union
 
 
 class SamplingConfig(Section):
@@ -69,13 +69,73 @@ class VerificationConfig(Section):
     )
 
 
+class DelimiterStepsConfig(Section):
+    """Steps of a completion are the text between runs of a delimiter (decentrl/steps.py)."""
+
+    type: Literal["delimiter"] = "delimiter"
+    delimiter: str = Field(
+        "\n\n", min_length=1, max_length=64,
+        description="A step ends with the token whose text completes a run of this delimiter (repeats count as one).",
+    )
+    max_steps: int = Field(
+        32, ge=1, le=1024, description="Most steps per completion: past it, the rest of the completion is the last step."
+    )
+
+
+class TurnStepsConfig(Section):
+    """Steps of an episode are its model turns: each run of loss_mask = 1 tokens (decentrl/steps.py)."""
+
+    type: Literal["turns"] = "turns"
+    max_steps: int = Field(
+        32, ge=1, le=1024, description="Most steps per completion: past it, the remaining turns form the last step."
+    )
+
+
+StepsConfig = keyed_union(DelimiterStepsConfig, TurnStepsConfig)
+
+
 class AdvantageConfig(Section):
-    """Group-relative advantages, computed by the orchestrator when a group is complete
-    (decentrl/advantages.py `group_advantages`): each reward minus its group's mean."""
+    """Advantages, computed by the orchestrator when a group is complete (decentrl/advantages.py).
+
+    Outcome rewards (`group_advantages`): each reward minus its group's mean (divided by the
+    group's std with normalize_std). Process rewards, when a scorer gives a score per step
+    (`process_advantages`, docs/rewards.md#process-rewards): every step score of the group is
+    normalized the same way over all the group's steps, giving s_ij; token t of sample i gets
+
+        A_it = process_weight * P_it + outcome_weight * A_i  (0 where loss_mask is 0)
+
+    with P_it = sum of s_ij over the steps j ending at or after t (`process = "return"`,
+    DeepSeekMath's process supervision) or s_ij of t's own step (`process = "step"`).
+    """
 
     normalize_std: bool = Field(
-        False, description="Divide each group's centered rewards by the group's std (GRPO); Dr.GRPO leaves it off."
+        False, description="Divide each group's centered rewards (and centered step scores) by their std (GRPO); "
+        "Dr.GRPO leaves it off."
     )
+    process: Literal["return", "step"] = Field(
+        "return", description="Per-token process advantage: return = sum of the normalized scores of the token's "
+        "step and every later step; step = its own step's normalized score only."
+    )
+    process_weight: float = Field(
+        1.0, ge=0.0, le=1000.0, description="Weight of the process advantage P_it in a token's advantage."
+    )
+    outcome_weight: float = Field(
+        0.0, ge=0.0, le=1000.0, description="Weight of the sample's outcome advantage A_i added to every token's "
+        "process advantage (samples without step scores keep A_i alone)."
+    )
+    steps: StepsConfig = Field(
+        default_factory=DelimiterStepsConfig,
+        description="How a completion is split into the steps a process scorer scores (decentrl/steps.py).",
+    )
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> AdvantageConfig:
+        if self.process_weight == 0 and self.outcome_weight == 0:
+            raise ValueError(
+                "orchestrator.advantages: process_weight and outcome_weight are both 0, so every token's advantage "
+                "would be 0; set process_weight > 0 (or outcome_weight > 0)"
+            )
+        return self
 
 
 class RewardConfig(Section):

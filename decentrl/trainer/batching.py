@@ -24,7 +24,9 @@ class Tensors:
     attention_mask: torch.Tensor  # (B, L)
     completion_mask: torch.Tensor  # (B, L-1) 1 where target position t+1 is a completion token
     sampler_logprobs: torch.Tensor  # (B, L-1) aligned with the targets
-    advantages: torch.Tensor  # (B,)
+    # (B, L-1) aligned with the targets: each completion position holds its token's advantage (the
+    # sample's `advantage`, or its `token_advantages` for process rewards); 0 elsewhere.
+    advantages: torch.Tensor
     # (B, L-1, K) the vocabulary ids the worker's top-k/top-p kept at each target position,
     # padded with -1; a row of -1 means no truncation there. None when no sample is truncated.
     kept_ids: torch.Tensor | None = None
@@ -43,6 +45,7 @@ def collate(samples: list[TrainSample], pad_id: int) -> Tensors:
     attention = torch.zeros((len(samples), width), dtype=torch.long)
     mask = torch.zeros((len(samples), width - 1))
     sampler = torch.zeros((len(samples), width - 1))
+    advantages = torch.zeros((len(samples), width - 1))
     for row, sample in enumerate(samples):
         p, c = len(sample.prompt_token_ids), len(sample.completion_token_ids)
         ids[row, : p + c] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
@@ -51,7 +54,8 @@ def collate(samples: list[TrainSample], pad_id: int) -> Tensors:
         # Environment tokens of a multi-turn episode (loss_mask 0) are context, not trained.
         mask[row, p - 1 : p - 1 + c] = 1.0 if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32)
         sampler[row, p - 1 : p - 1 + c] = torch.tensor(sample.logprobs)
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+        tokens = sample.token_advantages
+        advantages[row, p - 1 : p - 1 + c] = sample.advantage if tokens is None else torch.tensor(tokens, dtype=torch.float32)
     return Tensors(ids, attention, mask, sampler, advantages, kept_ids(samples, width), batch_routes([s.expert_routing for s in samples], width))
 
 
@@ -78,12 +82,13 @@ def idle_micro_batch(pad_id: int) -> Tensors:
         attention_mask=torch.ones((1, 2), dtype=torch.long),
         completion_mask=torch.zeros((1, 1)),
         sampler_logprobs=torch.zeros((1, 1)),
-        advantages=torch.zeros(1),
+        advantages=torch.zeros((1, 1)),
     )
 
 
 def select_samples(batch: TrainBatch, drop_zero_variance: bool) -> list[TrainSample]:
-    """The samples that train this step: all, or those of groups whose rewards differ."""
+    """The samples that train this step: all, or those of groups with a policy-gradient signal
+    (rewards that differ, or a non-zero per-token advantage: decentrl/advantages.py)."""
     if not drop_zero_variance:
         return batch.samples
     if any(s.group_id is None for s in batch.samples):
@@ -91,7 +96,9 @@ def select_samples(batch: TrainBatch, drop_zero_variance: bool) -> list[TrainSam
             "trainer.advantages.drop_zero_variance needs group ids in batches; "
             "upgrade the orchestrator or set drop_zero_variance = false"
         )
-    keep = informative_samples([s.reward for s in batch.samples], [str(s.group_id) for s in batch.samples])
+    keep = informative_samples(
+        [s.reward for s in batch.samples], [str(s.group_id) for s in batch.samples], [s.token_advantages for s in batch.samples]
+    )
     return [s for s, k in zip(batch.samples, keep) if k]
 
 

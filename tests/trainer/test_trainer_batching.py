@@ -91,3 +91,38 @@ def test_micro_batched_loss_and_gradients_equal_the_whole_batch(loss_type: str) 
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7, msg=name)
     assert any(g.abs().sum() > 0 for g in whole.values())
+
+
+def with_token_advantages(samples: list[TrainSample], seed: int) -> list[TrainSample]:
+    rng = random.Random(seed)
+    return [s.model_copy(update={"token_advantages": [rng.uniform(-1, 1) for _ in s.completion_token_ids]}) for s in samples]
+
+
+def test_token_advantages_micro_batch_like_the_whole_batch() -> None:
+    torch.manual_seed(0)
+    model = build_model(TINY).train()
+    samples = with_token_advantages(random_samples(12, seed=4), seed=5)
+    config = TrainerConfig()
+    whole_loss, whole = gradients_of(model, samples, [list(range(len(samples)))], config)
+    (micro,) = plan_micro_batches([len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples], 1, 14)
+    split_loss, split = gradients_of(model, samples, micro, config)
+    assert split_loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_token_advantages_equal_to_the_samples_advantage_train_exactly_like_it() -> None:
+    torch.manual_seed(0)
+    model = build_model(TINY).train()
+    samples = random_samples(8, seed=6)
+    same = [s.model_copy(update={"token_advantages": [s.advantage] * len(s.completion_token_ids)}) for s in samples]
+    config = TrainerConfig()
+    rows = [list(range(len(samples)))]
+    loss, grads = gradients_of(model, samples, rows, config)
+    token_loss, token_grads = gradients_of(model, same, rows, config)
+    assert token_loss == loss
+    for name in grads:
+        assert torch.equal(token_grads[name], grads[name]), name
+    # Different token advantages do change the step.
+    other_loss, _ = gradients_of(model, with_token_advantages(samples, seed=7), rows, config)
+    assert other_loss != loss

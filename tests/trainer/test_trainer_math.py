@@ -72,17 +72,28 @@ def test_collate_places_completion_at_shifted_positions() -> None:
         [0, 0, -0.5, -0.25, 0, 0, 0, 0],
         [0, 0, 0, 0, -1.0, -2.0, -3.0, -4.0],
     ]
-    assert batch.advantages.tolist() == [1.5, -0.5]
+    # Each completion position carries its sample's advantage (per token: process rewards may differ).
+    assert batch.advantages.tolist() == [[0, 0, 1.5, 1.5, 0, 0, 0, 0], [0, 0, 0, 0, -0.5, -0.5, -0.5, -0.5]]
     # The targets under the mask are exactly the completion tokens.
     targets = batch.input_ids[:, 1:]
     assert targets[0][batch.completion_mask[0].bool()].tolist() == [5, 2]
     assert targets[1][batch.completion_mask[1].bool()].tolist() == [4, 4, 6, 2]
 
 
+def test_collate_places_token_advantages_at_the_shifted_completion_positions() -> None:
+    process = sample([1, 7, 3], [5, 2], advantage=9.0).model_copy(update={"token_advantages": [0.25, -0.5]})
+    outcome = sample([1, 7, 5, 8], [4, 4, 6], advantage=-0.75)
+    batch = collate([process, outcome], pad_id=0)
+    # Token advantages replace the sample's advantage; a sample without them carries its scalar
+    # advantage at each of its completion positions.
+    assert batch.advantages.tolist() == [[0, 0, 0.25, -0.5, 0, 0], [0, 0, 0, -0.75, -0.75, -0.75]]
+    assert batch.advantages.shape == batch.completion_mask.shape
+
+
 def test_collate_shapes_and_dtypes() -> None:
     batch = collate([sample([1, 4], [5]), sample([1], [6, 7, 2])], pad_id=0)
     assert batch.input_ids.shape == batch.attention_mask.shape == (2, 4)
-    assert batch.completion_mask.shape == batch.sampler_logprobs.shape == (2, 3)
+    assert batch.completion_mask.shape == batch.sampler_logprobs.shape == batch.advantages.shape == (2, 3)
     assert batch.input_ids.dtype == torch.long
     assert batch.completion_mask.dtype == batch.sampler_logprobs.dtype == batch.advantages.dtype == torch.float32
     assert batch.completion_mask.sum().item() == 4
