@@ -37,7 +37,10 @@ class Group:
     seq: int = 0  # place in line (completion order; ready_seq in the journal), set on joining the line or being held back
     awaiting: set[Wait] = field(default_factory=set)  # what holds it back, while it is held back
     verifier_rewards: list[float] | None = None  # while it waits for model scores: the task's rewards, if used
-    step_scores: list[list[float] | None] | None = None  # process rewards: per sample, its steps' scores
+    # Process rewards: per sample, its steps' last token indices (decentrl/steps.py) and their
+    # scores (None for a sample scored without them: a judge reply that did not parse).
+    step_ends: list[list[int]] | None = None
+    step_scores: list[list[float] | None] | None = None
 
     def oldest_version(self) -> int:
         return min(rollout.policy_version for rollout, _ in self.samples)

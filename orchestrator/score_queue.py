@@ -239,18 +239,18 @@ class ScoreQueue:
 
     def expire(self) -> int:
         """Close overdue score leases; their unscored items go to the front of the queue."""
-        now, expired = self.clock(), 0
+        now, expired, again = self.clock(), 0, []
         while self.deadlines and self.deadlines[0][0] < now:
             deadline, lease_id = heapq.heappop(self.deadlines)
             entry = self.leases.get(lease_id)
             if entry is None or entry.deadline != deadline:
                 continue  # closed already, or renewed (a later heap entry stands for it)
-            again = [rid for rid in entry.rollout_ids if rid in entry.unscored and rid in self.samples]
-            self.queue.extendleft(reversed(again))
-            self.counts["scores_reassigned"] += len(again)
+            again += [rid for rid in entry.rollout_ids if rid in entry.unscored and rid in self.samples]
             self.counts["score_leases_expired"] += 1
             self._close(entry, "expired")
             expired += 1
+        self.queue.extendleft(reversed(again))  # first, the lease that expired first first
+        self.counts["scores_reassigned"] += len(again)
         return expired
 
     def _close(self, entry: ScoreLeaseEntry, status: Literal["done", "expired"]) -> None:

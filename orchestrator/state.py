@@ -147,7 +147,8 @@ class RunState:
             versions=self.versions, counters=self.counters, integrity=self.integrity, journal=self.journal, clock=clock,
         )
         self.scorer = Scorer(
-            task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt
+            task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt,
+            steps=options.advantages.steps,
         )
         self.checks = IngestChecks(
             config=config, task=task, sampling=SamplingParams(**config.sampling.model_dump()),
@@ -201,7 +202,7 @@ class RunState:
                 self.drop_banned(name)  # nothing, normally
         verifying = self.config.orchestrator.verification.enabled
         for group in self.buffer.ready:  # process rewards of groups recovered in line
-            group.step_scores = self._recovered_steps(group)
+            self._recover_steps(group)
         if not verifying and not self.config.orchestrator.rewards.uses_model:
             return
         for open_lease in list(self.lease_book.open.values()):
@@ -211,11 +212,14 @@ class RunState:
                 self._complete(open_lease)
         self._scores_taken = {}
 
-    def _recovered_steps(self, group: Group) -> list[list[float] | None] | None:
-        if self.config.orchestrator.rewards.steps == "none":
-            return None
+    def _recover_steps(self, group: Group) -> None:
+        """A group recovered in line: its steps split again, its step scores from the journal."""
+        steps = self.scorer.steps([rollout for rollout, _ in group.samples])
+        if steps is None:
+            return
+        group.step_ends = [s.ends for s in steps]
         results = [self._scores_taken.get(rollout.rollout_id) for rollout, _ in group.samples]
-        return [result.step_scores if result is not None else None for result in results]
+        group.step_scores = [result.step_scores if result is not None else None for result in results]
 
     # -- leases (orchestrator/leases.py) ------------------------------------------------------
 
@@ -315,7 +319,9 @@ class RunState:
             return
         group.verifier_rewards = verifier
         self.buffer.hold_back(group, check=check, scores=model)
-        if model and self.score_queue.add(lease.lease_id, self.scorer.items(samples), self._scores_taken):
+        steps = self.scorer.steps(samples) if model else None
+        group.step_ends = [s.ends for s in steps] if steps is not None else None
+        if model and self.score_queue.add(lease.lease_id, self.scorer.items(samples, steps), self._scores_taken):
             self._scored(lease.lease_id)  # recovered with every score already taken
 
     def _claimed(self, group: Group, holder: str) -> None:
@@ -349,7 +355,7 @@ class RunState:
             self.lease_book.close(group_id, "dropped", reason="judge_parse_failure", counted=len(group.samples))
             return
         group.samples = [(rollout, reward) for (rollout, _), reward in zip(group.samples, rewards, strict=True)]
-        if self.config.orchestrator.rewards.steps != "none":
+        if group.step_ends is not None:
             group.step_scores = [result.step_scores for result in results]
         self._claimed(group, self.lease_book.closed[group_id].holder)
         if self.buffer.done_waiting(group_id, "scores") is None:

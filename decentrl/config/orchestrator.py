@@ -159,11 +159,11 @@ class RewardConfig(Section):
         "score it default_score; drop = drop its group. Either way counted (judge_parse_failures), never a silent 0."
     )
     default_score: float = Field(0.0, allow_inf_nan=False, description="on_parse_failure = default: the model score used.")
-    steps: Literal["none", "delimiter", "turns"] = Field(
-        "none", description="Process rewards: none = one score per sample; delimiter = the completion is split at "
-        "step_delimiter and scorers return one score per step; turns = split at the chat turns (decentrl/steps.py)."
+    step_scores: bool = Field(
+        False, strict=True, description="Process rewards: scorers are sent each completion's steps (split as "
+        "[orchestrator.advantages.steps] says, decentrl/steps.py) and return one score per step, which become "
+        "per-token advantages ([orchestrator.advantages] process keys)."
     )
-    step_delimiter: str = Field("\n\n", min_length=1, max_length=64, description="steps = delimiter: what separates steps.")
     lease_timeout_s: float = Field(
         30.0, gt=0, le=86400, description="A score lease not answered in full within this (renewable) expires; its "
         "unscored samples go to the next scorer that asks."
@@ -180,8 +180,8 @@ class RewardConfig(Section):
             raise ValueError(f"orchestrator.rewards.score_range must be [min, max] with finite min < max, got {list(self.score_range)}")
         if not low <= self.default_score <= high:
             raise ValueError(f"orchestrator.rewards.default_score ({self.default_score}) must lie in score_range {list(self.score_range)}")
-        if self.steps != "none" and self.type == "verifier":
-            raise ValueError("orchestrator.rewards.steps needs a model reward: set type = 'model' or 'sum'")
+        if self.step_scores and self.type == "verifier":
+            raise ValueError("orchestrator.rewards.step_scores needs a model reward: set type = 'model' or 'sum'")
         return self
 
 

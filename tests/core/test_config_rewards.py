@@ -40,14 +40,14 @@ def test_a_sum_with_local_scorers_loads(tmp_path: Path) -> None:
         ("[orchestrator.rewards]\ndefault_score = nan\n", ["default_score"]),
         ("[orchestrator.rewards]\nmodel_weight = -1\n", ["model_weight"]),
         ('[orchestrator.rewards]\non_parse_failure = "zero"\n', ["on_parse_failure"]),
-        ('[orchestrator.rewards]\nsteps = "delimiter"\n', ["steps", "model"]),
-        ('[orchestrator.rewards]\ntype = "model"\nstep_delimiter = ""\n', ["step_delimiter"]),
+        ("[orchestrator.rewards]\nstep_scores = true\n", ["step_scores", "model"]),
+        ('[orchestrator.rewards]\ntype = "model"\nstep_scores = "yes"\n', ["step_scores"]),
         ("[orchestrator.rewards]\nlease_timeout_s = 0\n", ["lease_timeout_s"]),
         ('num_scorers = 1\n[orchestrator.rewards]\ntype = "model"\n', ["num_scorers", "[scorer]"]),
         ('num_scorers = 1\n[scorer]\ntype = "python"\nfunction = "m:f"\n', ["num_scorers", "verifier"]),
     ],
     ids=["type", "range-order", "range-inf", "range-length", "default-out", "default-nan", "weight", "policy",
-         "steps-need-model", "delimiter-empty", "timeout", "scorers-need-backend", "scorers-need-model"],
+         "steps-need-model", "steps-bool", "timeout", "scorers-need-backend", "scorers-need-model"],
 )
 def test_bad_reward_settings_say_how_to_fix_them(tmp_path: Path, text: str, words: list[str]) -> None:
     with pytest.raises(ConfigError) as info:

@@ -142,14 +142,16 @@ def test_an_expired_score_lease_is_reassigned_and_its_late_post_refused(
         async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
             first = await lease_items(server, max_items=2)
             assert len(first["items"]) == 2
-            assert len((await lease_items(server, SCORER2, "s1"))["items"]) == 1  # the third
+            third = await lease_items(server, SCORER2, "s1")
+            assert len(third["items"]) == 1
             assert (await lease_items(server, SCORER2, "s1"))["items"] == []
             status, renewed, _ = await server.call(
                 "POST", f"/v1/score/leases/{first['lease_id']}/renew?scorer_id=s0", SCORER)
             assert status == 200 and renewed["unscored"] == 2
             clock.advance(6.0)  # past lease_timeout_s = 5
-            again = await lease_items(server, SCORER2, "s1")
-            assert [i["rollout_id"] for i in again["items"]][:2] == [i["rollout_id"] for i in first["items"]]
+            again = await lease_items(server, SCORER2, "s1")  # both leases expired: all three again
+            assert sorted(i["rollout_id"] for i in again["items"]) == sorted(
+                i["rollout_id"] for i in first["items"] + third["items"])
             status, answer = await post(server, scores_for(first))
             assert status == 409 and "expired" in answer["error"]
             status, answer, _ = await server.call("POST", f"/v1/score/leases/{first['lease_id']}/renew?scorer_id=s0", SCORER)
@@ -225,8 +227,12 @@ def test_a_post_is_all_or_nothing(make_state: Any, complete_group: Any, serve_or
     run(scenario())
 
 
-def test_step_scores_must_match_the_steps(make_state: Any, make_rollout: Any, serve_orchestrator: Any) -> None:
-    state = make_state(orchestrator={"lease_wait_s": 0.0, "rewards": {"type": "model", "steps": "delimiter", "step_delimiter": "3"}})
+def test_step_scores_must_match_the_steps_and_become_token_advantages(
+    make_state: Any, make_rollout: Any, serve_orchestrator: Any
+) -> None:
+    state = make_state(trainer={"groups_per_step": 1, "steps": 3}, orchestrator={
+        "lease_wait_s": 0.0, "rewards": {"type": "model", "step_scores": True},
+        "advantages": {"steps": {"type": "delimiter", "delimiter": "3"}}})
     (lease,) = state.grant_leases("alice/w0", 1)
     state.ingest([make_rollout(lease, "1234") for _ in range(lease.group_size)], "alice/w0")
 
@@ -239,12 +245,45 @@ def test_step_scores_must_match_the_steps(make_state: Any, make_rollout: Any, se
                 body["scores"][0]["step_scores"] = step_scores[0] if step_scores else None
                 code, answer = await post(server, body)
                 assert code == 400 and reason in answer["error"], answer
-            body = scores_for(got, step_scores=[0.25, 0.75])
+            body = scores_for(got)
+            for score, steps in zip(body["scores"], ([0.25, 0.75], [0.75, 0.25], [0.5, 0.5]), strict=True):
+                score["step_scores"] = steps
             assert (await post(server, body))[0] == 200
+            # Step scores normalized over the group's six: [-0.25, 0.25], [0.25, -0.25], [0, 0]; returns
+            # per step [0, 0.25], [0, -0.25], [0, 0]; step 0 ends at the "3" (token 2), step 1 at the eos.
+            expected = [[0.0, 0.0, 0.0, 0.25, 0.25], [0.0, 0.0, 0.0, -0.25, -0.25], [0.0] * 5]
+            for accept in ("application/json", "application/msgpack"):
+                status, batch, _ = await server.call(
+                    "GET", "/v1/batch?trainer_version=0&request_id=r0", TRAINER, headers={"Accept": accept})
+                assert status == 200
+                assert [list(s["token_advantages"]) for s in batch["samples"]] == [pytest.approx(e) for e in expected]
 
     run(scenario())
-    (group,) = state.ready
-    assert group.step_scores == [[0.25, 0.75]] * 3
+
+
+def test_a_sample_without_step_scores_trains_on_its_outcome(make_state: Any, make_rollout: Any) -> None:
+    from decentrl.wire import ScorePost, ScoreResult
+
+    state = make_state(trainer={"groups_per_step": 1, "steps": 3}, orchestrator={
+        "lease_wait_s": 0.0, "rewards": {"type": "model", "step_scores": True, "on_parse_failure": "default"},
+        "advantages": {"steps": {"type": "delimiter", "delimiter": "3"}, "outcome_weight": 1.0}})
+    (lease,) = state.grant_leases("alice/w0", 1)
+    state.ingest([make_rollout(lease, "1234") for _ in range(lease.group_size)], "alice/w0")
+    entry = state.lease_scores("judge/s0", 8)
+    assert entry is not None
+    results = [ScoreResult(rollout_id=entry.rollout_ids[0], score=None, failure="parse")] + [
+        ScoreResult(rollout_id=rid, score=1.0, step_scores=steps)
+        for rid, steps in zip(entry.rollout_ids[1:], ([0.0, 1.0], [1.0, 1.0]), strict=True)
+    ]
+    state.post_scores("judge/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=results))
+    batch = state.take_batch(0)
+    assert batch is not None
+    first, second, third = batch.samples
+    assert first.token_advantages is None and first.advantage == pytest.approx(-2 / 3)  # default 0 vs two 1s
+    # The two scored: steps [0, 1] and [1, 1], mean 0.75: s = [-0.75, 0.25], [0.25, 0.25]; returns
+    # [-0.5, 0.25] and [0.5, 0.25], plus their outcome advantage 1/3.
+    assert second.token_advantages == pytest.approx([-0.5 + 1 / 3] * 3 + [0.25 + 1 / 3] * 2)
+    assert third.token_advantages == pytest.approx([0.5 + 1 / 3] * 3 + [0.25 + 1 / 3] * 2)
 
 
 @pytest.mark.parametrize(
