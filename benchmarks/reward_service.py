@@ -147,7 +147,16 @@ def run_mode(args: argparse.Namespace, mode: str, classifier: Path, delay_s: flo
     metrics = read_metrics(run_dir)
     status = json.loads((run_dir / "status.json").read_text())
     summary = summarize(args, metrics, status, None)
+    later = metrics[1:]
+    step_s = sum(m["step_s"] for m in later) / len(later)
     return {
+        # Mean step time after the first batch, and its part spent computing: the same work in
+        # every mode, so differences in the latter are the machine's load (a shared CPU).
+        "step_s": step_s,
+        "trainer_compute_s": step_s - sum(m["wait_for_batch_s"] for m in later) / len(later),
+        "time_to_target_after_first_batch_s": (
+            None if summary["time_to_target_s"] is None else summary["time_to_target_s"] - summary["first_batch_wait_s"]
+        ),
         # The first batch also waits for every role to start (scorers load torch and the
         # classifier): the steady state is after it; the whole run is kept too.
         "busy": summary["trainer_busy_fraction_after_first_batch"],
@@ -207,6 +216,8 @@ def main() -> None:
         summary[f"time_to_target_s_{mode}"] = None if result["time_to_target_s"] is None else round(result["time_to_target_s"], 2)
         summary[f"ingest_per_s_{mode}"] = round(result["ingest_per_s"], 1)
         summary[f"wall_s_{mode}"] = round(result["wall_s"], 1)
+        summary[f"step_s_{mode}"] = round(result["step_s"], 3)
+        summary[f"trainer_compute_s_{mode}"] = round(result["trainer_compute_s"], 3)
     if "busy_free_verifier" in summary and "busy_scorers_2" in summary:
         summary["busy_gap_scorers_2"] = round(summary["busy_free_verifier"] - summary["busy_scorers_2"], 4)
     summary.update(delay_ms_per_item=round(delay_s * 1000, 3), steps=args.steps, groups_per_step=args.groups_per_step,
