@@ -1,5 +1,5 @@
 """Scoring functions for the `python` scorer backend (workers/scorers/python.py) in tests that
-start real `decentrl scorer` processes (tests/pipeline/test_pipeline_scorer_kill9.py): the
+start real `decentrl scorer` processes (tests/pipeline/test_pipeline_scorer_kill9.py, test_pipeline_scorers.py): the
 process imports them as `tests.scorer_functions:NAME` with the repository root on its path."""
 
 from __future__ import annotations

@@ -144,14 +144,15 @@ def scorer_command(config_path: Path, url: str, scorer_id: str) -> list[str]:
 
 
 def _check_roles(config: RunConfig, roles: list[Role], exited: set[str]) -> None:
-    """Raise if a role died; a dead worker is only reported when the config tolerates it."""
+    """Raise if a role died; a dead worker (or scorer) is only reported when the config tolerates it."""
     for role in roles:
         code = role.process.poll()
         if code is None or role.name in exited or (role.name == "trainer" and code == 0):
             continue
-        workers_left = [r for r in roles if r.name.startswith("worker-") and r.process.poll() is None]
-        if role.name.startswith("worker-") and config.tolerate_worker_exits and workers_left:
-            console.print(f"[yellow]{role.name} exited with code {code}; {len(workers_left)} worker(s) carry on[/]")
+        kind = role.name.split("-")[0]  # worker-3 -> worker, scorer-1 -> scorer
+        left = [r for r in roles if r.name.startswith(f"{kind}-") and r.process.poll() is None]
+        if kind in ("worker", "scorer") and config.tolerate_worker_exits and left:
+            console.print(f"[yellow]{role.name} exited with code {code}; {len(left)} {kind}(s) carry on[/]")
             exited.add(role.name)
             continue
         raise RuntimeError(

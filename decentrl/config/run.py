@@ -63,7 +63,7 @@ class RunConfig(Section):
         "also run elsewhere, `decentrl scorer`)."
     )
     tolerate_worker_exits: bool = Field(
-        False, description="`decentrl run` keeps going when a worker dies (as long as one is left)."
+        False, description="`decentrl run` keeps going when a worker (or a scorer) dies, as long as one of its kind is left."
     )
 
     @model_validator(mode="after")
