@@ -440,3 +440,25 @@ def test_a_group_failing_its_check_while_scored_is_dropped_and_its_items_go(make
     state.verification_done(lease.lease_id, {rollout_id: "logprob_mismatch"})
     assert not state.pending and state.dropped["failed_verification"] == 2
     assert state.lease_scores("judge/s0", 8) is None and state.score_queue.waiting() == 0
+
+
+def test_a_deterministic_run_serves_waiting_groups_in_their_places(make_state: Any, complete_group: Any) -> None:
+    from decentrl.wire import ScorePost, ScoreResult
+
+    state = make_state(deterministic=True, trainer={"groups_per_step": 1, "steps": 3})
+    first, second = complete_group(state), complete_group(state)
+    assert (first.index, second.index) == (0, 1)
+
+    def score(lease: Lease, value: float) -> None:
+        ids = [rollout.rollout_id for rollout, _ in state.pending[lease.lease_id].samples]
+        entry = state.lease_scores("judge/s0", 64)
+        assert entry is not None
+        state.post_scores("judge/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=[
+            ScoreResult(rollout_id=rid, score=value) for rid in entry.rollout_ids if rid in ids]))
+
+    score(second, 0.5)  # place 1 is scored first (its items are leased with place 0's, which stay unscored)
+    assert [g.lease_id for g in state.ready] == [second.lease_id] and state.take_batch(0) is None
+    state.clock.advance(6.0)  # the lease holding place 0's items expires; they are leased again
+    score(first, 0.25)
+    batch = state.take_batch(0)
+    assert batch is not None and {s.group_id for s in batch.samples} == {first.lease_id}
