@@ -16,6 +16,7 @@ import heapq
 import json
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from decentrl.determinism import required_version
@@ -102,8 +103,12 @@ def recover(
     buffer: Buffer,
     batches: Batches,
     integrity: Integrity,
+    restore_steps: Callable[[Group], None],
 ) -> None:
-    """Rebuild the state the journal committed (into freshly made, empty parts)."""
+    """Rebuild the state the journal committed (into freshly made, empty parts). `restore_steps`
+    gives a group recovered in line or in a kept batch its process rewards again (its steps split
+    again, its step scores from the journal's scores; RunState `_recover_steps`), so a batch asked
+    for again after a restart carries the same per-token advantages."""
     _restore_meta(snapshot.meta, versions=versions, counters=counters, lease_book=lease_book, buffer=buffer)
     ready: list[Group] = []
     rebuilt: dict[str, list[Rollout]] = {}  # lease id -> its samples still held in the journal
@@ -141,6 +146,7 @@ def recover(
         if status == "complete":
             rewards = json.loads(row["rewards"])
             ready.append(Group(lease.lease_id, lease.prompt_id, list(zip(samples, rewards)), packed, row["ready_seq"]))
+            restore_steps(ready[-1])
     buffer.ready = deque(sorted(ready, key=lambda group: group.seq))
     for request_id, body in snapshot.batches:
         lease_ids = body["lease_ids"]
@@ -154,6 +160,8 @@ def recover(
             )
             for i, lease_id in enumerate(lease_ids)
         ]
+        for group in groups:
+            restore_steps(group)
         batch = batches.build(
             groups, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
             rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],

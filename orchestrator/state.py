@@ -180,6 +180,7 @@ class RunState:
             recover(
                 snapshot, run_name=config.run_name, versions=self.versions, counters=self.counters,
                 lease_book=self.lease_book, buffer=self.buffer, batches=self.batches, integrity=self.integrity,
+                restore_steps=self._recover_steps,
             )
             self._redo_checks()
             log.info(
@@ -201,8 +202,6 @@ class RunState:
             if record.banned:
                 self.drop_banned(name)  # nothing, normally
         verifying = self.config.orchestrator.verification.enabled
-        for group in self.buffer.ready:  # process rewards of groups recovered in line
-            self._recover_steps(group)
         if not verifying and not self.config.orchestrator.rewards.uses_model:
             return
         for open_lease in list(self.lease_book.open.values()):
@@ -213,7 +212,8 @@ class RunState:
         self._scores_taken = {}
 
     def _recover_steps(self, group: Group) -> None:
-        """A group recovered in line: its steps split again, its step scores from the journal."""
+        """A group recovered in line or in a kept batch (orchestrator/recovery.py): its steps split
+        again, its step scores from the journal."""
         steps = self.scorer.steps([rollout for rollout, _ in group.samples])
         if steps is None:
             return

@@ -462,3 +462,30 @@ def test_a_deterministic_run_serves_waiting_groups_in_their_places(make_state: A
     score(first, 0.25)
     batch = state.take_batch(0)
     assert batch is not None and {s.group_id for s in batch.samples} == {first.lease_id}
+
+
+def test_process_rewards_survive_a_restart(make_state: Any, make_rollout: Any, tmp_path: Path) -> None:
+    from decentrl.wire import ScorePost, ScoreResult
+
+    path = str(tmp_path / "journal.sqlite")
+    options = {"trainer": {"groups_per_step": 1, "steps": 3}, "orchestrator": {
+        "lease_wait_s": 0.0, "rewards": {"type": "model", "step_scores": True},
+        "advantages": {"steps": {"type": "delimiter", "delimiter": "3"}}}}
+    state = make_state(path, **options)
+    for _ in range(2):  # one group to serve before the restart, one to keep in line
+        (lease,) = state.grant_leases("alice/w0", 1)
+        state.ingest([make_rollout(lease, "1234") for _ in range(lease.group_size)], "alice/w0")
+    entry = state.lease_scores("judge/s0", 64)
+    assert entry is not None and len(entry.rollout_ids) == 6
+    steps = [[0.25, 0.75], [0.75, 0.25], [0.5, 0.5]] * 2
+    state.post_scores("judge/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=[
+        ScoreResult(rollout_id=rid, score=0.5, step_scores=s) for rid, s in zip(entry.rollout_ids, steps, strict=True)]))
+    served = state.take_batch(0, "r1")
+    assert served is not None and served.samples[0].token_advantages is not None
+    state.journal.flush()
+    state.journal.close()
+    again = make_state(path, **options)
+    assert again.served_batch("r1").samples == served.samples  # the same per-token advantages
+    later = again.take_batch(1, "r2")
+    assert later is not None and [s.token_advantages for s in later.samples] == [s.token_advantages for s in served.samples]
+    again.journal.close()
