@@ -20,7 +20,8 @@ sampled by policies up to max_staleness versions older than its final one. A com
 --async-staleness adds one asynchronous run per value. --deterministic adds "async_deterministic":
 the asynchronous run again with deterministic = true (docs/reproducibility.md), same seeds, and
 reports its trainer busy fraction and time to target against the free-running one
-("deterministic_cost"; the goal is busy within 0.05).
+("deterministic_cost"; the goal is busy within 0.05). --skip-sync leaves the synchronous run out
+(its figures and ratios are then null), for measuring only that cost.
 
 Writes one PNG per scenario (reward vs wall time; trainer busy/idle timeline of the first seed)
 and prints, as its last line, one JSON object: the base scenario's {"sync", "async",
@@ -113,13 +114,15 @@ def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: 
 
 
 def evaluate_version(args: argparse.Namespace, run_dir: Path, version: int) -> dict:
-    """`decentrl eval` of one version of the run, on held-out prompts, with the run's sampling."""
+    """`decentrl eval` of one version of the run, on held-out prompts, with the run's sampling.
+    The version is pulled (verified; a delta version rebuilt from its base), as workers pull it."""
     from decentrl.config import load_config
+    from decentrl.store import CheckpointStore
     from workers.evaluate import evaluate
 
     config = load_config(str(run_dir / "config.json"))
-    checkpoint = run_dir / "checkpoints" / f"v{version:06d}"
-    figures = evaluate(config, str(checkpoint), version, prompts=args.eval_prompts, samples_per_prompt=args.eval_samples)
+    checkpoint = CheckpointStore(str(run_dir / "checkpoints")).pull(version, str(run_dir / "eval-cache"))
+    figures = evaluate(config, checkpoint, version, prompts=args.eval_prompts, samples_per_prompt=args.eval_samples)
     return figures.as_dict()
 
 
@@ -249,6 +252,7 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=4, help="Samples per held-out prompt.")
     parser.add_argument("--out", default="docs/figures", help="Where the PNGs go.")
     parser.add_argument("--deterministic", action="store_true", help="Also run the asynchronous mode with deterministic = true.")
+    parser.add_argument("--skip-sync", action="store_true", help="Leave out the synchronous run (no time-to-target ratios).")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -260,7 +264,7 @@ def main() -> None:
     stalenesses = [int(n) for n in args.async_staleness.split(",")]
     if not stalenesses or min(stalenesses) < 1:
         raise SystemExit(f"--async-staleness takes integers >= 1 separated by commas (got {args.async_staleness!r})")
-    modes = {"sync": 0, "async": stalenesses[0], **{f"async_s{n}": n for n in stalenesses[1:]}}
+    modes = {**({} if args.skip_sync else {"sync": 0}), "async": stalenesses[0], **{f"async_s{n}": n for n in stalenesses[1:]}}
     if args.deterministic:
         modes["async_deterministic"] = stalenesses[0]
     for scenario in args.scenarios.split(","):
@@ -288,7 +292,7 @@ def main() -> None:
             })
         figure = plot(scenario, results, args.target, out)
         means = {mode: aggregate(runs) for mode, runs in results.items()}
-        sync_t = means["sync"]["time_to_target_s"]
+        sync_t = means["sync"]["time_to_target_s"] if "sync" in means else None
         ratios = {mode: m["time_to_target_s"] / sync_t if sync_t and m["time_to_target_s"] else None for mode, m in means.items()}
         report[scenario] = {
             **means,
@@ -318,12 +322,19 @@ def main() -> None:
                 "time_to_target_s_deterministic": fixed["time_to_target_s"],
                 "wall_s_free": free["wall_s"],
                 "wall_s_deterministic": fixed["wall_s"],
+                "busy_after_first_batch_free": free["trainer_busy_fraction_after_first_batch"],
+                "busy_after_first_batch_deterministic": fixed["trainer_busy_fraction_after_first_batch"],
+                "per_seed": [
+                    {mode: {k: s[mode][k] for k in ("trainer_busy_fraction", "time_to_target_s", "wall_s")}
+                     for mode in ("async", "async_deterministic")}
+                    for s in seeds
+                ],
             }
     shutil.rmtree(tmp)
-    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic")}
+    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic", "skip_sync")}
     first = report[next(iter(report))]
     print(json.dumps({
-        "sync": first["sync"], "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"],
+        "sync": first.get("sync"), "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"],
         **({"deterministic_cost": first["deterministic_cost"]} if args.deterministic else {}),
         "settings": settings, "scenarios": report,
     }))

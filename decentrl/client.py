@@ -202,8 +202,9 @@ class OrchestratorClient:
     def batch(self, trainer_version: int, request_id: str | None = None) -> TrainBatch | None:
         """The next batch for a trainer holding `trainer_version`; None if none came in time.
 
-        One request id per call: if the answer is lost and the request retried, the
-        orchestrator answers with the batch it already served instead of a second one.
+        One request id per call (or the caller's: the trainer names its step): if the answer is
+        lost and the request retried, the orchestrator answers with the batch it already served
+        instead of a second one.
         """
         query = _query(trainer_version=trainer_version, request_id=request_id or uuid.uuid4().hex)
         status, media, payload = self._request("GET", f"{API_PREFIX}/batch?{query}")

@@ -170,6 +170,11 @@ class Rollout(Wire):
     lease_id: str = Field(max_length=128, description="The lease this sample answers; also its group id.")
     prompt_id: Int = Field(ge=0, le=MAX_VERSION)
     worker_id: str = Field(pattern=WORKER_ID)
+    sample_index: Int | None = Field(
+        None, ge=0, le=MAX_VERSION, description="Deterministic runs: j, the sample's place in its group, from which "
+        "its seed derives (decentrl/determinism.py `sample_seed`); the verifier re-draws its tokens with it. "
+        "None in other runs.",
+    )
     policy_version: Int = Field(
         ge=0, le=MAX_VERSION, description="Version of the weights that sampled the first token."
     )

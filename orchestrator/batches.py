@@ -23,7 +23,6 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from decentrl.advantages import group_advantages, process_advantages
 from decentrl.config import AdvantageConfig, RunConfig
@@ -45,13 +44,28 @@ def pack_sample(rollout: Rollout) -> Packed:
 
 @dataclass
 class ServedBatch:
-    batch: TrainBatch
-    lease_ids: list[str]
-    packed: list[Packed]  # per sample of the batch
-    prompts: dict[str, Any]  # lease id -> packed prompt ids
+    """A batch kept for re-asks. One recovered from the journal is built again (its groups read
+    from the journal) only when it is asked for again (orchestrator/recovery.py)."""
+
+    batch_id: str
+    groups: list[Group]
+    build: Callable[[], TrainBatch]
+    built: TrainBatch | None = None
+
+    @property
+    def batch(self) -> TrainBatch:
+        if self.built is None:
+            self.built = self.build()
+        return self.built
+
+    @property
+    def lease_ids(self) -> list[str]:
+        return [group.lease_id for group in self.groups]
 
     def msgpack(self) -> bytes:
-        return train_batch_msgpack(self.batch, self.packed, self.prompts)
+        packed = [packed for group in self.groups for packed in group.packed]  # per sample of the batch
+        prompts = {group.lease_id: pack_ints(group.rollouts[0].prompt_token_ids) for group in self.groups if group.size}
+        return train_batch_msgpack(self.batch, packed, prompts)
 
 
 def build_batch(
@@ -60,10 +74,9 @@ def build_batch(
 ) -> TrainBatch:
     samples, histogram = [], Counter()
     for group in groups:
-        rewards = [reward for _, reward in group.samples]
-        outcome = group_advantages(rewards, normalize_std=advantages.normalize_std)
+        outcome = group_advantages(group.rewards, normalize_std=advantages.normalize_std)
         per_token = token_advantages(group, outcome, advantages)
-        for (rollout, reward), advantage, tokens in zip(group.samples, outcome, per_token, strict=True):
+        for rollout, reward, advantage, tokens in zip(group.rollouts, group.rewards, outcome, per_token, strict=True):
             # Fields were validated at ingest: construct without copying the token lists.
             samples.append(
                 TrainSample.model_construct(
@@ -98,12 +111,12 @@ def token_advantages(group: Group, outcome: list[float], config: AdvantageConfig
     a sample without step scores (a judge reply that did not parse, scored by default: it trains
     on its outcome advantage) and for every sample of a group scored without steps."""
     if group.step_scores is None or group.step_ends is None:
-        return [None] * len(group.samples)
+        return [None] * group.size
     scored = [i for i, scores in enumerate(group.step_scores) if scores is not None]
-    result: list[list[float] | None] = [None] * len(group.samples)
+    result: list[list[float] | None] = [None] * group.size
     if not scored:
         return result
-    rollouts = [rollout for rollout, _ in group.samples]
+    rollouts = group.rollouts
     per_token = process_advantages(
         [group.step_scores[i] for i in scored],  # type: ignore[misc]
         [group.step_ends[i] for i in scored],
@@ -150,14 +163,14 @@ class Batches:
         self.journal.meta_dirty = True
         max_staleness = self.config.max_staleness
         def stale(group: Group) -> bool:
-            return not is_fresh(trainer_version, group.oldest_version(), max_staleness)
+            return not is_fresh(trainer_version, group.oldest_version, max_staleness)
 
         for group in self.buffer.evict(stale):
-            self.lease_book.close(group.lease_id, "dropped", reason="stale_in_buffer", counted=len(group.samples))
+            self.lease_book.close(group.lease_id, "dropped", reason="stale_in_buffer", counted=group.size)
         # A group still waiting for model scores that can no longer train goes now (a group held
         # back for its logprob check alone is judged when the check is done: orchestrator/verdicts.py).
         for group in self.buffer.release_held_back(lambda group: "scores" in group.awaiting and stale(group)):
-            self.lease_book.close(group.lease_id, "dropped", reason="stale_waiting_scores", counted=len(group.samples))
+            self.lease_book.close(group.lease_id, "dropped", reason="stale_waiting_scores", counted=group.size)
 
     def take(self, trainer_version: int, request_id: str | None) -> TrainBatch | None:
         """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet; for a
@@ -177,9 +190,9 @@ class Batches:
             rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
         )
         for group in groups:
-            self.counters.recent_rewards.extend(reward for _, reward in group.samples)
+            self.counters.recent_rewards.extend(group.rewards)
             closed = self.lease_book.close(group.lease_id, "served")
-            self.integrity.record(closed.holder).served += len(group.samples)
+            self.integrity.record(closed.holder).served += group.size
         assert batch.batch_id is not None
         self._serve(request_id or batch.batch_id, batch, groups)
         return batch
@@ -220,26 +233,20 @@ class Batches:
                 "batch_id": batch.batch_id,
                 "trainer_version": batch.trainer_version,
                 "lease_ids": [group.lease_id for group in groups],
-                "rewards": [[reward for _, reward in group.samples] for group in groups],
+                "rewards": [group.rewards for group in groups],
                 "rollouts_accepted": batch.rollouts_accepted,
                 "stale_dropped": batch.stale_dropped,
             },
         )
-        self.keep(request_id, batch, groups)
+        self.keep(request_id, ServedBatch(batch.batch_id, groups, lambda: batch, batch))
         while len(self.served) > self.config.orchestrator.batches_kept:
             old_key, old = self.served.popitem(last=False)
             self.leases.difference_update(old.lease_ids)
-            self._by_batch_id.pop(old.batch.batch_id or "", None)
+            self._by_batch_id.pop(old.batch_id, None)
             self.journal.batch_forgotten(old_key, old.lease_ids)
 
-    def keep(self, request_id: str, batch: TrainBatch, groups: list[Group]) -> None:
+    def keep(self, request_id: str, served: ServedBatch) -> None:
         """Keep a batch for re-asks (one just served, or one recovered from the journal)."""
-        served = ServedBatch(
-            batch,
-            [group.lease_id for group in groups],
-            [packed for group in groups for packed in group.packed],
-            {group.lease_id: pack_ints(group.samples[0][0].prompt_token_ids) for group in groups if group.samples},
-        )
         self.served[request_id] = served
-        self._by_batch_id[batch.batch_id or ""] = served
+        self._by_batch_id[served.batch_id] = served
         self.leases.update(served.lease_ids)

@@ -30,11 +30,21 @@ Wait = Literal["check", "scores"]
 
 @dataclass
 class Group:
+    """A complete, scored group: what the buffer orders, evicts and serves.
+
+    Its samples (rollouts and their packed arrays) are held in memory, or, for a group recovered
+    from the journal, read from it the first time they are needed (`read`): the buffer is
+    recovered from its lease rows alone (rewards, place, oldest version), so a restart does not
+    decode thousands of buffered rollouts (orchestrator/recovery.py); they are decoded when served.
+    """
+
     lease_id: str
     prompt_id: int
-    samples: list[tuple[Rollout, float]]  # (rollout, reward)
-    packed: list[Packed]
+    rewards: list[float]
+    oldest_version: int  # the oldest policy version among its samples: staleness is judged by it
     seq: int = 0  # place in line (completion order; ready_seq in the journal), set on joining the line or being held back
+    held: tuple[list[Rollout], list[Packed]] | None = None  # (rollouts, packed arrays), in sample order
+    read: Callable[[], tuple[list[Rollout], list[Packed]]] | None = None  # where `held` is None
     awaiting: set[Wait] = field(default_factory=set)  # what holds it back, while it is held back
     verifier_rewards: list[float] | None = None  # while it waits for model scores: the task's rewards, if used
     # Process rewards: per sample, its steps' last token indices (decentrl/steps.py) and their
@@ -42,8 +52,35 @@ class Group:
     step_ends: list[list[int]] | None = None
     step_scores: list[list[float] | None] | None = None
 
-    def oldest_version(self) -> int:
-        return min(rollout.policy_version for rollout, _ in self.samples)
+    @classmethod
+    def of(cls, lease_id: str, prompt_id: int, rollouts: list[Rollout], rewards: list[float], packed: list[Packed],
+           seq: int = 0) -> Group:
+        """A group of samples held in memory."""
+        oldest = min(rollout.policy_version for rollout in rollouts)
+        return cls(lease_id, prompt_id, rewards, oldest, seq, held=(rollouts, packed))
+
+    def _samples(self) -> tuple[list[Rollout], list[Packed]]:
+        if self.held is None:
+            assert self.read is not None, "a group holds its samples or can read them"
+            self.held, self.read = self.read(), None
+        return self.held
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        return self._samples()[0]
+
+    @property
+    def packed(self) -> list[Packed]:
+        return self._samples()[1]
+
+    @property
+    def samples(self) -> list[tuple[Rollout, float]]:
+        """(rollout, reward) pairs, in sample order."""
+        return list(zip(self.rollouts, self.rewards, strict=True))
+
+    @property
+    def size(self) -> int:
+        return len(self.rewards)
 
 
 @dataclass
@@ -109,7 +146,7 @@ class Buffer:
             while position and self.ready[position - 1].seq > group.seq:
                 position -= 1
             self.ready.insert(position, group)
-        self.journal.group_completed(group.lease_id, group.seq, [reward for _, reward in group.samples], self.clock())
+        self.journal.group_completed(group.lease_id, group.seq, group.rewards, group.oldest_version, self.clock())
 
     def held_back_ahead(self, count: int) -> bool:
         """Whether a group held back for its check is among the first `count` complete groups in

@@ -70,7 +70,7 @@ class IngestChecks:
             return "wrong_run"
         open_lease = self.lease_book.open.get(rollout.lease_id)
         if open_lease is None:
-            closed = self.lease_book.closed.get(rollout.lease_id)
+            closed = self.lease_book.closed_lease(rollout.lease_id)
             return CLOSED_REASON[closed.status] if closed is not None else "unknown_or_expired_lease"
         lease = open_lease.lease
         if open_lease.holder != holder:
@@ -83,6 +83,11 @@ class IngestChecks:
             rollout.policy_version != lease.policy_version or rollout.token_versions is not None
         ):
             return "wrong_version"  # a deterministic run: the lease names the one version to sample under
+        if lease.index is not None and (
+            rollout.sample_index is None or rollout.sample_index >= lease.group_size
+            or any(sample.sample_index == rollout.sample_index for sample in open_lease.samples)
+        ):
+            return "bad_sample_index"  # a deterministic run: each seed of the group once (the verifier re-draws)
         published = self.versions.published
         if published is None or rollout.policy_version > published:
             return "future_version"

@@ -40,7 +40,8 @@ from orchestrator.journal import IntegrityChanges
 
 # Rejection reasons that only a faulty or dishonest worker produces: each is a strike.
 STRIKE_REASONS = frozenset(
-    {"replay", "bad_finish_reason", "future_version", "prompt_mismatch", "token_out_of_vocabulary", "logprob_mismatch"}
+    {"replay", "bad_finish_reason", "future_version", "prompt_mismatch", "token_out_of_vocabulary", "logprob_mismatch",
+     "not_reproduced", "bad_sample_index"}
 )
 REWARD_MATCH = 1e-6  # a claimed reward this close to the recomputed one agrees
 

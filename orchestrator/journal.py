@@ -25,6 +25,13 @@ then wakes the handlers, which answer their clients. Statements are queued in th
 state changed, so an answer that depends on an earlier change (a duplicate, a batch holding a
 just-completed group) is never sent before that change is on disk.
 
+Read path. At startup `load` reads what recovery rebuilds in memory: the leases still in play
+(open, complete, in a kept batch), the open leases' samples and a (closed_at, lease_id) list of
+the other closed leases. Everything else (the rollout ids of closed leases, their rows, the
+bodies of buffered groups) stays on disk, and RunState's parts look it up from the event loop's
+thread through a second, read-only connection (`acknowledged`, `closed_lease`, `samples`):
+indexed queries of committed rows, which WAL lets run beside the writer.
+
 A failed write is fatal: the state in memory is then ahead of the disk, so `failed` is set,
 every later commit raises JournalError and the service answers 503 until restarted, when
 recovery rebuilds the state from what was committed (orchestrator/recovery.py).
@@ -70,7 +77,8 @@ CREATE TABLE IF NOT EXISTS leases (
     status TEXT NOT NULL,
     ready_seq INTEGER,
     closed_at REAL,
-    rewards TEXT
+    rewards TEXT,
+    oldest_version INTEGER
 );
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id TEXT NOT NULL,
@@ -78,6 +86,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     data BLOB
 );
 CREATE INDEX IF NOT EXISTS rollouts_by_lease ON rollouts(lease_id);
+CREATE INDEX IF NOT EXISTS rollouts_by_id ON rollouts(rollout_id);
 CREATE TABLE IF NOT EXISTS batches (
     request_id TEXT PRIMARY KEY,
     served_at REAL NOT NULL,
@@ -100,7 +109,9 @@ SQL_LEASE = (
     "VALUES (?, ?, ?, ?, ?, ?, 'open')"
 )
 SQL_ROLLOUT = "INSERT INTO rollouts(rollout_id, lease_id, data) VALUES (?, ?, ?)"
-SQL_COMPLETE = "UPDATE leases SET status = 'complete', ready_seq = ?, closed_at = ?, rewards = ? WHERE lease_id = ?"
+SQL_COMPLETE = (
+    "UPDATE leases SET status = 'complete', ready_seq = ?, closed_at = ?, rewards = ?, oldest_version = ? WHERE lease_id = ?"
+)
 SQL_CLOSE = "UPDATE leases SET status = ?, closed_at = ? WHERE lease_id = ?"
 SQL_DROP_DATA = "UPDATE rollouts SET data = NULL WHERE lease_id = ?"
 SQL_RENEW = "UPDATE leases SET deadline = ? WHERE lease_id = ?"
@@ -128,12 +139,17 @@ class JournalMismatch(RuntimeError):
 
 @dataclass
 class Snapshot:
-    """Everything committed, as read at startup."""
+    """What recovery needs of what was committed, as read at startup: the rows of the leases
+    still in play, and of the others only what forgetting them needs. The rollout ids and bodies
+    of closed leases stay on disk, looked up when asked for (`acknowledged`, `closed_lease`,
+    `samples`), so what is read here grows with the buffer and the open leases, not with the
+    rollouts journaled (docs/benchmarks.md, recovery)."""
 
     meta: dict[str, Any]
-    leases: list[sqlite3.Row]
-    rollouts: dict[str, list[tuple[str, bytes | None]]]  # lease_id -> [(rollout_id, body)] in acceptance order
+    leases: list[sqlite3.Row]  # open and complete leases, and the leases of the batches kept
+    rollouts: dict[str, list[tuple[str, bytes | None]]]  # of open leases: lease_id -> [(rollout_id, body)] in acceptance order
     batches: list[tuple[str, dict[str, Any]]]  # (request_id, body) oldest first
+    remembered: list[tuple[float, str]] = field(default_factory=list)  # (closed_at, lease_id) of closed leases not open nor complete, oldest first
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # token name -> integrity record
     content: list[tuple[bytes, str, int]] = field(default_factory=list)  # (digest, lease_id, version)
     scores: dict[str, str] = field(default_factory=dict)  # rollout id -> its ScoreResult as JSON
@@ -174,6 +190,17 @@ def decode_rollout(data: bytes, *, rollout_id: str, lease_id: str, run_name: str
     return Rollout.model_construct(**body)
 
 
+def lease_of(row: sqlite3.Row) -> Lease:
+    """A journaled lease, built without validating it again (it was validated when it was made)."""
+    return Lease.model_construct(
+        lease_id=row["lease_id"],
+        prompt_id=row["prompt_id"],
+        prompt_token_ids=unpack_msgpack(row["prompt_token_ids"]),
+        group_size=row["group_size"],
+        deadline=row["deadline"],
+    )
+
+
 class Journal:
     durable = True  # what is recorded survives a restart
 
@@ -187,6 +214,8 @@ class Journal:
         self._conn.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
         self._conn.execute("PRAGMA journal_size_limit=67108864")  # keep the WAL file near 64 MiB
         self._conn.executescript(SCHEMA)
+        if "oldest_version" not in {row[1] for row in self._conn.execute("PRAGMA table_info(leases)")}:
+            self._add_oldest_version()
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'run'").fetchone()
         if row is None:
             self._conn.execute(SQL_META, ("run", json.dumps({"run_name": run_name, "created_at": time.time()})))
@@ -209,6 +238,26 @@ class Journal:
         self._closing = False
         self.failed: BaseException | None = None
         self.on_commit: Callable[[float, int], None] | None = None  # (seconds, statements), loop thread
+        # Lookups from the event loop's thread, beside the writer: WAL lets this connection read
+        # what is committed while the writer commits. What is recorded and not yet committed is
+        # still in memory (RunState holds every change it makes), so reading committed rows is enough.
+        self._reader = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._reader.execute("PRAGMA query_only=1")
+
+    def _add_oldest_version(self) -> None:
+        """A journal of an older version: add leases.oldest_version, filled in for the complete
+        groups from their bodies, once (recovery reads the buffer from the lease rows alone)."""
+        conn = self._conn
+        oldest: dict[str, int] = {}
+        for lease_id, data in conn.execute(
+            "SELECT lease_id, data FROM rollouts WHERE lease_id IN (SELECT lease_id FROM leases WHERE status = 'complete')"
+        ):
+            version = msgpack.unpackb(data)["policy_version"]
+            oldest[lease_id] = min(version, oldest.get(lease_id, version))
+        conn.execute("BEGIN")
+        conn.execute("ALTER TABLE leases ADD COLUMN oldest_version INTEGER")
+        conn.executemany("UPDATE leases SET oldest_version = ? WHERE lease_id = ?", [(v, k) for k, v in oldest.items()])
+        conn.execute("COMMIT")
 
     # -- recording (event loop thread) ---------------------------------------------------
 
@@ -233,8 +282,8 @@ class Journal:
     def rollout_accepted(self, rollout: Rollout, packed: Packed) -> None:
         self.record(SQL_ROLLOUT, (rollout.rollout_id, rollout.lease_id, encode_rollout(rollout, packed)))
 
-    def group_completed(self, lease_id: str, ready_seq: int, rewards: list[float], at: float) -> None:
-        self.record(SQL_COMPLETE, (ready_seq, at, json.dumps(rewards), lease_id))
+    def group_completed(self, lease_id: str, ready_seq: int, rewards: list[float], oldest_version: int, at: float) -> None:
+        self.record(SQL_COMPLETE, (ready_seq, at, json.dumps(rewards), oldest_version, lease_id))
 
     def lease_closed(self, lease_id: str, status: str, at: float, *, drop_samples: bool) -> None:
         self.record(SQL_CLOSE, (status, at, lease_id))
@@ -324,6 +373,7 @@ class Journal:
         self._thread = None
 
     def close(self) -> None:
+        self._reader.close()
         self._conn.close()
 
     def _writer(self) -> None:
@@ -385,20 +435,67 @@ class Journal:
         conn = self._conn
         row = conn.execute("SELECT value FROM meta WHERE key = 'state'").fetchone()
         meta = json.loads(row[0]) if row is not None else {}
-        leases = conn.execute("SELECT * FROM leases").fetchall()
-        rollouts: dict[str, list[tuple[str, bytes | None]]] = {}
-        for rollout_id, lease_id, data in conn.execute("SELECT rollout_id, lease_id, data FROM rollouts ORDER BY rowid"):
-            rollouts.setdefault(lease_id, []).append((rollout_id, data))
         batches = [
             (request_id, json.loads(body))
             for request_id, body in conn.execute("SELECT request_id, body FROM batches ORDER BY served_at, rowid")
         ]
+        leases = conn.execute("SELECT * FROM leases WHERE status IN ('open', 'complete')").fetchall()
+        in_batches = list({lease_id for _, body in batches for lease_id in body["lease_ids"]})
+        leases += _rows_of(conn, "SELECT * FROM leases WHERE status NOT IN ('open', 'complete') AND lease_id IN ({})",
+                           in_batches)
+        # Plain tuples (the reader has no row factory): at 1M rollouts these are 62k rows.
+        remembered = self._reader.execute(
+            "SELECT closed_at, lease_id FROM leases WHERE status NOT IN ('open', 'complete') ORDER BY closed_at"
+        ).fetchall()
+        wanted = [row["lease_id"] for row in leases if row["status"] == "open"]
+        rollouts: dict[str, list[tuple[str, bytes | None]]] = {}
+        for _, rollout_id, lease_id, data in sorted(
+            _rows_of(conn, "SELECT rowid, rollout_id, lease_id, data FROM rollouts WHERE lease_id IN ({})", wanted),
+            key=lambda row: row[0],
+        ):
+            rollouts.setdefault(lease_id, []).append((rollout_id, data))
         workers = {name: json.loads(record) for name, record in conn.execute("SELECT name, record FROM workers")}
         content = [tuple(row) for row in conn.execute("SELECT digest, lease_id, version FROM content")]
+        # Scores of groups still waiting for their scorers, or scored and not yet forgotten
+        # (orchestrator/score_queue.py): a model-reward run only.
         scores = dict(conn.execute("SELECT rollout_id, result FROM scores").fetchall())
         return Snapshot(
-            meta=meta, leases=leases, rollouts=rollouts, batches=batches, workers=workers, content=content, scores=scores
+            meta=meta, leases=leases, rollouts=rollouts, batches=batches, remembered=remembered, workers=workers,
+            content=content, scores=scores,
         )
+
+    # -- lookups (event loop thread; what is committed) -------------------------------------
+
+    def acknowledged(self, rollout_ids: list[str]) -> set[str]:
+        """Those of `rollout_ids` the journal holds (acknowledged and not yet forgotten)."""
+        return {row[0] for row in _rows_of(self._reader, "SELECT rollout_id FROM rollouts WHERE rollout_id IN ({})", rollout_ids)}
+
+    def closed_lease(self, lease_id: str) -> tuple[sqlite3.Row, list[str]] | None:
+        """A closed lease's row and its rollout ids, if the journal still holds it."""
+        cursor = self._reader.cursor()
+        cursor.row_factory = sqlite3.Row
+        row = cursor.execute("SELECT * FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
+        if row is None or row["status"] == "open":
+            return None
+        ids = [rollout_id for (rollout_id,) in self._reader.execute(
+            "SELECT rollout_id FROM rollouts WHERE lease_id = ? ORDER BY rowid", (lease_id,)
+        )]
+        return row, ids
+
+    def samples(self, lease_id: str) -> list[tuple[str, bytes | None]]:
+        """A lease's (rollout id, body) in acceptance order."""
+        return self._reader.execute(
+            "SELECT rollout_id, data FROM rollouts WHERE lease_id = ? ORDER BY rowid", (lease_id,)
+        ).fetchall()
+
+
+def _rows_of(conn: sqlite3.Connection, sql: str, keys: list[str]) -> list[Any]:
+    """`sql` (whose `IN ({})` takes the keys) run over `keys` in chunks within SQLite's parameter limit."""
+    rows: list[Any] = []
+    for start in range(0, len(keys), 500):
+        chunk = keys[start:start + 500]
+        rows += conn.execute(sql.format(", ".join("?" * len(chunk))), chunk).fetchall()
+    return rows
 
 
 class NullJournal:
@@ -425,7 +522,7 @@ class NullJournal:
     def rollout_accepted(self, rollout: Rollout, packed: Packed) -> None:
         pass
 
-    def group_completed(self, lease_id: str, ready_seq: int, rewards: list[float], at: float) -> None:
+    def group_completed(self, lease_id: str, ready_seq: int, rewards: list[float], oldest_version: int, at: float) -> None:
         pass
 
     def lease_closed(self, lease_id: str, status: str, at: float, *, drop_samples: bool) -> None:
@@ -448,6 +545,15 @@ class NullJournal:
 
     def load(self) -> Snapshot:
         return Snapshot(meta={}, leases=[], rollouts={}, batches=[])
+
+    def acknowledged(self, rollout_ids: list[str]) -> set[str]:
+        return set()
+
+    def closed_lease(self, lease_id: str) -> tuple[sqlite3.Row, list[str]] | None:
+        return None
+
+    def samples(self, lease_id: str) -> list[tuple[str, bytes | None]]:
+        return []
 
     def flush(self) -> None:
         pass

@@ -12,7 +12,9 @@ RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its publ
   lease closed without training (expired, released, dropped) has its samples counted as
   dropped and its content forgotten by orchestrator/integrity.py (so it may honestly come again);
 - a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample
-  gets a precise reason and a resend is answered as a duplicate;
+  gets a precise reason and a resend is answered as a duplicate; after a recovery those of the
+  leases closed before it are remembered in the journal and looked up there (`journaled_ids`,
+  `closed_lease`), not held in memory;
 - deterministic runs (docs/reproducibility.md): a lease is a place in the consumption order
   (`Lease.index`), which fixes its prompt (the seeded order, cycled) and the version it is
   sampled under (decentrl/determinism.py `required_version`); a place closed without training
@@ -40,7 +42,7 @@ from decentrl.wire import Lease, LeaseState, Rollout
 from orchestrator.codec import Packed
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity, token_of
-from orchestrator.journal import RunJournal
+from orchestrator.journal import RunJournal, lease_of
 
 ClosedStatus = Literal["complete", "served", "expired", "released", "dropped"]
 Requeue = Literal["back", "front"]
@@ -93,7 +95,10 @@ class ClosedLease:
     holder: str
     status: ClosedStatus  # complete (in the buffer or held back), served, expired, released, dropped
     closed_at: float
-    rollout_ids: list[str]
+    samples: int  # samples it took
+    # Their ids, where memory holds them: a lease recovered from the journal as complete, or
+    # looked up there, leaves them on disk (`journaled_ids` finds them there).
+    rollout_ids: list[str] = field(default_factory=list)
 
 
 class PromptQueue:
@@ -175,6 +180,11 @@ class LeaseBook:
         self.open: dict[str, OpenLease] = {}
         self.closed: dict[str, ClosedLease] = {}
         self.seen_rollout_ids: dict[str, str] = {}  # rollout id -> lease id, while its lease is remembered
+        # After a recovery (orchestrator/recovery.py): the journal holds rollout ids that memory
+        # does not (those of closed leases), and closed leases that are only `remembered` by
+        # (closed_at, lease_id), oldest first, to be forgotten in time; both are looked up there.
+        self.journaled = False
+        self.remembered: deque[tuple[float, str]] = deque()
         self.deadlines: list[tuple[float, str]] = []  # heap; entries of closed or renewed leases skipped lazily
         self.closed_order: deque[tuple[float, str]] = deque()  # (closed_at, lease_id), oldest first, for forgetting
 
@@ -276,7 +286,8 @@ class LeaseBook:
         now = self.clock()
         open_lease = self.open.pop(lease_id, None)
         if open_lease is not None:
-            closed = ClosedLease(open_lease.lease, open_lease.holder, status, now, [r.rollout_id for r in open_lease.samples])
+            ids = [r.rollout_id for r in open_lease.samples]
+            closed = ClosedLease(open_lease.lease, open_lease.holder, status, now, len(ids), ids)
             self.closed[lease_id] = closed
             if requeue is not None and not self.prompts.deterministic:
                 self.prompts.requeue(open_lease.lease.prompt_id, requeue)
@@ -289,12 +300,12 @@ class LeaseBook:
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
             self.integrity.forget_lease(lease_id)
-            if closed.rollout_ids:
-                samples = len(closed.rollout_ids) if counted is None else counted
+            if closed.samples:
+                samples = closed.samples if counted is None else counted
                 self.counters.dropped[reason] += samples
                 if reason in STALE_REASONS:
                     self.counters.stale_dropped += samples
-            self.journal.lease_closed(lease_id, status, now, drop_samples=bool(closed.rollout_ids))
+            self.journal.lease_closed(lease_id, status, now, drop_samples=bool(closed.samples))
         elif status == "served":
             self.journal.lease_closed(lease_id, status, now, drop_samples=False)
         self.journal.meta_dirty = True
@@ -302,8 +313,26 @@ class LeaseBook:
 
     # -- a holder's requests ----------------------------------------------------------------
 
+    def journaled_ids(self, rollout_ids: list[str]) -> set[str]:
+        """Those of `rollout_ids` acknowledged before a recovery and not held in memory: the
+        journal is asked (one indexed query) only when it holds ids memory does not."""
+        if not self.journaled:
+            return set()
+        return self.journal.acknowledged([i for i in rollout_ids if i not in self.seen_rollout_ids])
+
+    def closed_lease(self, lease_id: str) -> ClosedLease | None:
+        """A closed lease still remembered: in memory, or (recovered) in the journal."""
+        closed = self.closed.get(lease_id)
+        if closed is not None or not self.journaled or lease_id in self.open:
+            return closed
+        found = self.journal.closed_lease(lease_id)
+        if found is None:
+            return None
+        row, ids = found
+        return ClosedLease(lease_of(row), row["holder"], row["status"], row["closed_at"], len(ids), ids)
+
     def owned(self, lease_id: str, holder: str) -> OpenLease | ClosedLease:
-        found: OpenLease | ClosedLease | None = self.open.get(lease_id) or self.closed.get(lease_id)
+        found: OpenLease | ClosedLease | None = self.open.get(lease_id) or self.closed_lease(lease_id)
         if found is None:
             raise LeaseNotFound(
                 f"no lease {lease_id!r}: never granted, or closed more than "
@@ -318,7 +347,7 @@ class LeaseBook:
         if isinstance(found, OpenLease):
             state, samples = "open", len(found.samples)
         else:
-            state, samples = found.status, len(found.rollout_ids)
+            state, samples = found.status, found.samples
         lease = found.lease
         return LeaseState(
             lease_id=lease_id, prompt_id=lease.prompt_id, state=state, samples=samples,  # type: ignore[arg-type]
@@ -366,4 +395,9 @@ class LeaseBook:
                 self.seen_rollout_ids.pop(rollout_id, None)
             self.journal.lease_forgotten(lease_id)
             forgotten += 1
+        while self.remembered and self.remembered[0][0] < horizon and forgotten < limit:
+            lease_id = self.remembered.popleft()[1]
+            if lease_id not in self.closed:  # else recovered into memory (a batch kept): forgotten from there
+                self.journal.lease_forgotten(lease_id)
+                forgotten += 1
         return forgotten

@@ -3,15 +3,18 @@
 RunState (orchestrator/state.py) hands `meta_row` to the journal (written with the next commit
 after a change) and, when it starts on a journal that holds a run, calls `recover` with the
 journal's snapshot (orchestrator/journal.py) before it serves anything. Recovered: versions,
-counters, prompt order, open leases (deadlines, holders, partial samples), closed leases still
-remembered (and their rollout ids, so resends stay duplicates), the buffer in its order with
-its rewards, the last batches served (so a re-ask gets the same batch), and what integrity knew.
+counters, prompt order, open leases (deadlines, holders, partial samples), the closed leases
+still remembered (those of the buffer and the kept batches in memory; the others, and every
+closed lease's rollout ids, looked up in the journal, so resends stay duplicates), the buffer in
+its order with its rewards, the last batches served (so a re-ask gets the same batch), and what
+integrity knew.
 What a restart cannot know (which samples were picked for a logprob check) RunState redoes
 after `recover` returns.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import logging
@@ -20,13 +23,13 @@ from collections.abc import Callable
 from typing import Any
 
 from decentrl.determinism import required_version
-from decentrl.encoding import unpack_msgpack
-from decentrl.wire import Lease, Rollout
-from orchestrator.batches import Batches, pack_sample
+from decentrl.wire import Lease, Rollout, TrainBatch
+from orchestrator.batches import Batches, ServedBatch, pack_sample
 from orchestrator.buffer import Buffer, Group
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity
-from orchestrator.journal import Snapshot, decode_rollout
+from orchestrator.codec import Packed
+from orchestrator.journal import RunJournal, Snapshot, decode_rollout, lease_of
 from orchestrator.leases import ClosedLease, LeaseBook, OpenLease
 
 log = logging.getLogger("decentrl.orchestrator.recovery")
@@ -96,6 +99,7 @@ def _with_place(lease: Lease, lease_book: LeaseBook, ready_seq: int | None, grou
 def recover(
     snapshot: Snapshot,
     *,
+    journal: RunJournal,
     run_name: str,
     versions: Versions,
     counters: Counters,
@@ -105,23 +109,37 @@ def recover(
     integrity: Integrity,
     restore_steps: Callable[[Group], None],
 ) -> None:
-    """Rebuild the state the journal committed (into freshly made, empty parts). `restore_steps`
-    gives a group recovered in line or in a kept batch its process rewards again (its steps split
-    again, its step scores from the journal's scores; RunState `_recover_steps`), so a batch asked
-    for again after a restart carries the same per-token advantages."""
+    """Rebuild the state the journal committed (into freshly made, empty parts).
+
+    Held in memory again: open leases with their samples, the buffer's groups and the batches
+    kept (their samples read from the journal when served or asked for again: `Group.read`,
+    `ServedBatch.build`). Left on disk and looked up there (orchestrator/leases.py): the rollout
+    ids of every closed lease (resends stay duplicates) and the closed leases not in the buffer
+    nor in a kept batch, which are only remembered, oldest first, to be forgotten in time.
+    `restore_steps` gives a group in line or in a kept batch its process rewards again (its steps
+    split again, its step scores from the journal; RunState `_recover_steps`, which reads nothing
+    in a run without step scores), so a batch asked for again carries the same token advantages.
+    """
     _restore_meta(snapshot.meta, versions=versions, counters=counters, lease_book=lease_book, buffer=buffer)
+    lease_book.journaled = True
+    lease_book.remembered = deque(snapshot.remembered)
     ready: list[Group] = []
-    rebuilt: dict[str, list[Rollout]] = {}  # lease id -> its samples still held in the journal
     for row in sorted(snapshot.leases, key=lambda r: (r["closed_at"] or 0.0, r["lease_id"])):
-        lease = Lease.model_construct(  # journaled as granted: validated when it was made
-            lease_id=row["lease_id"],
-            prompt_id=row["prompt_id"],
-            prompt_token_ids=unpack_msgpack(row["prompt_token_ids"]),
-            group_size=row["group_size"],
-            deadline=row["deadline"],
-        )
-        if lease_book.prompts.deterministic and row["status"] in ("open", "complete"):
+        lease = lease_of(row)
+        status = row["status"]
+        if lease_book.prompts.deterministic and status in ("open", "complete"):
             lease = _with_place(lease, lease_book, row["ready_seq"], counters.groups_served)
+        if status != "open":  # in the buffer (complete) or in a batch kept (served): samples stay on disk
+            rewards = json.loads(row["rewards"])
+            lease_book.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], len(rewards))
+            lease_book.closed_order.append((row["closed_at"], lease.lease_id))
+            if status == "complete":
+                ready.append(Group(
+                    lease.lease_id, lease.prompt_id, rewards, row["oldest_version"], row["ready_seq"],
+                    read=functools.partial(_read_samples, journal, lease, run_name),
+                ))
+                restore_steps(ready[-1])
+            continue
         entries = snapshot.rollouts.get(lease.lease_id, [])
         ids = [rollout_id for rollout_id, _ in entries]
         for rollout_id in ids:
@@ -134,37 +152,45 @@ def recover(
             for rollout_id, data in entries
             if data is not None
         ]
-        rebuilt[lease.lease_id] = samples
         packed = [pack_sample(sample) for sample in samples]
-        status = row["status"]
-        if status == "open":
-            lease_book.open[lease.lease_id] = OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed)
-            heapq.heappush(lease_book.deadlines, (lease.deadline, lease.lease_id))
-            continue
-        lease_book.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], ids)
-        lease_book.closed_order.append((row["closed_at"], lease.lease_id))
-        if status == "complete":
-            rewards = json.loads(row["rewards"])
-            ready.append(Group(lease.lease_id, lease.prompt_id, list(zip(samples, rewards)), packed, row["ready_seq"]))
-            restore_steps(ready[-1])
+        lease_book.open[lease.lease_id] = OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed)
+        heapq.heappush(lease_book.deadlines, (lease.deadline, lease.lease_id))
     buffer.ready = deque(sorted(ready, key=lambda group: group.seq))
     for request_id, body in snapshot.batches:
         lease_ids = body["lease_ids"]
-        if not all(lease_id in lease_book.closed and lease_id in rebuilt for lease_id in lease_ids):
+        if not all(lease_id in lease_book.closed for lease_id in lease_ids):
             log.warning("journal: batch %s refers to forgotten leases; it cannot be served again", body["batch_id"])
             continue
-        groups = [
-            Group(
-                lease_id, lease_book.closed[lease_id].lease.prompt_id, list(zip(rebuilt[lease_id], body["rewards"][i])),
-                [pack_sample(sample) for sample in rebuilt[lease_id]],
-            )
-            for i, lease_id in enumerate(lease_ids)
-        ]
-        for group in groups:
-            restore_steps(group)
-        batch = batches.build(
-            groups, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
+        groups = []
+        for lease_id, rewards in zip(lease_ids, body["rewards"], strict=True):
+            lease = lease_book.closed[lease_id].lease
+            # A served group's oldest version is not asked again (nothing judges it stale): 0 stands in.
+            groups.append(Group(
+                lease_id, lease.prompt_id, rewards, 0, read=functools.partial(_read_samples, journal, lease, run_name)
+            ))
+        build = functools.partial(
+            _build_kept, batches, groups, restore_steps, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
             rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],
         )
-        batches.keep(request_id, batch, groups)
+        batches.keep(request_id, ServedBatch(body["batch_id"], groups, build))
     integrity.restore(snapshot.workers, snapshot.content)
+
+
+def _build_kept(
+    batches: Batches, groups: list[Group], restore_steps: Callable[[Group], None], **options: Any
+) -> TrainBatch:
+    """A kept batch rebuilt when asked for again, with its groups' process rewards restored."""
+    for group in groups:
+        restore_steps(group)
+    return batches.build(groups, **options)
+
+
+def _read_samples(journal: RunJournal, lease: Lease, run_name: str) -> tuple[list[Rollout], list[Packed]]:
+    """A recovered group's samples, read from the journal when it is first served."""
+    samples = []
+    for rollout_id, data in journal.samples(lease.lease_id):
+        assert data is not None, f"lease {lease.lease_id}: a complete group's bodies are kept until it is served"
+        samples.append(decode_rollout(
+            data, rollout_id=rollout_id, lease_id=lease.lease_id, run_name=run_name, prompt_token_ids=lease.prompt_token_ids,
+        ))
+    return samples, [pack_sample(sample) for sample in samples]

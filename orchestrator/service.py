@@ -84,6 +84,7 @@ def build_verifier(config: RunConfig, run_dir: str) -> Verifier | None:
     return Verifier(
         config.orchestrator.verification, store=CheckpointStore.from_config(config.store, run_name=config.run_name),
         cache_dir=os.path.join(run_dir, "verifier-cache"), build=lambda: build_model(config.model),
+        run_seed=config.seed if config.deterministic else None,
     )
 
 

@@ -178,7 +178,7 @@ class RunState:
         if snapshot.meta:
             self._scores_taken = {rid: ScoreResult.model_validate_json(data) for rid, data in snapshot.scores.items()}
             recover(
-                snapshot, run_name=config.run_name, versions=self.versions, counters=self.counters,
+                snapshot, journal=self.journal, run_name=config.run_name, versions=self.versions, counters=self.counters,
                 lease_book=self.lease_book, buffer=self.buffer, batches=self.batches, integrity=self.integrity,
                 restore_steps=self._recover_steps,
             )
@@ -209,16 +209,19 @@ class RunState:
                 open_lease.check = list(range(len(open_lease.samples)))
             if len(open_lease.samples) >= open_lease.lease.group_size:
                 self._complete(open_lease)
-        self._scores_taken = {}
+        if self.scorer.steps_config is None:  # kept for the kept batches' step scores, rebuilt when asked for
+            self._scores_taken = {}
 
     def _recover_steps(self, group: Group) -> None:
         """A group recovered in line or in a kept batch (orchestrator/recovery.py): its steps split
         again, its step scores from the journal."""
-        steps = self.scorer.steps([rollout for rollout, _ in group.samples])
-        if steps is None:
-            return
+        if self.scorer.steps_config is None:
+            return  # no step scores in this run: nothing to read
+        rollouts = group.rollouts
+        steps = self.scorer.steps(rollouts)
+        assert steps is not None
         group.step_ends = [s.ends for s in steps]
-        results = [self._scores_taken.get(rollout.rollout_id) for rollout, _ in group.samples]
+        results = [self._scores_taken.get(rollout.rollout_id) for rollout in rollouts]
         group.step_scores = [result.step_scores if result is not None else None for result in results]
 
     # -- leases (orchestrator/leases.py) ------------------------------------------------------
@@ -257,8 +260,9 @@ class RunState:
         """
         self.expire_leases()
         accepted, duplicates, rejected = 0, 0, []
+        journaled = self.lease_book.journaled_ids([rollout.rollout_id for rollout in rollouts])
         for index, rollout in enumerate(rollouts):
-            if rollout.rollout_id in self.lease_book.seen_rollout_ids:  # 1. dedupe
+            if rollout.rollout_id in self.lease_book.seen_rollout_ids or rollout.rollout_id in journaled:  # 1. dedupe
                 duplicates += 1
                 continue
             verdict = self.checks.check(rollout, holder)  # 2. check
@@ -309,7 +313,7 @@ class RunState:
         # A deterministic run's groups take their place in line from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
         rewards = verifier if verifier is not None else [0.0] * len(samples)  # final once scored (`_scored`)
-        group = Group(lease.lease_id, lease.prompt_id, list(zip(samples, rewards)), open_lease.packed, seq)
+        group = Group.of(lease.lease_id, lease.prompt_id, samples, rewards, open_lease.packed, seq)
         self.lease_book.close(lease.lease_id, "complete")
         check = VerifyJob(lease.lease_id, [samples[i] for i in open_lease.check], open_lease.holder) if open_lease.check else None
         if not model:
@@ -352,18 +356,18 @@ class RunState:
         rewards = self.scorer.combine(group.verifier_rewards, results)
         if rewards is None:  # a judge reply that did not parse, on_parse_failure = drop
             self.buffer.release_held_back(lambda g: g.lease_id == group_id)
-            self.lease_book.close(group_id, "dropped", reason="judge_parse_failure", counted=len(group.samples))
+            self.lease_book.close(group_id, "dropped", reason="judge_parse_failure", counted=group.size)
             return
-        group.samples = [(rollout, reward) for (rollout, _), reward in zip(group.samples, rewards, strict=True)]
+        group.rewards = rewards
         if group.step_ends is not None:
             group.step_scores = [result.step_scores for result in results]
         self._claimed(group, self.lease_book.closed[group_id].holder)
         if self.buffer.done_waiting(group_id, "scores") is None:
             return  # it still waits for its logprob check
-        if self._fresh(group.oldest_version()):
+        if self._fresh(group.oldest_version):
             self.buffer.to_ready(group)
         else:
-            self.lease_book.close(group_id, "dropped", reason="stale_waiting_scores", counted=len(group.samples))
+            self.lease_book.close(group_id, "dropped", reason="stale_waiting_scores", counted=group.size)
 
     def _fresh(self, version: int) -> bool:
         return is_fresh(self.versions.trainer, version, self.config.max_staleness)

@@ -49,16 +49,16 @@ class Verdicts:
                 self.counters.rejected[reason] += 1
                 self.integrity.rejected(holder, reason)
             self.lease_book.close(
-                lease_id, "dropped", reason="failed_verification", counted=len(group.samples) - len(failed)
+                lease_id, "dropped", reason="failed_verification", counted=group.size - len(failed)
             )
             return
         self.integrity.record(holder).passed += 1
         if self.buffer.done_waiting(lease_id, "check") is None:
             return  # it still waits for its model scores (orchestrator/score_queue.py)
-        if is_fresh(self.versions.trainer, group.oldest_version(), self.config.max_staleness):
+        if is_fresh(self.versions.trainer, group.oldest_version, self.config.max_staleness):
             self.buffer.to_ready(group)
         else:
-            self.lease_book.close(lease_id, "dropped", reason="stale_in_buffer", counted=len(group.samples))
+            self.lease_book.close(lease_id, "dropped", reason="stale_in_buffer", counted=group.size)
 
     def banned(self, token: str) -> int:
         """A banned token's open leases, held-back and ready groups are dropped (its prompts are
@@ -66,12 +66,12 @@ class Verdicts:
         dropped = 0
         for lease_id in self.lease_book.held_by(token):
             closed = self.lease_book.close(lease_id, "dropped", reason="banned_worker", requeue="back")
-            dropped += len(closed.rollout_ids)
+            dropped += closed.samples
 
         def of_token(group: Group) -> bool:
             return token_of(self.lease_book.closed[group.lease_id].holder) == token
 
         for group in self.buffer.release_held_back(of_token) + self.buffer.evict(of_token):
-            self.lease_book.close(group.lease_id, "dropped", reason="banned_worker", counted=len(group.samples))
-            dropped += len(group.samples)
+            self.lease_book.close(group.lease_id, "dropped", reason="banned_worker", counted=group.size)
+            dropped += group.size
         return dropped

@@ -20,6 +20,16 @@ fit the model, whatever the version holds, are an error the check reports (the r
 fails when any token's |claimed - recomputed| exceeds `tolerance` (a claimed token outside the
 recomputed kept set differs by infinity). docs/security.md: the calibration and the costs.
 
+Deterministic runs (`run_seed`, docs/reproducibility.md): every honest sample is recomputable, so
+the same forward also re-draws each token from the sample's own generator (seeded with
+decentrl/determinism.py `sample_seed` from its `sample_index`), one draw per position as the HF
+worker backend draws: a token that is not the seeded draw fails as `not_reproduced`. This checks
+what the logprob comparison cannot - which token was picked: a completion chosen rather than
+sampled (a forged answer, the best of several tries) passes with honest logprobs and fails here.
+A draw depends on the distribution only through comparisons (torch.multinomial consumes the
+generator the same way whatever the probabilities), so the float noise of a full forward against
+the worker's cached decoding changes it only at a near-tie.
+
 Cost accounting (`summary()`, /v1/status `verification`): `compute_s` is the wall time of the
 checks, loads included; `cpu_s` the checking thread's CPU time (plus, for a version pulled into
 the cache - a LoRA adapter and its base - the pull at its wall time: it hashes on the
@@ -37,6 +47,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from decentrl.config import VerificationConfig
+from decentrl.determinism import sample_seed
 from decentrl.store import CheckpointStore, StoreError
 from decentrl.wire import Rollout
 
@@ -65,12 +76,14 @@ def _versions(rollout: Rollout) -> set[int]:
 class Verifier:
     def __init__(
         self, config: VerificationConfig, *, store: CheckpointStore, cache_dir: str,
-        build: Callable[[], torch.nn.Module],
+        build: Callable[[], torch.nn.Module], run_seed: int | None = None,
     ) -> None:
         """`build` makes a model of the run's architecture (decentrl.model.build_model): `warm_up`
         builds `models_cached` of them, and every version is then copied into one in place.
-        `cache_dir` receives the pulled versions of LoRA runs (an adapter and its base)."""
+        `cache_dir` receives the pulled versions of LoRA runs (an adapter and its base).
+        `run_seed`: a deterministic run's seed; its samples' tokens are re-drawn too."""
         self.config = config
+        self.run_seed = run_seed
         self.store = store
         self.cache_dir = cache_dir
         self.build = build
@@ -82,6 +95,7 @@ class Verifier:
         self.load_cpu_s = 0.0  # the same in CPU time of this thread (part of cpu_s)
         self.forward_s = 0.0  # wall time of forwards and distributions (part of compute_s)
         self.forward_cpu_s = 0.0  # the same in CPU time (part of cpu_s)
+        self.draw_s = 0.0  # wall time of the seeded re-draws (deterministic runs; part of forward_s)
         self.startup_s = 0.0  # wall time of the one-time imports and model builds (warm_up): not in compute_s
         self.checks = 0  # batches checked (one forward per version in each)
         self.loads = 0  # versions loaded
@@ -181,10 +195,11 @@ class Verifier:
         """Per rollout, the logprob (T,) of each completion token under `version`'s sampling
         distribution. The rollouts share their sampling parameters (the run's)."""
         lengths = [len(r.completion_token_ids) for r in rollouts]
-        return list(self._recompute(rollouts, version).split(lengths))
+        return list(self._recompute(rollouts, version)[0].split(lengths))
 
-    def _recompute(self, rollouts: list[Rollout], version: int) -> torch.Tensor:
-        """The logprobs (N,) of every completion token of `rollouts`, concatenated."""
+    def _recompute(self, rollouts: list[Rollout], version: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logprobs (N,) of every completion token of `rollouts`, concatenated, and in a
+        deterministic run whether each token is its sample's seeded draw (N,), else None."""
         import torch
 
         from decentrl.routers import batch_routes, replaying
@@ -208,21 +223,52 @@ class Verifier:
             with replaying(model, batch_routes([r.expert_routing for r in rollouts], width)):
                 logits = model(input_ids=ids).logits  # (B, L, V)
             # Every completion position of every rollout in one (N, V) block: one distribution call.
-            chosen = sampling_distribution(logits[rows, columns], rollouts[0].sampling).gather(-1, targets).squeeze(-1)
+            distribution = sampling_distribution(logits[rows, columns], rollouts[0].sampling)  # (N, V)
+            chosen = distribution.gather(-1, targets).squeeze(-1)
+            drawn = None if self.run_seed is None else self._redrawn(rollouts, distribution, version, targets.squeeze(-1))
         self.forward_s += time.perf_counter() - started
         self.forward_cpu_s += time.thread_time() - cpu_started
-        return chosen  # (N,)
+        return chosen, drawn  # (N,), (N,) or None
+
+    def _redrawn(self, rollouts: list[Rollout], distribution: torch.Tensor, version: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Per completion token (N,), whether it is the draw of its sample's seeded generator from
+        `distribution` (N, V): one torch.multinomial of one row per position, in order, as the
+        HF worker backend draws for a seeded row (workers/backends/hf.py). A rollout without a
+        `sample_index` (none in a deterministic run: ingest refuses it) is not re-drawn."""
+        import torch
+
+        assert self.run_seed is not None
+        started = time.perf_counter()
+        probs = distribution.exp()  # (N, V), as the worker samples from
+        same = torch.ones(len(tokens), dtype=torch.bool)  # (N,)
+        offset = 0
+        for rollout in rollouts:
+            count = len(rollout.completion_token_ids)
+            if rollout.sample_index is not None:
+                seed = sample_seed(self.run_seed, rollout.prompt_id, rollout.sample_index, version)
+                generator = torch.Generator().manual_seed(seed)
+                draws = [torch.multinomial(probs[i : i + 1], 1, generator=generator) for i in range(offset, offset + count)]
+                same[offset : offset + count] = torch.cat(draws).squeeze(-1) == tokens[offset : offset + count]
+            offset += count
+        self.draw_s += time.perf_counter() - started
+        return same
 
     def differences(self, rollouts: list[Rollout]) -> list[float]:
         """Per rollout, the largest |claimed - recomputed| logprob over the tokens it sampled
         (infinite where a claimed token lies outside the recomputed kept set; NaN where a version
         it needs cannot be loaded: deleted by retention, failing verification, or weights that do
         not fit the model)."""
+        return self._judge(rollouts)[0]
+
+    def _judge(self, rollouts: list[Rollout]) -> tuple[list[float], list[bool]]:
+        """`differences`, and per rollout whether every token it sampled is its seeded draw
+        (deterministic runs; True elsewhere)."""
         import torch
 
         from decentrl.weights import CheckpointError
 
         worst = torch.zeros(len(rollouts), dtype=torch.float64)
+        reproduced = torch.ones(len(rollouts), dtype=torch.float64)  # 1.0: every drawn token is its seed's
         by_version: dict[int, list[int]] = defaultdict(list)  # version -> indices of rollouts with tokens of it
         for index, rollout in enumerate(rollouts):
             for version in _versions(rollout):
@@ -230,7 +276,7 @@ class Verifier:
         for version, indices in sorted(by_version.items()):
             batch = [rollouts[index] for index in indices]
             try:
-                recomputed = self._recompute(batch, version)  # (N,)
+                recomputed, drawn = self._recompute(batch, version)  # (N,), (N,) or None
             except (StoreError, CheckpointError) as exc:
                 log.error("version %d cannot be loaded (%s): %d rollouts left unjudged", version, exc, len(batch))
                 worst[indices] = math.nan
@@ -241,16 +287,25 @@ class Verifier:
             diff = torch.nan_to_num((claimed - recomputed).abs().double(), nan=math.inf).masked_fill(~counted, 0.0)
             owner = torch.tensor([indices[b] for b, r in enumerate(batch) for _ in r.completion_token_ids])  # (N,)
             worst.scatter_reduce_(0, owner, diff, reduce="amax")
-        return worst.tolist()
+            if drawn is not None:
+                reproduced.scatter_reduce_(0, owner, (drawn | ~counted).double(), reduce="amin")
+        return worst.tolist(), [value == 1.0 for value in reproduced.tolist()]
 
     def check(self, rollouts: list[Rollout]) -> dict[str, str]:
-        """Rollout id -> rejection reason for each rollout that fails: `logprob_mismatch`, or
-        `unverifiable` when a version it needs can no longer be read (no strike for that)."""
+        """Rollout id -> rejection reason for each rollout that fails: `logprob_mismatch`,
+        `not_reproduced` (deterministic runs: a token is not its seeded draw), or `unverifiable`
+        when a version it needs can no longer be read (no strike for that)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         failed: dict[str, str] = {}
-        for rollout, diff in zip(rollouts, self.differences(rollouts), strict=True):
+        for rollout, diff, reproduced in zip(rollouts, *self._judge(rollouts), strict=True):
             if math.isnan(diff):
                 failed[rollout.rollout_id] = "unverifiable"
+            elif not reproduced:
+                failed[rollout.rollout_id] = "not_reproduced"
+                log.warning(
+                    "rollout %s of %s: its tokens are not the draws of its seed (sample %s, version %d)",
+                    rollout.rollout_id, rollout.worker_id, rollout.sample_index, rollout.policy_version,
+                )
             elif diff > self.config.tolerance:
                 failed[rollout.rollout_id] = "logprob_mismatch"
                 log.warning(
@@ -276,6 +331,7 @@ class Verifier:
             "load_cpu_s": self.load_cpu_s,
             "forward_s": self.forward_s,
             "forward_cpu_s": self.forward_cpu_s,
+            "draw_s": self.draw_s,
             "startup_s": self.startup_s,
             "largest_passing_diff": self.largest_passing_diff,
             "tolerance": self.config.tolerance,

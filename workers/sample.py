@@ -27,6 +27,7 @@ class Sample:
     # Deterministic runs: the sample's own seed, its group (generated alone, workers/batching.py)
     # and the version it must be sampled under (the lease's).
     seed: int | None = None
+    index: int | None = None  # j, the sample's place in its group (its seed derives from it)
     group: str | None = None
     version: int | None = None
 
@@ -63,6 +64,7 @@ def to_rollout(
         lease_id=lease.lease_id,
         prompt_id=lease.prompt_id,
         worker_id=worker_id,
+        sample_index=sample.index,
         policy_version=sample.versions[0],
         token_versions=sample.versions if mixed else None,
         prompt_token_ids=lease.prompt_token_ids,

@@ -348,7 +348,7 @@ class Worker:
             samples += [
                 Sample(
                     prompt=lease.prompt_token_ids, budget=sampling.max_tokens,
-                    seed=sample_seed(self.info.seed, lease.prompt_id, j, lease.policy_version),
+                    seed=sample_seed(self.info.seed, lease.prompt_id, j, lease.policy_version), index=j,
                     group=lease.lease_id, version=lease.policy_version,
                 )
                 for j in range(lease.group_size)

@@ -90,10 +90,13 @@ def warmup(steps: int):  # noqa: ANN201 - an LR multiplier for LambdaLR
 
 def receive_batch(step: int, plan: ResumePlan, client: OrchestratorClient, journal: BatchJournal) -> TrainBatch:
     """Rank 0: the journaled batch of a step being replayed, else the orchestrator's next one,
-    journaled before any training on it."""
+    journaled before any training on it. The request id is the step's: a trainer killed after the
+    orchestrator served a batch and before journaling it asks again after its restart and gets
+    that batch back (kept `orchestrator.batches_kept`), instead of the batch being lost - which
+    would shift every later batch of a deterministic run and stall a synchronous one."""
     if step <= plan.replay_through:
         return journal.read(step)
-    while (batch := client.batch(trainer_version=step - 1)) is None:
+    while (batch := client.batch(trainer_version=step - 1, request_id=f"step-{step}")) is None:
         log.info("waiting for a batch for version %d", step - 1)
     journal.write(step, batch)
     return batch

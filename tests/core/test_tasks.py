@@ -76,6 +76,16 @@ def test_prompts_are_deterministic_for_a_seed() -> None:
     assert texts != [other.prompt(i).text for i in range(50)]
 
 
+@pytest.mark.parametrize(("seed", "num_digits", "num_prompts"), [(0, 4, 3000), (7, 2, 37), (12345, 16, 200), (3, 13, 777)])
+def test_prompts_are_the_digits_random_choice_draws(seed: int, num_digits: int, num_prompts: int) -> None:
+    # The prompts' definition (and that of every journal and run before the fast path): one
+    # `rng.choice` per digit. The task draws them in bulk; a prompt id must keep its text.
+    rng = random.Random(seed)
+    expected = ["".join(rng.choice("0123456789") for _ in range(num_digits)) + "=" for _ in range(num_prompts)]
+    task = SortingTask(SortingTaskConfig(num_digits=num_digits, num_prompts=num_prompts, seed=seed))
+    assert [task.prompt(i).text for i in range(num_prompts)] == expected
+
+
 def test_random_policy_scores_low(task: SortingTask, tokenizer: PreTrainedTokenizerBase) -> None:
     # Uniform sampling over the whole vocabulary, stopping at </s> or after 6 tokens, as a
     # freshly initialized model roughly does: the reward must leave room to learn.

@@ -32,7 +32,7 @@ def post(make_rollout: Any, sorted_answer: Callable[[str], str]) -> Callable[...
     def send(state: RunState, lease: Lease, version: int | None = None) -> Any:
         answer = sorted_answer(state.task.prompt(lease.prompt_id).text)
         used = lease.policy_version if version is None else version
-        rollouts = [make_rollout(lease, answer, policy_version=used) for _ in range(lease.group_size)]
+        rollouts = [make_rollout(lease, answer, policy_version=used, sample_index=j) for j in range(lease.group_size)]
         return state.ingest(rollouts, HOLDER)
 
     return send
@@ -56,6 +56,18 @@ def test_a_rollout_under_another_version_is_rejected_by_name(state: RunState, po
     assert result.accepted == 0
     assert {r.reason for r in result.rejected} == {"wrong_version"}
     assert post(state, lease).accepted == lease.group_size  # the lease stays open for the right one
+
+
+@pytest.mark.parametrize("index", [None, 3, "twice"])
+def test_each_sample_names_its_own_place_in_the_group(state: RunState, make_rollout: Any, index: Any) -> None:
+    """The verifier re-draws a sample's tokens from the seed of its index: a deterministic run's
+    group holds indices 0..group_size-1, each once (group_size 3 here)."""
+    lease = state.grant_leases(HOLDER, 1)[0]
+    first = make_rollout(lease, "1234", sample_index=0)
+    assert state.ingest([first], HOLDER).accepted == 1
+    bad = make_rollout(lease, "1234", sample_index=0 if index == "twice" else index)
+    assert [r.reason for r in state.ingest([bad], HOLDER).rejected] == ["bad_sample_index"]
+    assert state.ingest([make_rollout(lease, "1234", sample_index=j) for j in (1, 2)], HOLDER).accepted == 2
 
 
 def test_groups_enter_batches_in_place_order_whatever_order_they_complete(state: RunState, post: Any) -> None:
@@ -88,3 +100,20 @@ def test_sample_seeds_are_stable_and_distinct() -> None:
     assert len(seeds) == 64
     assert all(0 <= seed < 2**63 for seed in seeds)
     assert sample_seed(7, 1, 2, 3) == sample_seed(7, 1, 2, 3) != sample_seed(8, 1, 2, 3)
+
+
+def test_without_determinism_the_prompt_order_is_still_the_seeds(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, clock: Any
+) -> None:
+    """Issue 17 item 4: deterministic = false still seeds the prompt order (task.seed)."""
+
+    def first_prompts(seed: int) -> list[int]:
+        config = make_config(deterministic=False, max_staleness=3, task={"seed": seed})
+        run = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, clock=clock)
+        run.announce(0)
+        leases = run.grant_leases(HOLDER, 8)
+        assert len(leases) == 8 and all(lease.index is None and lease.policy_version is None for lease in leases)
+        return [lease.prompt_id for lease in leases]
+
+    assert first_prompts(5) == first_prompts(5)
+    assert first_prompts(5) != first_prompts(6)

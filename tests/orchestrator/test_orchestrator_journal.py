@@ -406,3 +406,115 @@ def test_content_of_a_group_evicted_as_stale_is_forgotten_on_disk(
         assert conn.execute("SELECT COUNT(*) FROM content").fetchone()[0] == 0
     state = restart(state, open_state, max_staleness=1, **options)
     assert state.lease_state(lease.lease_id, HOLDER).state == "dropped" and not state.ready
+
+
+# Recovery leaves what grows with the journal on disk (orchestrator/recovery.py): the rollout ids
+# of closed leases, the closed leases outside the buffer and the kept batches, and the bodies of
+# buffered groups until they are served. These tests hold it to answering as if it were in memory.
+ON_DISK = {"max_staleness": 8, "trainer": {"groups_per_step": 1}, "orchestrator": {"batches_kept": 1}}
+
+
+def test_resends_after_a_restart_are_duplicates_with_their_ids_on_disk_only(
+    open_state: Callable[..., RunState], group: Any, make_rollout: Any
+) -> None:
+    state = open_state(**ON_DISK)
+    state.announce(0)
+    forgotten_batch, kept_batch, buffered, released, still_open = state.grant_leases(HOLDER, 5)
+    posted = {lease.lease_id: group(state, lease) for lease in (forgotten_batch, kept_batch, buffered)}
+    for rollouts in posted.values():
+        assert state.ingest(rollouts, HOLDER).accepted == GROUP
+    partial = group(state, released, 2)
+    assert state.ingest(partial, HOLDER).accepted == 2
+    state.release_lease(released.lease_id, HOLDER)
+    assert state.take_batch(0) is not None and state.take_batch(0) is not None  # the first batch is no longer kept
+    state.journal.flush()
+
+    state = restart(state, open_state, **ON_DISK)
+    on_disk = posted[forgotten_batch.lease_id] + posted[buffered.lease_id] + partial
+    assert not any(r.rollout_id in state.lease_book.seen_rollout_ids for r in on_disk)  # not read back into memory
+    resend = state.ingest(on_disk + posted[kept_batch.lease_id], HOLDER)
+    assert (resend.accepted, resend.duplicates, resend.rejected) == (0, 3 * GROUP + 2, [])
+    # A rollout id is acknowledged once, whatever lease a resend names.
+    reused = make_rollout(still_open, "1234", rollout_id=posted[forgotten_batch.lease_id][0].rollout_id)
+    assert state.ingest([reused], HOLDER).duplicates == 1
+    assert state.ingest(group(state, still_open, 1), HOLDER).accepted == 1
+    assert state.rollouts_accepted == 3 * GROUP + 2 + 1 and state.counters.duplicates == 3 * GROUP + 2 + 1
+    # A restart after those: the new sample's id, now only on disk too, is a duplicate as well.
+    state.journal.flush()
+    state = restart(state, open_state, **ON_DISK)
+    assert state.ingest(state.leases[still_open.lease_id].samples[:1], HOLDER).duplicates == 1
+
+
+def test_closed_leases_left_on_disk_answer_and_are_forgotten_in_time(
+    open_state: Callable[..., RunState], group: Any, clock: Any, journal_path: str
+) -> None:
+    options = {**ON_DISK, "orchestrator": {"batches_kept": 1, "dedupe_window_s": 30.0}}
+    state = open_state(**options)
+    state.announce(0)
+    old, kept = state.grant_leases(HOLDER, 2)
+    posted = group(state, old)
+    assert state.ingest(posted, HOLDER).accepted == GROUP and state.ingest(group(state, kept), HOLDER).accepted == GROUP
+    assert state.take_batch(0) is not None and state.take_batch(0) is not None
+    state.journal.flush()
+
+    state = restart(state, open_state, **options)
+    assert old.lease_id not in state.lease_book.closed
+    found = state.lease_state(old.lease_id, HOLDER)
+    assert (found.state, found.samples, found.prompt_id) == ("served", GROUP, old.prompt_id)
+    late = state.ingest(group(state, old, 1), HOLDER)  # a new sample for it: the lease is full
+    assert [r.reason for r in late.rejected] == ["group_full"]
+    clock.advance(31)
+    assert state.forget_closed() == 1  # the old lease; the other is in the batch kept
+    state.journal.flush()
+    with sqlite3.connect(journal_path) as db:
+        assert db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0] == GROUP
+        assert db.execute("SELECT COUNT(*) FROM leases WHERE lease_id = ?", (old.lease_id,)).fetchone()[0] == 0
+    resend = state.ingest(posted, HOLDER)  # after the window: refused, never counted again
+    assert resend.accepted == 0 and {r.reason for r in resend.rejected} == {"unknown_or_expired_lease"}
+    assert state.rollouts_accepted == 2 * GROUP
+
+
+def test_buffered_groups_are_read_from_the_journal_when_served(
+    open_state: Callable[..., RunState], group: Any
+) -> None:
+    state = open_state(**ON_DISK)
+    state.announce(0)
+    leases = state.grant_leases(HOLDER, 2)
+    for i, lease in enumerate(leases):
+        assert state.ingest(group(state, lease, wrong=i), HOLDER).accepted == GROUP
+    expected = [
+        (r.rollout_id, r.completion_token_ids, r.logprobs, reward, g.lease_id) for g in state.ready for r, reward in g.samples
+    ]
+    state.journal.flush()
+
+    state = restart(state, open_state, **ON_DISK)
+    assert [g.held for g in state.ready] == [None, None]  # not decoded at recovery
+    served = []
+    for _ in leases:
+        batch = state.take_batch(0)
+        assert batch is not None
+        served += [(s.rollout_id, s.completion_token_ids, s.logprobs, s.reward, s.group_id) for s in batch.samples]
+        assert state.batch_msgpack(batch) is not None
+    assert served == expected
+    assert state.take_batch(0) is None
+
+
+def test_a_journal_from_before_the_oldest_version_column_is_upgraded(
+    open_state: Callable[..., RunState], group: Any, journal_path: str
+) -> None:
+    state = open_state(max_staleness=1)
+    state.announce(0)
+    old = state.grant_leases(HOLDER, 1)[0]
+    assert state.ingest(group(state, old), HOLDER).accepted == GROUP
+    state.announce(1)
+    new = state.grant_leases(HOLDER, 1)[0]
+    assert state.ingest(group(state, new, policy_version=1), HOLDER).accepted == GROUP
+    state.journal.flush()
+    state.journal.close()
+    with sqlite3.connect(journal_path) as db:
+        db.execute("ALTER TABLE leases DROP COLUMN oldest_version")
+
+    state = open_state(max_staleness=1)  # adds the column, filled in for the groups in the buffer
+    assert [(g.lease_id, g.oldest_version, g.held) for g in state.ready] == [(old.lease_id, 0, None), (new.lease_id, 1, None)]
+    state.announce(2)  # version-0 samples are now too old
+    assert [g.lease_id for g in state.ready] == [new.lease_id]

@@ -59,7 +59,8 @@ def complete_group(make_rollout: Any, sorted_answer: Callable[[str], str]) -> Ca
         (lease,) = state.grant_leases("alice/w0", 1)
         right = sorted_answer(state.task.prompt(lease.prompt_id).text)
         rollouts: list[Rollout] = [
-            make_rollout(lease, "====" if i < wrong else right, policy_version=policy_version)
+            make_rollout(lease, "====" if i < wrong else right, policy_version=policy_version,
+                         **({"sample_index": i} if lease.index is not None else {}))  # deterministic runs
             for i in range(lease.group_size)
         ]
         assert state.ingest(rollouts, "alice/w0").accepted == lease.group_size
