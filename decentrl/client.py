@@ -1,4 +1,4 @@
-"""HTTP client of the orchestrator's API, used by workers and the trainer (docs/api.md).
+"""HTTP client of the orchestrator's API, used by workers, scorers and the trainer (docs/api.md).
 
 Standard library (urllib) plus msgpack, so a worker needs nothing beyond what it generates
 with. Bodies go as msgpack by default (token ids and logprobs as typed arrays: about a third of
@@ -7,8 +7,8 @@ msgpack too. An orchestrator that answers 415 to msgpack is spoken to in JSON fr
 
 Retries: connection failures, and 429/503 answers (rate limit, overload, a journal being
 recovered), are retried with the server's Retry-After or exponential backoff with jitter, for at
-most `max_wait_s` in all. Every retried request is safe to repeat: rollouts are idempotent by
-rollout id, and `batch()` sends one request id per call, so a batch whose answer was lost is
+most `max_wait_s` in all. Every retried request is safe to repeat: rollouts and scores are
+idempotent by rollout id, and `batch()` sends one request id per call, so a batch whose answer was lost is
 answered again with the same batch, never with a second one. Any other HTTP error is raised as
 OrchestratorError carrying the server's message.
 """
@@ -38,6 +38,11 @@ from decentrl.wire import (
     LeaseState,
     RolloutBatch,
     RunInfo,
+    ScoreAck,
+    ScoreLease,
+    ScoreLeaseRequest,
+    ScorePost,
+    ScoreRenewal,
     StatusResponse,
     TokenCreate,
     TokenCreated,
@@ -171,6 +176,19 @@ class OrchestratorClient:
     def release_lease(self, lease_id: str, worker_id: str) -> LeaseState:
         """Give a lease back that this worker will not finish; its prompt is leased again at once."""
         return self._call("DELETE", f"/leases/{_quote(lease_id)}?{_query(worker_id=worker_id)}", LeaseState)
+
+    # -- scorers (workers/scorer.py) ---------------------------------------------------------
+
+    def score_lease(self, request: ScoreLeaseRequest) -> ScoreLease:
+        """Samples to score (a long-poll); `items` empty when none waited, ask again after `retry_after_s`."""
+        return self._call("POST", "/score/leases", ScoreLease, request)
+
+    def renew_score_lease(self, lease_id: str, scorer_id: str) -> ScoreRenewal:
+        """Push a score lease's deadline out while its items are still being scored."""
+        return self._call("POST", f"/score/leases/{_quote(lease_id)}/renew?{_query(scorer_id=scorer_id)}", ScoreRenewal)
+
+    def post_scores(self, post: ScorePost) -> ScoreAck:
+        return self._call("POST", "/scores", ScoreAck, post)
 
     # -- the trainer ----------------------------------------------------------------------
 

@@ -247,6 +247,107 @@ class IngestResponse(Wire):
     rejected: list[Rejection] = Field(default_factory=list)
 
 
+# -- scorers: model-judged rewards as their own role (orchestrator/score_queue.py, docs/rewards.md) --
+
+MAX_SCORE_ITEMS = 1024  # items one score lease holds, and scores one post carries
+MAX_STEPS = 4096  # steps of one completion (process rewards)
+MAX_SCORE_TEXT = 2**20  # characters of one prompt, message or completion text sent to a scorer
+
+
+class ScoreLeaseRequest(Wire):
+    """POST /v1/score/leases (scorer): lease samples to score."""
+
+    scorer_id: str = Field(pattern=WORKER_ID, description="Stable name of the scorer process.")
+    max_items: Int = Field(ge=1, le=MAX_SCORE_ITEMS, description="Most samples wanted.")
+
+
+class ChatMessage(Wire):
+    role: str = Field(max_length=64)
+    content: str = Field(max_length=MAX_SCORE_TEXT)
+
+
+class ScoreItem(Wire):
+    """One sample to score: the task's prompt and the decoded completion (special tokens removed)."""
+
+    rollout_id: str = Field(min_length=1, max_length=128, description="The sample; scores are posted by it.")
+    prompt_id: Int = Field(ge=0, le=MAX_VERSION)
+    prompt: str = Field(max_length=MAX_SCORE_TEXT, description="The task's prompt text (before any chat template).")
+    messages: list[ChatMessage] | None = Field(
+        None, max_length=MAX_STEPS, description="The prompt as chat messages (system, user, ...) when the run renders "
+        "prompts with a chat template; None for raw prompts."
+    )
+    completion: str = Field(max_length=MAX_SCORE_TEXT, description="The completion text.")
+    steps: list[Annotated[str, Field(max_length=MAX_SCORE_TEXT)]] | None = Field(
+        None, max_length=MAX_STEPS, description="Process rewards: the completion split into steps (decentrl/steps.py); "
+        "the post must carry one step score per step. None: no step scores wanted (post step_scores = null)."
+    )
+
+
+class ScoreLease(Wire):
+    """POST /v1/score/leases answer: samples this scorer owes scores for before `deadline`.
+
+    Empty `items` when nothing waits (ask again after `retry_after_s`). A lease not answered in
+    full by its deadline expires: its unscored items go to the next scorer that asks, and a late
+    post for them is refused (409)."""
+
+    lease_id: str = Field(description="Empty when `items` is empty.")
+    deadline: float = Field(description="Unix time after which unscored items are leased again (renewable).")
+    items: list[ScoreItem] = Field(max_length=MAX_SCORE_ITEMS)
+    score_range: tuple[float, float] = Field(description="[min, max] a score (and a step score) must lie in.")
+    retry_after_s: float = Field(0.0, ge=0, description="When empty: wait this long before asking again.")
+
+
+class ScoreRenewal(Wire):
+    """POST /v1/score/leases/{lease_id}/renew answer."""
+
+    lease_id: str
+    deadline: float = Field(description="The new deadline: score_lease_timeout_s from now.")
+    unscored: Int = Field(ge=0, description="Items of the lease still waiting for a score.")
+
+
+ScoreValue = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # `true` is not a score
+
+
+class ScoreResult(Wire):
+    """One sample's score. A judge reply that could not be parsed after the scorer's retries is
+    posted as `failure = "parse"` with `score = null`; the orchestrator then applies the task's
+    `on_parse_failure` (a default score, or the group dropped), counted, never a silent 0."""
+
+    rollout_id: str = Field(min_length=1, max_length=128)
+    score: ScoreValue | None = Field(description="Finite, within the lease's score_range; null only with a failure.")
+    step_scores: list[ScoreValue] | None = Field(
+        None, max_length=MAX_STEPS, description="One per step of the item's `steps` (process rewards); null when the "
+        "item had no steps."
+    )
+    failure: Literal["parse"] | None = Field(None, description="Why there is no score (the judge's reply did not parse).")
+
+    @model_validator(mode="after")
+    def _score_or_failure(self) -> ScoreResult:
+        if (self.score is None) == (self.failure is None):
+            raise ValueError("give either a score or a failure (score = null with failure = 'parse'), not both or neither")
+        if self.failure is not None and self.step_scores is not None:
+            raise ValueError("a failed item carries no step_scores")
+        return self
+
+
+class ScorePost(Wire):
+    """POST /v1/scores (scorer): scores for items of a lease this scorer holds; a subset is fine
+    (post as they finish). Idempotent by rollout id: a score already taken is a duplicate."""
+
+    lease_id: str = Field(min_length=1, max_length=128)
+    scorer_id: str = Field(pattern=WORKER_ID, description="The scorer id that leased it.")
+    scores: list[ScoreResult] = Field(min_length=1, max_length=MAX_SCORE_ITEMS)
+    parse_retries: Int = Field(
+        0, ge=0, le=2**20, description="Judge replies that did not parse and were asked again, for these items (a metric)."
+    )
+
+
+class ScoreAck(Wire):
+    accepted: Int = Field(ge=0)
+    duplicates: Int = Field(0, ge=0, description="Scores for these rollouts already taken; counted once.")
+    unscored: Int = Field(ge=0, description="Items of the lease still waiting; 0: the lease is done.")
+
+
 class TrainSample(Wire):
     """One sample as the trainer consumes it: tokens, sampling logprobs and its advantage."""
 
@@ -361,6 +462,13 @@ class StatusResponse(Wire):
     journal: bool = Field(False, description="Whether acknowledged state is journaled on disk.")
     recoveries: Int = Field(0, description="How many times this run's state was recovered from the journal.")
     groups_verifying: Int = Field(0, description="Complete groups held back until their logprob spot-check is done.")
+    groups_scoring: Int = Field(0, description="Complete groups held back until scorers have scored every sample.")
+    scoring: dict[str, Int] | None = Field(
+        None, description="Model rewards (docs/rewards.md): samples waiting and leased, score leases open; since this "
+        "orchestrator started: scores_posted, scores_duplicate, scores_reassigned, score_leases_expired, "
+        "judge_parse_failures, judge_parse_retries. "
+        "None with a verifier reward."
+    )
     verification: dict[str, float] | None = Field(
         None, description="Logprob spot-checks: rollouts_checked, checks, loads, compute_s, cpu_s, load_s, load_cpu_s, "
         "forward_s, forward_cpu_s, startup_s, largest_passing_diff, tolerance (None when verification is off; "
@@ -401,18 +509,18 @@ class TokenCreate(Wire):
     """POST /v1/admin/tokens (admin): a new bearer token."""
 
     name: str = Field(pattern=TOKEN_NAME, description="Who holds it; unique.")
-    role: Literal["worker", "trainer", "admin"] = "worker"
+    role: Literal["worker", "trainer", "scorer", "admin"] = "worker"
 
 
 class TokenCreated(Wire):
     name: str
-    role: Literal["worker", "trainer", "admin"]
+    role: Literal["worker", "trainer", "scorer", "admin"]
     token: str = Field(description="Shown once: the orchestrator keeps only the tokens file.")
 
 
 class TokenEntry(Wire):
     name: str
-    role: Literal["worker", "trainer", "admin"]
+    role: Literal["worker", "trainer", "scorer", "admin"]
     source: Literal["file", "env", "memory"]
 
 

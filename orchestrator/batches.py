@@ -11,7 +11,8 @@ Invariants:
 - a deterministic run's batch s is exactly the groups at places s*groups_per_step onwards of the
   consumption order, in that order, whatever order they completed in;
 - advantages are computed per group (decentrl/advantages.py) when the batch is built; this is
-  the one place that reads their setting;
+  the one place that reads their setting; a group scored per step (process rewards,
+  orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`);
 - the completion ids and logprobs of every sample were packed as typed arrays at ingest
   (`pack_sample`), and a batch is encoded from them (orchestrator/codec.py), not packed again.
 """
@@ -23,8 +24,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decentrl.advantages import group_advantages
-from decentrl.config import RunConfig
+from decentrl.advantages import group_advantages, process_advantages
+from decentrl.config import AdvantageConfig, RunConfig
 from decentrl.staleness import is_fresh, staleness
 from decentrl.wire import Rollout, TrainBatch, TrainSample
 from orchestrator.buffer import Buffer, Group
@@ -68,13 +69,14 @@ class ServedBatch:
 
 
 def build_batch(
-    groups: list[Group], *, trainer_version: int, batch_id: str, normalize_std: bool,
+    groups: list[Group], *, trainer_version: int, batch_id: str, advantages: AdvantageConfig,
     rollouts_accepted: int, stale_dropped: int,
 ) -> TrainBatch:
     samples, histogram = [], Counter()
     for group in groups:
-        advantages = group_advantages(group.rewards, normalize_std=normalize_std)
-        for rollout, reward, advantage in zip(group.rollouts, group.rewards, advantages, strict=True):
+        outcome = group_advantages(group.rewards, normalize_std=advantages.normalize_std)
+        per_token = token_advantages(group, outcome, advantages)
+        for rollout, reward, advantage, tokens in zip(group.rollouts, group.rewards, outcome, per_token, strict=True):
             # Fields were validated at ingest: construct without copying the token lists.
             samples.append(
                 TrainSample.model_construct(
@@ -89,6 +91,7 @@ def build_batch(
                     sampling_mask=rollout.sampling_mask,
                     loss_mask=rollout.loss_mask,
                     expert_routing=rollout.expert_routing,
+                    token_advantages=tokens,
                 )
             )
             histogram[str(staleness(trainer_version, rollout.policy_version))] += 1
@@ -100,6 +103,31 @@ def build_batch(
         stale_dropped=stale_dropped,
         batch_id=batch_id,
     )
+
+
+def token_advantages(group: Group, outcome: list[float], config: AdvantageConfig) -> list[list[float] | None]:
+    """Process rewards: per-token advantages of the group's samples scored per step
+    (decentrl/advantages.py `process_advantages`, normalized over those samples' steps); None for
+    a sample without step scores (a judge reply that did not parse, scored by default: it trains
+    on its outcome advantage) and for every sample of a group scored without steps."""
+    if group.step_scores is None or group.step_ends is None:
+        return [None] * group.size
+    scored = [i for i, scores in enumerate(group.step_scores) if scores is not None]
+    result: list[list[float] | None] = [None] * group.size
+    if not scored:
+        return result
+    rollouts = group.rollouts
+    per_token = process_advantages(
+        [group.step_scores[i] for i in scored],  # type: ignore[misc]
+        [group.step_ends[i] for i in scored],
+        [rollouts[i].loss_mask for i in scored],
+        [len(rollouts[i].completion_token_ids) for i in scored],
+        [outcome[i] for i in scored],
+        config,
+    )
+    for i, values in zip(scored, per_token, strict=True):
+        result[i] = values
+    return result
 
 
 class Batches:
@@ -134,8 +162,15 @@ class Batches:
         self.versions.trainer = trainer_version
         self.journal.meta_dirty = True
         max_staleness = self.config.max_staleness
-        for group in self.buffer.evict(lambda group: not is_fresh(trainer_version, group.oldest_version, max_staleness)):
+        def stale(group: Group) -> bool:
+            return not is_fresh(trainer_version, group.oldest_version, max_staleness)
+
+        for group in self.buffer.evict(stale):
             self.lease_book.close(group.lease_id, "dropped", reason="stale_in_buffer", counted=group.size)
+        # A group still waiting for model scores that can no longer train goes now (a group held
+        # back for its logprob check alone is judged when the check is done: orchestrator/verdicts.py).
+        for group in self.buffer.release_held_back(lambda group: "scores" in group.awaiting and stale(group)):
+            self.lease_book.close(group.lease_id, "dropped", reason="stale_waiting_scores", counted=group.size)
 
     def take(self, trainer_version: int, request_id: str | None) -> TrainBatch | None:
         """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet; for a
@@ -173,7 +208,7 @@ class Batches:
     ) -> TrainBatch:
         return build_batch(
             groups, trainer_version=trainer_version, batch_id=batch_id,
-            normalize_std=self.config.orchestrator.advantages.normalize_std,
+            advantages=self.config.orchestrator.advantages,
             rollouts_accepted=rollouts_accepted, stale_dropped=stale_dropped,
         )
 

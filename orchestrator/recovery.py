@@ -19,10 +19,11 @@ import heapq
 import json
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from decentrl.determinism import required_version
-from decentrl.wire import Lease, Rollout
+from decentrl.wire import Lease, Rollout, TrainBatch
 from orchestrator.batches import Batches, ServedBatch, pack_sample
 from orchestrator.buffer import Buffer, Group
 from orchestrator.counters import Counters, Versions
@@ -106,6 +107,7 @@ def recover(
     buffer: Buffer,
     batches: Batches,
     integrity: Integrity,
+    restore_steps: Callable[[Group], None],
 ) -> None:
     """Rebuild the state the journal committed (into freshly made, empty parts).
 
@@ -114,6 +116,9 @@ def recover(
     `ServedBatch.build`). Left on disk and looked up there (orchestrator/leases.py): the rollout
     ids of every closed lease (resends stay duplicates) and the closed leases not in the buffer
     nor in a kept batch, which are only remembered, oldest first, to be forgotten in time.
+    `restore_steps` gives a group in line or in a kept batch its process rewards again (its steps
+    split again, its step scores from the journal; RunState `_recover_steps`, which reads nothing
+    in a run without step scores), so a batch asked for again carries the same token advantages.
     """
     _restore_meta(snapshot.meta, versions=versions, counters=counters, lease_book=lease_book, buffer=buffer)
     lease_book.journaled = True
@@ -133,6 +138,7 @@ def recover(
                     lease.lease_id, lease.prompt_id, rewards, row["oldest_version"], row["ready_seq"],
                     read=functools.partial(_read_samples, journal, lease, run_name),
                 ))
+                restore_steps(ready[-1])
             continue
         entries = snapshot.rollouts.get(lease.lease_id, [])
         ids = [rollout_id for rollout_id, _ in entries]
@@ -163,11 +169,20 @@ def recover(
                 lease_id, lease.prompt_id, rewards, 0, read=functools.partial(_read_samples, journal, lease, run_name)
             ))
         build = functools.partial(
-            batches.build, groups, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
+            _build_kept, batches, groups, restore_steps, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
             rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],
         )
         batches.keep(request_id, ServedBatch(body["batch_id"], groups, build))
     integrity.restore(snapshot.workers, snapshot.content)
+
+
+def _build_kept(
+    batches: Batches, groups: list[Group], restore_steps: Callable[[Group], None], **options: Any
+) -> TrainBatch:
+    """A kept batch rebuilt when asked for again, with its groups' process rewards restored."""
+    for group in groups:
+        restore_steps(group)
+    return batches.build(groups, **options)
 
 
 def _read_samples(journal: RunJournal, lease: Lease, run_name: str) -> tuple[list[Rollout], list[Packed]]:

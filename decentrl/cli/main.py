@@ -131,6 +131,40 @@ def worker(
 
 
 @app.command()
+def scorer(
+    orchestrator_url: Annotated[str, typer.Option("--orchestrator", help="Orchestrator URL, e.g. http://host:8740.")],
+    token: TokenOpt,
+    config: Annotated[
+        str | None,
+        typer.Option(help="Run config (TOML, or the config.json of a run dir): its [scorer] section. Without one, "
+                     "give the backend with --set scorer.type=... and its keys."),
+    ] = None,
+    overrides: SetOpt = None,
+    scorer_id: Annotated[str | None, typer.Option(help="Stable scorer name; default host-pid.")] = None,
+) -> None:
+    """Score samples for a run with a reward model, an LLM judge or a function; needs a scorer token.
+
+    The backend is the config's [scorer] section (docs/rewards.md, "Scorer backends"), e.g.
+    --set scorer.type=hf --set scorer.path=DIR --set scorer.device=cuda, or --set scorer.type=openai
+    --set scorer.base_url=http://127.0.0.1:8000/v1 --set scorer.model=NAME --set scorer.api_key_env=OPENAI_API_KEY.
+    """
+    _setup_logging("scorer")
+    from workers.scorer import default_scorer_id, run_scorer
+    from workers.scorers import BackendConfigError
+
+    cfg = _load(config, overrides)
+    if cfg.scorer is None:
+        typer.echo("error: no [scorer] section: add one to the config, or --set scorer.type=hf|openai|python "
+                   "with its keys (docs/rewards.md)", err=True)
+        raise typer.Exit(2)
+    try:
+        run_scorer(cfg.scorer, orchestrator_url=orchestrator_url, token=token, scorer_id=scorer_id or default_scorer_id())
+    except BackendConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
 def trainer(
     config: ConfigArg,
     orchestrator_url: Annotated[str, typer.Option("--orchestrator", help="Orchestrator URL.")],
@@ -285,7 +319,7 @@ def _token_errors() -> Iterator[None]:
 @token_app.command("create")
 def token_create(
     name: Annotated[str, typer.Option(help="Who holds the token (worker name).")],
-    role: Annotated[str, typer.Option(help="worker, trainer or admin.")] = "worker",
+    role: Annotated[str, typer.Option(help="worker, trainer, scorer or admin.")] = "worker",
     file: TokensFileOpt = "tokens.json",
     orchestrator_url: AdminUrlOpt = None,
     token: AdminTokenOpt = None,

@@ -8,7 +8,7 @@ documented and constrained, so that a bad file fails at load time with the field
 and what is allowed.
 
 One module per section, named after the role that reads it: model, task, prompt, store,
-orchestrator (with [sampling]), worker, simulation (benchmarks only), trainer, logging (trackers);
+orchestrator (with [sampling]), worker, scorer, simulation (benchmarks only), trainer, logging (trackers);
 run.py holds `RunConfig`,
 load.py reading files and overrides. Import from this package.
 """
@@ -20,6 +20,7 @@ from decentrl.config.orchestrator import (
     AdvantageConfig,
     DelimiterStepsConfig,
     OrchestratorConfig,
+    RewardConfig,
     SamplingConfig,
     StepsConfig,
     TurnStepsConfig,
@@ -27,6 +28,14 @@ from decentrl.config.orchestrator import (
 )
 from decentrl.config.prompt import PromptConfig
 from decentrl.config.run import RunConfig
+from decentrl.config.scorer import (
+    HFScorerConfig,
+    JsonVerdictConfig,
+    OpenAIScorerConfig,
+    PythonScorerConfig,
+    RegexVerdictConfig,
+    ScorerConfig,
+)
 from decentrl.config.simulation import SimulationConfig
 from decentrl.config.store import StoreConfig
 from decentrl.config.task import (
@@ -60,10 +69,11 @@ from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
     "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
-    "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig",
-    "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OffPolicyConfig", "OpenAIServerConfig",
-    "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig",
-    "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig",
+    "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "HFScorerConfig",
+    "IcePopConfig", "ImportTaskConfig", "JsonVerdictConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig",
+    "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig", "OrchestratorConfig", "PolicyLossBase",
+    "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig", "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig",
+    "RegexVerdictConfig", "RewardConfig", "RunConfig", "SamplingConfig", "ScorerConfig", "SeqMaskConfig",
     "SimulationConfig", "SortingTaskConfig", "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
     "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "TurnStepsConfig", "VerificationConfig",
     "VerifiersTaskConfig", "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",

@@ -50,6 +50,8 @@ def union_members(annotation: object) -> dict[str, type[BaseModel]]:
     for choice in get_args(annotation):
         if get_origin(choice) is Annotated:
             member, *metadata = get_args(choice)
+            if get_origin(member) in (Union, types.UnionType):  # an optional keyed union: `keyed_union(...) | None`
+                members.update(union_members(member))
             members.update((item.tag, member) for item in metadata if isinstance(item, Tag))
     return members
 

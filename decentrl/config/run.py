@@ -2,7 +2,7 @@
 
 Each role reads its own section plus the shared ones: the orchestrator [orchestrator],
 [sampling], [task], [prompt], [model], [store]; workers [worker], [store] and [simulation]; the trainer
-[trainer], [model], [store]; `decentrl run` the top-level counts. Checks that span sections live
+[trainer], [model], [store]; scorers [scorer]; `decentrl run` the top-level counts. Checks that span sections live
 here, with errors that say which keys to change.
 """
 
@@ -15,6 +15,7 @@ from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, TinyModelConfig
 from decentrl.config.orchestrator import OrchestratorConfig, SamplingConfig
 from decentrl.config.prompt import PromptConfig
+from decentrl.config.scorer import ScorerConfig
 from decentrl.config.simulation import SimulationConfig
 from decentrl.config.store import StoreConfig
 from decentrl.config.task import SortingTaskConfig, TaskConfig
@@ -47,14 +48,22 @@ class RunConfig(Section):
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig, description="The central service.")
     worker: WorkerConfig = Field(default_factory=WorkerConfig, description="Inference workers.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The FSDP2 trainer.")
+    scorer: ScorerConfig | None = Field(
+        None, description="Scorer processes (`decentrl scorer`): their backend ([scorer] type = 'hf', 'openai' or "
+        "'python'); None in runs that score with verifiers only."
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment trackers (trainer).")
     simulation: SimulationConfig = Field(
         default_factory=SimulationConfig, description="Benchmarks only: injected generation delays."
     )
     num_workers: int = Field(2, ge=1, le=64, description="Workers `decentrl run` starts locally.")
     trainer_ranks: int = Field(2, ge=1, le=64, description="Trainer processes `decentrl run` starts.")
+    num_scorers: int = Field(
+        0, ge=0, le=64, description="Scorers `decentrl run` starts locally (with [scorer]); 0: none (scorers may "
+        "also run elsewhere, `decentrl scorer`)."
+    )
     tolerate_worker_exits: bool = Field(
-        False, description="`decentrl run` keeps going when a worker dies (as long as one is left)."
+        False, description="`decentrl run` keeps going when a worker (or a scorer) dies, as long as one of its kind is left."
     )
 
     @model_validator(mode="after")
@@ -64,6 +73,17 @@ class RunConfig(Section):
             raise ValueError(
                 f"trainer.groups_per_step * group_size ({samples}) must be divisible by "
                 f"trainer_ranks ({self.trainer_ranks}) so every rank trains on the same number of samples"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _scorers_have_a_backend(self) -> RunConfig:
+        if self.num_scorers and self.scorer is None:
+            raise ValueError("num_scorers needs a [scorer] section (type = 'hf', 'openai' or 'python'; docs/rewards.md)")
+        if self.num_scorers and not self.orchestrator.rewards.uses_model:
+            raise ValueError(
+                "num_scorers > 0 but orchestrator.rewards.type = 'verifier' asks scorers for nothing: "
+                "set orchestrator.rewards.type = 'model' or 'sum', or num_scorers = 0"
             )
         return self
 

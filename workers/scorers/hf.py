@@ -1,0 +1,115 @@
+"""The `hf` scorer backend: a reward model, i.e. an AutoModelForSequenceClassification directory.
+
+Built by workers/scorers/__init__.py from `[scorer] type = "hf"`; called by the scorer loop
+(workers/scorer.py) in a thread. Each sample is one text: with `input = "chat"` the tokenizer's
+chat template over the prompt's messages and the completion as the assistant's turn (how reward
+models such as Skywork-Reward or ArmoRM are trained to read), with `input = "text"` the prompt
+and the completion concatenated. Texts longer than `max_length` tokens are cut on
+`truncation_side` (left by default: the classifier reads its score at the last token).
+
+The score is the logit of the model's one label (num_labels = 1), or of `label`, optionally as a
+sigmoid or as the softmax probability of `label`. Step scores (process rewards): the score of
+each prefix of the completion that ends at a step, where the steps are consecutive pieces of the
+completion found in order (a step that is not in the completion fails the item). Prefix scoring
+is how an outcome reward model is used as a process reward model; a PRM trained with per-step
+labels at a separator token is read the same way, one prefix per step. Texts are deduplicated
+(the last prefix is usually the whole completion) and scored `batch_size` at a time.
+"""
+
+from __future__ import annotations
+
+from decentrl.config import HFScorerConfig
+from decentrl.wire import ScoreItem
+from workers.scorers import BackendConfigError, Verdict
+
+
+class HFScoreBackend:
+    def __init__(self, config: HFScorerConfig) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        torch.set_num_threads(config.torch_threads)
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.path)
+        self.tokenizer.truncation_side = config.truncation_side
+        self.tokenizer.padding_side = "right"
+        model = AutoModelForSequenceClassification.from_pretrained(config.path, torch_dtype=getattr(torch, config.dtype))
+        self.model = model.to(config.device).eval()
+        labels = model.config.num_labels
+        if labels == 1 and (config.label or 0) != 0:
+            raise BackendConfigError(f"{config.path} has one label: leave [scorer] label out (it is {config.label})")
+        if labels == 1 and config.transform == "softmax":
+            raise BackendConfigError(f"{config.path} has one label: a softmax over it is always 1; use transform = 'logit' or 'sigmoid'")
+        if labels > 1 and (config.label is None or config.label >= labels):
+            raise BackendConfigError(f"{config.path} has {labels} labels: set [scorer] label to the one read as the score (0..{labels - 1})")
+        self.label = config.label or 0
+        # Batches are padded, and the classifier reads each row at its last non-pad token: both
+        # need a pad token, which many causal-LM tokenizers lack (their end of text serves).
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        if config.input == "chat" and self.tokenizer.chat_template is None:
+            raise BackendConfigError(f"{config.path}: the tokenizer has no chat template; set [scorer] input = 'text'")
+
+    def text(self, item: ScoreItem, completion: str) -> str:
+        if self.config.input == "text":
+            return item.prompt + completion
+        messages = [m.model_dump() for m in item.messages] if item.messages else [{"role": "user", "content": item.prompt}]
+        return self.tokenizer.apply_chat_template(
+            [*messages, {"role": "assistant", "content": completion}], tokenize=False
+        )
+
+    def score_texts(self, texts: list[str]) -> list[float]:
+        """The score of each text, `batch_size` texts per forward pass."""
+        import torch
+
+        scores: list[float] = []
+        for start in range(0, len(texts), self.config.batch_size):
+            encoded = self.tokenizer(
+                texts[start : start + self.config.batch_size], padding=True, truncation=True,
+                max_length=self.config.max_length, return_tensors="pt",
+                add_special_tokens=self.config.input == "text",  # a chat template writes its own
+            ).to(self.config.device)
+            with torch.inference_mode():
+                logits = self.model(**encoded).logits.float()  # (B, num_labels)
+            if self.config.transform == "softmax":
+                chosen = logits.softmax(-1)[:, self.label]
+            elif self.config.transform == "sigmoid":
+                chosen = logits[:, self.label].sigmoid()
+            else:
+                chosen = logits[:, self.label]
+            scores.extend(chosen.tolist())
+        return scores
+
+    def score(self, items: list[ScoreItem]) -> list[Verdict]:
+        texts: dict[str, float] = {}  # text -> score, filled below; dicts keep order
+        wanted: list[tuple[str, list[str] | None]] = []  # per item: its text, its prefixes' texts (None: bad steps)
+        for item in items:
+            whole = self.text(item, item.completion)
+            texts[whole] = 0.0
+            prefixes = None if item.steps is None else step_prefixes(item.completion, item.steps)
+            prefix_texts = None if prefixes is None else [self.text(item, prefix) for prefix in prefixes]
+            texts.update(dict.fromkeys(prefix_texts or (), 0.0))
+            wanted.append((whole, prefix_texts))
+        texts = dict(zip(texts, self.score_texts(list(texts)), strict=True))
+        verdicts = []
+        for item, (whole, prefix_texts) in zip(items, wanted, strict=True):
+            if item.steps is not None and prefix_texts is None:
+                verdicts.append(Verdict(None, error="a step is not a piece of the completion (in order)"))
+            else:
+                steps = None if prefix_texts is None else [texts[text] for text in prefix_texts]
+                verdicts.append(Verdict(texts[whole], steps))
+        return verdicts
+
+
+def step_prefixes(completion: str, steps: list[str]) -> list[str] | None:
+    """The completion up to the end of each step, the steps found in order; None if one is not there."""
+    prefixes, cursor = [], 0
+    for step in steps:
+        at = completion.find(step, cursor)
+        if at < 0:
+            return None
+        cursor = at + len(step)
+        prefixes.append(completion[:cursor])
+    return prefixes

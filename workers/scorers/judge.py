@@ -1,0 +1,178 @@
+"""The `openai` scorer backend: an LLM judge behind any OpenAI-compatible chat completions API.
+
+Built by workers/scorers/__init__.py from `[scorer] type = "openai"`; called by the scorer loop
+(workers/scorer.py) in a thread, and asks the judge `concurrency` samples at a time. Each sample
+is one chat request: the system prompt (if any) and the prompt template with {prompt},
+{completion} and {steps} filled in; the verdict is read from the reply's text by a regex (its
+last match's one group) or as a JSON object's field (docs/rewards.md, "Scorer backends").
+
+Per sample, up to `max_attempts` tries, waiting `backoff_s` (doubling, with jitter) between them:
+- a reply that does not parse is asked again; unparsed after the last try, the verdict is a
+  failure the loop posts as `failure = "parse"`, so the run's policy scores it (a default score or
+  a drop, counted): never a silent 0;
+- a timeout, a dropped connection, 408, 429 or a 5xx is asked again; still failing after the last
+  try, the verdict is `transient`: the loop does not post it, its lease expires and it is leased
+  again (to this or another scorer);
+- 400, 413 or 422 (this request is refused, e.g. longer than the judge's context) fails the sample
+  at once; any other 4xx (a wrong key, model or URL) raises `JudgeError`: nothing this scorer
+  asks can succeed, so it stops with the judge's message.
+The API key is read from the environment variable `api_key_env` names, sent as a bearer token,
+and never logged or put in an error.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from decentrl.config import JsonVerdictConfig, OpenAIScorerConfig, RegexVerdictConfig
+from decentrl.wire import ScoreItem
+from workers.scorers import BackendConfigError, Verdict
+
+log = logging.getLogger("decentrl.scorer.judge")
+PLACEHOLDER = re.compile(r"\{(prompt|completion|steps)\}")
+RETRIED_STATUSES = (408, 429)
+ITEM_REFUSED_STATUSES = (400, 413, 422)
+
+
+class JudgeError(Exception):
+    """The judge refuses every request (a wrong key, model name or URL): the scorer cannot work."""
+
+
+class Unparsed(Exception):
+    """The judge's reply holds no verdict; the message says what was missing."""
+
+
+class Refused(Exception):
+    """The judge refused this request (400, 413, 422): asking again cannot help."""
+
+
+class Unreachable(Exception):
+    """No reply this time (timeout, connection, 408/429/5xx); asking again may help."""
+
+
+def render_prompt(template: str, item: ScoreItem) -> str:
+    """The template with each placeholder replaced once (text inserted is never re-read as a placeholder)."""
+    steps = "\n".join(f"{i}. {step}" for i, step in enumerate(item.steps or (), start=1))
+    values = {"prompt": item.prompt, "completion": item.completion, "steps": steps}
+    return PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
+
+
+def parse_verdict(
+    reply: str, verdict: RegexVerdictConfig | JsonVerdictConfig, steps: int | None
+) -> tuple[float, list[float] | None]:
+    """(score, step scores) read from a reply; raises Unparsed. `steps`: how many step scores
+    the item wants (None: none); only a JSON verdict with `steps_field` gives them."""
+    if isinstance(verdict, RegexVerdictConfig):
+        matches = re.findall(verdict.pattern, reply)
+        if not matches:
+            raise Unparsed(f"no match for {verdict.pattern!r}")
+        return _number(matches[-1], "the captured text") * verdict.scale, None
+    start, end = reply.find("{"), reply.rfind("}")
+    try:
+        data = json.loads(reply[start : end + 1]) if 0 <= start < end else None
+    except json.JSONDecodeError as exc:
+        raise Unparsed(f"the reply's {{...}} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise Unparsed("no JSON object in the reply")
+    score = _number(_field(data, verdict.field), f"field {verdict.field!r}") * verdict.scale
+    if steps is None or verdict.steps_field is None:
+        return score, None
+    values = _field(data, verdict.steps_field)
+    if not isinstance(values, list) or len(values) != steps:
+        raise Unparsed(f"field {verdict.steps_field!r} is not a list of {steps} step scores")
+    return score, [_number(value, f"a step score in {verdict.steps_field!r}") * verdict.scale for value in values]
+
+
+def _field(data: dict[str, Any], path: str) -> object:
+    value: object = data
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise Unparsed(f"no field {path!r}")
+        value = value[key]
+    return value
+
+
+def _number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise Unparsed(f"{what} is not a number")
+    try:
+        return float(value)
+    except ValueError:
+        raise Unparsed(f"{what} is not a number ({str(value)[:40]!r})") from None
+
+
+class JudgeBackend:
+    def __init__(self, config: OpenAIScorerConfig) -> None:
+        self.config = config
+        self.url = config.base_url.rstrip("/") + "/chat/completions"
+        self._headers = {"Content-Type": "application/json"}
+        if config.api_key_env is not None:
+            key = os.environ.get(config.api_key_env)
+            if not key:
+                raise BackendConfigError(f"[scorer] api_key_env = {config.api_key_env!r}: that environment variable is not set")
+            self._headers["Authorization"] = f"Bearer {key}"
+        self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="judge")
+
+    def score(self, items: list[ScoreItem]) -> list[Verdict]:
+        return list(self._pool.map(self.judge, items))
+
+    def judge(self, item: ScoreItem) -> Verdict:
+        config = self.config
+        messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+        messages.append({"role": "user", "content": render_prompt(config.prompt_template, item)})
+        body = json.dumps({
+            "model": config.model, "messages": messages, "temperature": config.temperature,
+            "max_tokens": config.max_tokens,
+        }).encode()
+        steps = None if item.steps is None else len(item.steps)
+        delay, unparsed = config.backoff_s, 0
+        for attempt in range(config.max_attempts):
+            if attempt:
+                time.sleep(delay * (0.5 + random.random()))
+                delay *= 2
+            try:
+                score, step_scores = parse_verdict(self._ask(body), config.verdict, steps)
+                return Verdict(score, step_scores, retries=unparsed)
+            except Refused as exc:
+                return Verdict(None, error=f"the judge refused the request: {exc}", retries=unparsed)
+            except Unparsed as exc:
+                error, transient = f"judge reply did not parse: {exc}", False
+                unparsed += attempt + 1 < config.max_attempts  # a retry follows
+            except Unreachable as exc:
+                error, transient = f"judge unreachable: {exc}", True
+            log.info("sample %s, try %d of %d: %s", item.rollout_id, attempt + 1, config.max_attempts, error)
+        return Verdict(None, error=error, retries=unparsed, transient=transient)
+
+    def _ask(self, body: bytes) -> str:
+        """The text of the judge's reply; raises Unreachable, Refused, Unparsed (an answer
+        without a reply's text) or JudgeError."""
+        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as exc:
+            message = exc.read()[:500].decode(errors="replace")
+            if exc.code in RETRIED_STATUSES or exc.code >= 500:
+                raise Unreachable(f"{exc.code} {message}") from None
+            if exc.code in ITEM_REFUSED_STATUSES:
+                raise Refused(f"{exc.code} {message}") from None
+            raise JudgeError(f"the judge at {self.url} answered {exc.code}: {message}") from None
+        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+            raise Unreachable(str(exc)) from None
+        try:
+            content = json.loads(payload)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise Unparsed("the answer is not a chat completion") from None
+        if not isinstance(content, str):
+            raise Unparsed("the reply has no text")
+        return content
