@@ -435,6 +435,13 @@ class StatusResponse(Wire):
     journal: bool = Field(False, description="Whether acknowledged state is journaled on disk.")
     recoveries: Int = Field(0, description="How many times this run's state was recovered from the journal.")
     groups_verifying: Int = Field(0, description="Complete groups held back until their logprob spot-check is done.")
+    groups_scoring: Int = Field(0, description="Complete groups held back until scorers have scored every sample.")
+    scoring: dict[str, Int] | None = Field(
+        None, description="Model rewards (docs/rewards.md): samples waiting and leased, score leases open; since this "
+        "orchestrator started: scores_posted, scores_duplicate, scores_reassigned, score_leases_expired, "
+        "judge_parse_failures, judge_parse_retries. "
+        "None with a verifier reward."
+    )
     verification: dict[str, float] | None = Field(
         None, description="Logprob spot-checks: rollouts_checked, checks, loads, compute_s, cpu_s, load_s, load_cpu_s, "
         "forward_s, forward_cpu_s, startup_s, largest_passing_diff, tolerance (None when verification is off; "

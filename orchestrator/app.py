@@ -36,6 +36,7 @@ from orchestrator.appstate import (
     INFLIGHT,
     JOURNAL_FAILED,
     LEASES_FREED,
+    SCORES_WAITING,
     LIMITER,
     METRICS,
     OPENAPI,
@@ -97,6 +98,7 @@ def create_app(
     app[OPENAPI] = openapi_spec(metrics_public=options.metrics_public)
     app[BATCH_READY] = asyncio.Condition()
     app[LEASES_FREED] = asyncio.Condition()
+    app[SCORES_WAITING] = asyncio.Condition()
     app[CHECKS_WANTED] = asyncio.Event()
     app[HISTORY] = History(clock=state.clock)
     app[STOPPING] = asyncio.Event()

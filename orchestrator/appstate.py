@@ -7,7 +7,8 @@ in app.py, so that those modules can import them without importing the app facto
 
 Wake-ups. Handlers and background tasks wake one another instead of polling: a handler that may
 have let a batch form notifies BATCH_READY (the trainer's long-poll waits on it), one that may
-have freed a place for a lease notifies LEASES_FREED (the workers' long-poll), and one that may
+have freed a place for a lease notifies LEASES_FREED (the workers' long-poll), one that may have
+queued samples for scoring notifies SCORES_WAITING (the scorers' long-poll), and one that may
 have held a group back for its check, or moved the line ahead of one, calls `wake_checks` (the
 verification scheduler waits on CHECKS_WANTED).
 """
@@ -62,6 +63,7 @@ OPENAPI: web.AppKey[dict[str, Any]] = web.AppKey("openapi")
 VERIFIER = web.AppKey("verifier", Verifier)  # present when orchestrator.verification.enabled
 BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)  # notified when a batch may have formed
 LEASES_FREED = web.AppKey("leases_freed", asyncio.Condition)  # notified when a lease may be grantable
+SCORES_WAITING = web.AppKey("scores_waiting", asyncio.Condition)  # notified when samples may wait for scorers
 CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when held-back groups may be due a check
 HISTORY = web.AppKey("history", History)  # bounded curves and samples for the dashboard
 IDENTITY = web.RequestKey("identity", Identity)  # the caller's token, set by the auth middleware
@@ -83,6 +85,7 @@ async def stop_waiting(app: web.Application) -> None:
     app[STOPPING].set()
     await notify_all(app[BATCH_READY])
     await notify_all(app[LEASES_FREED])
+    await notify_all(app[SCORES_WAITING])
 
 
 def wake_checks(app: web.Application) -> None:

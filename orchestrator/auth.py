@@ -1,4 +1,4 @@
-"""Bearer-token auth with roles (worker, trainer, admin), from a tokens file and the environment.
+"""Bearer-token auth with roles (worker, trainer, scorer, admin), from a tokens file and the environment.
 
 File format: {"tokens": [{"name": "alice", "role": "worker", "token": "..."}]}, mode 0600.
 Environment: DECENTRL_TOKENS="name:role:token,name:role:token" (or the file's JSON), read once
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Role = Literal["worker", "trainer", "admin"]
-ROLES: tuple[Role, ...] = ("worker", "trainer", "admin")
+Role = Literal["worker", "trainer", "scorer", "admin"]
+ROLES: tuple[Role, ...] = ("worker", "trainer", "scorer", "admin")
 NAME = re.compile(r"^[A-Za-z0-9._:@-]{1,64}$")  # no "/": lease holders are "token-name/worker-id"
 ENV_VAR = "DECENTRL_TOKENS"
 

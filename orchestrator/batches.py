@@ -121,8 +121,15 @@ class Batches:
         self.versions.trainer = trainer_version
         self.journal.meta_dirty = True
         max_staleness = self.config.max_staleness
-        for group in self.buffer.evict(lambda group: not is_fresh(trainer_version, group.oldest_version(), max_staleness)):
+        def stale(group: Group) -> bool:
+            return not is_fresh(trainer_version, group.oldest_version(), max_staleness)
+
+        for group in self.buffer.evict(stale):
             self.lease_book.close(group.lease_id, "dropped", reason="stale_in_buffer", counted=len(group.samples))
+        # A group still waiting for model scores that can no longer train goes now (a group held
+        # back for its logprob check alone is judged when the check is done: orchestrator/verdicts.py).
+        for group in self.buffer.release_held_back(lambda group: "scores" in group.awaiting and stale(group)):
+            self.lease_book.close(group.lease_id, "dropped", reason="stale_waiting_scores", counted=len(group.samples))
 
     def take(self, trainer_version: int, request_id: str | None) -> TrainBatch | None:
         """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet; for a

@@ -1,11 +1,12 @@
-"""The buffer: complete, scored groups in line for the trainer, and groups held back for their check.
+"""The buffer: complete, scored groups in line for the trainer, and groups held back.
 
-RunState (orchestrator/state.py) puts each scored group here; the batch builder
+RunState (orchestrator/state.py) puts each complete group here; the batch builder
 (orchestrator/batches.py) takes them from the front. Invariants:
 - groups are in line in the order they completed (`seq`), in a deterministic run in the
-  consumption order (`seq` = the lease's place + 1, set before they get here); a group held back for a logprob check
-  (orchestrator/verify.py; orchestrator/verification.py takes `verify_queue`) keeps its place,
-  and joins the line there once it checks out, so no later group overtakes it towards staleness;
+  consumption order (`seq` = the lease's place + 1, set before they get here); a group held back
+  (`awaiting`: its logprob check, orchestrator/verify.py, whose scheduler orchestrator/verification.py
+  takes `verify_queue`; and/or its model scores, orchestrator/score_queue.py) keeps its place,
+  and joins the line there once nothing holds it back, so no later group overtakes it towards staleness;
 - a group is journaled as complete (with its place and rewards) when it joins the line; a group
   held back when the orchestrator stops is checked again after the restart (orchestrator/recovery.py).
 Closing the lease of a group taken out of the buffer (evicted, banned, failed) is the caller's,
@@ -16,11 +17,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from decentrl.wire import Rollout
 from orchestrator.codec import Packed
 from orchestrator.journal import RunJournal
+
+
+Wait = Literal["check", "scores"]
 
 
 @dataclass
@@ -30,6 +35,9 @@ class Group:
     samples: list[tuple[Rollout, float]]  # (rollout, reward)
     packed: list[Packed]
     seq: int = 0  # place in line (completion order; ready_seq in the journal), set on joining the line or being held back
+    awaiting: set[Wait] = field(default_factory=set)  # what holds it back, while it is held back
+    verifier_rewards: list[float] | None = None  # while it waits for model scores: the task's rewards, if used
+    step_scores: list[list[float] | None] | None = None  # process rewards: per sample, its steps' scores
 
     def oldest_version(self) -> int:
         return min(rollout.policy_version for rollout, _ in self.samples)
@@ -49,7 +57,7 @@ class Buffer:
         self.journal = journal
         self.clock = clock
         self.ready: deque[Group] = deque()  # in line, oldest first
-        self.pending: dict[str, Group] = {}  # lease id -> complete group waiting for its logprob check
+        self.pending: dict[str, Group] = {}  # lease id -> complete group held back (its check, its scores)
         self.verify_queue: deque[VerifyJob] = deque()
         self.ready_seq = 0  # the last place in line given
 
@@ -57,14 +65,36 @@ class Buffer:
         """Complete groups not yet served: in line or held back."""
         return len(self.ready) + len(self.pending)
 
-    def hold_back(self, group: Group, job: VerifyJob) -> None:
-        """The trainer sees the group only once its sampled logprobs check out; it keeps its
-        place in line meanwhile."""
+    def hold_back(self, group: Group, *, check: VerifyJob | None = None, scores: bool = False) -> None:
+        """The trainer sees the group only once its sampled logprobs check out (`check`) and its
+        model scores are in (`scores`); it keeps its place in line meanwhile."""
         if not group.seq:
             self.ready_seq += 1
             group.seq = self.ready_seq
+        group.awaiting = ({"check"} if check is not None else set()) | ({"scores"} if scores else set())
         self.pending[group.lease_id] = group
-        self.verify_queue.append(job)
+        if check is not None:
+            self.verify_queue.append(check)
+
+    def done_waiting(self, lease_id: str, what: Wait) -> Group | None:
+        """`what` is done for a held-back group. Returns the group, out of the buffer, once nothing
+        holds it back any more (the caller puts it in line or drops it); None while something
+        still does, or when it is no longer held back (dropped meanwhile)."""
+        group = self.pending.get(lease_id)
+        if group is None:
+            return None
+        group.awaiting.discard(what)
+        if group.awaiting:
+            return None
+        del self.pending[lease_id]
+        return group
+
+    def waits_for(self, lease_id: str, what: Wait) -> bool:
+        group = self.pending.get(lease_id)
+        return group is not None and what in group.awaiting
+
+    def held_back_for(self, what: Wait) -> int:
+        return sum(1 for group in self.pending.values() if what in group.awaiting)
 
     def to_ready(self, group: Group) -> None:
         if not group.seq:

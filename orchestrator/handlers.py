@@ -44,6 +44,7 @@ from orchestrator.appstate import (
     LEASES_FREED,
     METRICS,
     OPENAPI,
+    SCORES_WAITING,
     STATE,
     STOPPING,
     STORE,
@@ -221,6 +222,8 @@ async def rollouts(request: web.Request) -> web.Response:
         await notify_all(app[BATCH_READY])
     if result.rejected:  # a rejected sample may have dropped its group, freeing its place
         await notify_all(app[LEASES_FREED])
+    if state.score_queue.queue:  # a completed group's samples wait for scorers
+        await notify_all(app[SCORES_WAITING])
     return respond(request, result)
 
 

@@ -11,6 +11,8 @@ they change):
             request whose answer was lost gets the same batch and not a second one
   workers   per worker token, what orchestrator/integrity.py knows of it (strikes, banned,
             rollouts checked and passed, reward mismatches, rejections), rewritten when it changed
+  scores    every model score posted by a scorer (orchestrator/score_queue.py), by rollout id,
+            while its lease is remembered: a restart loses no score
   content   the content hash of every sample kept (replay detection, orchestrator/integrity.py)
             with the lease that kept it first and its claimed version; deleted with the lease's
             when it closes without training
@@ -88,6 +90,8 @@ CREATE TABLE IF NOT EXISTS content (
     version INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS content_by_lease ON content(lease_id);
+CREATE TABLE IF NOT EXISTS scores (rollout_id TEXT PRIMARY KEY, lease_id TEXT NOT NULL, result TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS scores_by_lease ON scores(lease_id);
 """
 
 SQL_META = "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)"
@@ -107,6 +111,8 @@ SQL_FORGET_LEASE = "DELETE FROM leases WHERE lease_id = ?"
 SQL_WORKER = "INSERT OR REPLACE INTO workers(name, record) VALUES (?, ?)"
 SQL_CONTENT = "INSERT OR IGNORE INTO content(digest, lease_id, version) VALUES (?, ?, ?)"
 SQL_FORGET_CONTENT = "DELETE FROM content WHERE lease_id = ?"
+SQL_SCORE = "INSERT OR IGNORE INTO scores(rollout_id, lease_id, result) VALUES (?, ?, ?)"
+SQL_FORGET_SCORES = "DELETE FROM scores WHERE lease_id = ?"
 
 # Rollout fields the lease row already holds (or that are the same for the whole run).
 _NOT_IN_BODY = {"rollout_id", "lease_id", "run_name", "prompt_token_ids"}
@@ -130,6 +136,7 @@ class Snapshot:
     batches: list[tuple[str, dict[str, Any]]]  # (request_id, body) oldest first
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # token name -> integrity record
     content: list[tuple[bytes, str, int]] = field(default_factory=list)  # (digest, lease_id, version)
+    scores: dict[str, str] = field(default_factory=dict)  # rollout id -> its ScoreResult as JSON
 
 
 @dataclass
@@ -248,7 +255,11 @@ class Journal:
 
     def lease_forgotten(self, lease_id: str) -> None:
         self.record(SQL_FORGET_ROLLOUTS, (lease_id,))
+        self.record(SQL_FORGET_SCORES, (lease_id,))
         self.record(SQL_FORGET_LEASE, (lease_id,))
+
+    def score_taken(self, rollout_id: str, lease_id: str, result: str) -> None:
+        self.record(SQL_SCORE, (rollout_id, lease_id, result))
 
     def _take_pending(self) -> list[tuple[str, tuple[Any, ...]]]:
         if self._integrity_source is not None:
@@ -384,7 +395,10 @@ class Journal:
         ]
         workers = {name: json.loads(record) for name, record in conn.execute("SELECT name, record FROM workers")}
         content = [tuple(row) for row in conn.execute("SELECT digest, lease_id, version FROM content")]
-        return Snapshot(meta=meta, leases=leases, rollouts=rollouts, batches=batches, workers=workers, content=content)
+        scores = dict(conn.execute("SELECT rollout_id, result FROM scores").fetchall())
+        return Snapshot(
+            meta=meta, leases=leases, rollouts=rollouts, batches=batches, workers=workers, content=content, scores=scores
+        )
 
 
 class NullJournal:
@@ -427,6 +441,9 @@ class NullJournal:
         pass
 
     def lease_forgotten(self, lease_id: str) -> None:
+        pass
+
+    def score_taken(self, rollout_id: str, lease_id: str, result: str) -> None:
         pass
 
     def load(self) -> Snapshot:

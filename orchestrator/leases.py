@@ -48,7 +48,7 @@ Requeue = Literal["back", "front"]
 # A lease closed with one of these did not train: its samples are dropped.
 UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped"})
 # Drop reasons that are staleness (also counted in `stale_dropped`).
-STALE_REASONS = frozenset({"stale_in_buffer", "stale_at_ingest"})
+STALE_REASONS = frozenset({"stale_in_buffer", "stale_at_ingest", "stale_waiting_scores"})
 # Why a closed lease no longer takes samples -> the rejection reason of a late sample.
 CLOSED_REASON = {
     "complete": "group_full",

@@ -24,6 +24,19 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+# The score queue's counts since this orchestrator started (not journaled), under decentrl_<name>.
+# Groups that went stale waiting for scores: decentrl_samples_dropped{reason="stale_waiting_scores"};
+# dropped for an unparsed judge reply: reason="judge_parse_failure".
+SCORING_COUNTS = {
+    "scores_posted": "Scores taken from scorers (duplicates not counted).",
+    "scores_duplicate": "Scores posted again for samples already scored.",
+    "scores_reassigned": "Samples whose score lease expired unanswered, leased again.",
+    "score_leases_expired": "Score leases that expired before every item was scored.",
+    "judge_parse_failures": "Samples a scorer could not score: the judge's reply did not parse after its retries.",
+    "judge_parse_retries": "Judge replies that did not parse and were asked again, as scorers report them.",
+}
+
+
 class StateCollector(Collector):
     """The run's own counters and gauges, read from RunState when Prometheus scrapes."""
 
@@ -63,6 +76,14 @@ class StateCollector(Collector):
         )
         yield GaugeMetricFamily("decentrl_trainer_version", "Version the trainer holds.", value=s.trainer_version)
         yield GaugeMetricFamily("decentrl_recoveries", "Times this run's state was recovered from the journal.", value=c.recoveries)
+        if s.config.orchestrator.rewards.uses_model:  # model rewards: the scoring stage (orchestrator/score_queue.py)
+            scoring = s.scoring_summary()
+            yield GaugeMetricFamily("decentrl_scores_waiting", "Samples of complete groups not yet scored.", value=scoring["waiting"])
+            yield GaugeMetricFamily("decentrl_scores_leased", "Of those, samples leased to a scorer now.", value=scoring["leased"])
+            yield GaugeMetricFamily("decentrl_groups_scoring", "Complete groups held back for their scores.",
+                                    value=s.buffer.held_back_for("scores"))
+            for name, help_text in SCORING_COUNTS.items():
+                yield CounterMetricFamily(f"decentrl_{name}", help_text, value=scoring.get(name, 0))
         failures = CounterMetricFamily(
             "decentrl_reward_failures", "Reward calls that failed and scored 0 (reward guard), by kind.", labels=["kind"]
         )

@@ -12,6 +12,9 @@ clients. In short:
   POST   /v1/leases/{lease_id}/renew worker     push my lease's deadline out (slow generation)
   DELETE /v1/leases/{lease_id}       worker     give my lease back (its prompt goes out again)
   POST   /v1/rollouts                worker     post samples; per-rollout accept/reject
+  POST   /v1/score/leases            scorer     lease samples to score (model rewards, docs/rewards.md)
+  POST   /v1/score/leases/{lease_id}/renew  scorer  push my score lease's deadline out
+  POST   /v1/scores                  scorer     post scores; all taken, or none with a reason
   GET    /v1/batch                   trainer    long-poll for the next fresh batch (204 if none in time)
   POST   /v1/version                 trainer    announce a version complete in the store
   POST   /v1/trainer/steps           trainer    one step's metrics, for the dashboard
@@ -46,6 +49,11 @@ from decentrl.wire import (
     LeaseState,
     RolloutBatch,
     RunInfo,
+    ScoreAck,
+    ScoreLease,
+    ScoreLeaseRequest,
+    ScorePost,
+    ScoreRenewal,
     StatusResponse,
     TokenCreate,
     TokenCreated,
@@ -55,14 +63,14 @@ from decentrl.wire import (
     TrainerStep,
     VersionAnnouncement,
 )
-from orchestrator import dashboard, handlers
+from orchestrator import dashboard, handlers, score_handlers
 from orchestrator.appstate import RouteRoles
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.openapi import Param, RouteSpec, build_openapi
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-ANY = ("worker", "trainer", "admin")
+ANY = ("worker", "trainer", "scorer", "admin")
 P = API_PREFIX
 LEASE_ID = Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/leases.")
 WORKER_Q = Param("worker_id", "query", {"type": "string", "pattern": WORKER_ID}, "The worker id that leased it.")
@@ -85,6 +93,20 @@ ROUTES: list[tuple[RouteSpec, Handler]] = [
     (RouteSpec("POST", f"{P}/rollouts", "Post samples; each is accepted, a duplicate, or rejected with a reason.",
                ("worker",), body=RolloutBatch, answers={200: IngestResponse}, errors=(409,), msgpack=True,
                tag="worker"), handlers.rollouts),
+    (RouteSpec("POST", f"{P}/score/leases",
+               "Lease samples to score; with none waiting, waits up to lease_wait_s for some (then empty).",
+               ("scorer",), body=ScoreLeaseRequest, answers={200: ScoreLease}, msgpack=True, tag="scorer"),
+     score_handlers.score_leases),
+    (RouteSpec("POST", f"{P}/score/leases/{{lease_id}}/renew", "Push my score lease's deadline rewards.lease_timeout_s from now.",
+               ("scorer",), params=(
+                   Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/score/leases."),
+                   Param("scorer_id", "query", {"type": "string", "pattern": WORKER_ID}, "The scorer id that leased it."),
+               ), answers={200: ScoreRenewal}, errors=(403, 404, 409), msgpack=True, tag="scorer"),
+     score_handlers.score_renew),
+    (RouteSpec("POST", f"{P}/scores",
+               "Post scores for items of my score lease: all taken (a resend counted as duplicate), or none with a reason.",
+               ("scorer",), body=ScorePost, answers={200: ScoreAck}, errors=(403, 404, 409), msgpack=True, tag="scorer"),
+     score_handlers.scores),
     (RouteSpec("GET", f"{P}/batch", "Long-poll for the next batch of fresh groups (204 if none within batch_wait_s).",
                ("trainer",), params=(
                    Param("trainer_version", "query", {"type": "integer", "minimum": 0, "maximum": MAX_VERSION},

@@ -4,15 +4,22 @@ RunState (orchestrator/state.py) scores a group once it is full: a single-turn c
 decoded (orchestrator/tokens.py) and handed to the task's reward; a multi-turn episode is
 replayed against its environment (decentrl/tasks/episodes.py), which the ingest checks
 (orchestrator/checks.py) also do to refuse a transcript the environment would not have given.
+
+With a model reward (`[orchestrator.rewards]`, docs/rewards.md) the group's samples also become
+the items scorers score (`items`: the prompt, the decoded completion, its steps for process
+rewards), and once scored the two rewards combine here (`combine`): the one place that reads
+the reward's type and weights.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from decentrl.config import PromptConfig, RewardConfig
+from decentrl.prompts import chat_messages, uses_chat
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask, replay_episode, tokenizer_codec
-from decentrl.wire import Rollout
+from decentrl.wire import ChatMessage, Rollout, ScoreItem, ScoreResult
 from orchestrator.tokens import Decoder
 
 if TYPE_CHECKING:
@@ -24,13 +31,53 @@ if TYPE_CHECKING:
 class Scorer:
     def __init__(
         self, *, task: Task | EpisodeTask, tokenizer: PreTrainedTokenizerBase | RustTokenizer, decode: Decoder,
-        end_ids: set[int],
+        end_ids: set[int], rewards: RewardConfig, prompt: PromptConfig,
     ) -> None:
         """`end_ids`: what ends a model turn (the ids the worker backends stop at)."""
         self.task = task
         self.decode = decode
         self.end_ids = end_ids
+        self.config = rewards
+        self.prompt_config = prompt
+        self._chat = rewards.uses_model and uses_chat(prompt, tokenizer)
         self._episode_codec = tokenizer_codec(tokenizer) if isinstance(task, EpisodeTask) else None
+
+    def verifier_rewards(self, rollouts: list[Rollout]) -> list[float] | None:
+        """The task's rewards, when the run's reward uses them (None for a model-only reward)."""
+        return None if self.config.type == "model" else self.rewards(rollouts)
+
+    def items(self, rollouts: list[Rollout]) -> list[ScoreItem]:
+        """What scorers are sent for each sample of a group waiting for its model scores."""
+        texts = self.decode([rollout.completion_token_ids for rollout in rollouts])
+        items = []
+        for rollout, text in zip(rollouts, texts, strict=True):
+            prompt = self.task.prompt(rollout.prompt_id)
+            messages = (
+                [ChatMessage(role=m["role"], content=m["content"]) for m in chat_messages(self.prompt_config, prompt)]
+                if self._chat else None
+            )
+            items.append(ScoreItem(
+                rollout_id=rollout.rollout_id, prompt_id=rollout.prompt_id, prompt=prompt.text, messages=messages,
+                completion=text, steps=self.steps(text),
+            ))
+        return items
+
+    def steps(self, text: str) -> list[str] | None:
+        if self.config.steps == "none":
+            return None
+        return text.split(self.config.step_delimiter)
+
+    def combine(self, verifier: list[float] | None, scores: list[ScoreResult]) -> list[float] | None:
+        """The group's rewards from the verifier's and the scorers'; None when the group is to be
+        dropped (a judge reply that did not parse, with on_parse_failure = drop)."""
+        config = self.config
+        if any(result.score is None for result in scores) and config.on_parse_failure == "drop":
+            return None
+        model = [config.default_score if result.score is None else result.score for result in scores]
+        if config.type == "model":
+            return model
+        assert verifier is not None
+        return [config.verifier_weight * v + config.model_weight * m for v, m in zip(verifier, model, strict=True)]
 
     def rewards(self, rollouts: list[Rollout]) -> list[float]:
         if isinstance(self.task, EpisodeTask):

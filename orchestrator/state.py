@@ -7,7 +7,9 @@ orchestrator/verification.py, orchestrator/metrics.py and benchmarks/. The parts
   lease_book  orchestrator/leases.py    prompt order, open leases and deadlines, the lease budget,
                                         the one lease-close path, closed leases remembered
   checks      orchestrator/checks.py    why a posted rollout is refused
-  scorer      orchestrator/scoring.py   rewards recomputed with the task's verifier
+  scorer      orchestrator/scoring.py   rewards recomputed with the task's verifier, combined with
+                                        model scores
+  score_queue orchestrator/score_queue.py  samples waiting for model scores, leased to scorers
   buffer      orchestrator/buffer.py    complete groups in line, groups held back for their check
   batches     orchestrator/batches.py   the trainer's side: its version moving on (stale groups
                                         evicted), batches with advantages, batches kept for re-asks
@@ -23,14 +25,19 @@ The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
   2. check    checks.py gives a rejection reason (counted; a stale one drops its whole group)
   3. record   the sample joins its open lease; integrity keeps its content hash and may pick it
               for a logprob check; the journal records it
-  4. score    when the group is full (and still fresh): scoring.py rewards each sample
-  5. line up  the group is held back until its check is done (buffer.hold_back;
-              orchestrator/verification.py reports through `verification_done`), or joins the line for
-              the trainer (buffer.to_ready)
+  4. score    when the group is full (and still fresh): scoring.py rewards each sample with the
+              task's verifier; with a model reward its samples go to the score queue
+              (score_queue.py) for scorers to lease and score (`post_scores`)
+  5. line up  the group is held back, keeping its place, until its check is done (buffer.hold_back;
+              orchestrator/verification.py reports through `verification_done`) and its model
+              scores are in (`post_scores`, rewards combined by scoring.py), or joins the line for
+              the trainer at once (buffer.to_ready)
 then `take_batch` serves the front of the line as a batch (batches.py).
 
 Invariants:
-- a rollout is scored with the task's verifier (scoring.py), never with the worker's claimed reward;
+- a rollout is scored with the task's verifier and/or by scorers (scoring.py, score_queue.py), never
+  with the worker's claimed reward; a group waiting for scores counts toward the staleness budget
+  and is dropped (`stale_waiting_scores`) if it goes stale waiting;
 - a group is served to the trainer at most once, and only if every sample is fresh for the
   trainer's version;
 - no more groups are leased than can be consumed without going stale (`lease_budget`), nor
@@ -53,7 +60,20 @@ from decentrl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.guard import reward_failures
-from decentrl.wire import IngestResponse, Lease, LeaseState, Rejection, Rollout, SamplingParams, StatusResponse, TrainBatch
+from decentrl.wire import (
+    IngestResponse,
+    Lease,
+    LeaseState,
+    Rejection,
+    Rollout,
+    SamplingParams,
+    ScoreAck,
+    ScorePost,
+    ScoreRenewal,
+    ScoreResult,
+    StatusResponse,
+    TrainBatch,
+)
 from orchestrator.batches import Batches, pack_sample
 from orchestrator.buffer import Buffer, Group, VerifyJob
 from orchestrator.checks import IngestChecks
@@ -63,6 +83,7 @@ from orchestrator.integrity import Integrity
 from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.leases import LeaseBook, LeaseError, OpenLease, PromptQueue
 from orchestrator.recovery import meta_row, recover
+from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
 from orchestrator.scoring import Scorer
 from orchestrator.tokens import make_decoder, make_encoder
 from orchestrator.verdicts import Verdicts
@@ -125,13 +146,20 @@ class RunState:
             ),
             versions=self.versions, counters=self.counters, integrity=self.integrity, journal=self.journal, clock=clock,
         )
-        self.scorer = Scorer(task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids)
+        self.scorer = Scorer(
+            task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt
+        )
         self.checks = IngestChecks(
             config=config, task=task, sampling=SamplingParams(**config.sampling.model_dump()),
             vocab_size=self.vocab_size, versions=self.versions, lease_book=self.lease_book,
             integrity=self.integrity, scorer=self.scorer,
         )
         self.buffer = Buffer(journal=self.journal, clock=clock)
+        self.score_queue = ScoreQueue(
+            config=options.rewards, journal=self.journal, clock=clock,
+            alive=lambda group_id: self.buffer.waits_for(group_id, "scores"),
+        )
+        self._scores_taken: dict[str, ScoreResult] = {}  # journaled scores, read at recovery
         self.batches = Batches(
             config=config, versions=self.versions, counters=self.counters, lease_book=self.lease_book,
             buffer=self.buffer, integrity=self.integrity, journal=self.journal, clock=clock,
@@ -147,6 +175,7 @@ class RunState:
         self.journal.set_integrity_source(self.integrity.journal_changes)
         snapshot = self.journal.load()
         if snapshot.meta:
+            self._scores_taken = {rid: ScoreResult.model_validate_json(data) for rid, data in snapshot.scores.items()}
             recover(
                 snapshot, run_name=config.run_name, versions=self.versions, counters=self.counters,
                 lease_book=self.lease_book, buffer=self.buffer, batches=self.batches, integrity=self.integrity,
@@ -163,18 +192,30 @@ class RunState:
 
     def _redo_checks(self) -> None:
         """After recovery: which samples were chosen for a logprob check is not journaled, so
-        with verification on every recovered sample of an open lease is checked, and a lease
-        already full (a group held back for its check when the orchestrator stopped) completes
-        now and is checked whole. A banned token's groups were dropped with the ban."""
+        with verification on every recovered sample of an open lease is checked. A lease already
+        full (a group held back for its check or its model scores when the orchestrator stopped)
+        completes now: checked whole, and its samples queued for scoring again, less the scores
+        already journaled. A banned token's groups were dropped with the ban."""
         for name, record in self.integrity.workers.items():
             if record.banned:
                 self.drop_banned(name)  # nothing, normally
-        if not self.config.orchestrator.verification.enabled:
+        verifying = self.config.orchestrator.verification.enabled
+        for group in self.buffer.ready:  # process rewards of groups recovered in line
+            group.step_scores = self._recovered_steps(group)
+        if not verifying and not self.config.orchestrator.rewards.uses_model:
             return
         for open_lease in list(self.lease_book.open.values()):
-            open_lease.check = list(range(len(open_lease.samples)))
+            if verifying:
+                open_lease.check = list(range(len(open_lease.samples)))
             if len(open_lease.samples) >= open_lease.lease.group_size:
                 self._complete(open_lease)
+        self._scores_taken = {}
+
+    def _recovered_steps(self, group: Group) -> list[list[float] | None] | None:
+        if self.config.orchestrator.rewards.steps == "none":
+            return None
+        results = [self._scores_taken.get(rollout.rollout_id) for rollout, _ in group.samples]
+        return [result.step_scores if result is not None else None for result in results]
 
     # -- leases (orchestrator/leases.py) ------------------------------------------------------
 
@@ -258,18 +299,65 @@ class RunState:
             # Its first samples were fresh when they came, but the trainer moved on since.
             self.lease_book.close(lease.lease_id, "dropped", reason="stale_in_buffer")
             return
-        rewards = self.scorer.rewards(open_lease.samples)
-        for rollout, reward in zip(open_lease.samples, rewards, strict=True):
-            self.integrity.reward_claimed(open_lease.holder, rollout.claimed_reward, reward)
+        samples = open_lease.samples
+        verifier = self.scorer.verifier_rewards(samples)  # None for a model-only reward
+        model = self.config.orchestrator.rewards.uses_model
         # A deterministic run's groups take their place in line from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
-        group = Group(lease.lease_id, lease.prompt_id, list(zip(open_lease.samples, rewards)), open_lease.packed, seq)
+        rewards = verifier if verifier is not None else [0.0] * len(samples)  # final once scored (`_scored`)
+        group = Group(lease.lease_id, lease.prompt_id, list(zip(samples, rewards)), open_lease.packed, seq)
         self.lease_book.close(lease.lease_id, "complete")
-        if open_lease.check:
-            checked = [open_lease.samples[i] for i in open_lease.check]
-            self.buffer.hold_back(group, VerifyJob(lease.lease_id, checked, open_lease.holder))
-        else:
+        check = VerifyJob(lease.lease_id, [samples[i] for i in open_lease.check], open_lease.holder) if open_lease.check else None
+        if not model:
+            self._claimed(group, open_lease.holder)
+        if check is None and not model:
             self.buffer.to_ready(group)
+            return
+        group.verifier_rewards = verifier
+        self.buffer.hold_back(group, check=check, scores=model)
+        if model and self.score_queue.add(lease.lease_id, self.scorer.items(samples), self._scores_taken):
+            self._scored(lease.lease_id)  # recovered with every score already taken
+
+    def _claimed(self, group: Group, holder: str) -> None:
+        for rollout, reward in group.samples:
+            self.integrity.reward_claimed(holder, rollout.claimed_reward, reward)
+
+    # -- scorers (orchestrator/score_queue.py; the scoring stage of a model reward) -------------
+
+    def lease_scores(self, holder: str, max_items: int) -> ScoreLeaseEntry | None:
+        return self.score_queue.lease(holder, max_items)
+
+    def renew_scores(self, lease_id: str, holder: str) -> ScoreRenewal:
+        return self.score_queue.renew(lease_id, holder)
+
+    def post_scores(self, holder: str, body: ScorePost) -> ScoreAck:
+        """Take a scorer's post (all or nothing: ScoreError); the groups it completes combine
+        their rewards and join the line (or are dropped: stale, or a judge reply that did not parse)."""
+        ack, done = self.score_queue.post(holder, body)
+        for group_id in done:
+            self._scored(group_id)
+        return ack
+
+    def _scored(self, group_id: str) -> None:
+        results = self.score_queue.take(group_id)
+        group = self.buffer.pending.get(group_id)
+        if group is None:
+            return  # dropped while its scores came in
+        rewards = self.scorer.combine(group.verifier_rewards, results)
+        if rewards is None:  # a judge reply that did not parse, on_parse_failure = drop
+            self.buffer.release_held_back(lambda g: g.lease_id == group_id)
+            self.lease_book.close(group_id, "dropped", reason="judge_parse_failure", counted=len(group.samples))
+            return
+        group.samples = [(rollout, reward) for (rollout, _), reward in zip(group.samples, rewards, strict=True)]
+        if self.config.orchestrator.rewards.steps != "none":
+            group.step_scores = [result.step_scores for result in results]
+        self._claimed(group, self.lease_book.closed[group_id].holder)
+        if self.buffer.done_waiting(group_id, "scores") is None:
+            return  # it still waits for its logprob check
+        if self._fresh(group.oldest_version()):
+            self.buffer.to_ready(group)
+        else:
+            self.lease_book.close(group_id, "dropped", reason="stale_waiting_scores", counted=len(group.samples))
 
     def _fresh(self, version: int) -> bool:
         return is_fresh(self.versions.trainer, version, self.config.max_staleness)
@@ -349,10 +437,17 @@ class RunState:
             buffer_limit=self.buffer_limit,
             journal=self.journal.durable,
             recoveries=counters.recoveries,
-            groups_verifying=len(self.buffer.pending),
+            groups_verifying=self.buffer.held_back_for("check"),
+            groups_scoring=self.buffer.held_back_for("scores"),
+            scoring=self.scoring_summary() if self.config.orchestrator.rewards.uses_model else None,
             workers=self.integrity.summary(),
             reward_failures=reward_failures(self.task),
         )
+
+    def scoring_summary(self) -> dict[str, int]:
+        """The score queue's gauges and counts (/v1/status, /metrics)."""
+        queue = self.score_queue
+        return {"waiting": queue.waiting(), "leased": queue.leased(), "leases_open": len(queue.leases), **queue.counts}
 
     # -- the parts' state under the names app.py, metrics.py, benchmarks and tests read ---------
 

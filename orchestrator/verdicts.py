@@ -39,11 +39,12 @@ class Verdicts:
         """The check of a held-back group is done; `failed`: rollout id -> rejection reason
         (`logprob_mismatch` strikes its worker; `unverifiable` does not). A group with any failed
         sample is dropped whole; a clean one joins the line if it is still fresh."""
-        group = self.buffer.pending.pop(lease_id, None)
+        group = self.buffer.pending.get(lease_id)
         if group is None:
-            return  # dropped meanwhile (its worker was banned)
+            return  # dropped meanwhile (its worker was banned, or it went stale waiting for its scores)
         holder = self.lease_book.closed[lease_id].holder
         if failed:
+            del self.buffer.pending[lease_id]
             for reason in failed.values():
                 self.counters.rejected[reason] += 1
                 self.integrity.rejected(holder, reason)
@@ -52,6 +53,8 @@ class Verdicts:
             )
             return
         self.integrity.record(holder).passed += 1
+        if self.buffer.done_waiting(lease_id, "check") is None:
+            return  # it still waits for its model scores (orchestrator/score_queue.py)
         if is_fresh(self.versions.trainer, group.oldest_version(), self.config.max_staleness):
             self.buffer.to_ready(group)
         else:

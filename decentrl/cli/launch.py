@@ -1,7 +1,8 @@
 """`decentrl run`: every role on this machine as separate processes, with live progress.
 
 Resolves the config (store URL, port) into RUN_DIR/config.json and starts the orchestrator,
-then the trainer (torchrun, `trainer_ranks` processes) and the workers, each given that file:
+then the trainer (torchrun, `trainer_ranks` processes), the workers and the scorers (`num_scorers`,
+for model rewards: docs/rewards.md), each given that file:
 settings are never re-spelled as flags, only who a process is, where it connects and where it
 keeps its files (`orchestrator_command`, `trainer_command`, `worker_command`; benchmarks start
 roles with them too). The roles talk only over loopback HTTP and the checkpoint store. Each role
@@ -134,6 +135,14 @@ def worker_command(config_path: Path, run_dir: Path, url: str, worker_id: str) -
     ]
 
 
+def scorer_command(config_path: Path, url: str, scorer_id: str) -> list[str]:
+    """One local scorer: the resolved config (its [scorer] section) and its name."""
+    return [
+        sys.executable, "-m", "decentrl", "scorer", "--orchestrator", url, "--config", str(config_path),
+        "--scorer-id", scorer_id,
+    ]
+
+
 def _check_roles(config: RunConfig, roles: list[Role], exited: set[str]) -> None:
     """Raise if a role died; a dead worker is only reported when the config tolerates it."""
     for role in roles:
@@ -208,6 +217,7 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
     tokens_path = str(run_dir / "tokens.json")
     trainer_token = add_token(tokens_path, name="trainer", role="trainer")
     worker_tokens = {f"worker-{i}": add_token(tokens_path, name=f"worker-{i}", role="worker") for i in range(config.num_workers)}
+    scorer_tokens = {f"scorer-{i}": add_token(tokens_path, name=f"scorer-{i}", role="scorer") for i in range(config.num_scorers)}
     url = f"http://127.0.0.1:{port}"
     roles: list[Role] = []
     console.print(f"run dir: {run_dir}\norchestrator: {url}  store: {config.store.url}")
@@ -228,6 +238,8 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
                 name, worker_command(config_path, run_dir, url, name),
                 run_dir, {"DECENTRL_TOKEN": token, "OMP_NUM_THREADS": str(config.worker.torch_threads)},
             ))
+        for name, token in scorer_tokens.items():
+            roles.append(_start(name, scorer_command(config_path, url, name), run_dir, {"DECENTRL_TOKEN": token, "OMP_NUM_THREADS": "1"}))
         return _watch(config, run_dir, roles, url, trainer_token)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every role[/]")

@@ -16,7 +16,7 @@ load.py reading files and overrides. Import from this package.
 from decentrl.config.load import ConfigError, apply_overrides, load_config, parse_config, path_in_file
 from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig, TinyMoEConfig
-from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, SamplingConfig, VerificationConfig
+from decentrl.config.orchestrator import AdvantageConfig, OrchestratorConfig, RewardConfig, SamplingConfig, VerificationConfig
 from decentrl.config.prompt import PromptConfig
 from decentrl.config.run import RunConfig
 from decentrl.config.scorer import (
@@ -63,7 +63,7 @@ __all__ = [
     "DatasetTaskConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "IcePopConfig",
     "ImportTaskConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig",
     "OrchestratorConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig", "RegexVerdictConfig", "ScorerConfig",
-    "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig",
+    "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RewardConfig", "RunConfig", "SamplingConfig", "SeqMaskConfig",
     "SimulationConfig", "SortingTaskConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
     "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "VerificationConfig",
     "VerifiersTaskConfig", "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",

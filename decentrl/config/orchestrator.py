@@ -7,9 +7,10 @@ advantages; the trainer receives them ready.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from decentrl.config.base import Section
 
@@ -75,6 +76,53 @@ class AdvantageConfig(Section):
     normalize_std: bool = Field(
         False, description="Divide each group's centered rewards by the group's std (GRPO); Dr.GRPO leaves it off."
     )
+
+
+class RewardConfig(Section):
+    """Where a rollout's reward comes from (docs/rewards.md): the task's verifier (computed at
+    ingest), a model run by scorers (the `scorer` role, leasing samples over HTTP:
+    orchestrator/score_queue.py), or a weighted sum of both. A group waits for every sample's
+    model score before the trainer sees it, keeping its place in line; it counts toward the
+    staleness budget meanwhile and is dropped (counted) if it goes stale waiting."""
+
+    type: Literal["verifier", "model", "sum"] = Field(
+        "verifier", description="verifier: the task's reward; model: the scorers' score; sum: "
+        "verifier_weight * verifier + model_weight * model."
+    )
+    verifier_weight: float = Field(1.0, ge=0, le=1e6, description="type = sum: weight of the task's verifier reward.")
+    model_weight: float = Field(1.0, ge=0, le=1e6, description="type = sum: weight of the scorers' model score.")
+    score_range: tuple[float, float] = Field(
+        (0.0, 1.0), description="[min, max] every model score and step score must lie in; a post outside it is refused (400)."
+    )
+    on_parse_failure: Literal["default", "drop"] = Field(
+        "drop", description="A sample whose judge reply could not be parsed (after the scorer's retries): default = "
+        "score it default_score; drop = drop its group. Either way counted (judge_parse_failures), never a silent 0."
+    )
+    default_score: float = Field(0.0, allow_inf_nan=False, description="on_parse_failure = default: the model score used.")
+    steps: Literal["none", "delimiter", "turns"] = Field(
+        "none", description="Process rewards: none = one score per sample; delimiter = the completion is split at "
+        "step_delimiter and scorers return one score per step; turns = split at the chat turns (decentrl/steps.py)."
+    )
+    step_delimiter: str = Field("\n\n", min_length=1, max_length=64, description="steps = delimiter: what separates steps.")
+    lease_timeout_s: float = Field(
+        30.0, gt=0, le=86400, description="A score lease not answered in full within this (renewable) expires; its "
+        "unscored samples go to the next scorer that asks."
+    )
+
+    @property
+    def uses_model(self) -> bool:
+        return self.type != "verifier"
+
+    @model_validator(mode="after")
+    def _range_and_default(self) -> RewardConfig:
+        low, high = self.score_range
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise ValueError(f"orchestrator.rewards.score_range must be [min, max] with finite min < max, got {list(self.score_range)}")
+        if not low <= self.default_score <= high:
+            raise ValueError(f"orchestrator.rewards.default_score ({self.default_score}) must lie in score_range {list(self.score_range)}")
+        if self.steps != "none" and self.type == "verifier":
+            raise ValueError("orchestrator.rewards.steps needs a model reward: set type = 'model' or 'sum'")
+        return self
 
 
 class OrchestratorConfig(Section):
@@ -144,4 +192,7 @@ class OrchestratorConfig(Section):
     )
     advantages: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="How a complete group's rewards become advantages."
+    )
+    rewards: RewardConfig = Field(
+        default_factory=RewardConfig, description="Verifier, model (scorers) or weighted-sum rewards (docs/rewards.md)."
     )

@@ -58,6 +58,10 @@ class RunConfig(Section):
     )
     num_workers: int = Field(2, ge=1, le=64, description="Workers `decentrl run` starts locally.")
     trainer_ranks: int = Field(2, ge=1, le=64, description="Trainer processes `decentrl run` starts.")
+    num_scorers: int = Field(
+        0, ge=0, le=64, description="Scorers `decentrl run` starts locally (with [scorer]); 0: none (scorers may "
+        "also run elsewhere, `decentrl scorer`)."
+    )
     tolerate_worker_exits: bool = Field(
         False, description="`decentrl run` keeps going when a worker dies (as long as one is left)."
     )
@@ -69,6 +73,17 @@ class RunConfig(Section):
             raise ValueError(
                 f"trainer.groups_per_step * group_size ({samples}) must be divisible by "
                 f"trainer_ranks ({self.trainer_ranks}) so every rank trains on the same number of samples"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _scorers_have_a_backend(self) -> RunConfig:
+        if self.num_scorers and self.scorer is None:
+            raise ValueError("num_scorers needs a [scorer] section (type = 'hf', 'openai' or 'python'; docs/rewards.md)")
+        if self.num_scorers and not self.orchestrator.rewards.uses_model:
+            raise ValueError(
+                "num_scorers > 0 but orchestrator.rewards.type = 'verifier' asks scorers for nothing: "
+                "set orchestrator.rewards.type = 'model' or 'sum', or num_scorers = 0"
             )
         return self
 

@@ -1,0 +1,211 @@
+"""Model rewards without stalling the trainer: inline scoring vs scorers (issue 19).
+
+Four runs of `decentrl run` with the same task (sorting), model, workers, trainer and seed; each
+measures the trainer's busy fraction (1 - waiting for batches / step time, as
+benchmarks/async_vs_sync.py), the time to a target reward and the ingest rate (samples
+acknowledged per second):
+
+  free_verifier   the task's own verifier only: rewards cost nothing (the ceiling)
+  inline_model    the reward model runs INSIDE the orchestrator's ingest path: the task's
+                  reward function (`InlineModelSorting` below, `[task] type = "import"`) runs the
+                  classifier's forward pass and the per-item delay for each sample when its group
+                  completes, on the orchestrator's event loop, before the rollout post is
+                  answered: what scoring with a model looks like without a scorer role
+  scorers_1/2     `[orchestrator.rewards] type = "sum"`: the orchestrator queues each complete
+                  group's samples; 1 or 2 `decentrl scorer` processes (`num_scorers`) lease them,
+                  run the same classifier through the `hf` backend (workers/scorers/hf.py) plus
+                  the same per-item delay (`score_with_delay` below, the `python` backend), and
+                  post the scores; the group trains once scored
+
+The reward is the same in the three model modes: the sorting verifier's plus `--model-weight`
+times the classifier's sigmoid score (a real small AutoModelForSequenceClassification, a Qwen2
+built from a config with random weights: its score is noise the policy cannot learn, so
+`--model-weight` is small and the time to target still measures learning the task). The
+per-item delay (a sleep: it costs no CPU) stands for a reward model large enough to matter; by
+default it is chosen from the free-verifier run so that one scorer can score only 2/3 of what
+that run's trainer consumed (`--delay-factor 1.5`) and two scorers 4/3 of it: one scorer is too
+few, two are enough. Inline, the orchestrator scores one sample at a time, so it can score at most
+what one scorer does, and it holds every other request meanwhile.
+
+Prints, as its last line, one JSON object: `busy_<mode>`, `time_to_target_s_<mode>`,
+`ingest_per_s_<mode>` for every mode, the delay used, and the settings.
+
+    .venv/bin/python benchmarks/reward_service.py --steps 40 --target 0.3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from async_vs_sync import read_metrics, summarize
+
+from decentrl.config import HFScorerConfig, SortingTaskConfig
+from decentrl.tasks import Prompt
+from decentrl.tasks.sorting import SortingTask
+from decentrl.wire import ScoreItem
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("free_verifier", "inline_model", "scorers_1", "scorers_2")
+_BACKENDS: dict[str, Any] = {}  # classifier path -> its loaded hf backend (one per process)
+
+
+def write_classifier(out: Path) -> Path:
+    """A small Qwen2 sequence classifier (one label) with the run's tokenizer, built from a config."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from decentrl.model import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _backend(path: str) -> Any:
+    if path not in _BACKENDS:
+        from workers.scorers.hf import HFScoreBackend
+
+        _BACKENDS[path] = HFScoreBackend(HFScorerConfig(path=path, input="text", transform="sigmoid", batch_size=64))
+    return _BACKENDS[path]
+
+
+def score_with_delay(items: list[ScoreItem], path: str, delay_s: float) -> list[Any]:
+    """The scorers' function (`[scorer] type = "python"`): the hf backend's scores, then the delay per item."""
+    verdicts = _backend(path).score(items)
+    time.sleep(delay_s * len(items))
+    return verdicts
+
+
+class InlineModelSorting:
+    """The sorting task whose reward runs the classifier (and the delay) itself: in the orchestrator's ingest."""
+
+    def __init__(self, path: str, delay_s: float, model_weight: float, num_prompts: int = 4096) -> None:
+        self.sorting = SortingTask(SortingTaskConfig(num_prompts=num_prompts))
+        self.num_prompts = num_prompts
+        self.path, self.delay_s, self.model_weight = path, delay_s, model_weight
+
+    def prompt(self, prompt_id: int) -> Prompt:
+        return self.sorting.prompt(prompt_id)
+
+    def reward(self, prompt: Prompt, completion_text: str) -> float:
+        item = ScoreItem(rollout_id="inline", prompt_id=prompt.prompt_id, prompt=prompt.text, completion=completion_text)
+        (verdict,) = _backend(self.path).score([item])
+        time.sleep(self.delay_s)
+        return self.sorting.reward(prompt, completion_text) + self.model_weight * verdict.score
+
+
+def mode_config(args: argparse.Namespace, mode: str, classifier: Path, delay_s: float) -> dict[str, Any]:
+    config = tomllib.loads((ROOT / "configs" / "local.toml").read_text())
+    config.update(run_name=f"reward-{mode.replace('_', '-')}", max_staleness=args.max_staleness, num_workers=args.workers, seed=0)
+    config["trainer"].update(steps=args.steps, groups_per_step=args.groups_per_step, seed=0)
+    config["orchestrator"].update(lease_timeout_s=30.0)
+    config["worker"].update(groups_per_request=1, concurrency=args.slots)
+    config["simulation"] = {"latency_median_s": args.latency_median_s, "latency_sigma": args.latency_sigma, "seed": 0}
+    options = {"path": str(classifier), "delay_s": delay_s}
+    if mode == "inline_model":
+        config["task"] = {"type": "import", "target": "reward_service:InlineModelSorting",
+                          "options": {**options, "model_weight": args.model_weight}}
+    if mode.startswith("scorers_"):
+        config["num_scorers"] = int(mode.rsplit("_", 1)[1])
+        config["orchestrator"]["rewards"] = {"type": "sum", "verifier_weight": 1.0, "model_weight": args.model_weight,
+                                             "lease_timeout_s": 30.0}
+        config["scorer"] = {"type": "python", "function": "reward_service:score_with_delay", "options": options,
+                            "max_items": args.scorer_items, "min_wait_s": 0.05}
+    return config
+
+
+def run_mode(args: argparse.Namespace, mode: str, classifier: Path, delay_s: float, work: Path) -> dict[str, Any]:
+    run_dir = work / mode
+    config_path = work / f"{mode}.json"
+    config_path.write_text(json.dumps(mode_config(args, mode, classifier, delay_s)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with open(work / f"{mode}.out", "w") as log:
+        code = subprocess.call(
+            [sys.executable, "-m", "decentrl", "run", str(config_path), "--run-dir", str(run_dir)],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    if code != 0:
+        raise SystemExit(f"{mode} failed: see {work / f'{mode}.out'} and {run_dir / 'logs'}")
+    metrics = read_metrics(run_dir)
+    status = json.loads((run_dir / "status.json").read_text())
+    summary = summarize(args, metrics, status, None)
+    return {
+        "busy": summary["trainer_busy_fraction"],
+        "busy_after_first_batch": summary["trainer_busy_fraction_after_first_batch"],
+        "time_to_target_s": summary["time_to_target_s"],
+        "wall_s": summary["wall_s"],
+        "ingest_per_s": status["rollouts_accepted"] / status["uptime_s"],
+        "samples_trained_per_s": summary["samples_per_s"],
+        "final_reward": summary["final_reward"],
+        "scoring": status.get("scoring"),
+        "stale_dropped": status["stale_dropped"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--groups-per-step", type=int, default=16)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=16, help="Concurrent lease slots per worker.")
+    parser.add_argument("--latency-median-s", type=float, default=0.2, help="Simulated generation latency (a sleep).")
+    parser.add_argument("--latency-sigma", type=float, default=0.5)
+    parser.add_argument("--target", type=float, default=0.3, help="Target mean reward (smoothed).")
+    parser.add_argument("--smooth", type=int, default=5, help="Steps in the reward moving average.")
+    parser.add_argument("--model-weight", type=float, default=0.02, help="Weight of the classifier's score in the reward.")
+    parser.add_argument("--delay-ms", type=float, default=None, help="Delay per scored item; default: from the free run.")
+    parser.add_argument("--delay-factor", type=float, default=1.5,
+                        help="Default delay = factor / (samples per second the free-verifier trainer consumed).")
+    parser.add_argument("--scorer-items", type=int, default=32, help="[scorer] max_items: samples per score lease.")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--work", default=None, help="Where the runs go (default: a temporary directory).")
+    args = parser.parse_args()
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="reward-service-"))
+    work.mkdir(parents=True, exist_ok=True)
+    classifier = write_classifier(work / "classifier")
+    modes = args.modes.split(",")
+    results: dict[str, dict[str, Any]] = {}
+    delay_s = (args.delay_ms or 0.0) / 1000
+    for mode in modes:
+        if mode == "free_verifier" or (args.delay_ms is None and "free_verifier" not in results):
+            if "free_verifier" not in results:
+                results["free_verifier"] = run_mode(args, "free_verifier", classifier, 0.0, work)
+                print(json.dumps({"free_verifier": results["free_verifier"]}), flush=True)
+            if args.delay_ms is None:
+                delay_s = args.delay_factor / results["free_verifier"]["samples_trained_per_s"]
+            if mode == "free_verifier":
+                continue
+        results[mode] = run_mode(args, mode, classifier, delay_s, work)
+        print(json.dumps({mode: results[mode]}), flush=True)
+    summary: dict[str, Any] = {}
+    for mode, result in results.items():
+        summary[f"busy_{mode}"] = round(result["busy"], 4)
+        summary[f"time_to_target_s_{mode}"] = None if result["time_to_target_s"] is None else round(result["time_to_target_s"], 2)
+        summary[f"ingest_per_s_{mode}"] = round(result["ingest_per_s"], 1)
+        summary[f"wall_s_{mode}"] = round(result["wall_s"], 1)
+    if "busy_free_verifier" in summary and "busy_scorers_2" in summary:
+        summary["busy_gap_scorers_2"] = round(summary["busy_free_verifier"] - summary["busy_scorers_2"], 4)
+    summary.update(delay_ms_per_item=round(delay_s * 1000, 3), steps=args.steps, groups_per_step=args.groups_per_step,
+                   target=args.target, work=str(work), modes={m: r for m, r in results.items()})
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The scorer role's request handlers: lease samples to score, renew, post scores.
+
+Thin, as orchestrator/handlers.py: each validates, calls RunState (the scoring stage is
+orchestrator/score_queue.py), commits the journal and answers. Registered by the route table
+(orchestrator/routes.py), which admits only `scorer` tokens; the client is workers/scorer.py
+(`decentrl scorer`), the protocol is docs/rewards.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+
+from aiohttp import web
+
+from decentrl.wire import WORKER_ID, ScoreLease, ScoreLeaseRequest, ScorePost
+from orchestrator.appstate import BATCH_READY, LEASES_FREED, SCORES_WAITING, STATE, STOPPING, commit, notify_all, wake_checks
+from orchestrator.body import error, parse_body, respond
+from orchestrator.handlers import holder_of
+from orchestrator.score_queue import ScoreError
+
+ERRORS: dict[int, type[web.HTTPException]] = {
+    400: web.HTTPBadRequest, 403: web.HTTPForbidden, 404: web.HTTPNotFound, 409: web.HTTPConflict,
+}
+
+
+async def score_leases(request: web.Request) -> web.Response:
+    body = await parse_body(request, ScoreLeaseRequest)
+    state = request.app[STATE]
+    holder, wait_s = holder_of(request, body.scorer_id), state.config.orchestrator.lease_wait_s
+    score_range = state.config.orchestrator.rewards.score_range
+    # Long-poll as workers' leases do: a scorer starts the moment a group completes.
+    waiting = request.app[SCORES_WAITING]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    async with waiting:
+        while (entry := state.lease_scores(holder, body.max_items)) is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or request.app[STOPPING].is_set():
+                break
+            with contextlib.suppress(asyncio.TimeoutError):  # every 0.5 s at least: leases expire unannounced
+                await asyncio.wait_for(waiting.wait(), timeout=min(remaining, 0.5))
+    if entry is None:
+        return respond(request, ScoreLease(
+            lease_id="", deadline=0.0, items=[], score_range=score_range, retry_after_s=0.0 if wait_s > 0 else 0.2
+        ))
+    items = state.score_queue.items(entry)
+    return respond(request, ScoreLease(lease_id=entry.lease_id, deadline=entry.deadline, items=items, score_range=score_range))
+
+
+async def score_renew(request: web.Request) -> web.Response:
+    holder = holder_of(request, query_scorer(request))
+    try:
+        answer = request.app[STATE].renew_scores(request.match_info["lease_id"], holder)
+    except ScoreError as exc:
+        raise error(ERRORS[exc.status], str(exc)) from None
+    return respond(request, answer)
+
+
+async def scores(request: web.Request) -> web.Response:
+    body = await parse_body(request, ScorePost)
+    app, state = request.app, request.app[STATE]
+    ready_before = len(state.ready)
+    try:
+        ack = state.post_scores(holder_of(request, body.scorer_id), body)
+    except ScoreError as exc:
+        raise error(ERRORS[exc.status], str(exc)) from None
+    await commit(state)
+    wake_checks(app)  # a scored group may still wait for its check, now due
+    if len(state.ready) > ready_before:
+        await notify_all(app[BATCH_READY])
+    await notify_all(app[LEASES_FREED])  # a group dropped (stale, a judge reply unparsed) frees its place
+    return respond(request, ack)
+
+
+def query_scorer(request: web.Request) -> str:
+    scorer_id = request.query.get("scorer_id", "")
+    if not re.fullmatch(WORKER_ID, scorer_id):
+        raise error(web.HTTPBadRequest, f"query parameter scorer_id is required and must match {WORKER_ID}")
+    return scorer_id

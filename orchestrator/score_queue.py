@@ -1,0 +1,266 @@
+"""The scoring queue: samples waiting for a model score, leased to scorers, and the scores posted.
+
+A pipeline stage between "score" and "line up" for runs whose reward needs a model
+(`[orchestrator.rewards] type = model | sum`, docs/rewards.md). RunState (orchestrator/state.py)
+hands each complete group's items to `add` while the buffer holds the group back in its place
+(orchestrator/buffer.py); scorers (the `scorer` role: `decentrl scorer`, workers/scorer.py)
+lease items through the handlers (`lease`, `renew`), score them with their backend and `post`
+the scores; when the last sample of a group is scored, `post` names the group and RunState
+combines the rewards (orchestrator/scoring.py) and lets it join the line.
+
+Invariants:
+- an item is leased to one scorer at a time; a lease has a deadline (`lease_timeout_s` from
+  the grant or the last renewal); an overdue lease expires (`expire`) and its unscored items go
+  to the front of the queue, to the next scorer that asks (counted as reassigned); a post on an
+  expired lease is refused (409), so a dead or slow scorer never blocks a group;
+- a post is all or nothing: every score is checked (in range, the step count right, in the
+  lease) before any is taken, and a bad one refuses the whole post with a reason (ScoreError);
+- a score is taken once per sample (idempotent by rollout id: a resend is a duplicate) and
+  journaled (the `scores` table) before the answer; a restart re-adds the waiting groups (their
+  samples are in the journal's open leases) with the scores already taken, and leases the rest
+  again: no score and no waiting sample is lost. Score leases themselves are not journaled (a
+  scorer whose lease is unknown after a restart leases again);
+- a group dropped while waiting (stale, banned, failed check) leaves its items here until they
+  come up: `alive(group_id)` says whether its group still waits, and dead items are skipped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import uuid
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from decentrl.config import RewardConfig
+from decentrl.wire import ScoreAck, ScoreItem, ScorePost, ScoreRenewal, ScoreResult
+from orchestrator.journal import RunJournal
+
+CLOSED_KEPT = 4096  # closed score leases remembered, to answer a late post precisely (409, not 404)
+
+
+class ScoreError(Exception):
+    """A scoring request that cannot be done; `status` is the HTTP status to answer with."""
+
+    status = 400
+
+
+class ScoreLeaseNotFound(ScoreError):
+    status = 404
+
+
+class NotScoreLeaseHolder(ScoreError):
+    status = 403
+
+
+class ScoreLeaseClosed(ScoreError):
+    status = 409
+
+
+@dataclass
+class Waiting:
+    """One sample waiting for its score."""
+
+    item: ScoreItem
+    group_id: str
+    result: ScoreResult | None = None
+
+
+@dataclass
+class ScoreLeaseEntry:
+    lease_id: str
+    holder: str  # token name + scorer id
+    deadline: float
+    rollout_ids: list[str]
+    status: Literal["open", "done", "expired"] = "open"
+    unscored: set[str] = field(default_factory=set)
+
+
+class ScoreQueue:
+    def __init__(
+        self, *, config: RewardConfig, journal: RunJournal, clock: Callable[[], float], alive: Callable[[str], bool]
+    ) -> None:
+        """`alive(group_id)`: whether the group still waits for its scores (the buffer holds it)."""
+        self.config = config
+        self.journal = journal
+        self.clock = clock
+        self.alive = alive
+        self.samples: dict[str, Waiting] = {}  # rollout id -> its item, while its group waits
+        self.groups: dict[str, list[str]] = {}  # group id -> its rollout ids, in sample order
+        self.queue: deque[str] = deque()  # rollout ids to lease, front first
+        self.leases: dict[str, ScoreLeaseEntry] = {}  # open score leases
+        self.closed: OrderedDict[str, ScoreLeaseEntry] = OrderedDict()  # the last CLOSED_KEPT closed ones
+        self.deadlines: list[tuple[float, str]] = []  # heap; entries of closed or renewed leases skipped lazily
+        # Since this orchestrator started (not journaled): orchestrator/metrics.py SCORING_COUNTS.
+        self.counts: Counter[str] = Counter()
+
+    # -- groups in ------------------------------------------------------------------------
+
+    def add(self, group_id: str, items: list[ScoreItem], taken: dict[str, ScoreResult]) -> bool:
+        """A complete group waits for its scores; `taken`: scores already journaled for its
+        samples (after a restart). Returns whether every sample is scored already."""
+        self.groups[group_id] = [item.rollout_id for item in items]
+        for item in items:
+            waiting = self.samples[item.rollout_id] = Waiting(item, group_id, taken.get(item.rollout_id))
+            if waiting.result is None:
+                self.queue.append(item.rollout_id)
+        return self.complete(group_id)
+
+    def complete(self, group_id: str) -> bool:
+        return all(self.samples[rollout_id].result is not None for rollout_id in self.groups[group_id])
+
+    def take(self, group_id: str) -> list[ScoreResult]:
+        """A complete group's scores, in sample order; the group leaves the queue."""
+        results = [self.samples.pop(rollout_id).result for rollout_id in self.groups.pop(group_id)]
+        assert all(result is not None for result in results)
+        return results  # type: ignore[return-value]
+
+    def forget(self, group_id: str) -> None:
+        """The group left without its scores (dropped): its items go (queued ones are skipped later)."""
+        for rollout_id in self.groups.pop(group_id, []):
+            self.samples.pop(rollout_id, None)
+
+    # -- a scorer's requests ----------------------------------------------------------------
+
+    def lease(self, holder: str, max_items: int) -> ScoreLeaseEntry | None:
+        """Up to `max_items` items, oldest (or reassigned) first; None when none waits."""
+        self.expire()
+        taken: list[str] = []
+        while self.queue and len(taken) < max_items:
+            rollout_id = self.queue.popleft()
+            waiting = self.samples.get(rollout_id)
+            if waiting is None or waiting.result is not None:
+                continue  # its group left, or it was scored on a lease that expired later
+            if not self.alive(waiting.group_id):
+                self.forget(waiting.group_id)
+                continue
+            taken.append(rollout_id)
+        if not taken:
+            return None
+        entry = ScoreLeaseEntry(
+            uuid.uuid4().hex, holder, self.clock() + self.config.lease_timeout_s, taken, unscored=set(taken)
+        )
+        self.leases[entry.lease_id] = entry
+        heapq.heappush(self.deadlines, (entry.deadline, entry.lease_id))
+        return entry
+
+    def items(self, entry: ScoreLeaseEntry) -> list[ScoreItem]:
+        return [self.samples[rollout_id].item for rollout_id in entry.rollout_ids]
+
+    def renew(self, lease_id: str, holder: str) -> ScoreRenewal:
+        self.expire()
+        entry = self._owned(lease_id, holder)
+        entry.deadline = self.clock() + self.config.lease_timeout_s
+        heapq.heappush(self.deadlines, (entry.deadline, lease_id))
+        return ScoreRenewal(lease_id=lease_id, deadline=entry.deadline, unscored=len(entry.unscored))
+
+    def post(self, holder: str, body: ScorePost) -> tuple[ScoreAck, list[str]]:
+        """Take a post's scores (all, or none with a ScoreError). Returns the answer and the
+        groups whose last score this was."""
+        self.expire()
+        entry = self._owned(body.lease_id, holder, posting=True)
+        fresh = self._check(entry, body)
+        for result in fresh:
+            entry.unscored.discard(result.rollout_id)
+            waiting = self.samples.get(result.rollout_id)
+            if waiting is None or not self.alive(waiting.group_id):
+                if waiting is not None:
+                    self.forget(waiting.group_id)
+                continue  # its group was dropped meanwhile: nothing waits for this score
+            waiting.result = result
+            self.journal.score_taken(result.rollout_id, waiting.group_id, result.model_dump_json())
+            if result.failure == "parse":
+                self.counts["judge_parse_failures"] += 1
+        self.counts["scores_posted"] += len(fresh)
+        self.counts["scores_duplicate"] += len(body.scores) - len(fresh)
+        self.counts["judge_parse_retries"] += body.parse_retries
+        if not entry.unscored and entry.status == "open":
+            self._close(entry, "done")
+        done = sorted(
+            {self.samples[r.rollout_id].group_id for r in fresh if r.rollout_id in self.samples},
+        )
+        return (
+            ScoreAck(accepted=len(fresh), duplicates=len(body.scores) - len(fresh), unscored=len(entry.unscored)),
+            [group_id for group_id in done if self.complete(group_id)],
+        )
+
+    def _owned(self, lease_id: str, holder: str, *, posting: bool = False) -> ScoreLeaseEntry:
+        entry = self.leases.get(lease_id) or self.closed.get(lease_id)
+        if entry is None:
+            raise ScoreLeaseNotFound(f"no score lease {lease_id!r}: never granted, or forgotten (lease again)")
+        if entry.holder != holder:
+            raise NotScoreLeaseHolder(f"score lease {lease_id!r} is held by another scorer")
+        if entry.status == "expired":
+            raise ScoreLeaseClosed(
+                f"score lease {lease_id!r} expired (no full answer within {self.config.lease_timeout_s:.0f}s); its "
+                "unscored items were leased again: lease again, and renew long leases"
+            )
+        if entry.status == "done" and not posting:
+            raise ScoreLeaseClosed(f"score lease {lease_id!r} is done: every item is scored")
+        return entry
+
+    def _check(self, entry: ScoreLeaseEntry, body: ScorePost) -> list[ScoreResult]:
+        """The post's new scores, or a ScoreError naming the first bad one."""
+        low, high = self.config.score_range
+        in_lease, seen, fresh = set(entry.rollout_ids), set(), []
+        for result in body.scores:
+            rid = result.rollout_id
+            if rid not in in_lease:
+                raise ScoreError(f"rollout {rid!r} is not in score lease {entry.lease_id!r}")
+            if rid in seen:
+                raise ScoreError(f"rollout {rid!r} is scored twice in one post")
+            seen.add(rid)
+            if result.score is not None and not low <= result.score <= high:
+                raise ScoreError(f"rollout {rid!r}: score {result.score} is outside score_range [{low}, {high}]")
+            waiting = self.samples.get(rid)
+            steps = waiting.item.steps if waiting is not None else None
+            if result.step_scores is not None:
+                if steps is None:
+                    raise ScoreError(f"rollout {rid!r}: step_scores given, but the item has no steps (post null)")
+                if len(result.step_scores) != len(steps):
+                    raise ScoreError(
+                        f"rollout {rid!r}: {len(result.step_scores)} step scores for {len(steps)} steps (one per step)"
+                    )
+                bad = next((s for s in result.step_scores if not low <= s <= high), None)
+                if bad is not None:
+                    raise ScoreError(f"rollout {rid!r}: step score {bad} is outside score_range [{low}, {high}]")
+            elif steps is not None and result.failure is None:
+                raise ScoreError(f"rollout {rid!r}: the item has {len(steps)} steps; post one step score for each")
+            if rid in entry.unscored:
+                fresh.append(result)
+        return fresh
+
+    # -- deadlines ------------------------------------------------------------------------
+
+    def expire(self) -> int:
+        """Close overdue score leases; their unscored items go to the front of the queue."""
+        now, expired = self.clock(), 0
+        while self.deadlines and self.deadlines[0][0] < now:
+            deadline, lease_id = heapq.heappop(self.deadlines)
+            entry = self.leases.get(lease_id)
+            if entry is None or entry.deadline != deadline:
+                continue  # closed already, or renewed (a later heap entry stands for it)
+            again = [rid for rid in entry.rollout_ids if rid in entry.unscored and rid in self.samples]
+            self.queue.extendleft(reversed(again))
+            self.counts["scores_reassigned"] += len(again)
+            self.counts["score_leases_expired"] += 1
+            self._close(entry, "expired")
+            expired += 1
+        return expired
+
+    def _close(self, entry: ScoreLeaseEntry, status: Literal["done", "expired"]) -> None:
+        entry.status = status
+        self.leases.pop(entry.lease_id, None)
+        self.closed[entry.lease_id] = entry
+        while len(self.closed) > CLOSED_KEPT:
+            self.closed.popitem(last=False)
+
+    # -- for /metrics and /v1/status ----------------------------------------------------------
+
+    def waiting(self) -> int:
+        """Samples of waiting groups not yet scored (leased or not)."""
+        return sum(1 for waiting in self.samples.values() if waiting.result is None)
+
+    def leased(self) -> int:
+        return sum(len(entry.unscored) for entry in self.leases.values())
