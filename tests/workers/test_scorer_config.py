@@ -46,7 +46,7 @@ def test_the_scorer_section_is_keyed_on_type() -> None:
         (["scorer.type=openai", "scorer.model=m", "scorer.base_url=http://h/v1", "scorer.max_attempts=0"],
          "scorer.max_attempts"),
         (["scorer.type=openai", "scorer.model=m", "scorer.base_url=http://h/v1", "scorer.prompt_template=rate it"],
-         "must contain {completion}"),
+         "put {completion} (or {steps}) in it"),
         (["scorer.type=python", "scorer.function=not a path"], "scorer.function: String should match"),
         (["scorer.type=python", "scorer.function=m:f", "scorer.max_items=5000"], "scorer.max_items"),
     ],

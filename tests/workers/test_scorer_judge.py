@@ -196,7 +196,8 @@ def test_judge_config_is_checked() -> None:
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="completion"):
-        OpenAIScorerConfig(base_url="http://x/v1", model="m", prompt_template="no placeholder")
+        OpenAIScorerConfig(base_url="http://x/v1", model="m", prompt_template="no placeholder {prompt}")
+    assert OpenAIScorerConfig(base_url="http://x/v1", model="m", prompt_template="grade {steps}")  # steps alone will do
     with pytest.raises(ValidationError, match="capture group"):
         RegexVerdictConfig(pattern=r"(a)(b)")
     with pytest.raises(ValidationError, match="regular expression"):
