@@ -75,10 +75,11 @@ class Scorer:
         self._wake.set()
 
     def run(self, max_leases: int | None = None) -> ScorerCounts:
+        """Lease, score and post until stopped (or `max_leases` leases, counted over every run).
+        A lease answered after a stop was asked for is still scored and posted (one batch)."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
-        """Lease, score and post until stopped (or `max_leases` leases, counted over every run)."""
         request = ScoreLeaseRequest(scorer_id=self.scorer_id, max_items=self.config.max_items)
         with ThreadPoolExecutor(1, thread_name_prefix="score") as pool:
             while not self.stopping and (max_leases is None or self.counts.leases < max_leases):
