@@ -127,3 +127,14 @@ def test_one_label_refuses_another_label_or_a_softmax(rm_dir: Path) -> None:
         HFScoreBackend(HFScorerConfig(path=str(rm_dir), label=1))
     with pytest.raises(BackendConfigError, match="softmax"):
         HFScoreBackend(HFScorerConfig(path=str(rm_dir), label=0, transform="softmax"))
+
+
+@pytest.mark.gpu
+def test_the_reward_model_scores_on_a_gpu_as_on_the_cpu(rm_dir: Path) -> None:
+    items = [item(c, ["01", c[2:]]) for c in ("0123", "0132", "01230123")]
+    cpu = HFScoreBackend(HFScorerConfig(path=str(rm_dir))).score(items)
+    gpu = HFScoreBackend(HFScorerConfig(path=str(rm_dir), device="cuda")).score(items)
+    half = HFScoreBackend(HFScorerConfig(path=str(rm_dir), device="cuda", dtype="bfloat16")).score(items)
+    for c, g, h in zip(cpu, gpu, half, strict=True):
+        assert g.score == pytest.approx(c.score, abs=1e-4) and g.step_scores == pytest.approx(c.step_scores, abs=1e-4)
+        assert h.score == pytest.approx(c.score, abs=0.1)  # bfloat16 weights: close, not equal
