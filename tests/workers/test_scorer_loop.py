@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from decentrl.config import PythonScorerConfig
 from decentrl.tasks import build_task
-from decentrl.wire import Lease, ScoreItem, ScoreLease
+from decentrl.wire import ScoreItem, ScoreLease
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
 from workers.scorer import Scorer, checked
