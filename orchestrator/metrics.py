@@ -18,16 +18,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from decentrl.tasks.guard import reward_failures
+from orchestrator.score_queue import COUNTS
 from orchestrator.state import RunState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-# The score queue's counts since this orchestrator started (not journaled), under decentrl_<name>.
+# The score queue's counts (orchestrator/score_queue.py COUNTS), under decentrl_<name>_total.
 # Groups that went stale waiting for scores: decentrl_samples_dropped{reason="stale_waiting_scores"};
 # dropped for an unparsed judge reply: reason="judge_parse_failure".
-SCORING_COUNTS = {
+SCORING_HELP = {
     "scores_posted": "Scores taken from scorers (duplicates not counted).",
     "scores_duplicate": "Scores posted again for samples already scored.",
     "scores_reassigned": "Samples whose score lease expired unanswered, leased again.",
@@ -82,8 +83,8 @@ class StateCollector(Collector):
             yield GaugeMetricFamily("decentrl_scores_leased", "Of those, samples leased to a scorer now.", value=scoring["leased"])
             yield GaugeMetricFamily("decentrl_groups_scoring", "Complete groups held back for their scores.",
                                     value=s.buffer.held_back_for("scores"))
-            for name, help_text in SCORING_COUNTS.items():
-                yield CounterMetricFamily(f"decentrl_{name}", help_text, value=scoring.get(name, 0))
+            for name in COUNTS:
+                yield CounterMetricFamily(f"decentrl_{name}", SCORING_HELP[name], value=scoring[name])
         failures = CounterMetricFamily(
             "decentrl_reward_failures", "Reward calls that failed and scored 0 (reward guard), by kind.", labels=["kind"]
         )

@@ -37,6 +37,10 @@ from decentrl.config import RewardConfig
 from decentrl.wire import ScoreAck, ScoreItem, ScorePost, ScoreRenewal, ScoreResult
 from orchestrator.journal import RunJournal
 
+# What the queue counts since this orchestrator started (not journaled); /metrics names each
+# decentrl_<name>_total (orchestrator/metrics.py).
+COUNTS = ("scores_posted", "scores_duplicate", "scores_reassigned", "score_leases_expired", "judge_parse_failures",
+          "judge_parse_retries")
 CLOSED_KEPT = 4096  # closed score leases remembered, to answer a late post precisely (409, not 404)
 
 
@@ -92,7 +96,7 @@ class ScoreQueue:
         self.leases: dict[str, ScoreLeaseEntry] = {}  # open score leases
         self.closed: OrderedDict[str, ScoreLeaseEntry] = OrderedDict()  # the last CLOSED_KEPT closed ones
         self.deadlines: list[tuple[float, str]] = []  # heap; entries of closed or renewed leases skipped lazily
-        # Since this orchestrator started (not journaled): orchestrator/metrics.py SCORING_COUNTS.
+        # Since this orchestrator started: COUNTS.
         self.counts: Counter[str] = Counter()
 
     # -- groups in ------------------------------------------------------------------------

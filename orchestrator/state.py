@@ -83,7 +83,7 @@ from orchestrator.integrity import Integrity
 from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.leases import LeaseBook, LeaseError, OpenLease, PromptQueue
 from orchestrator.recovery import meta_row, recover
-from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
+from orchestrator.score_queue import COUNTS, ScoreLeaseEntry, ScoreQueue
 from orchestrator.scoring import Scorer
 from orchestrator.tokens import make_decoder, make_encoder
 from orchestrator.verdicts import Verdicts
@@ -447,7 +447,8 @@ class RunState:
     def scoring_summary(self) -> dict[str, int]:
         """The score queue's gauges and counts (/v1/status, /metrics)."""
         queue = self.score_queue
-        return {"waiting": queue.waiting(), "leased": queue.leased(), "leases_open": len(queue.leases), **queue.counts}
+        counts = {name: queue.counts[name] for name in COUNTS}
+        return {"waiting": queue.waiting(), "leased": queue.leased(), "leases_open": len(queue.leases), **counts}
 
     # -- the parts' state under the names app.py, metrics.py, benchmarks and tests read ---------
 

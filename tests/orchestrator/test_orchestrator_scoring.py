@@ -366,3 +366,38 @@ def test_scoring_metrics_and_status_appear_only_for_model_rewards(make_state: An
     plain = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     assert "decentrl_scores_waiting" not in Metrics(plain).render().decode()
     assert plain.status().scoring is None and make_state().status().scoring is not None
+
+
+@pytest.mark.parametrize("check_first", [True, False])
+def test_a_group_waits_for_both_its_check_and_its_scores(make_state: Any, complete_group: Any, check_first: bool) -> None:
+    from decentrl.wire import ScorePost, ScoreResult
+
+    state = make_state(orchestrator={"lease_wait_s": 0.0, "rewards": {"type": "model"},
+                                     "verification": {"enabled": True, "new_worker_checks": 64}})
+    lease = complete_group(state)
+    assert state.pending[lease.lease_id].awaiting == {"check", "scores"} and len(state.verify_queue) == 1
+    assert state.status().groups_verifying == 1 and state.status().groups_scoring == 1
+
+    def score() -> None:
+        entry = state.lease_scores("judge/s0", 8)
+        assert entry is not None
+        results = [ScoreResult(rollout_id=rid, score=0.5) for rid in entry.rollout_ids]
+        state.post_scores("judge/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=results))
+
+    first, second = (lambda: state.verification_done(lease.lease_id, {}), score)
+    if not check_first:
+        first, second = second, first
+    first()
+    assert lease.lease_id in state.pending and not state.ready
+    second()
+    assert [group.lease_id for group in state.ready] == [lease.lease_id] and not state.pending
+
+
+def test_a_group_failing_its_check_while_scored_is_dropped_and_its_items_go(make_state: Any, complete_group: Any) -> None:
+    state = make_state(orchestrator={"lease_wait_s": 0.0, "rewards": {"type": "model"},
+                                     "verification": {"enabled": True, "new_worker_checks": 64}})
+    lease = complete_group(state)
+    rollout_id = state.pending[lease.lease_id].samples[0][0].rollout_id
+    state.verification_done(lease.lease_id, {rollout_id: "logprob_mismatch"})
+    assert not state.pending and state.dropped["failed_verification"] == 2
+    assert state.lease_scores("judge/s0", 8) is None and state.score_queue.waiting() == 0
