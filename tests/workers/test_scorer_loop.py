@@ -3,7 +3,8 @@ samples of complete groups, scores them with a backend, posts, and the groups re
 with those rewards; bad verdicts (NaN, out of range, no score, wrong step count) go as parse
 failures the orchestrator counts; an unreachable judge's samples are not posted and are leased
 again; a lease is renewed while scoring outlives it; a stop finishes and posts the batch in hand;
-a real `decentrl scorer` process exits cleanly on SIGTERM."""
+a real `decentrl scorer` process exits cleanly on SIGTERM; a reward model's step scores fit the
+steps the orchestrator split."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.config import PythonScorerConfig
+from decentrl.config import HFScorerConfig, PythonScorerConfig
 from decentrl.tasks import build_task
 from decentrl.wire import ScoreItem, ScoreLease
 from orchestrator.auth import TokenRegistry
@@ -246,3 +247,33 @@ def test_decentrl_scorer_exits_cleanly_on_sigterm_after_posting(
             assert len(state.ready) == 1  # the batch in hand was posted before it exited
 
     run(scenario())
+
+
+def test_a_reward_model_posts_step_scores_for_the_steps_the_orchestrator_split(
+    scoring_state: Any, serve_orchestrator: Any, chat_dir: Path, tmp_path: Path
+) -> None:
+    from tests.workers.test_scorer_hf import write_classifier
+
+    state = scoring_state(groups=1, steps="delimiter", step_delimiter="1")  # "012" -> ["0", "2"]
+    config = HFScorerConfig(path=str(write_classifier(chat_dir, tmp_path / "rm", num_labels=1)), transform="sigmoid")
+    model = build_scorer_backend(config)
+    seen: list[tuple[ScoreItem, Verdict]] = []
+
+    class Spy:
+        def score(self, items: list[ScoreItem]) -> list[Verdict]:
+            verdicts = model.score(items)
+            seen.extend(zip(items, verdicts, strict=True))
+            return verdicts
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+            scorer = Scorer(config, scorer_id="s0", client=server.client(SCORER), backend=Spy())
+            counts = await asyncio.to_thread(scorer.run, max_leases=1)
+            # accepted: the orchestrator refuses a post whose step scores do not match the steps
+            assert (counts.scored, counts.failed, counts.lost) == (3, 0, 0)
+
+    run(scenario())
+    (group,) = state.ready
+    assert sorted((item.steps, len(verdict.step_scores or ())) for item, verdict in seen) == [
+        (["0"], 1), (["0", ""], 2), (["0", "2"], 2)]
+    assert sorted(reward for _, reward in group.samples) == pytest.approx(sorted(v.score for _, v in seen))
