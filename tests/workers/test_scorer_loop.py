@@ -4,7 +4,8 @@ with those rewards; bad verdicts (NaN, out of range, no score, wrong step count)
 failures the orchestrator counts; an unreachable judge's samples are not posted and are leased
 again; a lease is renewed while scoring outlives it; a stop finishes and posts the batch in hand;
 a real `decentrl scorer` process exits cleanly on SIGTERM; a reward model's step scores fit the
-steps the orchestrator split."""
+steps the orchestrator split; a judge that never parses is retried, then scored as the run says
+(the fake judge server of test_scorer_judge.py, counted by the orchestrator)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.config import HFScorerConfig, PythonScorerConfig
+from decentrl.config import HFScorerConfig, OpenAIScorerConfig, PythonScorerConfig
 from decentrl.tasks import build_task
 from decentrl.wire import ScoreItem, ScoreLease
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
+from tests.workers.test_scorer_judge import judge  # noqa: F401 - the fake judge server, a fixture
 from workers.scorer import Scorer, checked
 from workers.scorers import Verdict, build_scorer_backend
 
@@ -277,3 +279,25 @@ def test_a_reward_model_posts_step_scores_for_the_steps_the_orchestrator_split(
     assert sorted((item.steps, len(verdict.step_scores or ())) for item, verdict in seen) == [
         (["0"], 1), (["0", ""], 2), (["0", "2"], 2)]
     assert sorted(reward for _, reward in group.samples) == pytest.approx(sorted(v.score for _, v in seen))
+
+
+def test_a_judge_that_never_parses_is_retried_then_scored_as_the_run_says(
+    scoring_state: Any, serve_orchestrator: Any, judge: Any
+) -> None:
+    fake, url = judge
+    state = scoring_state(groups=1, on_parse_failure="default", default_score=0.5)
+    config = OpenAIScorerConfig(
+        base_url=url, model="judge", prompt_template="case=garbage {completion}", backoff_s=0.01, max_attempts=3
+    )
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+            scorer = Scorer(config, scorer_id="s0", client=server.client(SCORER), backend=build_scorer_backend(config))
+            counts = await asyncio.to_thread(scorer.run, max_leases=1)
+            assert (counts.scored, counts.failed, counts.parse_retries) == (0, 3, 6)
+            assert scoring(state)["judge_parse_failures"] == 3 and scoring(state)["judge_parse_retries"] == 6
+
+    run(scenario())
+    assert fake.calls["garbage"] == 9  # 3 samples, 3 tries each
+    (group,) = state.ready
+    assert [reward for _, reward in group.samples] == [0.5, 0.5, 0.5]  # the default, never a silent 0
