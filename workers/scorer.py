@@ -68,7 +68,6 @@ class Scorer:
         self.counts = ScorerCounts()
         self.stopping = False
         self._wake = threading.Event()  # set on stop: cuts a wait short
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="score")
 
     def request_stop(self, *_: object) -> None:
         """SIGTERM/SIGINT: the batch in hand is finished and posted, then `run` returns."""
@@ -76,25 +75,27 @@ class Scorer:
         self._wake.set()
 
     def run(self, max_leases: int | None = None) -> ScorerCounts:
+        """Lease, score and post until stopped (or `max_leases` leases, counted over every run).
+        A lease answered after a stop was asked for is still scored and posted (one batch)."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
         request = ScoreLeaseRequest(scorer_id=self.scorer_id, max_items=self.config.max_items)
-        while not self.stopping and (max_leases is None or self.counts.leases < max_leases):
-            lease = self.client.score_lease(request)
-            if not lease.items:
-                self._wake.wait(max(lease.retry_after_s, self.config.min_wait_s))
-                continue
-            self.counts.leases += 1
-            verdicts = self.score_renewing(lease)
-            self.post(lease, verdicts)
+        with ThreadPoolExecutor(1, thread_name_prefix="score") as pool:
+            while not self.stopping and (max_leases is None or self.counts.leases < max_leases):
+                lease = self.client.score_lease(request)
+                if not lease.items:
+                    self._wake.wait(max(lease.retry_after_s, self.config.min_wait_s))
+                    continue
+                self.counts.leases += 1
+                verdicts = self.score_renewing(pool, lease)
+                self.post(lease, verdicts)
         log.info("scorer %s stopping: %s", self.scorer_id, self.counts)
-        self._pool.shutdown()
         return self.counts
 
-    def score_renewing(self, lease: ScoreLease) -> list[Verdict]:
-        """The backend's verdicts for the lease's items, renewing the lease while it scores."""
-        future = self._pool.submit(self.backend.score, lease.items)
+    def score_renewing(self, pool: ThreadPoolExecutor, lease: ScoreLease) -> list[Verdict]:
+        """The backend's verdicts for the lease's items (scored in `pool`), renewing the lease meanwhile."""
+        future = pool.submit(self.backend.score, lease.items)
         deadline, renewing = lease.deadline, True
         while True:
             wait = max(MIN_RENEW_S, (deadline - time.time()) / 2) if renewing else None

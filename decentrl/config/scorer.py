@@ -135,7 +135,7 @@ class OpenAIScorerConfig(ScorerBase):
     prompt_template: str = Field(
         DEFAULT_JUDGE_PROMPT, min_length=1, max_length=100_000,
         description="The user message: {prompt}, {completion} and {steps} (the steps numbered one a line) are "
-        "replaced by the sample's; other braces are kept as written.",
+        "replaced by the sample's, and {completion} or {steps} must be there; other braces are kept as written.",
     )
     verdict: VerdictConfig = Field(
         default_factory=RegexVerdictConfig, description="How the score is read from the reply ([scorer.verdict] type = "
@@ -155,9 +155,9 @@ class OpenAIScorerConfig(ScorerBase):
     @field_validator("prompt_template")
     @classmethod
     def _names_completion(cls, template: str) -> str:
-        if "{completion}" not in template:
-            raise ValueError("the judge prompt template must contain {completion} (placeholders: {prompt}, "
-                             "{completion}, {steps})")
+        if "{completion}" not in template and "{steps}" not in template:
+            raise ValueError("the judge prompt template must show the judge the sample: put {completion} (or "
+                             "{steps}) in it (placeholders: {prompt}, {completion}, {steps})")
         return template
 
 

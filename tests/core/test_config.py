@@ -207,6 +207,20 @@ def nested(path: str, value: object) -> dict[str, object]:
     return data
 
 
+def nested_in_members(path: str, value: object) -> dict[str, object]:
+    """`nested`, with each enclosing union's `type` set to the member that has the next key
+    (`scorer.verdict` lives under `[scorer] type = "openai"`)."""
+    unions, parts = keyed_unions(), path.split(".")
+    data = nested(path, value)
+    node: dict[str, object] = data
+    for depth in range(len(parts) - 1):
+        node = node[parts[depth]]  # type: ignore[assignment]
+        members = unions.get(".".join(parts[: depth + 1]), {})
+        if members:
+            node["type"] = next(tag for tag, member in members.items() if parts[depth + 1] in member.model_fields)
+    return data
+
+
 def test_every_union_is_found_and_its_tags_are_the_members_type_literals() -> None:
     unions = keyed_unions()
     assert {"model", "task", "trainer.loss", "trainer.off_policy"} <= unions.keys()
@@ -221,7 +235,7 @@ def test_every_union_is_found_and_its_tags_are_the_members_type_literals() -> No
 )
 def test_a_bad_field_under_every_union_member_names_the_path_in_the_file(path: str, tag: str) -> None:
     with pytest.raises(ConfigError) as info:
-        parse_config(nested(path, {"type": tag, "not_a_field": 1}), source="run.toml")
+        parse_config(nested_in_members(path, {"type": tag, "not_a_field": 1}), source="run.toml")
     message = str(info.value)
     assert f"  {path}.not_a_field: Extra inputs are not permitted" in message
     assert f"{path}.{tag}." not in message  # pydantic's tag is not a key of the file

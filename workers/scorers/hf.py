@@ -60,16 +60,23 @@ class HFScoreBackend:
             [*messages, {"role": "assistant", "content": completion}], tokenize=False
         )
 
+    def prefix_texts(self, item: ScoreItem) -> list[str] | None:
+        """The texts of the item's step prefixes; None without steps, or when a step is not found."""
+        cut = None if item.steps is None else step_prefixes(item.completion, item.steps)
+        return None if cut is None else [self.text(item, prefix) for prefix in cut]
+
     def score_texts(self, texts: list[str]) -> list[float]:
-        """The score of each text, `batch_size` texts per forward pass."""
+        """The score of each text, `batch_size` texts per forward pass, batched by length (the
+        prefixes of process rewards vary widely: like lengths together pad least)."""
         import torch
 
-        scores: list[float] = []
-        for start in range(0, len(texts), self.config.batch_size):
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        scores = [0.0] * len(texts)
+        for start in range(0, len(order), self.config.batch_size):
+            rows = order[start : start + self.config.batch_size]
             encoded = self.tokenizer(
-                texts[start : start + self.config.batch_size], padding=True, truncation=True,
-                max_length=self.config.max_length, return_tensors="pt",
-                add_special_tokens=self.config.input == "text",  # a chat template writes its own
+                [texts[i] for i in rows], padding=True, truncation=True, max_length=self.config.max_length,
+                return_tensors="pt", add_special_tokens=self.config.input == "text",  # a chat template writes its own
             ).to(self.config.device)
             with torch.inference_mode():
                 logits = self.model(**encoded).logits.float()  # (B, num_labels)
@@ -79,27 +86,22 @@ class HFScoreBackend:
                 chosen = logits[:, self.label].sigmoid()
             else:
                 chosen = logits[:, self.label]
-            scores.extend(chosen.tolist())
+            for i, score in zip(rows, chosen.tolist(), strict=True):
+                scores[i] = score
         return scores
 
     def score(self, items: list[ScoreItem]) -> list[Verdict]:
-        texts: dict[str, float] = {}  # text -> score, filled below; dicts keep order
-        wanted: list[tuple[str, list[str] | None]] = []  # per item: its text, its prefixes' texts (None: bad steps)
-        for item in items:
-            whole = self.text(item, item.completion)
-            texts[whole] = 0.0
-            prefixes = None if item.steps is None else step_prefixes(item.completion, item.steps)
-            prefix_texts = None if prefixes is None else [self.text(item, prefix) for prefix in prefixes]
-            texts.update(dict.fromkeys(prefix_texts or (), 0.0))
-            wanted.append((whole, prefix_texts))
-        texts = dict(zip(texts, self.score_texts(list(texts)), strict=True))
+        wholes = [self.text(item, item.completion) for item in items]
+        prefixes = [self.prefix_texts(item) for item in items]
+        unique = list(dict.fromkeys([*wholes, *(text for texts in prefixes for text in texts or ())]))
+        score_of = dict(zip(unique, self.score_texts(unique), strict=True))
         verdicts = []
-        for item, (whole, prefix_texts) in zip(items, wanted, strict=True):
+        for item, whole, prefix_texts in zip(items, wholes, prefixes, strict=True):
             if item.steps is not None and prefix_texts is None:
                 verdicts.append(Verdict(None, error="a step is not a piece of the completion (in order)"))
             else:
-                steps = None if prefix_texts is None else [texts[text] for text in prefix_texts]
-                verdicts.append(Verdict(texts[whole], steps))
+                steps = None if prefix_texts is None else [score_of[text] for text in prefix_texts]
+                verdicts.append(Verdict(score_of[whole], steps))
         return verdicts
 
 
