@@ -49,8 +49,9 @@ def scoring_state(
     """A run with model rewards (real clock: leases expire in real time) and `groups` complete
     groups waiting for their scores; completions are "0", "01", "012" (lengths 2, 3, 4 with eos)."""
 
-    def make(groups: int = 1, **rewards: Any) -> RunState:
-        config = make_config(orchestrator={"lease_wait_s": 0.0, "rewards": {"type": "model", **rewards}})
+    def make(groups: int = 1, advantages: dict[str, Any] | None = None, **rewards: Any) -> RunState:
+        orchestrator = {"lease_wait_s": 0.0, "rewards": {"type": "model", **rewards}, "advantages": advantages or {}}
+        config = make_config(orchestrator=orchestrator)
         state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
         state.announce(0)
         for lease in state.grant_leases("w/w0", groups):
@@ -256,7 +257,9 @@ def test_a_reward_model_posts_step_scores_for_the_steps_the_orchestrator_split(
 ) -> None:
     from tests.workers.test_scorer_hf import write_classifier
 
-    state = scoring_state(groups=1, steps="delimiter", step_delimiter="1")  # "012" -> ["0", "2"]
+    state = scoring_state(
+        groups=1, step_scores=True, advantages={"steps": {"type": "delimiter", "delimiter": "1"}}
+    )  # "0" -> ["0"]; "01" -> ["0"] (a trailing delimiter closes no step); "012" -> ["0", "2"]
     config = HFScorerConfig(path=str(write_classifier(chat_dir, tmp_path / "rm", num_labels=1)), transform="sigmoid")
     model = build_scorer_backend(config)
     seen: list[tuple[ScoreItem, Verdict]] = []
@@ -277,7 +280,7 @@ def test_a_reward_model_posts_step_scores_for_the_steps_the_orchestrator_split(
     run(scenario())
     (group,) = state.ready
     assert sorted((item.steps, len(verdict.step_scores or ())) for item, verdict in seen) == [
-        (["0"], 1), (["0", ""], 2), (["0", "2"], 2)]
+        (["0"], 1), (["0"], 1), (["0", "2"], 2)]
     assert sorted(reward for _, reward in group.samples) == pytest.approx(sorted(v.score for _, v in seen))
 
 
