@@ -175,12 +175,13 @@ def batches(requests: list[Request], max_rows: int, fixed_rows: int | None = Non
             left = sample.budget - len(sample.token_ids)
             width = None if sample.group is None else len(sample.prompt) + len(sample.token_ids)
             keyed.setdefault((left, key, width), (request.sampling, []))[1].append(sample)
-    calls = []
+    calls: list[Call] = []
     for (left, _, width), (sampling, rows) in keyed.items():
         if width is None:
             calls += [Call(left, sampling, rows[start : start + max_rows]) for start in range(0, len(rows), max_rows)]
         else:
-            calls += [Call(left, sampling, chunk, (fixed_rows or len(chunk)) - len(chunk)) for chunk in fixed_shape(rows, fixed_rows)]
+            for chunk in fixed_shape(rows, fixed_rows):
+                calls.append(Call(left, sampling, chunk, (fixed_rows or len(chunk)) - len(chunk)))
     return calls
 
 

@@ -188,7 +188,9 @@ def test_a_version_the_lead_cannot_load_fails_only_its_own_requests() -> None:
 def seeded_group(prompt: list[int], prompt_id: int, size: int = 4, budget: int = 8) -> list[Sample]:
     """One deterministic group: `size` rows of `prompt`, each seeded as a worker seeds them."""
     return [
-        Sample(prompt=prompt, budget=budget, seed=sample_seed(0, prompt_id, j, 7), index=j, group=f"g{prompt_id}", version=7)
+        Sample(
+            prompt=prompt, budget=budget, seed=sample_seed(0, prompt_id, j, 7), index=j, group=f"g{prompt_id}", version=7
+        )
         for j in range(size)
     ]
 
@@ -262,7 +264,9 @@ def test_a_round_takes_every_queued_request_of_the_heads_version(backend: Record
 
 
 def test_a_shape_over_max_batch_rows_is_refused_with_the_fix() -> None:
-    info = RunInfo(run_name="r", store_url="file:///s", policy_version=None, max_staleness=1, group_size=8, deterministic=True)
+    info = RunInfo(
+        run_name="r", store_url="file:///s", policy_version=None, max_staleness=1, group_size=8, deterministic=True
+    )
     assert fixed_rows(info, WorkerConfig(deterministic_groups_per_call=4)) == 32
     assert fixed_rows(info.model_copy(update={"deterministic": False}), WorkerConfig()) is None
     with pytest.raises(ValueError, match="lower worker.deterministic_groups_per_call"):
