@@ -14,8 +14,13 @@ the requests of the batch it hit, and each of their slots raises it.
 
 Deterministic runs (docs/reproducibility.md): a request names the version its rows must be
 sampled under, and a round takes only requests of the version at the head of the queue (the
-lead loads it first: `next_version`); rows carry their own seeds, and each group's rows are one
-backend call of their own, so a row's logits and tokens do not depend on what else was queued.
+lead loads it first: `next_version`); rows carry their own seeds. A CPU forward is not
+batch-invariant (a row's logits change with the number of rows beside it) but it is
+row-independent at a fixed shape (the same rows give the same bits whatever the other rows
+hold), so every call has one shape: `fixed_rows` rows (the worker's `deterministic_groups_per_call`
+whole groups) of one prompt length, and when fewer are queued the call is filled with repeats of
+its own rows (generated, then discarded). A row's logits and tokens are then the same whatever
+else was queued.
 """
 
 from __future__ import annotations
@@ -45,11 +50,32 @@ class Request:
             raise self.error
 
 
+@dataclass(frozen=True)
+class Call:
+    """One backend call: `rows` share their tokens left and sampling; `filler` rows (deterministic
+    runs) are repeats of `rows` that bring the call to its fixed shape, generated and discarded."""
+
+    left: int
+    sampling: SamplingParams
+    rows: list[Sample]
+    filler: int = 0
+
+    def prompts(self) -> list[list[int]]:
+        prompts = [s.prompt + s.token_ids for s in self.rows]
+        return prompts + [prompts[i % len(prompts)] for i in range(self.filler)]
+
+    def seeds(self) -> list[int | None]:
+        seeds = [s.seed for s in self.rows]
+        return seeds + [seeds[i % len(seeds)] for i in range(self.filler)]
+
+
 class Batcher:
-    def __init__(self, *, max_rows: int) -> None:
+    def __init__(self, *, max_rows: int, fixed_rows: int | None = None) -> None:
         if max_rows < 1:
             raise ValueError(f"max_batch_rows must be at least 1 (got {max_rows}): it caps the rows generated at once")
         self.max_rows = max_rows
+        # Deterministic runs: the rows of every call (whole groups + filler); None: a group per call.
+        self.fixed_rows = fixed_rows
         self._queue: deque[Request] = deque()
         self._changed = threading.Condition()  # guards the queue, `_leading` and every request's `done`
         self._leading = False
@@ -92,28 +118,32 @@ class Batcher:
         """The lead's round: take queued requests (whole, first come first served, at least
         one) while they fit in `max_rows`, generate them with `backend` (whose weights are
         `version`: the caller holds the lock that excludes swaps), and mark them done. Only
-        requests of the head's version (deterministic runs) join it."""
+        requests of the head's version (deterministic runs) join it, wherever they are queued:
+        one round per version, not one per change of version along the queue."""
         with self._changed:
-            taken = [self._queue.popleft()]
-            rows = len(taken[0].rows)
-            while (
-                self._queue
-                and rows + len(self._queue[0].rows) <= self.max_rows
-                and self._queue[0].version == taken[0].version
-            ):
-                rows += len(self._queue[0].rows)
-                taken.append(self._queue.popleft())
+            head = self._queue.popleft()
+            taken, kept, rows = [head], deque[Request](), len(head.rows)
+            while self._queue:
+                request = self._queue.popleft()
+                if request.version != head.version:
+                    kept.append(request)
+                elif rows + len(request.rows) <= self.max_rows:
+                    rows += len(request.rows)
+                    taken.append(request)
+                else:  # full: this request and all behind it wait for the next round, in order
+                    kept.append(request)
+                    break
+            self._queue = kept + self._queue
         try:
-            for (left, sampling), group in batches(taken, self.max_rows):
-                budget = sampling.model_copy(update={"max_tokens": left})
-                prompts = [s.prompt + s.token_ids for s in group]
-                seeds = [s.seed for s in group]
+            for call in batches(taken, self.max_rows, self.fixed_rows):
+                budget = call.sampling.model_copy(update={"max_tokens": call.left})
+                seeds = call.seeds()
                 completions = (
-                    backend.generate(prompts, budget, should_stop)
+                    backend.generate(call.prompts(), budget, should_stop)
                     if None in seeds
-                    else backend.generate(prompts, budget, should_stop, seeds=seeds)  # type: ignore[call-arg]
+                    else backend.generate(call.prompts(), budget, should_stop, seeds=seeds)  # type: ignore[call-arg]
                 )
-                for sample, completion in zip(group, completions, strict=True):
+                for sample, completion in zip(call.rows, completions[: len(call.rows)], strict=True):
                     sample.extend_routes(completion.routes)
                     sample.extend(
                         completion.token_ids, completion.logprobs, [version] * len(completion.token_ids),
@@ -133,18 +163,40 @@ class Batcher:
                 self._changed.notify_all()
 
 
-def batches(requests: list[Request], max_rows: int) -> list[tuple[tuple[int, SamplingParams], list[Sample]]]:
-    """The backend calls for `requests`: rows grouped by (tokens left, sampling, and in
-    deterministic runs their group), in order of first appearance, each cut into chunks of at
-    most `max_rows` rows."""
-    groups: dict[tuple[int, str, str | None], tuple[SamplingParams, list[Sample]]] = {}
+def batches(requests: list[Request], max_rows: int, fixed_rows: int | None = None) -> list[Call]:
+    """The backend calls for `requests`: rows grouped by tokens left and sampling, in order of
+    first appearance, each cut into chunks of at most `max_rows` rows. Deterministic runs (rows
+    name their group): grouped by prompt length too, and cut into calls of whole groups filled
+    up to `fixed_rows` rows (`fixed_shape`)."""
+    keyed: dict[tuple[int, str, int | None], tuple[SamplingParams, list[Sample]]] = {}
     for request in requests:
         key = request.sampling.model_dump_json()
         for sample in request.rows:
             left = sample.budget - len(sample.token_ids)
-            groups.setdefault((left, key, sample.group), (request.sampling, []))[1].append(sample)
-    return [
-        ((left, sampling), rows[start : start + max_rows])
-        for (left, _, _), (sampling, rows) in groups.items()
-        for start in range(0, len(rows), max_rows)
-    ]
+            width = None if sample.group is None else len(sample.prompt) + len(sample.token_ids)
+            keyed.setdefault((left, key, width), (request.sampling, []))[1].append(sample)
+    calls: list[Call] = []
+    for (left, _, width), (sampling, rows) in keyed.items():
+        if width is None:
+            calls += [Call(left, sampling, rows[start : start + max_rows]) for start in range(0, len(rows), max_rows)]
+        else:
+            for chunk in fixed_shape(rows, fixed_rows):
+                calls.append(Call(left, sampling, chunk, (fixed_rows or len(chunk)) - len(chunk)))
+    return calls
+
+
+def fixed_shape(rows: list[Sample], fixed_rows: int | None) -> list[list[Sample]]:
+    """Deterministic runs: `rows` cut into chunks of whole groups (a group's rows never split, so
+    none of them sees another shape), each chunk as many groups as fit in `fixed_rows` rows
+    (None: one group per chunk)."""
+    groups: dict[str | None, list[Sample]] = {}
+    for sample in rows:
+        groups.setdefault(sample.group, []).append(sample)
+    chunks: list[list[Sample]] = [[]]
+    for group in groups.values():
+        if fixed_rows is not None and len(group) > fixed_rows:
+            raise ValueError(f"a group of {len(group)} rows does not fit a fixed shape of {fixed_rows} rows")
+        if chunks[-1] and (fixed_rows is None or len(chunks[-1]) + len(group) > fixed_rows):
+            chunks.append([])
+        chunks[-1] += group
+    return chunks

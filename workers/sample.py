@@ -24,7 +24,7 @@ class Sample:
     loss_mask: list[int] | None = None  # episodes: 1 model token, 0 environment token
     claimed_reward: float | None = None
     routes: ExpertRouting | None = None  # MoE: experts of every token fed (decentrl/routing.py)
-    # Deterministic runs: the sample's own seed, its group (generated alone, workers/batching.py)
+    # Deterministic runs: the sample's own seed, its group (never split across calls, workers/batching.py)
     # and the version it must be sampled under (the lease's).
     seed: int | None = None
     index: int | None = None  # j, the sample's place in its group (its seed derives from it)

@@ -20,7 +20,9 @@ Threads:
 Deterministic runs (`RunInfo.deterministic`, docs/reproducibility.md): there is no swapper; each
 lease names the version it is sampled under, and the slot that leads a generation round loads
 that version (pulling it from the store) before generating; every sample is seeded from (run
-seed, prompt id, sample index, version) and each group is generated alone (workers/batching.py).
+seed, prompt id, sample index, version) and generated in calls of one fixed shape
+(`deterministic_groups_per_call` groups, workers/batching.py), so a group's samples do not depend
+on the groups beside it.
 
 For a multi-turn task (`RunInfo.episode_task`) a slot plays episodes (workers/episodes.py)
 instead of single completions; each model turn goes through the same generation path.
@@ -118,7 +120,7 @@ class Worker:
         self.refused: dict[int, str] = {}  # version -> why it was not loaded; skipped for good
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
         self._lock = threading.Lock()  # backend calls and weight swaps never overlap
-        self._batcher = Batcher(max_rows=config.max_batch_rows)
+        self._batcher = Batcher(max_rows=config.max_batch_rows, fixed_rows=fixed_rows(self.info, config))
         self._stats_lock = threading.Lock()
         self._versions = threading.Condition()  # guards `announced`; notified when it or the loaded version changes
         self.announced: int | None = self.info.policy_version
@@ -340,7 +342,7 @@ class Worker:
 
     def _generate_seeded(self, leases: list[Lease], sampling: SamplingParams) -> list[Sample]:
         """Deterministic runs: sample j of a lease is seeded from (run seed, prompt id, j, the
-        lease's version) and generated under that version, with its group alone."""
+        lease's version) and generated under that version, in calls of a fixed shape."""
         samples = []
         for lease in leases:
             if lease.policy_version is None:
@@ -468,6 +470,20 @@ class UnloadableVersion(Exception):
 
     def __init__(self, version: int, why: str) -> None:
         super().__init__(f"version {version} cannot be loaded ({why})")
+
+
+def fixed_rows(info: RunInfo, config: WorkerConfig) -> int | None:
+    """A deterministic run's call shape in rows (workers/batching.py), None in any other run."""
+    if not info.deterministic:
+        return None
+    rows = config.deterministic_groups_per_call * info.group_size
+    if rows > config.max_batch_rows:
+        raise ValueError(
+            f"deterministic_groups_per_call = {config.deterministic_groups_per_call} groups of {info.group_size} "
+            f"rows is {rows} rows per call, over max_batch_rows = {config.max_batch_rows}: lower "
+            "worker.deterministic_groups_per_call (the same on every worker of the run) or raise worker.max_batch_rows"
+        )
+    return rows
 
 
 def require_routes(info: RunInfo, backend: Backend) -> None:

@@ -58,6 +58,13 @@ class WorkerConfig(Section):
         256, ge=1, description="Most rows (samples) of all slots generated together in one backend call; bounds "
         "the memory of a batched decode.",
     )
+    deterministic_groups_per_call: int = Field(
+        8, ge=1, le=1024, description="Deterministic runs (docs/reproducibility.md): every backend call has this "
+        "many groups' rows of one prompt length, a fixed shape, filled with discarded repeats of its own rows when "
+        "fewer groups wait; a CPU forward gives a row the same bits at a fixed shape whatever its neighbours, so "
+        "groups batch without depending on each other. Part of what a run reproduces, like torch_threads: every "
+        "worker of a run must use the same value. Its rows (times group_size) must fit max_batch_rows.",
+    )
 
     @model_validator(mode="before")
     @classmethod

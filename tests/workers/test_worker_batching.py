@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+
 import pytest
 import torch
+from pydantic import ValidationError
 
+from decentrl.config import TinyModelConfig, WorkerConfig
+from decentrl.determinism import sample_seed
 from decentrl.model import build_model
-from decentrl.wire import SamplingParams
+from decentrl.wire import RunInfo, SamplingParams
 from tests.workers.test_worker_sampling import TINY, reference_logprobs, write_version
 from workers.backends import Completion, never
 from workers.backends.hf import HFBackend
-from workers.batching import Batcher, Request
+from workers.batching import Batcher, Request, batches
 from workers.sample import Sample
+from workers.worker import fixed_rows
 
 
 class Recording:
@@ -37,10 +42,14 @@ class Recording:
         self.inner.load(checkpoint_dir, version)
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        should_stop: Callable[[], bool] = never,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
         self.calls.append((prompts, sampling.max_tokens))
-        return self.inner.generate(prompts, sampling, should_stop)
+        return self.inner.generate(prompts, sampling, should_stop, seeds=seeds)
 
 
 class OutOfMemory(Recording):
@@ -174,6 +183,98 @@ def test_a_version_the_lead_cannot_load_fails_only_its_own_requests() -> None:
             request.raise_error()
     assert batcher.next_version() == 4 and not good.done
     assert batcher.lead(good)  # the lead passed on
+
+
+def seeded_group(prompt: list[int], prompt_id: int, size: int = 4, budget: int = 8) -> list[Sample]:
+    """One deterministic group: `size` rows of `prompt`, each seeded as a worker seeds them."""
+    return [
+        Sample(
+            prompt=prompt, budget=budget, seed=sample_seed(0, prompt_id, j, 7), index=j, group=f"g{prompt_id}", version=7
+        )
+        for j in range(size)
+    ]
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The demo's model size (configs/local.toml): unlike TINY, its CPU forward is not
+    batch-invariant here, so the control below can see a shape change."""
+    model = build_model(TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256, seed=0))
+    return write_version(str(tmp_path_factory.mktemp("demo")), model)
+
+
+def test_a_group_is_bitwise_the_same_alone_or_beside_other_groups_at_the_fixed_shape(demo_model: str) -> None:
+    """Deterministic runs: a group's tokens and logprobs are bitwise equal whether it is
+    generated alone (the call filled with repeats of its rows), beside other groups, or in
+    another place of the call, because every call has the same shape (workers/batching.py).
+    The control: the same group alone in a call of its own size (no filler) differs."""
+    hf = HFBackend(seed=0)  # eos kept: rows finish at different steps, as in a run
+    hf.load(demo_model, 7)
+    backend = Recording(hf)
+    sampling = SamplingParams(temperature=1.0, max_tokens=8)
+    prompts = {i: [1, 4 + i % 9, 5 + i % 7, 3, 6 + i % 5, 7] for i in range(8)}
+
+    def generate(*ids: int, fixed_rows: int | None) -> dict[int, list[Sample]]:
+        batcher = Batcher(max_rows=64, fixed_rows=fixed_rows)
+        groups = {i: seeded_group(prompts[i], i) for i in ids}
+        requests = [batcher.submit(group, sampling, 7) for group in groups.values()]  # one slot per group
+        run_slots(batcher, backend, requests)
+        return groups
+
+    def bits(group: list[Sample]) -> list[tuple[list[int], list[float]]]:
+        return [(s.token_ids, s.logprobs) for s in group]
+
+    alone = generate(0, fixed_rows=12)[0]
+    assert [len(rows) for rows, _ in backend.calls] == [12]  # 4 rows + 8 filler
+    beside = generate(1, 0, 2, fixed_rows=12)[0]
+    among_others = generate(3, 4, 0, 5, 6, fixed_rows=12)[0]  # two calls: 3,4,0 then 5,6 filled
+    assert all(len(rows) == 12 for rows, _ in backend.calls)
+    assert bits(beside) == bits(alone) and bits(among_others) == bits(alone)
+    unfilled = generate(0, fixed_rows=None)[0]  # 4 rows: another shape
+    assert len(backend.calls[-1][0]) == 4
+    assert [s.logprobs for s in unfilled] != [s.logprobs for s in alone]  # the shape is what must be fixed
+
+
+def test_deterministic_calls_are_whole_groups_of_one_prompt_length_filled_to_the_shape() -> None:
+    short, long = [1, 5, 3], [1, 5, 6, 3]
+    groups = [seeded_group(short, 0, 2), seeded_group(long, 1, 2), seeded_group(short, 2, 2), seeded_group(short, 3, 2)]
+    sampling = SamplingParams(temperature=1.0, max_tokens=8)
+    requests = [Request(group, sampling, 7) for group in groups]
+    calls = batches(requests, max_rows=64, fixed_rows=4)
+    assert [([s.group for s in call.rows], call.filler) for call in calls] == [
+        (["g0", "g0", "g2", "g2"], 0), (["g3", "g3"], 2), (["g1", "g1"], 2)
+    ]
+    assert calls[1].prompts() == [short] * 4 and calls[1].seeds() == [s.seed for s in groups[3]] * 2
+    assert [len(c.rows) for c in batches(requests, max_rows=64)] == [2, 2, 2, 2]  # no shape: a group per call
+    with pytest.raises(ValueError, match="does not fit a fixed shape of 1 rows"):
+        batches(requests, max_rows=64, fixed_rows=1)
+
+
+def test_a_round_takes_every_queued_request_of_the_heads_version(backend: Recording) -> None:
+    """Deterministic runs: requests of two versions interleaved in the queue are served in two
+    rounds (one load each), not one per change of version."""
+    batcher = Batcher(max_rows=64, fixed_rows=8)
+    sampling = SamplingParams(temperature=1.0, max_tokens=3)
+    versions = [7, 8, 7, 8]
+    requests = [batcher.submit(seeded_group([1, 5, 3], i, 2, 3), sampling, v) for i, v in enumerate(versions)]
+    assert batcher.lead(requests[0])
+    batcher.generate_next(backend, 7, never)  # type: ignore[arg-type]
+    assert [r.done for r in requests] == [True, False, True, False]
+    assert batcher.next_version() == 8 and len(backend.calls) == 1 and len(backend.calls[0][0]) == 8
+
+
+def test_a_shape_over_max_batch_rows_is_refused_with_the_fix() -> None:
+    info = RunInfo(
+        run_name="r", store_url="file:///s", policy_version=None, max_staleness=1, group_size=8, deterministic=True
+    )
+    assert fixed_rows(info, WorkerConfig(deterministic_groups_per_call=4)) == 32
+    assert fixed_rows(info.model_copy(update={"deterministic": False}), WorkerConfig()) is None
+    with pytest.raises(ValueError, match="lower worker.deterministic_groups_per_call"):
+        fixed_rows(info, WorkerConfig(deterministic_groups_per_call=8, max_batch_rows=32))
+    with pytest.raises(ValidationError, match="deterministic_groups_per_call"):
+        WorkerConfig(deterministic_groups_per_call=0)
+    with pytest.raises(ValidationError, match="deterministic_groups_per_call"):
+        WorkerConfig.model_validate({"deterministic_groups_per_call": "8 groups"})
 
 
 def test_max_rows_below_one_is_refused() -> None:

@@ -9,8 +9,8 @@ soft-pause deadline interrupts a generation for a weight swap.
 
 With `seeds` (deterministic runs, docs/reproducibility.md) each row samples from its own
 generator, seeded for that sample alone, so a row's tokens do not depend on which other rows
-share the call; the worker calls it with one group's rows at a time, so the logits are computed
-at the same shapes whatever the worker count or slot timing.
+share the call; the worker calls it at one fixed shape (workers/batching.py), so the logits are
+computed at the same shapes whatever the worker count or slot timing.
 """
 
 from __future__ import annotations
