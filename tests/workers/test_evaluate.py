@@ -55,17 +55,18 @@ def test_heldout_prompts_are_scored_against_their_own_entries(make_config: MakeC
         assert task.reward(prompt, str(bin(number).count("1"))) == 1.0
 
 
-def test_reasoning_config_has_the_heldout_words_its_docs_evaluate() -> None:
-    """configs/reasoning.toml as docs/tasks.md evaluates it (`--prompts 256`): 256 held-out words,
-    none trained on, each answer 3 letters (what `max_tokens = 3` fits)."""
+def test_reasoning_config_has_the_heldout_equations_its_docs_evaluate() -> None:
+    """configs/reasoning.toml as docs/tasks.md evaluates it (`--prompts 256`): 256 held-out
+    equations, none trained on, each answer one digit (what `max_tokens = 1` fits)."""
     pytest.importorskip("reasoning_gym", reason='needs the tasks extra: pip install -e ".[tasks]"')
     config = load_config(str(Path(__file__).parents[2] / "configs" / "reasoning.toml"))
     task, prompts = eval_prompts(config, "heldout", 256)
     training = build_task(config.task)
     assert not {training.prompt(i).text for i in range(training.num_prompts)} & {p.text for p in prompts}
     answers = [task.answer(p.prompt_id) for p in prompts]
-    assert {len(a) for a in answers} == {3} and config.sampling.max_tokens == 3
+    assert set(answers) == set("123456789") and config.sampling.max_tokens == 1
     assert all(task.reward(p, a) == 1.0 for p, a in zip(prompts[:8], answers, strict=False))
+    assert task.reward(prompts[0], str(int(answers[0]) % 9 + 1)) == 0.0
 
 
 def test_a_split_too_small_says_what_to_change(make_config: MakeConfig) -> None:
