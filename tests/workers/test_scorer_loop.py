@@ -2,7 +2,9 @@
 samples of complete groups, scores them with a backend, posts, and the groups reach the trainer
 with those rewards; bad verdicts (NaN, out of range, no score, wrong step count) go as parse
 failures the orchestrator counts; an unreachable judge's samples are not posted and are leased
-again; a lease is renewed while scoring outlives it; a stop finishes and posts the batch in hand;
+again; a lease is renewed while scoring outlives it; the next lease is held (and renewed) while
+one is scored, or not with leases_ahead = 0; a backend that raises stops the scorer and its leases
+expire; a stop finishes and posts the batch in hand;
 a real `decentrl scorer` process exits cleanly on SIGTERM; a reward model's step scores fit the
 steps the orchestrator split; a judge that never parses is retried, then scored as the run says
 (the fake judge server of test_scorer_judge.py, counted by the orchestrator)."""
