@@ -28,12 +28,25 @@ GPU per scorer. By default the delay is chosen from the free-verifier run so tha
 lets one scorer score only 1/1.2 of what that run's trainer consumed (`--delay-factor 1.2`) and
 two scorers 1.67 times it: one scorer is too few, two should be enough. Inline, the orchestrator
 scores one sample at a time (the task's reward is per sample), so it can score at most what one
-scorer does, and it holds every other request meanwhile. `--modes` may add `scorers_N` for any N.
+scorer does, and it holds every other request meanwhile. `--modes` may add `scorers_N` for any N,
+and `scorers_N_iITEMS_aAHEAD` to set the scorers' `max_items` and `leases_ahead` for that mode
+(`--scorer-items`, `--leases-ahead` otherwise): `scorers_2_i64_a0` leases as the first version of
+the scorer loop did.
 
-Prints, as its last line, one JSON object: `busy_<mode>`, `time_to_target_s_<mode>`,
-`ingest_per_s_<mode>` for every mode, the delay used, and the settings.
+`--repeats N` runs every mode N times, interleaved (repeat r runs the modes in the order given,
+rotated by r), with the delay set once, by the first free-verifier run: the machine's load drifts
+over minutes, and the trainer's own compute per step (the same work in every mode) shows how much
+(`trainer_compute_s_<mode>_repeats`). The busy fraction is compute / (compute + wait), so a step
+computed slower on a loaded CPU looks busier at the same wait: compare `wait_s_<mode>` (the
+trainer's wait for a batch, per step) as well.
 
-    .venv/bin/python benchmarks/reward_service.py --steps 40 --target 0.3
+Prints, as its last line, one JSON object: for every mode the means over the repeats of
+`busy_<mode>` (after the first batch), `time_to_target_s_<mode>` (None unless every repeat
+reached it), `ingest_per_s_<mode>`, `step_s_<mode>`, `trainer_compute_s_<mode>` and
+`wait_s_<mode>`, each with its per-repeat values (`..._repeats`); `busy_gap_<mode>`, the free
+verifier's busy minus the mode's, paired within each repeat; the delay used, and the settings.
+
+    .venv/bin/python benchmarks/reward_service.py --steps 60 --target 0.18 --repeats 3
 """
 
 from __future__ import annotations
@@ -124,15 +137,29 @@ def mode_config(args: argparse.Namespace, mode: str, classifier: Path, delay_s: 
         config["task"] = {"type": "import", "target": "reward_service:InlineModelSorting",
                           "options": {**options, "model_weight": args.model_weight}}
     if mode.startswith("scorers_"):
-        config["num_scorers"] = int(mode.rsplit("_", 1)[1])
+        count, max_items, leases_ahead = scorer_settings(args, mode)
+        config["num_scorers"] = count
         config["orchestrator"]["rewards"] = {"type": "sum", "verifier_weight": 1.0, "model_weight": args.model_weight,
                                              "lease_timeout_s": 30.0}
         config["scorer"] = {"type": "python", "function": "reward_service:score_with_delay", "options": options,
-                            "max_items": args.scorer_items, "min_wait_s": 0.05}
+                            "max_items": max_items, "leases_ahead": leases_ahead, "min_wait_s": 0.05}
     return config
 
 
+def scorer_settings(args: argparse.Namespace, mode: str) -> tuple[int, int, int]:
+    """`scorers_N`, optionally with `_iITEMS` and `_aAHEAD` (e.g. `scorers_2_i64_a0`): the number of
+    scorers, their `max_items` and `leases_ahead` (`--scorer-items` and `--leases-ahead` unless given)."""
+    count, *options = mode.removeprefix("scorers_").split("_")
+    settings = {"i": args.scorer_items, "a": args.leases_ahead}
+    for option in options:
+        if option[:1] not in settings or not option[1:].isdigit():
+            raise SystemExit(f"mode {mode!r}: options are _iITEMS and _aAHEAD (e.g. scorers_2_i64_a0)")
+        settings[option[0]] = int(option[1:])
+    return int(count), settings["i"], settings["a"]
+
+
 def run_mode(args: argparse.Namespace, mode: str, classifier: Path, delay_s: float, work: Path) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
     run_dir = work / mode
     config_path = work / f"{mode}.json"
     config_path.write_text(json.dumps(mode_config(args, mode, classifier, delay_s)))
@@ -154,6 +181,7 @@ def run_mode(args: argparse.Namespace, mode: str, classifier: Path, delay_s: flo
         # every mode, so differences in the latter are the machine's load (a shared CPU).
         "step_s": step_s,
         "trainer_compute_s": step_s - sum(m["wait_for_batch_s"] for m in later) / len(later),
+        "wait_s": sum(m["wait_for_batch_s"] for m in later) / len(later),  # per step, waiting for its batch
         "time_to_target_after_first_batch_s": (
             None if summary["time_to_target_s"] is None else summary["time_to_target_s"] - summary["first_batch_wait_s"]
         ),
@@ -172,6 +200,20 @@ def run_mode(args: argparse.Namespace, mode: str, classifier: Path, delay_s: flo
     }
 
 
+def order(modes: list[str], repeat: int) -> list[str]:
+    """The modes of one repeat, rotated by its number so that no mode always runs first (or last)
+    while the machine's load drifts. Repeat 0 keeps the order given (the free verifier first when
+    its run sets the delay)."""
+    return modes[repeat % len(modes):] + modes[: repeat % len(modes)]
+
+
+def aggregate(runs: list[dict[str, Any]], key: str, digits: int) -> tuple[float | None, list[float | None]]:
+    """The mean of `key` over a mode's repeats (None when a repeat has none) and the per-repeat values."""
+    values = [None if run[key] is None else round(run[key], digits) for run in runs]
+    known = [run[key] for run in runs if run[key] is not None]
+    return (round(sum(known) / len(known), digits) if len(known) == len(runs) else None), values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
@@ -186,8 +228,11 @@ def main() -> None:
     parser.add_argument("--model-weight", type=float, default=0.02, help="Weight of the classifier's score in the reward.")
     parser.add_argument("--delay-ms", type=float, default=None, help="Delay per scored item; default: from the free run.")
     parser.add_argument("--delay-factor", type=float, default=1.2,
-                        help="Default delay = factor / (samples per second the free-verifier trainer consumed).")
-    parser.add_argument("--scorer-items", type=int, default=64, help="[scorer] max_items: samples per score lease.")
+                        help="Default delay = factor / (samples per second the first free-verifier trainer consumed).")
+    parser.add_argument("--scorer-items", type=int, default=16, help="[scorer] max_items: samples per score lease.")
+    parser.add_argument("--leases-ahead", type=int, default=1, help="[scorer] leases_ahead: leases kept in hand.")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="Runs of every mode, interleaved (repeat r runs the modes rotated by r); means are reported.")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--work", default=None, help="Where the runs go (default: a temporary directory).")
     args = parser.parse_args()
@@ -196,32 +241,38 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     classifier = write_classifier(work / "classifier")
     modes = args.modes.split(",")
-    results: dict[str, dict[str, Any]] = {}
-    delay_s = (args.delay_ms or 0.0) / 1000
-    for mode in modes:
-        if mode == "free_verifier" or (args.delay_ms is None and "free_verifier" not in results):
-            if "free_verifier" not in results:
-                results["free_verifier"] = run_mode(args, "free_verifier", classifier, 0.0, work)
-                print(json.dumps({"free_verifier": results["free_verifier"]}), flush=True)
-            if args.delay_ms is None:
-                delay_s = args.delay_factor / results["free_verifier"]["samples_trained_per_s"]
-            if mode == "free_verifier":
-                continue
-        results[mode] = run_mode(args, mode, classifier, delay_s, work)
-        print(json.dumps({mode: results[mode]}), flush=True)
+    if args.delay_ms is None and "free_verifier" in modes:  # the first run sets the delay
+        modes = ["free_verifier", *(mode for mode in modes if mode != "free_verifier")]
+    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    delay_s = None if args.delay_ms is None else args.delay_ms / 1000
+    if delay_s is None and "free_verifier" not in modes:  # a free-verifier run only to set the delay
+        delay_s = args.delay_factor / run_mode(args, "free_verifier", classifier, 0.0, work / "delay")["samples_trained_per_s"]
+    for repeat in range(args.repeats):
+        for mode in order(modes, repeat):
+            delay = 0.0 if mode == "free_verifier" else delay_s
+            assert delay is not None  # the first run was the free verifier's, which set it
+            result = run_mode(args, mode, classifier, delay, work / f"r{repeat}")
+            results[mode].append(result)
+            if delay_s is None:
+                delay_s = args.delay_factor / result["samples_trained_per_s"]
+            print(json.dumps({"repeat": repeat, mode: result}), flush=True)
     summary: dict[str, Any] = {}
-    for mode, result in results.items():
-        summary[f"busy_{mode}"] = round(result["busy"], 4)
-        summary[f"busy_whole_run_{mode}"] = round(result["busy_whole_run"], 4)
-        summary[f"time_to_target_s_{mode}"] = None if result["time_to_target_s"] is None else round(result["time_to_target_s"], 2)
-        summary[f"ingest_per_s_{mode}"] = round(result["ingest_per_s"], 1)
-        summary[f"wall_s_{mode}"] = round(result["wall_s"], 1)
-        summary[f"step_s_{mode}"] = round(result["step_s"], 3)
-        summary[f"trainer_compute_s_{mode}"] = round(result["trainer_compute_s"], 3)
-    if "busy_free_verifier" in summary and "busy_scorers_2" in summary:
-        summary["busy_gap_scorers_2"] = round(summary["busy_free_verifier"] - summary["busy_scorers_2"], 4)
-    summary.update(delay_ms_per_item=round(delay_s * 1000, 3), steps=args.steps, groups_per_step=args.groups_per_step,
-                   target=args.target, work=str(work), modes={m: r for m, r in results.items()})
+    for mode, runs in results.items():
+        for key, name, digits in (
+            ("busy", "busy", 4), ("busy_whole_run", "busy_whole_run", 4), ("time_to_target_s", "time_to_target_s", 2),
+            ("ingest_per_s", "ingest_per_s", 1), ("wall_s", "wall_s", 1), ("step_s", "step_s", 3),
+            ("trainer_compute_s", "trainer_compute_s", 3), ("wait_s", "wait_s", 3),
+        ):
+            summary[f"{name}_{mode}"], summary[f"{name}_{mode}_repeats"] = aggregate(runs, key, digits)
+    if "free_verifier" in results:
+        for mode, runs in results.items():
+            if mode != "free_verifier":
+                pairs = [round(free["busy"] - run["busy"], 4) for free, run in zip(results["free_verifier"], runs, strict=True)]
+                summary[f"busy_gap_{mode}"] = round(sum(pairs) / len(pairs), 4)
+                summary[f"busy_gap_{mode}_repeats"] = pairs
+    summary.update(delay_ms_per_item=round((delay_s or 0.0) * 1000, 3), steps=args.steps,
+                   groups_per_step=args.groups_per_step, target=args.target, scorer_items=args.scorer_items,
+                   leases_ahead=args.leases_ahead, repeats=args.repeats, work=str(work), modes=results)
     print(json.dumps(summary))
 
 

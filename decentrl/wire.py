@@ -259,6 +259,10 @@ class ScoreLeaseRequest(Wire):
 
     scorer_id: str = Field(pattern=WORKER_ID, description="Stable name of the scorer process.")
     max_items: Int = Field(ge=1, le=MAX_SCORE_ITEMS, description="Most samples wanted.")
+    ahead: Annotated[bool, Strict()] = Field(
+        False, description="Asked while the scorer still has samples to score (a lease in hand): the samples "
+        "waiting go first to scorers with nothing to do, and to this one only when none of those is asking."
+    )
 
 
 class ChatMessage(Wire):

@@ -33,6 +33,7 @@ from orchestrator.appstate import (
     BATCH_READY,
     CHECKS_WANTED,
     HISTORY,
+    IDLE_SCORERS,
     INFLIGHT,
     JOURNAL_FAILED,
     LEASES_FREED,
@@ -47,6 +48,7 @@ from orchestrator.appstate import (
     STORE_URL,
     TOKENS,
     VERIFIER,
+    IdleScorers,
     JournalFailed,
     stop_waiting,
 )
@@ -99,6 +101,7 @@ def create_app(
     app[BATCH_READY] = asyncio.Condition()
     app[LEASES_FREED] = asyncio.Condition()
     app[SCORES_WAITING] = asyncio.Condition()
+    app[IDLE_SCORERS] = IdleScorers()
     app[CHECKS_WANTED] = asyncio.Event()
     app[HISTORY] = History(clock=state.clock)
     app[STOPPING] = asyncio.Event()

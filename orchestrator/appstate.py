@@ -33,6 +33,15 @@ from orchestrator.verify import Verifier
 RouteRoles = dict[tuple[str, str], tuple[str, ...] | None]
 
 
+class IdleScorers:
+    """Score lease requests from scorers with nothing in hand, long-polling now: a request asked
+    `ahead` (its scorer still has samples to score) leases only while there are none, so waiting
+    samples go first to a scorer that can start on them (orchestrator/score_handlers.py)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class JournalFailed:
     """What happens when the journal fails (a request's commit or the upkeep's): the metric is
     set each time, and the service's callback is called once (`decentrl orchestrator` then shuts
@@ -64,6 +73,7 @@ VERIFIER = web.AppKey("verifier", Verifier)  # present when orchestrator.verific
 BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)  # notified when a batch may have formed
 LEASES_FREED = web.AppKey("leases_freed", asyncio.Condition)  # notified when a lease may be grantable
 SCORES_WAITING = web.AppKey("scores_waiting", asyncio.Condition)  # notified when samples may wait for scorers
+IDLE_SCORERS = web.AppKey("idle_scorers", IdleScorers)
 CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when held-back groups may be due a check
 HISTORY = web.AppKey("history", History)  # bounded curves and samples for the dashboard
 IDENTITY = web.RequestKey("identity", Identity)  # the caller's token, set by the auth middleware

@@ -15,7 +15,9 @@ import re
 from aiohttp import web
 
 from decentrl.wire import WORKER_ID, ScoreLease, ScoreLeaseRequest, ScorePost
-from orchestrator.appstate import BATCH_READY, LEASES_FREED, SCORES_WAITING, STATE, STOPPING, commit, notify_all, wake_checks
+from orchestrator.appstate import (
+    BATCH_READY, IDLE_SCORERS, LEASES_FREED, SCORES_WAITING, STATE, STOPPING, commit, notify_all, wake_checks,
+)
 from orchestrator.body import error, parse_body, respond
 from orchestrator.handlers import holder_of
 from orchestrator.score_queue import ScoreError
@@ -30,17 +32,25 @@ async def score_leases(request: web.Request) -> web.Response:
     state = request.app[STATE]
     holder, wait_s = holder_of(request, body.scorer_id), state.config.orchestrator.lease_wait_s
     score_range = state.config.orchestrator.rewards.score_range
-    # Long-poll as workers' leases do: a scorer starts the moment a group completes.
-    waiting = request.app[SCORES_WAITING]
+    # Long-poll as workers' leases do: a scorer starts the moment a group completes. A request
+    # asked ahead (its scorer is still busy) yields to scorers with nothing in hand.
+    waiting, idle = request.app[SCORES_WAITING], request.app[IDLE_SCORERS]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     async with waiting:
-        while (entry := state.lease_scores(holder, body.max_items)) is None:
-            remaining = deadline - loop.time()
-            if remaining <= 0 or request.app[STOPPING].is_set():
-                break
-            with contextlib.suppress(asyncio.TimeoutError):  # every 0.5 s at least: leases expire unannounced
-                await asyncio.wait_for(waiting.wait(), timeout=min(remaining, 0.5))
+        if not body.ahead:
+            idle.count += 1
+        try:
+            while (entry := None if body.ahead and idle.count else state.lease_scores(holder, body.max_items)) is None:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or request.app[STOPPING].is_set():
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):  # every 0.5 s at least: leases expire unannounced
+                    await asyncio.wait_for(waiting.wait(), timeout=min(remaining, 0.5))
+        finally:
+            if not body.ahead:
+                idle.count -= 1
+                waiting.notify_all()  # requests asked ahead may lease what this one left
     if entry is None:
         return respond(request, ScoreLease(
             lease_id="", deadline=0.0, items=[], score_range=score_range, retry_after_s=0.0 if wait_s > 0 else 0.2

@@ -4,15 +4,21 @@ Run by `decentrl scorer` (through `run_scorer` below), by tests and benchmarks. 
 protocol (docs/rewards.md): `POST /v1/score/leases` long-polls for up to `max_items` samples;
 `POST /v1/score/leases/{id}/renew` pushes the lease's deadline out; `POST /v1/scores` posts
 them (idempotent by rollout id, so the client's retries of a post whose answer was lost are
-counted once). One loop, top to bottom:
+counted once). Three threads beside the backend's, so that the backend never waits for HTTP:
 
-    lease -> score (in a thread; the lease renewed while it runs) -> check -> post
+    lease (the `fetch` thread) -> score (the calling thread) -> check and post (the post thread)
+                      renew every lease held until it is posted (the `renew` thread)
 
+- Leases in hand: the fetch thread keeps up to `leases_ahead` leases beyond the one being
+  scored, asking for the next while the backend works; such a request is marked `ahead`, so the
+  orchestrator gives waiting samples to an idle scorer first. Posting runs in its own thread: the
+  backend starts on the next lease at once.
 - An empty lease: wait the orchestrator's `retry_after_s` (at least `min_wait_s`), ask again.
-- Renewal: at half the time left before the deadline (the orchestrator's clock: clocks are
-  assumed NTP-close; renewing at the half leaves room for a skew below half the lease timeout).
-  A renewal refused (the lease expired, 409) is not tried again: the post will be refused too,
-  and the items are already with another scorer.
+- Renewal: every lease held (waiting, being scored, being posted) is renewed at half the time
+  left before its deadline (the orchestrator's clock: clocks are assumed NTP-close; renewing at
+  the half leaves room for a skew below half the lease timeout). A renewal refused (the lease
+  expired, 409) is not tried again: the post will be refused too, and the items are already with
+  another scorer.
 - Checks (`checked`): a verdict without a score, with a NaN or out-of-range score or step score
   (the lease's `score_range`), or without one step score per step of an item that has steps, is
   posted as `failure = "parse"`: the run's `on_parse_failure` decides what it becomes (a default
@@ -20,9 +26,11 @@ counted once). One loop, top to bottom:
   unreachable after its retries) is not posted: its lease expires and it is leased again.
 - A post the orchestrator refuses because the lease is gone (403/404/409) is counted as `lost`
   and the loop goes on; the samples were leased again.
-- SIGTERM/SIGINT: no new lease; the batch being scored is finished and posted, then it exits.
-A backend that raises (a judge refusing every request, a model that does not fit) stops the
-scorer with its message; its lease expires and is leased again.
+- SIGTERM/SIGINT: no new lease; the leases in hand (at most `leases_ahead` + 1) are scored and
+  posted, then it exits.
+A backend that raises (a judge refusing every request, a model that does not fit), or an
+orchestrator that cannot be reached, stops the scorer with its message; the leases it held are
+no longer renewed, expire and are leased again.
 """
 
 from __future__ import annotations
@@ -30,10 +38,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from decentrl.client import OrchestratorClient, OrchestratorError
@@ -67,51 +76,126 @@ class Scorer:
         self.backend = backend
         self.counts = ScorerCounts()
         self.stopping = False
-        self._wake = threading.Event()  # set on stop: cuts a wait short
+        self._wake = threading.Event()  # set on stop (and when a run ends): cuts a wait short
+        # Guards what the threads share below; notified when any of it changes, and on stop.
+        self._lock = threading.Condition(threading.RLock())  # reentrant: request_stop may interrupt a holder
+        self._held: dict[str, float] = {}  # lease id -> when to renew it (time.time()), until posted
+        self._in_hand = 0  # leases fetched and not yet scored, the one being scored included
+        self._closing = False  # the run is ending: the fetch and renew threads return
+        self._error: BaseException | None = None  # what stopped the fetch or renew thread: `run` raises it
 
     def request_stop(self, *_: object) -> None:
-        """SIGTERM/SIGINT: the batch in hand is finished and posted, then `run` returns."""
+        """SIGTERM/SIGINT: the leases in hand are scored and posted, then `run` returns."""
         self.stopping = True
         self._wake.set()
+        with self._lock:
+            self._lock.notify_all()
 
     def run(self, max_leases: int | None = None) -> ScorerCounts:
         """Lease, score and post until stopped (or `max_leases` leases, counted over every run).
-        A lease answered after a stop was asked for is still scored and posted (one batch)."""
+        A lease answered after a stop was asked for is still scored and posted."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
-        request = ScoreLeaseRequest(scorer_id=self.scorer_id, max_items=self.config.max_items)
-        with ThreadPoolExecutor(1, thread_name_prefix="score") as pool:
-            while not self.stopping and (max_leases is None or self.counts.leases < max_leases):
+        if not self.stopping:
+            self._wake.clear()
+        self._closing, self._error = False, None
+        leased: queue.Queue[ScoreLease | None] = queue.Queue()  # None: the fetch thread is done
+        fetcher = threading.Thread(target=self.fetch, args=(leased, max_leases), name="score-fetch", daemon=True)
+        renewer = threading.Thread(target=self.renew, name="score-renew", daemon=True)
+        fetcher.start()
+        renewer.start()
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="score-post") as posting:
+                posts: list[Future[None]] = []
+                while (lease := leased.get()) is not None:
+                    verdicts = self.backend.score(lease.items)
+                    with self._lock:
+                        self._in_hand -= 1
+                        self._lock.notify_all()
+                    for future in [future for future in posts if future.done()]:
+                        future.result()  # a post that failed stops the scorer
+                    posts = [future for future in posts if not future.done()]
+                    posts.append(posting.submit(self.post, lease, verdicts))
+                for future in posts:
+                    future.result()
+            if self._error is not None:
+                raise self._error
+        finally:
+            with self._lock:
+                self._closing = True
+                self._lock.notify_all()
+            self._wake.set()
+            fetcher.join()
+            renewer.join()
+        log.info("scorer %s stopping: %s", self.scorer_id, self.counts)
+        return self.counts
+
+    def fetch(self, leased: queue.Queue[ScoreLease | None], max_leases: int | None) -> None:
+        """The fetch thread: keep up to `leases_ahead` leases beyond the one being scored in `leased`."""
+        try:
+            while max_leases is None or self.counts.leases < max_leases:
+                with self._lock:
+                    while self._in_hand > self.config.leases_ahead and not (self.stopping or self._closing):
+                        self._lock.wait()
+                    if self.stopping or self._closing:
+                        return
+                    ahead = self._in_hand > 0
+                request = ScoreLeaseRequest(scorer_id=self.scorer_id, max_items=self.config.max_items, ahead=ahead)
                 lease = self.client.score_lease(request)
                 if not lease.items:
                     self._wake.wait(max(lease.retry_after_s, self.config.min_wait_s))
                     continue
                 self.counts.leases += 1
-                verdicts = self.score_renewing(pool, lease)
-                self.post(lease, verdicts)
-        log.info("scorer %s stopping: %s", self.scorer_id, self.counts)
-        return self.counts
+                with self._lock:
+                    self._in_hand += 1
+                    self._held[lease.lease_id] = renew_at(lease.deadline)
+                    self._lock.notify_all()
+                leased.put(lease)
+        except Exception as exc:  # the orchestrator unreachable, or refusing: `run` raises it
+            self._error = exc
+        finally:
+            leased.put(None)
 
-    def score_renewing(self, pool: ThreadPoolExecutor, lease: ScoreLease) -> list[Verdict]:
-        """The backend's verdicts for the lease's items (scored in `pool`), renewing the lease meanwhile."""
-        future = pool.submit(self.backend.score, lease.items)
-        deadline, renewing = lease.deadline, True
+    def renew(self) -> None:
+        """The renew thread: renew each lease held at half the time left, until it is posted."""
         while True:
-            wait = max(MIN_RENEW_S, (deadline - time.time()) / 2) if renewing else None
-            try:
-                return future.result(timeout=wait)
-            except TimeoutError:
-                pass
-            try:
-                deadline = self.client.renew_score_lease(lease.lease_id, self.scorer_id).deadline
-            except OrchestratorError as exc:
-                if exc.status not in LEASE_GONE:
-                    raise
-                log.warning("lease %s could not be renewed (%s); its items are leased again", lease.lease_id, exc)
-                renewing = False
+            with self._lock:
+                if self._closing:
+                    return
+                now = time.time()
+                due = [lease_id for lease_id, at in self._held.items() if at <= now]
+                if not due:
+                    self._lock.wait(min(self._held.values(), default=now + 60.0) - now)
+                    continue
+            for lease_id in due:
+                try:
+                    deadline = self.client.renew_score_lease(lease_id, self.scorer_id).deadline
+                except OrchestratorError as exc:
+                    if exc.status not in LEASE_GONE:
+                        self._error = exc
+                        self.request_stop()
+                        return
+                    with self._lock:
+                        if self._held.pop(lease_id, None) is not None:
+                            log.warning("lease %s could not be renewed (%s); its items are leased again", lease_id, exc)
+                    continue
+                except ConnectionError as exc:
+                    self._error = exc
+                    self.request_stop()
+                    return
+                with self._lock:
+                    if lease_id in self._held:
+                        self._held[lease_id] = renew_at(deadline)
 
     def post(self, lease: ScoreLease, verdicts: list[Verdict]) -> None:
+        try:
+            self._post(lease, verdicts)
+        finally:
+            with self._lock:
+                self._held.pop(lease.lease_id, None)
+
+    def _post(self, lease: ScoreLease, verdicts: list[Verdict]) -> None:
         low, high = lease.score_range
         results = []
         for item, verdict in zip(lease.items, verdicts, strict=True):
@@ -140,6 +224,12 @@ class Scorer:
             return
         self.counts.scored += sum(result.failure is None for result in results)
         self.counts.duplicates += ack.duplicates
+
+
+def renew_at(deadline: float) -> float:
+    """When to renew a lease due at `deadline` (the orchestrator's time.time()): at half the time left."""
+    now = time.time()
+    return now + max(MIN_RENEW_S, (deadline - now) / 2)
 
 
 def checked(item: ScoreItem, verdict: Verdict, low: float, high: float) -> ScoreResult:

@@ -21,11 +21,16 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class ScorerBase(Section):
-    """What every scorer backend shares: the lease size and the wait when nothing is due."""
+    """What every scorer backend shares: the lease size, the leases kept in hand, and the wait when nothing is due."""
 
     max_items: int = Field(
         16, ge=1, le=1024, description="Samples leased (and scored together) at once; a lease is renewed while "
         "they are scored, so this bounds the work lost with a dead scorer, not the time a batch may take."
+    )
+    leases_ahead: int = Field(
+        1, ge=0, le=8, description="Leases kept in hand beyond the one being scored (asked for while it is scored, "
+        "renewed while they wait, yielding to idle scorers: docs/rewards.md), so the next samples are there when "
+        "the backend is free; 0: ask only when idle."
     )
     min_wait_s: float = Field(
         0.5, gt=0, le=60, description="Least wait before asking again after an empty lease (the orchestrator's "

@@ -165,6 +165,78 @@ def test_an_expired_score_lease_is_reassigned_and_its_late_post_refused(
     assert len(state.ready) == 1
 
 
+async def ask(server: Any, token: str, scorer_id: str, max_items: int = 64, ahead: bool = False) -> list[str]:
+    body = {"scorer_id": scorer_id, "max_items": max_items, "ahead": ahead}
+    status, answer, _ = await server.call("POST", "/v1/score/leases", token, json=body)
+    assert status == 200, answer
+    return [item["rollout_id"] for item in answer["items"]]
+
+
+def test_a_lease_asked_ahead_yields_to_an_idle_scorer(
+    make_state: Any, complete_group: Any, serve_orchestrator: Any
+) -> None:
+    state = make_state(orchestrator={"lease_wait_s": 1.5, "rewards": {"type": "model", "lease_timeout_s": 5.0}})
+
+    async def both_waiting(server: Any, idle_items: int) -> tuple[list[str], list[str]]:
+        """An idle scorer and one asking ahead both long-poll when a group completes."""
+        ahead = asyncio.ensure_future(ask(server, SCORER, "s0", ahead=True))
+        await asyncio.sleep(0.1)
+        idle = asyncio.ensure_future(ask(server, SCORER2, "s1", idle_items))
+        await asyncio.sleep(0.15)
+        complete_group(state)  # no wake-up: each sees it on its next 0.5 s look, the one ahead first
+        return await idle, await ahead
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+            complete_group(state)
+            assert len(await ask(server, SCORER, "s0", ahead=True)) == 3  # no idle scorer: it takes them
+            idle, ahead = await both_waiting(server, idle_items=64)
+            assert (len(idle), ahead) == (3, [])  # all went to the idle one; the other's poll ran out
+            idle, ahead = await both_waiting(server, idle_items=2)
+            assert (len(idle), len(ahead)) == (2, 1)  # what the idle one left went ahead
+            assert state.score_queue.leased() == 9
+
+    run(scenario())
+
+
+def test_a_dead_scorers_leases_in_hand_all_expire_and_go_to_the_next(
+    make_state: Any, complete_group: Any, serve_orchestrator: Any, clock: Any
+) -> None:
+    state = make_state()
+    complete_group(state)
+    complete_group(state)
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+            scoring = await ask(server, SCORER, "s0", max_items=3)
+            prefetched = await ask(server, SCORER, "s0", max_items=3, ahead=True)  # the next lease, in hand
+            assert len(scoring) == len(prefetched) == 3 and len(state.score_queue.leases) == 2
+            assert await ask(server, SCORER2, "s1") == []
+            clock.advance(6.0)  # s0 died: neither lease is renewed past lease_timeout_s = 5
+            assert sorted(await ask(server, SCORER2, "s1")) == sorted(scoring + prefetched)
+            assert state.score_queue.counts["scores_reassigned"] == 6
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [({"max_items": 0}, "max_items"), ({"max_items": 1025}, "max_items"), ({"max_items": True}, "max_items"),
+     ({"max_items": "4"}, "max_items"), ({"ahead": 1}, "ahead"), ({"ahead": "true"}, "ahead"),
+     ({"ahead": None}, "ahead"), ({"scorer_id": "a b"}, "scorer_id"), ({"extra": 1}, "extra")],
+)
+def test_bad_score_lease_requests_are_refused_with_a_reason(
+    make_state: Any, serve_orchestrator: Any, body: dict[str, Any], field: str
+) -> None:
+    async def scenario() -> None:
+        async with serve_orchestrator(make_state(), TokenRegistry(TOKENS)) as server:
+            request = {"scorer_id": "s0", "max_items": 4, **body}
+            status, answer, _ = await server.call("POST", "/v1/score/leases", SCORER, json=request)
+            assert status == 400 and field in answer["error"], answer
+
+    run(scenario())
+
+
 def bad_posts() -> list[tuple[str, Callable[[dict[str, Any]], Any], int, str]]:
     def one(lease: dict[str, Any], **fields: Any) -> dict[str, Any]:
         body = scores_for(lease)

@@ -1,5 +1,5 @@
 """A scorer killed mid-run (a real `decentrl scorer` process, SIGKILL) loses nothing: its score
-leases expire, their samples go to another scorer process, every group is scored and the
+leases (the one it scores and the one it holds ahead) expire, their samples go to another scorer process, every group is scored and the
 trainer's batches are served. The orchestrator is the real app on loopback (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ TOKENS = [
 GROUPS = 2
 
 
-def start_scorer(url: str, token: str, scorer_id: str, delay_s: float, log: Path) -> subprocess.Popen[bytes]:
+def start_scorer(url: str, token: str, scorer_id: str, delay_s: float, log: Path, *sets: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "decentrl", "scorer", "--orchestrator", url, "--scorer-id", scorer_id,
          "--set", "scorer.type=python", "--set", "scorer.function=tests.scorer_functions:by_length",
-         "--set", f"scorer.options={{delay_s = {delay_s}}}", "--set", "scorer.min_wait_s=0.1"],
+         "--set", f"scorer.options={{delay_s = {delay_s}}}", "--set", "scorer.min_wait_s=0.1",
+         *(arg for name in sets for arg in ("--set", name))],
         env={**os.environ, "DECENTRL_TOKEN": token, "PYTHONPATH": str(ROOT)},
         stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )
@@ -57,12 +58,15 @@ def test_a_killed_scorers_leases_go_to_another_and_the_run_completes(
 
     async def scenario() -> None:
         async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
-            doomed = start_scorer(server.url, "scorer-a", "a", 600.0, tmp_path / "a.log")  # never finishes scoring
+            # It never finishes scoring its first group, and holds the second in hand (leases_ahead = 1).
+            doomed = start_scorer(server.url, "scorer-a", "a", 600.0, tmp_path / "a.log",
+                                  f"scorer.max_items={config.group_size}", "scorer.leases_ahead=1")
             survivor = None
             try:
                 await wait_for(lambda: state.score_queue.leased() == samples, 60, "scorer a to lease every sample")
-                await asyncio.sleep(2.0)  # it renews its lease while it scores: nothing expires yet
+                await asyncio.sleep(4.0)  # it renews both leases: nothing expires yet
                 assert state.score_queue.leased() == samples and state.score_queue.counts["scores_reassigned"] == 0
+                assert len(state.score_queue.leases) == GROUPS  # one being scored, one in hand
                 os.kill(doomed.pid, signal.SIGKILL)
                 await asyncio.to_thread(doomed.wait, 10)
                 survivor = start_scorer(server.url, "scorer-b", "b", 0.0, tmp_path / "b.log")

@@ -2,7 +2,9 @@
 samples of complete groups, scores them with a backend, posts, and the groups reach the trainer
 with those rewards; bad verdicts (NaN, out of range, no score, wrong step count) go as parse
 failures the orchestrator counts; an unreachable judge's samples are not posted and are leased
-again; a lease is renewed while scoring outlives it; a stop finishes and posts the batch in hand;
+again; a lease is renewed while scoring outlives it; the next lease is held (and renewed) while
+one is scored, or not with leases_ahead = 0; a backend that raises stops the scorer and its leases
+expire; a stop finishes and posts the batch in hand;
 a real `decentrl scorer` process exits cleanly on SIGTERM; a reward model's step scores fit the
 steps the orchestrator split; a judge that never parses is retried, then scored as the run says
 (the fake judge server of test_scorer_judge.py, counted by the orchestrator)."""
@@ -176,6 +178,77 @@ def test_a_lease_is_renewed_while_scoring_outlives_it(scoring_state: Any, serve_
 
     run(scenario())
     assert len(state.ready) == 1
+
+
+async def most_leased(state: RunState, scorer: Scorer, backend: Scripted, **run: Any) -> tuple[int, int]:
+    """Run the scorer; the most samples and leases it held while the backend was on its first call."""
+    samples = leases = 0
+    running = asyncio.ensure_future(asyncio.to_thread(scorer.run, **run))
+    while not running.done():
+        if backend.calls == 1:
+            samples = max(samples, state.score_queue.leased())
+            leases = max(leases, len(state.score_queue.leases))
+        await asyncio.sleep(0.02)
+    await running
+    return samples, leases
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_the_next_lease_is_in_hand_while_one_is_scored(
+    scoring_state: Any, serve_orchestrator: Any, ahead: int
+) -> None:
+    state = scoring_state(groups=2)
+    slow = Scripted({n: Verdict(0.5) for n in (1, 2, 3)}, delay_s=0.6)
+    config = PythonScorerConfig(function="m:f", max_items=3, leases_ahead=ahead, min_wait_s=0.05)
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+            scorer = Scorer(config, scorer_id="s0", client=server.client(SCORER), backend=slow)
+            held = await most_leased(state, scorer, slow, max_leases=2)
+            assert held == ((3, 1) if ahead == 0 else (6, 2))  # the second group waits in hand, or in the queue
+            assert (scorer.counts.leases, scorer.counts.scored, slow.calls) == (2, 6, 2)
+
+    run(scenario())
+    assert len(state.ready) == 2
+
+
+def test_a_lease_in_hand_is_renewed_while_it_waits(scoring_state: Any, serve_orchestrator: Any) -> None:
+    state = scoring_state(groups=2, lease_timeout_s=1.0)
+    slow = Scripted({n: Verdict(0.25) for n in (1, 2, 3)}, delay_s=1.6)  # the second lease waits 1.6 s
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+            config = PythonScorerConfig(function="m:f", max_items=3, leases_ahead=1)
+            scorer = Scorer(config, scorer_id="s0", client=server.client(SCORER), backend=slow)
+            assert await most_leased(state, scorer, slow, max_leases=2) == (6, 2)
+            assert (scorer.counts.scored, scorer.counts.lost) == (6, 0)
+            assert scoring(state).get("score_leases_expired", 0) == 0
+
+    run(scenario())
+    assert len(state.ready) == 2
+
+
+def test_a_backend_that_raises_stops_the_scorer_and_its_leases_expire(
+    scoring_state: Any, serve_orchestrator: Any
+) -> None:
+    state = scoring_state(groups=2, lease_timeout_s=1.0)
+
+    class Broken:
+        def score(self, items: list[ScoreItem]) -> list[Verdict]:
+            time.sleep(0.3)  # the next lease is fetched meanwhile
+            raise RuntimeError("the model does not fit")
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+            config = PythonScorerConfig(function="m:f", max_items=3, leases_ahead=1)
+            scorer = Scorer(config, scorer_id="s0", client=server.client(SCORER), backend=Broken())
+            with pytest.raises(RuntimeError, match="does not fit"):
+                await asyncio.to_thread(scorer.run)
+            assert len(state.score_queue.leases) == 2
+            await asyncio.sleep(1.5)  # no longer renewed: both expire
+            assert state.score_queue.expire() == 2 and state.score_queue.counts["scores_reassigned"] == 6
+
+    run(scenario())
 
 
 def test_a_post_for_a_lease_that_is_gone_is_counted_lost(scoring_state: Any, serve_orchestrator: Any) -> None:
