@@ -21,7 +21,7 @@ sampled by policies up to max_staleness versions older than its final one. A com
 the asynchronous run again with deterministic = true (docs/reproducibility.md), same seeds, and
 reports its trainer busy fraction and time to target against the free-running one
 ("deterministic_cost"; the goal is busy within 0.05), with its hedging as configured or as
---hedge-after, --max-copies, --no-hedging set it (orchestrator/hedges.py). --skip-sync leaves the synchronous run out
+--hedge-after, --max-copies, --hedge-batches, --no-hedging set it (orchestrator/hedges.py). --skip-sync leaves the synchronous run out
 (its figures and ratios are then null), for measuring only that cost.
 
 Writes one PNG per scenario (reward vs wall time; trainer busy/idle timeline of the first seed)
@@ -63,6 +63,7 @@ def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int,
         config["orchestrator"]["hedging"] = {
             "enabled": not args.no_hedging, **({"after": args.hedge_after} if args.hedge_after else {}),
             **({"max_copies": args.max_copies} if args.max_copies else {}),
+            **({"batches": args.hedge_batches} if args.hedge_batches else {}),
         }
     config["store"].update(keep_last=args.steps + 1)  # every version stays, to be evaluated afterwards
     config["worker"].update(groups_per_request=1, concurrency=args.slots)
@@ -264,6 +265,7 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true", help="Also run the asynchronous mode with deterministic = true.")
     parser.add_argument("--hedge-after", type=float, default=None, help="orchestrator.hedging.after of the deterministic run (default: the config's).")
     parser.add_argument("--max-copies", type=int, default=None, help="orchestrator.hedging.max_copies of the deterministic run (default: the config's).")
+    parser.add_argument("--hedge-batches", type=int, default=None, help="orchestrator.hedging.batches of the deterministic run (default: the config's).")
     parser.add_argument("--no-hedging", action="store_true", help="The deterministic run without hedging (orchestrator.hedging.enabled = false).")
     parser.add_argument("--skip-sync", action="store_true", help="Leave out the synchronous run (no time-to-target ratios).")
     args = parser.parse_args()
@@ -350,7 +352,7 @@ def main() -> None:
                 ],
             }
     shutil.rmtree(tmp)
-    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic", "skip_sync", "hedge_after", "max_copies", "no_hedging")}
+    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic", "skip_sync", "hedge_after", "max_copies", "hedge_batches", "no_hedging")}
     first = report[next(iter(report))]
     print(json.dumps({
         "sync": first.get("sync"), "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"],

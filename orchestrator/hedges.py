@@ -10,7 +10,8 @@ sound: in a deterministic run a place's prompt, version and per-sample seeds are
 copy is the same group bit for bit (docs/reproducibility.md).
 
 Policy (`[orchestrator.hedging]`, decentrl/config/orchestrator.py):
-- only places of the next batch the trainer takes (places groups_served .. + groups_per_step);
+- only places of the next batch the trainer takes (places groups_served .. + groups_per_step),
+  or of the next `batches` batches;
 - a place is due once its newest open lease has been out `after` times the median
   grant-to-complete time of the last RECENT complete groups (no time rule before MIN_RECENT of
   them), or at once when it is the last place of that batch not yet complete;
@@ -61,17 +62,18 @@ class Hedges:
         """(when it falls due, place) of each place of the next batch that `holder` (None: any
         worker holding none of its copies) could copy."""
         head, end = places.head, places.head + self.groups_per_step
-        head_open = [index for index in places.open if head <= index < end]
+        hedged = [index for index in places.open if head <= index < head + self.config.batches * self.groups_per_step]
+        head_open = [index for index in hedged if index < end]
         last = (
             len(head_open) == 1 and places.cursor >= end and not any(head <= index < end for index in places.requeued)
         )
         wait = None if self.median is None else self.config.after * self.median
         due = []
-        for index in head_open:
+        for index in hedged:
             copies = [places.leases[lease_id] for lease_id in places.open[index]]
             if len(copies) >= self.config.max_copies or any(copy.holder == holder for copy in copies):
                 continue
-            if last:
+            if last and index < end:
                 due.append((0.0, index))
             elif wait is not None:
                 due.append((max(copy.granted_at for copy in copies) + wait, index))

@@ -197,13 +197,18 @@ class HedgingConfig(Section):
 
     enabled: bool = Field(True, strict=True, description="Hedge lagging places of the next batch (deterministic runs only).")
     after: float = Field(
-        1.5, gt=0.0, le=100.0,
+        1.0, gt=0.0, le=100.0,
         description="A place of the next batch is hedged once its oldest lease has been out this many times the "
         "median time from grant to complete group of the recent leases; the last open place of that batch is "
         "hedged at once.",
     )
     max_copies: int = Field(
         2, ge=2, le=8, description="Leases of one place open at once (the first and its hedges), each on another worker."
+    )
+    batches: int = Field(
+        1, ge=1, le=16,
+        description="Places of the next this many batches may be hedged by the time rule (1: only the batch the "
+        "trainer takes next; more start hedging a batch's stragglers before the trainer waits for it).",
     )
 
 

@@ -71,9 +71,11 @@ def test_a_lagging_place_of_the_next_batch_gets_a_second_lease_on_another_worker
 ) -> None:
     state = open_state()
     leases = lagging(state, clock)
-    assert state.grant_leases(BOB, 4) == []  # not yet: out 0 s, due after 1.5 x the 1 s median
-    assert state.hedge_due_in(BOB) == pytest.approx(1.5)
-    clock.advance(1.6)
+    assert state.grant_leases(BOB, 4) == []  # not yet: out 0 s, due after 1.0 (`after`) x the 1 s median
+    assert state.hedge_due_in(BOB) == pytest.approx(1.0)
+    clock.advance(0.9)
+    assert state.grant_leases(BOB, 4) == []
+    clock.advance(0.2)
     assert state.grant_leases(ALICE, 4) == []  # never a second copy to the worker holding the first
     copies = state.grant_leases(BOB, 4)
     # Only places 0 and 1 (the next batch), lowest first; places 2 and 3 are not hedged yet.
@@ -84,6 +86,16 @@ def test_a_lagging_place_of_the_next_batch_gets_a_second_lease_on_another_worker
     assert state.grant_leases(CAROL, 4) == []  # max_copies 2: both places have two copies out
     assert state.counters.hedged_leases == 2 and state.status().hedged_leases == 2
     assert state.lease_capacity() == 0  # copies take no room in the lease budget
+
+
+def test_hedging_more_batches_reaches_past_the_next_one(open_state: Callable[..., RunState], clock: Any) -> None:
+    state = open_state(orchestrator={"hedging": {"batches": 2, "max_copies": 3}})
+    lagging(state, clock)
+    clock.advance(1.1)
+    assert [c.index for c in state.grant_leases(BOB, 8)] == [0, 1, 2, 3]
+    assert state.grant_leases(CAROL, 8) == []  # the copies are new: their own `after` x median first
+    clock.advance(1.1)
+    assert [c.index for c in state.grant_leases(CAROL, 8)] == [0, 1, 2, 3]  # third copies, max_copies 3
 
 
 def test_the_last_open_place_of_the_next_batch_is_hedged_at_once(
@@ -227,7 +239,7 @@ def test_hedging_can_be_turned_off(open_state: Callable[..., RunState], group: A
     "hedging",
     [
         {"after": 0}, {"after": -1.0}, {"after": "soon"}, {"after": 1e9}, {"after": float("nan")},
-        {"max_copies": 1}, {"max_copies": 100}, {"max_copies": 2.5}, {"enabled": "yes"}, {"enabled": 1},
+        {"max_copies": 1}, {"max_copies": 100}, {"max_copies": 2.5}, {"batches": 0}, {"batches": 17}, {"batches": "all"}, {"enabled": "yes"}, {"enabled": 1},
         {"median": 1.0},
     ],
 )
