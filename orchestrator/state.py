@@ -290,7 +290,7 @@ class RunState:
             if rollout.rollout_id in self.lease_book.seen_rollout_ids or rollout.rollout_id in journaled:  # 1. dedupe
                 duplicates += 1
                 continue
-            if self.lease_book.lost_copy(rollout.lease_id, holder):
+            if self.config.deterministic and self.lease_book.lost_copy(rollout.lease_id, holder):
                 duplicates += 1
                 self.counters.hedge_duplicates += 1
                 self._compare_copy(rollout, self.lease_book.winners.get(rollout.lease_id))
