@@ -318,7 +318,8 @@ class LeaseBook:
         for: `counted` of them (default: all it holds) are counted under `dropped[reason]` (and
         `stale_dropped` for a stale reason), and integrity forgets their content. `requeue`
         puts an open lease's prompt back in line; in a deterministic run every lease closed
-        without training puts its place back (a skipped place would change the run). A complete
+        without training puts its place back (a skipped place would change the run), unless
+        another copy of the place is still open (hedging) or it was `superseded` (its place filled). A complete
         group is journaled by the buffer when it joins the line (with its place and rewards), not here.
         """
         now = self.clock()
@@ -338,7 +339,7 @@ class LeaseBook:
         else:
             closed = self.closed[lease_id]
             closed.status, closed.closed_at = status, now
-        index = closed.lease.index
+            index = closed.lease.index
         if (
             self.prompts.deterministic and status in UNTRAINED and status != "superseded" and index is not None
             and index not in self.places  # another copy of the place is still out: it goes on
