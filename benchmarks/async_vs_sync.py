@@ -20,7 +20,8 @@ sampled by policies up to max_staleness versions older than its final one. A com
 --async-staleness adds one asynchronous run per value. --deterministic adds "async_deterministic":
 the asynchronous run again with deterministic = true (docs/reproducibility.md), same seeds, and
 reports its trainer busy fraction and time to target against the free-running one
-("deterministic_cost"; the goal is busy within 0.05). --skip-sync leaves the synchronous run out
+("deterministic_cost"; the goal is busy within 0.05), with its hedging as configured or as
+--hedge-after, --max-copies, --hedge-batches, --no-hedging set it (orchestrator/hedges.py). --skip-sync leaves the synchronous run out
 (its figures and ratios are then null), for measuring only that cost.
 
 Writes one PNG per scenario (reward vs wall time; trainer busy/idle timeline of the first seed)
@@ -58,6 +59,12 @@ def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int,
     )
     config["trainer"].update(steps=args.steps, seed=seed, **({"lr": args.lr} if args.lr else {}))
     config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s)
+    if deterministic:  # hedging (orchestrator/hedges.py) acts in deterministic runs only
+        config["orchestrator"]["hedging"] = {
+            "enabled": not args.no_hedging, **({"after": args.hedge_after} if args.hedge_after else {}),
+            **({"max_copies": args.max_copies} if args.max_copies else {}),
+            **({"batches": args.hedge_batches} if args.hedge_batches else {}),
+        }
     config["store"].update(keep_last=args.steps + 1)  # every version stays, to be evaluated afterwards
     config["worker"].update(groups_per_request=1, concurrency=args.slots)
     config["simulation"] = {
@@ -162,6 +169,9 @@ def summarize(args: argparse.Namespace, metrics: list[dict], status: dict, kille
         "stale_dropped_fraction": status["stale_dropped"] / generated if generated else 0.0,
         "staleness_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
         "leases_expired": status["leases_expired"],
+        "hedged_leases": status.get("hedged_leases", 0),  # deterministic runs: second leases of lagging places
+        "hedge_duplicates": status.get("hedge_duplicates", 0),
+        "hedge_mismatches": status.get("hedge_mismatches", 0),
         "worker_killed_at_s": killed_at - start if killed_at else None,
         "curve": {"t": times, "reward": rewards, "smoothed": smoothed},
         "timeline": [(m["time"] - start - m["step_s"], m["wait_for_batch_s"], m["step_s"] - m["wait_for_batch_s"]) for m in metrics],
@@ -192,6 +202,7 @@ def aggregate(runs: list[dict]) -> dict:
         "target_reached": f"{sum(t is not None for t in reached)}/{len(runs)} seeds",
         "staleness_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
         "leases_expired": sum(run["leases_expired"] for run in runs),
+        **{key: sum(run[key] for run in runs) for key in ("hedged_leases", "hedge_duplicates", "hedge_mismatches")},
         "worker_killed_at_s": [run["worker_killed_at_s"] for run in runs] if first["worker_killed_at_s"] else None,
     }
 
@@ -252,6 +263,10 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=4, help="Samples per held-out prompt.")
     parser.add_argument("--out", default="docs/figures", help="Where the PNGs go.")
     parser.add_argument("--deterministic", action="store_true", help="Also run the asynchronous mode with deterministic = true.")
+    parser.add_argument("--hedge-after", type=float, default=None, help="orchestrator.hedging.after of the deterministic run (default: the config's).")
+    parser.add_argument("--max-copies", type=int, default=None, help="orchestrator.hedging.max_copies of the deterministic run (default: the config's).")
+    parser.add_argument("--hedge-batches", type=int, default=None, help="orchestrator.hedging.batches of the deterministic run (default: the config's).")
+    parser.add_argument("--no-hedging", action="store_true", help="The deterministic run without hedging (orchestrator.hedging.enabled = false).")
     parser.add_argument("--skip-sync", action="store_true", help="Leave out the synchronous run (no time-to-target ratios).")
     args = parser.parse_args()
     out = Path(args.out)
@@ -324,14 +339,20 @@ def main() -> None:
                 "wall_s_deterministic": fixed["wall_s"],
                 "busy_after_first_batch_free": free["trainer_busy_fraction_after_first_batch"],
                 "busy_after_first_batch_deterministic": fixed["trainer_busy_fraction_after_first_batch"],
+                "samples_per_s_free": free["samples_per_s"],
+                "samples_per_s_deterministic": fixed["samples_per_s"],
+                "leases_expired_deterministic": fixed["leases_expired"],
+                "hedged_leases": fixed["hedged_leases"],
+                "hedge_duplicates": fixed["hedge_duplicates"],
+                "hedge_mismatches": fixed["hedge_mismatches"],
                 "per_seed": [
-                    {mode: {k: s[mode][k] for k in ("trainer_busy_fraction", "time_to_target_s", "wall_s")}
+                    {mode: {k: s[mode][k] for k in ("trainer_busy_fraction", "time_to_target_s", "wall_s", "hedged_leases")}
                      for mode in ("async", "async_deterministic")}
                     for s in seeds
                 ],
             }
     shutil.rmtree(tmp)
-    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic", "skip_sync")}
+    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic", "skip_sync", "hedge_after", "max_copies", "hedge_batches", "no_hedging")}
     first = report[next(iter(report))]
     print(json.dumps({
         "sync": first.get("sync"), "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"],

@@ -459,6 +459,15 @@ class StatusResponse(Wire):
     reward_mean_recent: float | None
     uptime_s: float
     rollouts_duplicate: Int = Field(0, description="Resends of rollouts already acknowledged (counted once).")
+    hedged_leases: Int = Field(
+        0, description="Deterministic runs: second leases granted for a lagging place of the next batch (hedges)."
+    )
+    hedge_duplicates: Int = Field(
+        0, description="Samples of a hedge's losing copy posted after the winner filled the place (also duplicates)."
+    )
+    hedge_mismatches: Int = Field(
+        0, description="Of those, samples that differ from the winner's sample of the same index (docs/reproducibility.md)."
+    )
     dropped: dict[str, Int] = Field(
         default_factory=dict, description="Accepted samples dropped later, per reason (stale, lease expired, ...)."
     )
@@ -497,7 +506,7 @@ class LeaseState(Wire):
 
     lease_id: str
     prompt_id: Int
-    state: Literal["open", "complete", "served", "expired", "released", "dropped"]
+    state: Literal["open", "complete", "served", "expired", "released", "dropped", "superseded"]
     samples: Int = Field(ge=0, description="Samples acknowledged for it so far.")
     group_size: Int = Field(ge=1)
     deadline: float = Field(description="Unix time; for an open lease, when it expires.")

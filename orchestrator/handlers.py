@@ -125,7 +125,8 @@ async def leases(request: web.Request) -> web.Response:
         raise error(web.HTTPForbidden, f"token {request[IDENTITY].name!r} is banned (docs/security.md)")
     holder, wait_s = holder_of(request, body.worker_id), state.config.orchestrator.lease_wait_s
     # Long-poll: with nothing to grant, wait for a version, a served batch or a release to free
-    # groups, so a worker's slots start the moment the staleness budget allows and do not poll.
+    # groups, so a worker's slots start the moment the staleness budget allows and do not poll;
+    # in a hedged deterministic run, at most until a lagging place falls due for a copy.
     freed = request.app[LEASES_FREED]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
@@ -134,8 +135,11 @@ async def leases(request: web.Request) -> web.Response:
             remaining = deadline - loop.time()
             if remaining <= 0 or request.app[STOPPING].is_set():
                 break
-            with contextlib.suppress(asyncio.TimeoutError):  # every 0.5 s at least: leases expire unannounced
-                await asyncio.wait_for(freed.wait(), timeout=min(remaining, 0.5))
+            timeout = min(remaining, 0.5)  # every 0.5 s at least: leases expire unannounced
+            if (hedge := state.hedge_due_in(holder)) is not None:
+                timeout = min(timeout, hedge + 0.001)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(freed.wait(), timeout=timeout)
     await commit(state)
     return respond(
         request,
@@ -221,6 +225,8 @@ async def rollouts(request: web.Request) -> web.Response:
     if len(state.ready) > ready_before:
         await notify_all(app[BATCH_READY])
     if result.rejected:  # a rejected sample may have dropped its group, freeing its place
+        await notify_all(app[LEASES_FREED])
+    elif state.hedge_due_in(None) == 0.0:  # a completed group left the next batch one last place: hedge it now
         await notify_all(app[LEASES_FREED])
     if state.score_queue.queue:  # a completed group's samples wait for scorers
         await notify_all(app[SCORES_WAITING])

@@ -18,7 +18,12 @@ RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its publ
 - deterministic runs (docs/reproducibility.md): a lease is a place in the consumption order
   (`Lease.index`), which fixes its prompt (the seeded order, cycled) and the version it is
   sampled under (decentrl/determinism.py `required_version`); a place closed without training
-  is leased again, lowest first, with the same prompt and version, so no place is ever skipped.
+  is leased again, lowest first, with the same prompt and version, so no place is ever skipped;
+- hedging (deterministic runs, orchestrator/hedges.py): a place may have up to
+  `hedging.max_copies` open leases at once (`places`: place -> its open leases), each the same
+  group bit for bit; the lease budget counts places, not copies; the first copy to complete
+  fills the place and the others close as `superseded` (`supersede`); a place goes back in line
+  only when its last copy closes without training, never while another copy is out.
 """
 
 from __future__ import annotations
@@ -44,11 +49,11 @@ from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity, token_of
 from orchestrator.journal import RunJournal, lease_of
 
-ClosedStatus = Literal["complete", "served", "expired", "released", "dropped"]
+ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded"]
 Requeue = Literal["back", "front"]
 
 # A lease closed with one of these did not train: its samples are dropped.
-UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped"})
+UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "superseded"})
 # Drop reasons that are staleness (also counted in `stale_dropped`).
 STALE_REASONS = frozenset({"stale_in_buffer", "stale_at_ingest", "stale_waiting_scores"})
 # Why a closed lease no longer takes samples -> the rejection reason of a late sample.
@@ -58,6 +63,7 @@ CLOSED_REASON = {
     "expired": "lease_expired",
     "released": "lease_released",
     "dropped": "group_dropped",
+    "superseded": "hedge_lost",  # another copy of its place completed first (its holder's posts: duplicates)
 }
 PROMPT_CACHE = 4096  # prompts whose token ids are kept (prompts come back each epoch)
 
@@ -84,6 +90,7 @@ class LeaseClosed(LeaseError):
 class OpenLease:
     lease: Lease
     holder: str  # token name + worker id: only the holder may answer
+    granted_at: float = 0.0  # when granted (a recovered lease: when recovered), for hedging
     samples: list[Rollout] = field(default_factory=list)
     packed: list[Packed] = field(default_factory=list)  # per sample: completion ids and logprobs, packed
     check: list[int] = field(default_factory=list)  # samples whose logprobs are to be recomputed
@@ -93,7 +100,7 @@ class OpenLease:
 class ClosedLease:
     lease: Lease
     holder: str
-    status: ClosedStatus  # complete (in the buffer or held back), served, expired, released, dropped
+    status: ClosedStatus  # complete (in the buffer or held back), served, expired, released, dropped, superseded
     closed_at: float
     samples: int  # samples it took
     # Their ids, where memory holds them: a lease recovered from the journal as complete, or
@@ -178,6 +185,10 @@ class LeaseBook:
         self.journal = journal
         self.clock = clock
         self.open: dict[str, OpenLease] = {}
+        self.places: dict[int, list[str]] = {}  # deterministic runs: place -> its open leases (copies), oldest first
+        # A superseded lease -> the content hashes of the copy that filled its place, by sample
+        # index: a late sample of it is compared with them (`hedge_mismatches`; not journaled).
+        self.winners: dict[str, list[bytes]] = {}
         self.closed: dict[str, ClosedLease] = {}
         self.seen_rollout_ids: dict[str, str] = {}  # rollout id -> lease id, while its lease is remembered
         # After a recovery (orchestrator/recovery.py): the journal holds rollout ids that memory
@@ -195,11 +206,12 @@ class LeaseBook:
         line or held back for their check)."""
         if self.versions.published is None:
             return 0
-        committed = groups_served + waiting + len(self.open)
+        leased = len(self.places) if self.prompts.deterministic else len(self.open)  # copies of a place count once
+        committed = groups_served + waiting + leased
         budget = lease_budget(
             self.versions.published, self.config.max_staleness, self.config.trainer.groups_per_step, committed
         )
-        room = self.config.orchestrator.max_buffer_groups - waiting - len(self.open)
+        room = self.config.orchestrator.max_buffer_groups - waiting - leased
         return max(0, min(budget, room))
 
     def grant(self, holder: str, count: int) -> list[Lease]:
@@ -227,12 +239,38 @@ class LeaseBook:
                 index=index,
                 policy_version=version,
             )
-            self.open[lease.lease_id] = OpenLease(lease=lease, holder=holder)
-            heapq.heappush(self.deadlines, (lease.deadline, lease.lease_id))
-            self.journal.lease_granted(lease, holder)
+            self._open(OpenLease(lease=lease, holder=holder, granted_at=self.clock()), granted=True)
             self.journal.meta_dirty = True  # the prompt cursor moved
             granted.append(lease)
         return granted
+
+    def copy(self, index: int, holder: str) -> Lease:
+        """Deterministic runs: another lease of place `index` (open now) for `holder` - a hedge
+        (orchestrator/hedges.py). Same prompt and version, so the same group bit for bit."""
+        first = self.open[self.places[index][0]].lease
+        lease = first.model_copy(
+            update={"lease_id": uuid.uuid4().hex, "deadline": self.clock() + self.config.orchestrator.lease_timeout_s}
+        )
+        self._open(OpenLease(lease=lease, holder=holder, granted_at=self.clock()), granted=True)
+        self.counters.hedged_leases += 1
+        self.journal.meta_dirty = True  # the counter
+        return lease
+
+    def _open(self, open_lease: OpenLease, *, granted: bool) -> None:
+        """Hold an open lease: granted now (journaled), or recovered from the journal."""
+        lease = open_lease.lease
+        self.open[lease.lease_id] = open_lease
+        if lease.index is not None:
+            self.places.setdefault(lease.index, []).append(lease.lease_id)
+        heapq.heappush(self.deadlines, (lease.deadline, lease.lease_id))
+        if granted:
+            self.journal.lease_granted(lease, open_lease.holder)
+
+    def reopen(self, open_lease: OpenLease) -> None:
+        """Recovery (orchestrator/recovery.py): an open lease the journal holds, held again (its
+        grant time, for hedging, is now: the journal keeps only its deadline)."""
+        open_lease.granted_at = self.clock()
+        self._open(open_lease, granted=False)
 
     def expire(self) -> int:
         """Close overdue leases and lease their prompts again; a late answer is rejected."""
@@ -280,22 +318,33 @@ class LeaseBook:
         for: `counted` of them (default: all it holds) are counted under `dropped[reason]` (and
         `stale_dropped` for a stale reason), and integrity forgets their content. `requeue`
         puts an open lease's prompt back in line; in a deterministic run every lease closed
-        without training puts its place back (a skipped place would change the run). A complete
+        without training puts its place back (a skipped place would change the run), unless
+        another copy of the place is still open (hedging) or it was `superseded` (its place filled). A complete
         group is journaled by the buffer when it joins the line (with its place and rewards), not here.
         """
         now = self.clock()
         open_lease = self.open.pop(lease_id, None)
+        index = None if open_lease is None else open_lease.lease.index
         if open_lease is not None:
             ids = [r.rollout_id for r in open_lease.samples]
             closed = ClosedLease(open_lease.lease, open_lease.holder, status, now, len(ids), ids)
             self.closed[lease_id] = closed
             if requeue is not None and not self.prompts.deterministic:
                 self.prompts.requeue(open_lease.lease.prompt_id, requeue)
+            if index is not None:
+                copies = self.places[index]
+                copies.remove(lease_id)
+                if not copies:
+                    del self.places[index]
         else:
             closed = self.closed[lease_id]
             closed.status, closed.closed_at = status, now
-        if self.prompts.deterministic and status in UNTRAINED and closed.lease.index is not None:
-            self.prompts.requeue(closed.lease.index, "back")
+            index = closed.lease.index
+        if (
+            self.prompts.deterministic and status in UNTRAINED and status != "superseded" and index is not None
+            and index not in self.places  # another copy of the place is still out: it goes on
+        ):
+            self.prompts.requeue(index, "back")
         self.closed_order.append((now, lease_id))
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
@@ -310,6 +359,21 @@ class LeaseBook:
             self.journal.lease_closed(lease_id, status, now, drop_samples=False)
         self.journal.meta_dirty = True
         return closed
+
+    def supersede(self, index: int, winner: list[bytes]) -> None:
+        """Deterministic runs: a copy of place `index` completed; close its other copies (their
+        samples are duplicates of the winner's, `winner`: its content hashes by sample index)."""
+        for lease_id in list(self.places.get(index, ())):
+            self.close(lease_id, "superseded", reason="hedge_lost")
+            self.winners[lease_id] = winner
+
+    def lost_copy(self, lease_id: str, holder: str) -> bool:
+        """Whether `lease_id` is `holder`'s copy of a place another copy filled: its samples are
+        duplicates of ones already acknowledged, answered as such (never a strike)."""
+        if lease_id in self.open:
+            return False
+        closed = self.closed_lease(lease_id)
+        return closed is not None and closed.status == "superseded" and closed.holder == holder
 
     # -- a holder's requests ----------------------------------------------------------------
 
@@ -391,6 +455,7 @@ class LeaseBook:
                 closed.closed_at = self.closed_order[-1][0]
                 continue
             del self.closed[lease_id]
+            self.winners.pop(lease_id, None)
             for rollout_id in closed.rollout_ids:
                 self.seen_rollout_ids.pop(rollout_id, None)
             self.journal.lease_forgotten(lease_id)

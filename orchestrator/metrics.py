@@ -67,6 +67,17 @@ class StateCollector(Collector):
         yield dropped
         yield CounterMetricFamily("decentrl_stale_dropped", "Samples dropped as stale (ingest or buffer).", value=c.stale_dropped)
         yield CounterMetricFamily("decentrl_lease_expirations", "Leases that expired unanswered.", value=c.leases_expired)
+        yield CounterMetricFamily(
+            "decentrl_hedged_leases", "Deterministic runs: second leases of a lagging place of the next batch.",
+            value=c.hedged_leases,
+        )
+        yield CounterMetricFamily(
+            "decentrl_hedge_duplicates", "Samples of a hedge's losing copy posted after its place was filled.",
+            value=c.hedge_duplicates,
+        )
+        yield CounterMetricFamily(
+            "decentrl_hedge_mismatches", "Of those, samples not bit for bit the winner's.", value=c.hedge_mismatches
+        )
         yield CounterMetricFamily("decentrl_groups_served", "Groups served to the trainer.", value=c.groups_served)
         yield GaugeMetricFamily("decentrl_buffer_groups", "Complete groups waiting for the trainer.", value=len(s.ready))
         yield GaugeMetricFamily("decentrl_buffer_limit", "Depth bound: ready groups plus open leases.", value=s.buffer_limit)

@@ -15,7 +15,6 @@ after `recover` returns.
 from __future__ import annotations
 
 import functools
-import heapq
 import json
 import logging
 from collections import Counter, deque
@@ -51,6 +50,9 @@ def meta_row(*, versions: Versions, counters: Counters, lease_book: LeaseBook, b
         "stale_dropped": counters.stale_dropped,
         "groups_served": counters.groups_served,
         "leases_expired": counters.leases_expired,
+        "hedged_leases": counters.hedged_leases,
+        "hedge_duplicates": counters.hedge_duplicates,
+        "hedge_mismatches": counters.hedge_mismatches,
         "recoveries": counters.recoveries,
     }
 
@@ -71,6 +73,9 @@ def _restore_meta(
     counters.stale_dropped = meta["stale_dropped"]
     counters.groups_served = meta["groups_served"]
     counters.leases_expired = meta["leases_expired"]
+    counters.hedged_leases = meta.get("hedged_leases", 0)  # absent from journals of older versions
+    counters.hedge_duplicates = meta.get("hedge_duplicates", 0)
+    counters.hedge_mismatches = meta.get("hedge_mismatches", 0)
     counters.recoveries = meta["recoveries"] + 1
 
 
@@ -153,8 +158,8 @@ def recover(
             if data is not None
         ]
         packed = [pack_sample(sample) for sample in samples]
-        lease_book.open[lease.lease_id] = OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed)
-        heapq.heappush(lease_book.deadlines, (lease.deadline, lease.lease_id))
+        # Two open leases of one place (a hedge) get the same place: the same prompt, last before the cursor.
+        lease_book.reopen(OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed))
     buffer.ready = deque(sorted(ready, key=lambda group: group.seq))
     for request_id, body in snapshot.batches:
         lease_ids = body["lease_ids"]

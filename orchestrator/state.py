@@ -6,6 +6,8 @@ orchestrator/verification.py, orchestrator/metrics.py and benchmarks/. The parts
 
   lease_book  orchestrator/leases.py    prompt order, open leases and deadlines, the lease budget,
                                         the one lease-close path, closed leases remembered
+  hedges      orchestrator/hedges.py    deterministic runs: which lagging places of the next batch
+                                        get a second lease (None when off or free-running)
   checks      orchestrator/checks.py    why a posted rollout is refused
   scorer      orchestrator/scoring.py   rewards recomputed with the task's verifier, combined with
                                         model scores
@@ -21,7 +23,8 @@ orchestrator/verification.py, orchestrator/metrics.py and benchmarks/. The parts
   versions, counters  orchestrator/counters.py
 
 The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
-  1. dedupe   a rollout id already acknowledged is a duplicate, counted once
+  1. dedupe   a rollout id already acknowledged is a duplicate, counted once; so is a sample of
+              a hedge's losing copy (its place filled by another copy, bit for bit the same)
   2. check    checks.py gives a rejection reason (counted; a stale one drops its whole group)
   3. record   the sample joins its open lease; integrity keeps its content hash and may pick it
               for a logprob check; the journal records it
@@ -79,7 +82,8 @@ from orchestrator.buffer import Buffer, Group, VerifyJob
 from orchestrator.checks import IngestChecks
 from orchestrator.codec import Packed
 from orchestrator.counters import Counters, Versions
-from orchestrator.integrity import Integrity
+from orchestrator.hedges import Hedges, Places
+from orchestrator.integrity import Integrity, content_hash
 from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.leases import LeaseBook, LeaseError, OpenLease, PromptQueue
 from orchestrator.recovery import meta_row, recover
@@ -145,6 +149,10 @@ class RunState:
                 task=task, render=render_prompt, seed=config.task.seed, deterministic=config.deterministic
             ),
             versions=self.versions, counters=self.counters, integrity=self.integrity, journal=self.journal, clock=clock,
+        )
+        self.hedges = (
+            Hedges(config=options.hedging, groups_per_step=config.trainer.groups_per_step, clock=clock)
+            if config.deterministic and options.hedging.enabled else None
         )
         self.scorer = Scorer(
             task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt,
@@ -230,8 +238,25 @@ class RunState:
         return self.lease_book.capacity(groups_served=self.counters.groups_served, waiting=self.buffer.waiting())
 
     def grant_leases(self, holder: str, max_groups: int) -> list[Lease]:
+        """Copies of lagging places of the next batch first (hedging: the trainer waits for that
+        batch), then new places as the budget allows."""
         self.expire_leases()
-        return self.lease_book.grant(holder, min(max_groups, self.lease_capacity()))
+        copies = []
+        if self.hedges is not None:
+            copies = [self.lease_book.copy(index, holder) for index in self.hedges.pick(holder, max_groups, self._places())]
+        return copies + self.lease_book.grant(holder, min(max_groups - len(copies), self.lease_capacity()))
+
+    def hedge_due_in(self, holder: str | None) -> float | None:
+        """Seconds until a place falls due for a copy `holder` (None: any worker) may take (None:
+        none will, or no hedging): how long a lease long-poll may sleep before asking again."""
+        return self.hedges.due_in(holder, self._places()) if self.hedges is not None else None
+
+    def _places(self) -> Places:
+        book = self.lease_book
+        return Places(
+            open=book.places, leases=book.open, head=self.counters.groups_served, cursor=book.prompts.cursor,
+            requeued=book.prompts.requeued,
+        )
 
     def expire_leases(self) -> int:
         """Close overdue leases and lease their prompts again; a late answer is rejected."""
@@ -264,6 +289,11 @@ class RunState:
         for index, rollout in enumerate(rollouts):
             if rollout.rollout_id in self.lease_book.seen_rollout_ids or rollout.rollout_id in journaled:  # 1. dedupe
                 duplicates += 1
+                continue
+            if self.config.deterministic and self.lease_book.lost_copy(rollout.lease_id, holder):
+                duplicates += 1
+                self.counters.hedge_duplicates += 1
+                self._compare_copy(rollout, self.lease_book.winners.get(rollout.lease_id))
                 continue
             verdict = self.checks.check(rollout, holder)  # 2. check
             if verdict.reason is not None:
@@ -315,6 +345,8 @@ class RunState:
         rewards = verifier if verifier is not None else [0.0] * len(samples)  # final once scored (`_scored`)
         group = Group.of(lease.lease_id, lease.prompt_id, samples, rewards, open_lease.packed, seq)
         self.lease_book.close(lease.lease_id, "complete")
+        if lease.index is not None:
+            self._filled(lease.index, open_lease)
         check = VerifyJob(lease.lease_id, [samples[i] for i in open_lease.check], open_lease.holder) if open_lease.check else None
         if not model:
             self._claimed(group, open_lease.holder)
@@ -327,6 +359,33 @@ class RunState:
         group.step_ends = [s.ends for s in steps] if steps is not None else None
         if model and self.score_queue.add(lease.lease_id, self.scorer.items(samples, steps), self._scores_taken):
             self._scored(lease.lease_id)  # recovered with every score already taken
+
+    def _filled(self, index: int, winner: OpenLease) -> None:
+        """Deterministic runs: place `index` is complete; its other copies (hedges) lose, their
+        samples so far compared with the winner's."""
+        if self.hedges is not None:
+            self.hedges.completed(self.clock() - winner.granted_at)
+        copies = self.lease_book.places.get(index)
+        if not copies:
+            return
+        hashes = [content_hash(sample) for sample in sorted(winner.samples, key=lambda sample: sample.sample_index or 0)]
+        for lease_id in copies:
+            for sample in self.lease_book.open[lease_id].samples:
+                self._compare_copy(sample, hashes)
+        self.lease_book.supersede(index, hashes)
+
+    def _compare_copy(self, sample: Rollout, winner: list[bytes] | None) -> None:
+        """A sample of a hedge's losing copy against the winner's sample of the same index: both
+        honest copies are bit for bit the same on one machine type; a difference is counted and
+        logged, not a strike (other hardware rounds differently: docs/reproducibility.md)."""
+        if winner is None or sample.sample_index is None or sample.sample_index >= len(winner):
+            return  # the winner is forgotten (a restart), or the sample names no valid index
+        if content_hash(sample) != winner[sample.sample_index]:
+            self.counters.hedge_mismatches += 1
+            log.warning(
+                "hedge: sample %d of lease %s (%s) differs from the copy that filled its place",
+                sample.sample_index, sample.lease_id, sample.worker_id,
+            )
 
     def _claimed(self, group: Group, holder: str) -> None:
         for rollout, reward in group.samples:
@@ -440,6 +499,9 @@ class RunState:
             groups_served=counters.groups_served,
             leases_active=len(self.lease_book.open),
             leases_expired=counters.leases_expired,
+            hedged_leases=counters.hedged_leases,
+            hedge_duplicates=counters.hedge_duplicates,
+            hedge_mismatches=counters.hedge_mismatches,
             reward_mean_recent=sum(rewards) / len(rewards) if rewards else None,
             uptime_s=self.clock() - self.started_at,
             rollouts_duplicate=counters.duplicates,

@@ -19,6 +19,7 @@ from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelC
 from decentrl.config.orchestrator import (
     AdvantageConfig,
     DelimiterStepsConfig,
+    HedgingConfig,
     OrchestratorConfig,
     RewardConfig,
     SamplingConfig,
@@ -69,7 +70,7 @@ from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
     "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
-    "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "HFScorerConfig",
+    "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "HedgingConfig", "HFScorerConfig",
     "IcePopConfig", "ImportTaskConfig", "JsonVerdictConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig",
     "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig", "OrchestratorConfig", "PolicyLossBase",
     "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig", "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig",

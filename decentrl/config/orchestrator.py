@@ -185,6 +185,33 @@ class RewardConfig(Section):
         return self
 
 
+class HedgingConfig(Section):
+    """Deterministic runs (`deterministic = true`, docs/reproducibility.md): a place of the next batch
+    still out after `after` times the recent median lease time is leased to a second worker too.
+
+    Both copies are the same group bit for bit (per-sample seeds), so the first to complete fills
+    the place; the other is closed (`superseded`) and its late posts are answered as duplicates,
+    never a strike. The batch then waits for the faster of two latencies instead of the slowest of
+    `groups_per_step`. Ignored in free-running runs (they take whichever groups finish first).
+    """
+
+    enabled: bool = Field(True, strict=True, description="Hedge lagging places of the next batch (deterministic runs only).")
+    after: float = Field(
+        1.0, gt=0.0, le=100.0,
+        description="A place of the next batch is hedged once its oldest lease has been out this many times the "
+        "median time from grant to complete group of the recent leases; the last open place of that batch is "
+        "hedged at once.",
+    )
+    max_copies: int = Field(
+        2, ge=2, le=8, description="Leases of one place open at once (the first and its hedges), each on another worker."
+    )
+    batches: int = Field(
+        1, ge=1, le=16,
+        description="Places of the next this many batches may be hedged by the time rule (1: only the batch the "
+        "trainer takes next; more start hedging a batch's stragglers before the trainer waits for it).",
+    )
+
+
 class OrchestratorConfig(Section):
     """The central HTTP service: leases, ingest, rewards, groups, batches (see docs/api.md)."""
 
@@ -249,6 +276,10 @@ class OrchestratorConfig(Section):
     )
     verification: VerificationConfig = Field(
         default_factory=VerificationConfig, description="Checks of untrusted workers (docs/security.md)."
+    )
+    hedging: HedgingConfig = Field(
+        default_factory=HedgingConfig,
+        description="Deterministic runs: second leases for the next batch's lagging places (docs/reproducibility.md).",
     )
     advantages: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="How a complete group's rewards become advantages."
