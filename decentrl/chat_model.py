@@ -43,13 +43,17 @@ class ChatModelSpec:
 
 
 def train_chat_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (every byte is a token, so any text encodes) trained on `texts`."""
+    """Byte-level BPE (every byte is a token, so any text encodes) trained on `texts`; digits never merge."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = [END_OF_TEXT, IM_START, IM_END]
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Every digit its own token, as Qwen2.5's and Llama 3's tokenizers split numbers: no merged
+    # token holds a digit, so numbers read digit by digit and a one-token answer is one digit.
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

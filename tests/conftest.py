@@ -174,8 +174,9 @@ CHAT_TEXTS = [f"{a}{b}{c}{d}=" for a in "0123" for b in "4567" for c in "89" for
 
 @pytest.fixture(scope="session")
 def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny chat model in HF format: a byte-level BPE tokenizer (270 ids) trained on CHAT_TEXTS
-    with a ChatML template ending turns at <|im_end|> (decentrl/chat_model.py)."""
+    """A tiny chat model in HF format: a byte-level BPE tokenizer trained on CHAT_TEXTS (259 ids: digits
+    never merge, so only the bytes and 3 specials) with a ChatML template ending turns at <|im_end|>
+    (decentrl/chat_model.py)."""
     from decentrl.chat_model import ChatModelSpec, write_chat_model
 
     spec = ChatModelSpec(vocab_size=270, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
