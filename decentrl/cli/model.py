@@ -5,6 +5,7 @@ Thin entry point over decentrl/chat_model.py; registered on the main app in dece
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
@@ -40,4 +41,6 @@ def init(
     answers = [task.answer(i) for i in range(count)] if isinstance(task, AnswerSource) else []
     spec = ChatModelSpec(vocab_size, hidden_size, num_layers, num_heads, intermediate_size, seed=seed)
     directory = write_chat_model(task_texts(prompts, answers), out, spec)
-    typer.echo(f"wrote {directory} (vocabulary {vocab_size}); use it as [model] type = \"pretrained\", path = \"{out}\"")
+    learned = json.loads((directory / "config.json").read_text())["vocab_size"]
+    short = f" of the {vocab_size} asked: the task's text holds no more merges" if learned < vocab_size else ""
+    typer.echo(f"wrote {directory} (vocabulary {learned}{short}); use it as [model] type = \"pretrained\", path = \"{out}\"")
