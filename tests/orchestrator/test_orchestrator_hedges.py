@@ -66,6 +66,13 @@ def lagging(state: RunState, clock: Any) -> list[Lease]:
     return leases
 
 
+def hedged(state: RunState, clock: Any) -> tuple[list[Lease], Lease]:
+    """`lagging`, then 2 s on (past the 1 s due time): bob takes a copy of place 0."""
+    leases = lagging(state, clock)
+    clock.advance(2.0)
+    return leases, state.grant_leases(BOB, 1)[0]
+
+
 def test_a_lagging_place_of_the_next_batch_gets_a_second_lease_on_another_worker(
     open_state: Callable[..., RunState], clock: Any
 ) -> None:
@@ -114,9 +121,7 @@ def test_the_first_copy_fills_the_place_and_the_other_is_a_duplicate_never_a_str
     open_state: Callable[..., RunState], group: Any, clock: Any
 ) -> None:
     state = open_state(orchestrator={"verification": {"enabled": True, "spot_check_fraction": 0.0, "new_worker_checks": 0}})
-    leases = lagging(state, clock)
-    clock.advance(2.0)
-    copy = state.grant_leases(BOB, 1)[0]
+    leases, copy = hedged(state, clock)
     slow = group(state, leases[0], "w0")
     assert state.ingest(slow[:1], ALICE).accepted == 1  # alice's copy is under way
     assert state.ingest(group(state, copy, "w1"), BOB).accepted == 3  # bob's copy completes first
@@ -145,9 +150,7 @@ def test_a_losing_copy_that_differs_is_counted_not_struck(
     open_state: Callable[..., RunState], group: Any, clock: Any
 ) -> None:
     state = open_state()
-    leases = lagging(state, clock)
-    clock.advance(2.0)
-    copy = state.grant_leases(BOB, 1)[0]
+    leases, copy = hedged(state, clock)
     state.ingest(group(state, copy, "w1"), BOB)
     result = state.ingest(group(state, leases[0], "w0", logprob=-2.0), ALICE)  # not bit for bit bob's
     assert (result.duplicates, result.rejected) == (3, [])
@@ -158,9 +161,7 @@ def test_a_copy_that_expires_leaves_the_place_to_the_other(
     open_state: Callable[..., RunState], group: Any, clock: Any
 ) -> None:
     state = open_state()
-    leases = lagging(state, clock)
-    clock.advance(2.0)
-    copy = state.grant_leases(BOB, 1)[0]
+    leases, copy = hedged(state, clock)
     clock.advance(state.config.orchestrator.lease_timeout_s - 1.0)  # alice's leases expire, bob's copy not
     state.expire_leases()
     assert state.lease_book.places == {0: [copy.lease_id]}
