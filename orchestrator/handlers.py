@@ -66,6 +66,10 @@ from orchestrator.state import LeaseError, RunState
 log = logging.getLogger("decentrl.orchestrator")
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# The answer for a refused lease or score operation, by its error's `status`.
+STATUS_ERRORS: dict[int, type[web.HTTPException]] = {
+    400: web.HTTPBadRequest, 403: web.HTTPForbidden, 404: web.HTTPNotFound, 409: web.HTTPConflict,
+}
 
 
 def query_int(request: web.Request, name: str, *, low: int = 0, high: int = MAX_VERSION) -> int:
@@ -160,8 +164,7 @@ async def _on_lease(request: web.Request, operation: Callable[[RunState, str, st
     try:
         answer = operation(state, request.match_info["lease_id"], holder)
     except LeaseError as exc:
-        kinds: dict[int, type[web.HTTPException]] = {403: web.HTTPForbidden, 404: web.HTTPNotFound, 409: web.HTTPConflict}
-        raise error(kinds[exc.status], str(exc)) from None
+        raise error(STATUS_ERRORS[exc.status], str(exc)) from None
     await commit(state)
     return respond(request, answer)
 

@@ -19,12 +19,9 @@ from orchestrator.appstate import (
     BATCH_READY, IDLE_SCORERS, LEASES_FREED, SCORES_WAITING, STATE, STOPPING, commit, notify_all, wake_checks,
 )
 from orchestrator.body import error, parse_body, respond
-from orchestrator.handlers import holder_of
+from orchestrator.handlers import STATUS_ERRORS, holder_of
+from orchestrator.leases import LeaseError
 from orchestrator.score_queue import ScoreError
-
-ERRORS: dict[int, type[web.HTTPException]] = {
-    400: web.HTTPBadRequest, 403: web.HTTPForbidden, 404: web.HTTPNotFound, 409: web.HTTPConflict,
-}
 
 
 async def score_leases(request: web.Request) -> web.Response:
@@ -63,8 +60,8 @@ async def score_renew(request: web.Request) -> web.Response:
     holder = holder_of(request, query_scorer(request))
     try:
         answer = request.app[STATE].renew_scores(request.match_info["lease_id"], holder)
-    except ScoreError as exc:
-        raise error(ERRORS[exc.status], str(exc)) from None
+    except (ScoreError, LeaseError) as exc:
+        raise error(STATUS_ERRORS[exc.status], str(exc)) from None
     return respond(request, answer)
 
 
@@ -74,8 +71,8 @@ async def scores(request: web.Request) -> web.Response:
     ready_before = len(state.ready)
     try:
         ack = state.post_scores(holder_of(request, body.scorer_id), body)
-    except ScoreError as exc:
-        raise error(ERRORS[exc.status], str(exc)) from None
+    except (ScoreError, LeaseError) as exc:
+        raise error(STATUS_ERRORS[exc.status], str(exc)) from None
     await commit(state)
     wake_checks(app)  # a scored group may still wait for its check, now due
     if len(state.ready) > ready_before:

@@ -36,6 +36,7 @@ from typing import Literal
 from decentrl.config import RewardConfig
 from decentrl.wire import ScoreAck, ScoreItem, ScorePost, ScoreRenewal, ScoreResult
 from orchestrator.journal import RunJournal
+from orchestrator.leases import LeaseClosed, LeaseNotFound, NotLeaseHolder
 
 # What the queue counts since this orchestrator started (not journaled); /metrics names each
 # decentrl_<name>_total (orchestrator/metrics.py).
@@ -45,21 +46,10 @@ CLOSED_KEPT = 4096  # closed score leases remembered, to answer a late post prec
 
 
 class ScoreError(Exception):
-    """A scoring request that cannot be done; `status` is the HTTP status to answer with."""
+    """A post whose scores cannot be taken (400). A lease that is unknown, another's or closed
+    raises the prompt leases' own errors (LeaseNotFound, NotLeaseHolder, LeaseClosed)."""
 
     status = 400
-
-
-class ScoreLeaseNotFound(ScoreError):
-    status = 404
-
-
-class NotScoreLeaseHolder(ScoreError):
-    status = 403
-
-
-class ScoreLeaseClosed(ScoreError):
-    status = 409
 
 
 @dataclass
@@ -192,16 +182,16 @@ class ScoreQueue:
     def _owned(self, lease_id: str, holder: str, *, posting: bool = False) -> ScoreLeaseEntry:
         entry = self.leases.get(lease_id) or self.closed.get(lease_id)
         if entry is None:
-            raise ScoreLeaseNotFound(f"no score lease {lease_id!r}: never granted, or forgotten (lease again)")
+            raise LeaseNotFound(f"no score lease {lease_id!r}: never granted, or forgotten (lease again)")
         if entry.holder != holder:
-            raise NotScoreLeaseHolder(f"score lease {lease_id!r} is held by another scorer")
+            raise NotLeaseHolder(f"score lease {lease_id!r} is held by another scorer")
         if entry.status == "expired":
-            raise ScoreLeaseClosed(
+            raise LeaseClosed(
                 f"score lease {lease_id!r} expired (no full answer within {self.config.lease_timeout_s:.0f}s); its "
                 "unscored items were leased again: lease again, and renew long leases"
             )
         if entry.status == "done" and not posting:
-            raise ScoreLeaseClosed(f"score lease {lease_id!r} is done: every item is scored")
+            raise LeaseClosed(f"score lease {lease_id!r} is done: every item is scored")
         return entry
 
     def _check(self, entry: ScoreLeaseEntry, body: ScorePost) -> list[ScoreResult]:
