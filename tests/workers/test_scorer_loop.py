@@ -76,10 +76,13 @@ class Scripted:
         self.verdicts = verdicts
         self.delay_s = delay_s
         self.calls = 0
+        self.scoring = False  # inside a call, between its start and its answer
 
     def score(self, items: list[ScoreItem]) -> list[Verdict]:
         self.calls += 1
+        self.scoring = True
         time.sleep(self.delay_s)
+        self.scoring = False
         return [self.verdicts[len(item.completion)] for item in items]
 
 
@@ -185,7 +188,8 @@ async def most_leased(state: RunState, scorer: Scorer, backend: Scripted, **run:
     samples = leases = 0
     running = asyncio.ensure_future(asyncio.to_thread(scorer.run, **run))
     while not running.done():
-        if backend.calls == 1:
+        # Inside the first call, not after it: then the next lease may be granted before this one's post lands.
+        if backend.calls == 1 and backend.scoring:
             samples = max(samples, state.score_queue.leased())
             leases = max(leases, len(state.score_queue.leases))
         await asyncio.sleep(0.02)
