@@ -400,8 +400,9 @@ class RunState:
         return self.score_queue.renew(lease_id, holder)
 
     def post_scores(self, holder: str, body: ScorePost) -> ScoreAck:
-        """Take a scorer's post (all or nothing: ScoreError, or a LeaseError for a lease it cannot use); the groups it completes combine
-        their rewards and join the line (or are dropped: stale, or a judge reply that did not parse)."""
+        """Take a scorer's post (all or nothing: ScoreError, or a LeaseError for a lease it cannot
+        use); the groups it completes combine their rewards and join the line (or are dropped:
+        stale, or a judge reply that did not parse)."""
         ack, done = self.score_queue.post(holder, body)
         for group_id in done:
             self._scored(group_id)
