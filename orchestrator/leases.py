@@ -319,8 +319,9 @@ class LeaseBook:
         `stale_dropped` for a stale reason), and integrity forgets their content. `requeue`
         puts an open lease's prompt back in line; in a deterministic run every lease closed
         without training puts its place back (a skipped place would change the run), unless
-        another copy of the place is still open (hedging) or it was `superseded` (its place filled). A complete
-        group is journaled by the buffer when it joins the line (with its place and rewards), not here.
+        another copy of the place is still open (hedging) or it was `superseded` (its place
+        filled). A complete group is journaled by the buffer when it joins the line (with its
+        place and rewards), not here.
         """
         now = self.clock()
         open_lease = self.open.pop(lease_id, None)
