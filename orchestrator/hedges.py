@@ -12,9 +12,11 @@ copy is the same group bit for bit (docs/reproducibility.md).
 Policy (`[orchestrator.hedging]`, decentrl/config/orchestrator.py):
 - only places of the next batch the trainer takes (places groups_served .. + groups_per_step),
   or of the next `batches` batches;
-- a place is due once its newest open lease has been out `after` times the median
-  grant-to-complete time of the last RECENT complete groups (no time rule before MIN_RECENT of
-  them), or at once when it is the last place of that batch not yet complete;
+- a place is due once its newest open lease has been out `wait` (`hedge_wait`): the shortest
+  time out after which the last RECENT complete groups that took at least that long went on, on
+  average, for `after` times their median lease time or more - a copy is then expected to gain
+  (no time rule before MIN_RECENT of them, nor while lease times have no such tail: a light tail
+  gains nothing from copies); or at once when it is the last place of that batch not yet complete;
 - at most `max_copies` open leases per place, each held by a different worker id: the copy is
   meant for another machine, and a worker never gets a second copy of a place it holds.
 """
@@ -29,8 +31,8 @@ from dataclasses import dataclass
 from decentrl.config import HedgingConfig
 from orchestrator.leases import OpenLease
 
-RECENT = 256  # complete groups whose lease times make the median
-MIN_RECENT = 8  # fewer complete groups than this: no median yet, only the last place is hedged
+RECENT = 256  # complete groups whose lease times make the wait
+MIN_RECENT = 8  # fewer complete groups than this: no wait yet, only the last place is hedged
 
 
 @dataclass(frozen=True)
@@ -50,13 +52,13 @@ class Hedges:
         self.groups_per_step = groups_per_step
         self.clock = clock
         self.recent: deque[float] = deque(maxlen=RECENT)
-        self.median: float | None = None
+        self.wait: float | None = None  # time out after which a place is due a copy; None: no time rule
 
     def completed(self, lease_s: float) -> None:
         """A group completed `lease_s` seconds after its lease was granted."""
         self.recent.append(lease_s)
         if len(self.recent) >= MIN_RECENT:
-            self.median = statistics.median(self.recent)
+            self.wait = hedge_wait(sorted(self.recent), self.config.after)
 
     def _due(self, holder: str | None, places: Places) -> list[tuple[float, int]]:
         """(when it falls due, place) of each place of the next batch that `holder` (None: any
@@ -67,7 +69,7 @@ class Hedges:
         last = (
             len(head_open) == 1 and places.cursor >= end and not any(head <= index < end for index in places.requeued)
         )
-        wait = None if self.median is None else self.config.after * self.median
+        wait = self.wait
         due = []
         for index in hedged:
             copies = [places.leases[lease_id] for lease_id in places.open[index]]
@@ -88,3 +90,20 @@ class Hedges:
         """Seconds until the next place `holder` (None: any worker) could copy falls due; None if none will."""
         due = self._due(holder, places)
         return max(0.0, min(at for at, _ in due) - self.clock()) if due else None
+
+
+def hedge_wait(times: list[float], after: float) -> float | None:
+    """The shortest of `times` (recent lease times, sorted) after which the leases that took longer
+    still had, on average, at least `after` x the median of `times` to go; None when none had.
+
+    The mean residual life: a heavy tail (a log-normal's) grows it with the time out, so a lease
+    out that long is likely a straggler and a fresh copy is expected to finish first; a light
+    tail shrinks it, and copies would only take slots from new places. benchmarks/schedule_bound.py
+    compares this rule with fixed multiples of the median over tails (docs/reproducibility.md)."""
+    threshold = after * statistics.median(times)
+    found, longer, total = None, 0, 0.0
+    for time_out in reversed(times):
+        if longer and total / longer - time_out >= threshold:
+            found = time_out
+        longer, total = longer + 1, total + time_out
+    return found

@@ -186,27 +186,29 @@ class RewardConfig(Section):
 
 
 class HedgingConfig(Section):
-    """Deterministic runs (`deterministic = true`, docs/reproducibility.md): a place of the next batch
-    still out after `after` times the recent median lease time is leased to a second worker too.
+    """Deterministic runs (`deterministic = true`, docs/reproducibility.md): a lagging place of the next
+    batch is leased to another worker too.
 
-    Both copies are the same group bit for bit (per-sample seeds), so the first to complete fills
-    the place; the other is closed (`superseded`) and its late posts are answered as duplicates,
-    never a strike. The batch then waits for the faster of two latencies instead of the slowest of
-    `groups_per_step`. Ignored in free-running runs (they take whichever groups finish first).
+    Every copy is the same group bit for bit (per-sample seeds), so the first to complete fills the
+    place; the others are closed (`superseded`), their holders told to stop, and their late posts are
+    answered as duplicates, never a strike. The batch then waits for the fastest copy of each place
+    instead of the slowest of `groups_per_step` leases. Ignored in free-running runs (they take
+    whichever groups finish first).
     """
 
     enabled: bool = Field(True, strict=True, description="Hedge lagging places of the next batch (deterministic runs only).")
     after: float = Field(
-        1.0, gt=0.0, le=100.0,
-        description="A place of the next batch is hedged once its oldest lease has been out this many times the "
-        "median time from grant to complete group of the recent leases; the last open place of that batch is "
-        "hedged at once.",
+        0.5, gt=0.0, le=100.0,
+        description="A place is hedged once its newest lease has been out so long that the recent leases which "
+        "took that long went on, on average, for at least this many times the median lease time more (a copy "
+        "is then expected to finish first; with a light tail of lease times no place is, orchestrator/hedges.py). "
+        "The last open place of the next batch is hedged at once.",
     )
     max_copies: int = Field(
-        2, ge=2, le=8, description="Leases of one place open at once (the first and its hedges), each on another worker."
+        4, ge=2, le=8, description="Leases of one place open at once (the first and its hedges), each on another worker."
     )
     batches: int = Field(
-        1, ge=1, le=16,
+        2, ge=1, le=16,
         description="Places of the next this many batches may be hedged by the time rule (1: only the batch the "
         "trainer takes next; more start hedging a batch's stragglers before the trainer waits for it).",
     )

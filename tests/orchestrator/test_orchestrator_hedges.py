@@ -6,6 +6,7 @@ served twice nor skipped, across expiries and a restart on the journal."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from decentrl.config import ConfigError
 from decentrl.tasks import build_task
 from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch
 from orchestrator.auth import TokenRegistry
-from orchestrator.hedges import MIN_RECENT
+from orchestrator.hedges import MIN_RECENT, hedge_wait
 from orchestrator.journal import Journal
 from orchestrator.state import RunState
 
@@ -29,9 +30,13 @@ def open_state(
     make_config: Any, tokenizer: PreTrainedTokenizerBase, clock: Any, tmp_path: Path
 ) -> Callable[..., RunState]:
     """`open_state(**config)`: a deterministic RunState (groups_per_step 2, max_staleness 1,
-    group_size 3) on the test's journal, recovering what it holds; version 0 announced."""
+    group_size 3; hedging `max_copies` 2 and `batches` 1 unless set) on the test's journal,
+    recovering what it holds; version 0 announced."""
 
     def make(**overrides: Any) -> RunState:
+        hedging = overrides.setdefault("orchestrator", {}).setdefault("hedging", {})
+        hedging.setdefault("max_copies", 2)
+        hedging.setdefault("batches", 1)
         config = make_config(deterministic=True, **overrides)
         journal = Journal(str(tmp_path / "journal.sqlite"), run_name=config.run_name)
         state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, clock=clock, journal=journal)
@@ -57,12 +62,16 @@ def group(make_rollout: Any, sorted_answer: Callable[[str], str]) -> Callable[..
     return make
 
 
+TAILED = [1.0] * (MIN_RECENT // 2) + [3.0] * (MIN_RECENT // 2)  # recent lease times with a tail: wait 1 s
+
+
 def lagging(state: RunState, clock: Any) -> list[Lease]:
-    """Places 0-3 leased to alice; the recent median lease time set to 1 s."""
+    """Places 0-3 leased to alice; recent lease times of 1 s and 3 s, so a place is due a copy
+    after 1 s out (those out 1 s went on for 2 s more on average, over `after` 0.5 x the 2 s median)."""
     leases = state.grant_leases(ALICE, 8)
     assert [lease.index for lease in leases] == [0, 1, 2, 3]  # the budget: 4 places under version 0
-    for _ in range(MIN_RECENT):
-        state.hedges.completed(1.0)  # type: ignore[union-attr]
+    for lease_s in TAILED:
+        state.hedges.completed(lease_s)  # type: ignore[union-attr]
     return leases
 
 
@@ -78,7 +87,7 @@ def test_a_lagging_place_of_the_next_batch_gets_a_second_lease_on_another_worker
 ) -> None:
     state = open_state()
     leases = lagging(state, clock)
-    assert state.grant_leases(BOB, 4) == []  # not yet: out 0 s, due after 1.0 (`after`) x the 1 s median
+    assert state.grant_leases(BOB, 4) == []  # not yet: out 0 s, due after 1 s (`lagging`)
     assert state.hedge_due_in(BOB) == pytest.approx(1.0)
     clock.advance(0.9)
     assert state.grant_leases(BOB, 4) == []
@@ -100,9 +109,31 @@ def test_hedging_more_batches_reaches_past_the_next_one(open_state: Callable[...
     lagging(state, clock)
     clock.advance(1.1)
     assert [c.index for c in state.grant_leases(BOB, 8)] == [0, 1, 2, 3]
-    assert state.grant_leases(CAROL, 8) == []  # the copies are new: their own `after` x median first
+    assert state.grant_leases(CAROL, 8) == []  # the copies are new: their own 1 s out first
     clock.advance(1.1)
     assert [c.index for c in state.grant_leases(CAROL, 8)] == [0, 1, 2, 3]  # third copies, max_copies 3
+
+
+def test_the_wait_is_the_time_out_after_which_leases_still_had_far_to_go() -> None:
+    assert hedge_wait(TAILED, 0.5) == 1.0  # out 1 s: 2 s more on average, over 0.5 x the 2 s median
+    assert hedge_wait(TAILED, 1.5) is None  # 2 s more is under 1.5 x 2 s: no copy would gain
+    assert hedge_wait([1.0] * 8, 0.5) is None  # no tail: the rest of the batch is as near as a copy
+    spread = sorted(0.1 + 0.2 * 1.5**k for k in range(12))  # a long tail: waiting longer predicts more to go
+    wait = hedge_wait(spread, 0.5)
+    assert wait is not None and spread[0] <= wait < statistics.median(spread)
+
+
+def test_lease_times_without_a_tail_hedge_only_the_batch_straggler(
+    open_state: Callable[..., RunState], group: Any, clock: Any
+) -> None:
+    state = open_state()
+    leases = state.grant_leases(ALICE, 8)
+    for _ in range(MIN_RECENT):
+        state.hedges.completed(1.0)  # type: ignore[union-attr]
+    clock.advance(10.0)
+    assert state.grant_leases(BOB, 4) == [] and state.hedge_due_in(BOB) is None  # however long they are out
+    state.ingest(group(state, leases[1], "w0"), ALICE)
+    assert [copy.index for copy in state.grant_leases(BOB, 4)] == [0]  # the last of the next batch
 
 
 def test_the_last_open_place_of_the_next_batch_is_hedged_at_once(
