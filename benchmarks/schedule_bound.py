@@ -241,7 +241,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.2, help="The trainer's compute per step.")
     parser.add_argument("--overhead-s", type=float, default=0.1, help="Added to every lease's delay (transfers, queueing).")
     parser.add_argument("--latency-median-s", type=float, default=0.2)
-    parser.add_argument("--sigmas", default="1.0,0.5,0.0", help="Latency sigmas, a comma list.")
+    parser.add_argument("--sigmas", default="1.0,0.5,0.25,0.0", help="Latency sigmas, a comma list.")
     parser.add_argument("--staleness", default="2,4", help="max_staleness values, a comma list.")
     parser.add_argument("--seeds", type=int, default=4, help="Runs per case; figures are means.")
     args = parser.parse_args()
