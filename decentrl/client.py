@@ -52,6 +52,7 @@ from decentrl.wire import (
     TrainBatch,
     TrainerStep,
     VersionAnnouncement,
+    problems,
 )
 
 log = logging.getLogger("decentrl.client")
@@ -153,7 +154,7 @@ class OrchestratorClient:
                 return answer.model_validate(unpack_msgpack(payload))
             return answer.model_validate_json(payload)
         except ValidationError as exc:
-            raise InvalidAnswer(f"the orchestrator's answer is not a valid {answer.__name__}: {exc}") from None
+            raise InvalidAnswer(f"the orchestrator's answer is not a valid {answer.__name__}: {problems(exc)}") from None
 
     def _call(self, method: str, path: str, answer: type[M], body: BaseModel | None = None) -> M:
         _, media, payload = self._request(method, API_PREFIX + path, body)

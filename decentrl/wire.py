@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
     model_validator,
@@ -49,6 +50,14 @@ Int = Annotated[int, Strict()]
 
 class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def problems(exc: ValidationError) -> str:
+    """A body's validation errors in one line, field by field (the first ten): what the
+    orchestrator answers a bad request with, and the client says of a bad answer."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in item['loc']) or 'body'}: {item['msg']}" for item in exc.errors()[:10]
+    )
 
 
 def _keep_typed_ints(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:

@@ -70,13 +70,13 @@ class Call:
         return seeds + [seeds[i % len(seeds)] for i in range(self.filler)]
 
 
-def kept(group: str) -> bool:
+def never_abandoned(group: str) -> bool:
     return False
 
 
 class Batcher:
     def __init__(
-        self, *, max_rows: int, fixed_rows: int | None = None, abandoned: Callable[[str], bool] = kept
+        self, *, max_rows: int, fixed_rows: int | None = None, abandoned: Callable[[str], bool] = never_abandoned
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_batch_rows must be at least 1 (got {max_rows}): it caps the rows generated at once")
