@@ -39,6 +39,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -115,6 +116,7 @@ def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: 
         raise SystemExit(f"{name}: worker-1 was never killed (the run ended first); try more --steps. See {log.name}")
     result = summarize(args, read_metrics(run_dir), json.loads((run_dir / "status.json").read_text()), killed_at)
     result["run_dir"] = str(run_dir)
+    result["copies_abandoned"] = copies_abandoned(run_dir)
     result["eval_final"] = final = evaluate_version(args, run_dir, args.steps)
     result["eval_final_reward"], result["eval_final_stderr"] = final["reward_mean"], final["reward_stderr"]
     return result
@@ -137,6 +139,15 @@ def version_at(result: dict, t: float) -> int:
     """The newest version the trainer had made by wall time `t` (version N after step N, published
     moments later in the background)."""
     return sum(1 for s in result["curve"]["t"] if s <= t)
+
+
+def copies_abandoned(run_dir: Path) -> int:
+    """Losing hedge copies the workers abandoned when told (their exit lines, workers/worker.py);
+    a killed worker logs none."""
+    return sum(
+        int(count) for log in (run_dir / "logs").glob("worker-*.log")
+        for count in re.findall(r"(\d+) lost copies abandoned", log.read_text(errors="replace"))
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -172,6 +183,7 @@ def summarize(args: argparse.Namespace, metrics: list[dict], status: dict, kille
         "hedged_leases": status.get("hedged_leases", 0),  # deterministic runs: second leases of lagging places
         "hedge_duplicates": status.get("hedge_duplicates", 0),
         "hedge_mismatches": status.get("hedge_mismatches", 0),
+        "hedge_copies_told": status.get("hedge_copies_told", 0),  # losing copies whose workers were told to stop
         "worker_killed_at_s": killed_at - start if killed_at else None,
         "curve": {"t": times, "reward": rewards, "smoothed": smoothed},
         "timeline": [(m["time"] - start - m["step_s"], m["wait_for_batch_s"], m["step_s"] - m["wait_for_batch_s"]) for m in metrics],
@@ -202,7 +214,7 @@ def aggregate(runs: list[dict]) -> dict:
         "target_reached": f"{sum(t is not None for t in reached)}/{len(runs)} seeds",
         "staleness_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
         "leases_expired": sum(run["leases_expired"] for run in runs),
-        **{key: sum(run[key] for run in runs) for key in ("hedged_leases", "hedge_duplicates", "hedge_mismatches")},
+        **{key: sum(run[key] for run in runs) for key in ("hedged_leases", "hedge_duplicates", "hedge_mismatches", "hedge_copies_told", "copies_abandoned")},
         "worker_killed_at_s": [run["worker_killed_at_s"] for run in runs] if first["worker_killed_at_s"] else None,
     }
 
@@ -345,8 +357,10 @@ def main() -> None:
                 "hedged_leases": fixed["hedged_leases"],
                 "hedge_duplicates": fixed["hedge_duplicates"],
                 "hedge_mismatches": fixed["hedge_mismatches"],
+                "hedge_copies_told": fixed["hedge_copies_told"],
+                "copies_abandoned": fixed["copies_abandoned"],
                 "per_seed": [
-                    {mode: {k: s[mode][k] for k in ("trainer_busy_fraction", "time_to_target_s", "wall_s", "hedged_leases")}
+                    {mode: {k: s[mode][k] for k in ("trainer_busy_fraction", "time_to_target_s", "wall_s", "hedged_leases", "hedge_duplicates", "hedge_copies_told", "copies_abandoned")}
                      for mode in ("async", "async_deterministic")}
                     for s in seeds
                 ],

@@ -10,7 +10,8 @@ recovered), are retried with the server's Retry-After or exponential backoff wit
 most `max_wait_s` in all. Every retried request is safe to repeat: rollouts and scores are
 idempotent by rollout id, and `batch()` sends one request id per call, so a batch whose answer was lost is
 answered again with the same batch, never with a second one. Any other HTTP error is raised as
-OrchestratorError carrying the server's message.
+OrchestratorError carrying the server's message; a 2xx answer that does not validate as its
+route's model, as InvalidAnswer saying what is wrong with it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import urllib.request
 import uuid
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, encode_model, unpack_msgpack
 from decentrl.wire import (
@@ -51,6 +52,7 @@ from decentrl.wire import (
     TrainBatch,
     TrainerStep,
     VersionAnnouncement,
+    problems,
 )
 
 log = logging.getLogger("decentrl.client")
@@ -67,6 +69,11 @@ class OrchestratorError(Exception):
         super().__init__(f"orchestrator answered {status}: {message}")
         self.status = status
         self.message = message
+
+
+class InvalidAnswer(Exception):
+    """The orchestrator's answer is not the model its route promises (another decentrl version,
+    or something in between that rewrote it); the message says which fields are wrong."""
 
 
 class OrchestratorClient:
@@ -142,9 +149,12 @@ class OrchestratorClient:
 
     @staticmethod
     def _decode(answer: type[M], media: str, payload: bytes) -> M:
-        if media in MSGPACK_TYPES:
-            return answer.model_validate(unpack_msgpack(payload))
-        return answer.model_validate_json(payload)
+        try:
+            if media in MSGPACK_TYPES:
+                return answer.model_validate(unpack_msgpack(payload))
+            return answer.model_validate_json(payload)
+        except ValidationError as exc:
+            raise InvalidAnswer(f"the orchestrator's answer is not a valid {answer.__name__}: {problems(exc)}") from None
 
     def _call(self, method: str, path: str, answer: type[M], body: BaseModel | None = None) -> M:
         _, media, payload = self._request(method, API_PREFIX + path, body)

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
     model_validator,
@@ -41,6 +42,7 @@ MAX_EXPERT_IDS = 2**26
 MAX_LIST_IDS = 2**20  # ids of all the per-token lists of one rollout together
 MAX_STOP = 64  # stop strings, each at most MAX_TEXT characters
 MAX_TEXT = 1024
+MAX_SUPERSEDED = 1024  # lease ids one lease answer tells lost (orchestrator/leases.py keeps no more a holder)
 
 # An integer on the wire is an integer: `true` is not 1 (pydantic's lax mode would take it).
 Int = Annotated[int, Strict()]
@@ -48,6 +50,14 @@ Int = Annotated[int, Strict()]
 
 class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def problems(exc: ValidationError) -> str:
+    """A body's validation errors in one line, field by field (the first ten): what the
+    orchestrator answers a bad request with, and the client says of a bad answer."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in item['loc']) or 'body'}: {item['msg']}" for item in exc.errors()[:10]
+    )
 
 
 def _keep_typed_ints(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -136,6 +146,11 @@ class LeaseResponse(Wire):
     sampling: SamplingParams
     leases: list[Lease] = Field(description="Empty when the run needs no more rollouts right now.")
     retry_after_s: float = Field(0.0, ge=0, description="When empty: wait this long before asking again.")
+    superseded: list[Annotated[str, Strict(), Field(min_length=1, max_length=128)]] = Field(
+        default_factory=list, max_length=MAX_SUPERSEDED,
+        description="Leases of yours that another copy of their place filled first (hedging, deterministic runs): "
+        "stop generating them; a post of them is answered as a duplicate. Each is told once.",
+    )
 
 
 FinishReason = Literal["stop", "length"]
@@ -467,6 +482,9 @@ class StatusResponse(Wire):
     )
     hedge_mismatches: Int = Field(
         0, description="Of those, samples that differ from the winner's sample of the same index (docs/reproducibility.md)."
+    )
+    hedge_copies_told: Int = Field(
+        0, description="Losing copies of a hedge whose holders were told, in a lease answer, to stop generating them."
     )
     dropped: dict[str, Int] = Field(
         default_factory=dict, description="Accepted samples dropped later, per reason (stale, lease expired, ...)."

@@ -23,6 +23,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, EncodingError, encode_model, unpack_msgpack
+from decentrl.wire import problems
 from orchestrator.appstate import STATE
 from orchestrator.limits import retry_after_header
 
@@ -89,12 +90,6 @@ async def read_body(request: web.Request, *, limit: int, timeout_s: float) -> by
     return body
 
 
-def _problems(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in item['loc']) or 'body'}: {item['msg']}" for item in exc.errors()[:10]
-    )
-
-
 async def parse_body(request: web.Request, model: type[M]) -> M:
     """The body as `model`: 415 for an unknown Content-Type, 400 naming the fields that fail."""
     parsed, _ = await parse_body_with_raw(request, model)
@@ -122,4 +117,4 @@ async def parse_body_with_raw(request: web.Request, model: type[M]) -> tuple[M, 
     except EncodingError as exc:
         raise error(web.HTTPBadRequest, f"invalid {model.__name__}: body: {exc}") from None
     except ValidationError as exc:
-        raise error(web.HTTPBadRequest, f"invalid {model.__name__}: {_problems(exc)}") from None
+        raise error(web.HTTPBadRequest, f"invalid {model.__name__}: {problems(exc)}") from None

@@ -32,9 +32,11 @@ class Counters:
     leases_expired: int = 0
     # Hedging (deterministic runs, orchestrator/hedges.py): second leases granted for a lagging
     # place; samples of a losing copy posted after the winner, answered as duplicates; and those
-    # of them that differ from the winner's sample of the same index (not bit for bit the same).
+    # of them that differ from the winner's sample of the same index (not bit for bit the same);
+    # losing copies their holders were told of in a lease answer, to stop generating them.
     hedged_leases: int = 0
     hedge_duplicates: int = 0
     hedge_mismatches: int = 0
+    hedge_copies_told: int = 0
     recoveries: int = 0  # times the state was rebuilt from the journal
     recent_rewards: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_REWARDS))

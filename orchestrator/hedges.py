@@ -5,7 +5,8 @@ RunState (orchestrator/state.py) asks `pick` which places to copy when a worker 
 long each complete group's lease was out, and hands `due_in` to the lease long-poll
 (orchestrator/handlers.py) so that an idle worker wakes when a hedge falls due. The copies are
 leases like any other (LeaseBook.copy, orchestrator/leases.py); the first copy of a place to
-complete fills it and the others are closed as `superseded` (LeaseBook.supersede). Why this is
+complete fills it and the others are closed as `superseded` (LeaseBook.supersede), their holders
+told in their next lease answer so that they stop generating them (LeaseBook.tell). Why this is
 sound: in a deterministic run a place's prompt, version and per-sample seeds are fixed, so every
 copy is the same group bit for bit (docs/reproducibility.md).
 

@@ -23,7 +23,11 @@ RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its publ
   `hedging.max_copies` open leases at once (`places`: place -> its open leases), each the same
   group bit for bit; the lease budget counts places, not copies; the first copy to complete
   fills the place and the others close as `superseded` (`supersede`); a place goes back in line
-  only when its last copy closes without training, never while another copy is out.
+  only when its last copy closes without training, never while another copy is out. Each losing
+  copy is remembered for its holder (`untold`) until its holder's next lease answer tells it
+  (`tell`), so the worker stops generating it: advisory and in memory only (forgotten on a
+  restart, the worker then finishes the copy and its post is a duplicate), at most
+  MAX_SUPERSEDED a holder, and no longer than the closed lease itself is remembered.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from decentrl.prompts import PromptEncoder
 from decentrl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
-from decentrl.wire import Lease, LeaseState, Rollout
+from decentrl.wire import MAX_SUPERSEDED, Lease, LeaseState, Rollout
 from orchestrator.codec import Packed
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity, token_of
@@ -189,6 +193,9 @@ class LeaseBook:
         # A superseded lease -> the content hashes of the copy that filled its place, by sample
         # index: a late sample of it is compared with them (`hedge_mismatches`; not journaled).
         self.winners: dict[str, list[bytes]] = {}
+        # Holder -> its superseded leases it has not been told of yet, oldest first (an ordered set).
+        self.untold: dict[str, dict[str, None]] = {}
+        self.superseded = 0  # copies closed as superseded since the start: the lease long-poll wakes on more
         self.closed: dict[str, ClosedLease] = {}
         self.seen_rollout_ids: dict[str, str] = {}  # rollout id -> lease id, while its lease is remembered
         # After a recovery (orchestrator/recovery.py): the journal holds rollout ids that memory
@@ -365,16 +372,42 @@ class LeaseBook:
         """Deterministic runs: a copy of place `index` completed; close its other copies (their
         samples are duplicates of the winner's, `winner`: its content hashes by sample index)."""
         for lease_id in list(self.places.get(index, ())):
-            self.close(lease_id, "superseded", reason="hedge_lost")
+            closed = self.close(lease_id, "superseded", reason="hedge_lost")
             self.winners[lease_id] = winner
+            self.superseded += 1
+            lost = self.untold.setdefault(closed.holder, {})
+            lost[lease_id] = None
+            if len(lost) > MAX_SUPERSEDED:  # a holder that never asks again: its oldest news goes
+                del lost[next(iter(lost))]
+
+    def tell(self, holder: str) -> list[str]:
+        """The superseded leases of `holder` not told yet, for its lease answer (told once)."""
+        lost = self.untold.pop(holder, None)
+        if not lost:
+            return []
+        self.counters.hedge_copies_told += len(lost)
+        return list(lost)
+
+    def _told_needless(self, lease_id: str, holder: str) -> None:
+        """`holder` no longer holds `lease_id` (it posted it, or the lease is forgotten): nothing to tell."""
+        lost = self.untold.get(holder)
+        if lost is None:
+            return
+        lost.pop(lease_id, None)
+        if not lost:
+            del self.untold[holder]
 
     def lost_copy(self, lease_id: str, holder: str) -> bool:
         """Whether `lease_id` is `holder`'s copy of a place another copy filled: its samples are
-        duplicates of ones already acknowledged, answered as such (never a strike)."""
+        duplicates of ones already acknowledged, answered as such (never a strike). Its holder,
+        posting it, has finished it: it is no longer told of it."""
         if lease_id in self.open:
             return False
         closed = self.closed_lease(lease_id)
-        return closed is not None and closed.status == "superseded" and closed.holder == holder
+        if closed is None or closed.status != "superseded" or closed.holder != holder:
+            return False
+        self._told_needless(lease_id, holder)  # it posted the copy: it has finished it
+        return True
 
     # -- a holder's requests ----------------------------------------------------------------
 
@@ -457,6 +490,7 @@ class LeaseBook:
                 continue
             del self.closed[lease_id]
             self.winners.pop(lease_id, None)
+            self._told_needless(lease_id, closed.holder)
             for rollout_id in closed.rollout_ids:
                 self.seen_rollout_ids.pop(rollout_id, None)
             self.journal.lease_forgotten(lease_id)

@@ -78,6 +78,10 @@ class StateCollector(Collector):
         yield CounterMetricFamily(
             "decentrl_hedge_mismatches", "Of those, samples not bit for bit the winner's.", value=c.hedge_mismatches
         )
+        yield CounterMetricFamily(
+            "decentrl_hedge_copies_told", "Losing copies their holders were told of, to stop generating them.",
+            value=c.hedge_copies_told,
+        )
         yield CounterMetricFamily("decentrl_groups_served", "Groups served to the trainer.", value=c.groups_served)
         yield GaugeMetricFamily("decentrl_buffer_groups", "Complete groups waiting for the trainer.", value=len(s.ready))
         yield GaugeMetricFamily("decentrl_buffer_limit", "Depth bound: ready groups plus open leases.", value=s.buffer_limit)

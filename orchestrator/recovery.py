@@ -53,6 +53,7 @@ def meta_row(*, versions: Versions, counters: Counters, lease_book: LeaseBook, b
         "hedged_leases": counters.hedged_leases,
         "hedge_duplicates": counters.hedge_duplicates,
         "hedge_mismatches": counters.hedge_mismatches,
+        "hedge_copies_told": counters.hedge_copies_told,
         "recoveries": counters.recoveries,
     }
 
@@ -76,6 +77,7 @@ def _restore_meta(
     counters.hedged_leases = meta.get("hedged_leases", 0)  # absent from journals of older versions
     counters.hedge_duplicates = meta.get("hedge_duplicates", 0)
     counters.hedge_mismatches = meta.get("hedge_mismatches", 0)
+    counters.hedge_copies_told = meta.get("hedge_copies_told", 0)
     counters.recoveries = meta["recoveries"] + 1
 
 

@@ -503,6 +503,7 @@ class RunState:
             hedged_leases=counters.hedged_leases,
             hedge_duplicates=counters.hedge_duplicates,
             hedge_mismatches=counters.hedge_mismatches,
+            hedge_copies_told=counters.hedge_copies_told,
             reward_mean_recent=sum(rewards) / len(rewards) if rewards else None,
             uptime_s=self.clock() - self.started_at,
             rollouts_duplicate=counters.duplicates,

@@ -20,7 +20,8 @@ row-independent at a fixed shape (the same rows give the same bits whatever the 
 hold), so every call has one shape: `fixed_rows` rows (the worker's `deterministic_groups_per_call`
 whole groups) of one prompt length, and when fewer are queued the call is filled with repeats of
 its own rows (generated, then discarded). A row's logits and tokens are then the same whatever
-else was queued.
+else was queued. Rows of a group `abandoned` (a hedge's losing copy, told by the orchestrator)
+leave the queue before the round that would generate them; a request left with none is done.
 """
 
 from __future__ import annotations
@@ -69,13 +70,20 @@ class Call:
         return seeds + [seeds[i % len(seeds)] for i in range(self.filler)]
 
 
+def never_abandoned(group: str) -> bool:
+    return False
+
+
 class Batcher:
-    def __init__(self, *, max_rows: int, fixed_rows: int | None = None) -> None:
+    def __init__(
+        self, *, max_rows: int, fixed_rows: int | None = None, abandoned: Callable[[str], bool] = never_abandoned
+    ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_batch_rows must be at least 1 (got {max_rows}): it caps the rows generated at once")
         self.max_rows = max_rows
         # Deterministic runs: the rows of every call (whole groups + filler); None: a group per call.
         self.fixed_rows = fixed_rows
+        self.abandoned = abandoned  # deterministic runs: whether a group (a lease id) is no longer wanted
         self._queue: deque[Request] = deque()
         self._changed = threading.Condition()  # guards the queue, `_leading` and every request's `done`
         self._leading = False
@@ -97,10 +105,26 @@ class Batcher:
         with self._changed:
             while not request.done and self._leading:
                 self._changed.wait()
+            if not request.done:
+                self._drop_abandoned()
             if request.done:
                 return False
             self._leading = True
             return True
+
+    def _drop_abandoned(self) -> None:
+        """(Under `_changed`.) Rows of abandoned groups leave the queue; a request left with no
+        rows is done, and its slot stops waiting."""
+        queue, emptied = deque[Request](), False
+        for request in self._queue:
+            request.rows = [row for row in request.rows if row.group is None or not self.abandoned(row.group)]
+            if request.rows:
+                queue.append(request)
+            else:
+                request.done = emptied = True
+        self._queue = queue
+        if emptied:
+            self._changed.notify_all()
 
     def fail_next(self, error: BaseException) -> None:
         """The lead cannot serve the next round (deterministic runs: its version cannot be
@@ -116,11 +140,16 @@ class Batcher:
 
     def generate_next(self, backend: Backend, version: int, should_stop: Callable[[], bool]) -> None:
         """The lead's round: take queued requests (whole, first come first served, at least
-        one) while they fit in `max_rows`, generate them with `backend` (whose weights are
+        one unless every queued row was abandoned meanwhile) while they fit in `max_rows`, generate them with `backend` (whose weights are
         `version`: the caller holds the lock that excludes swaps), and mark them done. Only
         requests of the head's version (deterministic runs) join it, wherever they are queued:
         one round per version, not one per change of version along the queue."""
         with self._changed:
+            self._drop_abandoned()  # rows lost since this lead began
+            if not self._queue:
+                self._leading = False
+                self._changed.notify_all()
+                return
             head = self._queue.popleft()
             taken, kept, rows = [head], deque[Request](), len(head.rows)
             while self._queue:

@@ -1,5 +1,6 @@
 """A worker's own progress, logged as one line every `interval_s`: the newest version it
-generated with, rollouts accepted, completion tokens a second, and rejections by reason.
+generated with, rollouts accepted, completion tokens a second, rejections by reason, and (hedged
+deterministic runs) the copies it abandoned because another copy of their place won.
 
 `Worker._send` (workers/worker.py) calls `posted` after each acknowledged post; the line goes to
 the worker's log (stderr of `decentrl worker`, logs/worker-N.log under `decentrl run`), so a
@@ -26,6 +27,7 @@ class Progress:
         self.tokens = 0
         self.version = -1
         self.rejected: Counter[str] = Counter()
+        self.abandoned = 0  # hedging: leases not posted, another copy of their place filled it first
         self._mark = (clock(), 0)  # (time, tokens) at the last line
 
     def posted(self, batch: RolloutBatch, result: IngestResponse) -> None:
@@ -41,4 +43,5 @@ class Progress:
     def line(self, now: float) -> str:
         rate = (self.tokens - self._mark[1]) / max(now - self._mark[0], 1e-9)
         rejected = ", ".join(f"{reason} {count}" for reason, count in sorted(self.rejected.items())) or "none"
-        return f"progress: v{self.version}  rollouts accepted {self.accepted}  {rate:.0f} tokens/s  rejected: {rejected}"
+        abandoned = f"  lost copies abandoned {self.abandoned}" if self.abandoned else ""
+        return f"progress: v{self.version}  rollouts accepted {self.accepted}  {rate:.0f} tokens/s  rejected: {rejected}{abandoned}"

@@ -5,8 +5,10 @@ minutes with a long tail. To measure scheduling (asynchronous vs synchronous, st
 the real system, a worker holds each lease request's finished samples back for an extra delay
 drawn from a log-normal distribution - median `latency_median_s`, shape `latency_sigma` (sigma
 1.0: p90 = 3.6x median, p99 = 10x) - and multiplies its whole generation time by its slowdown
-(a slower GPU). The delay is a sleep, so it costs no CPU: it stands for work done on the
+(a slower GPU). The delay is a wait, so it costs no CPU: it stands for work done on the
 worker's own accelerator, and slots overlap their delays as they would overlap real requests.
+A real engine would abort a request no longer wanted, so the wait ends early once the worker
+learns that every lease of the step lost to another copy (hedging, deterministic runs).
 
 `Worker` wraps its generation step with `SimulatedLatency.around` when the config asks for it;
 nothing else in the worker knows about simulation.
@@ -60,13 +62,19 @@ class SimulatedLatency:
         tail = self.median_s * math.exp(self.sigma * noise) if self.median_s > 0 else 0.0
         return generation_s * (self.slowdown - 1.0) + self.slowdown * tail
 
-    def around(self, generate: Callable[P, R]) -> Callable[P, R]:
-        """`generate`, followed by the extra delay its own duration calls for."""
+    def around(
+        self, generate: Callable[P, R], *, abandoned: Callable[P, bool], woken: threading.Condition
+    ) -> Callable[P, R]:
+        """`generate`, followed by the extra delay its own duration calls for; the delay ends
+        early once `abandoned` (called with the same arguments) holds, checked whenever `woken`
+        is notified."""
 
         def slowed(*args: P.args, **kwargs: P.kwargs) -> R:
             started = time.perf_counter()
             result = generate(*args, **kwargs)
-            time.sleep(self.extra_delay(time.perf_counter() - started))
+            delay = self.extra_delay(time.perf_counter() - started)
+            with woken:
+                woken.wait_for(lambda: abandoned(*args, **kwargs), timeout=delay)
             return result
 
         return slowed

@@ -22,7 +22,10 @@ lease names the version it is sampled under, and the slot that leads a generatio
 that version (pulling it from the store) before generating; every sample is seeded from (run
 seed, prompt id, sample index, version) and generated in calls of one fixed shape
 (`deterministic_groups_per_call` groups, workers/batching.py), so a group's samples do not depend
-on the groups beside it.
+on the groups beside it. With hedging a lease may lose to another worker's copy of its place;
+the orchestrator says so in a later lease answer (`LeaseResponse.superseded`, to any slot), and
+the worker abandons the copy: its rows still queued are not generated (workers/batching.py), a
+simulated delay ends early, and nothing of it is posted or spooled (`copies_abandoned`).
 
 For a multi-turn task (`RunInfo.episode_task`) a slot plays episodes (workers/episodes.py)
 instead of single completions; each model turn goes through the same generation path.
@@ -50,7 +53,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decentrl.client import OrchestratorClient
+from decentrl.client import InvalidAnswer, OrchestratorClient
 from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
 from decentrl.determinism import sample_seed
 from decentrl.store import CheckpointStore, StoreError, VerificationError
@@ -109,9 +112,16 @@ class Worker:
             store.for_reader(store.url or self.info.store_url), run_name=self.info.run_name
         )
         self.spool = Spool(spool_dir or os.path.join(cache_dir, "spool", worker_id))
+        # Hedging (deterministic runs): the leases the slots hold, and those of them another copy
+        # filled first (told by the orchestrator), replaced whole under `_told`, which is notified
+        # when it grows; a slot's leases leave both when the slot is done with them.
+        self._told = threading.Condition()
+        self._held: set[str] = set()
+        self._lost: frozenset[str] = frozenset()
         latency = SimulatedLatency.of(simulation, worker_id)
         self._samples_for: Callable[[list[Lease], SamplingParams], list[Sample]] = (
-            self._generate_leases if latency is None else latency.around(self._generate_leases)
+            self._generate_leases if latency is None
+            else latency.around(self._generate_leases, abandoned=lambda leases, _: self._all_lost(leases), woken=self._told)
         )
         self.stopping = False
         self.rollouts_posted = 0
@@ -120,7 +130,9 @@ class Worker:
         self.refused: dict[int, str] = {}  # version -> why it was not loaded; skipped for good
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
         self._lock = threading.Lock()  # backend calls and weight swaps never overlap
-        self._batcher = Batcher(max_rows=config.max_batch_rows, fixed_rows=fixed_rows(self.info, config))
+        self._batcher = Batcher(
+            max_rows=config.max_batch_rows, fixed_rows=fixed_rows(self.info, config), abandoned=self._abandoned
+        )
         self._stats_lock = threading.Lock()
         self._versions = threading.Condition()  # guards `announced`; notified when it or the loaded version changes
         self.announced: int | None = self.info.policy_version
@@ -156,8 +168,8 @@ class Worker:
         self._resend_spooled()
         left = len(self.spool.pending())
         log.info(
-            "worker %s stopping after %d rollouts, %d versions refused%s", self.worker_id,
-            self.rollouts_posted, len(self.refused),
+            "worker %s stopping after %d rollouts, %d versions refused, %d lost copies abandoned%s", self.worker_id,
+            self.rollouts_posted, len(self.refused), self.copies_abandoned,
             f"; {left} batches stay spooled in {self.spool.directory} for the next start" if left else "",
         )
 
@@ -296,31 +308,36 @@ class Worker:
                 response = self.client.lease(
                     LeaseRequest(worker_id=self.worker_id, max_groups=self.config.groups_per_request)
                 )
-            except ConnectionError as exc:
+            except (ConnectionError, InvalidAnswer) as exc:  # unreachable, or an answer this worker cannot read
                 failures += 1
                 delay = backoff(failures)
-                log.warning("orchestrator unreachable (%s); asking again in %.1fs", exc, delay)
+                log.warning("lease request failed (%s); asking again in %.1fs", exc, delay)
                 time.sleep(delay)
                 continue
             failures = 0
             iterations += 1
             self._note_version(response.policy_version)
+            self._note_lost(response.superseded)
             if not response.leases:
                 time.sleep(response.retry_after_s)
                 continue
             if not self.info.deterministic:
                 self._await_version(response.policy_version)
-            if self.stopping:
-                self._hand_back(response.leases)
-                break
+            self._hold(response.leases)
             try:
-                samples = self._samples_for(response.leases, response.sampling)
-            except UnloadableVersion as exc:  # deterministic runs: the leases' version cannot be loaded
-                log.error("%s; handing its leases back", exc)
-                self._hand_back(response.leases)
-                time.sleep(backoff(1, base_s=5.0))
-                continue
-            self._post(response.leases, samples, response.sampling)
+                if self.stopping:
+                    self._hand_back(response.leases)
+                    break
+                try:
+                    samples = self._samples_for(response.leases, response.sampling)
+                except UnloadableVersion as exc:  # deterministic runs: the leases' version cannot be loaded
+                    log.error("%s; handing its leases back", exc)
+                    self._hand_back(response.leases)
+                    time.sleep(backoff(1, base_s=5.0))
+                    continue
+                self._post(response.leases, samples, response.sampling)
+            finally:
+                self._let_go(response.leases)
             if index == 0 and self._unsent:
                 self._resend_spooled()
 
@@ -363,7 +380,7 @@ class Worker:
         under the new weights from where it stopped (prompt + tokens so far). The rows of all
         slots waiting at once are generated together (workers/batching.py); in a deterministic
         run one request per version the samples name, each generated under that version."""
-        while unfinished := [s for s in samples if s.finish_reason is None]:
+        while unfinished := [s for s in samples if s.finish_reason is None and not self._abandoned(s.group)]:
             self._admit.wait()
             wanted = sorted({s.version for s in unfinished}, key=lambda v: -1 if v is None else v)
             requests = [
@@ -416,8 +433,44 @@ class Worker:
         now = time.time()
         self.swaps.append(SwapRecord(version, now, pulled - started, time.perf_counter() - pulled, now))
 
+    # -- hedging: copies that lost (deterministic runs) -----------------------------------------
+
+    def _hold(self, leases: list[Lease]) -> None:
+        with self._told:
+            self._held.update(lease.lease_id for lease in leases)
+
+    def _note_lost(self, lease_ids: list[str]) -> None:
+        """A lease answer told of copies that lost: those this worker holds are abandoned (an id
+        it does not hold, finished or never its own, is ignored)."""
+        with self._told:
+            news = self._held.intersection(lease_ids)
+            if news:
+                self._lost = self._lost | news
+                self._told.notify_all()  # a slot in its simulated delay may stop
+
+    def _let_go(self, leases: list[Lease]) -> None:
+        """The slot is done with `leases` (posted, abandoned or handed back)."""
+        ids = {lease.lease_id for lease in leases}
+        with self._told:
+            self._held -= ids
+            if not self._lost.isdisjoint(ids):
+                self._lost = self._lost - ids
+
+    def _abandoned(self, lease_id: str | None) -> bool:
+        return lease_id in self._lost
+
+    def _all_lost(self, leases: list[Lease]) -> bool:
+        return all(lease.lease_id in self._lost for lease in leases)
+
+    @property
+    def copies_abandoned(self) -> int:
+        """Leases this worker did not post because another copy of their place filled it first."""
+        return self.progress.abandoned
+
     def _hand_back(self, leases: list[Lease]) -> None:
         for lease in leases:
+            if self._abandoned(lease.lease_id):
+                continue  # closed already: nothing to give back
             try:
                 self.client.release_lease(lease.lease_id, self.worker_id)
             except ConnectionError:
@@ -426,13 +479,21 @@ class Worker:
     # -- posting --------------------------------------------------------------------------
 
     def _post(self, leases: list[Lease], samples: list[Sample], sampling: SamplingParams) -> None:
+        """Spool and send the samples of `leases`, less those of copies that lost (abandoned,
+        finished or not: their post would be a duplicate)."""
+        lost = self._lost
+        if abandoned := sum(lease.lease_id in lost for lease in leases):
+            with self._stats_lock:
+                self.progress.abandoned += abandoned
         owners = [lease for lease in leases for _ in range(lease.group_size)]
-        batch = RolloutBatch(
-            rollouts=[
-                to_rollout(self.info.run_name, self.worker_id, lease, sample, sampling, keep_routing=self.info.keep_routing)
-                for lease, sample in zip(owners, samples, strict=True)
-            ]
-        )
+        rollouts = [
+            to_rollout(self.info.run_name, self.worker_id, lease, sample, sampling, keep_routing=self.info.keep_routing)
+            for lease, sample in zip(owners, samples, strict=True)
+            if lease.lease_id not in lost
+        ]
+        if not rollouts:
+            return
+        batch = RolloutBatch(rollouts=rollouts)
         self._send(self.spool.add(batch), batch)
 
     def _send(self, path: str, batch: RolloutBatch) -> bool:

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from decentrl.config import ConfigError
 from decentrl.tasks import build_task
-from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch
+from decentrl.wire import Lease, LeaseRequest, LeaseResponse, Rollout, RolloutBatch
 from orchestrator.auth import TokenRegistry
 from orchestrator.hedges import MIN_RECENT, hedge_wait
 from orchestrator.journal import Journal
@@ -280,6 +280,15 @@ def test_bad_hedging_settings_are_refused(make_config: Any, hedging: dict[str, A
         make_config(deterministic=True, orchestrator={"hedging": hedging})
 
 
+def two_workers(tmp_path: Path) -> TokenRegistry:
+    """Worker tokens for alice ("alice-secret") and bob ("bob-secret")."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text('{"tokens": []}')
+    return TokenRegistry(path=str(tokens), env_entries=[
+        {"name": "alice", "role": "worker", "token": "alice-secret"}, {"name": "bob", "role": "worker", "token": "bob-secret"},
+    ])
+
+
 def test_a_waiting_worker_gets_the_straggler_the_moment_it_is_the_last(
     make_config: Any, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, serve_orchestrator: Any, group: Any
 ) -> None:
@@ -288,11 +297,7 @@ def test_a_waiting_worker_gets_the_straggler_the_moment_it_is_the_last(
     config = make_config(deterministic=True, orchestrator={"lease_wait_s": 10.0})
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     state.announce(0)
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text('{"tokens": []}')
-    registry = TokenRegistry(path=str(tokens), env_entries=[
-        {"name": "alice", "role": "worker", "token": "alice-secret"}, {"name": "bob", "role": "worker", "token": "bob-secret"},
-    ])
+    registry = two_workers(tmp_path)
 
     async def scenario() -> None:
         async with serve_orchestrator(state, registry) as server:
@@ -307,5 +312,110 @@ def test_a_waiting_worker_gets_the_straggler_the_moment_it_is_the_last(
             (copy,) = (await waiting).leases
             assert copy.index == 0 and copy.prompt_id == leases[0].prompt_id
             assert loop.time() - posted < 0.4  # woken by the post, not by the 0.5 s re-check
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+def test_the_losing_copys_holder_is_told_once_in_its_next_lease_answer(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, serve_orchestrator: Any, group: Any
+) -> None:
+    """Over HTTP: bob's copy of place 0 fills it first. Alice's worker w0, long-polling with
+    nothing to grant, is answered at once with its losing lease in `superseded`; never again
+    after, and never to bob nor to alice's other worker id."""
+    config = make_config(deterministic=True, orchestrator={"lease_wait_s": 10.0})
+    state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
+    state.announce(0)
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, two_workers(tmp_path)) as server:
+            alice, bob = server.client("alice-secret"), server.client("bob-secret")
+
+            async def lease(client: Any, worker_id: str, groups: int = 4) -> LeaseResponse:
+                return await asyncio.to_thread(client.lease, LeaseRequest(worker_id=worker_id, max_groups=groups))
+
+            first = await lease(alice, "w0")
+            leases = first.leases
+            assert first.superseded == []
+            await asyncio.to_thread(alice.post_rollouts, RolloutBatch(rollouts=group(state, leases[1], "w0")))
+            copy = (await lease(bob, "w1", 1)).leases[0]  # place 0, the last of its batch
+            waiting = asyncio.create_task(lease(alice, "w0"))  # nothing to grant: a long-poll
+            await asyncio.sleep(0.6)  # its re-checks: 0.5 s and 1.0 s after it began
+            assert not waiting.done()
+            loop = asyncio.get_running_loop()
+            posted = loop.time()
+            await asyncio.to_thread(bob.post_rollouts, RolloutBatch(rollouts=group(state, copy, "w1")))
+            told = await waiting
+            assert loop.time() - posted < 0.3  # woken by the post, not by the next re-check
+            assert (told.leases, told.superseded) == ([], [leases[0].lease_id])
+            assert state.status().hedge_copies_told == 1
+
+            state.announce(2)  # room for 4 new places: the next 4 answers come at once
+            again = await lease(alice, "w0", 1)
+            assert again.leases and again.superseded == []  # told once
+            for client, worker_id in ((alice, "w2"), (bob, "w1")):
+                assert (await lease(client, worker_id, 1)).superseded == []
+            status, raw, _ = await server.call(
+                "POST", "/v1/leases", "alice-secret", json={"worker_id": "w0", "max_groups": 1}
+            )
+            assert status == 200 and raw["superseded"] == []
+            assert state.counters.hedge_copies_told == 1 and state.lease_book.untold == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+def test_a_holder_is_not_told_of_a_copy_it_posted(
+    open_state: Callable[..., RunState], group: Any, clock: Any
+) -> None:
+    state = open_state()
+    leases, copy = hedged(state, clock)
+    state.ingest(group(state, copy, "w1"), BOB)
+    assert state.lease_book.untold == {ALICE: {leases[0].lease_id: None}}
+    assert state.ingest(group(state, leases[0], "w0"), ALICE).duplicates == 3  # it finished the copy anyway
+    assert state.lease_book.tell(ALICE) == [] and state.counters.hedge_copies_told == 0
+
+
+def test_untold_copies_are_bounded_a_holder_and_forgotten_with_their_leases(
+    open_state: Callable[..., RunState], group: Any, clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder that never asks again: past MAX_SUPERSEDED its oldest news goes, and the rest
+    goes when the closed leases themselves are forgotten (dedupe_window_s)."""
+    monkeypatch.setattr("orchestrator.leases.MAX_SUPERSEDED", 1)
+    state = open_state()
+    leases = lagging(state, clock)
+    clock.advance(2.0)
+    copies = state.grant_leases(BOB, 2)  # places 0 and 1
+    for copy in copies:
+        state.ingest(group(state, copy, "w1"), BOB)
+    assert state.lease_book.untold == {ALICE: {leases[1].lease_id: None}}  # the newer of two
+    clock.advance(state.config.orchestrator.dedupe_window_s + 1.0)
+    state.forget_closed()
+    assert state.lease_book.untold == {} and state.lease_book.tell(ALICE) == []
+
+
+def test_free_running_runs_never_tell_of_superseded_copies(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, serve_orchestrator: Any,
+    make_rollout: Any, sorted_answer: Callable[[str], str],
+) -> None:
+    """Over HTTP: leases granted, answered and released in a free-running run, by two workers:
+    every lease answer's `superseded` is empty."""
+    config = make_config(orchestrator={"lease_wait_s": 0.0})
+    state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
+    state.announce(0)
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, two_workers(tmp_path)) as server:
+            alice, bob = server.client("alice-secret"), server.client("bob-secret")
+            answers = [await asyncio.to_thread(alice.lease, LeaseRequest(worker_id="w0", max_groups=2))]
+            done, given_back = answers[0].leases
+            rollouts = [
+                make_rollout(done, sorted_answer(state.task.prompt(done.prompt_id).text), sample_index=j)
+                for j in range(done.group_size)
+            ]
+            await asyncio.to_thread(alice.post_rollouts, RolloutBatch(rollouts=rollouts))
+            await asyncio.to_thread(alice.release_lease, given_back.lease_id, "w0")
+            for client, worker_id in ((alice, "w0"), (bob, "w1"), (alice, "w0")):
+                answers.append(await asyncio.to_thread(client.lease, LeaseRequest(worker_id=worker_id, max_groups=2)))
+            assert all(answer.superseded == [] for answer in answers)
+            assert state.counters.hedge_copies_told == 0 and state.lease_book.untold == {}
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))

@@ -235,6 +235,36 @@ def test_a_group_is_bitwise_the_same_alone_or_beside_other_groups_at_the_fixed_s
     assert [s.logprobs for s in unfilled] != [s.logprobs for s in alone]  # the shape is what must be fixed
 
 
+def test_rows_of_an_abandoned_group_are_dropped_before_their_round_and_the_rest_stay_bitwise(demo_model: str) -> None:
+    """A hedge's losing copy (its lease told lost) queued beside other groups: its rows leave the
+    queue before the round and are never generated; the call keeps its fixed shape (filler
+    repeats the remaining rows), so the group beside it is bitwise what it is alone. A request
+    left with no rows is done without a round; one with rows left gets them generated."""
+    hf = HFBackend(seed=0)
+    hf.load(demo_model, 7)
+    backend = Recording(hf)
+    sampling = SamplingParams(temperature=1.0, max_tokens=8)
+    prompts = {i: [1, 4 + i % 9, 5 + i % 7, 3, 6 + i % 5, 7] for i in range(3)}
+
+    def bits(group: list[Sample]) -> list[tuple[list[int], list[float]]]:
+        return [(s.token_ids, s.logprobs) for s in group]
+
+    alone = seeded_group(prompts[0], 0)
+    batcher = Batcher(max_rows=64, fixed_rows=12)
+    run_slots(batcher, backend, [batcher.submit(alone, sampling, 7)])
+    lost = {"g1", "g2"}
+    batcher = Batcher(max_rows=64, fixed_rows=12, abandoned=lambda group: group in lost)
+    kept, dropped, other = (seeded_group(prompts[i], i) for i in range(3))
+    # One slot holding two leases (place 1's copy lost), another holding only a lost one.
+    both, only_lost = batcher.submit(kept + dropped, sampling, 7), batcher.submit(other, sampling, 7)
+    run_slots(batcher, backend, [both, only_lost])
+    assert [len(rows) for rows, _ in backend.calls] == [12, 12]  # one call each time, the same shape
+    assert backend.calls[1][0] == [prompts[0]] * 12  # the kept group and its filler, nothing of the lost
+    assert both.rows == kept and only_lost.rows == []
+    assert all(s.token_ids == [] and s.finish_reason is None for s in dropped + other)
+    assert bits(kept) == bits(alone)
+
+
 def test_deterministic_calls_are_whole_groups_of_one_prompt_length_filled_to_the_shape() -> None:
     short, long = [1, 5, 3], [1, 5, 6, 3]
     groups = [seeded_group(short, 0, 2), seeded_group(long, 1, 2), seeded_group(short, 2, 2), seeded_group(short, 3, 2)]

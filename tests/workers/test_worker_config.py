@@ -4,6 +4,7 @@ backend is built from [worker], and [simulation] acts in one place (workers/simu
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def test_simulated_latency_is_off_unless_configured() -> None:
 def test_simulated_latency_wraps_a_step_and_draws_a_log_normal_delay() -> None:
     latency = SimulatedLatency(median_s=0.02, sigma=0.0, slowdown=2.0, seed="s")
     assert latency.extra_delay(0.0) == pytest.approx(0.04)  # sigma 0: exactly the median, times the slowdown
-    step = latency.around(lambda x: x + 1)
+    step = latency.around(lambda x: x + 1, abandoned=lambda x: False, woken=threading.Condition())
     started = time.perf_counter()
     assert step(1) == 2
     assert time.perf_counter() - started >= 0.04
@@ -75,6 +76,39 @@ def test_simulated_latency_wraps_a_step_and_draws_a_log_normal_delay() -> None:
     draws = sorted(spread.extra_delay(0.0) for _ in range(2001))
     assert draws[1000] == pytest.approx(1.0, rel=0.15)  # the median is median_s
 
+
+
+def test_a_simulated_delay_ends_early_once_its_step_is_abandoned() -> None:
+    """The delay stands for generation on the worker's accelerator: a step whose leases all lost
+    to another copy wakes when told (the Condition), not when its 30 s delay is over; one not
+    abandoned, or told of something else, waits its delay out."""
+    latency = SimulatedLatency(median_s=30.0, sigma=0.0, slowdown=1.0, seed="s")
+    woken, lost = threading.Condition(), set[str]()
+    step = latency.around(lambda lease: lease, abandoned=lambda lease: lease in lost, woken=woken)
+    done: list[float] = []
+
+    def run() -> None:
+        assert step("a") == "a"
+        done.append(time.perf_counter() - started)
+
+    slot = threading.Thread(target=run)
+    started = time.perf_counter()
+    slot.start()
+    time.sleep(0.2)
+    with woken:
+        lost.add("b")  # another lease's news: the step still waits
+        woken.notify_all()
+    time.sleep(0.2)
+    assert slot.is_alive()
+    with woken:
+        lost.add("a")
+        woken.notify_all()
+    slot.join(timeout=5)
+    assert not slot.is_alive() and 0.4 <= done[0] < 2.0
+    quick = SimulatedLatency(median_s=0.05, sigma=0.0, slowdown=1.0, seed="s")
+    started = time.perf_counter()
+    assert quick.around(lambda x: x, abandoned=lambda x: False, woken=threading.Condition())(3) == 3
+    assert time.perf_counter() - started >= 0.05
 
 class InfoOnly:
     """A client that only answers /v1/info (enough to build a Worker)."""
