@@ -149,8 +149,8 @@ def test_the_worker_whose_copy_lost_abandons_it_and_the_batch_is_unchanged(
     with make_run(tmp_path, hedging=True, w0=slow, w1=fast) as run:
         state = run.setup.orchestrator.state
         assert state.hedges is not None
-        for _ in range(MIN_RECENT):
-            state.hedges.completed(0.01)  # a recent median: w0's places are due a copy at once
+        for lease_s in [0.01] * (MIN_RECENT // 2) + [0.03] * (MIN_RECENT // 2):
+            state.hedges.completed(lease_s)  # recent lease times with a tail: w0's places are due a copy after 0.01 s
         w0, w1 = run.workers["w0"], run.workers["w1"]
         run.start("w0")
         wait_for(lambda: len(state.leases) == 2, 60)
