@@ -140,17 +140,21 @@ class Batcher:
 
     def generate_next(self, backend: Backend, version: int, should_stop: Callable[[], bool]) -> None:
         """The lead's round: take queued requests (whole, first come first served, at least
-        one unless every queued row was abandoned meanwhile) while they fit in `max_rows`, generate them with `backend` (whose weights are
+        one) while they fit in `max_rows`, generate them with `backend` (whose weights are
         `version`: the caller holds the lock that excludes swaps), and mark them done. Only
         requests of the head's version (deterministic runs) join it, wherever they are queued:
-        one round per version, not one per change of version along the queue."""
+        one round per version, not one per change of version along the queue. Rows abandoned
+        since the lead began leave first; if that leaves no request of `version` (the head the
+        lead loaded it for was abandoned), the round ends at once and the next lead loads the
+        version now at the head: rows are never generated under weights they do not name."""
         with self._changed:
-            self._drop_abandoned()  # rows lost since this lead began
-            if not self._queue:
+            self._drop_abandoned()
+            head = next((r for r in self._queue if r.version is None or r.version == version), None)
+            if head is None:
                 self._leading = False
                 self._changed.notify_all()
                 return
-            head = self._queue.popleft()
+            self._queue.remove(head)
             taken, kept, rows = [head], deque[Request](), len(head.rows)
             while self._queue:
                 request = self._queue.popleft()

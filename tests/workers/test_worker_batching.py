@@ -293,6 +293,23 @@ def test_a_round_takes_every_queued_request_of_the_heads_version(backend: Record
     assert batcher.next_version() == 8 and len(backend.calls) == 1 and len(backend.calls[0][0]) == 8
 
 
+def test_a_head_abandoned_after_its_version_was_loaded_leaves_the_other_version_queued(backend: Recording) -> None:
+    """The lead loaded version 7 for the head; the head is told lost before the round: the round
+    generates nothing under 7's weights for the version-8 request behind it (its rows would be
+    labelled 7 and refused as wrong_version), and the lead passes on for 8 to be loaded."""
+    lost: set[str] = set()
+    batcher = Batcher(max_rows=64, fixed_rows=8, abandoned=lambda group: group in lost)
+    sampling = SamplingParams(temperature=1.0, max_tokens=3)
+    head, behind = (batcher.submit(seeded_group([1, 5, 3], i, 2, 3), sampling, v) for i, v in enumerate([7, 8]))
+    assert batcher.lead(head) and batcher.next_version() == 7
+    lost.add("g0")  # told while the lead loads version 7
+    batcher.generate_next(backend, 7, never)  # type: ignore[arg-type]
+    assert backend.calls == [] and head.done and not behind.done
+    assert batcher.next_version() == 8 and batcher.lead(behind)  # the lead is free: the next loads 8
+    batcher.generate_next(backend, 8, never)  # type: ignore[arg-type]
+    assert behind.done and all(s.versions == [8, 8, 8] for s in behind.rows)
+
+
 def test_a_shape_over_max_batch_rows_is_refused_with_the_fix() -> None:
     info = RunInfo(
         run_name="r", store_url="file:///s", policy_version=None, max_staleness=1, group_size=8, deterministic=True
