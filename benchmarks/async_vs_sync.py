@@ -22,7 +22,11 @@ the asynchronous run again with deterministic = true (docs/reproducibility.md), 
 reports its trainer busy fraction and time to target against the free-running one
 ("deterministic_cost"; the goal is busy within 0.05), with its hedging as configured or as
 --hedge-after, --max-copies, --hedge-batches, --no-hedging set it (orchestrator/hedges.py). --skip-sync leaves the synchronous run out
-(its figures and ratios are then null), for measuring only that cost.
+(its figures and ratios are then null), for measuring only that cost. Every run also reports the
+trainer's compute and wait per step (after the first batch): on a machine where the workers'
+generation shares the trainer's cores, a trainer slowed by it looks busier. --pin-trainer gives
+the trainer core 0 and every other role the remaining cores, as a deployment gives the trainer
+its own accelerator.
 
 Writes one PNG per scenario (reward vs wall time; trainer busy/idle timeline of the first seed)
 and prints, as its last line, one JSON object: the base scenario's {"sync", "async",
@@ -79,16 +83,35 @@ def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int,
     return config
 
 
-def worker_pid(run_dir: Path, name: str) -> int | None:
+def role_pids(run_dir: Path, *args: str) -> list[int]:
+    """The run's processes whose command line has every one of `args` (Linux /proc)."""
+    pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"worker" in cmdline and name.encode() in cmdline and str(run_dir).encode() in b" ".join(cmdline):
-                return int(entry.name)
-    return None
+            if all(arg.encode() in cmdline for arg in args) and str(run_dir).encode() in b" ".join(cmdline):
+                pids.append(int(entry.name))
+    return pids
+
+
+def worker_pid(run_dir: Path, name: str) -> int | None:
+    return next(iter(role_pids(run_dir, "worker", name)), None)
+
+
+TRAINER_CPUS = {0}  # --pin-trainer: the trainer's core; the run's other processes get the rest
+
+
+def pin_trainer(run_dir: Path) -> None:
+    """Every thread of the run's trainer processes (torchrun and its ranks) on TRAINER_CPUS."""
+    for pid in role_pids(run_dir, "trainer"):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), TRAINER_CPUS)
+            except OSError:  # the thread ended meanwhile
+                pass
 
 
 def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int, work: Path, deterministic: bool = False) -> dict:
@@ -97,13 +120,18 @@ def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: 
     config_path = work / f"{name}.json"
     config_path.write_text(json.dumps(scenario_config(args, scenario, max_staleness, seed, deterministic)))
     log = open(work / f"{name}.out", "w")
+    others = set(range(os.cpu_count() or 1)) - TRAINER_CPUS
     process = subprocess.Popen(
         [sys.executable, "-m", "decentrl", "run", str(config_path), "--run-dir", str(run_dir)],
         stdout=log, stderr=subprocess.STDOUT,
+        # --pin-trainer: every role starts on the other cores; the trainer is moved to its own below.
+        preexec_fn=(lambda: os.sched_setaffinity(0, others)) if args.pin_trainer else None,
     )
     killed_at = None
     while process.poll() is None:
         time.sleep(0.5)
+        if args.pin_trainer:
+            pin_trainer(run_dir)  # again every poll: threads started since are pinned too
         if scenario == "killed_worker" and killed_at is None:
             steps_done = len(read_metrics(run_dir))
             pid = worker_pid(run_dir, "worker-1")
@@ -171,6 +199,9 @@ def summarize(args: argparse.Namespace, metrics: list[dict], status: dict, kille
     return {
         "trainer_busy_fraction": metrics[-1]["trainer_busy_fraction_total"],
         "trainer_busy_fraction_after_first_batch": 1 - sum(m["wait_for_batch_s"] for m in later) / sum(m["step_s"] for m in later),
+        # What the busy fraction divides: a trainer slowed by the workers' CPU looks busier.
+        "trainer_compute_s_per_step": sum(m["step_s"] - m["wait_for_batch_s"] for m in later) / len(later),
+        "trainer_wait_s_per_step": sum(m["wait_for_batch_s"] for m in later) / len(later),
         "first_batch_wait_s": metrics[0]["wait_for_batch_s"],
         "samples_per_s": sum(m["samples"] for m in metrics) / times[-1],
         "time_to_target_s": reached,
@@ -280,7 +311,14 @@ def main() -> None:
     parser.add_argument("--hedge-batches", type=int, default=None, help="orchestrator.hedging.batches of the deterministic run (default: the config's).")
     parser.add_argument("--no-hedging", action="store_true", help="The deterministic run without hedging (orchestrator.hedging.enabled = false).")
     parser.add_argument("--skip-sync", action="store_true", help="Leave out the synchronous run (no time-to-target ratios).")
+    parser.add_argument(
+        "--pin-trainer", action="store_true",
+        help="The trainer on core 0, every other role on the other cores (Linux): the trainer's compute is then not "
+        "slowed by the workers' generation, as on a deployment where it has its own accelerator.",
+    )
     args = parser.parse_args()
+    if args.pin_trainer and (os.cpu_count() or 1) < 2:
+        raise SystemExit("--pin-trainer needs at least 2 cores: one for the trainer, the rest for the other roles")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, dict] = {}
@@ -351,6 +389,10 @@ def main() -> None:
                 "wall_s_deterministic": fixed["wall_s"],
                 "busy_after_first_batch_free": free["trainer_busy_fraction_after_first_batch"],
                 "busy_after_first_batch_deterministic": fixed["trainer_busy_fraction_after_first_batch"],
+                "trainer_compute_s_per_step_free": free["trainer_compute_s_per_step"],
+                "trainer_compute_s_per_step_deterministic": fixed["trainer_compute_s_per_step"],
+                "trainer_wait_s_per_step_free": free["trainer_wait_s_per_step"],
+                "trainer_wait_s_per_step_deterministic": fixed["trainer_wait_s_per_step"],
                 "samples_per_s_free": free["samples_per_s"],
                 "samples_per_s_deterministic": fixed["samples_per_s"],
                 "leases_expired_deterministic": fixed["leases_expired"],
@@ -366,7 +408,7 @@ def main() -> None:
                 ],
             }
     shutil.rmtree(tmp)
-    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic", "skip_sync", "hedge_after", "max_copies", "hedge_batches", "no_hedging")}
+    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic", "skip_sync", "hedge_after", "max_copies", "hedge_batches", "no_hedging", "pin_trainer")}
     first = report[next(iter(report))]
     print(json.dumps({
         "sync": first.get("sync"), "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"],
