@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decentrl.client import InvalidAnswer, OrchestratorClient
+from decentrl.client import InvalidAnswer, OrchestratorClient, OrchestratorError
 from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
 from decentrl.determinism import sample_seed
 from decentrl.store import CheckpointStore, StoreError, VerificationError
@@ -475,6 +475,8 @@ class Worker:
                 self.client.release_lease(lease.lease_id, self.worker_id)
             except ConnectionError:
                 log.info("could not hand back lease %s; it expires at its deadline", lease.lease_id)
+            except OrchestratorError as exc:  # closed meanwhile: expired, or a copy that lost, not told yet
+                log.info("lease %s needs no handing back: %s", lease.lease_id, exc.message)
 
     # -- posting --------------------------------------------------------------------------
 
@@ -504,9 +506,9 @@ class Worker:
             self._unsent = True
             return False
         self.spool.remove(path)  # acknowledged: accepted, duplicate or rejected, never to be sent again
-        with self._stats_lock:
+        with self._stats_lock:  # slots post at once: the counts are shared
             self.rollouts_posted += result.accepted
-        self.progress.posted(batch, result)  # a line every 10 s (workers/progress.py)
+            self.progress.posted(batch, result)  # a line every 10 s (workers/progress.py)
         if result.rejected:
             reasons: dict[str, int] = {}
             for rejection in result.rejected:

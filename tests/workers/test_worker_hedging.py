@@ -241,3 +241,19 @@ def test_a_lease_answer_the_worker_cannot_read_is_a_clear_error_and_the_slot_ask
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_handing_back_a_lease_closed_meanwhile_goes_on_with_the_next(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stopping worker hands back a lease the orchestrator closed meanwhile (released here; an
+    expiry or a copy that lost but was not told yet is answered the same, 409): the refusal is
+    logged and the hand-back goes on, instead of ending the slot's thread."""
+    with make_run(tmp_path, hedging=True, w0=(WorkerConfig(), SimulationConfig())) as run:
+        worker = run.workers["w0"]
+        first, second = worker.client.lease(LeaseRequest(worker_id="w0", max_groups=2)).leases
+        worker.client.release_lease(first.lease_id, "w0")
+        with caplog.at_level("INFO", logger="decentrl.worker"):
+            worker._hand_back([first, second])
+        assert worker.client.lease_state(second.lease_id, "w0").state == "released"
+        assert f"lease {first.lease_id} needs no handing back" in caplog.text
