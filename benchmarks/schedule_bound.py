@@ -29,7 +29,8 @@ hedging of `max_copies` 2, `batches` 1 (losers abandoned).
     PYTHONPATH=. .venv/bin/python benchmarks/schedule_bound.py --seeds 4
 
 Prints, as its last line, one JSON object: {"settings", "cases": [{"sigma", "max_staleness",
-"busy": {mode: fraction}, "wall_s": {mode: s}, "busy_gap": {mode: free - mode}}],
+"busy": {mode: fraction}, "wall_s": {mode: s}, "slot_s_per_group": {mode: slot seconds spent per group
+trained, copies and stale groups included: the generation work}, "busy_gap": {mode: free - mode}}],
 "busy_gap_hedged"} (the last for the first sigma and staleness given).
 """
 
@@ -99,6 +100,7 @@ class Simulation:
     served: int = 0  # groups handed to the trainer
     training: bool = False
     next_tick: float = math.inf
+    slot_s: float = 0.0  # slot time spent on leases (a loser that stops: until told)
     free_slots: list[int] = field(default_factory=list)
     flight: dict[str, Copy] = field(default_factory=dict)  # lease id -> copy
     buffer: list[int] = field(default_factory=list)  # free-running: versions of complete groups, in order
@@ -181,6 +183,7 @@ class Simulation:
         if copy is None:  # abandoned when its place was filled
             return
         self.free_slots.append(copy.slot)
+        self.slot_s += self.now - copy.granted_at
         if copy.place is None:
             self.buffer.append(copy.version)
             return
@@ -192,7 +195,9 @@ class Simulation:
         for other in self.open_places.pop(copy.place):  # this copy and the losers: superseded
             self.opened.pop(other)
             if self.abandon and other != lease_id:
-                self.free_slots.append(self.flight.pop(other).slot)
+                loser = self.flight.pop(other)
+                self.free_slots.append(loser.slot)
+                self.slot_s += self.now - loser.granted_at
 
     def batch_ready(self) -> bool:
         s = self.setting
@@ -229,7 +234,12 @@ class Simulation:
                     self.next_tick = math.inf
             self.train()
             self.dispatch()
-        return {"busy": self.setting.steps * self.setting.step_s / self.now, "wall_s": self.now}
+        s = self.setting
+        groups = s.steps * s.groups_per_step
+        return {
+            "busy": s.steps * s.step_s / self.now, "wall_s": self.now,
+            "slot_s_per_group": (self.slot_s + sum(self.now - c.granted_at for c in self.flight.values())) / groups,
+        }
 
 
 def main() -> None:
@@ -255,13 +265,14 @@ def main() -> None:
             step_s=args.step_s, overhead_s=args.overhead_s, latency_median_s=args.latency_median_s,
             latency_sigma=sigma, max_staleness=staleness,
         )
-        busy, wall = {}, {}
+        busy, wall, work = {}, {}, {}
         for mode, options in MODES.items():
             runs = [Simulation(setting, seed, **options).run() for seed in range(args.seeds)]
             busy[mode] = round(statistics.mean(r["busy"] for r in runs), 3)
             wall[mode] = round(statistics.mean(r["wall_s"] for r in runs), 2)
+            work[mode] = round(statistics.mean(r["slot_s_per_group"] for r in runs), 3)
         case = {
-            "sigma": sigma, "max_staleness": staleness, "busy": busy, "wall_s": wall,
+            "sigma": sigma, "max_staleness": staleness, "busy": busy, "wall_s": wall, "slot_s_per_group": work,
             "busy_gap": {mode: round(busy["free_running"] - b, 3) for mode, b in busy.items() if mode != "free_running"},
         }
         print(json.dumps(case), flush=True)
