@@ -23,15 +23,15 @@ nothing else costing time. The rules are the real ones, imported: the lease budg
 
 Modes, per latency sigma (`--sigmas`) and staleness (`--staleness`): free-running;
 deterministic unhedged; hedged at the config's defaults (losers abandoned, as workers do when
-the lease answer tells them); the same with losers keeping their slots; and the narrower
-hedging of `max_copies` 2, `batches` 1 (losers abandoned).
+the lease answer tells them); wide hedging (`max_copies` 4, `batches` 2), with losers abandoned
+and with losers keeping their slots.
 
     PYTHONPATH=. .venv/bin/python benchmarks/schedule_bound.py --seeds 4
 
 Prints, as its last line, one JSON object: {"settings", "cases": [{"sigma", "max_staleness",
 "busy": {mode: fraction}, "wall_s": {mode: s}, "slot_s_per_group": {mode: slot seconds spent per group
 trained, copies and stale groups included: the generation work}, "busy_gap": {mode: free - mode}}],
-"busy_gap_hedged"} (the last for the first sigma and staleness given).
+"busy_gap_hedged", "busy_gap_wide"} (the last two for the first sigma and staleness given).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ MODES: dict[str, dict] = {
     "free_running": {"deterministic": False},
     "deterministic_unhedged": {"deterministic": True, "hedging": None},
     "deterministic_hedged": {"deterministic": True, "hedging": HedgingConfig(), "abandon": True},
-    "deterministic_hedged_keep": {"deterministic": True, "hedging": HedgingConfig()},
-    "deterministic_narrow": {"deterministic": True, "hedging": HedgingConfig(max_copies=2, batches=1), "abandon": True},
+    "deterministic_wide": {"deterministic": True, "hedging": HedgingConfig(max_copies=4, batches=2), "abandon": True},
+    "deterministic_wide_keep": {"deterministic": True, "hedging": HedgingConfig(max_copies=4, batches=2)},
 }
 
 
@@ -280,6 +280,7 @@ def main() -> None:
     print(json.dumps({
         "settings": vars(args), "cases": cases,
         "busy_gap_hedged": cases[0]["busy_gap"]["deterministic_hedged"],
+        "busy_gap_wide": cases[0]["busy_gap"]["deterministic_wide"],
     }))
 
 

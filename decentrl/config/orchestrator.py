@@ -205,10 +205,10 @@ class HedgingConfig(Section):
         "The last open place of the next batch is hedged at once.",
     )
     max_copies: int = Field(
-        4, ge=2, le=8, description="Leases of one place open at once (the first and its hedges), each on another worker."
+        2, ge=2, le=8, description="Leases of one place open at once (the first and its hedges), each on another worker."
     )
     batches: int = Field(
-        2, ge=1, le=16,
+        1, ge=1, le=16,
         description="Places of the next this many batches may be hedged by the time rule (1: only the batch the "
         "trainer takes next; more start hedging a batch's stragglers before the trainer waits for it).",
     )

@@ -30,13 +30,9 @@ def open_state(
     make_config: Any, tokenizer: PreTrainedTokenizerBase, clock: Any, tmp_path: Path
 ) -> Callable[..., RunState]:
     """`open_state(**config)`: a deterministic RunState (groups_per_step 2, max_staleness 1,
-    group_size 3; hedging `max_copies` 2 and `batches` 1 unless set) on the test's journal,
-    recovering what it holds; version 0 announced."""
+    group_size 3) on the test's journal, recovering what it holds; version 0 announced."""
 
     def make(**overrides: Any) -> RunState:
-        hedging = overrides.setdefault("orchestrator", {}).setdefault("hedging", {})
-        hedging.setdefault("max_copies", 2)
-        hedging.setdefault("batches", 1)
         config = make_config(deterministic=True, **overrides)
         journal = Journal(str(tmp_path / "journal.sqlite"), run_name=config.run_name)
         state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, clock=clock, journal=journal)
