@@ -70,7 +70,6 @@ class Hedges:
         last = (
             len(head_open) == 1 and places.cursor >= end and not any(head <= index < end for index in places.requeued)
         )
-        wait = self.wait
         due = []
         for index in hedged:
             copies = [places.leases[lease_id] for lease_id in places.open[index]]
@@ -78,8 +77,8 @@ class Hedges:
                 continue
             if last and index < end:
                 due.append((0.0, index))
-            elif wait is not None:
-                due.append((max(copy.granted_at for copy in copies) + wait, index))
+            elif self.wait is not None:
+                due.append((max(copy.granted_at for copy in copies) + self.wait, index))
         return due
 
     def pick(self, holder: str, count: int, places: Places) -> list[int]:
@@ -99,8 +98,8 @@ def hedge_wait(times: list[float], after: float) -> float | None:
 
     The mean residual life: a heavy tail (a log-normal's) grows it with the time out, so a lease
     out that long is likely a straggler and a fresh copy is expected to finish first; a light
-    tail shrinks it, and copies would only take slots from new places. benchmarks/schedule_bound.py
-    compares this rule with fixed multiples of the median over tails (docs/reproducibility.md)."""
+    tail shrinks it, and copies would only take slots from new places. docs/benchmarks.md ("What the
+    scheduling rules allow") compares it with fixed multiples of the median over tails."""
     threshold = after * statistics.median(times)
     found, longer, total = None, 0, 0.0
     for time_out in reversed(times):
