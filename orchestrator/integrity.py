@@ -30,7 +30,7 @@ import json
 import random
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from decentrl.config import VerificationConfig
@@ -191,9 +191,11 @@ class Integrity:
 
     # -- outcomes -------------------------------------------------------------------------
 
-    def reward_claimed(self, holder: str, claimed: float | None, reward: float) -> None:
-        if claimed is not None and abs(claimed - reward) > REWARD_MATCH:
-            self.record(holder).reward_mismatches += 1
+    def rewards_claimed(self, holder: str, samples: Iterable[tuple[Rollout, float]]) -> None:
+        """A group's final rewards against those its worker claimed (counted, never used)."""
+        for rollout, reward in samples:
+            if rollout.claimed_reward is not None and abs(rollout.claimed_reward - reward) > REWARD_MATCH:
+                self.record(holder).reward_mismatches += 1
 
     def rejected(self, holder: str, reason: str, count: int = 1) -> None:
         record = self.record(holder)

@@ -258,3 +258,8 @@ class ScoreQueue:
 
     def leased(self) -> int:
         return sum(len(entry.unscored) for entry in self.leases.values())
+
+    def summary(self) -> dict[str, int]:
+        """The gauges and the counts (/v1/status `scoring`, /metrics)."""
+        counts = {name: self.counts[name] for name in COUNTS}
+        return {"waiting": self.waiting(), "leased": self.leased(), "leases_open": len(self.leases), **counts}

@@ -2,16 +2,22 @@
 
 Plain synchronous code with no HTTP in it; the handlers (orchestrator/handlers.py) call it from
 the event loop (one thread, so no locks), as do orchestrator/service.py (which builds it),
-orchestrator/verification.py, orchestrator/metrics.py and benchmarks/. The parts, each in a file named for what it holds:
+orchestrator/verification.py, orchestrator/metrics.py and benchmarks/; what they read under the
+parts' names, and the /v1/status answer, is its base RunView (orchestrator/view.py). The parts,
+each in a file named for what it holds:
 
   lease_book  orchestrator/leases.py    prompt order, open leases and deadlines, the lease budget,
                                         the one lease-close path, closed leases remembered
   hedges      orchestrator/hedges.py    deterministic runs: which lagging places of the next batch
                                         get a second lease (None when off or free-running)
+  copies      orchestrator/copies.py    deterministic runs: a place filled, its losing copies'
+                                        samples compared with the winner's
   checks      orchestrator/checks.py    why a posted rollout is refused
   scorer      orchestrator/scoring.py   rewards recomputed with the task's verifier, combined with
                                         model scores
   score_queue orchestrator/score_queue.py  samples waiting for model scores, leased to scorers
+  score_stage orchestrator/score_stage.py  a model reward's stage: a group queued, scorers' posts
+                                        taken, rewards combined, the group let into line
   buffer      orchestrator/buffer.py    complete groups in line, groups held back for their check
   batches     orchestrator/batches.py   the trainer's side: its version moving on (stale groups
                                         evicted), batches with advantages, batches kept for re-asks
@@ -24,17 +30,18 @@ orchestrator/verification.py, orchestrator/metrics.py and benchmarks/. The parts
 
 The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
   1. dedupe   a rollout id already acknowledged is a duplicate, counted once; so is a sample of
-              a hedge's losing copy (its place filled by another copy, bit for bit the same)
+              a hedge's losing copy (its place filled by another copy, bit for bit the same:
+              copies.py compares them)
   2. check    checks.py gives a rejection reason (counted; a stale one drops its whole group)
   3. record   the sample joins its open lease; integrity keeps its content hash and may pick it
               for a logprob check; the journal records it
   4. score    when the group is full (and still fresh): scoring.py rewards each sample with the
               task's verifier; with a model reward its samples go to the score queue
-              (score_queue.py) for scorers to lease and score (`post_scores`)
+              (score_stage.py, score_queue.py) for scorers to lease and score (`post_scores`)
   5. line up  the group is held back, keeping its place, until its check is done (buffer.hold_back;
               orchestrator/verification.py reports through `verification_done`) and its model
-              scores are in (`post_scores`, rewards combined by scoring.py), or joins the line for
-              the trainer at once (buffer.to_ready)
+              scores are in (`post_scores`: score_stage.py combines the rewards with scoring.py),
+              or joins the line for the trainer at once (buffer.to_ready)
 then `take_batch` serves the front of the line as a batch (batches.py).
 
 Invariants:
@@ -52,7 +59,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -62,7 +68,6 @@ from decentrl.prompts import make_prompt_encoder
 from decentrl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
-from decentrl.tasks.guard import reward_failures
 from decentrl.wire import (
     IngestResponse,
     Lease,
@@ -74,23 +79,25 @@ from decentrl.wire import (
     ScorePost,
     ScoreRenewal,
     ScoreResult,
-    StatusResponse,
     TrainBatch,
 )
 from orchestrator.batches import Batches, pack_sample
 from orchestrator.buffer import Buffer, Group, VerifyJob
 from orchestrator.checks import IngestChecks
 from orchestrator.codec import Packed
+from orchestrator.copies import Copies
 from orchestrator.counters import Counters, Versions
 from orchestrator.hedges import Hedges, Places
-from orchestrator.integrity import Integrity, content_hash
+from orchestrator.integrity import Integrity
 from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.leases import LeaseBook, LeaseError, OpenLease, PromptQueue
 from orchestrator.recovery import meta_row, recover
-from orchestrator.score_queue import COUNTS, ScoreLeaseEntry, ScoreQueue
+from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
+from orchestrator.score_stage import ScoreStage
 from orchestrator.scoring import Scorer
 from orchestrator.tokens import make_decoder, make_encoder
 from orchestrator.verdicts import Verdicts
+from orchestrator.view import RunView
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -103,7 +110,7 @@ __all__ = ["LeaseError", "RunState", "VerifyJob"]
 log = logging.getLogger("decentrl.orchestrator.state")
 
 
-class RunState:
+class RunState(RunView):
     def __init__(
         self,
         *,
@@ -154,6 +161,7 @@ class RunState:
             Hedges(config=options.hedging, groups_per_step=config.trainer.groups_per_step, clock=clock)
             if config.deterministic and options.hedging.enabled else None
         )
+        self.copies = Copies(lease_book=self.lease_book, hedges=self.hedges, counters=self.counters, clock=clock)
         self.scorer = Scorer(
             task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt,
             steps=options.advantages.steps,
@@ -168,7 +176,10 @@ class RunState:
             config=options.rewards, journal=self.journal, clock=clock,
             alive=lambda group_id: self.buffer.waits_for(group_id, "scores"),
         )
-        self._scores_taken: dict[str, ScoreResult] = {}  # journaled scores, read at recovery
+        self.score_stage = ScoreStage(
+            config=config, versions=self.versions, scorer=self.scorer, score_queue=self.score_queue,
+            buffer=self.buffer, lease_book=self.lease_book, integrity=self.integrity,
+        )
         self.batches = Batches(
             config=config, versions=self.versions, counters=self.counters, lease_book=self.lease_book,
             buffer=self.buffer, integrity=self.integrity, journal=self.journal, clock=clock,
@@ -184,11 +195,11 @@ class RunState:
         self.journal.set_integrity_source(self.integrity.journal_changes)
         snapshot = self.journal.load()
         if snapshot.meta:
-            self._scores_taken = {rid: ScoreResult.model_validate_json(data) for rid, data in snapshot.scores.items()}
+            self.score_stage.taken = {rid: ScoreResult.model_validate_json(data) for rid, data in snapshot.scores.items()}
             recover(
                 snapshot, journal=self.journal, run_name=config.run_name, versions=self.versions, counters=self.counters,
                 lease_book=self.lease_book, buffer=self.buffer, batches=self.batches, integrity=self.integrity,
-                restore_steps=self._recover_steps,
+                restore_steps=self.score_stage.recover_steps,
             )
             self._redo_checks()
             log.info(
@@ -218,19 +229,7 @@ class RunState:
             if len(open_lease.samples) >= open_lease.lease.group_size:
                 self._complete(open_lease)
         if self.scorer.steps_config is None:  # kept for the kept batches' step scores, rebuilt when asked for
-            self._scores_taken = {}
-
-    def _recover_steps(self, group: Group) -> None:
-        """A group recovered in line or in a kept batch (orchestrator/recovery.py): its steps split
-        again, its step scores from the journal."""
-        if self.scorer.steps_config is None:
-            return  # no step scores in this run: nothing to read
-        rollouts = group.rollouts
-        steps = self.scorer.steps(rollouts)
-        assert steps is not None
-        group.step_ends = [s.ends for s in steps]
-        results = [self._scores_taken.get(rollout.rollout_id) for rollout in rollouts]
-        group.step_scores = [result.step_scores if result is not None else None for result in results]
+            self.score_stage.taken = {}
 
     # -- leases (orchestrator/leases.py) ------------------------------------------------------
 
@@ -290,10 +289,8 @@ class RunState:
             if rollout.rollout_id in self.lease_book.seen_rollout_ids or rollout.rollout_id in journaled:  # 1. dedupe
                 duplicates += 1
                 continue
-            if self.config.deterministic and self.lease_book.lost_copy(rollout.lease_id, holder):
+            if self.config.deterministic and self.copies.lost(rollout, holder):  # a losing copy's (copies.py)
                 duplicates += 1
-                self.counters.hedge_duplicates += 1
-                self._compare_copy(rollout, self.lease_book.winners.get(rollout.lease_id))
                 continue
             verdict = self.checks.check(rollout, holder)  # 2. check
             if verdict.reason is not None:
@@ -342,56 +339,26 @@ class RunState:
         model = self.config.orchestrator.rewards.uses_model
         # A deterministic run's groups take their place in line from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
-        rewards = verifier if verifier is not None else [0.0] * len(samples)  # final once scored (`_scored`)
+        rewards = verifier if verifier is not None else [0.0] * len(samples)  # final once scored (score_stage.py)
         group = Group.of(lease.lease_id, lease.prompt_id, samples, rewards, open_lease.packed, seq)
         self.lease_book.close(lease.lease_id, "complete")
         if lease.index is not None:
-            self._filled(lease.index, open_lease)
+            self.copies.filled(lease.index, open_lease)
         check = VerifyJob(lease.lease_id, [samples[i] for i in open_lease.check], open_lease.holder) if open_lease.check else None
         if not model:
-            self._claimed(group, open_lease.holder)
+            self.integrity.rewards_claimed(open_lease.holder, group.samples)
         if check is None and not model:
             self.buffer.to_ready(group)
             return
         group.verifier_rewards = verifier
         self.buffer.hold_back(group, check=check, scores=model)
-        steps = self.scorer.steps(samples) if model else None
-        group.step_ends = [s.ends for s in steps] if steps is not None else None
-        if model and self.score_queue.add(lease.lease_id, self.scorer.items(samples, steps), self._scores_taken):
-            self._scored(lease.lease_id)  # recovered with every score already taken
+        if model:
+            self.score_stage.wait(group, samples)
 
-    def _filled(self, index: int, winner: OpenLease) -> None:
-        """Deterministic runs: place `index` is complete; its other copies (hedges) lose, their
-        samples so far compared with the winner's."""
-        if self.hedges is not None:
-            self.hedges.completed(self.clock() - winner.granted_at)
-        copies = self.lease_book.places.get(index)
-        if not copies:
-            return
-        hashes = [content_hash(sample) for sample in sorted(winner.samples, key=lambda sample: sample.sample_index or 0)]
-        for lease_id in copies:
-            for sample in self.lease_book.open[lease_id].samples:
-                self._compare_copy(sample, hashes)
-        self.lease_book.supersede(index, hashes)
+    def _fresh(self, version: int) -> bool:
+        return is_fresh(self.versions.trainer, version, self.config.max_staleness)
 
-    def _compare_copy(self, sample: Rollout, winner: list[bytes] | None) -> None:
-        """A sample of a hedge's losing copy against the winner's sample of the same index: both
-        honest copies are bit for bit the same on one machine type; a difference is counted and
-        logged, not a strike (other hardware rounds differently: docs/reproducibility.md)."""
-        if winner is None or sample.sample_index is None or sample.sample_index >= len(winner):
-            return  # the winner is forgotten (a restart), or the sample names no valid index
-        if content_hash(sample) != winner[sample.sample_index]:
-            self.counters.hedge_mismatches += 1
-            log.warning(
-                "hedge: sample %d of lease %s (%s) differs from the copy that filled its place",
-                sample.sample_index, sample.lease_id, sample.worker_id,
-            )
-
-    def _claimed(self, group: Group, holder: str) -> None:
-        for rollout, reward in group.samples:
-            self.integrity.reward_claimed(holder, rollout.claimed_reward, reward)
-
-    # -- scorers (orchestrator/score_queue.py; the scoring stage of a model reward) -------------
+    # -- scorers (orchestrator/score_queue.py, score_stage.py: a model reward) -------------------
 
     def lease_scores(self, holder: str, max_items: int) -> ScoreLeaseEntry | None:
         return self.score_queue.lease(holder, max_items)
@@ -400,37 +367,8 @@ class RunState:
         return self.score_queue.renew(lease_id, holder)
 
     def post_scores(self, holder: str, body: ScorePost) -> ScoreAck:
-        """Take a scorer's post (all or nothing: ScoreError, or a LeaseError for a lease it cannot
-        use); the groups it completes combine their rewards and join the line (or are dropped:
-        stale, or a judge reply that did not parse)."""
-        ack, done = self.score_queue.post(holder, body)
-        for group_id in done:
-            self._scored(group_id)
-        return ack
-
-    def _scored(self, group_id: str) -> None:
-        results = self.score_queue.take(group_id)
-        group = self.buffer.pending.get(group_id)
-        if group is None:
-            return  # dropped while its scores came in
-        rewards = self.scorer.combine(group.verifier_rewards, results)
-        if rewards is None:  # a judge reply that did not parse, on_parse_failure = drop
-            self.buffer.release_held_back(lambda g: g.lease_id == group_id)
-            self.lease_book.close(group_id, "dropped", reason="judge_parse_failure", counted=group.size)
-            return
-        group.rewards = rewards
-        if group.step_ends is not None:
-            group.step_scores = [result.step_scores for result in results]
-        self._claimed(group, self.lease_book.closed[group_id].holder)
-        if self.buffer.done_waiting(group_id, "scores") is None:
-            return  # it still waits for its logprob check
-        if self._fresh(group.oldest_version):
-            self.buffer.to_ready(group)
-        else:
-            self.lease_book.close(group_id, "dropped", reason="stale_waiting_scores", counted=group.size)
-
-    def _fresh(self, version: int) -> bool:
-        return is_fresh(self.versions.trainer, version, self.config.max_staleness)
+        """A scorer's post, taken by the scoring stage (score_stage.py)."""
+        return self.score_stage.post(holder, body)
 
     # -- verdicts on workers (orchestrator/verdicts.py; the app runs the verification loop) -----
 
@@ -479,117 +417,3 @@ class RunState:
     def forget_closed(self, limit: int = 10_000) -> int:
         """Forget leases closed more than `dedupe_window_s` ago (and their rollout ids)."""
         return self.lease_book.forget_closed(in_batches=self.batches.leases, limit=limit)
-
-    @property
-    def buffer_limit(self) -> int:
-        return self.config.orchestrator.max_buffer_groups
-
-    def buffer_full(self) -> bool:
-        return len(self.buffer.ready) >= self.buffer_limit
-
-    def status(self) -> StatusResponse:
-        counters, rewards = self.counters, list(self.counters.recent_rewards)
-        return StatusResponse(
-            run_name=self.config.run_name,
-            policy_version=self.versions.published,
-            trainer_version=self.versions.trainer,
-            rollouts_accepted=counters.rollouts_accepted,
-            rollouts_rejected=dict(counters.rejected),
-            stale_dropped=counters.stale_dropped,
-            groups_ready=len(self.buffer.ready),
-            groups_served=counters.groups_served,
-            leases_active=len(self.lease_book.open),
-            leases_expired=counters.leases_expired,
-            hedged_leases=counters.hedged_leases,
-            hedge_duplicates=counters.hedge_duplicates,
-            hedge_mismatches=counters.hedge_mismatches,
-            hedge_copies_told=counters.hedge_copies_told,
-            reward_mean_recent=sum(rewards) / len(rewards) if rewards else None,
-            uptime_s=self.clock() - self.started_at,
-            rollouts_duplicate=counters.duplicates,
-            dropped=dict(counters.dropped),
-            buffer_limit=self.buffer_limit,
-            journal=self.journal.durable,
-            recoveries=counters.recoveries,
-            groups_verifying=self.buffer.held_back_for("check"),
-            groups_scoring=self.buffer.held_back_for("scores"),
-            scoring=self.scoring_summary() if self.config.orchestrator.rewards.uses_model else None,
-            workers=self.integrity.summary(),
-            reward_failures=reward_failures(self.task),
-        )
-
-    def scoring_summary(self) -> dict[str, int]:
-        """The score queue's gauges and counts (/v1/status, /metrics)."""
-        queue = self.score_queue
-        counts = {name: queue.counts[name] for name in COUNTS}
-        return {"waiting": queue.waiting(), "leased": queue.leased(), "leases_open": len(queue.leases), **counts}
-
-    # -- the parts' state under the names app.py, metrics.py, benchmarks and tests read ---------
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.checks.sampling
-
-    @sampling.setter
-    def sampling(self, value: SamplingParams) -> None:
-        self.checks.sampling = value
-
-    @property
-    def published_version(self) -> int | None:
-        return self.versions.published
-
-    @property
-    def trainer_version(self) -> int:
-        return self.versions.trainer
-
-    @property
-    def leases(self) -> dict[str, OpenLease]:
-        return self.lease_book.open
-
-    @property
-    def ready(self) -> deque[Group]:
-        return self.buffer.ready
-
-    @property
-    def pending(self) -> dict[str, Group]:
-        return self.buffer.pending
-
-    @property
-    def verify_queue(self) -> deque[VerifyJob]:
-        return self.buffer.verify_queue
-
-    @verify_queue.setter
-    def verify_queue(self, value: deque[VerifyJob]) -> None:
-        self.buffer.verify_queue = value
-
-    @property
-    def rollouts_accepted(self) -> int:
-        return self.counters.rollouts_accepted
-
-    @property
-    def rejected(self) -> Counter[str]:
-        return self.counters.rejected
-
-    @property
-    def dropped(self) -> Counter[str]:
-        return self.counters.dropped
-
-    @property
-    def stale_dropped(self) -> int:
-        return self.counters.stale_dropped
-
-    @property
-    def groups_served(self) -> int:
-        return self.counters.groups_served
-
-    @property
-    def leases_expired(self) -> int:
-        return self.counters.leases_expired
-
-    @property
-    def _prompt_order(self) -> list[int]:  # tests/orchestrator/test_orchestrator_journal.py
-        return self.lease_book.prompts.order
-
-    @property
-    def _requeued(self) -> deque[int]:  # tests/orchestrator/test_orchestrator_journal.py
-        return self.lease_book.prompts.requeued
