@@ -152,8 +152,10 @@ def test_json_verdicts_with_step_scores(judge: tuple[FakeJudge, str]) -> None:
     steps, short = backend.score([item("json_steps", ["1 2", "3"]), item("json_short", ["1", "2 3"])])
     assert steps.score == pytest.approx(0.8) and steps.step_scores == pytest.approx([0.2, 1.0])
     assert short.score == pytest.approx(0.6) and short.step_scores == pytest.approx([0.1, 0.3]) and short.retries == 1
-    assert "Steps:\n1. 1 2\n2. 3\n" in fake.bodies[0]["messages"][0]["content"]
-    assert '{"verdict": {"score": 0-10}' in fake.bodies[0]["messages"][0]["content"]  # literal braces kept
+    # The two items are judged concurrently: find the first's request by its content, not its order.
+    (sent,) = {b["messages"][0]["content"] for b in fake.bodies if "case=json_steps" in b["messages"][0]["content"]}
+    assert "Steps:\n1. 1 2\n2. 3\n" in sent
+    assert '{"verdict": {"score": 0-10}' in sent  # literal braces kept
 
 
 def test_render_prompt_fills_each_placeholder_once() -> None:
