@@ -24,7 +24,9 @@ reports its trainer busy fraction and time to target against the free-running on
 --hedge-after, --max-copies, --hedge-batches, --no-hedging set it (orchestrator/hedges.py). --skip-sync leaves the synchronous run out
 (its figures and ratios are then null), for measuring only that cost. Every run also reports the
 trainer's compute and wait per step (after the first batch): on a machine where the workers'
-generation shares the trainer's cores, a trainer slowed by it looks busier. --pin-trainer gives
+generation shares the trainer's cores, a trainer slowed by it looks busier. And the machine's
+load over the same window: `cores_busy`, the cores the run's processes kept busy, and
+`cpu_s_by_role`, each role's CPU seconds (sampled from /proc: Linux). --pin-trainer gives
 the trainer core 0 and every other role the remaining cores, as a deployment gives the trainer
 its own accelerator.
 
@@ -101,6 +103,44 @@ def worker_pid(run_dir: Path, name: str) -> int | None:
     return next(iter(role_pids(run_dir, "worker", name)), None)
 
 
+class RoleCpu:
+    """CPU seconds of a run's processes by role (Linux /proc), sampled as the run goes, over the
+    window from the trainer's first step to its last: on a machine where every role shares the
+    cores, `cores_busy` near the core count means copies of work can only come out of another
+    role's time. A process's CPU after its last sample (at most one poll) is not counted."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.seen: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds so far)
+        self.marks: list[tuple[float, dict[str, float]]] = []  # (time, CPU seconds by role)
+
+    def sample(self) -> None:
+        ticks = os.sysconf("SC_CLK_TCK")
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0")]
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended meanwhile
+                continue
+            if str(self.run_dir) in " ".join(argv) and "decentrl" in argv[:-1]:
+                role = argv[argv.index("decentrl") + 1]  # run, orchestrator, trainer (torchrun and ranks), worker, ...
+                self.seen[int(entry.name)] = (role, (int(fields[11]) + int(fields[12])) / ticks)  # utime + stime
+
+    def mark(self) -> None:
+        """One end of the window: now, and the CPU seconds by role so far."""
+        totals: dict[str, float] = {}
+        for role, seconds in self.seen.values():
+            totals[role] = totals.get(role, 0.0) + seconds
+        self.marks.append((time.time(), totals))
+
+    def window(self) -> dict:
+        (t0, start), (t1, end) = self.marks[0], self.marks[-1]
+        used = {role: round(seconds - start.get(role, 0.0), 2) for role, seconds in end.items()}
+        return {"cpu_s_by_role": used, "cores_busy": sum(used.values()) / (t1 - t0) if t1 > t0 else None}
+
+
 TRAINER_CPUS = {0}  # --pin-trainer: the trainer's core; the run's other processes get the rest
 
 
@@ -128,8 +168,14 @@ def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: 
         preexec_fn=(lambda: os.sched_setaffinity(0, others)) if args.pin_trainer else None,
     )
     killed_at = None
+    cpu = RoleCpu(run_dir)
     while process.poll() is None:
         time.sleep(0.5)
+        if len(cpu.marks) < 2:
+            cpu.sample()
+            steps_done = len(read_metrics(run_dir))
+            if (steps_done >= 1 and not cpu.marks) or steps_done >= args.steps:
+                cpu.mark()
         if args.pin_trainer:
             pin_trainer(run_dir)  # again every poll: threads started since are pinned too
         if scenario == "killed_worker" and killed_at is None:
@@ -144,6 +190,7 @@ def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: 
         raise SystemExit(f"{name}: worker-1 was never killed (the run ended first); try more --steps. See {log.name}")
     result = summarize(args, read_metrics(run_dir), json.loads((run_dir / "status.json").read_text()), killed_at)
     result["run_dir"] = str(run_dir)
+    result.update(cpu.window() if len(cpu.marks) == 2 else {"cpu_s_by_role": {}, "cores_busy": None})
     result["copies_abandoned"] = copies_abandoned(run_dir)
     result["eval_final"] = final = evaluate_version(args, run_dir, args.steps)
     result["eval_final_reward"], result["eval_final_stderr"] = final["reward_mean"], final["reward_stderr"]
@@ -240,13 +287,18 @@ def aggregate(runs: list[dict]) -> dict:
             histogram[lag] = histogram.get(lag, 0) + count
     reached = [run["time_to_target_s"] for run in runs]
     return {
-        **{k: mean([run[k] for run in runs]) for k, v in first.items() if isinstance(v, float) and k not in ("time_to_target_s", "worker_killed_at_s")},
+        **{k: mean([run[k] for run in runs]) for k, v in first.items() if isinstance(v, float) and k not in ("time_to_target_s", "worker_killed_at_s", "cores_busy")},
         "time_to_target_s": mean(reached) if None not in reached else None,
         "target_reached": f"{sum(t is not None for t in reached)}/{len(runs)} seeds",
         "staleness_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
         "leases_expired": sum(run["leases_expired"] for run in runs),
         **{key: sum(run[key] for run in runs) for key in ("hedged_leases", "hedge_duplicates", "hedge_mismatches", "hedge_copies_told", "copies_abandoned")},
         "worker_killed_at_s": [run["worker_killed_at_s"] for run in runs] if first["worker_killed_at_s"] else None,
+        "cores_busy": mean([run["cores_busy"] for run in runs]) if None not in [run["cores_busy"] for run in runs] else None,
+        "cpu_s_by_role": {
+            role: round(mean([run["cpu_s_by_role"].get(role, 0.0) for run in runs]), 2)
+            for role in sorted({role for run in runs for role in run["cpu_s_by_role"]})
+        },
     }
 
 
@@ -393,6 +445,12 @@ def main() -> None:
                 "trainer_compute_s_per_step_deterministic": fixed["trainer_compute_s_per_step"],
                 "trainer_wait_s_per_step_free": free["trainer_wait_s_per_step"],
                 "trainer_wait_s_per_step_deterministic": fixed["trainer_wait_s_per_step"],
+                # The machine: cores the run's processes kept busy from the trainer's first step to its
+                # last, and each role's CPU seconds in that window (RoleCpu).
+                "cores_busy_free": free["cores_busy"],
+                "cores_busy_deterministic": fixed["cores_busy"],
+                "cpu_s_by_role_free": free["cpu_s_by_role"],
+                "cpu_s_by_role_deterministic": fixed["cpu_s_by_role"],
                 "samples_per_s_free": free["samples_per_s"],
                 "samples_per_s_deterministic": fixed["samples_per_s"],
                 "leases_expired_deterministic": fixed["leases_expired"],
@@ -402,7 +460,7 @@ def main() -> None:
                 "hedge_copies_told": fixed["hedge_copies_told"],
                 "copies_abandoned": fixed["copies_abandoned"],
                 "per_seed": [
-                    {mode: {k: s[mode][k] for k in ("trainer_busy_fraction", "time_to_target_s", "wall_s", "hedged_leases", "hedge_duplicates", "hedge_copies_told", "copies_abandoned")}
+                    {mode: {k: s[mode][k] for k in ("trainer_busy_fraction", "time_to_target_s", "wall_s", "cores_busy", "hedged_leases", "hedge_duplicates", "hedge_copies_told", "copies_abandoned")}
                      for mode in ("async", "async_deterministic")}
                     for s in seeds
                 ],

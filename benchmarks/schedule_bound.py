@@ -24,14 +24,19 @@ nothing else costing time. The rules are the real ones, imported: the lease budg
 Modes, per latency sigma (`--sigmas`) and staleness (`--staleness`): free-running;
 deterministic unhedged; hedged at the config's defaults (losers abandoned, as workers do when
 the lease answer tells them); wide hedging (`max_copies` 4, `batches` 2), with losers abandoned
-and with losers keeping their slots.
+and with losers keeping their slots. `--stream-groups N` adds free-running, hedged and wide
+again with a trainer that does not wait for the whole batch: each N groups' forward and
+backward start as soon as those groups are there, in batch order (a deterministic run's
+gradients must add up in a fixed order), and only the optimizer's share of the step
+(`--optimizer-fraction`) waits for the last group. The real trainer does not do this; it asks
+whether it would pay.
 
     PYTHONPATH=. .venv/bin/python benchmarks/schedule_bound.py --seeds 4
 
 Prints, as its last line, one JSON object: {"settings", "cases": [{"sigma", "max_staleness",
 "busy": {mode: fraction}, "wall_s": {mode: s}, "slot_s_per_group": {mode: slot seconds spent per group
-trained, copies and stale groups included: the generation work}, "busy_gap": {mode: free - mode}}],
-"busy_gap_hedged", "busy_gap_wide"} (the last two for the first sigma and staleness given).
+trained, copies and stale groups included: the generation work}, "busy_gap": {mode: free - mode, a streamed mode against
+free_running_streamed}}], "busy_gap_hedged", "busy_gap_wide"} (the last two for the first sigma and staleness given).
 """
 
 from __future__ import annotations
@@ -93,12 +98,15 @@ class Simulation:
     deterministic: bool
     hedging: HedgingConfig | None = None
     abandon: bool = False
+    stream: int = 0  # > 0: the trainer computes a step's groups `stream` at a time as they arrive (below)
+    optimizer_fraction: float = 0.1  # of step_s, the part that needs the whole batch (clip, step, publish)
     now: float = 0.0
     events: list[tuple[float, int, str, object]] = field(default_factory=list)
     published: int = 0
     step: int = 0  # steps finished (the version published)
     served: int = 0  # groups handed to the trainer
     training: bool = False
+    chunks_done: int = 0  # streaming: groups of the current step computed
     next_tick: float = math.inf
     slot_s: float = 0.0  # slot time spent on leases (a loser that stops: until told)
     free_slots: list[int] = field(default_factory=list)
@@ -199,24 +207,41 @@ class Simulation:
                 self.free_slots.append(loser.slot)
                 self.slot_s += self.now - loser.granted_at
 
-    def batch_ready(self) -> bool:
+    def take(self, groups: int) -> bool:
+        """The next `groups` groups for the trainer, if they are there: the next places in order
+        (deterministic) or the first complete fresh groups (free-running)."""
         s = self.setting
         if self.deterministic:
-            return all(place in self.filled for place in range(self.served, self.served + s.groups_per_step))
-        self.buffer = [v for v in self.buffer if self.step - v <= s.max_staleness]  # stale groups dropped
-        return len(self.buffer) >= s.groups_per_step
+            places = set(range(self.served, self.served + groups))
+            if not places <= self.filled:
+                return False
+            self.filled -= places
+        else:
+            self.buffer = [v for v in self.buffer if self.step - v <= s.max_staleness]  # stale groups dropped
+            if len(self.buffer) < groups:
+                return False
+            del self.buffer[:groups]
+        self.served += groups
+        return True
 
     def train(self) -> None:
+        """Whole batches: step s starts once all of it is there. Streaming (`stream` > 0): the
+        forward and backward of each `stream` groups start as soon as they are there, in order
+        (a fixed summation order, so a deterministic run's gradient stays the same bits), and the
+        optimizer's share of the step once the whole batch is computed."""
         s = self.setting
-        if self.training or self.step >= s.steps or not self.batch_ready():
+        if self.training or self.step >= s.steps:
             return
-        if self.deterministic:
-            self.filled -= set(range(self.served, self.served + s.groups_per_step))
-        else:
-            del self.buffer[: s.groups_per_step]
-        self.served += s.groups_per_step
-        self.training = True
-        self.push(self.now + s.step_s, "trained")
+        if not self.stream:
+            if self.take(s.groups_per_step):
+                self.training = True
+                self.push(self.now + s.step_s, "trained")
+        elif self.chunks_done == s.groups_per_step:
+            self.training = True
+            self.push(self.now + s.step_s * self.optimizer_fraction, "trained")
+        elif self.take(self.stream):
+            self.training = True
+            self.push(self.now + s.step_s * (1 - self.optimizer_fraction) * self.stream / s.groups_per_step, "computed")
 
     def run(self) -> dict[str, float]:
         self.dispatch()
@@ -226,8 +251,12 @@ class Simulation:
                 _, _, kind, payload = heapq.heappop(self.events)
                 if kind == "done":
                     self.finish(str(payload))
+                elif kind == "computed":
+                    self.training = False
+                    self.chunks_done += self.stream
                 elif kind == "trained":
                     self.training = False
+                    self.chunks_done = 0
                     self.step += 1
                     self.published = self.step
                 elif kind == "tick" and self.now >= self.next_tick:
@@ -254,7 +283,19 @@ def main() -> None:
     parser.add_argument("--sigmas", default="1.0,0.5,0.25,0.0", help="Latency sigmas, a comma list.")
     parser.add_argument("--staleness", default="2,4", help="max_staleness values, a comma list.")
     parser.add_argument("--seeds", type=int, default=4, help="Runs per case; figures are means.")
+    parser.add_argument(
+        "--stream-groups", type=int, default=0,
+        help="Also simulate a trainer that computes each N groups of a step as soon as they are there, in order "
+        "(modes *_streamed, compared with free_running_streamed); 0: not. Must divide --groups-per-step.",
+    )
+    parser.add_argument("--optimizer-fraction", type=float, default=0.1, help="Streaming: the share of --step-s that needs the whole batch.")
     args = parser.parse_args()
+    if args.stream_groups < 0 or (args.stream_groups and args.groups_per_step % args.stream_groups):
+        raise SystemExit(f"--stream-groups {args.stream_groups} must be 0 or divide --groups-per-step {args.groups_per_step}")
+    modes = dict(MODES)
+    if args.stream_groups:
+        streamed = {"stream": args.stream_groups, "optimizer_fraction": args.optimizer_fraction}
+        modes |= {f"{mode}_streamed": {**MODES[mode], **streamed} for mode in ("free_running", "deterministic_hedged", "deterministic_wide")}
 
     cases = []
     for sigma, staleness in itertools.product(
@@ -266,14 +307,17 @@ def main() -> None:
             latency_sigma=sigma, max_staleness=staleness,
         )
         busy, wall, work = {}, {}, {}
-        for mode, options in MODES.items():
+        for mode, options in modes.items():
             runs = [Simulation(setting, seed, **options).run() for seed in range(args.seeds)]
             busy[mode] = round(statistics.mean(r["busy"] for r in runs), 3)
             wall[mode] = round(statistics.mean(r["wall_s"] for r in runs), 2)
             work[mode] = round(statistics.mean(r["slot_s_per_group"] for r in runs), 3)
         case = {
             "sigma": sigma, "max_staleness": staleness, "busy": busy, "wall_s": wall, "slot_s_per_group": work,
-            "busy_gap": {mode: round(busy["free_running"] - b, 3) for mode, b in busy.items() if mode != "free_running"},
+            "busy_gap": {
+                mode: round(busy["free_running_streamed" if mode.endswith("_streamed") else "free_running"] - b, 3)
+                for mode, b in busy.items() if not mode.startswith("free_running")
+            },
         }
         print(json.dumps(case), flush=True)
         cases.append(case)
