@@ -35,7 +35,9 @@ whether it would pay.
 
 Prints, as its last line, one JSON object: {"settings", "cases": [{"sigma", "max_staleness",
 "busy": {mode: fraction}, "wall_s": {mode: s}, "slot_s_per_group": {mode: slot seconds spent per group
-trained, copies and stale groups included: the generation work}, "busy_gap": {mode: free - mode, a streamed mode against
+trained, copies and stale groups included: the generation work}, "leases_per_group": {mode: leases
+granted per group trained, copies included: where every lease's generation costs CPU whether
+or not its copy loses, as in async_vs_sync.py's workers, the CPU work}, "busy_gap": {mode: free - mode, a streamed mode against
 free_running_streamed}}], "busy_gap_hedged", "busy_gap_wide"} (the last two for the first sigma and staleness given).
 """
 
@@ -109,6 +111,7 @@ class Simulation:
     chunks_done: int = 0  # streaming: groups of the current step computed
     next_tick: float = math.inf
     slot_s: float = 0.0  # slot time spent on leases (a loser that stops: until told)
+    leases: int = 0  # leases granted, copies included
     free_slots: list[int] = field(default_factory=list)
     flight: dict[str, Copy] = field(default_factory=dict)  # lease id -> copy
     buffer: list[int] = field(default_factory=list)  # free-running: versions of complete groups, in order
@@ -154,6 +157,7 @@ class Simulation:
 
     def start(self, slot: int, place: int | None, version: int) -> None:
         lease_id = f"l{next(self.ids)}"
+        self.leases += 1
         copy = Copy(slot, self.holder(slot), place, version, self.now, lease_id)
         self.flight[lease_id] = copy
         if place is not None:
@@ -268,6 +272,7 @@ class Simulation:
         return {
             "busy": s.steps * s.step_s / self.now, "wall_s": self.now,
             "slot_s_per_group": (self.slot_s + sum(self.now - c.granted_at for c in self.flight.values())) / groups,
+            "leases_per_group": self.leases / groups,
         }
 
 
@@ -306,14 +311,15 @@ def main() -> None:
             step_s=args.step_s, overhead_s=args.overhead_s, latency_median_s=args.latency_median_s,
             latency_sigma=sigma, max_staleness=staleness,
         )
-        busy, wall, work = {}, {}, {}
+        busy, wall, work, leases = {}, {}, {}, {}
         for mode, options in modes.items():
             runs = [Simulation(setting, seed, **options).run() for seed in range(args.seeds)]
             busy[mode] = round(statistics.mean(r["busy"] for r in runs), 3)
             wall[mode] = round(statistics.mean(r["wall_s"] for r in runs), 2)
             work[mode] = round(statistics.mean(r["slot_s_per_group"] for r in runs), 3)
+            leases[mode] = round(statistics.mean(r["leases_per_group"] for r in runs), 3)
         case = {
-            "sigma": sigma, "max_staleness": staleness, "busy": busy, "wall_s": wall, "slot_s_per_group": work,
+            "sigma": sigma, "max_staleness": staleness, "busy": busy, "wall_s": wall, "slot_s_per_group": work, "leases_per_group": leases,
             "busy_gap": {
                 mode: round(busy["free_running_streamed" if mode.endswith("_streamed") else "free_running"] - b, 3)
                 for mode, b in busy.items() if not mode.startswith("free_running")
