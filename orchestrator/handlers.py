@@ -122,6 +122,9 @@ async def info(request: web.Request) -> web.Response:
     )
 
 
+LEASE_RECHECK_S = 0.5  # a waiting lease request looks again at least this often (expiries wake no one)
+
+
 async def leases(request: web.Request) -> web.Response:
     body = await parse_body(request, LeaseRequest)
     state = request.app[STATE]
@@ -140,7 +143,7 @@ async def leases(request: web.Request) -> web.Response:
             remaining = deadline - loop.time()
             if remaining <= 0 or request.app[STOPPING].is_set():
                 break
-            timeout = min(remaining, 0.5)  # every 0.5 s at least: leases expire unannounced
+            timeout = min(remaining, LEASE_RECHECK_S)  # leases expire unannounced
             if (hedge := state.hedge_due_in(holder)) is not None:
                 timeout = min(timeout, hedge + 0.001)
             with contextlib.suppress(asyncio.TimeoutError):

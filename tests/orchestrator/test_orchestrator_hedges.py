@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from decentrl.config import ConfigError
 from decentrl.tasks import build_task
 from decentrl.wire import Lease, LeaseRequest, LeaseResponse, Rollout, RolloutBatch
+from orchestrator import handlers
 from orchestrator.auth import TokenRegistry
 from orchestrator.hedges import MIN_RECENT, hedge_wait
 from orchestrator.journal import Journal
@@ -286,10 +287,13 @@ def two_workers(tmp_path: Path) -> TokenRegistry:
 
 
 def test_a_waiting_worker_gets_the_straggler_the_moment_it_is_the_last(
-    make_config: Any, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, serve_orchestrator: Any, group: Any
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, serve_orchestrator: Any, group: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Over HTTP: bob's lease long-poll (nothing to grant) is woken by alice's post that leaves
-    place 0 the last open place of the next batch, and answered with a copy of it."""
+    place 0 the last open place of the next batch, and answered with a copy of it. The periodic
+    re-check is pushed past the long-poll's end, so only the post's wake-up can answer it."""
+    monkeypatch.setattr(handlers, "LEASE_RECHECK_S", 60.0)
     config = make_config(deterministic=True, orchestrator={"lease_wait_s": 10.0})
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     state.announce(0)
@@ -307,7 +311,7 @@ def test_a_waiting_worker_gets_the_straggler_the_moment_it_is_the_last(
             await asyncio.to_thread(alice.post_rollouts, RolloutBatch(rollouts=group(state, leases[1], "w0")))
             (copy,) = (await waiting).leases
             assert copy.index == 0 and copy.prompt_id == leases[0].prompt_id
-            assert loop.time() - posted < 0.4  # woken by the post, not by the 0.5 s re-check
+            assert loop.time() - posted < 5.0  # woken by the post: no re-check before the 10 s long-poll ends
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
 
