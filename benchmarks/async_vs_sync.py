@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,18 +86,21 @@ def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int,
     return config
 
 
-def role_pids(run_dir: Path, *args: str) -> list[int]:
-    """The run's processes whose command line has every one of `args` (Linux /proc)."""
-    pids = []
+def run_processes(run_dir: Path) -> Iterator[tuple[Path, list[bytes]]]:
+    """The run's processes (Linux /proc): each one's /proc entry and command line."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
+            except OSError:  # ended meanwhile
                 continue
-            if all(arg.encode() in cmdline for arg in args) and str(run_dir).encode() in b" ".join(cmdline):
-                pids.append(int(entry.name))
-    return pids
+            if str(run_dir).encode() in b" ".join(cmdline):
+                yield entry, cmdline
+
+
+def role_pids(run_dir: Path, *args: str) -> list[int]:
+    """The run's processes whose command line has every one of `args`."""
+    return [int(entry.name) for entry, cmdline in run_processes(run_dir) if all(arg.encode() in cmdline for arg in args)]
 
 
 def worker_pid(run_dir: Path, name: str) -> int | None:
@@ -116,17 +120,15 @@ class RoleCpu:
 
     def sample(self) -> None:
         ticks = os.sysconf("SC_CLK_TCK")
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
+        for entry, cmdline in run_processes(self.run_dir):
+            if b"decentrl" not in cmdline[:-1]:
                 continue
             try:
-                argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0")]
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:  # ended meanwhile
                 continue
-            if str(self.run_dir) in " ".join(argv) and "decentrl" in argv[:-1]:
-                role = argv[argv.index("decentrl") + 1]  # run, orchestrator, trainer (torchrun and ranks), worker, ...
-                self.seen[int(entry.name)] = (role, (int(fields[11]) + int(fields[12])) / ticks)  # utime + stime
+            role = cmdline[cmdline.index(b"decentrl") + 1].decode(errors="replace")  # run, orchestrator, trainer (torchrun and ranks), worker, ...
+            self.seen[int(entry.name)] = (role, (int(fields[11]) + int(fields[12])) / ticks)  # utime + stime
 
     def mark(self) -> None:
         """One end of the window: now, and the CPU seconds by role so far."""
@@ -171,15 +173,14 @@ def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: 
     cpu = RoleCpu(run_dir)
     while process.poll() is None:
         time.sleep(0.5)
+        steps_done = len(read_metrics(run_dir))
         if len(cpu.marks) < 2:
             cpu.sample()
-            steps_done = len(read_metrics(run_dir))
             if (steps_done >= 1 and not cpu.marks) or steps_done >= args.steps:
                 cpu.mark()
         if args.pin_trainer:
             pin_trainer(run_dir)  # again every poll: threads started since are pinned too
         if scenario == "killed_worker" and killed_at is None:
-            steps_done = len(read_metrics(run_dir))
             pid = worker_pid(run_dir, "worker-1")
             if steps_done >= args.steps // 3 and pid is not None:
                 os.kill(pid, signal.SIGKILL)
