@@ -3,15 +3,23 @@
 Called by `decentrl worker` (decentrl/cli/main.py) with the config already loaded and its
 `--set` overrides applied. Builds the backend `[worker] backend` names, the orchestrator client
 and the `Worker` (workers/worker.py), then runs it until SIGTERM. torch and the backends are
-imported here, not by the command line, so `decentrl --help` stays fast.
+imported here, not by the command line, so `decentrl --help` stays fast. An hf worker whose
+`worker.device` names a GPU this machine lacks stops here with one line saying so.
 """
 
 from __future__ import annotations
 
+import sys
+
 from decentrl.client import OrchestratorClient
 from decentrl.config import RunConfig, WorkerConfig
+from decentrl.devices import available_gpus, device_problem
 from workers.backends import Backend
 from workers.worker import Worker
+
+
+class DeviceUnavailable(ValueError):
+    """`worker.device` names a GPU this machine does not have; the message names the setting."""
 
 
 def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend:
@@ -20,7 +28,9 @@ def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend
     if config.backend == "vllm":
         from workers.backends.vllm_engine import VLLMBackend
 
-        return VLLMBackend()
+        # vLLM takes its GPU from CUDA_VISIBLE_DEVICES (`decentrl run` sets it from [placement]).
+        memory = {} if config.gpu_memory is None else {"gpu_memory_utilization": config.gpu_memory}
+        return VLLMBackend(engine_args=memory)
     if config.backend == "openai":
         from workers.backends.openai import OpenAIBackend
 
@@ -29,7 +39,10 @@ def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend
         return OpenAIBackend(url=server.url, model=server.model, reload=server.reload, reload_route=server.reload_route)
     from workers.backends.hf import HFBackend
 
-    return HFBackend(device=config.device, router_noise=router_noise)
+    problem = device_problem("worker.device", config.device, available_gpus())
+    if problem:
+        raise DeviceUnavailable(problem)
+    return HFBackend(device=config.device, router_noise=router_noise, gpu_memory=config.gpu_memory)
 
 
 def run_worker(
@@ -39,13 +52,18 @@ def run_worker(
     import torch
 
     torch.set_num_threads(config.worker.torch_threads)
+    try:
+        backend = build_backend(config.worker, router_noise=config.simulation.router_noise)
+    except DeviceUnavailable as exc:  # a setting to change, not a crash: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     worker = Worker(
         config.worker,
         worker_id=worker_id,
         cache_dir=cache_dir,
         spool_dir=spool_dir,
         client=OrchestratorClient(orchestrator_url, token),
-        backend=build_backend(config.worker, router_noise=config.simulation.router_noise),
+        backend=backend,
         store=config.store,
         simulation=config.simulation,
     )

@@ -5,7 +5,9 @@ then the trainer (torchrun, `trainer_ranks` processes), the workers and the scor
 for model rewards: docs/rewards.md), each given that file:
 settings are never re-spelled as flags, only who a process is, where it connects and where it
 keeps its files (`orchestrator_command`, `trainer_command`, `worker_command`; benchmarks start
-roles with them too). The roles talk only over loopback HTTP and the checkpoint store. Each role
+roles with them too). [placement] (decentrl/config/placement.py) adds, per placed process, its
+CUDA_VISIBLE_DEVICES and the `--set` of its device and memory share (`role_starts`); whether this
+machine has those GPUs is checked before any role starts (decentrl/devices.py). The roles talk only over loopback HTTP and the checkpoint store. Each role
 runs in its own process group, so stopping one stops its children too (torchrun's ranks). The
 run ends when the trainer finishes its steps; Ctrl-C or any role exiting early stops everything.
 """
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -30,7 +33,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from decentrl.config import RunConfig
+from decentrl.config import Placed, RunConfig
+from decentrl.devices import available_gpus, needs_cuda, placement_problem
 from orchestrator.auth import add_token
 
 console = Console(soft_wrap=True)
@@ -120,27 +124,81 @@ def orchestrator_command(config_path: Path, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "decentrl", "orchestrator", str(config_path), "--run-dir", str(run_dir)]
 
 
-def trainer_command(config_path: Path, run_dir: Path, url: str, ranks: int) -> list[str]:
+def _sets(overrides: Sequence[str]) -> list[str]:
+    return [arg for item in overrides for arg in ("--set", item)]
+
+
+def trainer_command(config_path: Path, run_dir: Path, url: str, ranks: int, *, overrides: Sequence[str] = ()) -> list[str]:
+    """torchrun with `ranks` trainer processes; `overrides`: `--set` items (a placement's memory share)."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
         "-m", "decentrl", "trainer", str(config_path), "--orchestrator", url, "--run-dir", str(run_dir),
+        *_sets(overrides),
     ]
 
 
-def worker_command(config_path: Path, run_dir: Path, url: str, worker_id: str) -> list[str]:
-    """One local worker: the resolved config, its name, and its own cache under the run dir."""
+def worker_command(config_path: Path, run_dir: Path, url: str, worker_id: str, *, overrides: Sequence[str] = ()) -> list[str]:
+    """One local worker: the resolved config, its name, and its own cache under the run dir;
+    `overrides`: `--set` items (a placement's device and memory share)."""
     return [
         sys.executable, "-m", "decentrl", "worker", "--orchestrator", url, "--config", str(config_path),
-        "--worker-id", worker_id, "--cache-dir", str(run_dir / "cache" / worker_id),
+        "--worker-id", worker_id, "--cache-dir", str(run_dir / "cache" / worker_id), *_sets(overrides),
     ]
 
 
-def scorer_command(config_path: Path, url: str, scorer_id: str) -> list[str]:
-    """One local scorer: the resolved config (its [scorer] section) and its name."""
+def scorer_command(config_path: Path, url: str, scorer_id: str, *, overrides: Sequence[str] = ()) -> list[str]:
+    """One local scorer: the resolved config (its [scorer] section) and its name; `overrides`: `--set` items."""
     return [
         sys.executable, "-m", "decentrl", "scorer", "--orchestrator", url, "--config", str(config_path),
-        "--scorer-id", scorer_id,
+        "--scorer-id", scorer_id, *_sets(overrides),
     ]
+
+
+@dataclass(frozen=True)
+class RoleStart:
+    """How `decentrl run` starts one role: its name, argv and environment (on top of the launcher's)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+def role_starts(config: RunConfig, config_path: Path, run_dir: Path, url: str, tokens: dict[str, str]) -> list[RoleStart]:
+    """The trainer, the workers and the scorers, in start order, each with its token (`tokens` by
+    role name) and, when [placement] puts it on GPUs, its CUDA_VISIBLE_DEVICES and the `--set` of
+    its device and memory share; a process left unplaced starts exactly as without [placement]."""
+    places = config.processes()
+    trainer = places["trainer"]
+    starts = [RoleStart(
+        "trainer",
+        trainer_command(config_path, run_dir, url, config.trainer_ranks, overrides=_placed_sets("trainer", trainer, device=False)),
+        {"DECENTRL_TOKEN": tokens["trainer"], "OMP_NUM_THREADS": str(config.trainer.torch_threads), **_placed_env(trainer)},
+    )]
+    for i in range(config.num_workers):
+        name, place = f"worker-{i}", places[f"worker-{i}"]
+        starts.append(RoleStart(
+            name, worker_command(config_path, run_dir, url, name, overrides=_placed_sets("worker", place)),
+            {"DECENTRL_TOKEN": tokens[name], "OMP_NUM_THREADS": str(config.worker.torch_threads), **_placed_env(place)},
+        ))
+    for i in range(config.num_scorers):
+        name, place = f"scorer-{i}", places[f"scorer-{i}"]
+        starts.append(RoleStart(
+            name, scorer_command(config_path, url, name, overrides=_placed_sets("scorer", place)),
+            {"DECENTRL_TOKEN": tokens[name], "OMP_NUM_THREADS": "1", **_placed_env(place)},
+        ))
+    return starts
+
+
+def _placed_env(place: Placed) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": place.visible_devices} if place.gpus else {}
+
+
+def _placed_sets(section: str, place: Placed, *, device: bool = True) -> list[str]:
+    """The role's settings a placement decides: cuda (its one visible GPU) and its memory share.
+    The trainer has no device key: each rank takes cuda:LOCAL_RANK (decentrl/trainer/distributed.py)."""
+    if not place.gpus:
+        return []
+    return [*([f"{section}.device=cuda"] if device else []), f"{section}.gpu_memory={place.memory}"]
 
 
 def _check_roles(config: RunConfig, roles: list[Role], exited: set[str]) -> None:
@@ -208,6 +266,10 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
     if (run_dir / "metrics.jsonl").exists():
         console.print(f"[red]error:[/] {run_dir} already holds a run; pass another --run-dir")
         return 2
+    problem = placement_problem(config, available_gpus()) if needs_cuda(config) else None
+    if problem:
+        console.print(f"[red]error:[/] {problem}", markup=False)
+        return 2
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not config.store.url:
         config = config.with_store_url(str(run_dir / "checkpoints"))
@@ -217,8 +279,11 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
     config_path.write_text(config.model_dump_json(indent=2))
     tokens_path = str(run_dir / "tokens.json")
     trainer_token = add_token(tokens_path, name="trainer", role="trainer")
-    worker_tokens = {f"worker-{i}": add_token(tokens_path, name=f"worker-{i}", role="worker") for i in range(config.num_workers)}
-    scorer_tokens = {f"scorer-{i}": add_token(tokens_path, name=f"scorer-{i}", role="scorer") for i in range(config.num_scorers)}
+    tokens = {
+        "trainer": trainer_token,
+        **{f"worker-{i}": add_token(tokens_path, name=f"worker-{i}", role="worker") for i in range(config.num_workers)},
+        **{f"scorer-{i}": add_token(tokens_path, name=f"scorer-{i}", role="scorer") for i in range(config.num_scorers)},
+    }
     url = f"http://127.0.0.1:{port}"
     roles: list[Role] = []
     console.print(f"run dir: {run_dir}\norchestrator: {url}  store: {config.store.url}")
@@ -230,17 +295,8 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
             if roles[0].process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"orchestrator did not start; last lines of {roles[0].log_path}:\n{_tail(roles[0].log_path)}")
             time.sleep(0.3)
-        roles.append(_start(
-            "trainer", trainer_command(config_path, run_dir, url, config.trainer_ranks),
-            run_dir, {"DECENTRL_TOKEN": trainer_token, "OMP_NUM_THREADS": str(config.trainer.torch_threads)},
-        ))
-        for name, token in worker_tokens.items():
-            roles.append(_start(
-                name, worker_command(config_path, run_dir, url, name),
-                run_dir, {"DECENTRL_TOKEN": token, "OMP_NUM_THREADS": str(config.worker.torch_threads)},
-            ))
-        for name, token in scorer_tokens.items():
-            roles.append(_start(name, scorer_command(config_path, url, name), run_dir, {"DECENTRL_TOKEN": token, "OMP_NUM_THREADS": "1"}))
+        for start in role_starts(config, config_path, run_dir, url, tokens):
+            roles.append(_start(start.name, start.argv, run_dir, start.env))
         return _watch(config, run_dir, roles, url, trainer_token)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every role[/]")

@@ -8,7 +8,8 @@ documented and constrained, so that a bad file fails at load time with the field
 and what is allowed.
 
 One module per section, named after the role that reads it: model, task, prompt, store,
-orchestrator (with [sampling]), worker, scorer, simulation (benchmarks only), trainer, logging (trackers);
+orchestrator (with [sampling]), worker, scorer, simulation (benchmarks only), trainer, logging (trackers),
+placement (`decentrl run`'s GPUs);
 run.py holds `RunConfig`,
 load.py reading files and overrides. Import from this package.
 """
@@ -27,6 +28,7 @@ from decentrl.config.orchestrator import (
     TurnStepsConfig,
     VerificationConfig,
 )
+from decentrl.config.placement import Placed, PlacementConfig, RolePlacement
 from decentrl.config.prompt import PromptConfig
 from decentrl.config.run import RunConfig
 from decentrl.config.scorer import (
@@ -72,9 +74,9 @@ __all__ = [
     "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
     "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "HedgingConfig", "HFScorerConfig",
     "IcePopConfig", "ImportTaskConfig", "JsonVerdictConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig",
-    "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig", "OrchestratorConfig", "PolicyLossBase",
-    "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig", "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig",
-    "RegexVerdictConfig", "RewardConfig", "RunConfig", "SamplingConfig", "ScorerConfig", "SeqMaskConfig",
+    "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig", "OrchestratorConfig", "Placed", "PlacementConfig",
+    "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig", "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig",
+    "RegexVerdictConfig", "RewardConfig", "RolePlacement", "RunConfig", "SamplingConfig", "ScorerConfig", "SeqMaskConfig",
     "SimulationConfig", "SortingTaskConfig", "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
     "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "TurnStepsConfig", "VerificationConfig",
     "VerifiersTaskConfig", "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",

@@ -2,7 +2,7 @@
 
 Each role reads its own section plus the shared ones: the orchestrator [orchestrator],
 [sampling], [task], [prompt], [model], [store]; workers [worker], [store] and [simulation]; the trainer
-[trainer], [model], [store]; scorers [scorer]; `decentrl run` the top-level counts. Checks that span sections live
+[trainer], [model], [store]; scorers [scorer]; `decentrl run` the top-level counts and [placement]. Checks that span sections live
 here, with errors that say which keys to change.
 """
 
@@ -14,6 +14,7 @@ from decentrl.config.base import Section
 from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, TinyModelConfig
 from decentrl.config.orchestrator import OrchestratorConfig, SamplingConfig
+from decentrl.config.placement import Placed, PlacementConfig, memory_overcommit
 from decentrl.config.prompt import PromptConfig
 from decentrl.config.scorer import ScorerConfig
 from decentrl.config.simulation import SimulationConfig
@@ -65,6 +66,10 @@ class RunConfig(Section):
     tolerate_worker_exits: bool = Field(
         False, description="`decentrl run` keeps going when a worker (or a scorer) dies, as long as one of its kind is left."
     )
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig, description="`decentrl run`: the GPUs of the trainer's ranks, the workers "
+        "and the scorers, and each process's share of their memory; left out, every role stays on its own device."
+    )
 
     @model_validator(mode="after")
     def _batch_divides(self) -> RunConfig:
@@ -114,6 +119,38 @@ class RunConfig(Section):
                 f"{self.worker.backend!r}): set worker.backend = \"hf\" or drop router_noise"
             )
         return self
+
+    @model_validator(mode="after")
+    def _placement_fits(self) -> RunConfig:
+        placement = self.placement
+        if placement.trainer.gpus and len(placement.trainer.gpus) != self.trainer_ranks:
+            raise ValueError(
+                f"placement.trainer.gpus lists {len(placement.trainer.gpus)} GPU(s) {placement.trainer.gpus} but "
+                f"trainer_ranks = {self.trainer_ranks}: one GPU per rank, so list {self.trainer_ranks} GPUs "
+                f"or set trainer_ranks = {len(placement.trainer.gpus)}"
+            )
+        if placement.workers.gpus and self.worker.backend == "openai":
+            raise ValueError(
+                "placement.workers.gpus places workers on GPUs but worker.backend = 'openai' runs no model in the "
+                "worker (its server does): set placement.workers.gpus = []"
+            )
+        if placement.scorers.gpus and self.num_scorers and (self.scorer is None or self.scorer.type != "hf"):
+            kind = "no [scorer]" if self.scorer is None else f"scorer.type = {self.scorer.type!r}"
+            raise ValueError(
+                f"placement.scorers.gpus places scorers on GPUs but {kind} runs no model in the scorer: "
+                "use [scorer] type = 'hf', or set placement.scorers.gpus = []"
+            )
+        overcommit = memory_overcommit(self.processes())
+        if overcommit:
+            raise ValueError(overcommit)
+        return self
+
+    def processes(self) -> dict[str, Placed]:
+        """Each process `decentrl run` starts ("trainer", "worker-0", ..., "scorer-0", ...) and its GPUs
+        and memory share under [placement] (decentrl/config/placement.py)."""
+        return self.placement.processes(
+            trainer_ranks=self.trainer_ranks, num_workers=self.num_workers, num_scorers=self.num_scorers
+        )
 
     def with_store_url(self, url: str) -> RunConfig:
         return self.model_copy(update={"store": self.store.model_copy(update={"url": url})})

@@ -44,6 +44,11 @@ class HFScorerConfig(ScorerBase):
     type: Literal["hf"] = "hf"
     path: str = Field(min_length=1, description="The model directory (config.json, weights, tokenizer files).")
     device: str = Field("cpu", min_length=1, description="torch device, e.g. cpu, cuda, cuda:1.")
+    gpu_memory: float | None = Field(
+        None, gt=0, le=1, description="Share of its GPU's memory this scorer may take on CUDA "
+        "(torch.cuda.set_per_process_memory_fraction); None: no limit. `decentrl run` sets it from "
+        "[placement] scorers.memory.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype on the device.")
     batch_size: int = Field(8, ge=1, le=1024, description="Texts per forward pass (whole samples and step prefixes).")
     max_length: int = Field(

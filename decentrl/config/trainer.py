@@ -151,6 +151,11 @@ class TrainerConfig(Section):
     )
     seed: int = Field(0, ge=0, description="Seed of the trainer's RNG.")
     torch_threads: int = Field(1, ge=1, description="Intra-op CPU threads per rank.")
+    gpu_memory: float | None = Field(
+        None, gt=0, le=1, description="Share of its GPU's memory each rank may take on CUDA "
+        "(torch.cuda.set_per_process_memory_fraction); None: no limit. `decentrl run` sets it from "
+        "[placement] trainer.memory.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:

@@ -37,6 +37,11 @@ class WorkerConfig(Section):
         "hf", description="Inference backend: transformers, in-process vLLM, or an OpenAI-compatible server."
     )
     device: str = Field("cpu", description="torch device for the hf backend (and `decentrl eval`).")
+    gpu_memory: float | None = Field(
+        None, gt=0, le=1, description="Share of its GPU's memory this worker may take: the vllm backend's "
+        "gpu_memory_utilization (None: vLLM's default), the hf backend's torch.cuda.set_per_process_memory_fraction "
+        "on a CUDA device (None: no limit). `decentrl run` sets it from [placement] workers.memory.",
+    )
     openai: OpenAIServerConfig | None = Field(
         None, description="The server, with backend = 'openai' ([worker.openai] url and model)."
     )

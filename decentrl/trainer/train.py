@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from decentrl.client import OrchestratorClient
 from decentrl.config import RunConfig, TrainerConfig
 from decentrl.determinism import use_deterministic_torch
+from decentrl.devices import limit_gpu_memory
 from decentrl.losses import summarize
 from decentrl.model import build_model, load_tokenizer, publish_dtype
 from decentrl.store import CheckpointStore
@@ -127,6 +128,7 @@ def open_trackers(config: RunConfig, *, run_dir: str, model_dir: str) -> Tracker
 def train(config: RunConfig, options: TrainerOptions) -> None:
     rank, world, device = init_distributed()
     cfg = config.trainer
+    limit_gpu_memory(device, cfg.gpu_memory)  # before the first allocation on the rank's GPU
     torch.set_num_threads(cfg.torch_threads)
     if config.deterministic:
         use_deterministic_torch(cfg.torch_threads)

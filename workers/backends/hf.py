@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from decentrl.devices import limit_gpu_memory
 from decentrl.routers import RouteRecorder, to_wire
 from decentrl.sampling import sampling_distribution
 from decentrl.stopping import eos_id_set, stop_cut
@@ -32,8 +33,12 @@ from workers.simulation import noisy_routers
 class HFBackend:
     records_routes = True  # router hooks, for the MoE architectures decentrl/routers.py knows
 
-    def __init__(self, *, device: str = "cpu", seed: int | None = None, router_noise: float = 0.0) -> None:
+    def __init__(
+        self, *, device: str = "cpu", seed: int | None = None, router_noise: float = 0.0, gpu_memory: float | None = None
+    ) -> None:
+        """`gpu_memory`: the share of a CUDA device's memory this process may take ([worker] gpu_memory)."""
         self.device = torch.device(device)
+        limit_gpu_memory(self.device, gpu_memory)
         self.router_noise = router_noise  # [simulation] router_noise: benchmarks only (workers/simulation.py)
         self.model: PreTrainedModel | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None

@@ -19,6 +19,7 @@ labels at a separator token is read the same way, one prefix per step. Texts are
 from __future__ import annotations
 
 from decentrl.config import HFScorerConfig
+from decentrl.devices import available_gpus, device_problem, limit_gpu_memory
 from decentrl.wire import ScoreItem
 from workers.scorers import BackendConfigError, Verdict
 
@@ -29,6 +30,10 @@ class HFScoreBackend:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         torch.set_num_threads(config.torch_threads)
+        problem = device_problem("scorer.device", config.device, available_gpus())
+        if problem:
+            raise BackendConfigError(problem)
+        limit_gpu_memory(torch.device(config.device), config.gpu_memory)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.path)
         self.tokenizer.truncation_side = config.truncation_side
