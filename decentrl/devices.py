@@ -34,8 +34,9 @@ def gpus_problem(setting: str, value: object, gpus: Sequence[int], available: in
                 f"{instead} or run on a GPU machine")
     missing = [gpu for gpu in gpus if gpu >= available]
     if missing:
+        exist = "GPU 0" if available == 1 else f"GPUs 0..{available - 1}"
         return (f"{setting} = {value!r} names GPU {missing[0]} but this machine has {available} "
-                f"(torch.cuda.device_count(), GPUs 0..{available - 1}): name GPUs that exist, or {instead}")
+                f"(torch.cuda.device_count(): {exist}): name GPUs that exist, or {instead}")
     return None
 
 

@@ -4,6 +4,8 @@ machine's GPUs (given as a count, so all of it runs on CPU), and the commands an
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -198,3 +200,22 @@ def test_hf_roles_on_cuda_without_it_stop_with_one_line(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2
     assert "error: worker.device = 'cuda' but this machine has no CUDA GPU" in result.output
+
+
+@pytest.mark.gpu
+def test_a_memory_share_caps_what_the_process_may_allocate() -> None:
+    # In a process of its own: the share holds for the whole process, and other GPU tests share this one.
+    script = """
+import torch
+from workers.backends.hf import HFBackend
+HFBackend(device="cuda", gpu_memory=0.05)  # as `--set worker.device=cuda --set worker.gpu_memory=0.05`
+total = torch.cuda.get_device_properties(0).total_memory
+small = torch.empty(int(total * 0.02), dtype=torch.uint8, device="cuda")
+try:
+    torch.empty(int(total * 0.1), dtype=torch.uint8, device="cuda")
+except torch.OutOfMemoryError:
+    print("capped")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    assert result.stdout.strip() == "capped", result.stderr
