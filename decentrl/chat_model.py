@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -45,7 +45,7 @@ class ChatModelSpec:
 def train_chat_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE (every byte is a token, so any text encodes) trained on `texts`; digits never merge."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
     specials = [END_OF_TEXT, IM_START, IM_END]
     core = Tokenizer(models.BPE())
@@ -94,3 +94,76 @@ def write_chat_model(texts: list[str], out: str, spec: ChatModelSpec) -> Path:
 def task_texts(task_prompts: list[str], answers: list[str]) -> list[str]:
     """The text a task's tokenizer learns from: its prompts and, where it has them, its answers."""
     return task_prompts + answers
+
+
+# Real model shapes built from their published configs with random weights (no download): the GPU
+# configs and benchmarks/gpu_check.py measure at the sizes users train, whatever weights are at hand.
+# Values from each model's config.json (HuggingFaceTB/SmolLM2-135M-Instruct, Qwen/Qwen3-0.6B).
+SHAPES: dict[str, dict[str, object]] = {
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+}
+
+
+def shape_config(shape: str, **overrides: object) -> PretrainedConfig:
+    """The transformers config of a named shape (SHAPES), with `overrides` (e.g. fewer layers for a
+    CPU check, or the tokenizer's special ids)."""
+    from transformers import AutoConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    values = {**SHAPES[shape], **overrides}
+    return AutoConfig.for_model(str(values.pop("model_type")), **values)
+
+
+def pad_vocabulary(tokenizer: PreTrainedTokenizerFast, size: int) -> PreTrainedTokenizerFast:
+    """`tokenizer` with unused ids up to `size` (a model's embedding rows beyond its tokenizer, as
+    Qwen's reserved ids are): plain vocabulary entries `<|reserved_N|>` that no merge produces, so
+    encoding is unchanged and every id the model can sample decodes. The orchestrator counts them."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+    have = len(tokenizer)
+    if have > size:
+        raise ValueError(f"the tokenizer has {have} ids, more than the shape's vocabulary of {size}")
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    vocab.update({f"<|reserved_{i}|>": i for i in range(have, size)})
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(state)), eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.pad_token, chat_template=tokenizer.chat_template,
+        additional_special_tokens=[IM_START],
+    )
+
+
+def write_shaped_model(texts: list[str], out: str, shape: str, *, seed: int = 0, vocab_size: int = 320, **overrides: object) -> Path:
+    """A model of a real shape (SHAPES) with random weights, saved in bf16 with a tokenizer trained on
+    `texts` and padded to the shape's vocabulary; loaded like write_chat_model's directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    if len(set(texts)) < 2:
+        raise ValueError("a tokenizer needs text to learn from: the task gave fewer than 2 distinct texts")
+    size = int(overrides.pop("vocab_size", SHAPES[shape]["vocab_size"]))  # type: ignore[arg-type]
+    tokenizer = pad_vocabulary(train_chat_tokenizer(texts, vocab_size), size)
+    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids([IM_END, END_OF_TEXT])
+    config = shape_config(shape, **overrides, vocab_size=size, eos_token_id=end_of_turn, pad_token_id=end_of_text, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=[end_of_turn, end_of_text], pad_token_id=end_of_text)
+    directory = Path(out)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -327,11 +327,26 @@ def copy_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None
     the first copy, so weights that do not fit raise CheckpointError and leave the model holding
     its old weights (a worker keeps generating with its loaded version)."""
     targets = model.state_dict()  # tensors aliasing the model's own storage
+    # A tied weight (lm_head.weight is embed_tokens.weight in SmolLM2, Qwen3 and most small models)
+    # is saved once by save_pretrained: copying its twin fills it, so its absence is no gap.
+    targets = {name: t for name, t in targets.items() if name in state or name not in tied_aliases(targets)}
     if problems := mismatches(targets, state):
         raise CheckpointError("the weights do not fit the model: " + "; ".join(problems))
     with torch.no_grad():
         for name, tensor in state.items():
             targets[name].copy_(tensor)
+
+
+def tied_aliases(state: Mapping[str, torch.Tensor]) -> set[str]:
+    """Names whose tensor is the same memory as an earlier name's (tied weights)."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    aliases = set()
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            aliases.add(name)
+        seen.add(key)
+    return aliases
 
 
 def _listed(names: list[str]) -> str:

@@ -24,14 +24,22 @@ def init(
     intermediate_size: Annotated[int, typer.Option(min=16)] = 256,
     texts: Annotated[int, typer.Option(min=2, help="Prompts (and answers) the tokenizer is trained on, at most.")] = 20000,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the initial weights.")] = 0,
+    shape: Annotated[
+        str | None,
+        typer.Option(help="A real model's shape with random weights in bf16, e.g. smollm2-135m or qwen3-0.6b "
+                     "(decentrl/chat_model.py SHAPES): the sizes above are ignored, the tokenizer is padded to its vocabulary."),
+    ] = None,
 ) -> None:
     """Train a byte-level BPE tokenizer with a chat template on the task's text and save it with a
     tiny Qwen2 model: use the directory as `[model] type = "pretrained"`, `path = OUT`."""
-    from decentrl.chat_model import ChatModelSpec, task_texts, write_chat_model
+    from decentrl.chat_model import SHAPES, ChatModelSpec, task_texts, write_chat_model, write_shaped_model
     from decentrl.cli.main import _load
     from decentrl.tasks import build_task
     from decentrl.tasks.sources import AnswerSource
 
+    if shape is not None and shape not in SHAPES:
+        typer.echo(f"error: --shape {shape!r} is not a known shape: choose one of {', '.join(SHAPES)}", err=True)
+        raise typer.Exit(2)
     if hidden_size % num_heads:
         typer.echo(f"error: --hidden-size ({hidden_size}) must be a multiple of --num-heads ({num_heads})", err=True)
         raise typer.Exit(2)
@@ -39,6 +47,10 @@ def init(
     count = min(texts, task.num_prompts)
     prompts = [task.prompt(i).text for i in range(count)]
     answers = [task.answer(i) for i in range(count)] if isinstance(task, AnswerSource) else []
+    if shape is not None:
+        directory = write_shaped_model(task_texts(prompts, answers), out, shape, seed=seed, vocab_size=vocab_size)
+        typer.echo(f"wrote {directory} ({shape}, random weights, bf16); use it as [model] type = \"pretrained\", path = \"{out}\"")
+        return
     spec = ChatModelSpec(vocab_size, hidden_size, num_layers, num_heads, intermediate_size, seed=seed)
     directory = write_chat_model(task_texts(prompts, answers), out, spec)
     learned = json.loads((directory / "config.json").read_text())["vocab_size"]
