@@ -167,6 +167,7 @@ def run_trainer(reduced: bool) -> dict[str, object]:
     from decentrl.trainer.batching import rank_share
     from decentrl.trainer.distributed import init_distributed, shard_model
     from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
+    from decentrl.trainer.train import build_optimizer
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     _, _, device = init_distributed()
@@ -179,14 +180,16 @@ def run_trainer(reduced: bool) -> dict[str, object]:
     out: dict[str, object] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "peak_tflops": peak}
     for shape, budget in (("smollm2-135m", 16384), ("qwen3-0.6b", 8192)):
         config = shape_config(shape, **shape_overrides(reduced, shape))
-        trainer = TrainerConfig(micro_batch_tokens=budget if not reduced else 256, mixed_precision="bf16" if cuda else "fp32")
+        trainer = TrainerConfig(
+            micro_batch_tokens=budget if not reduced else 256, mixed_precision="bf16" if cuda else "fp32", lr=1e-6
+        )
         batch = synthetic_batch(rows, prompt_len, completion_len, config.vocab_size, seed=0)
         tokens = rows * (prompt_len + completion_len)
         flops = matmul_flops_per_token(config, prompt_len + completion_len) * tokens
 
         torch.manual_seed(0)
         model = shard_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=trainer.mixed_precision)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        optimizer = build_optimizer(list(model.parameters()), trainer, device)
 
         def decentrl_step() -> None:
             samples, totals, micro_batches = rank_share(
@@ -209,7 +212,7 @@ def run_trainer(reduced: bool) -> dict[str, object]:
 
         torch.manual_seed(0)
         bare_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
-        bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6)
+        bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, fused=cuda)
         bare = timed(lambda: bare_step(bare_model, bare_optimizer, batch.samples, trainer.micro_batch_tokens, device, cuda), warmup, steps, sync)
         bare_peak = torch.cuda.max_memory_allocated(device) if cuda else None
         del bare_model, bare_optimizer

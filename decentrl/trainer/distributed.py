@@ -43,9 +43,12 @@ def shard_model(model: PreTrainedModel, *, mixed_precision: str = "fp32", activa
         if mixed_precision == "bf16"
         else MixedPrecisionPolicy()
     )
+    # One rank holds every parameter anyway: keeping the gathered (bf16) block after its forward
+    # saves gathering it again in backward; with several ranks each block is freed (less memory).
+    reshard = dist.get_world_size() > 1 if dist.is_initialized() else True
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     # Each rank's loss is its share of a sum normalized by whole-batch counts (decentrl.losses),
     # so the ranks' gradients must be summed, not averaged as FSDP does by default.
     for module in model.modules():

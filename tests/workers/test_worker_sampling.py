@@ -161,3 +161,18 @@ def test_seeded_rows_do_not_depend_on_their_batch(backend: HFBackend) -> None:
     assert again[0].logprobs == alone.logprobs  # same shapes, same kernels: bitwise
     with pytest.raises(ValueError, match="one seed per prompt"):
         backend.generate([prompt], sampling, seeds=[1, 2])
+
+
+@pytest.mark.gpu
+def test_the_gpu_sampler_draws_from_the_distribution() -> None:
+    """On CUDA the hf backend samples by the Gumbel-max race (workers/backends/hf.py): the draws
+    follow p, a zero-probability id is never drawn, and per-row seeds reproduce a row."""
+    backend = HFBackend(device="cuda", seed=0)
+    p = torch.tensor([0.1, 0.2, 0.7, 0.0], device="cuda")
+    dist = p.log().expand(200_000, 4)
+    counts = torch.bincount(backend._sample(dist, None).squeeze(-1), minlength=4).double() / 200_000
+    assert torch.allclose(counts, p.double(), atol=0.005)
+    assert counts[3] == 0
+    seeded = [torch.Generator(device="cuda").manual_seed(s) for s in (1, 2)]
+    again = [torch.Generator(device="cuda").manual_seed(s) for s in (1, 2)]
+    assert torch.equal(backend._sample(dist[:2], seeded), backend._sample(dist[:2], again))

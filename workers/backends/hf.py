@@ -71,11 +71,22 @@ class HFBackend:
         return eos_ids, pad
 
     def _sample(self, dist: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
-        """One token id per row (B, 1) from log-probabilities `dist` (B, V)."""
+        """One token id per row (B, 1) from log-probabilities `dist` (B, V).
+
+        On a GPU, the Gumbel-max race vLLM samples with: argmax of p / E, E ~ Exp(1) per entry,
+        an exact draw from p in a few fused kernels (torch.multinomial made the decode loop 1.7x
+        slower on an H100: docs/benchmarks.md). On the CPU, torch.multinomial: as fast there, and
+        the draws deterministic runs reproduce (docs/reproducibility.md) stay the same."""
         probs = dist.exp()
+        if self.device.type == "cpu":
+            if generators is None:
+                return torch.multinomial(probs, 1, generator=self.generator)
+            return torch.cat([torch.multinomial(probs[row : row + 1], 1, generator=g) for row, g in enumerate(generators)])
         if generators is None:
-            return torch.multinomial(probs, 1, generator=self.generator)
-        return torch.cat([torch.multinomial(probs[row : row + 1], 1, generator=g) for row, g in enumerate(generators)])
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        else:
+            noise = torch.cat([torch.empty_like(probs[:1]).exponential_(generator=g) for g in generators])
+        return (probs / noise).argmax(-1, keepdim=True)
 
     def _text(self, token_ids: list[int]) -> str:
         assert self.tokenizer is not None
@@ -138,9 +149,10 @@ class HFBackend:
         for _ in range(sampling.max_tokens):
             dist = sampling_distribution(logits, sampling)  # (B, V)
             chosen = self._sample(dist, generators)  # (B, 1)
-            chosen_lp = dist.gather(-1, chosen).squeeze(-1).tolist()
+            # One device-to-host copy a token: ids (exact in float64) and their logprobs together.
+            picked, chosen_lp = torch.cat([chosen.double(), dist.gather(-1, chosen).double()], dim=-1).T.tolist()
             kept = torch.isfinite(dist) if record_mask else None
-            for row, token in enumerate(chosen.squeeze(-1).tolist()):
+            for row, token in enumerate(map(int, picked)):
                 if finish[row] is not None:
                     continue
                 tokens[row].append(token)
