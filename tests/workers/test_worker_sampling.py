@@ -165,8 +165,8 @@ def test_seeded_rows_do_not_depend_on_their_batch(backend: HFBackend) -> None:
 
 @pytest.mark.gpu
 def test_the_gpu_sampler_draws_from_the_distribution() -> None:
-    """On CUDA the hf backend samples by the Gumbel-max race (workers/backends/hf.py): the draws
-    follow p, a zero-probability id is never drawn, and per-row seeds reproduce a row."""
+    """On CUDA the hf backend's draws follow p, a zero-probability id is never drawn, and per-row
+    seeds reproduce a row (checked on an H100, 2026-11-26)."""
     backend = HFBackend(device="cuda", seed=0)
     p = torch.tensor([0.1, 0.2, 0.7, 0.0], device="cuda")
     dist = p.log().expand(200_000, 4)

@@ -15,6 +15,7 @@ computed at the same shapes whatever the worker count or slot timing.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -71,22 +72,11 @@ class HFBackend:
         return eos_ids, pad
 
     def _sample(self, dist: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
-        """One token id per row (B, 1) from log-probabilities `dist` (B, V).
-
-        On a GPU, the Gumbel-max race vLLM samples with: argmax of p / E, E ~ Exp(1) per entry,
-        an exact draw from p in a few fused kernels (torch.multinomial made the decode loop 1.7x
-        slower on an H100: docs/benchmarks.md). On the CPU, torch.multinomial: as fast there, and
-        the draws deterministic runs reproduce (docs/reproducibility.md) stay the same."""
+        """One token id per row (B, 1) from log-probabilities `dist` (B, V)."""
         probs = dist.exp()
-        if self.device.type == "cpu":
-            if generators is None:
-                return torch.multinomial(probs, 1, generator=self.generator)
-            return torch.cat([torch.multinomial(probs[row : row + 1], 1, generator=g) for row, g in enumerate(generators)])
         if generators is None:
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        else:
-            noise = torch.cat([torch.empty_like(probs[:1]).exponential_(generator=g) for g in generators])
-        return (probs / noise).argmax(-1, keepdim=True)
+            return torch.multinomial(probs, 1, generator=self.generator)
+        return torch.cat([torch.multinomial(probs[row : row + 1], 1, generator=g) for row, g in enumerate(generators)])
 
     def _text(self, token_ids: list[int]) -> str:
         assert self.tokenizer is not None
@@ -135,8 +125,12 @@ class HFBackend:
     ) -> list[Completion]:
         eos_ids, _ = self._eos_and_pad()
         moe = recorder.layers > 0
+        # The prefill needs the last position's logits only: a (B, W, V) tensor is as large as the
+        # model's weights at 64 rows of 256 tokens (transformers' generate keeps one position too).
+        last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         logits = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True,
+            **last_only,
         ).logits[:, -1]  # (B, V)
         # Routes: the prefill's (B, W, layers, K), then one (B, 1, layers, K) per fed token.
         fed = [recorder.take().view(*input_ids.shape, recorder.layers, -1)] if moe else []
