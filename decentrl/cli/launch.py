@@ -31,6 +31,7 @@ from typing import IO
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from decentrl.config import Placed, RunConfig
@@ -268,7 +269,7 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
         return 2
     problem = placement_problem(config, available_gpus()) if needs_cuda(config) else None
     if problem:
-        console.print(f"[red]error:[/] {problem}", markup=False)
+        console.print("[red]error:[/]", escape(problem))  # its "[0, 1]" lists are text, not markup
         return 2
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not config.store.url:
