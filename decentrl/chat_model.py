@@ -146,9 +146,12 @@ def pad_vocabulary(tokenizer: PreTrainedTokenizerFast, size: int) -> PreTrainedT
     )
 
 
-def write_shaped_model(texts: list[str], out: str, shape: str, *, seed: int = 0, vocab_size: int = 320, **overrides: object) -> Path:
-    """A model of a real shape (SHAPES) with random weights, saved in bf16 with a tokenizer trained on
-    `texts` and padded to the shape's vocabulary; loaded like write_chat_model's directory."""
+def write_shaped_model(
+    texts: list[str], out: str, shape: str, *, seed: int = 0, tokenizer_vocab: int = 320, **overrides: object
+) -> Path:
+    """A model of a real shape (SHAPES) with random weights, saved in bf16 with a tokenizer of
+    `tokenizer_vocab` BPE ids trained on `texts` and padded to the model's vocabulary (the shape's,
+    or `overrides["vocab_size"]`); loaded like write_chat_model's directory."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -157,7 +160,7 @@ def write_shaped_model(texts: list[str], out: str, shape: str, *, seed: int = 0,
     if len(set(texts)) < 2:
         raise ValueError("a tokenizer needs text to learn from: the task gave fewer than 2 distinct texts")
     size = int(overrides.pop("vocab_size", SHAPES[shape]["vocab_size"]))  # type: ignore[arg-type]
-    tokenizer = pad_vocabulary(train_chat_tokenizer(texts, vocab_size), size)
+    tokenizer = pad_vocabulary(train_chat_tokenizer(texts, tokenizer_vocab), size)
     end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids([IM_END, END_OF_TEXT])
     config = shape_config(shape, **overrides, vocab_size=size, eos_token_id=end_of_turn, pad_token_id=end_of_text, bos_token_id=None)
     torch.manual_seed(seed)

@@ -48,7 +48,7 @@ def init(
     prompts = [task.prompt(i).text for i in range(count)]
     answers = [task.answer(i) for i in range(count)] if isinstance(task, AnswerSource) else []
     if shape is not None:
-        directory = write_shaped_model(task_texts(prompts, answers), out, shape, seed=seed, vocab_size=vocab_size)
+        directory = write_shaped_model(task_texts(prompts, answers), out, shape, seed=seed, tokenizer_vocab=vocab_size)
         typer.echo(f"wrote {directory} ({shape}, random weights, bf16); use it as [model] type = \"pretrained\", path = \"{out}\"")
         return
     spec = ChatModelSpec(vocab_size, hidden_size, num_layers, num_heads, intermediate_size, seed=seed)

@@ -1,0 +1,57 @@
+"""benchmarks/gpu_check.py in its reduced mode (the one CI runs without CUDA): every section (the
+`gpu` tests, trainer and hf worker against their bare loops, an end-to-end run of configs/gpu1.toml)
+runs through to a result, so the GPU path cannot rot between GPU runs. The figures mean nothing
+here; only that each is there and sane."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).parents[2]
+SUMMARY = {
+    "trainer_vs_bare_135m", "trainer_vs_bare_0_6b", "trainer_mfu_0_6b", "trainer_tokens_per_s_0_6b",
+    "worker_hf_vs_bare", "gpu_tests_passed", "gpu_tests_failed", "total_s",
+}
+
+
+@pytest.mark.timeout(600)
+def test_gpu_check_reduced_runs_every_section(tmp_path: Path) -> None:
+    # --reduced: the small shapes on any machine (the default only without CUDA).
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path), "--reduced"],
+        cwd=ROOT, capture_output=True, text=True, timeout=570,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["reduced"] is True
+    for section in ("tests", "trainer", "worker", "e2e"):
+        assert "error" not in result[section], (section, result[section])
+        assert result[section]["section_s"] > 0
+
+    tests = result["tests"]
+    assert (tests["exit_code"], tests["failed"], tests["errors"]) == (0, 0, 0), tests
+    assert tests["files"]  # the gpu-marked test files were found
+
+    for shape in ("smollm2_135m", "qwen3_0_6b"):
+        trainer = result["trainer"][shape]
+        assert trainer["tokens_per_s"] > 0 and trainer["trainer_vs_bare"] > 0, trainer
+
+    assert result["worker"]["worker_hf_vs_bare"] > 0
+
+    e2e = result["e2e"]
+    assert e2e["exit_code"] == 0, e2e
+    assert e2e["steps"] == 3
+    assert e2e["versions_loaded"] >= 1
+    assert e2e["step_s"] > 0
+    assert e2e["publish_s"] is not None
+
+    assert set(result["summary"]) == SUMMARY
+    assert result["summary"]["worker_hf_vs_bare"] == result["worker"]["worker_hf_vs_bare"]
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == result
