@@ -212,7 +212,7 @@ def run_trainer(reduced: bool) -> dict[str, object]:
 
         torch.manual_seed(0)
         bare_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
-        bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, fused=cuda)
+        bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, fused=True)  # as ours
         bare = timed(lambda: bare_step(bare_model, bare_optimizer, batch.samples, trainer.micro_batch_tokens, device, cuda), warmup, steps, sync)
         bare_peak = torch.cuda.max_memory_allocated(device) if cuda else None
         del bare_model, bare_optimizer
