@@ -219,3 +219,23 @@ except torch.OutOfMemoryError:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
     assert result.stdout.strip() == "capped", result.stderr
+
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_the_gpu_configs_place_their_roles_and_need_the_gpus_they_name() -> None:
+    one = load_config(str(CONFIGS / "gpu1.toml"))
+    places = one.processes()
+    assert places["trainer"] == Placed((0,), 0.45) and places["worker-0"] == Placed((0,), 0.45)
+    assert one.trainer.mixed_precision == "bf16" and one.store.publish_dtype == "bf16"
+    assert placement_problem(one, 1) is None
+    assert "no CUDA GPU" in (placement_problem(one, 0) or "")
+
+    node = load_config(str(CONFIGS / "gpu.toml"))
+    places = node.processes()
+    assert places["trainer"].visible_devices == "0,1,2,3"
+    assert [places[f"worker-{i}"].visible_devices for i in range(4)] == ["4", "5", "6", "7"]
+    assert node.worker.backend == "vllm"
+    assert placement_problem(node, 8) is None
+    assert "names GPU 4" in (placement_problem(node, 4) or "")
