@@ -44,11 +44,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from decentrl.api.client import OrchestratorClient, OrchestratorError
+from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch
 from decentrl.cli.launch import _free_port, _get_json, _start, _stop, orchestrator_command, trainer_command, worker_command
-from decentrl.client import OrchestratorClient, OrchestratorError
 from decentrl.config import TinyModelConfig, load_config
-from decentrl.store import CheckpointStore
-from decentrl.wire import LeaseRequest, Rollout, RolloutBatch
+from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import add_token
 
 CHECK_REASONS = ("logprob_mismatch", "replay", "bad_finish_reason", "banned")
@@ -74,8 +74,8 @@ class Adversary(threading.Thread):
         if self.kind == "foreign":
             import os
 
-            from decentrl.model import build_model, build_tiny_tokenizer
-            from decentrl.weights import write_hf_dir
+            from decentrl.model.build import build_model, build_tiny_tokenizer
+            from decentrl.store.weights import write_hf_dir
 
             model = build_model(self.model_config.model_copy(update={"seed": self.model_config.seed + 1}))
             directory = os.path.join(self.cache, "foreign")

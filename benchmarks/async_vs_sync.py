@@ -202,7 +202,7 @@ def evaluate_version(args: argparse.Namespace, run_dir: Path, version: int) -> d
     """`decentrl eval` of one version of the run, on held-out prompts, with the run's sampling.
     The version is pulled (verified; a delta version rebuilt from its base), as workers pull it."""
     from decentrl.config import load_config
-    from decentrl.store import CheckpointStore
+    from decentrl.store.checkpoints import CheckpointStore
     from workers.evaluate import evaluate
 
     config = load_config(str(run_dir / "config.json"))

@@ -1,4 +1,4 @@
-"""What re-verifying a cached version costs a pull (decentrl/cache.py), against the pull itself.
+"""What re-verifying a cached version costs a pull (decentrl/store/cache.py), against the pull itself.
 
 A cached version is served again only once its files match its manifest: files this process
 verified and whose identity (device, inode, size, mtime, ctime) is unchanged are not hashed
@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
 
 
 def best(repeats: int, prepare: Callable[[], None], run: Callable[[], object]) -> float:

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from decentrl.store import CheckpointStore
-from decentrl.weights import write_hf_dir
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import write_hf_dir
 
 MB = 1e6
 

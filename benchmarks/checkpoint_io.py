@@ -50,16 +50,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from checkpoint_delta import delta_figures  # this script's folder is on sys.path
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from transformers import Qwen2Config
 
-from checkpoint_delta import delta_figures  # this script's folder is on sys.path
 from decentrl.config import LoRAConfig, StoreConfig
-from decentrl.manifest import new_hasher
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.manifest import new_hasher
+from decentrl.store.weights import write_hf_dir
 from decentrl.trainer.lora import add_adapters, write_adapter_dir
-from decentrl.weights import write_hf_dir
 
 MB = 1e6
 
@@ -192,7 +192,7 @@ def sha256_mb_s() -> float:
 
 
 def blake3_mb_s() -> float:
-    """The manifest digest as the store runs it (decentrl.manifest.new_hasher: all cores)."""
+    """The manifest digest as the store runs it (decentrl.store.manifest.new_hasher: all cores)."""
     data = os.urandom(64 * 2**20)
     digest = new_hasher("blake3")
     started = time.perf_counter()

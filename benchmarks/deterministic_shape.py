@@ -31,12 +31,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
+    from decentrl.api.wire import SamplingParams
     from decentrl.config import load_config
-    from decentrl.determinism import use_deterministic_torch
-    from decentrl.model import build_model, build_tiny_tokenizer
+    from decentrl.model.build import build_model, build_tiny_tokenizer
+    from decentrl.rl.determinism import use_deterministic_torch
+    from decentrl.store.weights import write_hf_dir
     from decentrl.tasks import build_task
-    from decentrl.weights import write_hf_dir
-    from decentrl.wire import SamplingParams
     from workers.backends.hf import HFBackend
 
     config = load_config(str(ROOT / "configs" / "local.toml"), [])

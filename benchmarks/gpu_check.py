@@ -92,9 +92,8 @@ def shape_overrides(reduced: bool, shape: str) -> dict[str, object]:
 def matmul_flops_per_token(config, seq_len: int) -> float:  # noqa: ANN001 - a transformers config
     """Training FLOPs per token: 6 x matmul parameters (output projection in, input embedding out)
     + causal attention's 6 x layers x heads x head_dim x seq_len."""
-    from transformers import AutoModelForCausalLM
-
     import torch
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -109,7 +108,7 @@ def matmul_flops_per_token(config, seq_len: int) -> float:  # noqa: ANN001 - a t
 def synthetic_batch(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int):  # noqa: ANN201
     import random
 
-    from decentrl.wire import TrainBatch, TrainSample
+    from decentrl.api.wire import TrainBatch, TrainSample
 
     rng = random.Random(seed)
     samples = []
@@ -158,21 +157,66 @@ def bare_step(model, optimizer, samples, budget: int, device, autocast: bool) ->
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_trainer(reduced: bool) -> dict[str, object]:
+def time_decentrl_step(config, trainer, batch, device, warmup: int, steps: int) -> tuple[list[float], int | None]:  # noqa: ANN001
+    """Seconds of each of `steps` full steps of the training loop's code on a fresh FSDP2 model, and
+    its peak CUDA memory (None on the CPU); the model is gone when this returns."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from decentrl.chat_model import shape_config
-    from decentrl.config import TrainerConfig
     from decentrl.trainer.batching import rank_share
-    from decentrl.trainer.distributed import init_distributed, shard_model
+    from decentrl.trainer.distributed import shard_model
     from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
     from decentrl.trainer.train import build_optimizer
+
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model = shard_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=trainer.mixed_precision)
+    optimizer = build_optimizer(list(model.parameters()), trainer, device)
+    max_tokens = max(len(s.completion_token_ids) for s in batch.samples)
+
+    def step() -> None:
+        _, totals, micro_batches = rank_share(batch, rank=0, world=1, config=trainer, max_tokens=max_tokens, pad_id=0, device=device)
+        loss, sums = accumulate_gradients(model, None, micro_batches, totals=totals, config=trainer, temperature=1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reduce_over_ranks(loss, sums, device)
+
+    return timed_with_peak(step, warmup, steps, cuda)
+
+
+def time_bare_step(config, trainer, batch, device, warmup: int, steps: int) -> tuple[list[float], int | None]:  # noqa: ANN001
+    """The same for the bare loop (`bare_step`) on an unsharded model of the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)  # as ours (build_optimizer)
+    return timed_with_peak(lambda: bare_step(model, optimizer, batch.samples, trainer.micro_batch_tokens, device, cuda), warmup, steps, cuda)
+
+
+def timed_with_peak(step, warmup: int, steps: int, cuda: bool) -> tuple[list[float], int | None]:  # noqa: ANN001
+    import torch
+
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times = timed(step, warmup, steps, torch.cuda.synchronize if cuda else (lambda: None))
+    return times, (torch.cuda.max_memory_allocated() if cuda else None)
+
+
+def run_trainer(reduced: bool) -> dict[str, object]:
+    import torch
+
+    from decentrl.config import TrainerConfig
+    from decentrl.model.chat_model import shape_config
+    from decentrl.trainer.distributed import init_distributed
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     _, _, device = init_distributed()
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     prompt_len, completion_len = (256, 1792) if not reduced else (16, 48)
     rows = 16 if not reduced else 4
     warmup, steps = (2, 5) if not reduced else (1, 2)
@@ -187,38 +231,8 @@ def run_trainer(reduced: bool) -> dict[str, object]:
         tokens = rows * (prompt_len + completion_len)
         flops = matmul_flops_per_token(config, prompt_len + completion_len) * tokens
 
-        torch.manual_seed(0)
-        model = shard_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=trainer.mixed_precision)
-        optimizer = build_optimizer(list(model.parameters()), trainer, device)
-
-        def decentrl_step() -> None:
-            samples, totals, micro_batches = rank_share(
-                batch, rank=0, world=1, config=trainer, max_tokens=completion_len, pad_id=0, device=device
-            )
-            loss, sums = accumulate_gradients(model, None, micro_batches, totals=totals, config=trainer, temperature=1.0)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            reduce_over_ranks(loss, sums, device)
-
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        ours = timed(decentrl_step, warmup, steps, sync)
-        ours_peak = torch.cuda.max_memory_allocated(device) if cuda else None
-        del model, optimizer
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-
-        torch.manual_seed(0)
-        bare_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
-        bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, fused=True)  # as ours
-        bare = timed(lambda: bare_step(bare_model, bare_optimizer, batch.samples, trainer.micro_batch_tokens, device, cuda), warmup, steps, sync)
-        bare_peak = torch.cuda.max_memory_allocated(device) if cuda else None
-        del bare_model, bare_optimizer
-        if cuda:
-            torch.cuda.empty_cache()
-
+        ours, ours_peak = time_decentrl_step(config, trainer, batch, device, warmup, steps)
+        bare, bare_peak = time_bare_step(config, trainer, batch, device, warmup, steps)
         ours_s, bare_s = statistics.median(ours), statistics.median(bare)
         key = shape.replace("-", "_").replace(".", "_")
         out[key] = {
@@ -243,7 +257,7 @@ def run_trainer(reduced: bool) -> dict[str, object]:
 
 def pulled_model(directory: str, workdir: str) -> str:
     """`directory` published to a file:// store and pulled back, as a worker receives a version."""
-    from decentrl.store import CheckpointStore
+    from decentrl.store.checkpoints import CheckpointStore
 
     store = CheckpointStore(f"file://{workdir}/store")
     store.publish(0, directory)
@@ -254,8 +268,8 @@ def run_worker(reduced: bool) -> dict[str, object]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from decentrl.chat_model import write_shaped_model
-    from decentrl.wire import SamplingParams
+    from decentrl.api.wire import SamplingParams
+    from decentrl.model.chat_model import write_shaped_model
     from workers.backends.hf import HFBackend
 
     cuda = torch.cuda.is_available()
@@ -380,7 +394,7 @@ def run_e2e(reduced: bool, timeout_s: float) -> dict[str, object]:
 
     import torch
 
-    from decentrl.chat_model import write_shaped_model
+    from decentrl.model.chat_model import write_shaped_model
 
     cuda = torch.cuda.is_available()
     steps, max_tokens = (4, 384) if not reduced else (3, 8)

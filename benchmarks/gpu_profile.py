@@ -30,7 +30,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks.gpu_check import bare_step, free_port, pulled_model, shape_overrides, synthetic_batch, texts_of_countdown  # noqa: E402
+from benchmarks.gpu_check import (  # noqa: E402
+    bare_step,
+    free_port,
+    pulled_model,
+    shape_overrides,
+    synthetic_batch,
+    texts_of_countdown,
+    timed,
+)
 
 ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 
@@ -64,8 +72,8 @@ def gumbel_sample(self, dist: torch.Tensor, generators):  # noqa: ANN001, ANN201
 def worker(reduced: bool, report: list[str]) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
-    from decentrl.chat_model import write_shaped_model
-    from decentrl.wire import SamplingParams
+    from decentrl.api.wire import SamplingParams
+    from decentrl.model.chat_model import write_shaped_model
     from workers.backends.hf import HFBackend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,7 +109,7 @@ def worker(reduced: bool, report: list[str]) -> dict[str, object]:
         finally:
             HFBackend._sample = shipped  # type: ignore[method-assign]
         dtype = next(backend.model.parameters()).dtype
-        del backend
+        backend = None  # its memory freed before the bare model loads
 
         model = AutoModelForCausalLM.from_pretrained(version, dtype=dtype).to(device).eval()
         ids = torch.tensor(prompts, device=device)
@@ -123,8 +131,8 @@ def trainer(reduced: bool, report: list[str]) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
     import decentrl.trainer.step as step_module
-    from decentrl.chat_model import shape_config
     from decentrl.config import TrainerConfig
+    from decentrl.model.chat_model import shape_config
     from decentrl.trainer.batching import rank_share
     from decentrl.trainer.distributed import init_distributed, shard_model
     from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
@@ -149,16 +157,8 @@ def trainer(reduced: bool, report: list[str]) -> dict[str, object]:
         optimizer.zero_grad(set_to_none=True)
         reduce_over_ranks(loss, sums, device)
 
-    def seconds(fn, steps: int = 3) -> float:  # noqa: ANN001
-        fn()
-        sync()
-        times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times)
+    def seconds(fn) -> float:  # noqa: ANN001
+        return statistics.median(timed(fn, 1, 3, sync))
 
     out: dict[str, object] = {"ours_s": seconds(ours)}
     with profile(activities=ACTIVITIES) as prof:
@@ -171,7 +171,7 @@ def trainer(reduced: bool, report: list[str]) -> dict[str, object]:
         out["ours_no_entropy_s"] = seconds(ours)
     finally:
         step_module.entropy = shipped  # type: ignore[assignment]
-    del model, optimizer
+    model = optimizer = None  # freed before the bare model is built
     if cuda:
         torch.cuda.empty_cache()
     torch.manual_seed(0)

@@ -78,7 +78,7 @@ def serve_orchestrator(port: int, run_dir: str, cpus: list[int] | None, group_si
     from aiohttp import web
 
     from decentrl.config import SortingTaskConfig, parse_config
-    from decentrl.model import build_tiny_tokenizer
+    from decentrl.model.build import build_tiny_tokenizer
     from decentrl.tasks.sorting import SortingTask
     from orchestrator.app import create_app
     from orchestrator.auth import TokenRegistry
@@ -137,7 +137,7 @@ class Bodies:
     def __init__(self, seed: int) -> None:
         import msgpack
 
-        from decentrl.encoding import EXT_FLOAT32, EXT_INT32
+        from decentrl.api.encoding import EXT_FLOAT32, EXT_INT32
 
         rng = random.Random(seed)
         self.msgpack = msgpack
@@ -176,7 +176,7 @@ async def _client_main(
 ) -> dict[str, Any]:
     import aiohttp
 
-    from decentrl.encoding import MEDIA_MSGPACK, unpack_msgpack
+    from decentrl.api.encoding import MEDIA_MSGPACK, unpack_msgpack
 
     bodies = Bodies(seed)
     headers = {"Authorization": f"Bearer {token}", "Content-Type": MEDIA_MSGPACK, "Accept": MEDIA_MSGPACK}
@@ -248,7 +248,7 @@ async def _consume(url: str, token: str, stop_at: float, dashboard_poll_s: float
     """The trainer's side: fetch batches (msgpack) as they form, so the buffer stays bounded."""
     import aiohttp
 
-    from decentrl.encoding import MEDIA_MSGPACK
+    from decentrl.api.encoding import MEDIA_MSGPACK
 
     served, version = 0, 0
     headers = {"Authorization": f"Bearer {token}", "Accept": MEDIA_MSGPACK}

@@ -1,4 +1,4 @@
-"""Cost of splitting completions into process-reward steps (decentrl/steps.py `split_steps`).
+"""Cost of splitting completions into process-reward steps (decentrl/rl/steps.py `split_steps`).
 
 Trains two small tokenizers here on reasoning-like text (byte-level BPE as Qwen and Llama 3 use,
 and SentencePiece-style Metaspace), builds completions of 4, 16 and 32 "\\n\\n"-separated steps, and
@@ -21,8 +21,8 @@ import time
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from decentrl.config import DelimiterStepsConfig
-from decentrl.steps import split_steps
-from decentrl.tokenizer import RustTokenizer
+from decentrl.model.tokenizer import RustTokenizer
+from decentrl.rl.steps import split_steps
 from orchestrator.tokens import make_decoder
 
 WORDS = "let x be the sum of two numbers then we add three and check the answer is five so".split()

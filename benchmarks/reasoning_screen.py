@@ -7,9 +7,15 @@ JSON object per evaluation; the last line is the final one.
 
     PYTHONPATH=. python benchmarks/reasoning_screen.py --model models/equation-digits --lr 1e-3 --steps 600 --seed 0
 """
-import argparse, json, random, time, copy
-import torch, reasoning_gym
-from transformers import AutoTokenizer, Qwen2ForCausalLM, Qwen2Config
+import argparse
+import copy
+import json
+import random
+import time
+
+import reasoning_gym
+import torch
+from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="models/equation-digits")
@@ -29,7 +35,8 @@ p.add_argument("--sft", action="store_true")
 p.add_argument("--eval_every", type=int, default=50)
 a = p.parse_args()
 torch.set_num_threads(1)
-torch.manual_seed(a.seed); random.seed(a.seed)
+torch.manual_seed(a.seed)
+random.seed(a.seed)
 tok = AutoTokenizer.from_pretrained(a.model)
 opts = dict(min_terms=2, max_terms=2, min_value=1, max_value=9, operators=["+"], operators_weights=[1.0])
 train = list(reasoning_gym.create_dataset("simple_equations", size=a.size, seed=0, **opts))
@@ -48,25 +55,34 @@ def right_mask(xs):
             if decoded[t] == x["answer"]:
                 m[i, t] = 1
     return m
-train_ids = enc(train); held_ids = enc(held)
-train_right = right_mask(train); held_right = right_mask(held)
+train_ids = enc(train)
+held_ids = enc(held)
+train_right = right_mask(train)
+held_right = right_mask(held)
 if a.hidden:
     cfg = Qwen2ForCausalLM.from_pretrained(a.model).config
-    cfg.hidden_size = a.hidden; cfg.num_hidden_layers = a.layers or cfg.num_hidden_layers
-    cfg.intermediate_size = a.inter or 2 * a.hidden; cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
-    torch.manual_seed(a.seed); model = Qwen2ForCausalLM(cfg)
+    cfg.hidden_size = a.hidden
+    cfg.num_hidden_layers = a.layers or cfg.num_hidden_layers
+    cfg.intermediate_size = a.inter or 2 * a.hidden
+    cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+    torch.manual_seed(a.seed)
+    model = Qwen2ForCausalLM(cfg)
 elif a.layers:
     cfg = Qwen2ForCausalLM.from_pretrained(a.model).config
-    cfg.num_hidden_layers = a.layers; cfg.layer_types = ["full_attention"] * a.layers
-    torch.manual_seed(a.seed); model = Qwen2ForCausalLM(cfg)
+    cfg.num_hidden_layers = a.layers
+    cfg.layer_types = ["full_attention"] * a.layers
+    torch.manual_seed(a.seed)
+    model = Qwen2ForCausalLM(cfg)
 else:
     model = Qwen2ForCausalLM.from_pretrained(a.model)
 model.train()
 def last_logits(m, ids):
     L = max(len(i) for i in ids)
-    x = torch.zeros(len(ids), L, dtype=torch.long); att = torch.zeros(len(ids), L, dtype=torch.long)
+    x = torch.zeros(len(ids), L, dtype=torch.long)
+    att = torch.zeros(len(ids), L, dtype=torch.long)
     for r, i in enumerate(ids):
-        x[r, :len(i)] = torch.tensor(i); att[r, :len(i)] = 1
+        x[r, :len(i)] = torch.tensor(i)
+        att[r, :len(i)] = 1
     out = m(input_ids=x, attention_mask=att).logits
     last = torch.tensor([len(i) - 1 for i in ids])
     return out[torch.arange(len(ids)), last]
@@ -77,8 +93,10 @@ def evaluate(m):
     return per.mean().item(), (per.std() / len(per) ** 0.5).item()
 opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
 history = [copy.deepcopy(model.state_dict())]
-sampler = Qwen2ForCausalLM(model.config); sampler.eval()
-t0 = time.time(); log = []
+sampler = Qwen2ForCausalLM(model.config)
+sampler.eval()
+t0 = time.time()
+log = []
 for step in range(1, a.steps + 1):
     ent = a.ent if a.ent_end is None else a.ent + (a.ent_end - a.ent) * (step - 1) / (a.steps - 1)
     sampler.load_state_dict(history[0])
@@ -100,7 +118,8 @@ for step in range(1, a.steps + 1):
     loss = (-(w * (~clipped)) * adv * lp - ent * H).mean()
     if a.sft:
         loss = -(lp_all * train_right[idx]).sum(-1).mean()
-    opt.zero_grad(); loss.backward()
+    opt.zero_grad()
+    loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     history.append(copy.deepcopy(model.state_dict()))

@@ -75,10 +75,10 @@ LABELS = {10_000: "10k", 100_000: "100k", 1_000_000: "1m"}
 
 def fill(run_dir: Path, rollouts: int) -> float:
     """Write `rollouts` acknowledged rollouts into RUN_DIR/journal.sqlite; returns seconds taken."""
+    from decentrl.api.wire import Rollout
     from decentrl.config import load_config
-    from decentrl.model import load_tokenizer
+    from decentrl.model.build import load_tokenizer
     from decentrl.tasks import build_task
-    from decentrl.wire import Rollout
     from orchestrator.journal import Journal
     from orchestrator.state import RunState
 
@@ -167,7 +167,7 @@ def measure(rollouts: int, work: Path) -> dict[str, float]:
 
     # The part that grows with N, alone: read the journal and rebuild the state in this process.
     from decentrl.config import load_config
-    from decentrl.model import load_tokenizer
+    from decentrl.model.build import load_tokenizer
     from decentrl.tasks import build_task
     from orchestrator.journal import Journal
     from orchestrator.state import RunState

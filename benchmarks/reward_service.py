@@ -64,10 +64,10 @@ from typing import Any
 
 from async_vs_sync import read_metrics, summarize
 
+from decentrl.api.wire import ScoreItem
 from decentrl.config import HFScorerConfig, SortingTaskConfig
 from decentrl.tasks import Prompt
 from decentrl.tasks.sorting import SortingTask
-from decentrl.wire import ScoreItem
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("free_verifier", "inline_model", "scorers_1", "scorers_2")
@@ -79,7 +79,7 @@ def write_classifier(out: Path) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from decentrl.model import build_tiny_tokenizer
+    from decentrl.model.build import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     config = Qwen2Config(

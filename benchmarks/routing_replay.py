@@ -42,13 +42,13 @@ from pathlib import Path
 
 import torch
 
+from decentrl.api.encoding import MEDIA_MSGPACK, encode_model
+from decentrl.api.wire import SamplingParams, TrainSample
 from decentrl.config import TinyModelConfig
-from decentrl.encoding import MEDIA_MSGPACK, encode_model
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.routers import RouteRecorder
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.model.routers import RouteRecorder
 from decentrl.trainer.batching import collate
 from decentrl.trainer.step import token_logprobs
-from decentrl.wire import SamplingParams, TrainSample
 from workers.backends.hf import HFBackend
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -36,15 +36,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from decentrl.api.wire import TrainBatch, TrainSample  # noqa: E402
 from decentrl.config import TinyModelConfig, TrainerConfig  # noqa: E402
-from decentrl.model import build_model, build_tiny_tokenizer  # noqa: E402
-from decentrl.store import CheckpointStore  # noqa: E402
+from decentrl.model.build import build_model, build_tiny_tokenizer  # noqa: E402
+from decentrl.store.checkpoints import CheckpointStore  # noqa: E402
 from decentrl.trainer.batching import rank_share  # noqa: E402
 from decentrl.trainer.distributed import full_state_dict, init_distributed, shard_model  # noqa: E402
 from decentrl.trainer.gather import WeightGather  # noqa: E402
 from decentrl.trainer.publisher import Publisher  # noqa: E402
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks  # noqa: E402
-from decentrl.wire import TrainBatch, TrainSample  # noqa: E402
 
 MAX_TOKENS = 6
 

@@ -3,7 +3,7 @@ check alone, on the same rollouts: cost and what each catches.
 
 The demo's model (configs/local.toml, version 0 as the trainer publishes it) in a file:// store;
 the real HF backend generates --groups groups as a deterministic worker does (sample j of a group
-seeded with decentrl/determinism.py `sample_seed`), and as many "chosen" groups: the policy's own
+seeded with decentrl/rl/determinism.py `sample_seed`), and as many "chosen" groups: the policy's own
 samples with honest logprobs, but drawn from other seeds (a worker keeping the best of several
 tries). `Verifier.check` judges every rollout, --repeats times, once without the re-draw (a run
 that is not deterministic) and once with it. Last line: one JSON object.
@@ -36,13 +36,13 @@ def main() -> None:
 
     import torch
 
+    from decentrl.api.wire import Rollout, SamplingParams
     from decentrl.config import load_config
-    from decentrl.determinism import sample_seed, use_deterministic_torch
-    from decentrl.model import build_model, build_tiny_tokenizer
-    from decentrl.store import CheckpointStore
+    from decentrl.model.build import build_model, build_tiny_tokenizer
+    from decentrl.rl.determinism import sample_seed, use_deterministic_torch
+    from decentrl.store.checkpoints import CheckpointStore
+    from decentrl.store.weights import write_hf_dir
     from decentrl.tasks import build_task
-    from decentrl.weights import write_hf_dir
-    from decentrl.wire import Rollout, SamplingParams
     from orchestrator.verify import Verifier
     from workers.backends.hf import HFBackend
 

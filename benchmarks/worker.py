@@ -62,8 +62,8 @@ PROMPT = [1, 7, 5, 8, 3, 2]
 def write_version(directory: str, shape: dict[str, int], seed: int) -> str:
     """A checkpoint directory as the trainer publishes one, with EOS disabled (fixed lengths)."""
     from decentrl.config import TinyModelConfig
-    from decentrl.model import build_model, build_tiny_tokenizer
-    from decentrl.weights import write_hf_dir
+    from decentrl.model.build import build_model, build_tiny_tokenizer
+    from decentrl.store.weights import write_hf_dir
 
     model = build_model(TinyModelConfig(**shape, seed=seed))
     model.generation_config.eos_token_id = None
@@ -75,7 +75,7 @@ def write_version(directory: str, shape: dict[str, int], seed: int) -> str:
 
 
 def throughput(backend: Any, prompts: int, max_tokens: int, rounds: int) -> float:
-    from decentrl.wire import SamplingParams
+    from decentrl.api.wire import SamplingParams
 
     sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens)
     backend.generate([PROMPT] * prompts, sampling.model_copy(update={"max_tokens": 4}))  # warm-up
@@ -125,7 +125,7 @@ def vllm_only(args: argparse.Namespace) -> None:
     backend.load(args.vllm_only, 0)
     rate = throughput(backend, args.prompts, args.max_tokens, args.rounds)
     # The engine part of a swap: in-place reload of the next version, then one token under it.
-    from decentrl.wire import SamplingParams
+    from decentrl.api.wire import SamplingParams
 
     started = time.perf_counter()
     backend.load(args.vllm_next, 1)
@@ -164,10 +164,10 @@ class BenchRun:
     """The real orchestrator app on loopback and a file:// store, for a worker to run against."""
 
     def __init__(self, shape: dict[str, int], args: argparse.Namespace, tmp: str) -> None:
-        from decentrl.client import OrchestratorClient
+        from decentrl.api.client import OrchestratorClient
         from decentrl.config import parse_config
-        from decentrl.model import build_tiny_tokenizer
-        from decentrl.store import CheckpointStore
+        from decentrl.model.build import build_tiny_tokenizer
+        from decentrl.store.checkpoints import CheckpointStore
         from decentrl.tasks import build_task
         from orchestrator.app import create_app
         from orchestrator.auth import TokenRegistry
@@ -198,7 +198,7 @@ class BenchRun:
         return published
 
     def worker(self, backend: Any, **settings: Any) -> Any:
-        from decentrl.client import OrchestratorClient
+        from decentrl.api.client import OrchestratorClient
         from decentrl.config import WorkerConfig
         from workers.worker import Worker
 
@@ -213,7 +213,7 @@ def slots_throughput(shape: dict[str, int], args: argparse.Namespace, tmp: str) 
     """Completion tokens/s of `--slots` worker slots generating at once, each `--slot-rows`
     rows (one group) of `--max-tokens` tokens at a time, through the worker's generation path
     (Worker._generate, as a slot calls it after a lease); the median of `--rounds`."""
-    from decentrl.wire import SamplingParams
+    from decentrl.api.wire import SamplingParams
     from workers.backends.hf import HFBackend
 
     run = BenchRun(shape, args, os.path.join(tmp, "slots"))

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.appstate import (
     BATCH_READY,
     CHECKS_WANTED,
@@ -37,14 +37,14 @@ from orchestrator.appstate import (
     INFLIGHT,
     JOURNAL_FAILED,
     LEASES_FREED,
-    SCORES_WAITING,
     LIMITER,
     METRICS,
     OPENAPI,
     ROUTE_ROLES,
+    SCORES_WAITING,
     STATE,
-    STORE,
     STOPPING,
+    STORE,
     STORE_URL,
     TOKENS,
     VERIFIER,

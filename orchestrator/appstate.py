@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import Identity, TokenRegistry
 from orchestrator.history import History
 from orchestrator.limits import InFlight, RateLimiter

@@ -10,7 +10,7 @@ Invariants:
   the same request id gets the same batch, never a second one;
 - a deterministic run's batch s is exactly the groups at places s*groups_per_step onwards of the
   consumption order, in that order, whatever order they completed in;
-- advantages are computed per group (decentrl/advantages.py) when the batch is built; this is
+- advantages are computed per group (decentrl/rl/advantages.py) when the batch is built; this is
   the one place that reads their setting; a group scored per step (process rewards,
   orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`);
 - the completion ids and logprobs of every sample were packed as typed arrays at ingest
@@ -24,12 +24,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decentrl.advantages import group_advantages, process_advantages
+from decentrl.api.encoding import pack_floats, pack_ints
+from decentrl.api.wire import Rollout, TrainBatch, TrainSample
 from decentrl.config import AdvantageConfig, RunConfig
-from decentrl.staleness import is_fresh, staleness
-from decentrl.wire import Rollout, TrainBatch, TrainSample
+from decentrl.rl.advantages import group_advantages, process_advantages
+from decentrl.rl.staleness import is_fresh, staleness
 from orchestrator.buffer import Buffer, Group
-from decentrl.encoding import pack_floats, pack_ints
 from orchestrator.codec import Packed, train_batch_msgpack
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity
@@ -107,7 +107,7 @@ def build_batch(
 
 def token_advantages(group: Group, outcome: list[float], config: AdvantageConfig) -> list[list[float] | None]:
     """Process rewards: per-token advantages of the group's samples scored per step
-    (decentrl/advantages.py `process_advantages`, normalized over those samples' steps); None for
+    (decentrl/rl/advantages.py `process_advantages`, normalized over those samples' steps); None for
     a sample without step scores (a judge reply that did not parse, scored by default: it trains
     on its outcome advantage) and for every sample of a group scored without steps."""
     if group.step_scores is None or group.step_ends is None:

@@ -3,7 +3,7 @@
 Called by the handlers (orchestrator/handlers.py) and the middlewares (orchestrator/middlewares.py).
 A request body is JSON or msgpack by its Content-Type, optionally gzip- or deflate-compressed
 (Content-Encoding); an answer is msgpack when the request's Accept names it, JSON otherwise; an
-error is always JSON {"error": "..."}. The encodings themselves are decentrl/encoding.py.
+error is always JSON {"error": "..."}. The encodings themselves are decentrl/api/encoding.py.
 
 Bodies are read here, not by aiohttp's own decompression (create_app turns it off): a body that
 does not decompress, or is cut short, must be a 400 saying so (aiohttp's answered 500, or took a
@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, EncodingError, encode_model, unpack_msgpack
-from decentrl.wire import problems
+from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, EncodingError, encode_model, unpack_msgpack
+from decentrl.api.wire import problems
 from orchestrator.appstate import STATE
 from orchestrator.limits import retry_after_header
 

@@ -1,19 +1,19 @@
 """Size bounds of a rollout post derived from the run's config, checked before anything is kept.
 
 Called once per POST /v1/rollouts by the rollouts handler (orchestrator/handlers.py), after the
-body has validated against the wire models (decentrl/wire.py, whose bounds hold whatever the
+body has validated against the wire models (decentrl/api/wire.py, whose bounds hold whatever the
 config) and before RunState sees it: an oversized rollout is answered 400 and never ingested,
 held or journaled. The bounds follow from the run: a top-k sampling mask keeps at most top_k ids
 a token, any mask at most the vocabulary. (A completion longer than sampling.max_tokens, a prompt
 not its lease's, ids outside the vocabulary: those are per-rollout rejections, RunState's checks;
-each mask has one entry per completion token, decentrl/wire.py.)
+each mask has one entry per completion token, decentrl/api/wire.py.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decentrl.wire import Rollout, SamplingParams
+from decentrl.api.wire import Rollout, SamplingParams
 
 
 def oversized(rollouts: Sequence[Rollout], sampling: SamplingParams, vocab_size: int) -> str | None:

@@ -20,10 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from decentrl.wire import Rollout
+from decentrl.api.wire import Rollout
 from orchestrator.codec import Packed
 from orchestrator.journal import RunJournal
-
 
 Wait = Literal["check", "scores"]
 
@@ -47,7 +46,7 @@ class Group:
     read: Callable[[], tuple[list[Rollout], list[Packed]]] | None = None  # where `held` is None
     awaiting: set[Wait] = field(default_factory=set)  # what holds it back, while it is held back
     verifier_rewards: list[float] | None = None  # while it waits for model scores: the task's rewards, if used
-    # Process rewards: per sample, its steps' last token indices (decentrl/steps.py) and their
+    # Process rewards: per sample, its steps' last token indices (decentrl/rl/steps.py) and their
     # scores (None for a sample scored without them: a judge reply that did not parse).
     step_ends: list[list[int]] | None = None
     step_scores: list[list[float] | None] | None = None

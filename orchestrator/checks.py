@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
+from decentrl.api.wire import Rollout, SamplingParams, value_range
 from decentrl.config import RunConfig
-from decentrl.staleness import is_fresh
+from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask
-from decentrl.wire import Rollout, SamplingParams, value_range
 from orchestrator.counters import Versions
 from orchestrator.integrity import Integrity
 from orchestrator.leases import CLOSED_REASON, LeaseBook

@@ -1,4 +1,4 @@
-"""The orchestrator's hot path over the msgpack encoding (decentrl/encoding.py): arrays packed once.
+"""The orchestrator's hot path over the msgpack encoding (decentrl/api/encoding.py): arrays packed once.
 
 A rollout's completion ids and logprobs are taken as the typed arrays they arrived in
 (`packed_arrays`, called by the rollouts handler) or packed once when it is accepted: the
@@ -14,8 +14,8 @@ from typing import Any
 
 import msgpack
 
-from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, pack_ints, pack_routes
-from decentrl.wire import ExpertRouting, TrainBatch
+from decentrl.api.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, pack_ints, pack_routes
+from decentrl.api.wire import ExpertRouting, TrainBatch
 
 Packed = tuple[msgpack.ExtType, msgpack.ExtType]  # (completion ids, logprobs)
 

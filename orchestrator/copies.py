@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from decentrl.wire import Rollout
+from decentrl.api.wire import Rollout
 from orchestrator.counters import Counters
 from orchestrator.hedges import Hedges
 from orchestrator.integrity import content_hash

@@ -4,7 +4,7 @@ Routes (orchestrator/routes.py):
   GET  /                   none        the page (orchestrator/static/dashboard.html): static, holds
                                        no data; its script asks for a token and polls the JSON
   GET  /v1/dashboard       any token   (none with `metrics_public`) the run's history since `since`
-  POST /v1/trainer/steps   trainer     one step's metrics (decentrl/wire.py TrainerStep)
+  POST /v1/trainer/steps   trainer     one step's metrics (decentrl/api/wire.py TrainerStep)
 
 The page is one hand-written HTML file with its own small canvas plotting script: no build
 step, no CDN, it works offline. It polls rather than streams (server-sent events) because a
@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from decentrl.wire import TrainerStep
+from decentrl.api.wire import TrainerStep
 from orchestrator.appstate import HISTORY, INFLIGHT, STATE, VERIFIER
 from orchestrator.body import error, parse_body
 from orchestrator.history import SAMPLE_INTERVAL_S, History

@@ -18,10 +18,8 @@ from collections.abc import Callable
 from aiohttp import web
 from pydantic import BaseModel
 
-from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK
-from decentrl.store import StoreError
-from decentrl.tasks.episodes import EpisodeTask
-from decentrl.wire import (
+from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK
+from decentrl.api.wire import (
     MAX_VERSION,
     WORKER_ID,
     Health,
@@ -36,6 +34,8 @@ from decentrl.wire import (
     TokenList,
     VersionAnnouncement,
 )
+from decentrl.store.checkpoints import StoreError
+from decentrl.tasks.episodes import EpisodeTask
 from orchestrator.appstate import (
     BATCH_READY,
     HISTORY,

@@ -25,7 +25,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decentrl.wire import IngestResponse, RolloutBatch, StatusResponse, TrainBatch
+from decentrl.api.wire import IngestResponse, RolloutBatch, StatusResponse, TrainBatch
 
 POINTS_KEPT = 3600  # one an hour at one a second
 STEPS_KEPT = 5000

@@ -33,9 +33,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from decentrl.api.wire import Rollout
 from decentrl.config import VerificationConfig
-from decentrl.stopping import ends_generation
-from decentrl.wire import Rollout
+from decentrl.model.stopping import ends_generation
 from orchestrator.journal import IntegrityChanges
 
 # Rejection reasons that only a faulty or dishonest worker produces: each is a strike.

@@ -59,8 +59,8 @@ from typing import Any
 import msgpack
 from pydantic import BaseModel
 
-from decentrl.encoding import unpack_msgpack
-from decentrl.wire import ExpertRouting, Lease, Rollout, SamplingParams
+from decentrl.api.encoding import unpack_msgpack
+from decentrl.api.wire import ExpertRouting, Lease, Rollout, SamplingParams
 from orchestrator.codec import Packed, pack_ints
 
 log = logging.getLogger("decentrl.orchestrator.journal")

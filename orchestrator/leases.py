@@ -7,7 +7,7 @@ RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its publ
 - a lease has a deadline (`lease_timeout_s` after it was granted or last renewed); an overdue
   lease expires, its prompt is leased again first and a late sample gets `lease_expired`;
 - no more leases are open than can be consumed without going stale (`lease_budget`,
-  decentrl/staleness.py), nor than the buffer bound allows (`orchestrator.max_buffer_groups`);
+  decentrl/rl/staleness.py), nor than the buffer bound allows (`orchestrator.max_buffer_groups`);
 - every status change of a lease goes through `LeaseBook.close`: it journals the change, and a
   lease closed without training (expired, released, dropped) has its samples counted as
   dropped and its content forgotten by orchestrator/integrity.py (so it may honestly come again);
@@ -17,7 +17,7 @@ RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its publ
   `closed_lease`), not held in memory;
 - deterministic runs (docs/reproducibility.md): a lease is a place in the consumption order
   (`Lease.index`), which fixes its prompt (the seeded order, cycled) and the version it is
-  sampled under (decentrl/determinism.py `required_version`); a place closed without training
+  sampled under (decentrl/rl/determinism.py `required_version`); a place closed without training
   is leased again, lowest first, with the same prompt and version, so no place is ever skipped;
 - hedging (deterministic runs, orchestrator/hedges.py): a place may have up to
   `hedging.max_copies` open leases at once (`places`: place -> its open leases), each the same
@@ -41,13 +41,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
+from decentrl.api.wire import MAX_SUPERSEDED, Lease, LeaseState, Rollout
 from decentrl.config import RunConfig
-from decentrl.determinism import required_version
-from decentrl.prompts import PromptEncoder
-from decentrl.staleness import lease_budget
+from decentrl.rl.determinism import required_version
+from decentrl.rl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
-from decentrl.wire import MAX_SUPERSEDED, Lease, LeaseState, Rollout
+from decentrl.tasks.prompts import PromptEncoder
 from orchestrator.codec import Packed
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity, token_of
@@ -115,7 +115,7 @@ class ClosedLease:
 class PromptQueue:
     """The order prompts are leased in: a seeded shuffle of the task's pool, cycled, with the
     prompts of leases that closed unanswered going out first; and each prompt's token ids, as
-    `render` makes them (decentrl/prompts.py: the chat template, or the raw text).
+    `render` makes them (decentrl/tasks/prompts.py: the chat template, or the raw text).
 
     In a deterministic run the queue hands out places in the consumption order instead
     (`next_index`; the prompt is `prompt_at(index)`), and `requeued` holds places, lowest first."""

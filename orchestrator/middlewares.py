@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from decentrl.encoding import MEDIA_JSON
+from decentrl.api.encoding import MEDIA_JSON
 from orchestrator.appstate import IDENTITY, JOURNAL_FAILED, LIMITER, METRICS, ROUTE_ROLES, TOKENS
 from orchestrator.body import error
 from orchestrator.journal import JournalError

@@ -12,8 +12,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK
-from decentrl.wire import ErrorBody
+from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK
+from decentrl.api.wire import ErrorBody
 
 REF = "#/components/schemas/{model}"
 

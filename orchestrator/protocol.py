@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from decentrl.encoding import MEDIA_JSON
+from decentrl.api.encoding import MEDIA_JSON
 from orchestrator.loglines import ThrottledLog
 
 log = logging.getLogger("decentrl.orchestrator.http")

@@ -21,13 +21,13 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from decentrl.determinism import required_version
-from decentrl.wire import Lease, Rollout, TrainBatch
+from decentrl.api.wire import Lease, Rollout, TrainBatch
+from decentrl.rl.determinism import required_version
 from orchestrator.batches import Batches, ServedBatch, pack_sample
 from orchestrator.buffer import Buffer, Group
+from orchestrator.codec import Packed
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity
-from orchestrator.codec import Packed
 from orchestrator.journal import RunJournal, Snapshot, decode_rollout, lease_of
 from orchestrator.leases import ClosedLease, LeaseBook, OpenLease
 

@@ -35,8 +35,8 @@ from typing import Any
 from aiohttp import web
 
 import decentrl
-from decentrl.encoding import MEDIA_JSON
-from decentrl.wire import (
+from decentrl.api.encoding import MEDIA_JSON
+from decentrl.api.wire import (
     API_PREFIX,
     MAX_VERSION,
     TOKEN_NAME,

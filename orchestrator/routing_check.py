@@ -1,7 +1,7 @@
 """The ingest check of a rollout's MoE routes (Keep Routing; docs/routing.md).
 
 Called once per rollout from the orchestrator's ingest checks (`RunState._check`). The rules
-are decentrl/routing.py's `routing_problem`; this module resolves, once per model config, which
+are decentrl/model/routing.py's `routing_problem`; this module resolves, once per model config, which
 layers of the run's model are sparse and whether the run keeps routing.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import functools
 
+from decentrl.api.wire import Rollout
 from decentrl.config import PretrainedModelConfig, TinyModelConfig
-from decentrl.routing import RouteSpec, keeps_routing, routing_problem, spec_of
-from decentrl.wire import Rollout
+from decentrl.model.routing import RouteSpec, keeps_routing, routing_problem, spec_of
 
 
 @functools.cache

@@ -14,9 +14,17 @@ import re
 
 from aiohttp import web
 
-from decentrl.wire import WORKER_ID, ScoreLease, ScoreLeaseRequest, ScorePost
+from decentrl.api.wire import WORKER_ID, ScoreLease, ScoreLeaseRequest, ScorePost
 from orchestrator.appstate import (
-    BATCH_READY, IDLE_SCORERS, LEASES_FREED, SCORES_WAITING, STATE, STOPPING, commit, notify_all, wake_checks,
+    BATCH_READY,
+    IDLE_SCORERS,
+    LEASES_FREED,
+    SCORES_WAITING,
+    STATE,
+    STOPPING,
+    commit,
+    notify_all,
+    wake_checks,
 )
 from orchestrator.body import error, parse_body, respond
 from orchestrator.handlers import STATUS_ERRORS, holder_of

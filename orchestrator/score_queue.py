@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from decentrl.api.wire import ScoreAck, ScoreItem, ScorePost, ScoreRenewal, ScoreResult
 from decentrl.config import RewardConfig
-from decentrl.wire import ScoreAck, ScoreItem, ScorePost, ScoreRenewal, ScoreResult
 from orchestrator.journal import RunJournal
 from orchestrator.leases import LeaseClosed, LeaseNotFound, NotLeaseHolder
 

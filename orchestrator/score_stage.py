@@ -11,9 +11,9 @@ back in its place until its scores and its logprob check, if it has one, are bot
 
 from __future__ import annotations
 
+from decentrl.api.wire import Rollout, ScoreAck, ScorePost, ScoreResult
 from decentrl.config import RunConfig
-from decentrl.staleness import is_fresh
-from decentrl.wire import Rollout, ScoreAck, ScorePost, ScoreResult
+from decentrl.rl.staleness import is_fresh
 from orchestrator.buffer import Buffer, Group
 from orchestrator.counters import Versions
 from orchestrator.integrity import Integrity

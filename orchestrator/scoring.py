@@ -7,7 +7,7 @@ replayed against its environment (decentrl/tasks/episodes.py), which the ingest 
 
 With a model reward (`[orchestrator.rewards]`, docs/rewards.md) the group's samples also become
 the items scorers score (`items`: the prompt, the decoded completion, and for process rewards
-its steps, split by decentrl/steps.py), and once scored the two rewards combine here (`combine`): the one place that reads
+its steps, split by decentrl/rl/steps.py), and once scored the two rewards combine here (`combine`): the one place that reads
 the reward's type and weights.
 """
 
@@ -15,18 +15,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from decentrl.api.wire import ChatMessage, Rollout, ScoreItem, ScoreResult
 from decentrl.config import PromptConfig, RewardConfig, StepsConfig
-from decentrl.prompts import chat_messages, uses_chat
-from decentrl.steps import Steps, split_steps
+from decentrl.rl.steps import Steps, split_steps
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask, replay_episode, tokenizer_codec
-from decentrl.wire import ChatMessage, Rollout, ScoreItem, ScoreResult
+from decentrl.tasks.prompts import chat_messages, uses_chat
 from orchestrator.tokens import Decoder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from decentrl.tokenizer import RustTokenizer
+    from decentrl.model.tokenizer import RustTokenizer
 
 
 class Scorer:
@@ -50,7 +50,7 @@ class Scorer:
         return None if self.config.type == "model" else self.rewards(rollouts)
 
     def steps(self, rollouts: list[Rollout]) -> list[Steps] | None:
-        """Process rewards: each sample's steps (decentrl/steps.py); None when the run wants no step scores."""
+        """Process rewards: each sample's steps (decentrl/rl/steps.py); None when the run wants no step scores."""
         if self.steps_config is None:
             return None
         return [

@@ -20,10 +20,10 @@ import signal
 from aiohttp import web
 
 from decentrl.config import RunConfig
-from decentrl.model import build_model
-from decentrl.store import CheckpointStore
+from decentrl.model.build import build_model
+from decentrl.model.tokenizer import load_text_tokenizer
+from decentrl.store.checkpoints import CheckpointStore
 from decentrl.tasks import build_task
-from decentrl.tokenizer import load_text_tokenizer
 from orchestrator.app import create_app
 from orchestrator.auth import ENV_VAR, TokenRegistry
 from orchestrator.journal import Journal, JournalError, JournalMismatch

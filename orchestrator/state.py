@@ -62,13 +62,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from decentrl.config import RunConfig
-from decentrl.model import end_of_sequence_ids
-from decentrl.prompts import make_prompt_encoder
-from decentrl.staleness import is_fresh
-from decentrl.tasks import Task
-from decentrl.tasks.episodes import EpisodeTask
-from decentrl.wire import (
+from decentrl.api.wire import (
     IngestResponse,
     Lease,
     LeaseState,
@@ -81,6 +75,12 @@ from decentrl.wire import (
     ScoreResult,
     TrainBatch,
 )
+from decentrl.config import RunConfig
+from decentrl.model.build import end_of_sequence_ids
+from decentrl.rl.staleness import is_fresh
+from decentrl.tasks import Task
+from decentrl.tasks.episodes import EpisodeTask
+from decentrl.tasks.prompts import make_prompt_encoder
 from orchestrator.batches import Batches, pack_sample
 from orchestrator.buffer import Buffer, Group, VerifyJob
 from orchestrator.checks import IngestChecks
@@ -102,7 +102,7 @@ from orchestrator.view import RunView
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from decentrl.tokenizer import RustTokenizer
+    from decentrl.model.tokenizer import RustTokenizer
 
 # Re-exported: orchestrator/handlers.py answers lease errors, orchestrator/verification.py runs jobs.
 __all__ = ["LeaseError", "RunState", "VerifyJob"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from decentrl.tokenizer import RustTokenizer
+from decentrl.model.tokenizer import RustTokenizer
 from orchestrator.detokenize import piece_table, table_decoder
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ Decoder = Callable[[list[list[int]]], list[str]]
 def _plain_fast_tokenizer(tokenizer: PreTrainedTokenizerBase | RustTokenizer, *methods: str) -> Any:
     """The Rust tokenizer behind `tokenizer` if calling it directly gives what the HF methods
     would (the methods are not overridden by a subclass), else None."""
-    if isinstance(tokenizer, RustTokenizer):  # decentrl/tokenizer.py: the Rust tokenizer itself
+    if isinstance(tokenizer, RustTokenizer):  # decentrl/model/tokenizer.py: the Rust tokenizer itself
         return tokenizer.backend_tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     try:

@@ -10,7 +10,7 @@ its lease through LeaseBook.close (orchestrator/leases.py).
 from __future__ import annotations
 
 from decentrl.config import RunConfig
-from decentrl.staleness import is_fresh
+from decentrl.rl.staleness import is_fresh
 from orchestrator.buffer import Buffer, Group
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity, token_of

@@ -7,12 +7,12 @@ unverified sample never reaches the trainer. `warm_up`, which the app runs on th
 startup, imports torch and transformers and builds the models (an orchestrator with
 verification off never loads them).
 
-The recomputation is the worker's own math (decentrl/sampling.py `sampling_distribution`, the
+The recomputation is the worker's own math (decentrl/model/sampling.py `sampling_distribution`, the
 distribution the HF worker backend samples from: temperature, then top-k, then top-p,
 renormalized over the kept set) on one full forward of prompt + completion under the version's
 weights. A version is loaded once: its weight files are read from the store into memory,
 checked against the (signed) manifest's sha256, and copied into a model built at startup, in
-place and all or nothing (decentrl/weights.py, which the worker's weight swap uses too); the
+place and all or nothing (decentrl/store/weights.py, which the worker's weight swap uses too); the
 last `models_cached` versions stay loaded. One load path: weights that cannot be read or do not
 fit the model, whatever the version holds, are an error the check reports (the rollouts are left
 `unverifiable`, nobody struck) and never end the verifier's thread. A completion that spanned a weight swap
@@ -22,7 +22,7 @@ recomputed kept set differs by infinity). docs/security.md: the calibration and 
 
 Deterministic runs (`run_seed`, docs/reproducibility.md): every honest sample is recomputable, so
 the same forward also re-draws each token from the sample's own generator (seeded with
-decentrl/determinism.py `sample_seed` from its `sample_index`), one draw per position as the HF
+decentrl/rl/determinism.py `sample_seed` from its `sample_index`), one draw per position as the HF
 worker backend draws: a token that is not the seeded draw fails as `not_reproduced`. This checks
 what the logprob comparison cannot - which token was picked: a completion chosen rather than
 sampled (a forged answer, the best of several tries) passes with honest logprobs and fails here.
@@ -46,15 +46,14 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from decentrl.api.wire import Rollout
 from decentrl.config import VerificationConfig
-from decentrl.determinism import sample_seed
-from decentrl.store import CheckpointStore, StoreError
-from decentrl.wire import Rollout
+from decentrl.rl.determinism import sample_seed
+from decentrl.store.checkpoints import CheckpointStore, StoreError
 
 if TYPE_CHECKING:
     import torch
 
-    from decentrl.weights import CheckpointError
 
 log = logging.getLogger("decentrl.orchestrator.verify")
 
@@ -78,7 +77,7 @@ class Verifier:
         self, config: VerificationConfig, *, store: CheckpointStore, cache_dir: str,
         build: Callable[[], torch.nn.Module], run_seed: int | None = None,
     ) -> None:
-        """`build` makes a model of the run's architecture (decentrl.model.build_model): `warm_up`
+        """`build` makes a model of the run's architecture (decentrl.model.build.build_model): `warm_up`
         builds `models_cached` of them, and every version is then copied into one in place.
         `cache_dir` receives the pulled versions of LoRA runs (an adapter and its base).
         `run_seed`: a deterministic run's seed; its samples' tokens are re-drawn too."""
@@ -110,8 +109,8 @@ class Verifier:
         started = time.perf_counter()
         import torch
 
-        import decentrl.sampling  # noqa: F401
-        import decentrl.weights  # noqa: F401
+        import decentrl.model.sampling  # noqa: F401
+        import decentrl.store.weights  # noqa: F401
 
         torch.set_num_threads(self.config.torch_threads)
         while len(self._spare) + len(self._models) < self.config.models_cached:
@@ -138,11 +137,11 @@ class Verifier:
     def _load(self, version: int) -> torch.nn.Module:
         """A model holding `version`'s weights: a spare, a new build (warm_up did not build them
         all) or the least recently used one, overwritten in place, all or nothing
-        (decentrl/weights.py `copy_into`). Weights that cannot be read leave every loaded model
+        (decentrl/store/weights.py `copy_into`). Weights that cannot be read leave every loaded model
         as it was."""
         import torch
 
-        from decentrl.weights import adopt_dtype, copy_into
+        from decentrl.store.weights import adopt_dtype, copy_into
 
         torch.set_num_threads(self.config.torch_threads)
         weights = self._weights(version)
@@ -167,7 +166,7 @@ class Verifier:
         HF worker does; a delta version is pulled into the cache, rebuilt from its base there. Only the manifest's files are read, and whatever they hold, a failure is
         a StoreError (the store, the manifest, a file's bytes) or a CheckpointError (weights that
         do not read): the verifier's thread never dies of a version."""
-        from decentrl.weights import INDEX_NAME, CheckpointError, read_weights, weights_from_files
+        from decentrl.store.weights import INDEX_NAME, CheckpointError, read_weights, weights_from_files
 
         try:
             # A delta version's files are rebuilt from its base: pulled into the cache like an adapter's.
@@ -178,7 +177,7 @@ class Verifier:
             return read_weights(self._pull(version))
         except (StoreError, CheckpointError):
             raise
-        # decentrl/weights.py turns the failures it knows of into CheckpointError; anything else
+        # decentrl/store/weights.py turns the failures it knows of into CheckpointError; anything else
         # a version's bytes provoke (a dtype safetensors reads but torch cannot copy, an oddity of
         # a future format) is still the version's fault, never the verifier's.
         except Exception as exc:  # noqa: BLE001 - see above
@@ -202,8 +201,8 @@ class Verifier:
         deterministic run whether each token is its sample's seeded draw (N,), else None."""
         import torch
 
-        from decentrl.routers import batch_routes, replaying
-        from decentrl.sampling import sampling_distribution
+        from decentrl.model.routers import batch_routes, replaying
+        from decentrl.model.sampling import sampling_distribution
 
         model = self._model(version)
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -219,7 +218,7 @@ class Verifier:
         ])  # (N,)
         targets = torch.tensor([t for r in rollouts for t in r.completion_token_ids]).unsqueeze(-1)  # (N, 1)
         with torch.inference_mode():
-            # MoE: the worker's recorded experts, replayed as the trainer does (decentrl/routers.py).
+            # MoE: the worker's recorded experts, replayed as the trainer does (decentrl/model/routers.py).
             with replaying(model, batch_routes([r.expert_routing for r in rollouts], width)):
                 logits = model(input_ids=ids).logits  # (B, L, V)
             # Every completion position of every rollout in one (N, V) block: one distribution call.
@@ -265,7 +264,7 @@ class Verifier:
         (deterministic runs; True elsewhere)."""
         import torch
 
-        from decentrl.weights import CheckpointError
+        from decentrl.store.weights import CheckpointError
 
         worst = torch.zeros(len(rollouts), dtype=torch.float64)
         reproduced = torch.ones(len(rollouts), dtype=torch.float64)  # 1.0: every drawn token is its seed's

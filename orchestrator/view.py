@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable
 
+from decentrl.api.wire import SamplingParams, StatusResponse
 from decentrl.config import RunConfig
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.guard import reward_failures
-from decentrl.wire import SamplingParams, StatusResponse
 from orchestrator.buffer import Buffer, Group, VerifyJob
 from orchestrator.checks import IngestChecks
 from orchestrator.counters import Counters, Versions

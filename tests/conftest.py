@@ -28,14 +28,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import aiohttp  # noqa: E402
 import pytest  # noqa: E402
 from aiohttp import web  # noqa: E402
-
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
-from decentrl.client import OrchestratorClient  # noqa: E402
+from decentrl.api.client import OrchestratorClient  # noqa: E402
+from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK, unpack_msgpack  # noqa: E402
+from decentrl.api.wire import Lease, Rollout, SamplingParams  # noqa: E402
 from decentrl.config import RunConfig, parse_config  # noqa: E402
-from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK, unpack_msgpack  # noqa: E402
-from decentrl.model import build_tiny_tokenizer  # noqa: E402
-from decentrl.wire import Lease, Rollout, SamplingParams  # noqa: E402
+from decentrl.model.build import build_tiny_tokenizer  # noqa: E402
 from orchestrator.app import create_app  # noqa: E402
 from orchestrator.appstate import STATE, TOKENS  # noqa: E402
 from orchestrator.auth import TokenRegistry  # noqa: E402
@@ -176,8 +175,8 @@ CHAT_TEXTS = [f"{a}{b}{c}{d}=" for a in "0123" for b in "4567" for c in "89" for
 def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny chat model in HF format: a byte-level BPE tokenizer trained on CHAT_TEXTS (259 ids: digits
     never merge, so only the bytes and 3 specials) with a ChatML template ending turns at <|im_end|>
-    (decentrl/chat_model.py)."""
-    from decentrl.chat_model import ChatModelSpec, write_chat_model
+    (decentrl/model/chat_model.py)."""
+    from decentrl.model.chat_model import ChatModelSpec, write_chat_model
 
     spec = ChatModelSpec(vocab_size=270, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
     return Path(write_chat_model(CHAT_TEXTS, str(tmp_path_factory.mktemp("chat")), spec))

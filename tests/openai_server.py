@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from decentrl.wire import SamplingParams
-from decentrl.sampling import sampling_distribution
+from decentrl.api.wire import SamplingParams
+from decentrl.model.sampling import sampling_distribution
 from workers.backends.hf import HFBackend
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from decentrl.wire import ScoreItem
+from decentrl.api.wire import ScoreItem
 from workers.scorers import Verdict
 
 

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decentrl.wire import SamplingParams
+from decentrl.api.wire import SamplingParams
 from workers.backends import Backend
 from workers.sample import Sample
 

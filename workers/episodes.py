@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 from pydantic import TypeAdapter
 
+from decentrl.api.wire import Lease, RunInfo, SamplingParams
 from decentrl.config import TaskConfig
 from decentrl.tasks import build_task
-from decentrl.tasks.episodes import EpisodeTask, Environment, TextCodec, episode_end, turn_budget
-from decentrl.wire import Lease, RunInfo, SamplingParams
+from decentrl.tasks.episodes import Environment, EpisodeTask, TextCodec, episode_end, turn_budget
 from workers.sample import Sample
 
 # Fills each sample to its budget (or end-of-sequence / stop string), across weight swaps.

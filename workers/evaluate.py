@@ -7,7 +7,7 @@ were sampled by policies up to `max_staleness` versions older than the final one
 Prompts come from a held-out pool by default: a dataset task's eval split, else the task rebuilt
 with another seed, minus every prompt text of the training pool. Tasks whose seed only orders a fixed prompt set (arithmetic,
 countdown, a JSONL file) have no held-out prompts that way; evaluate them with split="train".
-Prompts are rendered as the orchestrator renders them (decentrl/prompts.py: chat template or raw);
+Prompts are rendered as the orchestrator renders them (decentrl/tasks/prompts.py: chat template or raw);
 completions are sampled with the run's `[sampling]` settings (or greedily), through the same
 transformers backend the workers use, and decoded the way the orchestrator decodes to score.
 Besides the mean reward it reports pass@k (a sample counts as solved at reward 1.0).
@@ -20,12 +20,12 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from decentrl.api.wire import SamplingParams
 from decentrl.config import RunConfig, SamplingConfig
-from decentrl.prompts import make_prompt_encoder
 from decentrl.tasks import Prompt, Task, build_task
-from decentrl.tasks.sources import HeldOutSource
 from decentrl.tasks.episodes import EpisodeTask
-from decentrl.wire import SamplingParams
+from decentrl.tasks.prompts import make_prompt_encoder
+from decentrl.tasks.sources import HeldOutSource
 from workers.backends.hf import HFBackend
 
 Split = Literal["heldout", "train"]

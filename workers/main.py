@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import sys
 
-from decentrl.client import OrchestratorClient
+from decentrl.api.client import OrchestratorClient
 from decentrl.config import RunConfig, WorkerConfig
-from decentrl.devices import available_gpus, device_problem
+from decentrl.model.devices import available_gpus, device_problem
 from workers.backends import Backend
 from workers.worker import Worker
 
@@ -68,7 +68,7 @@ def run_worker(
         simulation=config.simulation,
     )
     if worker.info.deterministic:  # the run decides (RunInfo), whatever this worker's config says
-        from decentrl.determinism import use_deterministic_torch
+        from decentrl.rl.determinism import use_deterministic_torch
 
         use_deterministic_torch(config.worker.torch_threads)
     worker.run()

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from decentrl.wire import IngestResponse, RolloutBatch
+from decentrl.api.wire import IngestResponse, RolloutBatch
 
 log = logging.getLogger("decentrl.worker.progress")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from decentrl.wire import ExpertRouting, Lease, Rollout, SamplingParams
+from decentrl.api.wire import ExpertRouting, Lease, Rollout, SamplingParams
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Sample:
     finish_reason: str | None = None
     loss_mask: list[int] | None = None  # episodes: 1 model token, 0 environment token
     claimed_reward: float | None = None
-    routes: ExpertRouting | None = None  # MoE: experts of every token fed (decentrl/routing.py)
+    routes: ExpertRouting | None = None  # MoE: experts of every token fed (decentrl/model/routing.py)
     # Deterministic runs: the sample's own seed, its group (never split across calls, workers/batching.py)
     # and the version it must be sampled under (the lease's).
     seed: int | None = None

@@ -45,9 +45,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from decentrl.client import OrchestratorClient, OrchestratorError
+from decentrl.api.client import OrchestratorClient, OrchestratorError
+from decentrl.api.wire import ScoreItem, ScoreLease, ScoreLeaseRequest, ScorePost, ScoreResult
 from decentrl.config import ScorerConfig
-from decentrl.wire import ScoreItem, ScoreLease, ScoreLeaseRequest, ScorePost, ScoreResult
 from workers.scorers import ScoreBackend, Verdict, build_scorer_backend
 
 log = logging.getLogger("decentrl.scorer")

@@ -87,7 +87,7 @@ def noisy_routers(model: torch.nn.Module, std: float, generator: torch.Generator
     renormalized where the architecture renormalizes). That is an engine whose near-tied routing
     decisions flip under its own numerics: the mismatch replay removes. Hooked before a
     RouteRecorder, the recorder sees the noisy choice. std 0: no hooks."""
-    from decentrl.routers import routers
+    from decentrl.model.routers import routers
 
     def noisy(renormalize: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
         def hook(module: torch.nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

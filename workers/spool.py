@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 
-from decentrl.wire import RolloutBatch
+from decentrl.api.wire import RolloutBatch
 
 
 class Spool:

@@ -53,12 +53,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decentrl.client import InvalidAnswer, OrchestratorClient, OrchestratorError
+from decentrl.api.client import InvalidAnswer, OrchestratorClient, OrchestratorError
+from decentrl.api.wire import Lease, LeaseRequest, RolloutBatch, RunInfo, SamplingParams
 from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
-from decentrl.determinism import sample_seed
-from decentrl.store import CheckpointStore, StoreError, VerificationError
+from decentrl.rl.determinism import sample_seed
+from decentrl.store.checkpoints import CheckpointStore, StoreError, VerificationError
 from decentrl.tasks.episodes import TextCodec
-from decentrl.wire import Lease, LeaseRequest, RolloutBatch, RunInfo, SamplingParams
 from workers.backends import Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
@@ -249,7 +249,7 @@ class Worker:
             try:
                 self._swap(path, version, pull_s=time.perf_counter() - started)
             # Any failure to load a verified version is that version's: the backends check before
-            # they copy (decentrl/weights.py `copy_into`), so the weights loaded before are still whole.
+            # they copy (decentrl/store/weights.py `copy_into`), so the weights loaded before are still whole.
             except Exception as exc:  # noqa: BLE001 - CheckpointError, VerificationError, a backend's own
                 self._refuse(version, exc)
 
@@ -568,8 +568,8 @@ def load_codec(checkpoint_dir: str) -> TextCodec:
     """The model's tokenizer, from a pulled version (a LoRA adapter's from its base model)."""
     from transformers import AutoTokenizer
 
+    from decentrl.store.weights import model_dir
     from decentrl.tasks.episodes import tokenizer_codec
-    from decentrl.weights import model_dir
 
     return tokenizer_codec(AutoTokenizer.from_pretrained(model_dir(checkpoint_dir)))
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from collections.abc import Sequence
 from typing import Annotated
 
 import typer
@@ -244,7 +243,7 @@ def evaluate(
 
     from transformers.utils import logging as hf_logging
 
-    from decentrl.store import StoreError
+    from decentrl.store.checkpoints import StoreError
     from workers.evaluate import EvalError
     from workers.evaluate import evaluate as run_eval
 
@@ -276,8 +275,8 @@ def evaluate(
 def _open_store_config(config: StoreConfig, *, run_name: str):  # noqa: ANN202 - CheckpointStore, imported lazily
     """A store as a run config describes it (`decentrl eval`): its key and cache settings, and
     its run, which signed versions must name."""
-    from decentrl.signing import SigningKeyError
-    from decentrl.store import CheckpointStore
+    from decentrl.store.checkpoints import CheckpointStore
+    from decentrl.store.signing import SigningKeyError
 
     try:
         return CheckpointStore.from_config(config, run_name=run_name)
@@ -296,7 +295,7 @@ TokensFileOpt = Annotated[str, typer.Option(help="Tokens file the orchestrator r
 
 
 def _admin_client(url: str, token: str | None):  # noqa: ANN202 - OrchestratorClient, imported lazily
-    from decentrl.client import OrchestratorClient
+    from decentrl.api.client import OrchestratorClient
 
     if not token:
         typer.echo("error: --orchestrator needs an admin token: --token or env DECENTRL_ADMIN_TOKEN", err=True)
@@ -307,7 +306,7 @@ def _admin_client(url: str, token: str | None):  # noqa: ANN202 - OrchestratorCl
 @contextmanager
 def _token_errors() -> Iterator[None]:
     """A bad token file or an orchestrator's refusal: `error: ...` and exit code 2."""
-    from decentrl.client import OrchestratorError
+    from decentrl.api.client import OrchestratorError
 
     try:
         yield

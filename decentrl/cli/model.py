@@ -1,6 +1,6 @@
 """`decentrl model init`: write a tiny chat model directory for a run config's task.
 
-Thin entry point over decentrl/chat_model.py; registered on the main app in decentrl/cli/main.py.
+Thin entry point over decentrl/model/chat_model.py; registered on the main app in decentrl/cli/main.py.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ def init(
     shape: Annotated[
         str | None,
         typer.Option(help="A real model's shape with random weights in bf16, e.g. smollm2-135m or qwen3-0.6b "
-                     "(decentrl/chat_model.py SHAPES): the sizes above are ignored, the tokenizer is padded to its vocabulary."),
+                     "(decentrl/model/chat_model.py SHAPES): the sizes above are ignored, the tokenizer is padded to its vocabulary."),
     ] = None,
 ) -> None:
     """Train a byte-level BPE tokenizer with a chat template on the task's text and save it with a
     tiny Qwen2 model: use the directory as `[model] type = "pretrained"`, `path = OUT`."""
-    from decentrl.chat_model import SHAPES, ChatModelSpec, task_texts, write_chat_model, write_shaped_model
     from decentrl.cli.main import _load
+    from decentrl.model.chat_model import SHAPES, ChatModelSpec, task_texts, write_chat_model, write_shaped_model
     from decentrl.tasks import build_task
     from decentrl.tasks.sources import AnswerSource
 

@@ -8,7 +8,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from decentrl.client import OrchestratorClient, OrchestratorError
+from decentrl.api.client import OrchestratorClient, OrchestratorError
 
 
 def print_status(url: str, token: str, *, as_json: bool = False) -> int:

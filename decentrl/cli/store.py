@@ -1,5 +1,5 @@
 """`decentrl store ls | pull | verify | keygen`: a store's versions inspected, pulled and checked
-by hand, outside any run (decentrl/store.py does the work). Added to the `decentrl` command line by
+by hand, outside any run (decentrl/store/checkpoints.py does the work). Added to the `decentrl` command line by
 decentrl/cli/main.py; as there, heavy imports happen inside the commands.
 """
 
@@ -21,8 +21,8 @@ RunOpt = Annotated[
 
 
 def _open_store(url: str, public_key: str | None = None, run: str | None = None):  # noqa: ANN202 - CheckpointStore, imported lazily
-    from decentrl.signing import SigningKeyError, load_public_key
-    from decentrl.store import CheckpointStore
+    from decentrl.store.checkpoints import CheckpointStore
+    from decentrl.store.signing import SigningKeyError, load_public_key
 
     try:
         return CheckpointStore(url, public_key=load_public_key(public_key) if public_key else None, run_name=run)
@@ -34,7 +34,7 @@ def _open_store(url: str, public_key: str | None = None, run: str | None = None)
 @store_app.command("ls")
 def store_ls(url: StoreUrlArg) -> None:
     """List the published versions with their sizes."""
-    from decentrl.store import StoreError
+    from decentrl.store.checkpoints import StoreError
 
     store = _open_store(url)
     versions = store.versions()
@@ -60,7 +60,7 @@ def store_pull(
     run: RunOpt = None,
 ) -> None:
     """Download a version (resuming an interrupted pull into DEST) and verify every file's digest."""
-    from decentrl.store import StoreError
+    from decentrl.store.checkpoints import StoreError
 
     store = _open_store(url, public_key, run)
     try:
@@ -82,7 +82,7 @@ def store_verify(
 ) -> None:
     """Check every file of a version (or all) against its manifest and say which digest it uses
     (blake3, or sha256 for versions published before it); non-zero exit on any mismatch."""
-    from decentrl.store import StoreError
+    from decentrl.store.checkpoints import StoreError
 
     store = _open_store(url, public_key, run)
     problems: list[str] = []
@@ -110,7 +110,7 @@ def store_keygen(
     public_key: Annotated[str, typer.Option(help="Where to write the public key (give it to workers).")] = "decentrl-signing.pub",
 ) -> None:
     """Create an ed25519 key pair for signed manifests (the trainer's store.signing_key, the workers' store.public_key)."""
-    from decentrl.signing import SigningKeyError, write_keypair
+    from decentrl.store.signing import SigningKeyError, write_keypair
 
     try:
         write_keypair(private_key, public_key)

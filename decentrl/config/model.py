@@ -1,4 +1,4 @@
-"""`[model]`: the policy every role builds or loads (decentrl/model.py reads it).
+"""`[model]`: the policy every role builds or loads (decentrl/model/build.py reads it).
 
 The trainer builds version 0 from it, the orchestrator and the verifier load its tokenizer and
 architecture; workers never read it: they load whatever version the store holds.

@@ -70,7 +70,7 @@ class VerificationConfig(Section):
 
 
 class DelimiterStepsConfig(Section):
-    """Steps of a completion are the text between runs of a delimiter (decentrl/steps.py)."""
+    """Steps of a completion are the text between runs of a delimiter (decentrl/rl/steps.py)."""
 
     type: Literal["delimiter"] = "delimiter"
     delimiter: str = Field(
@@ -83,7 +83,7 @@ class DelimiterStepsConfig(Section):
 
 
 class TurnStepsConfig(Section):
-    """Steps of an episode are its model turns: each run of loss_mask = 1 tokens (decentrl/steps.py)."""
+    """Steps of an episode are its model turns: each run of loss_mask = 1 tokens (decentrl/rl/steps.py)."""
 
     type: Literal["turns"] = "turns"
     max_steps: int = Field(
@@ -95,7 +95,7 @@ StepsConfig = keyed_union(DelimiterStepsConfig, TurnStepsConfig)
 
 
 class AdvantageConfig(Section):
-    """Advantages, computed by the orchestrator when a group is complete (decentrl/advantages.py).
+    """Advantages, computed by the orchestrator when a group is complete (decentrl/rl/advantages.py).
 
     Outcome rewards (`group_advantages`): each reward minus its group's mean (divided by the
     group's std with normalize_std). Process rewards, when a scorer gives a score per step
@@ -125,7 +125,7 @@ class AdvantageConfig(Section):
     )
     steps: StepsConfig = Field(
         default_factory=DelimiterStepsConfig,
-        description="How a completion is split into the steps a process scorer scores (decentrl/steps.py).",
+        description="How a completion is split into the steps a process scorer scores (decentrl/rl/steps.py).",
     )
 
     @model_validator(mode="after")
@@ -161,7 +161,7 @@ class RewardConfig(Section):
     default_score: float = Field(0.0, allow_inf_nan=False, description="on_parse_failure = default: the model score used.")
     step_scores: bool = Field(
         False, strict=True, description="Process rewards: scorers are sent each completion's steps (split as "
-        "[orchestrator.advantages.steps] says, decentrl/steps.py) and return one score per step, which become "
+        "[orchestrator.advantages.steps] says, decentrl/rl/steps.py) and return one score per step, which become "
         "per-token advantages ([orchestrator.advantages] process keys)."
     )
     lease_timeout_s: float = Field(

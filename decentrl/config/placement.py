@@ -5,7 +5,7 @@ CUDA_VISIBLE_DEVICES set to its GPUs and hands it `--set <role>.device=cuda` and
 `--set <role>.gpu_memory=<memory>`; the roles themselves read only those keys, never this section.
 `PlacementConfig.processes` is the one computation of who goes where: the launcher starts
 processes from it, and RunConfig's checks (trainer_ranks, memory shares per GPU) sum over it.
-Whether the named GPUs exist on the machine is checked at start-up (decentrl/devices.py), not here:
+Whether the named GPUs exist on the machine is checked at start-up (decentrl/model/devices.py), not here:
 a config is written on one machine and run on another.
 """
 

@@ -1,4 +1,4 @@
-"""`[prompt]`: how a task's prompt becomes token ids (decentrl/prompts.py renders it).
+"""`[prompt]`: how a task's prompt becomes token ids (decentrl/tasks/prompts.py renders it).
 
 Read by the orchestrator, which renders and tokenizes each prompt once and hands the ids to
 workers with the lease (orchestrator/leases.py), and by `decentrl eval` (workers/evaluate.py),
@@ -16,7 +16,7 @@ from decentrl.config.base import Section
 
 class PromptConfig(Section):
     """How a task's prompt becomes token ids; the orchestrator renders each prompt once and hands
-    the ids to workers with the lease (decentrl/prompts.py)."""
+    the ids to workers with the lease (decentrl/tasks/prompts.py)."""
 
     format: Literal["auto", "chat", "raw"] = Field(
         "auto",

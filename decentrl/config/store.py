@@ -1,6 +1,6 @@
 """`[store]`: where versioned checkpoints live and how they are read and written.
 
-`decentrl/store.py` (`CheckpointStore.from_config`) is the one reader: the trainer publishes
+`decentrl/store/checkpoints.py` (`CheckpointStore.from_config`) is the one reader: the trainer publishes
 through it, workers and `decentrl eval` pull through it (`for_reader`), and the orchestrator
 announces its URL to workers. docs/store.md explains every field.
 """
@@ -61,7 +61,7 @@ class StoreConfig(Section):
     )
     full_every: int = Field(
         8, ge=1, le=64, description="Full-model runs: every this many versions one is a key version (every file stored "
-        "whole); the others store each weight file as a delta against the version before (decentrl/delta.py), a "
+        "whole); the others store each weight file as a delta against the version before (decentrl/store/delta.py), a "
         "small fraction of its bytes at RL learning rates. 1 = no deltas. LoRA runs publish adapters only.",
     )
     digest: Literal["blake3", "sha256"] = Field(

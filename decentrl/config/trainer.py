@@ -1,7 +1,7 @@
 """`[trainer]`: the FSDP2 trainer's optimization, loss and checkpointing (decentrl/trainer/ reads it).
 
 The loss and the off-policy correction are unions keyed by `type`, each member mapped to its
-function in decentrl/losses.py; docs/trainer.md explains every choice.
+function in decentrl/rl/losses.py; docs/trainer.md explains every choice.
 """
 
 from __future__ import annotations

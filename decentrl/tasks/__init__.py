@@ -31,7 +31,7 @@ class Prompt:
     prompt_id: int
     text: str
     # Chat messages ((role, content), ...) of a task that has them (a dataset's messages column);
-    # None: one user message of `text` when a chat template renders it (decentrl/prompts.py).
+    # None: one user message of `text` when a chat template renders it (decentrl/tasks/prompts.py).
     messages: tuple[tuple[str, str], ...] | None = None
 
 

@@ -14,7 +14,7 @@ answers and the same reward, on the worker and on the orchestrator.
 
 Turn and token limits, shared by both sides:
 - a model turn ends at end-of-sequence or at the token completing a stop string (kept; see
-  decentrl/stopping.py), or at its budget (`turn_budget`): `max_turn_tokens` tokens, or fewer
+  decentrl/model/stopping.py), or at its budget (`turn_budget`): `max_turn_tokens` tokens, or fewer
   when the completion reaches `sampling.max_tokens`. End-of-sequence stays in the transcript
   but not in the text an environment sees (decoding skips special tokens);
 - the episode ends ("stop") when the environment says done or after `max_turns` model turns; it
@@ -29,9 +29,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from decentrl.stopping import ends_generation
+from decentrl.api.wire import SamplingParams
+from decentrl.model.stopping import ends_generation
 from decentrl.tasks import Prompt
-from decentrl.wire import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

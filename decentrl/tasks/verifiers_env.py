@@ -3,7 +3,7 @@
 What maps to what:
 - prompts: the taskset's tasks (`Taskset.load()`, read through verifiers' own loader
   `load_taskset`, at most `size` of them): each task's `system_prompt` and `prompt` (a string
-  or chat messages) become a `Prompt` with messages, rendered by decentrl/prompts.py;
+  or chat messages) become a `Prompt` with messages, rendered by decentrl/tasks/prompts.py;
 - rewards: the task's `@vf.reward` functions (and plugged ones), run by verifiers' `Task.score`
   over a `Trace` built from the transcript; the reward is the trace's weighted sum. Scoring runs
   in the reward guard's child process (decentrl/tasks/guard.py), so a reward that raises, hangs

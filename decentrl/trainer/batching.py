@@ -11,11 +11,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from decentrl.advantages import informative_samples
+from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.config import TrainerConfig
-from decentrl.losses import BatchTotals
-from decentrl.routers import batch_routes
-from decentrl.wire import TrainBatch, TrainSample
+from decentrl.model.routers import batch_routes
+from decentrl.rl.advantages import informative_samples
+from decentrl.rl.losses import BatchTotals
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Tensors:
     # padded with -1; a row of -1 means no truncation there. None when no sample is truncated.
     kept_ids: torch.Tensor | None = None
     # (B, L, sparse layers, top_k) MoE expert ids the worker's routers chose for each input
-    # position, -1 where none was recorded (decentrl/routers.py replays them). None: no routes.
+    # position, -1 where none was recorded (decentrl/model/routers.py replays them). None: no routes.
     routes: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Tensors:
@@ -88,7 +88,7 @@ def idle_micro_batch(pad_id: int) -> Tensors:
 
 def select_samples(batch: TrainBatch, drop_zero_variance: bool) -> list[TrainSample]:
     """The samples that train this step: all, or those of groups with a policy-gradient signal
-    (rewards that differ, or a non-zero per-token advantage: decentrl/advantages.py)."""
+    (rewards that differ, or a non-zero per-token advantage: decentrl/rl/advantages.py)."""
     if not drop_zero_variance:
         return batch.samples
     if any(s.group_id is None for s in batch.samples):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from decentrl.wire import TrainBatch
+from decentrl.api.wire import TrainBatch
 
 _STEP_NAME = re.compile(r"step_(\d{6,})")
 

@@ -49,7 +49,7 @@ def shard_model(model: PreTrainedModel, *, mixed_precision: str = "fp32", activa
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
-    # Each rank's loss is its share of a sum normalized by whole-batch counts (decentrl.losses),
+    # Each rank's loss is its share of a sum normalized by whole-batch counts (decentrl.rl.losses),
     # so the ranks' gradients must be summed, not averaged as FSDP does by default.
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel
 
 from decentrl.config import LoRAConfig
-from decentrl.weights import ADAPTER_PREFIX, write_adapter_weights
+from decentrl.store.weights import ADAPTER_PREFIX, write_adapter_weights
 
 BASE_VERSION = 0  # every adapter applies to the initial model; the KL reference is the same base
 _ADAPTER_NAME = "default"  # peft's name for the one adapter; absent from saved key names
@@ -55,7 +55,7 @@ def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def write_adapter_dir(directory: str, state: dict[str, torch.Tensor], config: LoRAConfig) -> None:
-    """`adapter_config.json` (peft's) + `adapter_model.safetensors` (decentrl/weights.py) from a
+    """`adapter_config.json` (peft's) + `adapter_model.safetensors` (decentrl/store/weights.py) from a
     state dict holding the adapter weights (trainer names; other entries are ignored)."""
     peft_config(config).save_pretrained(directory)
     write_adapter_weights(directory, adapter_state(state))

@@ -21,8 +21,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.trainer.checkpoint import Progress
-from decentrl.wire import TrainBatch, TrainSample
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from decentrl.wire import TrainBatch
+from decentrl.api.wire import TrainBatch
 
 
 class BatchPrefetcher:

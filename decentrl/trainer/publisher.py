@@ -1,7 +1,7 @@
 """Background publishing of new versions, so the next optimizer step never waits on uploads.
 
 Rank 0 of the trainer hands each new full state dict to `Publisher.submit`; a thread writes an
-HF-loadable directory (sharded safetensors, decentrl/weights.py `write_hf_dir`), publishes it to
+HF-loadable directory (sharded safetensors, decentrl/store/weights.py `write_hf_dir`), publishes it to
 the store (files in parallel, manifest last), tells the orchestrator, and applies retention. In
 LoRA runs (`lora` given) the state dict holds only the adapter and the directory is a peft
 adapter on version 0 (decentrl/trainer/lora.py).
@@ -25,9 +25,9 @@ import torch
 from transformers import PretrainedConfig
 
 from decentrl.config import LoRAConfig
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import DEFAULT_SHARD_BYTES, write_hf_dir
 from decentrl.trainer.lora import BASE_VERSION, write_adapter_dir
-from decentrl.weights import DEFAULT_SHARD_BYTES, write_hf_dir
 
 log = logging.getLogger("decentrl.trainer.publisher")
 

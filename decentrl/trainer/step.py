@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from decentrl.config import TrainerConfig
-from decentrl.losses import STAT_KEYS, BatchTotals, policy_loss
-from decentrl.routers import replaying
+from decentrl.model.routers import replaying
+from decentrl.rl.losses import STAT_KEYS, BatchTotals, policy_loss
 from decentrl.trainer.batching import Tensors
 
 
@@ -67,7 +67,7 @@ def accumulate_gradients(
     sums = {key: torch.zeros(()) for key in STAT_KEYS}
     for batch in micro_batches:
         # Routes replayed from the forward through the backward: activation checkpointing's
-        # recomputation must route as the forward did (decentrl/routers.py).
+        # recomputation must route as the forward did (decentrl/model/routers.py).
         replay_reference = replaying(reference, batch.routes) if reference is not None else nullcontext()
         with replaying(model, batch.routes), replay_reference:
             loss, stats = micro_batch_loss(model, reference, batch, totals=totals, config=config, temperature=temperature)

@@ -19,8 +19,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from decentrl.api.wire import TrainBatch
 from decentrl.config import LoggingConfig
-from decentrl.wire import TrainBatch
 
 log = logging.getLogger("decentrl.trainer.trackers")
 

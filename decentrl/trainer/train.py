@@ -21,13 +21,15 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer, PreTrainedModel
 
-from decentrl.client import OrchestratorClient
+from decentrl.api.client import OrchestratorClient
+from decentrl.api.wire import TrainBatch
 from decentrl.config import RunConfig, TrainerConfig
-from decentrl.determinism import use_deterministic_torch
-from decentrl.devices import limit_gpu_memory
-from decentrl.losses import summarize
-from decentrl.model import build_model, load_tokenizer, publish_dtype
-from decentrl.store import CheckpointStore
+from decentrl.model.build import build_model, load_tokenizer, publish_dtype
+from decentrl.model.devices import limit_gpu_memory
+from decentrl.rl.determinism import use_deterministic_torch
+from decentrl.rl.losses import summarize
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import load_pretrained, read_adapter, read_hf_weights, write_hf_dir
 from decentrl.trainer.batching import collate, rank_share
 from decentrl.trainer.checkpoint import BatchJournal, Progress, ResumePlan, TrainerCheckpoints, plan_resume
 from decentrl.trainer.distributed import broadcast_object, full_state_dict, init_distributed, shard_model
@@ -38,8 +40,6 @@ from decentrl.trainer.prefetch import BatchPrefetcher
 from decentrl.trainer.publisher import Publisher
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks, token_logprobs
 from decentrl.trainer.trackers import Trackers
-from decentrl.weights import load_pretrained, read_adapter, read_hf_weights, write_hf_dir
-from decentrl.wire import TrainBatch
 
 __all__ = ["TrainerOptions", "collate", "token_logprobs", "train"]  # collate, token_logprobs: tests/trainer/test_trainer_math.py
 

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.advantages import group_advantages, informative_samples
+from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.config import ConfigError
+from decentrl.rl.advantages import group_advantages, informative_samples
 from decentrl.tasks import build_task
 from decentrl.trainer.batching import select_samples
-from decentrl.wire import TrainBatch, TrainSample
 from orchestrator.state import RunState
 
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.wire import Lease, SamplingParams
 from decentrl.config import GuessTaskConfig, ImportTaskConfig
-from decentrl.model import build_tiny_tokenizer
+from decentrl.model.build import build_tiny_tokenizer
 from decentrl.tasks import build_task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, TextCodec, replay_episode, split_turns, tokenizer_codec
 from decentrl.tasks.guess import GuessTask
-from decentrl.wire import Lease, SamplingParams
 from orchestrator.state import RunState
 from workers.episodes import run_episodes
 from workers.sample import Sample

@@ -67,7 +67,7 @@ SOURCES = sorted(path for package in PACKAGES for path in (ROOT / package).rglob
 
 def test_every_package_is_read() -> None:
     names = {module_name(path) for path in SOURCES}
-    assert {"decentrl.weights", "decentrl.trainer.train", "orchestrator.verify", "workers.backends.hf"} <= names
+    assert {"decentrl.store.weights", "decentrl.trainer.train", "orchestrator.verify", "workers.backends.hf"} <= names
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(ROOT)))

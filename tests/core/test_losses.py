@@ -1,4 +1,4 @@
-"""Unit tests for decentrl.losses against float64 references written here from the formulas.
+"""Unit tests for decentrl.rl.losses against float64 references written here from the formulas.
 
 Each variant (normalization x off-policy correction x PPO clipping, plus k3 KL and entropy) is
 checked on random inputs with masks: the loss value against a per-element Python reference, the
@@ -22,7 +22,7 @@ from decentrl.config import (
     TISConfig,
     TokenLossConfig,
 )
-from decentrl.losses import BatchTotals, policy_loss, summarize, tis_correction
+from decentrl.rl.losses import BatchTotals, policy_loss, summarize, tis_correction
 
 CAP = 1.5
 MAX_TOKENS = 12

@@ -1,4 +1,4 @@
-"""decentrl.losses with per-token advantages (B, T), as process rewards give them.
+"""decentrl.rl.losses with per-token advantages (B, T), as process rewards give them.
 
 Against a float64 reference written here independently of tests/core/test_losses.py (there every
 token of a sample shares one advantage): the loss and its gradient, the PPO clip side chosen by
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from decentrl.config import DrGRPOLossConfig, GRPOLossConfig, IcePopConfig, SeqMaskConfig, TISConfig, TokenLossConfig
-from decentrl.losses import BatchTotals, policy_loss
+from decentrl.rl.losses import BatchTotals, policy_loss
 
 MAX_TOKENS = 10
 EPS_LOW, EPS_HIGH = 0.2, 0.28

@@ -1,5 +1,5 @@
-"""decentrl/chat_model.py's real model shapes (SmolLM2-135M, Qwen3-0.6B with random weights) and the
-tied weights they bring to decentrl/weights.py: a shaped directory at a reduced size (2 layers,
+"""decentrl/model/chat_model.py's real model shapes (SmolLM2-135M, Qwen3-0.6B with random weights) and the
+tied weights they bring to decentrl/store/weights.py: a shaped directory at a reduced size (2 layers,
 hidden 64, vocabulary 512) has the shape's architecture, a tokenizer padded to the vocabulary
 without changing its encoding, bf16 weights with lm_head saved once, and loads, directly and as a
 pulled version, with lm_head still tied; the full shapes count the real models' parameters."""
@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from decentrl.chat_model import END_OF_TEXT, IM_END, shape_config, train_chat_tokenizer, write_shaped_model
 from decentrl.cli.main import app
-from decentrl.store import CheckpointStore
-from decentrl.weights import WEIGHTS_NAME, CheckpointError, copy_into, load_pretrained
+from decentrl.model.chat_model import END_OF_TEXT, IM_END, shape_config, train_chat_tokenizer, write_shaped_model
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import WEIGHTS_NAME, CheckpointError, copy_into, load_pretrained
 
 ROOT = Path(__file__).parents[2]
 REDUCED = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -113,7 +113,7 @@ def test_full_shapes_have_the_real_models_parameter_counts(shape: str) -> None:
     assert sum(p.numel() for p in model.parameters()) == PARAMETERS[shape]
 
 
-# -- tied weights through decentrl/weights.py -------------------------------------------------
+# -- tied weights through decentrl/store/weights.py -------------------------------------------------
 
 
 def test_tied_model_loads_from_its_directory(shaped: tuple[str, Path]) -> None:

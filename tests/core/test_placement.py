@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from decentrl.cli.launch import launch, role_starts
 from decentrl.cli.main import app
 from decentrl.config import ConfigError, HFScorerConfig, Placed, RunConfig, load_config, parse_config
-from decentrl.devices import device_problem, gpus_problem, placement_problem
+from decentrl.model.devices import device_problem, gpus_problem, placement_problem
 
 PLACEMENT_TOML = """
 trainer_ranks = 4

@@ -1,4 +1,4 @@
-"""Per-token advantages from step scores (decentrl/advantages.py `process_advantages`), the
+"""Per-token advantages from step scores (decentrl/rl/advantages.py `process_advantages`), the
 zero-variance rule with them, and TrainSample.token_advantages on the wire (bad input rejected).
 
 The formula checks are hand-computed: every number below is exact in binary floating point, so
@@ -16,11 +16,11 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from decentrl.advantages import group_advantages, informative_samples, process_advantages
+from decentrl.api.encoding import EXT_FLOAT64, MEDIA_JSON, MEDIA_MSGPACK, encode_model, unpack_msgpack
+from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.config import AdvantageConfig
-from decentrl.encoding import EXT_FLOAT64, MEDIA_JSON, MEDIA_MSGPACK, encode_model, unpack_msgpack
+from decentrl.rl.advantages import group_advantages, informative_samples, process_advantages
 from decentrl.trainer.batching import select_samples
-from decentrl.wire import TrainBatch, TrainSample
 
 # Sample 0: 5 tokens, steps ending at 1 and 4, scored 1 and 0.
 # Sample 1: 4 tokens, steps ending at 0 and 2 (token 3 is an environment token after the last turn), scored 0 and 1.

@@ -1,4 +1,4 @@
-"""Chat-template prompts (decentrl/prompts.py): the locally trained byte-level BPE tokenizer with
+"""Chat-template prompts (decentrl/tasks/prompts.py): the locally trained byte-level BPE tokenizer with
 its ChatML template, system prompt and template options, raw prompts for base models, and a
 template that fails at start-up. The lease side is tests/orchestrator/test_orchestrator_prompts.py."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from decentrl.chat_model import IM_END
 from decentrl.config import PromptConfig
-from decentrl.prompts import PromptError, make_prompt_encoder
+from decentrl.model.chat_model import IM_END
 from decentrl.tasks import Prompt
+from decentrl.tasks.prompts import PromptError, make_prompt_encoder
 
 
 @pytest.fixture(scope="module")

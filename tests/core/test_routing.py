@@ -1,5 +1,5 @@
 """Keep Routing (issue 15): the route layout on the wire, the named rejections, recording in the
-hf backend and replay in the trainer's forward (decentrl/routing.py, decentrl/routers.py)."""
+hf backend and replay in the trainer's forward (decentrl/model/routing.py, decentrl/model/routers.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from decentrl.api.encoding import EXT_UINT8, EXT_UINT16, MEDIA_MSGPACK, encode_model, unpack_msgpack
+from decentrl.api.wire import ExpertRouting, Rollout, RunInfo, SamplingParams, TrainSample
 from decentrl.config import TinyModelConfig
-from decentrl.encoding import EXT_UINT8, EXT_UINT16, MEDIA_MSGPACK, encode_model, unpack_msgpack
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.routers import replaying, routers
-from decentrl.routing import RouteSpec, keeps_routing, routing_problem, spec_of, spec_of_hf_config
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.model.routers import replaying, routers
+from decentrl.model.routing import RouteSpec, keeps_routing, routing_problem, spec_of, spec_of_hf_config
 from decentrl.trainer.batching import collate
 from decentrl.trainer.step import next_token_logits, sampled_logprobs, token_logprobs
-from decentrl.wire import ExpertRouting, Rollout, RunInfo, SamplingParams, TrainSample
 from workers.backends.hf import HFBackend
 from workers.backends.openai import OpenAIBackend
 from workers.worker import require_routes

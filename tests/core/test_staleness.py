@@ -1,10 +1,10 @@
-"""Unit tests for decentrl.staleness: the freshness rule and the lease budget."""
+"""Unit tests for decentrl.rl.staleness: the freshness rule and the lease budget."""
 
 from __future__ import annotations
 
 import pytest
 
-from decentrl.staleness import is_fresh, lease_budget, staleness
+from decentrl.rl.staleness import is_fresh, lease_budget, staleness
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Step splitting for process rewards (decentrl/steps.py): by a delimiter in the decoded text, and
+"""Step splitting for process rewards (decentrl/rl/steps.py): by a delimiter in the decoded text, and
 by an episode's model turns.
 
 The delimiter cases run on a hand-made vocabulary (a decode that joins token strings, so where
@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from decentrl.config import ConfigError, DelimiterStepsConfig, TurnStepsConfig
-from decentrl.steps import BatchDecode, Steps, split_steps
+from decentrl.rl.steps import BatchDecode, Steps, split_steps
 
 # id -> text; "</s>" decodes to nothing (a special token skipped by the decoder).
 PIECES = ["Let", " x", "=2", ".\n", "\n", "Then", " y", "=3", "\n\n", "\n\n\n", "So", " 5", "</s>", ".\n\nAnd", " z", "\n\nx"]

@@ -1,4 +1,4 @@
-"""Unit tests for decentrl.store: publish/pull/verify/retain on local and memory:// stores."""
+"""Unit tests for decentrl.store.checkpoints: publish/pull/verify/retain on local and memory:// stores."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
-from decentrl import store as store_mod
-from decentrl.store import (
+from decentrl.store import checkpoints as store_mod
+from decentrl.store.checkpoints import (
     MANIFEST_NAME,
     CheckpointStore,
     ManifestFile,

@@ -10,9 +10,9 @@ from typing import BinaryIO
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from decentrl import cache as cache_mod
-from decentrl import store as store_mod
-from decentrl.store import MANIFEST_NAME, CheckpointStore, SignatureError, StoreError
+from decentrl.store import cache as cache_mod
+from decentrl.store import checkpoints as store_mod
+from decentrl.store.checkpoints import MANIFEST_NAME, CheckpointStore, SignatureError, StoreError
 
 SIZE = 3 * 1024 * 1024 + 17  # several streaming chunks, not a multiple of one
 
@@ -219,7 +219,7 @@ def test_a_cached_version_of_another_store_is_replaced(tmp_path: Path, caplog: p
     run_b.publish(3, str(src_b))
     cache = str(tmp_path / "cache")
     assert Path(run_a.pull(3, cache), "model.safetensors").stat().st_nlink == 2
-    with caplog.at_level("WARNING", logger="decentrl.store"):
+    with caplog.at_level("WARNING", logger="decentrl.store.checkpoints"):
         out = Path(run_b.pull(3, cache))
     assert (out / "model.safetensors").read_bytes() == (src_b / "model.safetensors").read_bytes()
     assert (out / MANIFEST_NAME).read_bytes() == run_b.fs.cat_file(f"{run_b.root}/v000003/{MANIFEST_NAME}")

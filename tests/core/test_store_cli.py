@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from decentrl.cli.main import app
 from decentrl.config import ConfigError, StoreConfig, parse_config
-from decentrl.signing import load_private_key, load_public_key
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.signing import load_private_key, load_public_key
 
 runner = CliRunner()
 
@@ -136,7 +136,7 @@ def test_verify_reads_older_sha256_versions_and_says_which_digest(tmp_path: Path
 def test_a_manifest_entry_needs_exactly_one_digest() -> None:
     from pydantic import ValidationError
 
-    from decentrl.manifest import ManifestFile
+    from decentrl.store.manifest import ManifestFile
 
     with pytest.raises(ValidationError, match="exactly one of blake3 and sha256"):
         ManifestFile(path="a", size=1)

@@ -1,4 +1,4 @@
-"""Delta versions (decentrl/delta.py through CheckpointStore): published as deltas against the
+"""Delta versions (decentrl/store/delta.py through CheckpointStore): published as deltas against the
 version before, rebuilt and verified on pull, chained down to a key version, kept by retention,
 and refused - naming the file, loading nothing - when a delta is truncated, forged or has no base.
 On file:// (hard-linking and copying pulls) and on a real S3 protocol server (moto)."""
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import zstandard
 
-from decentrl import signing
-from decentrl import store as store_mod
-from decentrl.delta import DELTA_SUFFIX, apply
-from decentrl.manifest import ManifestFile
-from decentrl.signing import load_private_key, load_public_key, write_keypair
-from decentrl.store import MANIFEST_NAME, CheckpointStore, SignatureError, VerificationError, signed_payload
+from decentrl.store import checkpoints as store_mod
+from decentrl.store import signing
+from decentrl.store.checkpoints import MANIFEST_NAME, CheckpointStore, SignatureError, VerificationError, signed_payload
+from decentrl.store.delta import DELTA_SUFFIX, apply
+from decentrl.store.manifest import ManifestFile
+from decentrl.store.signing import load_private_key, load_public_key, write_keypair
 from tests.core.test_store_s3 import endpoint  # noqa: F401 - the moto S3 server fixture
 
 SHARD = 1024 * 1024 + 13
@@ -34,9 +34,9 @@ def location(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[
         return str(tmp_path / "store"), {}, request.param == "local"
     from tests.core.test_store_s3 import new_bucket_url
 
-    endpoint = request.getfixturevalue("endpoint")
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-    return new_bucket_url(endpoint), options, False
+    server = request.getfixturevalue("endpoint")
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": server, "region_name": "us-east-1"}}
+    return new_bucket_url(server), options, False
 
 
 def open_store(location: tuple[str, dict[str, object], bool], **kwargs: object) -> CheckpointStore:
@@ -139,7 +139,7 @@ def test_a_corrupted_cache_falls_back_to_the_key_version(location, tmp_path: Pat
         data[1000] ^= 0xFF
         path.unlink()  # a new inode: a hard-linked store file is not touched
         path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="decentrl.store"):
+    with caplog.at_level(logging.WARNING, logger="decentrl.store.checkpoints"):
         assert same_files(open_store(location).pull(3, str(cache)), dirs[3])
     warned = {r.getMessage().split()[1] for r in caplog.records if "no longer matches its manifest" in r.getMessage()}
     assert warned == {str(cache / f"v{version:06d}") for version in range(3)}  # down to the key version v0

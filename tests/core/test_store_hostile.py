@@ -13,18 +13,18 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import save_file
 
-from decentrl import cache as cache_mod
-from decentrl import signing
 from decentrl.config import TinyModelConfig
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.store import (
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.store import cache as cache_mod
+from decentrl.store import signing
+from decentrl.store.checkpoints import (
     MANIFEST_NAME,
     CheckpointStore,
     SignatureError,
     VerificationError,
     signed_payload,
 )
-from decentrl.weights import CheckpointError, write_hf_dir
+from decentrl.store.weights import CheckpointError, write_hf_dir
 from workers.backends.hf import HFBackend
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
@@ -192,7 +192,7 @@ def test_the_cache_never_follows_a_symlink_it_did_not_make(tmp_path: Path) -> No
 
 
 def test_a_download_stops_at_the_declared_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("decentrl.store._RETRY_DELAYS", (0.0, 0.0))
+    monkeypatch.setattr("decentrl.store.checkpoints._RETRY_DELAYS", (0.0, 0.0))
     store = CheckpointStore(str(tmp_path / "store"), link_local=False)
     store.publish(1, str(make_ckpt(tmp_path, "a", size=4096)))
     (tmp_path / "store" / "v000001" / "model.safetensors").write_bytes(os.urandom(26 * 1024 * 1024))
@@ -204,7 +204,7 @@ def test_a_download_stops_at_the_declared_size(tmp_path: Path, monkeypatch: pyte
         read.append(size)
         return size, digest
 
-    monkeypatch.setattr("decentrl.store.copy_hashing", counting)
+    monkeypatch.setattr("decentrl.store.checkpoints.copy_hashing", counting)
     with pytest.raises(VerificationError, match="size mismatch \\(expected 4096, got more than 4096\\)"):
         store.pull(1, str(tmp_path / "cache"))
     assert read and max(read) == 4097  # each of the 3 attempts read one byte past the declared size

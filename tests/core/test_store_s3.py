@@ -20,10 +20,9 @@ from pathlib import Path
 import blake3
 import pytest
 
-from decentrl import signing
-from decentrl import store as store_mod
-from decentrl.signing import load_private_key, load_public_key, write_keypair
-from decentrl.store import (
+from decentrl.store import checkpoints as store_mod
+from decentrl.store import signing
+from decentrl.store.checkpoints import (
     MANIFEST_NAME,
     CheckpointStore,
     SignatureError,
@@ -31,6 +30,7 @@ from decentrl.store import (
     VerificationError,
     signed_payload,
 )
+from decentrl.store.signing import load_private_key, load_public_key, write_keypair
 
 pytestmark = pytest.mark.integration  # a real S3 protocol server (moto) on loopback
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import blake3
 import pytest
 
-from decentrl import signing
-from decentrl.signing import SigningKeyError, load_private_key, load_public_key, write_keypair
-from decentrl.store import (
+from decentrl.store import signing
+from decentrl.store.checkpoints import (
     MANIFEST_NAME,
     CheckpointStore,
     SignatureError,
@@ -20,6 +19,7 @@ from decentrl.store import (
     signed_payload,
     version_dirname,
 )
+from decentrl.store.signing import SigningKeyError, load_private_key, load_public_key, write_keypair
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.config import SortingTaskConfig
-from decentrl.model import TINY_SPECIALS, TINY_SYMBOLS
+from decentrl.model.build import TINY_SPECIALS, TINY_SYMBOLS
 from decentrl.tasks import Prompt, build_task
 from decentrl.tasks.sorting import SortingTask
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.wire import Lease, SamplingParams
 from decentrl.config import RunConfig, VerifiersTaskConfig, parse_config
 from decentrl.tasks import build_task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, TextCodec, replay_episode, tokenizer_codec
-from decentrl.wire import Lease, SamplingParams
 from orchestrator.state import RunState
 from tests.verifiers_envs import MODULES, write_environments
 from workers.episodes import run_episodes

@@ -120,7 +120,7 @@ def test_deps_are_pyprojects_without_the_vllm_pins():
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     deps = pick_vllm.decentrl_deps()
-    # zstandard (decentrl/delta.py) was missing from the hand-written list once.
+    # zstandard (decentrl/store/delta.py) was missing from the hand-written list once.
     assert any(d.startswith("zstandard") for d in deps)
     assert not any(d.startswith(("torch", "transformers")) for d in deps)
     assert len(deps) == len(declared) - 2 and set(deps) < set(declared)

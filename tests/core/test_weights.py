@@ -1,4 +1,4 @@
-"""decentrl/weights.py: checkpoint weights written and read back in every layout, and copied
+"""decentrl/store/weights.py: checkpoint weights written and read back in every layout, and copied
 into a built model all or nothing (a version that does not fit leaves the old weights)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from decentrl.config import TinyModelConfig
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.weights import (
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.store.weights import (
     INDEX_NAME,
     WEIGHTS_NAME,
     Adapter,
@@ -149,7 +149,7 @@ def test_a_worker_keeps_its_version_when_the_next_does_not_fit(model: PreTrained
 def pulled_version(tmp_path: Path, state: dict[str, torch.Tensor], model: PreTrainedModel, *, shard_bytes: int | None = None) -> Path:
     """`state` written as the trainer writes a version, published and pulled: a directory
     holding the manifest its pull kept."""
-    from decentrl.store import CheckpointStore
+    from decentrl.store.checkpoints import CheckpointStore
 
     source = tmp_path / "source"
     build_tiny_tokenizer().save_pretrained(source)

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.client import OrchestratorError
+from decentrl.api.client import OrchestratorError
+from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams
 from decentrl.tasks import build_task
-from decentrl.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
 

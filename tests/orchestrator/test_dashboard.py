@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch, TrainerStep
 from decentrl.tasks import build_task
-from decentrl.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainerStep
 from orchestrator.appstate import HISTORY
 from orchestrator.auth import TokenRegistry
 from orchestrator.history import POINTS_KEPT, SAMPLES_KEPT, History

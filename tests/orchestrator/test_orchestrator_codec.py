@@ -1,4 +1,4 @@
-"""Pieces of the orchestrator service without HTTP: the msgpack encoding (decentrl/encoding.py),
+"""Pieces of the orchestrator service without HTTP: the msgpack encoding (decentrl/api/encoding.py),
 the fast paths that must agree with the slow ones, the token registry, the rate limiter and the
 `token` CLI."""
 
@@ -18,8 +18,7 @@ from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 from typer.testing import CliRunner
 
-from decentrl.cli.main import app as cli
-from decentrl.encoding import (
+from decentrl.api.encoding import (
     EXT_FLOAT32,
     EXT_FLOAT64,
     EXT_INT32,
@@ -34,7 +33,8 @@ from decentrl.encoding import (
     unpack_msgpack,
     value_range,
 )
-from decentrl.wire import Rollout, SamplingParams, TrainBatch, TrainSample
+from decentrl.api.wire import Rollout, SamplingParams, TrainBatch, TrainSample
+from decentrl.cli.main import app as cli
 from orchestrator.auth import Identity, TokenRegistry, add_token, list_tokens, parse_env_tokens, revoke_token
 from orchestrator.codec import train_batch_msgpack
 from orchestrator.detokenize import piece_table

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.determinism import required_version, sample_seed
+from decentrl.api.wire import Lease
+from decentrl.rl.determinism import required_version, sample_seed
 from decentrl.tasks import build_task
-from decentrl.wire import Lease
 from orchestrator.state import RunState
 
 HOLDER = "alice/w0"

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.wire import Lease, LeaseRequest, LeaseResponse, Rollout, RolloutBatch
 from decentrl.config import ConfigError
 from decentrl.tasks import build_task
-from decentrl.wire import Lease, LeaseRequest, LeaseResponse, Rollout, RolloutBatch
 from orchestrator import handlers
 from orchestrator.auth import TokenRegistry
 from orchestrator.hedges import MIN_RECENT, hedge_wait

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.store import CheckpointStore
+from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams
+from decentrl.store.checkpoints import CheckpointStore
 from decentrl.tasks import build_task
-from decentrl.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams
 from orchestrator.auth import TokenRegistry, add_token
 from orchestrator.journal import Journal
 from orchestrator.state import RunState

@@ -33,12 +33,12 @@ from pathlib import Path
 
 import pytest
 
-from decentrl.client import OrchestratorClient
-from decentrl.store import CheckpointStore
-from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
+from decentrl.api.client import OrchestratorClient
+from decentrl.api.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
+from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import add_token
-from tests.pipeline.test_pipeline import TINY_MODEL
 from tests.loopback import free_port
+from tests.pipeline.test_pipeline import TINY_MODEL
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.wire import Lease, Rollout
 from decentrl.tasks import build_task
-from decentrl.wire import Lease, Rollout
 from orchestrator.journal import Journal
 from orchestrator.state import RunState
 

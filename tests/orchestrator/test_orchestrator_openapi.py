@@ -30,7 +30,7 @@ from schemathesis.checks import (
 from schemathesis.generation import GenerationMode
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
 from decentrl.tasks import build_task
 from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry

@@ -1,5 +1,5 @@
 """The lease side of chat-template prompts: the orchestrator renders each prompt once with the
-model's chat template (decentrl/prompts.py), hands the ids out with the lease, refuses a rollout
+model's chat template (decentrl/tasks/prompts.py), hands the ids out with the lease, refuses a rollout
 whose prompt ids differ, and counts the template's end-of-turn token as an end."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from decentrl.chat_model import IM_END
 from decentrl.config import PretrainedModelConfig
-from decentrl.model import end_of_sequence_ids, load_tokenizer
+from decentrl.model.build import end_of_sequence_ids, load_tokenizer
+from decentrl.model.chat_model import IM_END
 from decentrl.tasks import build_task
 from orchestrator.state import RunState
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from decentrl.client import OrchestratorClient, OrchestratorError
-from decentrl.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams
+from decentrl.api.client import OrchestratorClient, OrchestratorError
+from decentrl.api.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams
 from orchestrator.auth import add_token
 from tests.loopback import free_port
 from tests.orchestrator.test_orchestrator_kill9 import publish, start

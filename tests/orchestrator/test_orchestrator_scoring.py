@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.wire import Lease, Rollout
 from decentrl.tasks import build_task
-from decentrl.wire import Lease, Rollout
 from orchestrator.auth import TokenRegistry
 from orchestrator.journal import Journal
 from orchestrator.metrics import Metrics
@@ -335,7 +335,7 @@ def test_step_scores_must_match_the_steps_and_become_token_advantages(
 
 
 def test_a_sample_without_step_scores_trains_on_its_outcome(make_state: Any, make_rollout: Any) -> None:
-    from decentrl.wire import ScorePost, ScoreResult
+    from decentrl.api.wire import ScorePost, ScoreResult
 
     state = make_state(trainer={"groups_per_step": 1, "steps": 3}, orchestrator={
         "lease_wait_s": 0.0, "rewards": {"type": "model", "step_scores": True, "on_parse_failure": "default"},
@@ -482,7 +482,7 @@ def test_scoring_metrics_and_status_appear_only_for_model_rewards(make_state: An
 
 @pytest.mark.parametrize("check_first", [True, False])
 def test_a_group_waits_for_both_its_check_and_its_scores(make_state: Any, complete_group: Any, check_first: bool) -> None:
-    from decentrl.wire import ScorePost, ScoreResult
+    from decentrl.api.wire import ScorePost, ScoreResult
 
     state = make_state(orchestrator={"lease_wait_s": 0.0, "rewards": {"type": "model"},
                                      "verification": {"enabled": True, "new_worker_checks": 64}})
@@ -516,7 +516,7 @@ def test_a_group_failing_its_check_while_scored_is_dropped_and_its_items_go(make
 
 
 def test_a_deterministic_run_serves_waiting_groups_in_their_places(make_state: Any, complete_group: Any) -> None:
-    from decentrl.wire import ScorePost, ScoreResult
+    from decentrl.api.wire import ScorePost, ScoreResult
 
     state = make_state(deterministic=True, trainer={"groups_per_step": 1, "steps": 3})
     first, second = complete_group(state), complete_group(state)
@@ -538,7 +538,7 @@ def test_a_deterministic_run_serves_waiting_groups_in_their_places(make_state: A
 
 
 def test_process_rewards_survive_a_restart(make_state: Any, make_rollout: Any, tmp_path: Path) -> None:
-    from decentrl.wire import ScorePost, ScoreResult
+    from decentrl.api.wire import ScorePost, ScoreResult
 
     path = str(tmp_path / "journal.sqlite")
     options = {"trainer": {"groups_per_step": 1, "steps": 3}, "orchestrator": {

@@ -25,10 +25,10 @@ import pytest
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.client import OrchestratorClient, OrchestratorError
-from decentrl.encoding import MEDIA_MSGPACK, encode_model, pack_msgpack, unpack_msgpack
+from decentrl.api.client import OrchestratorClient, OrchestratorError
+from decentrl.api.encoding import MEDIA_MSGPACK, encode_model, pack_msgpack, unpack_msgpack
+from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
 from decentrl.tasks import build_task
-from decentrl.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
 from orchestrator.auth import TokenRegistry, add_token, revoke_token
 from orchestrator.journal import Journal
 from orchestrator.state import RunState

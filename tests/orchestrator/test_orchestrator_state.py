@@ -14,9 +14,9 @@ import pytest
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.encoding import MEDIA_MSGPACK, TypedList, encode_model, unpack_msgpack
+from decentrl.api.wire import Lease, Rejection, Rollout, SamplingParams
 from decentrl.tasks import build_task
-from decentrl.encoding import MEDIA_MSGPACK, TypedList, encode_model, unpack_msgpack
-from decentrl.wire import Lease, Rejection, Rollout, SamplingParams
 from orchestrator.state import RunState
 
 HOLDER = "alice/w0"

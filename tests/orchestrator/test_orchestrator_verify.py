@@ -11,7 +11,6 @@ import asyncio
 import math
 import os
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,13 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.wire import Lease, Rollout, RolloutBatch, SamplingParams
 from decentrl.config import LoRAConfig, TinyModelConfig
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.store import CheckpointStore
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import write_hf_dir
 from decentrl.tasks import build_task
 from decentrl.trainer.lora import add_adapters, is_adapter_weight, write_adapter_dir
-from decentrl.weights import write_hf_dir
-from decentrl.wire import Lease, Rollout, RolloutBatch, SamplingParams
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
 from orchestrator.verify import Verifier
@@ -351,7 +350,7 @@ def test_one_load_path_whose_failures_reach_the_caller(setup: Any, world: dict[s
 
 def test_a_lora_adapter_version_is_checked_merged_onto_its_base(setup: Any, tmp_path: Any) -> None:
     """In LoRA runs a version is an adapter on version 0: the verifier pulls both and merges them,
-    as the HF worker does (decentrl/weights.py). The adapted worker's rollouts pass; the base
+    as the HF worker does (decentrl/store/weights.py). The adapted worker's rollouts pass; the base
     model's, claimed as the adapter version's, fail."""
     store = CheckpointStore(f"file://{tmp_path}/store")
     publish(store, str(tmp_path), 0, seed=0)

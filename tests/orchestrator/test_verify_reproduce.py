@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.determinism import sample_seed
-from decentrl.store import CheckpointStore
+from decentrl.api.wire import Lease, Rollout
+from decentrl.rl.determinism import sample_seed
+from decentrl.store.checkpoints import CheckpointStore
 from decentrl.tasks import build_task
-from decentrl.wire import Lease, Rollout
 from orchestrator.state import RunState
 from orchestrator.verify import Verifier
 from tests.orchestrator.test_orchestrator_verify import build_tiny, publish, verify_all

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.wire import ExpertRouting, Lease, Rollout, SamplingParams
 from decentrl.config import TinyModelConfig
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.store import CheckpointStore
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import write_hf_dir
 from decentrl.tasks import build_task
-from decentrl.weights import write_hf_dir
-from decentrl.wire import ExpertRouting, Lease, Rollout, SamplingParams
 from orchestrator.state import RunState
 from orchestrator.verify import Verifier
 from workers.backends.hf import HFBackend

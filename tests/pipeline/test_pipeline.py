@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decentrl.store import CheckpointStore
-
+from decentrl.store.checkpoints import CheckpointStore
 from tests.pipeline.test_pipeline import processes_mentioning, read_metrics, run_config
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("reasoning_gym", reason='needs the tasks extra: pip install -e ".[tasks]"')

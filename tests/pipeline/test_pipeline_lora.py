@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
 from tests.pipeline.test_pipeline import pipeline_config, run_config
 
 pytestmark = pytest.mark.integration

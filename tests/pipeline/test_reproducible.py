@@ -22,7 +22,7 @@ import pytest
 
 from decentrl.cli.launch import orchestrator_command, trainer_command, worker_command
 from decentrl.config import load_config
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import add_token
 from tests.loopback import free_port
 from tests.trainer.test_trainer_crash_resume import family, read_metrics, start, stop, wait_for

@@ -9,11 +9,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from decentrl.api.wire import Rollout, SamplingParams, TrainSample
 from decentrl.config import TinyModelConfig, TrainerConfig
-from decentrl.model import build_model
+from decentrl.model.build import build_model
 from decentrl.trainer.batching import batch_totals, collate
 from decentrl.trainer.step import accumulate_gradients
-from decentrl.wire import Rollout, SamplingParams, TrainSample
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=8)
 # completion: model turn [5, 6], environment feedback [9, 9, 4], model's final turn [7, 2]

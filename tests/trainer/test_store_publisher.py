@@ -12,10 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from decentrl.config import TinyModelConfig
-from decentrl.model import build_model
-from decentrl.store import CheckpointStore
+from decentrl.model.build import build_model
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import INDEX_NAME, write_hf_dir
 from decentrl.trainer.publisher import Publisher
-from decentrl.weights import INDEX_NAME, write_hf_dir
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from decentrl.api.wire import TrainSample
 from decentrl.config import TinyModelConfig, TrainerConfig
-from decentrl.model import build_model
+from decentrl.model.build import build_model
 from decentrl.trainer.batching import batch_totals, collate, idle_micro_batch, plan_micro_batches
 from decentrl.trainer.step import accumulate_gradients
-from decentrl.wire import TrainSample
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from decentrl.config import parse_config
-from decentrl.store import CheckpointStore
+from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import add_token
 from tests.loopback import free_port
 

@@ -12,10 +12,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from decentrl.config import LoRAConfig, TinyModelConfig
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.store import CheckpointStore
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_hf_dir
 from decentrl.trainer.lora import BASE_VERSION, add_adapters, is_adapter_weight, write_adapter_dir
-from decentrl.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_hf_dir
 from workers.backends.hf import HFBackend
 
 MODEL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=3)

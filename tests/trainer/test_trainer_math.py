@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from decentrl.api.wire import SamplingParams, TrainSample
 from decentrl.config import PretrainedModelConfig, TinyModelConfig
-from decentrl.model import build_model, end_of_sequence_ids
+from decentrl.model.build import build_model, end_of_sequence_ids
 from decentrl.trainer.train import collate, token_logprobs
-from decentrl.wire import SamplingParams, TrainSample
 from workers.backends import Completion
 from workers.backends.hf import HFBackend
 

@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.config import TinyModelConfig, TrainerConfig
-from decentrl.losses import summarize
-from decentrl.model import build_model
+from decentrl.model.build import build_model
+from decentrl.rl.losses import summarize
 from decentrl.trainer.batching import batch_totals, collate, rank_share, select_samples
 from decentrl.trainer.distributed import full_state_dict, init_distributed, shard_model
 from decentrl.trainer.gather import WeightGather
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
-from decentrl.wire import TrainBatch, TrainSample
 from tests.loopback import free_port
 
 pytestmark = pytest.mark.integration

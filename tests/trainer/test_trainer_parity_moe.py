@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from decentrl.api.wire import ExpertRouting, TrainBatch, TrainSample
 from decentrl.config import TinyModelConfig, TrainerConfig
-from decentrl.model import build_model
+from decentrl.model.build import build_model
 from decentrl.trainer.batching import batch_totals, collate, rank_share, select_samples
 from decentrl.trainer.distributed import init_distributed, shard_model
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
-from decentrl.wire import ExpertRouting, TrainBatch, TrainSample
 from tests.loopback import free_port
 
 pytestmark = pytest.mark.integration

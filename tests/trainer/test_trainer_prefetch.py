@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from decentrl.api.wire import TrainBatch
 from decentrl.trainer.prefetch import BatchPrefetcher
-from decentrl.wire import TrainBatch
 
 
 def batch_for(step: int) -> TrainBatch:

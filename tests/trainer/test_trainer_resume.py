@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.config import ConfigError, TinyModelConfig
-from decentrl.model import build_model
+from decentrl.model.build import build_model
 from decentrl.trainer.checkpoint import BatchJournal, Progress, ResumePlan, TrainerCheckpoints, plan_resume
 from decentrl.trainer.distributed import shard_model
 from decentrl.trainer.metrics import MetricsLog
-from decentrl.wire import TrainBatch, TrainSample
 
 
 def test_resume_plan_of_a_fresh_run() -> None:

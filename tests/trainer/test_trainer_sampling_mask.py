@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from decentrl.api.wire import SamplingParams, TrainSample
 from decentrl.config import TinyModelConfig
-from decentrl.model import build_model
+from decentrl.model.build import build_model
 from decentrl.trainer.batching import collate
 from decentrl.trainer.step import token_logprobs
-from decentrl.wire import SamplingParams, TrainSample
 from tests.workers.test_worker_sampling import write_version
 from workers.backends.hf import HFBackend
 

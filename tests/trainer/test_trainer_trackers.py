@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.config import LoggingConfig
 from decentrl.trainer.trackers import SAMPLE_COLUMNS, Trackers
-from decentrl.wire import TrainBatch, TrainSample
 
 RUN_CONFIG = {"run_name": "tracked", "trainer": {"lr": 0.001}}
 

@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from decentrl.cli.main import app
 from decentrl.config import GuessTaskConfig, ReasoningGymDatasetSpec, ReasoningGymTaskConfig, TinyModelConfig, load_config
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.store import CheckpointStore
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import write_hf_dir
 from decentrl.tasks import build_task
-from decentrl.weights import write_hf_dir
 from tests.conftest import MakeConfig
 from workers.evaluate import EvalError, eval_prompts, evaluate, pass_at_k, pass_at_k_table
 

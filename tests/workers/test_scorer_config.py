@@ -9,9 +9,9 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
+from decentrl.api.wire import ScoreItem
 from decentrl.cli.main import app
 from decentrl.config import ConfigError, HFScorerConfig, JsonVerdictConfig, OpenAIScorerConfig, PythonScorerConfig, load_config
-from decentrl.wire import ScoreItem
 from workers.scorers import Verdict, build_scorer_backend
 from workers.scorers.python import PythonScoreBackend
 

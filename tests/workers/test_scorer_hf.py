@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
+from decentrl.api.wire import ChatMessage, ScoreItem
 from decentrl.config import HFScorerConfig
-from decentrl.wire import ChatMessage, ScoreItem
 from workers.scorers import BackendConfigError, build_scorer_backend
 from workers.scorers.hf import HFScoreBackend, step_prefixes
 

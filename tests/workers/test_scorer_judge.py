@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from decentrl.api.wire import ScoreItem
 from decentrl.config import JsonVerdictConfig, OpenAIScorerConfig, RegexVerdictConfig
-from decentrl.wire import ScoreItem
 from tests.openai_server import Loopback
 from workers.scorers import BackendConfigError, build_scorer_backend
 from workers.scorers.judge import JudgeBackend, JudgeError, Unparsed, parse_verdict, render_prompt

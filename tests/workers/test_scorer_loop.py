@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.wire import ScoreItem, ScoreLease
 from decentrl.config import HFScorerConfig, OpenAIScorerConfig, PythonScorerConfig
 from decentrl.tasks import build_task
-from decentrl.wire import ScoreItem, ScoreLease
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
 from tests.workers.test_scorer_judge import judge  # noqa: F401 - the fake judge server, a fixture
@@ -362,7 +362,7 @@ def test_a_reward_model_posts_step_scores_for_the_steps_the_orchestrator_split(
 
 
 def test_a_judge_that_never_parses_is_retried_then_scored_as_the_run_says(
-    scoring_state: Any, serve_orchestrator: Any, judge: Any
+    scoring_state: Any, serve_orchestrator: Any, judge: Any  # noqa: F811 - the fixture imported above
 ) -> None:
     fake, url = judge
     state = scoring_state(groups=1, on_parse_failure="default", default_score=0.5)

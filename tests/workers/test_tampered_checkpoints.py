@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 import torch
 
-from decentrl import signing
+from decentrl.api.wire import SamplingParams
 from decentrl.config import StoreConfig, TinyModelConfig, WorkerConfig
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.signing import load_private_key, write_keypair
-from decentrl.store import MANIFEST_NAME, CheckpointStore, signed_payload, version_dirname
-from decentrl.weights import write_hf_dir
-from decentrl.wire import SamplingParams
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.store import signing
+from decentrl.store.checkpoints import MANIFEST_NAME, CheckpointStore, signed_payload, version_dirname
+from decentrl.store.signing import load_private_key, write_keypair
+from decentrl.store.weights import write_hf_dir
 from tests.core.test_store_s3 import endpoint, new_bucket_url  # noqa: F401 - the moto fixture
 from tests.workers.test_worker import TINY, TRAINER, WORKER, Orchestrator, run_config
 from workers.backends.hf import HFBackend
@@ -249,7 +249,7 @@ def test_an_s3_object_larger_than_declared_is_not_downloaded_in_full(
     declared size (the ranged GETs ask for no more), instead of reading 26 MB three times."""
     import s3fs
 
-    monkeypatch.setattr("decentrl.store._RETRY_DELAYS", (0.0, 0.0))
+    monkeypatch.setattr("decentrl.store.checkpoints._RETRY_DELAYS", (0.0, 0.0))
     options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
     store = CheckpointStore(new_bucket_url(endpoint), options)
     src = tmp_path / "src"

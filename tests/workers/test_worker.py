@@ -24,21 +24,21 @@ import pytest
 import torch
 from aiohttp import web
 
-from decentrl.client import OrchestratorClient
+from decentrl.api.client import OrchestratorClient
+from decentrl.api.wire import LeaseRequest
 from decentrl.config import GuessTaskConfig, RunConfig, TinyModelConfig, WorkerConfig, parse_config
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.store import CheckpointStore
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.weights import write_hf_dir
 from decentrl.tasks import build_task
 from decentrl.tasks.episodes import replay_episode, split_turns, tokenizer_codec
 from decentrl.tasks.guess import GuessTask
-from decentrl.weights import write_hf_dir
-from decentrl.wire import LeaseRequest
 from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
-from workers.backends.hf import HFBackend, sampling_distribution
 from tests.trainer.test_episode_loss_mask import gradients as loss_mask_gradients
 from tests.workers.test_worker_batching import Recording
+from workers.backends.hf import HFBackend, sampling_distribution
 from workers.worker import Worker
 
 pytestmark = pytest.mark.integration  # real servers and worker processes on loopback

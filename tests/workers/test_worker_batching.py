@@ -15,10 +15,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from decentrl.api.wire import RunInfo, SamplingParams
 from decentrl.config import TinyModelConfig, WorkerConfig
-from decentrl.determinism import sample_seed
-from decentrl.model import build_model
-from decentrl.wire import RunInfo, SamplingParams
+from decentrl.model.build import build_model
+from decentrl.rl.determinism import sample_seed
 from tests.workers.test_worker_sampling import TINY, reference_logprobs, write_version
 from workers.backends import Completion, never
 from workers.backends.hf import HFBackend
@@ -330,7 +330,7 @@ def test_max_rows_below_one_is_refused() -> None:
 
 
 def test_worker_progress_line_says_version_accepted_rate_and_rejections(caplog: pytest.LogCaptureFixture) -> None:
-    from decentrl.wire import IngestResponse, Rejection, Rollout, RolloutBatch, SamplingParams
+    from decentrl.api.wire import IngestResponse, Rejection, Rollout, RolloutBatch, SamplingParams
     from workers.progress import Progress
 
     now = [0.0]

@@ -12,10 +12,10 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
+from decentrl.api.wire import RunInfo
 from decentrl.cli.launch import worker_command
 from decentrl.cli.main import app
 from decentrl.config import SimulationConfig, load_config
-from decentrl.wire import RunInfo
 from workers.backends.hf import HFBackend
 from workers.backends.openai import OpenAIBackend
 from workers.main import build_backend

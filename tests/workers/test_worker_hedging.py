@@ -21,10 +21,10 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
-from decentrl.client import InvalidAnswer, OrchestratorClient
+from decentrl.api.client import InvalidAnswer, OrchestratorClient
+from decentrl.api.wire import MAX_SUPERSEDED, IngestResponse, LeaseRequest, LeaseResponse, RolloutBatch, RunInfo, SamplingParams
 from decentrl.config import RunConfig, SimulationConfig, WorkerConfig, parse_config
-from decentrl.store import CheckpointStore
-from decentrl.wire import MAX_SUPERSEDED, IngestResponse, LeaseRequest, LeaseResponse, RolloutBatch, RunInfo, SamplingParams
+from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.hedges import MIN_RECENT
 from tests.workers.test_worker import TINY, TRAINER, WORKER, Orchestrator, Setup
 from workers.backends.hf import HFBackend
@@ -151,7 +151,7 @@ def test_the_worker_whose_copy_lost_abandons_it_and_the_batch_is_unchanged(
         assert state.hedges is not None
         for lease_s in [0.01] * (MIN_RECENT // 2) + [0.03] * (MIN_RECENT // 2):
             state.hedges.completed(lease_s)  # recent lease times with a tail: w0's places are due a copy after 0.01 s
-        w0, w1 = run.workers["w0"], run.workers["w1"]
+        w0 = run.workers["w0"]
         run.start("w0")
         wait_for(lambda: len(state.leases) == 2, 60)
         leased = time.perf_counter()

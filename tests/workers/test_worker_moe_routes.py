@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from decentrl.api.wire import SamplingParams
 from decentrl.config import TinyModelConfig
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.routers import RouteRecorder
-from decentrl.routing import routing_problem, spec_of
-from decentrl.weights import write_hf_dir
-from decentrl.wire import SamplingParams
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.model.routers import RouteRecorder
+from decentrl.model.routing import routing_problem, spec_of
+from decentrl.store.weights import write_hf_dir
 from workers.backends.hf import HFBackend
 from workers.batching import Batcher
 from workers.sample import Sample
@@ -28,7 +28,7 @@ MAX_TOKENS, BEFORE_SWAP = 12, 5
 
 
 def version_dir(tmp_path: Path, seed: int) -> str:
-    """A version as the trainer publishes it (decentrl/weights.py `write_hf_dir`)."""
+    """A version as the trainer publishes it (decentrl/store/weights.py `write_hf_dir`)."""
     model = build_model(MOE.model_copy(update={"seed": seed}))
     model.generation_config.eos_token_id = None  # run to max_tokens: long enough to be cut by the swap
     directory = str(tmp_path / f"v{seed}")
@@ -94,9 +94,9 @@ def test_a_partial_rollout_keeps_the_routes_recorded_before_the_swap(tmp_path: P
 def test_router_noise_changes_the_choice_and_the_recording_follows_it(tmp_path: Path, noise: float) -> None:
     """[simulation] router_noise: the recorded routes are those the noisy worker ran, so replaying
     them reproduces its logprobs, while its own routers would have chosen otherwise."""
+    from decentrl.api.wire import TrainSample
     from decentrl.trainer.batching import collate
     from decentrl.trainer.step import token_logprobs
-    from decentrl.wire import TrainSample
 
     directory = version_dir(tmp_path, 0)
     backend = HFBackend(seed=0, router_noise=noise)
@@ -122,12 +122,12 @@ def test_router_noise_changes_the_choice_and_the_recording_follows_it(tmp_path: 
 
 
 def test_a_multi_turn_episode_carries_a_route_for_every_fed_token(tmp_path: Path) -> None:
+    from decentrl.api.wire import Lease, TrainSample
     from decentrl.config import GuessTaskConfig
     from decentrl.tasks.episodes import tokenizer_codec
     from decentrl.tasks.guess import GuessTask
     from decentrl.trainer.batching import collate
     from decentrl.trainer.step import token_logprobs
-    from decentrl.wire import Lease, TrainSample
     from workers.episodes import run_episodes
 
     directory = version_dir(tmp_path, 0)
@@ -166,7 +166,7 @@ def test_a_multi_turn_episode_carries_a_route_for_every_fed_token(tmp_path: Path
 def test_routes_travel_only_in_a_keep_routing_run() -> None:
     """With keep_routing off the orchestrator rejects routes (`bad_expert_routing:not_kept`): the
     trainer replays whatever a batch carries, so an unreplayed run must not get any."""
-    from decentrl.wire import ExpertRouting, Lease
+    from decentrl.api.wire import ExpertRouting, Lease
     from workers.sample import to_rollout
 
     routes = ExpertRouting(layers=2, top_k=2, experts=[0, 1] * 4)

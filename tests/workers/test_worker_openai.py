@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from decentrl.api.wire import SamplingParams
 from decentrl.config import TinyModelConfig
-from decentrl.model import build_model
-from decentrl.wire import SamplingParams
+from decentrl.model.build import build_model
 from tests.openai_server import Loopback, completions_app
 from tests.workers.test_worker_sampling import reference_logprobs, write_version
 from workers.backends.hf import HFBackend

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
+from decentrl.api.wire import SamplingParams
 from decentrl.config import TinyModelConfig
-from decentrl.model import build_model, build_tiny_tokenizer
-from decentrl.stopping import stop_cut
-from decentrl.weights import write_hf_dir
-from decentrl.wire import SamplingParams
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.model.stopping import stop_cut
+from decentrl.store.weights import write_hf_dir
 from workers.backends.hf import HFBackend, sampling_distribution
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=3)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decentrl.api.wire import SamplingParams
 from decentrl.config import TinyModelConfig
-from decentrl.model import build_model
-from decentrl.wire import SamplingParams
+from decentrl.model.build import build_model
 from tests.workers.test_worker_sampling import reference_logprobs, write_version
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from decentrl.wire import ExpertRouting, SamplingParams
+from decentrl.api.wire import ExpertRouting, SamplingParams
 
 # "interrupted": generation stopped early because a weight swap was due (the worker continues
 # it under the new weights); never posted as such.
@@ -30,7 +30,7 @@ class Completion:
     finish_reason: FinishReason
     sampling_mask: list[list[int]] | None = None  # per token, the kept vocabulary ids; None: no truncation
     # MoE models (backends that record routes): the experts of every token fed, prompt first
-    # (decentrl/routing.py has the layout). None: a dense model or a backend that cannot record.
+    # (decentrl/model/routing.py has the layout). None: a dense model or a backend that cannot record.
     routes: ExpertRouting | None = None
 
 

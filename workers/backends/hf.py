@@ -2,7 +2,7 @@
 
 Decoding is a plain loop over the model's forward with a KV cache rather than `generate()`, so
 that the distribution sampled from is computed here, once: temperature, then top-k, then top-p
-(`sampling_distribution` of decentrl/sampling.py, which the orchestrator's verifier recomputes),
+(`sampling_distribution` of decentrl/model/sampling.py, which the orchestrator's verifier recomputes),
 and the logprob of each sampled token and the kept set (the sampling mask) come from exactly
 that distribution. The loop also checks `should_stop` between tokens, which is how a
 soft-pause deadline interrupts a generation for a weight swap.
@@ -21,18 +21,18 @@ from collections.abc import Callable
 import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from decentrl.devices import limit_gpu_memory
-from decentrl.routers import RouteRecorder, to_wire
-from decentrl.sampling import sampling_distribution
-from decentrl.stopping import eos_id_set, stop_cut
-from decentrl.weights import copy_into, load_pretrained, model_dir, read_weights
-from decentrl.wire import SamplingParams
+from decentrl.api.wire import SamplingParams
+from decentrl.model.devices import limit_gpu_memory
+from decentrl.model.routers import RouteRecorder, to_wire
+from decentrl.model.sampling import sampling_distribution
+from decentrl.model.stopping import eos_id_set, stop_cut
+from decentrl.store.weights import copy_into, load_pretrained, model_dir, read_weights
 from workers.backends import Completion, never, truncates
 from workers.simulation import noisy_routers
 
 
 class HFBackend:
-    records_routes = True  # router hooks, for the MoE architectures decentrl/routers.py knows
+    records_routes = True  # router hooks, for the MoE architectures decentrl/model/routers.py knows
 
     def __init__(
         self, *, device: str = "cpu", seed: int | None = None, router_noise: float = 0.0, gpu_memory: float | None = None
@@ -52,7 +52,7 @@ class HFBackend:
 
     def load(self, checkpoint_dir: str, version: int) -> None:
         """The first version builds the model; later ones are copied into it in place, all or
-        nothing (decentrl/weights.py): only the files the version's manifest lists are read, and
+        nothing (decentrl/store/weights.py): only the files the version's manifest lists are read, and
         a version that cannot be read or does not fit raises (CheckpointError) and leaves the
         loaded one in use. A LoRA adapter version arrives merged onto its base."""
         if self.model is None:

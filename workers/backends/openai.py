@@ -20,8 +20,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Literal
 
-from decentrl.stopping import stop_cut
-from decentrl.wire import SamplingParams
+from decentrl.api.wire import SamplingParams
+from decentrl.model.stopping import stop_cut
 from workers.backends import Completion, never, truncates
 
 

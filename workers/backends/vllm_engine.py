@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from decentrl.stopping import stop_cut
-from decentrl.wire import SamplingParams
+from decentrl.api.wire import SamplingParams
+from decentrl.model.stopping import stop_cut
 from workers.backends import Completion, never, truncates
 
 

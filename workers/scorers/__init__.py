@@ -1,6 +1,6 @@
 """Scorer backends: what turns a sample (prompt, completion, steps) into a score.
 
-The scorer loop (workers/scorer.py) leases `ScoreItem`s (decentrl/wire.py) and hands them to a
+The scorer loop (workers/scorer.py) leases `ScoreItem`s (decentrl/api/wire.py) and hands them to a
 `ScoreBackend`; each backend answers one `Verdict` per item, in order. Backends, chosen by
 `[scorer] type` (decentrl/config/scorer.py; docs/rewards.md, "Scorer backends"):
 - `hf` (hf.py): an AutoModelForSequenceClassification reward model; step scores are the scores
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from decentrl.api.wire import ScoreItem
 from decentrl.config import HFScorerConfig, OpenAIScorerConfig, PythonScorerConfig
-from decentrl.wire import ScoreItem
 
 
 class BackendConfigError(ValueError):

@@ -18,9 +18,9 @@ labels at a separator token is read the same way, one prefix per step. Texts are
 
 from __future__ import annotations
 
+from decentrl.api.wire import ScoreItem
 from decentrl.config import HFScorerConfig
-from decentrl.devices import available_gpus, device_problem, limit_gpu_memory
-from decentrl.wire import ScoreItem
+from decentrl.model.devices import available_gpus, device_problem, limit_gpu_memory
 from workers.scorers import BackendConfigError, Verdict
 
 

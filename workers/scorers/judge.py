@@ -34,8 +34,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from decentrl.api.wire import ScoreItem
 from decentrl.config import JsonVerdictConfig, OpenAIScorerConfig, RegexVerdictConfig
-from decentrl.wire import ScoreItem
 from workers.scorers import BackendConfigError, Verdict
 
 log = logging.getLogger("decentrl.scorer.judge")

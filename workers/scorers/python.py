@@ -2,7 +2,7 @@
 
 Built by workers/scorers/__init__.py from `[scorer] type = "python"`: `function =
 "package.module:name"` is imported once and called as `name(items, **options)` with the leased
-`ScoreItem`s (decentrl/wire.py), returning one `Verdict` (workers/scorers/__init__.py) per item,
+`ScoreItem`s (decentrl/api/wire.py), returning one `Verdict` (workers/scorers/__init__.py) per item,
 in order. It runs in the scorer loop's thread, so it may block (a remote call, a slow model).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from decentrl.api.wire import ScoreItem
 from decentrl.config import PythonScorerConfig
-from decentrl.wire import ScoreItem
 from workers.scorers import Verdict
 
 

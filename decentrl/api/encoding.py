@@ -1,16 +1,16 @@
 """Body encodings of the wire contract: JSON and msgpack with typed arrays.
 
 Every role reads and writes bodies through this module: workers and the trainer
-(`decentrl/client.py`), the orchestrator (`orchestrator/body.py` for HTTP bodies, its journal
+(`decentrl/api/client.py`), the orchestrator (`orchestrator/body.py` for HTTP bodies, its journal
 and batch answers through `orchestrator/codec.py`). The models the bodies carry are in
-`decentrl/wire.py`.
+`decentrl/api/wire.py`.
 
 JSON (application/json) is the reference. msgpack (application/msgpack) carries the same
 objects; the lists named in ARRAY_FIELDS travel as msgpack ext types holding little-endian
 typed arrays: 4 bytes a token id instead of up to 6 characters, 4 (or 8) bytes a logprob
 instead of about 20. Either may be gzip-compressed (Content-Encoding: gzip). Decoding turns
 every ext into a list (a TypedList that keeps the bytes): the pydantic models see the same
-objects from both encodings, except that an IntArray or FloatArray field (decentrl/wire.py)
+objects from both encodings, except that an IntArray or FloatArray field (decentrl/api/wire.py)
 takes a typed array of its kind without checking each element (an int32 array holds ints), and
 value checks (ranges, finiteness) run over its bytes with numpy (`value_range`).
 """
@@ -32,7 +32,7 @@ EXT_INT32, EXT_INT64, EXT_FLOAT32, EXT_FLOAT64, EXT_UINT8, EXT_UINT16 = 1, 2, 3,
 INT_EXTS = frozenset({EXT_INT32, EXT_INT64, EXT_UINT8, EXT_UINT16})
 _EXT_TYPECODES = {EXT_INT32: "i", EXT_INT64: "q", EXT_FLOAT32: "f", EXT_FLOAT64: "d", EXT_UINT8: "B", EXT_UINT16: "H"}
 _EXT_DTYPES = {EXT_INT32: "<i4", EXT_INT64: "<i8", EXT_FLOAT32: "<f4", EXT_FLOAT64: "<f8", EXT_UINT8: "<u1", EXT_UINT16: "<u2"}
-# "route": MoE expert ids (decentrl/routing.py), one byte each while every id is below 256.
+# "route": MoE expert ids (decentrl/model/routing.py), one byte each while every id is below 256.
 ARRAY_FIELDS = {
     "prompt_token_ids": "int", "completion_token_ids": "int", "token_versions": "int", "logprobs": "float",
     "token_advantages": "float",

@@ -1,6 +1,6 @@
 """The local side of a pull: files in a pull cache, opened so that nothing planted there is followed.
 
-`CheckpointStore.pull` (decentrl/store.py) downloads into ``<cache>/.vNNNNNN.partial/`` and renames
+`CheckpointStore.pull` (decentrl/store/checkpoints.py) downloads into ``<cache>/.vNNNNNN.partial/`` and renames
 it to ``<cache>/vNNNNNN``; this module holds what it does with local files. A cache directory may
 be shared (several workers on a machine) and outlives runs, so whatever is found there is treated
 as a neighbour's: every open refuses a symlink (O_NOFOLLOW) and anything but a regular file
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from decentrl.manifest import (
+from decentrl.store.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     Hasher,
@@ -229,7 +229,7 @@ def cached_manifest(version_dir: str) -> bytes | None:
 
 def read_cached_manifest(version_dir: str) -> Manifest:
     """The manifest a pull kept in `version_dir` (a pulled version), parsed strictly: what a
-    reader of the version's weights (decentrl/weights.py) goes by to know which files are its."""
+    reader of the version's weights (decentrl/store/weights.py) goes by to know which files are its."""
     where = os.path.join(version_dir, MANIFEST_NAME)
     raw = cached_manifest(version_dir)
     if raw is None:

@@ -45,7 +45,7 @@ class ChatModelSpec:
 def train_chat_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE (every byte is a token, so any text encodes) trained on `texts`; digits never merge."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = [END_OF_TEXT, IM_START, IM_END]
     core = Tokenizer(models.BPE())
@@ -131,7 +131,7 @@ def pad_vocabulary(tokenizer: PreTrainedTokenizerFast, size: int) -> PreTrainedT
     import json
 
     from tokenizers import Tokenizer
-    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     have = len(tokenizer)
     if have > size:

@@ -4,9 +4,9 @@ Which layers of a model are sparse, how many experts each has and how many a tok
 (`RouteSpec`), whether a run records and replays routes (`keeps_routing`), and what a rollout's
 routes must look like (`routing_problem`). No torch here: the orchestrator checks routes at
 ingest with this module (orchestrator/routing_check.py); the torch side (recording in a worker,
-replaying in the trainer and the verifier) is decentrl/routers.py.
+replaying in the trainer and the verifier) is decentrl/model/routers.py.
 
-Layout: `ExpertRouting` (decentrl/wire.py) holds, row-major, one row per token fed to the model
+Layout: `ExpertRouting` (decentrl/api/wire.py) holds, row-major, one row per token fed to the model
 (the prompt's tokens, then every completion token but the last: the last sampled token is never
 fed, so it has no route), each row `layers` x `top_k` expert ids, one block per sparse layer in
 layer order. Dense layers send nothing.
@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from decentrl.encoding import value_range
+from decentrl.api.encoding import value_range
 
 if TYPE_CHECKING:
+    from decentrl.api.wire import ExpertRouting
     from decentrl.config import PretrainedModelConfig, TinyModelConfig
-    from decentrl.wire import ExpertRouting
 
-# The model types whose transformers router decentrl records and replays (decentrl/routers.py);
+# The model types whose transformers router decentrl records and replays (decentrl/model/routers.py);
 # their configs name the expert count differently.
 EXPERT_COUNT_KEYS = {"qwen3_moe": "num_experts", "olmoe": "num_experts", "mixtral": "num_local_experts"}
 

@@ -3,7 +3,7 @@
 Every request and response body is one of these pydantic models; the orchestrator validates
 with them, workers and the trainer build them. Bodies travel as JSON or as msgpack: the same
 objects, with the long token id and logprob lists packed as typed little-endian arrays
-(decentrl/encoding.py, the one module that reads and writes either). docs/api.md describes
+(decentrl/api/encoding.py, the one module that reads and writes either). docs/api.md describes
 every route.
 """
 
@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from decentrl.encoding import EXT_FLOAT32, EXT_FLOAT64, INT_EXTS, TypedList, value_range
+from decentrl.api.encoding import EXT_FLOAT32, EXT_FLOAT64, INT_EXTS, TypedList, value_range
 
 API_PREFIX = "/v1"
 WORKER_ID = r"^[A-Za-z0-9._:@-]{1,128}$"  # no "/": lease holders are "token-name/worker-id"
@@ -76,7 +76,7 @@ def _keep_typed_floats(value: Any, handler: ValidatorFunctionWrapHandler) -> Any
 
 
 # list[int] / list[float] on the wire and in /openapi.json; a msgpack typed array of the right
-# kind skips per-element validation (decentrl/encoding.py).
+# kind skips per-element validation (decentrl/api/encoding.py).
 IntArray = Annotated[list[Int], WrapValidator(_keep_typed_ints), Field(max_length=MAX_SEQUENCE)]
 FloatArray = Annotated[list[float], WrapValidator(_keep_typed_floats), Field(max_length=MAX_SEQUENCE)]
 IdLists = Annotated[
@@ -114,7 +114,7 @@ class RunInfo(Wire):
     )
     deterministic: bool = Field(
         False, description="A deterministic run (docs/reproducibility.md): sample each lease under its "
-        "`policy_version`, seeding sample j of it with decentrl/determinism.py `sample_seed(seed, prompt_id, j, version)`."
+        "`policy_version`, seeding sample j of it with decentrl/rl/determinism.py `sample_seed(seed, prompt_id, j, version)`."
     )
     seed: Int = Field(0, ge=0, le=2**63 - 1, description="The run's sampling seed (deterministic runs).")
 
@@ -170,7 +170,7 @@ class ExpertRouting(Wire):
 
     @model_validator(mode="after")
     def _routes_bounded(self) -> ExpertRouting:
-        # The shape against the run's model is a per-rollout check (decentrl/routing.py); this
+        # The shape against the run's model is a per-rollout check (decentrl/model/routing.py); this
         # only bounds what one token may carry, whatever the run.
         if self.layers * self.top_k > MAX_ROUTES:
             raise ValueError(f"layers x top_k is {self.layers * self.top_k} expert ids a token; at most {MAX_ROUTES}")
@@ -187,7 +187,7 @@ class Rollout(Wire):
     worker_id: str = Field(pattern=WORKER_ID)
     sample_index: Int | None = Field(
         None, ge=0, le=MAX_VERSION, description="Deterministic runs: j, the sample's place in its group, from which "
-        "its seed derives (decentrl/determinism.py `sample_seed`); the verifier re-draws its tokens with it. "
+        "its seed derives (decentrl/rl/determinism.py `sample_seed`); the verifier re-draws its tokens with it. "
         "None in other runs.",
     )
     policy_version: Int = Field(
@@ -297,7 +297,7 @@ class ScoreItem(Wire):
     )
     completion: str = Field(max_length=MAX_SCORE_TEXT, description="The completion text.")
     steps: list[Annotated[str, Field(max_length=MAX_SCORE_TEXT)]] | None = Field(
-        None, max_length=MAX_STEPS, description="Process rewards: the completion split into steps (decentrl/steps.py); "
+        None, max_length=MAX_STEPS, description="Process rewards: the completion split into steps (decentrl/rl/steps.py); "
         "the post must carry one step score per step. None: no step scores wanted (post step_scores = null)."
     )
 
@@ -389,7 +389,7 @@ class TrainSample(Wire):
         None, description="The rollout's MoE routes; the trainer replays them (docs/routing.md)."
     )
     token_advantages: FloatArray | None = Field(
-        None, description="Process rewards: one finite advantage per completion token (decentrl/advantages.py "
+        None, description="Process rewards: one finite advantage per completion token (decentrl/rl/advantages.py "
         "`process_advantages`, docs/rewards.md); the trainer uses them instead of `advantage`. None: every token "
         "has `advantage`."
     )

@@ -6,7 +6,7 @@ workers, the reward and the trainer see the same prompt token for token. `decent
 with the same function. With a chat template, the prompt is a system message (optional) and the
 user's message (or the task's own messages), with the generation prompt appended; the template's
 end-of-turn token ends a generation because a chat model's generation config lists it among its
-end-of-sequence ids (decentrl/model.py `end_of_sequence_ids`).
+end-of-sequence ids (decentrl/model/build.py `end_of_sequence_ids`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ restart (docs/benchmarks.md, recovery). `load_text_tokenizer` gives a `RustToken
 answers the few PreTrainedTokenizerBase methods the orchestrator calls with exactly what
 transformers' tokenizer answers (tests/core/test_tokenizer.py compares them), for the tiny model.
 
-A pretrained model's tokenizer is transformers' AutoTokenizer (decentrl/model.py): transformers 5
+A pretrained model's tokenizer is transformers' AutoTokenizer (decentrl/model/build.py): transformers 5
 picks the tokenizer class from the model type and may rebuild the tokenizer from its vocabulary
 (Qwen2Tokenizer does), so tokenizer.json read alone is not always what it answers (the test shows
 one such difference), and custom code, slow tokenizers and chat templates need it anyway.
@@ -35,7 +35,7 @@ class RustTokenizer:
     """The calls the orchestrator makes of a tokenizer, answered by a `tokenizers.Tokenizer`."""
 
     clean_up_tokenization_spaces = False
-    chat_template: str | None = None  # the tiny tokenizer has none: its prompts are raw text (decentrl/prompts.py)
+    chat_template: str | None = None  # the tiny tokenizer has none: its prompts are raw text (decentrl/tasks/prompts.py)
 
     def __init__(self, backend: Tokenizer, *, special_tokens: Sequence[str], eos_token: str) -> None:
         self.backend_tokenizer = backend
@@ -64,7 +64,7 @@ def load_text_tokenizer(config: TinyModelConfig | PretrainedModelConfig) -> Rust
     from tokenizers import AddedToken
 
     from decentrl.config import TinyModelConfig
-    from decentrl.model import TINY_EOS, TINY_SPECIALS, load_tokenizer, tiny_tokenizer_core
+    from decentrl.model.build import TINY_EOS, TINY_SPECIALS, load_tokenizer, tiny_tokenizer_core
 
     if isinstance(config, TinyModelConfig):
         core = tiny_tokenizer_core()

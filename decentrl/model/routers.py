@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from decentrl.wire import ExpertRouting
+from decentrl.api.wire import ExpertRouting
 
 
 def _renormalizes() -> dict[type[torch.nn.Module], Callable[[torch.nn.Module], bool]]:

@@ -4,7 +4,7 @@ At RL learning rates most weights of a bf16 (or fp32) checkpoint keep their exac
 version to the next, and a changed one mostly keeps its sign, exponent and high mantissa bits: the
 XOR of two consecutive safetensors files of the same layout is mostly zero bytes, which zstd
 shrinks to a small fraction of the file (figures: docs/store.md). The trainer's store writes one
-(`encode`, called by decentrl/store.py `publish`); a pull rebuilds the file from the cached,
+(`encode`, called by decentrl/store/checkpoints.py `publish`); a pull rebuilds the file from the cached,
 verified base version (`apply`) and verifies the result against the manifest's digest of the full
 file before the version directory appears in the cache. The format is one zstd frame holding
 `new XOR base`, byte for byte, of exactly the full file's size; the base is the same file name in
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import zstandard
 
-from decentrl.cache import NotRegularFile, open_regular
-from decentrl.manifest import ManifestFile, VerificationError, new_hasher
+from decentrl.store.cache import NotRegularFile, open_regular
+from decentrl.store.manifest import ManifestFile, VerificationError, new_hasher
 
 if TYPE_CHECKING:
     import numpy as np

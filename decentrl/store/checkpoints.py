@@ -16,8 +16,8 @@ manifest is the store's, byte for byte: caches are keyed by version number, whic
 
 Size: ~700 lines, for one object over one fsspec filesystem and one layout (publish, pull with its
 resume and cache checks and delta chains, verify, retain). What has a seam is out: the manifest's format and
-parser (decentrl/manifest.py), the cache's local files (decentrl/cache.py), a delta file's format
-(decentrl/delta.py), the weights inside a version (decentrl/weights.py). `pull` stays here because each of its steps asks the store: whether
+parser (decentrl/store/manifest.py), the cache's local files (decentrl/store/cache.py), a delta file's format
+(decentrl/store/delta.py), the weights inside a version (decentrl/store/weights.py). `pull` stays here because each of its steps asks the store: whether
 a cached version may be served is decided against the store's manifest, read and signature-checked
 on every pull, and its downloads stream from the store's filesystem; a cache object of its own
 would hold a reference back to this one.
@@ -41,8 +41,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from decentrl import signing
-from decentrl.cache import (
+from decentrl.config import StoreConfig
+from decentrl.store import signing
+from decentrl.store.cache import (
     CHUNK,
     NotRegularFile,
     VerifiedFiles,
@@ -59,11 +60,10 @@ from decentrl.cache import (
     read_regular,
     remove_path,
 )
-from decentrl.config import StoreConfig
-from decentrl.delta import DELTA_SUFFIX, apply, encode
+from decentrl.store.delta import DELTA_SUFFIX, apply, encode
 
-# The manifest's format lives in decentrl/manifest.py; these names stay importable from here.
-from decentrl.manifest import (  # noqa: F401 - re-exported
+# The manifest's format lives in decentrl/store/manifest.py; these names stay importable from here.
+from decentrl.store.manifest import (  # noqa: F401 - re-exported
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     DeltaFile,
@@ -89,7 +89,7 @@ _MAX_CHAIN = 64
 _CACHE_ENTRY = re.compile(r"\.?v(\d{6,})(\.partial)?")
 _DEFAULTS = StoreConfig()
 
-log = logging.getLogger("decentrl.store")
+log = logging.getLogger("decentrl.store.checkpoints")
 
 
 def _read_block(declared: int, have: int = 0) -> int:
@@ -306,7 +306,7 @@ class CheckpointStore:
         `hand_over`: the caller never writes these files again (the trainer's temporary dir), so a
         local store on the same filesystem takes them by hard link instead of a copy.
         `delta_from`: (version, its local directory) of the version published before: each weight
-        file of the same size there is stored as a delta against it (decentrl/delta.py), the rest
+        file of the same size there is stored as a delta against it (decentrl/store/delta.py), the rest
         whole. A key version (every file whole) when that version is no longer in the store."""
         if self.fs.exists(self._manifest_path(version)):
             raise StoreError(
@@ -485,7 +485,7 @@ class CheckpointStore:
     def _cached_problem(self, final: str, manifest: Manifest) -> str | None:
         """The first problem with a cached version's files against its manifest, or None: each
         file re-hashed unless this process verified it and its identity is unchanged since
-        (decentrl/cache.py). Files the manifest does not list are left alone: nothing loads them."""
+        (decentrl/store/cache.py). Files the manifest does not list are left alone: nothing loads them."""
         with ThreadPoolExecutor(self.download_concurrency) as pool:
             problems = pool.map(
                 lambda entry: check_cached_file(os.path.join(final, entry.path), entry, self.verified), manifest.files

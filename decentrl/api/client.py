@@ -29,8 +29,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from decentrl.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, encode_model, unpack_msgpack
-from decentrl.wire import (
+from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, encode_model, unpack_msgpack
+from decentrl.api.wire import (
     API_PREFIX,
     IngestResponse,
     Lease,
@@ -55,7 +55,7 @@ from decentrl.wire import (
     problems,
 )
 
-log = logging.getLogger("decentrl.client")
+log = logging.getLogger("decentrl.api.client")
 M = TypeVar("M", bound=BaseModel)
 Encoding = Literal["msgpack", "json"]
 RETRIED_STATUSES = (429, 503)

@@ -1,7 +1,7 @@
 """Steps of a completion, for process rewards: where each step ends (a completion token index) and its text.
 
 The orchestrator calls `split_steps` for each sample of a task scored per step: it sends the step
-texts to a scorer, which returns one score per step, and `decentrl/advantages.py`
+texts to a scorer, which returns one score per step, and `decentrl/rl/advantages.py`
 `process_advantages` turns the scores into per-token advantages by the step ends. How a completion
 is split is `[orchestrator.advantages.steps]` (docs/rewards.md#process-rewards):
 

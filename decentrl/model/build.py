@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from decentrl.config import PretrainedModelConfig, StoreConfig, TinyModelConfig
-from decentrl.stopping import eos_id_set
-from decentrl.tokenizer import RustTokenizer
+from decentrl.model.stopping import eos_id_set
+from decentrl.model.tokenizer import RustTokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,7 @@ def tiny_tokenizer_core() -> Tokenizer:
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
     """A character-level tokenizer over digits and '=', made locally with `tokenizers` (the
-    orchestrator uses `tiny_tokenizer_core` directly: decentrl/tokenizer.py)."""
+    orchestrator uses `tiny_tokenizer_core` directly: decentrl/model/tokenizer.py)."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
@@ -62,7 +62,7 @@ def end_of_sequence_ids(
     """The ids a worker's generation stops at: the tokenizer's end-of-sequence and the model's
     generation config's (transformers and vLLM stop at those; a chat model often lists several,
     e.g. end-of-turn and end-of-text). The tiny model's generation config is the tokenizer's."""
-    if isinstance(tokenizer, RustTokenizer):  # the tiny model's (decentrl/tokenizer.py)
+    if isinstance(tokenizer, RustTokenizer):  # the tiny model's (decentrl/model/tokenizer.py)
         return {tokenizer.eos_token_id}
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     if isinstance(config, PretrainedModelConfig):
@@ -101,7 +101,7 @@ def build_model(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedMo
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from decentrl.weights import load_pretrained
+    from decentrl.store.weights import load_pretrained
 
     if isinstance(config, PretrainedModelConfig):
         return load_pretrained(config.path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.wire import SamplingParams
+from decentrl.api.wire import SamplingParams
 
 
 def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

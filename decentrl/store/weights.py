@@ -1,6 +1,6 @@
 """Checkpoint weights: the one module that writes them and reads them back.
 
-A published version (decentrl/store.py adds its manifest.json) is either
+A published version (decentrl/store/checkpoints.py adds its manifest.json) is either
 - an HF directory: `config.json`, the weights as `model.safetensors` or as shards listed by
   `model.safetensors.index.json`, tokenizer files; `AutoModelForCausalLM.from_pretrained` loads it;
 - in LoRA runs, a peft adapter (`adapter_config.json`, `adapter_model.safetensors`) whose manifest
@@ -16,7 +16,7 @@ directory is found, and anything wrong with a version's weights (an unreadable f
 that does not fit) is one CheckpointError, which the worker's swapper and the verifier catch
 to refuse the version and keep their loaded weights whole. Callers: the trainer (decentrl/trainer/train.py), the
 HF worker backend's loads and weight swaps (workers/backends/hf.py), the orchestrator's verifier
-(orchestrator/verify.py) and decentrl/model.py. torch is imported here: import this module
+(orchestrator/verify.py) and decentrl/model/build.py. torch is imported here: import this module
 lazily from code that runs without it (the orchestrator with verification off).
 """
 
@@ -36,9 +36,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file, save_file
 
-from decentrl.cache import read_cached_manifest, read_regular
 from decentrl.config import StoreConfig
-from decentrl.manifest import MANIFEST_NAME, version_dirname
+from decentrl.store.cache import read_cached_manifest, read_regular
+from decentrl.store.manifest import MANIFEST_NAME, version_dirname
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -107,7 +107,7 @@ def write_adapter_weights(directory: str, adapter: Mapping[str, torch.Tensor]) -
 # -- read -------------------------------------------------------------------------------------
 #
 # Which files hold the weights is decided from names alone (`weight_shards`): a pulled version's
-# names are its manifest's (decentrl/cache.py `read_cached_manifest`), never a listing of its
+# names are its manifest's (decentrl/store/cache.py `read_cached_manifest`), never a listing of its
 # directory, so a file planted beside them is never read; a directory that was not pulled (the
 # trainer's own, a test's) is listed, as `from_pretrained` would. Every way a weight file can be
 # bad (a header-size bomb, a malformed header, truncated data, a tensor in two files) is one

@@ -3,7 +3,7 @@
 The manifest (``<store>/vNNNNNN/manifest.json``) names every file of a version with its size and
 digest (BLAKE3, or sha256 in manifests written before BLAKE3) and, when the trainer has a signing key, carries an ed25519 signature over all of that plus
 the run name and the version number. Everything that reads a manifest - the store on a pull
-(decentrl/store.py), a cached version before it is served again, the hf backend choosing which
+(decentrl/store/checkpoints.py), a cached version before it is served again, the hf backend choosing which
 files to load (workers/backends/hf.py) - parses it here, so that every way a manifest can be bad
 (too large, not JSON, nested 100k deep, a wrong type, a NUL in a file name, a non-ASCII
 signature) is one `VerificationError` naming the file, never another exception in a caller's thread.
@@ -19,7 +19,7 @@ import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from decentrl import signing
+from decentrl.store import signing
 
 MANIFEST_NAME = "manifest.json"
 # A manifest lists a version's files: a few hundred shards at most. The cap bounds what a reader
@@ -48,7 +48,7 @@ class SignatureError(VerificationError):
 
 class DeltaFile(BaseModel):
     """How a file of a delta version is stored: `<path>.delta`, the zstd-compressed XOR of the file
-    with the same file of the manifest's `delta_base` (decentrl/delta.py)."""
+    with the same file of the manifest's `delta_base` (decentrl/store/delta.py)."""
 
     model_config = ConfigDict(strict=True)
 
@@ -144,7 +144,7 @@ class Manifest(BaseModel):
     signature: str | None = Field(
         default=None,
         pattern=r"^ed25519:[A-Za-z0-9+/]{86}==$",
-        description="ed25519 signature of `signed_payload` of the manifest (decentrl.signing)",
+        description="ed25519 signature of `signed_payload` of the manifest (decentrl.store.signing)",
     )
 
     @model_validator(mode="after")

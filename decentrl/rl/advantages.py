@@ -3,7 +3,7 @@ step scores, for process rewards.
 
 The orchestrator calls `group_advantages` when a group is complete (`[orchestrator.advantages]`
 normalize_std), and `process_advantages` when a scorer also gave the group's samples one score per
-step (decentrl/steps.py splits the steps), so the trainer receives ready advantages; the trainer
+step (decentrl/rl/steps.py splits the steps), so the trainer receives ready advantages; the trainer
 calls `informative_samples` to drop the groups with no policy-gradient signal when
 `[trainer.advantages]` drop_zero_variance is set.
 """
@@ -33,7 +33,7 @@ def process_advantages(
     """Per-token advantages of one group from its step scores (one list per sample, in group order).
 
     `step_scores[i][j]` is the score of step j of sample i, `step_ends[i][j]` the index of that
-    step's last completion token (decentrl/steps.py `Steps.ends`: strictly increasing),
+    step's last completion token (decentrl/rl/steps.py `Steps.ends`: strictly increasing),
     `lengths[i]` the completion's length, `outcome_advantages[i]` the sample's `group_advantages`.
     With every step score r_ij of the group normalized over the group's steps,
 
