@@ -21,7 +21,7 @@ from __future__ import annotations
 from decentrl.api.wire import ScoreItem
 from decentrl.config import HFScorerConfig
 from decentrl.model.devices import available_gpus, device_problem, limit_gpu_memory
-from workers.scorers import BackendConfigError, Verdict
+from workers.scorers.base import BackendConfigError, Verdict
 
 
 class HFScoreBackend:

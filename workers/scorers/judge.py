@@ -36,7 +36,7 @@ from typing import Any
 
 from decentrl.api.wire import ScoreItem
 from decentrl.config import JsonVerdictConfig, OpenAIScorerConfig, RegexVerdictConfig
-from workers.scorers import BackendConfigError, Verdict
+from workers.scorers.base import BackendConfigError, Verdict
 
 log = logging.getLogger("decentrl.scorer.judge")
 PLACEHOLDER = re.compile(r"\{(prompt|completion|steps)\}")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from decentrl.api.wire import ScoreItem
 from decentrl.config import PythonScorerConfig
-from workers.scorers import Verdict
+from workers.scorers.base import Verdict
 
 
 class PythonScoreBackend:
