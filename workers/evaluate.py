@@ -10,7 +10,9 @@ countdown, a JSONL file) have no held-out prompts that way; evaluate them with s
 Prompts are rendered as the orchestrator renders them (decentrl/tasks/prompts.py: chat template or raw);
 completions are sampled with the run's `[sampling]` settings (or greedily), through the same
 transformers backend the workers use, and decoded the way the orchestrator decodes to score.
-Besides the mean reward it reports pass@k (a sample counts as solved at reward 1.0).
+The figure is correctness only: a task's format credit (`answer.format_reward`,
+decentrl/tasks/answers.py) shapes training, never eval. Besides the mean reward it reports pass@k
+(a sample counts as solved at reward 1.0).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Literal
 from decentrl.api.wire import SamplingParams
 from decentrl.config import RunConfig, SamplingConfig
 from decentrl.tasks import Prompt, Task, build_task
+from decentrl.tasks.answers import FormatCredited
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import make_prompt_encoder
 from decentrl.tasks.sources import HeldOutSource
@@ -105,13 +108,14 @@ def evaluate(
     samples = 1 if greedy else samples_per_prompt
     encode = make_prompt_encoder(config.prompt, backend.tokenizer, task)  # as the orchestrator renders
     rows = [(prompt, encode(prompt)) for prompt in chosen for _ in range(samples)]
+    score = task.correctness if isinstance(task, FormatCredited) else task.reward  # no format credit
     rewards: list[float] = []
     tokens = 0
     for start in range(0, len(rows), batch_rows):
         chunk = rows[start : start + batch_rows]
         for (prompt, _), completion in zip(chunk, backend.generate([ids for _, ids in chunk], sampling), strict=True):
             text = backend.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            rewards.append(task.reward(prompt, text))
+            rewards.append(score(prompt, text))
             tokens += len(completion.token_ids)
     per_prompt = [sum(rewards[i : i + samples]) / samples for i in range(0, len(rewards), samples)]
     mean = sum(per_prompt) / len(per_prompt)

@@ -66,14 +66,30 @@ class GuessTaskConfig(Section):
 
 
 class AnswerConfig(Section):
-    """Where the answer sits in a completion, before the reward compares it (decentrl/tasks/rewards.py)."""
+    """Where the answer sits in a completion, before the reward compares it, and an optional credit
+    for writing it in that format (decentrl/tasks/answers.py; docs/tasks.md, "Answer formats")."""
 
-    format: Literal["raw", "tag", "boxed", "last_line"] = Field(
+    format: Literal["raw", "tag", "boxed", "last_line", "last_number"] = Field(
         "raw",
         description="raw: the whole completion (stripped); tag: the text inside the last <TAG>...</TAG>; "
-        "boxed: the last \\boxed{...}; last_line: the last non-empty line. No answer found scores 0.",
+        "boxed: the last \\boxed{...} or \\fbox{...}, braces balanced; last_line: the last non-empty line; "
+        "last_number: the last number (lm-eval-harness GSM8K 'flexible-extract'). No answer found scores 0.",
     )
     tag: str = Field("answer", pattern=r"^[A-Za-z_][\w-]{0,31}$", description="The tag name for format = 'tag'.")
+    format_reward: float = Field(
+        0.0, ge=0, le=1,
+        description="Added to the training reward when a non-empty answer is found in `format` (0: none). "
+        "Correctness stays its own figure: `decentrl eval` never includes it.",
+    )
+
+    @model_validator(mode="after")
+    def _format_reward_needs_a_marker(self) -> AnswerConfig:
+        if self.format_reward > 0 and self.format in ("raw", "last_line"):
+            raise ValueError(
+                f"task.answer.format_reward needs a format a completion can miss (tag, boxed, last_number): "
+                f"format {self.format!r} finds an answer in any non-blank completion"
+            )
+        return self
 
 
 class ReasoningGymDatasetSpec(Section):

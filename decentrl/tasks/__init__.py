@@ -41,7 +41,8 @@ class Task(Protocol):
     def prompt(self, prompt_id: int) -> Prompt: ...
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
-        """Score in [0, 1] of a decoded completion (special tokens removed)."""
+        """Score in [0, 1] of a decoded completion (special tokens removed); a source with
+        `answer.format_reward` adds up to that much format credit (decentrl/tasks/answers.py)."""
         ...
 
 

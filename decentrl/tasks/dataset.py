@@ -16,8 +16,9 @@ from pathlib import Path
 
 from decentrl.config import AnswerConfig, DatasetTaskConfig
 from decentrl.tasks import Prompt
+from decentrl.tasks.answers import extract_answer, format_credit
 from decentrl.tasks.guard import RewardGuard
-from decentrl.tasks.rewards import extract_answer, reward_function
+from decentrl.tasks.rewards import reward_function
 from decentrl.tasks.sources import Part, held_out
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -123,6 +124,10 @@ class DatasetTask:
         return self._answers[prompt_id]
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
+        """Correctness, plus `answer.format_reward` for an answer found in the format (training only)."""
+        return self.correctness(prompt, completion_text) + format_credit(completion_text, self.config.answer)
+
+    def correctness(self, prompt: Prompt, completion_text: str) -> float:
         return self._guard(prompt.prompt_id, completion_text, self._answers[prompt.prompt_id])
 
     @property

@@ -17,8 +17,8 @@ from typing import Any
 
 from decentrl.config import ReasoningGymTaskConfig
 from decentrl.tasks import Prompt
+from decentrl.tasks.answers import extract_answer, format_credit
 from decentrl.tasks.guard import RewardGuard
-from decentrl.tasks.rewards import extract_answer
 
 
 def create(config: ReasoningGymTaskConfig) -> Any:  # noqa: ANN401 - a reasoning_gym ProceduralDataset
@@ -73,6 +73,10 @@ class ReasoningGymTask:
         return str(self._entries[prompt_id]["answer"])
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
+        """Correctness, plus `answer.format_reward` for an answer found in the format (training only)."""
+        return self.correctness(prompt, completion_text) + format_credit(completion_text, self.config.answer)
+
+    def correctness(self, prompt: Prompt, completion_text: str) -> float:
         return self._guard(prompt.prompt_id, completion_text, self._entries[prompt.prompt_id])
 
     @property

@@ -1,5 +1,5 @@
-"""Answer extraction and the named rewards of file-based tasks: math, exact, regex, contains, or
-an importable function.
+"""The named rewards of file-based tasks: math, exact, regex, contains, or an importable function,
+each comparing an extracted answer (decentrl/tasks/answers.py) with the reference.
 
 Called by decentrl/tasks/dataset.py and decentrl/tasks/reasoning_gym.py inside the reward guard's
 child process (decentrl/tasks/guard.py), so a reward that hangs or raises never reaches the
@@ -11,44 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from decentrl.config import AnswerConfig
+from decentrl.tasks.answers import SPACE
 
 RewardFn = Callable[[str, str], float]  # (extracted answer, reference answer) -> score in [0, 1]
-
-# What is stripped around an answer and collapsed inside one: spaces, tabs and line breaks only.
-# Python's own whitespace also counts control bytes (\x1c-\x1f) that a byte-level tokenizer can
-# emit: a policy trained on configs/reasoning.toml learned to end answers with \x1d, which
-# str.strip() removed, instead of ending its turn.
-SPACE = " \t\r\n"
-
-
-def extract_answer(text: str, config: AnswerConfig) -> str | None:
-    """The answer part of a decoded completion; None when the format's marker is absent."""
-    if config.format == "raw":
-        return text.strip(SPACE)
-    if config.format == "tag":
-        found = re.findall(rf"<{config.tag}>(.*?)</{config.tag}>", text, flags=re.DOTALL)
-        return found[-1].strip(SPACE) if found else None
-    if config.format == "boxed":
-        return last_boxed(text)
-    lines = [line.strip(SPACE) for line in text.split("\n") if line.strip(SPACE)]
-    return lines[-1] if lines else None
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...}, braces balanced (a regex cannot nest them)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            if depth == 0:
-                return text[begin:i].strip(SPACE)
-            depth -= 1
-    return None
 
 
 def words(text: str) -> list[str]:

@@ -12,7 +12,7 @@ import pytest
 
 from decentrl.config import AnswerConfig, parse_config
 from decentrl.tasks import build_task
-from decentrl.tasks.rewards import extract_answer
+from decentrl.tasks.answers import extract_answer
 
 EXTRA = 'needs the tasks extra: pip install -e ".[tasks]"'
 datasets = pytest.importorskip("datasets", reason=EXTRA)
