@@ -20,7 +20,7 @@ fi
 # The test extras, the task sources (reasoning-gym, math-verify, datasets) and the optional
 # trackers, so their tests run for real (each skips, saying why, where its package is missing);
 # EXTRAS=dev,tasks,verifiers,... adds the verifiers environments (heavy: docs/tasks.md).
-$PIP install -q -e ".[${EXTRAS:-dev,tasks,trackio,wandb,tensorboard}]"
+$PIP install -q -e ".[${EXTRAS:-dev,tasks,trackio,wandb,tensorboard,model}]"
 # Chromium for the dashboard's browser test (tests/orchestrator/test_dashboard_browser.py), in CI
 # only and only where apt-get can install it (about 40 s on a Debian runner, measured 2026-11-24);
 # a failure here never fails setup: that test then skips and says why.

@@ -56,3 +56,32 @@ def init(
     learned = json.loads((directory / "config.json").read_text())["vocab_size"]
     short = f" of the {vocab_size} asked: the task's text holds no more merges" if learned < vocab_size else ""
     typer.echo(f"wrote {directory} (vocabulary {learned}{short}); use it as [model] type = \"pretrained\", path = \"{out}\"")
+
+
+@model_app.command("import")
+def import_(
+    src: Annotated[str, typer.Argument(help="An HF model directory (config.json, weights, tokenizer) or a GGUF file.")],
+    out: Annotated[str, typer.Option(help="Directory to write (must not exist, or be empty).")],
+    dtype: Annotated[str, typer.Option(help="dtype of the written weights: bf16, fp32 or fp16.")] = "bf16",
+) -> None:
+    """Convert a model to a directory every role loads: safetensors in DTYPE, config.json without a
+    quantization flag, tokenizer and chat template, generation_config.json; then load it back to
+    check it. A GGUF file is dequantized by transformers (needs the gguf package: extra `model`)."""
+    from decentrl.model.importing import ModelImportError, import_model
+
+    if dtype not in ("bf16", "fp32", "fp16"):
+        typer.echo(f"error: --dtype {dtype!r}: choose bf16, fp32 or fp16", err=True)
+        raise typer.Exit(2)
+    try:
+        report = import_model(src, out, dtype)  # type: ignore[arg-type]  # checked just above
+    except ModelImportError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    template = "" if report.chat_template else (
+        "; it has no chat template: set [prompt] template_file, or prompt.format = \"raw\""
+    )
+    typer.echo(
+        f"wrote {report.out} ({report.architecture}, {report.parameters / 1e6:.1f}M parameters, {report.dtype}, "
+        f"{report.weight_bytes / 2**20:.0f} MiB; loaded back and checked){template}; "
+        f"use it as [model] type = \"pretrained\", path = \"{out}\""
+    )

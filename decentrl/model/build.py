@@ -8,6 +8,7 @@ the run's architecture to copy versions into).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from decentrl.config import PretrainedModelConfig, StoreConfig, TinyModelConfig
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TINY_SPECIALS = ["<pad>", "<s>", "</s>"]
+MAKE_MODEL_DIR = (
+    "make one with `decentrl model init CONFIG --out DIR` (a tiny chat model for the config's task) or "
+    "`decentrl model import SRC --out DIR` (from an HF model directory or a GGUF file), then set model.path = DIR"
+)
 TINY_EOS = "</s>"
 TINY_SYMBOLS = ["="] + [str(d) for d in range(10)]
 
@@ -48,12 +53,27 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
     )
 
 
+class ModelPathError(ValueError):
+    """model.path is not a model directory on this machine; the message says how to make one."""
+
+
+def pretrained_dir(config: PretrainedModelConfig) -> str:
+    """model.path, checked to be a model directory before transformers reads it: transformers takes
+    any other path for a model hub id and fails far from the cause. Checked where the roles first
+    load the model (`load_tokenizer`, `build_model`), not when the config is read: a config is
+    written on one machine and used on another."""
+    if not os.path.isfile(os.path.join(config.path, "config.json")):
+        what = "is not a model directory (no config.json in it)" if os.path.isdir(config.path) else "does not exist"
+        raise ModelPathError(f"model.path = {config.path!r} {what}: {MAKE_MODEL_DIR}")
+    return config.path
+
+
 def load_tokenizer(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedTokenizerBase:
     if isinstance(config, TinyModelConfig):
         return build_tiny_tokenizer()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(config.path)
+    return AutoTokenizer.from_pretrained(pretrained_dir(config))
 
 
 def end_of_sequence_ids(
@@ -104,7 +124,7 @@ def build_model(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedMo
     from decentrl.store.weights import load_pretrained
 
     if isinstance(config, PretrainedModelConfig):
-        return load_pretrained(config.path)
+        return load_pretrained(pretrained_dir(config))
     tokenizer = build_tiny_tokenizer()
     if config.moe is not None:
         torch.manual_seed(config.seed)

@@ -12,6 +12,7 @@ end-of-sequence ids (decentrl/model/build.py `end_of_sequence_ids`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from decentrl.config import PromptConfig
@@ -31,11 +32,27 @@ class PromptError(ValueError):
     """A prompt that cannot be rendered; the message names the prompt and what to fix."""
 
 
+def chat_template(config: PromptConfig, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The chat template prompts render with: prompt.template_file's text, else the tokenizer's own."""
+    if config.template_file is None:
+        return tokenizer.chat_template
+    try:
+        return Path(config.template_file).read_text()
+    except OSError as exc:
+        raise PromptError(
+            f"prompt.template_file = {config.template_file!r}: cannot read it ({exc.strerror or exc}); "
+            "give a Jinja chat template file that exists on this machine"
+        ) from None
+
+
 def uses_chat(config: PromptConfig, tokenizer: PreTrainedTokenizerBase) -> bool:
-    if config.format == "chat" and not tokenizer.chat_template:
-        raise PromptError("prompt.format = 'chat' but the model's tokenizer has no chat template "
-                          "(use prompt.format = 'raw', or a tokenizer with tokenizer_config.json chat_template)")
-    return config.format == "chat" or (config.format == "auto" and bool(tokenizer.chat_template))
+    template = chat_template(config, tokenizer)
+    if config.format == "chat" and not template:
+        raise PromptError(
+            "prompt.format = 'chat' but the model's tokenizer has no chat template and prompt.template_file "
+            "is not set: set prompt.template_file to a Jinja chat template file, or prompt.format = 'raw'"
+        )
+    return config.format == "chat" or (config.format == "auto" and bool(template))
 
 
 def chat_messages(config: PromptConfig, prompt: Prompt) -> list[dict[str, str]]:
@@ -50,12 +67,16 @@ def make_prompt_encoder(
     raw: Callable[[str], list[int]] | None = None,
 ) -> PromptEncoder:
     """prompt -> token ids; renders the task's first prompt now, so a template that fails does so
-    at start-up. `raw`: a faster equivalent of `tokenizer(text).input_ids` for raw prompts."""
+    at start-up (prompt.template_file is read now, so a missing one fails then too). `raw`: a faster
+    equivalent of `tokenizer(text).input_ids` for raw prompts."""
     if uses_chat(config, tokenizer):
+        template = chat_template(config, tokenizer)  # read once: a template file is not re-read per prompt
+
         def encode(prompt: Prompt) -> list[int]:
             try:
                 text = tokenizer.apply_chat_template(
-                    chat_messages(config, prompt), tokenize=False, add_generation_prompt=True, **config.template_options
+                    chat_messages(config, prompt), chat_template=template, tokenize=False, add_generation_prompt=True,
+                    **config.template_options,
                 )
             except Exception as exc:  # jinja raises many kinds; each becomes one clear message
                 raise PromptError(
