@@ -7,9 +7,7 @@ workers run and the orchestrator replays to score.
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from decentrl.config import (
     ArithmeticTaskConfig,
@@ -21,29 +19,13 @@ from decentrl.config import (
     TaskConfig,
     VerifiersTaskConfig,
 )
+from decentrl.tasks.base import Prompt, Task, import_task
+from decentrl.tasks.sources import VERIFIERS_HINT, require
 
 if TYPE_CHECKING:
     from decentrl.tasks.episodes import EpisodeTask
 
-
-@dataclass(frozen=True)
-class Prompt:
-    prompt_id: int
-    text: str
-    # Chat messages ((role, content), ...) of a task that has them (a dataset's messages column);
-    # None: one user message of `text` when a chat template renders it (decentrl/tasks/prompts.py).
-    messages: tuple[tuple[str, str], ...] | None = None
-
-
-class Task(Protocol):
-    num_prompts: int
-
-    def prompt(self, prompt_id: int) -> Prompt: ...
-
-    def reward(self, prompt: Prompt, completion_text: str) -> float:
-        """Score in [0, 1] of a decoded completion (special tokens removed); a source with
-        `answer.format_reward` adds up to that much format credit (decentrl/tasks/answers.py)."""
-        ...
+__all__ = ["Prompt", "Task", "build_task", "import_task"]
 
 
 def build_task(config: TaskConfig) -> Task | EpisodeTask:
@@ -62,22 +44,24 @@ def build_task(config: TaskConfig) -> Task | EpisodeTask:
     if isinstance(config, ImportTaskConfig):
         return import_task(config.target)(**config.options)
     if isinstance(config, (DatasetTaskConfig, ReasoningGymTaskConfig, VerifiersTaskConfig)):
-        from decentrl.tasks.sources import build_source_task
-
-        return build_source_task(config)
+        return _build_source_task(config)
     from decentrl.tasks.sorting import SortingTask
 
     return SortingTask(config)
 
 
-def import_task(target: str) -> type:
-    """The class named by "package.module:Class", with an error that says what is missing."""
-    module_name, _, class_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"task.target {target!r}: cannot import {module_name!r} ({exc})") from None
-    try:
-        return getattr(module, class_name)
-    except AttributeError:
-        raise ValueError(f"task.target {target!r}: module {module_name!r} has no {class_name!r}") from None
+def _build_source_task(config: DatasetTaskConfig | ReasoningGymTaskConfig | VerifiersTaskConfig) -> Task | EpisodeTask:
+    if isinstance(config, VerifiersTaskConfig):
+        require("verifiers", needed_by="task.type 'verifiers'", hint=VERIFIERS_HINT)
+        from decentrl.tasks.verifiers_env import VerifiersEpisodeTask, VerifiersTask, is_multi_turn
+
+        return VerifiersEpisodeTask(config) if is_multi_turn(config) else VerifiersTask(config)
+    if isinstance(config, DatasetTaskConfig):
+        require("datasets", *(["math_verify"] if config.reward == "math" else []), needed_by="task.type 'dataset'")
+        from decentrl.tasks.dataset import DatasetTask
+
+        return DatasetTask(config)
+    require("reasoning_gym", needed_by="task.type 'reasoning_gym'")
+    from decentrl.tasks.reasoning_gym import ReasoningGymTask
+
+    return ReasoningGymTask(config)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from decentrl.config import AnswerConfig
 
 if TYPE_CHECKING:
-    from decentrl.tasks import Prompt
+    from decentrl.tasks.base import Prompt
 
 # What is stripped around an answer and collapsed inside one: spaces, tabs and line breaks only.
 # Python's own whitespace also counts control bytes (\x1c-\x1f) that a byte-level tokenizer can

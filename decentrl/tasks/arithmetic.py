@@ -7,7 +7,7 @@ import operator
 import re
 
 from decentrl.config import ArithmeticTaskConfig
-from decentrl.tasks import Prompt
+from decentrl.tasks.base import Prompt
 from decentrl.tasks.jsonl import read_jsonl
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}

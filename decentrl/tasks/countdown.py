@@ -13,7 +13,7 @@ from collections import Counter
 from fractions import Fraction
 
 from decentrl.config import CountdownTaskConfig
-from decentrl.tasks import Prompt
+from decentrl.tasks.base import Prompt
 from decentrl.tasks.jsonl import read_jsonl
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

@@ -5,7 +5,7 @@ Files are read with the `datasets` library (jsonl/json, parquet, csv, arrow; by 
 at start-up, so a missing column or a wrong type fails before any lease, naming the file, row and
 field. Rows are held out for `decentrl eval` by `eval_path` or a seeded `eval_fraction`.
 
-Built by decentrl/tasks/sources.py; `reward` is called by the orchestrator (and by `decentrl
+Built by decentrl/tasks/__init__.py `build_task`; `reward` is called by the orchestrator (and by `decentrl
 eval`) and runs in the reward guard's child process (decentrl/tasks/guard.py).
 """
 
@@ -15,8 +15,8 @@ import functools
 from pathlib import Path
 
 from decentrl.config import AnswerConfig, DatasetTaskConfig
-from decentrl.tasks import Prompt
 from decentrl.tasks.answers import extract_answer, format_credit
+from decentrl.tasks.base import Prompt
 from decentrl.tasks.guard import RewardGuard
 from decentrl.tasks.rewards import reward_function
 from decentrl.tasks.sources import Part, held_out

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from decentrl.api.wire import SamplingParams
 from decentrl.model.stopping import ends_generation
-from decentrl.tasks import Prompt
+from decentrl.tasks.base import Prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

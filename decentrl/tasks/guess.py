@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from decentrl.config import GuessTaskConfig
-from decentrl.tasks import Prompt
+from decentrl.tasks.base import Prompt
 from decentrl.tasks.episodes import Answer, EpisodeTask
 
 NOT_A_NUMBER, HIGHER, LOWER = "0=", "1=", "2="

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from decentrl.config import PromptConfig
-from decentrl.tasks import Prompt
+from decentrl.tasks.base import Prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from decentrl.tasks import Task
+    from decentrl.tasks.base import Task
     from decentrl.tasks.episodes import EpisodeTask
 
 

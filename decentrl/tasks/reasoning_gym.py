@@ -6,7 +6,7 @@ weighted mix through its `composite` dataset, which routes each entry back to it
 scorer. Generators are seeded, so the orchestrator, the reward guard's child and `decentrl eval`
 (which reseeds for held-out prompts) agree on every entry.
 
-Built by decentrl/tasks/sources.py; `reward` runs in the reward guard's child process.
+Built by decentrl/tasks/__init__.py `build_task`; `reward` runs in the reward guard's child process.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import functools
 from typing import Any
 
 from decentrl.config import ReasoningGymTaskConfig
-from decentrl.tasks import Prompt
 from decentrl.tasks.answers import extract_answer, format_credit
+from decentrl.tasks.base import Prompt
 from decentrl.tasks.guard import RewardGuard
 
 

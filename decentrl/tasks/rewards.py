@@ -51,7 +51,7 @@ def reward_function(name: str) -> RewardFn:
     """A named reward, or the function named by 'package.module:function'."""
     if name in NAMED:
         return NAMED[name]
-    from decentrl.tasks import import_task
+    from decentrl.tasks.base import import_task
 
     function = import_task(name)
     if not callable(function):

@@ -12,7 +12,7 @@ import operator
 import random
 
 from decentrl.config import SortingTaskConfig
-from decentrl.tasks import Prompt
+from decentrl.tasks.base import Prompt
 
 
 class SortingTask:

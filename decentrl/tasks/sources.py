@@ -1,7 +1,7 @@
 """Task sources from the ecosystem (`[task] type = "dataset"`, `"reasoning_gym"` or `"verifiers"`):
 building them, with an error naming the missing extra when its libraries are absent.
 
-Called by `decentrl.tasks.build_task`. Every source scores through the reward guard
+`decentrl.tasks.build_task` builds them; this module holds what they share. Every source scores through the reward guard
 (decentrl/tasks/guard.py); the dataset and verifiers sources hold a part out for `decentrl eval`
 (`heldout_task`, the seeded choice `held_out`), reasoning-gym's generators are reseeded instead.
 """
@@ -12,11 +12,8 @@ import importlib.util
 import random
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
-from decentrl.config import DatasetTaskConfig, ReasoningGymTaskConfig, VerifiersTaskConfig
-
 if TYPE_CHECKING:
-    from decentrl.tasks import Task
-    from decentrl.tasks.episodes import EpisodeTask
+    from decentrl.tasks.base import Task
 
 EXTRA_HINT = 'install the tasks extra: pip install -e ".[tasks]"'
 VERIFIERS_HINT = 'install the verifiers extra: pip install -e ".[verifiers]"'
@@ -52,20 +49,3 @@ def require(*modules: str, needed_by: str, hint: str = EXTRA_HINT) -> None:
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
         raise ValueError(f"{needed_by} needs {', '.join(missing)}: {hint}")
-
-
-def build_source_task(config: DatasetTaskConfig | ReasoningGymTaskConfig | VerifiersTaskConfig) -> Task | EpisodeTask:
-    if isinstance(config, VerifiersTaskConfig):
-        require("verifiers", needed_by="task.type 'verifiers'", hint=VERIFIERS_HINT)
-        from decentrl.tasks.verifiers_env import VerifiersEpisodeTask, VerifiersTask, is_multi_turn
-
-        return VerifiersEpisodeTask(config) if is_multi_turn(config) else VerifiersTask(config)
-    if isinstance(config, DatasetTaskConfig):
-        require("datasets", *(["math_verify"] if config.reward == "math" else []), needed_by="task.type 'dataset'")
-        from decentrl.tasks.dataset import DatasetTask
-
-        return DatasetTask(config)
-    require("reasoning_gym", needed_by="task.type 'reasoning_gym'")
-    from decentrl.tasks.reasoning_gym import ReasoningGymTask
-
-    return ReasoningGymTask(config)

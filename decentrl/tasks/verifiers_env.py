@@ -17,7 +17,7 @@ What maps to what:
 
 decentrl plays the policy seat itself: verifiers' harnesses, runtimes (sandboxes), tool servers,
 model clients and judges are not used, and a task that needs a container or tool servers is
-refused at start-up. Built by decentrl/tasks/sources.py (needs the `verifiers` extra).
+refused at start-up. Built by decentrl/tasks/__init__.py `build_task` (needs the `verifiers` extra).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from decentrl.config import VerifiersTaskConfig
-from decentrl.tasks import Prompt
+from decentrl.tasks.base import Prompt
 from decentrl.tasks.episodes import Answer, EpisodeTask
 from decentrl.tasks.guard import RewardGuard
 from decentrl.tasks.sources import Part, held_out
