@@ -82,6 +82,6 @@ def import_(
     )
     typer.echo(
         f"wrote {report.out} ({report.architecture}, {report.parameters / 1e6:.1f}M parameters, {report.dtype}, "
-        f"{report.weight_bytes / 2**20:.0f} MiB; loaded back and checked){template}; "
+        f"{report.weight_bytes / 2**20:.1f} MiB; loaded back and checked){template}; "
         f"use it as [model] type = \"pretrained\", path = \"{out}\""
     )

