@@ -20,8 +20,7 @@ import signal
 from aiohttp import web
 
 from decentrl.config import RunConfig
-from decentrl.model.build import build_model
-from decentrl.model.tokenizer import load_text_tokenizer
+from decentrl.model.build import build_model, load_text_tokenizer
 from decentrl.store.checkpoints import CheckpointStore
 from decentrl.tasks import build_task
 from orchestrator.app import create_app

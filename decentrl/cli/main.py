@@ -13,15 +13,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated
 
 import typer
 
+from decentrl.cli.loading import load_run_config
 from decentrl.cli.model import model_app
 from decentrl.cli.store import store_app
-from decentrl.config import ConfigError, RunConfig, StoreConfig, load_config
+from decentrl.config import RunConfig, StoreConfig
 
 # rich_markup_mode=None: help texts are plain text, so "[sampling]" or "decentrl[wandb]" stay as
 # written (rich markup would take them for style tags and drop them).
@@ -54,15 +55,6 @@ def _setup_logging(role: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def _load(path: str | None, overrides: Sequence[str] | None = None) -> RunConfig:
-    """The run config at `path` (None: the defaults) with `--set` overrides; exit 2 naming the bad key."""
-    try:
-        return load_config(path, overrides or ())
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-
-
 def _resolve_store(config: RunConfig, run_dir: str) -> RunConfig:
     """An empty store URL means the run dir's own checkpoints folder."""
     if config.store.url:
@@ -88,7 +80,7 @@ def orchestrator(
     _setup_logging("orchestrator")
     from orchestrator.service import StartupError, serve
 
-    cfg = _resolve_store(_load(config, overrides), run_dir)
+    cfg = _resolve_store(load_run_config(config, overrides), run_dir)
     try:
         served_to_the_end = serve(cfg, run_dir=run_dir, host=host, port=port, tokens_file=tokens_file)
     except StartupError as exc:
@@ -122,7 +114,7 @@ def worker(
     from workers.main import run_worker
     from workers.worker import default_worker_id
 
-    cfg = _load(config, overrides)
+    cfg = load_run_config(config, overrides)
     run_worker(
         cfg, orchestrator_url=orchestrator_url, token=token, worker_id=worker_id or default_worker_id(),
         cache_dir=os.path.expanduser(cache_dir), spool_dir=spool_dir,
@@ -151,7 +143,7 @@ def scorer(
     from workers.scorer import default_scorer_id, run_scorer
     from workers.scorers import BackendConfigError
 
-    cfg = _load(config, overrides)
+    cfg = load_run_config(config, overrides)
     if cfg.scorer is None:
         typer.echo("error: no [scorer] section: add one to the config, or --set scorer.type=hf|openai|python "
                    "with its keys (docs/rewards.md)", err=True)
@@ -180,7 +172,7 @@ def trainer(
     _setup_logging(f"trainer[{os.environ.get('RANK', '0')}]")
     from decentrl.trainer.train import TrainerOptions, train
 
-    cfg = _resolve_store(_load(config, overrides), run_dir)
+    cfg = _resolve_store(load_run_config(config, overrides), run_dir)
     options = TrainerOptions(
         orchestrator_url=orchestrator_url,
         token=token,
@@ -203,7 +195,7 @@ def run(
     """
     from decentrl.cli.launch import launch
 
-    raise typer.Exit(launch(_load(config, overrides), run_dir))
+    raise typer.Exit(launch(load_run_config(config, overrides), run_dir))
 
 
 @app.command()
@@ -251,7 +243,7 @@ def evaluate(
         typer.echo(f"error: --split must be heldout or train (got {split!r})", err=True)
         raise typer.Exit(2)
     hf_logging.disable_progress_bar()  # stdout carries the JSON line only
-    loaded = _load(config, overrides)
+    loaded = load_run_config(config, overrides)
     url = store_url or loaded.store.url or (run_dir and _resolve_store(loaded, run_dir).store.url)
     if not url:
         typer.echo("error: the config's store.url is empty: pass --store URL or --run-dir RUN_DIR", err=True)

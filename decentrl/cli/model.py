@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from decentrl.cli.loading import load_run_config
+
 model_app = typer.Typer(help="Make model directories locally (no hub).", no_args_is_help=True)
 
 
@@ -32,7 +34,6 @@ def init(
 ) -> None:
     """Train a byte-level BPE tokenizer with a chat template on the task's text and save it with a
     tiny Qwen2 model: use the directory as `[model] type = "pretrained"`, `path = OUT`."""
-    from decentrl.cli.main import _load
     from decentrl.model.chat_model import SHAPES, ChatModelSpec, task_texts, write_chat_model, write_shaped_model
     from decentrl.tasks import build_task
     from decentrl.tasks.sources import AnswerSource
@@ -43,7 +44,7 @@ def init(
     if hidden_size % num_heads:
         typer.echo(f"error: --hidden-size ({hidden_size}) must be a multiple of --num-heads ({num_heads})", err=True)
         raise typer.Exit(2)
-    task = build_task(_load(config).task)
+    task = build_task(load_run_config(config).task)
     count = min(texts, task.num_prompts)
     prompts = [task.prompt(i).text for i in range(count)]
     answers = [task.answer(i) for i in range(count)] if isinstance(task, AnswerSource) else []

@@ -76,6 +76,20 @@ def load_tokenizer(config: TinyModelConfig | PretrainedModelConfig) -> PreTraine
     return AutoTokenizer.from_pretrained(pretrained_dir(config))
 
 
+def load_text_tokenizer(config: TinyModelConfig | PretrainedModelConfig) -> RustTokenizer | PreTrainedTokenizerBase:
+    """The run's tokenizer for the orchestrator: without transformers for the tiny model,
+    transformers' AutoTokenizer for a pretrained one (module docstring)."""
+    from tokenizers import AddedToken
+
+    if isinstance(config, TinyModelConfig):
+        core = tiny_tokenizer_core()
+        # As PreTrainedTokenizerFast does with its pad/bos/eos/unk: special added tokens, so
+        # "</s>" in a text is one token and a decode can skip them.
+        core.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in TINY_SPECIALS])
+        return RustTokenizer(core, special_tokens=TINY_SPECIALS, eos_token=TINY_EOS)
+    return load_tokenizer(config)
+
+
 def end_of_sequence_ids(
     config: TinyModelConfig | PretrainedModelConfig, tokenizer: PreTrainedTokenizerBase | RustTokenizer
 ) -> set[int]:

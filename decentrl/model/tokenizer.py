@@ -3,7 +3,7 @@
 The orchestrator (orchestrator/service.py, `open_state`) needs of its tokenizer only the
 vocabulary size, an encoder for prompts, a decoder for completions, and the special and
 end-of-sequence ids; importing transformers for that cost about 1.4 s of every start-up and
-restart (docs/benchmarks.md, recovery). `load_text_tokenizer` gives a `RustTokenizer`, which
+restart (docs/benchmarks.md, recovery). `load_text_tokenizer` (decentrl/model/build.py) gives a `RustTokenizer`, which
 answers the few PreTrainedTokenizerBase methods the orchestrator calls with exactly what
 transformers' tokenizer answers (tests/core/test_tokenizer.py compares them), for the tiny model.
 
@@ -21,9 +21,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerBase
-
-    from decentrl.config import PretrainedModelConfig, TinyModelConfig
 
 
 @dataclass(frozen=True)
@@ -56,20 +53,3 @@ class RustTokenizer:
 
     def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
         return self.backend_tokenizer.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
-
-
-def load_text_tokenizer(config: TinyModelConfig | PretrainedModelConfig) -> RustTokenizer | PreTrainedTokenizerBase:
-    """The run's tokenizer for the orchestrator: without transformers for the tiny model,
-    transformers' AutoTokenizer for a pretrained one (module docstring)."""
-    from tokenizers import AddedToken
-
-    from decentrl.config import TinyModelConfig
-    from decentrl.model.build import TINY_EOS, TINY_SPECIALS, load_tokenizer, tiny_tokenizer_core
-
-    if isinstance(config, TinyModelConfig):
-        core = tiny_tokenizer_core()
-        # As PreTrainedTokenizerFast does with its pad/bos/eos/unk: special added tokens, so
-        # "</s>" in a text is one token and a decode can skip them.
-        core.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in TINY_SPECIALS])
-        return RustTokenizer(core, special_tokens=TINY_SPECIALS, eos_token=TINY_EOS)
-    return load_tokenizer(config)

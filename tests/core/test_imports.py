@@ -102,3 +102,76 @@ def test_the_command_line_loads_no_role_until_a_command_runs() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert result.stdout.strip() == "[]"
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of the three packages it imports (anywhere in the file), each import
+    resolved to the longest known module name."""
+    modules = {module_name(p, root): p for package in PACKAGES for p in (root / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for _, module in imports(path, root):
+            parts = module.split(".")
+            known = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in modules), None)
+            if known is not None and known != name:
+                found.add(known)
+        graph[name] = found
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No import circle among decentrl/, orchestrator/ and workers/, counting imports inside
+    functions: a function-local import hides a circle from Python, not from the design."""
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle_through_a_function_local_import(tmp_path: Path) -> None:
+    (tmp_path / "decentrl").mkdir()
+    (tmp_path / "decentrl" / "a.py").write_text("from decentrl import b\n")
+    (tmp_path / "decentrl" / "b.py").write_text("def f():\n    from decentrl.c import x\n")
+    (tmp_path / "decentrl" / "c.py").write_text("import decentrl.a\n")
+    (tmp_path / "decentrl" / "d.py").write_text("import decentrl.a\n")
+    assert circles(import_graph(tmp_path)) == [["decentrl.a", "decentrl.b", "decentrl.c"]]

@@ -11,8 +11,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from decentrl.config import PretrainedModelConfig, TinyModelConfig
-from decentrl.model.build import build_tiny_tokenizer, end_of_sequence_ids
-from decentrl.model.tokenizer import RustTokenizer, load_text_tokenizer
+from decentrl.model.build import build_tiny_tokenizer, end_of_sequence_ids, load_text_tokenizer
+from decentrl.model.tokenizer import RustTokenizer
 from orchestrator.tokens import make_decoder, make_encoder
 
 TEXTS = ["", "1234", "12=34", "9" * 50, "x1", "</s>12", "<s><pad>3"]
@@ -58,7 +58,7 @@ def test_the_orchestrator_starts_without_importing_transformers_or_torch() -> No
         "import sys\n"
         "from decentrl.config import TinyModelConfig\n"
         "import orchestrator.service\n"
-        "from decentrl.model.tokenizer import load_text_tokenizer\n"
+        "from decentrl.model.build import load_text_tokenizer\n"
         "load_text_tokenizer(TinyModelConfig())\n"
         "print(sorted(m for m in ('transformers', 'torch', 'numpy') if m in sys.modules))\n"
     )
