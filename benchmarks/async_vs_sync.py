@@ -10,7 +10,8 @@ that stands for long reasoning traces on the workers' own accelerators. Scenario
   killed_worker  worker-1 SIGKILLed after a third of the steps (its leases expire and are
                  leased again; the run tolerates the loss)
 
-Each pair of runs is repeated for --seeds seeds (trainer.seed = simulation.seed = 0, 1, ...): figures are means over the seeds, the per-seed figures are kept under
+Each pair of runs is repeated for --seeds seeds (trainer.seed = simulation.seed = 0, 1, ...): figures are means over
+the seeds, the per-seed figures are kept under
 "seeds". Reward is compared at equal steps and at equal wall time (when the fastest run
 finished), two ways: the rewards of the training batches (the last 10 steps; the smoothed
 curve), and an evaluation of the policy itself (workers/evaluate.py, as `decentrl eval`: the
@@ -127,7 +128,9 @@ class RoleCpu:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:  # ended meanwhile
                 continue
-            role = cmdline[cmdline.index(b"decentrl") + 1].decode(errors="replace")  # run, orchestrator, trainer (torchrun and ranks), worker, ...
+            role = cmdline[cmdline.index(b"decentrl") + 1].decode(
+                errors="replace"
+            )  # run, orchestrator, trainer (torchrun and ranks), worker, ...
             self.seen[int(entry.name)] = (role, (int(fields[11]) + int(fields[12])) / ticks)  # utime + stime
 
     def mark(self) -> None:
@@ -288,12 +291,19 @@ def aggregate(runs: list[dict]) -> dict:
             histogram[lag] = histogram.get(lag, 0) + count
     reached = [run["time_to_target_s"] for run in runs]
     return {
-        **{k: mean([run[k] for run in runs]) for k, v in first.items() if isinstance(v, float) and k not in ("time_to_target_s", "worker_killed_at_s", "cores_busy")},
+        **{
+            k: mean([run[k] for run in runs])
+            for k, v in first.items()
+            if isinstance(v, float) and k not in ("time_to_target_s", "worker_killed_at_s", "cores_busy")
+        },
         "time_to_target_s": mean(reached) if None not in reached else None,
         "target_reached": f"{sum(t is not None for t in reached)}/{len(runs)} seeds",
         "staleness_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
         "leases_expired": sum(run["leases_expired"] for run in runs),
-        **{key: sum(run[key] for run in runs) for key in ("hedged_leases", "hedge_duplicates", "hedge_mismatches", "hedge_copies_told", "copies_abandoned")},
+        **{
+            key: sum(run[key] for run in runs)
+            for key in ("hedged_leases", "hedge_duplicates", "hedge_mismatches", "hedge_copies_told", "copies_abandoned")
+        },
         "worker_killed_at_s": [run["worker_killed_at_s"] for run in runs] if first["worker_killed_at_s"] else None,
         "cores_busy": mean([run["cores_busy"] for run in runs]) if None not in [run["cores_busy"] for run in runs] else None,
         "cpu_s_by_role": {
@@ -359,10 +369,18 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=4, help="Samples per held-out prompt.")
     parser.add_argument("--out", default="docs/figures", help="Where the PNGs go.")
     parser.add_argument("--deterministic", action="store_true", help="Also run the asynchronous mode with deterministic = true.")
-    parser.add_argument("--hedge-after", type=float, default=None, help="orchestrator.hedging.after of the deterministic run (default: the config's).")
-    parser.add_argument("--max-copies", type=int, default=None, help="orchestrator.hedging.max_copies of the deterministic run (default: the config's).")
-    parser.add_argument("--hedge-batches", type=int, default=None, help="orchestrator.hedging.batches of the deterministic run (default: the config's).")
-    parser.add_argument("--no-hedging", action="store_true", help="The deterministic run without hedging (orchestrator.hedging.enabled = false).")
+    parser.add_argument(
+        "--hedge-after", type=float, default=None, help="orchestrator.hedging.after of the deterministic run (default: the config's)."
+    )
+    parser.add_argument(
+        "--max-copies", type=int, default=None, help="orchestrator.hedging.max_copies of the deterministic run (default: the config's)."
+    )
+    parser.add_argument(
+        "--hedge-batches", type=int, default=None, help="orchestrator.hedging.batches of the deterministic run (default: the config's)."
+    )
+    parser.add_argument(
+        "--no-hedging", action="store_true", help="The deterministic run without hedging (orchestrator.hedging.enabled = false)."
+    )
     parser.add_argument("--skip-sync", action="store_true", help="Leave out the synchronous run (no time-to-target ratios).")
     parser.add_argument(
         "--pin-trainer", action="store_true",
@@ -398,16 +416,23 @@ def main() -> None:
             pair = {mode: runs[-1] for mode, runs in results.items()}
             equal_t = min(r["wall_s"] for r in pair.values())  # when the fastest run finished
             at_equal_t = {mode: version_at(r, equal_t) for mode, r in pair.items()}
-            seeds.append({
-                **{mode: {k: v for k, v in r.items() if k not in plain} for mode, r in pair.items()},
-                "reward_at_equal_wall_time": {"t_s": equal_t, **{mode: reward_at(r, equal_t) for mode, r in pair.items()}},
-                "eval_at_equal_wall_time": {
-                    "t_s": equal_t,
-                    # The fastest run's newest version is its final one, evaluated already.
-                    **{mode: {"version": v, **(pair[mode]["eval_final"] if v == args.steps else evaluate_version(args, Path(pair[mode]["run_dir"]), v))}
-                       for mode, v in at_equal_t.items()},
-                },
-            })
+            seeds.append(
+                {
+                    **{mode: {k: v for k, v in r.items() if k not in plain} for mode, r in pair.items()},
+                    "reward_at_equal_wall_time": {"t_s": equal_t, **{mode: reward_at(r, equal_t) for mode, r in pair.items()}},
+                    "eval_at_equal_wall_time": {
+                        "t_s": equal_t,
+                        # The fastest run's newest version is its final one, evaluated already.
+                        **{
+                            mode: {
+                                "version": v,
+                                **(pair[mode]["eval_final"] if v == args.steps else evaluate_version(args, Path(pair[mode]["run_dir"]), v)),
+                            }
+                            for mode, v in at_equal_t.items()
+                        },
+                    },
+                }
+            )
         figure = plot(scenario, results, args.target, out)
         means = {mode: aggregate(runs) for mode, runs in results.items()}
         sync_t = means["sync"]["time_to_target_s"] if "sync" in means else None
@@ -461,13 +486,51 @@ def main() -> None:
                 "hedge_copies_told": fixed["hedge_copies_told"],
                 "copies_abandoned": fixed["copies_abandoned"],
                 "per_seed": [
-                    {mode: {k: s[mode][k] for k in ("trainer_busy_fraction", "time_to_target_s", "wall_s", "cores_busy", "hedged_leases", "hedge_duplicates", "hedge_copies_told", "copies_abandoned")}
-                     for mode in ("async", "async_deterministic")}
+                    {
+                        mode: {
+                            k: s[mode][k]
+                            for k in (
+                                "trainer_busy_fraction",
+                                "time_to_target_s",
+                                "wall_s",
+                                "cores_busy",
+                                "hedged_leases",
+                                "hedge_duplicates",
+                                "hedge_copies_told",
+                                "copies_abandoned",
+                            )
+                        }
+                        for mode in ("async", "async_deterministic")
+                    }
                     for s in seeds
                 ],
             }
     shutil.rmtree(tmp)
-    settings = {k: getattr(args, k) for k in ("steps", "seeds", "target", "smooth", "async_staleness", "lr", "workers", "slots", "latency_median_s", "latency_sigma", "lease_timeout_s", "eval_prompts", "eval_samples", "deterministic", "skip_sync", "hedge_after", "max_copies", "hedge_batches", "no_hedging", "pin_trainer")}
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "steps",
+            "seeds",
+            "target",
+            "smooth",
+            "async_staleness",
+            "lr",
+            "workers",
+            "slots",
+            "latency_median_s",
+            "latency_sigma",
+            "lease_timeout_s",
+            "eval_prompts",
+            "eval_samples",
+            "deterministic",
+            "skip_sync",
+            "hedge_after",
+            "max_copies",
+            "hedge_batches",
+            "no_hedging",
+            "pin_trainer",
+        )
+    }
     first = report[next(iter(report))]
     print(json.dumps({
         "sync": first.get("sync"), "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"],

@@ -148,8 +148,13 @@ def publish_all(store: CheckpointStore, dirs: list[str]) -> tuple[list[float], l
     return seconds, ratios
 
 
-def delta_figures(work: str, *, steps: int, link_mbit: float, s3: tuple[str, dict[str, object]] | None, shard_mb: int = 128) -> dict[str, float]:
-    results: dict[str, float] = {"delta_params_m": round(sum(p.numel() for p in build_model().parameters()) / 1e6, 1), "link_mbit": link_mbit}
+def delta_figures(
+    work: str, *, steps: int, link_mbit: float, s3: tuple[str, dict[str, object]] | None, shard_mb: int = 128
+) -> dict[str, float]:
+    results: dict[str, float] = {
+        "delta_params_m": round(sum(p.numel() for p in build_model().parameters()) / 1e6, 1),
+        "link_mbit": link_mbit,
+    }
     for label, lr in (("1e-6", 1e-6), ("1e-5", 1e-5)):
         dirs = train_versions(lr, steps, work, shard_mb)
         store = CheckpointStore(f"file://{work}/store-lr{lr:g}", link_local=False)
@@ -188,7 +193,11 @@ def link_figures(dirs: list[str], s3: tuple[str, dict[str, object]], link_mbit: 
     started = time.perf_counter()
     shaped(CheckpointStore(url, own), link_mbit).pull(1, delta_cache)
     delta_s = time.perf_counter() - started
-    return {"link_full_pull_s": round(full_s, 2), "link_delta_pull_s": round(delta_s, 2), "link_new_version_time_ratio": round(delta_s / full_s, 4)}
+    return {
+        "link_full_pull_s": round(full_s, 2),
+        "link_delta_pull_s": round(delta_s, 2),
+        "link_new_version_time_ratio": round(delta_s / full_s, 4),
+    }
 
 
 def main() -> None:
@@ -202,7 +211,11 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="decentrl-bench-delta-")
     server, endpoint = start_moto()
     try:
-        options: dict[str, object] = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        options: dict[str, object] = {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        }
         url_to_fs("s3://", key="testing", secret="testing", client_kwargs={"endpoint_url": endpoint})[0].mkdir("delta")
         results = {"load_avg_1m_start": round(os.getloadavg()[0], 2)}
         results |= delta_figures(work, steps=args.steps, link_mbit=args.link_mbit, s3=("s3://delta/store", options))

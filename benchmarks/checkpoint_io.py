@@ -91,7 +91,11 @@ def lora_sizes(work: str) -> dict[str, float]:
     full, adapter = (sum(entry.stat().st_size for entry in os.scandir(d)) for d in (full_dir, adapter_dir))
     shutil.rmtree(full_dir)
     shutil.rmtree(adapter_dir)
-    return {"lora_full_mb": round(full / MB, 1), "lora_adapter_mb": round(adapter / MB, 2), "lora_adapter_vs_full_bytes": round(adapter / full, 5)}
+    return {
+        "lora_full_mb": round(full / MB, 1),
+        "lora_adapter_mb": round(adapter / MB, 2),
+        "lora_adapter_vs_full_bytes": round(adapter / full, 5),
+    }
 
 
 def stream_copy(fs: AbstractFileSystem, remote: list[str], local_dir: str, concurrency: int) -> None:

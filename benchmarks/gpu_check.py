@@ -170,7 +170,9 @@ def decentrl_step(config, trainer, batch, device):  # noqa: ANN001, ANN201 - a t
     from decentrl.trainer.train import build_optimizer
 
     torch.manual_seed(0)
-    model = shard_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=trainer.mixed_precision)
+    model = shard_model(
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=trainer.mixed_precision
+    )
     optimizer = build_optimizer(list(model.parameters()), trainer, device)
     max_tokens = max(len(s.completion_token_ids) for s in batch.samples)
 
@@ -199,7 +201,9 @@ def time_bare_step(config, trainer, batch, device, warmup: int, steps: int) -> t
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)  # as ours (build_optimizer)
-    return timed_with_peak(lambda: bare_step(model, optimizer, batch.samples, trainer.micro_batch_tokens, device, cuda), warmup, steps, cuda)
+    return timed_with_peak(
+        lambda: bare_step(model, optimizer, batch.samples, trainer.micro_batch_tokens, device, cuda), warmup, steps, cuda
+    )
 
 
 def timed_with_peak(step, warmup: int, steps: int, cuda: bool) -> tuple[list[float], int | None]:  # noqa: ANN001
@@ -344,7 +348,10 @@ def run_tests(timeout_s: float) -> dict[str, object]:
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         return {"files": files, "error": f"timed out after {timeout_s:.0f}s", "output_tail": str(exc.stdout or "")[-2000:]}
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", done.stdout.splitlines()[-1] if done.stdout else "")}
+    counts = {
+        word: int(n)
+        for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", done.stdout.splitlines()[-1] if done.stdout else "")
+    }
     return {"files": files, "exit_code": done.returncode, **{k: counts.get(k, 0) for k in ("passed", "failed", "skipped")},
             "errors": counts.get("error", 0) + counts.get("errors", 0),
             "output_tail": (done.stdout + done.stderr)[-1500:] if done.returncode not in (0, 5) else ""}
@@ -429,18 +436,27 @@ def run_e2e(reduced: bool, timeout_s: float) -> dict[str, object]:
         if sampler:
             sampler.stopping.set()
             sampler.join()
-        metrics = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()] if Path(run_dir, "metrics.jsonl").exists() else []
+        metrics = (
+            [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+            if Path(run_dir, "metrics.jsonl").exists()
+            else []
+        )
         swaps = []
         for log in Path(run_dir, "logs").glob("worker-*.log"):
             swaps += [tuple(map(float, m)) for m in re.findall(r"loaded version \d+: pull ([\d.]+)s, pause ([\d.]+)s", log.read_text())]
         trained = [m for m in metrics if m["step"] > 1] or metrics  # step 1 waits for the first rollouts
         result: dict[str, object] = {
-            "exit_code": code, "wall_s": wall, "steps": len(metrics), "max_tokens": max_tokens,
+            "exit_code": code,
+            "wall_s": wall,
+            "steps": len(metrics),
+            "max_tokens": max_tokens,
             "step_s": statistics.fmean(m["step_s"] for m in trained) if trained else None,
             "compute_s": statistics.fmean(m["compute_s"] for m in trained) if trained else None,
             "trainer_busy_fraction": metrics[-1]["trainer_busy_fraction_total"] if metrics else None,
             "trainer_tokens_per_s": statistics.fmean(m["tokens_per_s"] for m in trained) if trained else None,
-            "publish_s": statistics.fmean(m["publish_s"] for m in metrics if "publish_s" in m) if any("publish_s" in m for m in metrics) else None,
+            "publish_s": statistics.fmean(m["publish_s"] for m in metrics if "publish_s" in m)
+            if any("publish_s" in m for m in metrics)
+            else None,
             "pull_s": statistics.fmean(s[0] for s in swaps) if swaps else None,
             "swap_pause_s": statistics.fmean(s[1] for s in swaps) if swaps else None,
             "versions_loaded": len(swaps),

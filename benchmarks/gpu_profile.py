@@ -82,7 +82,9 @@ def worker(reduced: bool, report: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as workdir:
         shape = "smollm2-135m"
-        version = pulled_model(str(write_shaped_model(texts_of_countdown(), f"{workdir}/m", shape, **shape_overrides(reduced, shape))), workdir)
+        version = pulled_model(
+            str(write_shaped_model(texts_of_countdown(), f"{workdir}/m", shape, **shape_overrides(reduced, shape))), workdir
+        )
         rng = random.Random(0)
         prompts = [[rng.randrange(3, 300) for _ in range(prompt_len)] for _ in range(rows)]
         sampling = SamplingParams(temperature=1.0, max_tokens=new_tokens)

@@ -413,10 +413,16 @@ def main() -> None:
         "echo_server_cpu_us_per_rollout": round(median("echo", "server_cpu_us_per_rollout"), 1),
         "errors": sum(r["errors"] for r in rounds["orchestrator"]),
         "settings": {
-            "clients": options.clients, "client_procs": options.client_procs, "rollouts_per_post": options.rollouts_per_post or options.group_size,
-            "groups_per_lease": options.groups_per_lease, "duration_s": options.duration, "rounds": options.rounds,
-            "journal_sync": options.journal_sync, "cpus": options.cpus or f"all ({os.cpu_count()})",
-            "prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS,
+            "clients": options.clients,
+            "client_procs": options.client_procs,
+            "rollouts_per_post": options.rollouts_per_post or options.group_size,
+            "groups_per_lease": options.groups_per_lease,
+            "duration_s": options.duration,
+            "rounds": options.rounds,
+            "journal_sync": options.journal_sync,
+            "cpus": options.cpus or f"all ({os.cpu_count()})",
+            "prompt_tokens": PROMPT_TOKENS,
+            "completion_tokens": COMPLETION_TOKENS,
         },
     }
     if options.dashboard:

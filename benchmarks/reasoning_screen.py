@@ -41,7 +41,11 @@ tok = AutoTokenizer.from_pretrained(a.model)
 opts = dict(min_terms=2, max_terms=2, min_value=1, max_value=9, operators=["+"], operators_weights=[1.0])
 train = list(reasoning_gym.create_dataset("simple_equations", size=a.size, seed=0, **opts))
 trained = {x["question"] for x in train}
-held = [x for x in reasoning_gym.create_dataset("simple_equations", size=a.size + 2000, seed=12345, **opts) if x["question"] not in trained][:256]
+held = [
+    x for x in reasoning_gym.create_dataset("simple_equations", size=a.size + 2000, seed=12345, **opts) if x["question"] not in trained
+][:256]
+
+
 def enc(xs):
     ids = [tok.apply_chat_template([{"role": "user", "content": x["question"]}], tokenize=True, add_generation_prompt=True) for x in xs]
     ids = [i["input_ids"] if isinstance(i, dict) or hasattr(i, "keys") else i for i in ids]
@@ -127,4 +131,16 @@ for step in range(1, a.steps + 1):
     log.append(rew.mean().item())
     if step % a.eval_every == 0 or step == a.steps:
         m, s = evaluate(model)
-        print(json.dumps({"step": step, "train": round(sum(log[-10:]) / 10, 3), "held": round(m, 3), "se": round(s, 3), "H": round(H.mean().item(), 2), "t": round(time.time() - t0)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "train": round(sum(log[-10:]) / 10, 3),
+                    "held": round(m, 3),
+                    "se": round(s, 3),
+                    "H": round(H.mean().item(), 2),
+                    "t": round(time.time() - t0),
+                }
+            ),
+            flush=True,
+        )

@@ -293,14 +293,18 @@ def main() -> None:
         help="Also simulate a trainer that computes each N groups of a step as soon as they are there, in order "
         "(modes *_streamed, compared with free_running_streamed); 0: not. Must divide --groups-per-step.",
     )
-    parser.add_argument("--optimizer-fraction", type=float, default=0.1, help="Streaming: the share of --step-s that needs the whole batch.")
+    parser.add_argument(
+        "--optimizer-fraction", type=float, default=0.1, help="Streaming: the share of --step-s that needs the whole batch."
+    )
     args = parser.parse_args()
     if args.stream_groups < 0 or (args.stream_groups and args.groups_per_step % args.stream_groups):
         raise SystemExit(f"--stream-groups {args.stream_groups} must be 0 or divide --groups-per-step {args.groups_per_step}")
     modes = dict(MODES)
     if args.stream_groups:
         streamed = {"stream": args.stream_groups, "optimizer_fraction": args.optimizer_fraction}
-        modes |= {f"{mode}_streamed": {**MODES[mode], **streamed} for mode in ("free_running", "deterministic_hedged", "deterministic_wide")}
+        modes |= {
+            f"{mode}_streamed": {**MODES[mode], **streamed} for mode in ("free_running", "deterministic_hedged", "deterministic_wide")
+        }
 
     cases = []
     for sigma, staleness in itertools.product(

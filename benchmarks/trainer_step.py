@@ -90,7 +90,9 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: st
                 version += 1
                 batch = synthetic_batch(args.groups, args.group_size, seed=version)
                 started = time.perf_counter()
-                samples, totals, micro = rank_share(batch, rank=rank, world=world, config=config, max_tokens=MAX_TOKENS, pad_id=0, device=device)
+                samples, totals, micro = rank_share(
+                    batch, rank=rank, world=world, config=config, max_tokens=MAX_TOKENS, pad_id=0, device=device
+                )
                 loss, sums = accumulate_gradients(model, None, micro, totals=totals, config=config, temperature=1.0)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                 optimizer.step()

@@ -149,7 +149,9 @@ class Snapshot:
     leases: list[sqlite3.Row]  # open and complete leases, and the leases of the batches kept
     rollouts: dict[str, list[tuple[str, bytes | None]]]  # of open leases: lease_id -> [(rollout_id, body)] in acceptance order
     batches: list[tuple[str, dict[str, Any]]]  # (request_id, body) oldest first
-    remembered: list[tuple[float, str]] = field(default_factory=list)  # (closed_at, lease_id) of closed leases not open nor complete, oldest first
+    remembered: list[tuple[float, str]] = field(
+        default_factory=list
+    )  # (closed_at, lease_id) of closed leases not open nor complete, oldest first
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # token name -> integrity record
     content: list[tuple[bytes, str, int]] = field(default_factory=list)  # (digest, lease_id, version)
     scores: dict[str, str] = field(default_factory=dict)  # rollout id -> its ScoreResult as JSON

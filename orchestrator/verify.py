@@ -163,7 +163,8 @@ class Verifier:
         """`version`'s full weights. A full version's files are read from the store into memory,
         each checked against the (signed) manifest's digest: no cache directory. A LoRA adapter
         version is pulled with its base into the cache (verified once) and merged onto it, as the
-        HF worker does; a delta version is pulled into the cache, rebuilt from its base there. Only the manifest's files are read, and whatever they hold, a failure is
+        HF worker does; a delta version is pulled into the cache, rebuilt from its base there. Only the manifest's
+        files are read, and whatever they hold, a failure is
         a StoreError (the store, the manifest, a file's bytes) or a CheckpointError (weights that
         do not read): the verifier's thread never dies of a version."""
         from decentrl.store.weights import INDEX_NAME, CheckpointError, read_weights, weights_from_files

@@ -7,7 +7,8 @@ settings are never re-spelled as flags, only who a process is, where it connects
 keeps its files (`orchestrator_command`, `trainer_command`, `worker_command`; benchmarks start
 roles with them too). [placement] (decentrl/config/placement.py) adds, per placed process, its
 CUDA_VISIBLE_DEVICES and the `--set` of its device and memory share (`role_starts`); whether this
-machine has those GPUs is checked before any role starts (decentrl/model/devices.py). The roles talk only over loopback HTTP and the checkpoint store. Each role
+machine has those GPUs is checked before any role starts (decentrl/model/devices.py). The roles talk only over
+loopback HTTP and the checkpoint store. Each role
 runs in its own process group, so stopping one stops its children too (torchrun's ranks). The
 run ends when the trainer finishes its steps; Ctrl-C or any role exiting early stops everything.
 """

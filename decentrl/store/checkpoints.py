@@ -17,7 +17,8 @@ manifest is the store's, byte for byte: caches are keyed by version number, whic
 Size: ~700 lines, for one object over one fsspec filesystem and one layout (publish, pull with its
 resume and cache checks and delta chains, verify, retain). What has a seam is out: the manifest's format and
 parser (decentrl/store/manifest.py), the cache's local files (decentrl/store/cache.py), a delta file's format
-(decentrl/store/delta.py), the weights inside a version (decentrl/store/weights.py). `pull` stays here because each of its steps asks the store: whether
+(decentrl/store/delta.py), the weights inside a version (decentrl/store/weights.py). `pull` stays here because each
+of its steps asks the store: whether
 a cached version may be served is decided against the store's manifest, read and signature-checked
 on every pull, and its downloads stream from the store's filesystem; a cache object of its own
 would hold a reference back to this one.
@@ -327,7 +328,9 @@ class CheckpointStore:
             delta_from = None
         with tempfile.TemporaryDirectory(prefix=f"decentrl-delta-v{version}-") as scratch:
             deltas = self._encode_deltas(names, paths, delta_from, scratch)
-            uploaded = [(os.path.join(scratch, n + DELTA_SUFFIX), n + DELTA_SUFFIX) if n in deltas else (p, n) for p, n in zip(paths, names)]
+            uploaded = [
+                (os.path.join(scratch, n + DELTA_SUFFIX), n + DELTA_SUFFIX) if n in deltas else (p, n) for p, n in zip(paths, names)
+            ]
             hashes = self._upload_hashing(vdir, paths, uploaded, hand_over)
         files = [
             ManifestFile.model_validate({"path": n, "size": size, self.digest: d, "delta": deltas.get(n)})

@@ -1,7 +1,8 @@
 """A version's manifest: its format, its strict parser and the check of its signature.
 
 The manifest (``<store>/vNNNNNN/manifest.json``) names every file of a version with its size and
-digest (BLAKE3, or sha256 in manifests written before BLAKE3) and, when the trainer has a signing key, carries an ed25519 signature over all of that plus
+digest (BLAKE3, or sha256 in manifests written before BLAKE3) and, when the trainer has a signing key, carries an
+ed25519 signature over all of that plus
 the run name and the version number. Everything that reads a manifest - the store on a pull
 (decentrl/store/checkpoints.py), a cached version before it is served again, the hf backend choosing which
 files to load (workers/backends/hf.py) - parses it here, so that every way a manifest can be bad

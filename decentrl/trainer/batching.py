@@ -56,7 +56,9 @@ def collate(samples: list[TrainSample], pad_id: int) -> Tensors:
         sampler[row, p - 1 : p - 1 + c] = torch.tensor(sample.logprobs)
         tokens = sample.token_advantages
         advantages[row, p - 1 : p - 1 + c] = sample.advantage if tokens is None else torch.tensor(tokens, dtype=torch.float32)
-    return Tensors(ids, attention, mask, sampler, advantages, kept_ids(samples, width), batch_routes([s.expert_routing for s in samples], width))
+    return Tensors(
+        ids, attention, mask, sampler, advantages, kept_ids(samples, width), batch_routes([s.expert_routing for s in samples], width)
+    )
 
 
 def kept_ids(samples: list[TrainSample], width: int) -> torch.Tensor | None:

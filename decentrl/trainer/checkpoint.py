@@ -123,7 +123,9 @@ class TrainerCheckpoints:
         steps = _steps_in(self.directory)
         return steps[-1] if steps else None
 
-    def _state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, progress: Progress) -> dict[str, object]:
+    def _state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, progress: Progress
+    ) -> dict[str, object]:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         return {
             "model": model_state,

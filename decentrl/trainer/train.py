@@ -55,7 +55,9 @@ class TrainerOptions:
     state_dir: str  # checkpoints and the batch journal: <run_dir>/trainer
 
 
-def prepare_store(config: RunConfig, store: CheckpointStore, client: OrchestratorClient, checkpoints: TrainerCheckpoints, journal: BatchJournal) -> ResumePlan:
+def prepare_store(
+    config: RunConfig, store: CheckpointStore, client: OrchestratorClient, checkpoints: TrainerCheckpoints, journal: BatchJournal
+) -> ResumePlan:
     """Rank 0: publish version 0 (the initial model) into an empty store, then plan the resume."""
     if store.latest() is None:
         model, tokenizer = build_model(config.model), load_tokenizer(config.model)

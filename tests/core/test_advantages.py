@@ -56,7 +56,9 @@ def sample(reward: float, group: str | None, advantage: float = 0.0) -> TrainSam
 
 
 def batch_of(samples: list[TrainSample]) -> TrainBatch:
-    return TrainBatch(trainer_version=0, samples=samples, staleness_histogram={"0": len(samples)}, rollouts_accepted=len(samples), stale_dropped=0)
+    return TrainBatch(
+        trainer_version=0, samples=samples, staleness_histogram={"0": len(samples)}, rollouts_accepted=len(samples), stale_dropped=0
+    )
 
 
 def test_select_samples_drops_zero_variance_groups_only_when_configured() -> None:

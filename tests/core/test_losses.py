@@ -125,7 +125,9 @@ def totals_of(mask: torch.Tensor) -> BatchTotals:
     return BatchTotals(samples=mask.shape[0], tokens=int(mask.sum().item()), max_tokens=MAX_TOKENS)
 
 
-def run_loss(inputs: dict[str, torch.Tensor], norm: str, correction: str, *, kl_coef: float = 0.0, entropy_coef: float = 0.0, **clip: float):
+def run_loss(
+    inputs: dict[str, torch.Tensor], norm: str, correction: str, *, kl_coef: float = 0.0, entropy_coef: float = 0.0, **clip: float
+):
     logprobs = inputs["logprobs"].clone().requires_grad_(True)
     entropy = inputs["entropy"].clone().requires_grad_(True)
     loss, sums = policy_loss(
@@ -145,7 +147,9 @@ def run_loss(inputs: dict[str, torch.Tensor], norm: str, correction: str, *, kl_
     return loss, logprobs.grad, entropy.grad, sums
 
 
-def reference_of(inputs: dict[str, torch.Tensor], norm: str, correction: str, *, kl_coef: float = 0.0, entropy_coef: float = 0.0, **clip: float):
+def reference_of(
+    inputs: dict[str, torch.Tensor], norm: str, correction: str, *, kl_coef: float = 0.0, entropy_coef: float = 0.0, **clip: float
+):
     clip = clip or NO_CLIP
     return reference(
         rows(inputs["logprobs"]), rows(inputs["sampler"]), inputs["advantages"].double().tolist(), rows(inputs["mask"]),

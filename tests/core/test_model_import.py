@@ -258,11 +258,15 @@ def bare_tokenizer(chat_dir: Path) -> PreTrainedTokenizerBase:
 
 def test_a_template_file_renders_prompts_for_a_tokenizer_without_one(bare_tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:
     template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+    template.write_text(
+        "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+    )
     for format_ in ("chat", "auto"):
         ids = make_prompt_encoder(PromptConfig(format=format_, template_file=str(template)), bare_tokenizer, OnePrompt())(Prompt(0, "12="))
         assert bare_tokenizer.decode(ids) == "u:12=;a:"
-    assert make_prompt_encoder(PromptConfig(), bare_tokenizer, OnePrompt())(Prompt(0, "12=")) == bare_tokenizer("12=").input_ids  # auto, none: raw
+    assert (
+        make_prompt_encoder(PromptConfig(), bare_tokenizer, OnePrompt())(Prompt(0, "12=")) == bare_tokenizer("12=").input_ids
+    )  # auto, none: raw
 
 
 def test_missing_templates_fail_at_start_up_naming_the_setting(bare_tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:

@@ -35,7 +35,9 @@ def test_spec_of_the_tiny_moe_and_of_hf_configs() -> None:
     assert spec_of(TinyModelConfig()) is None
     assert keeps_routing(MOE, SPEC) and not keeps_routing(TinyModelConfig(), None)
     assert not keeps_routing(MOE.model_copy(update={"keep_routing": False}), SPEC)
-    assert spec_of_hf_config({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4}) == RouteSpec(8, 2, (0, 1, 2, 3))
+    assert spec_of_hf_config(
+        {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4}
+    ) == RouteSpec(8, 2, (0, 1, 2, 3))
     assert spec_of_hf_config({"model_type": "qwen2", "num_hidden_layers": 4}) is None
     with pytest.raises(ValueError, match="keep_routing = false"):
         spec_of_hf_config({"model_type": "deepseek_v3", "n_routed_experts": 64, "num_hidden_layers": 4})

@@ -168,7 +168,9 @@ def test_reasoning_gym_weighted_mix_and_answer_tag() -> None:
 
 
 def test_reasoning_gym_bad_names_and_options() -> None:
-    with pytest.raises(ValueError, match=r"task\.datasets\.0\.name: unknown reasoning-gym dataset 'spell_backwards' \(did you mean spell_backward"):
+    with pytest.raises(
+        ValueError, match=r"task\.datasets\.0\.name: unknown reasoning-gym dataset 'spell_backwards' \(did you mean spell_backward"
+    ):
         rg_task({"name": "spell_backwards"})
     with pytest.raises(ValueError, match="options rejected by reasoning-gym.*bogus"):
         rg_task({"name": "spell_backward", "options": {"bogus": 1}})

@@ -267,8 +267,19 @@ def test_hedging_can_be_turned_off(open_state: Callable[..., RunState], group: A
 @pytest.mark.parametrize(
     "hedging",
     [
-        {"after": 0}, {"after": -1.0}, {"after": "soon"}, {"after": 1e9}, {"after": float("nan")},
-        {"max_copies": 1}, {"max_copies": 100}, {"max_copies": 2.5}, {"batches": 0}, {"batches": 17}, {"batches": "all"}, {"enabled": "yes"}, {"enabled": 1},
+        {"after": 0},
+        {"after": -1.0},
+        {"after": "soon"},
+        {"after": 1e9},
+        {"after": float("nan")},
+        {"max_copies": 1},
+        {"max_copies": 100},
+        {"max_copies": 2.5},
+        {"batches": 0},
+        {"batches": 17},
+        {"batches": "all"},
+        {"enabled": "yes"},
+        {"enabled": 1},
         {"median": 1.0},
     ],
 )

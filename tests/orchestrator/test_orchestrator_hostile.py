@@ -369,12 +369,25 @@ def test_sigterm_stops_within_2_s_with_long_polls_pending(tmp_path: Path) -> Non
     process = start(config, tmp_path, port)
     try:
         polls = [
-            subprocess.Popen([sys.executable, "-c", (
-                "import urllib.request, sys\n"
-                f"r = urllib.request.Request('http://127.0.0.1:{port}' + sys.argv[1], method=sys.argv[2], "
-                "data=sys.argv[4].encode() or None, headers={'Authorization': 'Bearer ' + sys.argv[3], 'Content-Type': 'application/json'})\n"
-                "print(urllib.request.urlopen(r, timeout=60).status)"
-            ), path, method, token, data], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    (
+                        "import urllib.request, sys\n"
+                        f"r = urllib.request.Request('http://127.0.0.1:{port}' + sys.argv[1], method=sys.argv[2], "
+                        "data=sys.argv[4].encode() or None, "
+                        "headers={'Authorization': 'Bearer ' + sys.argv[3], 'Content-Type': 'application/json'})\n"
+                        "print(urllib.request.urlopen(r, timeout=60).status)"
+                    ),
+                    path,
+                    method,
+                    token,
+                    data,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
             for path, method, token, data in (
                 ("/v1/batch?trainer_version=0", "GET", trainer, ""),
                 ("/v1/batch?trainer_version=0", "GET", trainer, ""),

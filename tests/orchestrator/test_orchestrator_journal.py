@@ -358,8 +358,12 @@ def test_strikes_bans_and_replay_hashes_survive_a_restart(
     # The kept content again, under another lease and another version: a replay, after the restart too.
     state.announce(1)
     again = state.grant_leases(struck, 1)[0]
-    state.leases[again.lease_id].lease = again = again.model_copy(update={"prompt_id": kept[0].prompt_id, "prompt_token_ids": kept[0].prompt_token_ids})
-    replay = [r.model_copy(update={"rollout_id": f"replay-{i}", "lease_id": again.lease_id, "policy_version": 1}) for i, r in enumerate(kept)]
+    state.leases[again.lease_id].lease = again = again.model_copy(
+        update={"prompt_id": kept[0].prompt_id, "prompt_token_ids": kept[0].prompt_token_ids}
+    )
+    replay = [
+        r.model_copy(update={"rollout_id": f"replay-{i}", "lease_id": again.lease_id, "policy_version": 1}) for i, r in enumerate(kept)
+    ]
     assert {r.reason for r in state.ingest(replay[:1], struck).rejected} == {"replay"}
     assert state.integrity.workers["eve"].strikes == 2 and state.integrity.newly_banned() == ["eve"]
 

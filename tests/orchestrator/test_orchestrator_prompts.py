@@ -24,7 +24,11 @@ def test_the_lease_carries_the_rendered_ids_and_a_worker_cannot_change_them(
     state.announce(0)
     lease, other = state.grant_leases("alice/w0", 2)
     text = tokenizer.decode(lease.prompt_token_ids)
-    assert text == f"<|im_start|>system\nSort.<|im_end|>\n<|im_start|>user\n{state.task.prompt(lease.prompt_id).text}<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == f"<|im_start|>system\nSort.<|im_end|>\n<|im_start|>user\n{state.task.prompt(lease.prompt_id).text}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     # The completion ends at the template's end-of-turn token, which the orchestrator counts as an end.
     end_of_turn = tokenizer.convert_tokens_to_ids(IM_END)
     assert end_of_turn in end_of_sequence_ids(config.model, tokenizer)

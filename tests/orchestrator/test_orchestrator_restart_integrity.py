@@ -110,7 +110,10 @@ def test_bans_strikes_and_replay_hashes_survive_a_kill_and_restart(tmp_path: Pat
         answer = eve.lease(LeaseRequest(worker_id="w1", max_groups=1))
         lease = answer.leases[0]
         assert lease.prompt_token_ids == kept[0].prompt_token_ids
-        replay = [r.model_copy(update={"rollout_id": uuid.uuid4().hex, "lease_id": lease.lease_id, "worker_id": "w1", "policy_version": 1}) for r in kept]
+        replay = [
+            r.model_copy(update={"rollout_id": uuid.uuid4().hex, "lease_id": lease.lease_id, "worker_id": "w1", "policy_version": 1})
+            for r in kept
+        ]
         assert {r.reason for r in eve.post_rollouts(RolloutBatch(rollouts=replay[:1])).rejected} == {"replay"}
         workers = trainer.status().workers
         assert workers["eve"]["strikes"] == 2 and workers["eve"]["banned"]

@@ -101,7 +101,9 @@ def test_a_group_waits_for_its_scores_then_trains_on_them(
             assert len(got["items"]) == 3 and got["score_range"] == [0.0, 1.0]
             item = got["items"][0]
             assert item["prompt"] == state.task.prompt(lease.prompt_id).text and item["steps"] is None
-            assert item["completion"] == tokenizer.decode(state.buffer.pending[lease.lease_id].samples[0][0].completion_token_ids, skip_special_tokens=True)
+            assert item["completion"] == tokenizer.decode(
+                state.buffer.pending[lease.lease_id].samples[0][0].completion_token_ids, skip_special_tokens=True
+            )
             body = scores_for(got)
             for i, score in enumerate(body["scores"]):
                 score["score"] = [0.0, 0.25, 1.0][i]

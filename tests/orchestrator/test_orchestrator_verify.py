@@ -177,7 +177,13 @@ def test_forged_logprobs_are_rejected_and_the_token_banned(setup: Any, world: di
     assert not state.ready and state.dropped["failed_verification"] == 0  # all three rejected
     assert state.rejected["logprob_mismatch"] == 3
     assert state.integrity.newly_banned() == ["mallory"]
-    assert state.grant_leases(CHEAT, 1) and state.ingest(generated(world["honest"], state.leases[next(iter(state.leases))].lease, state.sampling, CHEAT), CHEAT).rejected[0].reason == "banned"
+    assert (
+        state.grant_leases(CHEAT, 1)
+        and state.ingest(generated(world["honest"], state.leases[next(iter(state.leases))].lease, state.sampling, CHEAT), CHEAT)
+        .rejected[0]
+        .reason
+        == "banned"
+    )
 
 
 def test_replays_future_versions_and_false_finish_reasons_are_strikes(
@@ -189,7 +195,9 @@ def test_replays_future_versions_and_false_finish_reasons_are_strikes(
     assert state.ingest(honest, CHEAT).accepted == 3
     again = state.grant_leases(CHEAT, 1)[0]
     # The same content under new rollout ids, for another lease of the same prompt.
-    state.leases[again.lease_id].lease = again = again.model_copy(update={"prompt_id": first.prompt_id, "prompt_token_ids": first.prompt_token_ids})
+    state.leases[again.lease_id].lease = again = again.model_copy(
+        update={"prompt_id": first.prompt_id, "prompt_token_ids": first.prompt_token_ids}
+    )
     # v0's content again under new rollout ids, claimed as v1's (identical logprobs under new weights).
     state.announce(1)
     replay = [r.model_copy(update={"rollout_id": uuid.uuid4().hex, "lease_id": again.lease_id, "policy_version": 1}) for r in honest]
@@ -215,7 +223,9 @@ def test_identical_honest_samples_are_no_replay(setup: Any, make_rollout: Any) -
     same = [make_rollout(lease, "1234") for _ in range(3)]
     assert state.ingest(same, HONEST).accepted == 3
     other = state.grant_leases(HONEST, 1)[0]
-    state.leases[other.lease_id].lease = other = other.model_copy(update={"prompt_id": lease.prompt_id, "prompt_token_ids": lease.prompt_token_ids})
+    state.leases[other.lease_id].lease = other = other.model_copy(
+        update={"prompt_id": lease.prompt_id, "prompt_token_ids": lease.prompt_token_ids}
+    )
     assert state.ingest([make_rollout(other, "1234")], HONEST).accepted == 1
     assert state.integrity.workers["honest"].strikes == 0
 

@@ -1,6 +1,7 @@
 """A run that publishes its versions in bf16 (`store.publish_dtype`) and as deltas (the default
 store.full_every): the trainer keeps float32 master weights, the workers and the verifier load and
-sample with the bf16 weights rebuilt from deltas, and the run learns. The real pipeline (`decentrl run`: orchestrator, two workers, a two-rank gloo trainer)."""
+sample with the bf16 weights rebuilt from deltas, and the run learns. The real pipeline (`decentrl run`:
+orchestrator, two workers, a two-rank gloo trainer)."""
 
 from __future__ import annotations
 

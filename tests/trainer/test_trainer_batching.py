@@ -68,7 +68,9 @@ def random_samples(n: int, seed: int) -> list[TrainSample]:
     return samples
 
 
-def gradients_of(model: PreTrainedModel, samples: list[TrainSample], rows: list[list[int]], config: TrainerConfig) -> tuple[float, dict[str, torch.Tensor]]:
+def gradients_of(
+    model: PreTrainedModel, samples: list[TrainSample], rows: list[list[int]], config: TrainerConfig
+) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     micro = [collate([samples[i] for i in r], pad_id=0) if r else idle_micro_batch(0) for r in rows]
     loss, _ = accumulate_gradients(model, None, micro, totals=batch_totals(samples, 6), config=config, temperature=0.8)

@@ -148,7 +148,9 @@ def test_trainer_resume_after_kill_9_continues_versions_and_workers_carry_on(tmp
 
         # It resumed from the last checkpoint and replayed the journal since.
         second_log = (logs / "trainer-2.log").read_text()
-        match = re.search(r"resuming from checkpoint step (\d+); replaying steps (\d+)\.\.(\d+) from the journal; store holds up to v(\d+)", second_log)
+        match = re.search(
+            r"resuming from checkpoint step (\d+); replaying steps (\d+)\.\.(\d+) from the journal; store holds up to v(\d+)", second_log
+        )
         assert match, second_log[-3000:]
         resumed_from, replay_from, replay_through, store_held = map(int, match.groups())
         assert resumed_from == checkpoint and replay_from == checkpoint + 1

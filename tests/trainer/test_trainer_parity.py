@@ -103,7 +103,9 @@ def plain_reference() -> tuple[float, dict[str, torch.Tensor]]:
     model = build_model(TINY).train()
     samples = select_samples(make_batch(), drop_zero_variance=True)
     reference = build_model(REFERENCE).eval()
-    loss, _ = accumulate_gradients(model, reference, [collate(samples, 0)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
+    loss, _ = accumulate_gradients(
+        model, reference, [collate(samples, 0)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE
+    )
     return loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
@@ -167,7 +169,9 @@ def gpu_step(rank: int, port: int, out: str) -> None:
     model = shard_model(build_model(TINY).to(device).train(), mixed_precision="bf16", activation_checkpointing=True)
     reference = shard_model(build_model(REFERENCE).to(device).requires_grad_(False).eval(), mixed_precision="bf16")
     samples = select_samples(make_batch(), drop_zero_variance=True)
-    loss, _ = accumulate_gradients(model, reference, [collate(samples, 0).to(device)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
+    loss, _ = accumulate_gradients(
+        model, reference, [collate(samples, 0).to(device)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE
+    )
     grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
     torch.save({"loss": loss.item(), "grads": grads, "device": str(device)}, out)
     dist.destroy_process_group()

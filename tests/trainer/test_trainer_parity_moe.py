@@ -73,7 +73,9 @@ def test_moe_with_replayed_routes_trains_the_same_on_one_and_two_ranks(tmp_path:
     config = TrainerConfig(**TRAINER)
     model = build_model(MOE).train()
     samples = select_samples(make_batch(), drop_zero_variance=False)
-    loss, _ = accumulate_gradients(model, None, [collate(samples, 0)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE)
+    loss, _ = accumulate_gradients(
+        model, None, [collate(samples, 0)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE
+    )
     want = {name: p.grad for name, p in model.named_parameters()}
     assert all(want[name].abs().sum() > 0 for name in want if "gate.weight" in name)  # routers learn under replay
     for result in (run_ranks(1, tmp_path), run_ranks(2, tmp_path), run_ranks(2, tmp_path, activation_checkpointing=True)):

@@ -98,7 +98,9 @@ def test_dcp_checkpoint_round_trip_restores_model_optimizer_scheduler_progress_r
     checkpoints = TrainerCheckpoints(str(tmp_path), keep=2)
     torch.manual_seed(123)
     committed = []
-    checkpoints.save(model, optimizer, scheduler, Progress(step=2, busy_s=1.5, wall_s=3.0), before_commit=lambda: committed.append(checkpoints.latest()))
+    checkpoints.save(
+        model, optimizer, scheduler, Progress(step=2, busy_s=1.5, wall_s=3.0), before_commit=lambda: committed.append(checkpoints.latest())
+    )
     expected_random = torch.rand(3)
     assert committed == [None], "before_commit runs before the checkpoint becomes visible"
     assert checkpoints.latest() == 2

@@ -38,7 +38,9 @@ def run_steps(name: str, directory: Path) -> Trackers:
 
 
 def needs(package: str) -> Any:
-    return pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package} is not installed (pip install decentrl[{package}])")
+    return pytest.mark.skipif(
+        importlib.util.find_spec(package) is None, reason=f"{package} is not installed (pip install decentrl[{package}])"
+    )
 
 
 @needs("tensorboard")

@@ -94,7 +94,11 @@ class VLLMBackend:
             for i, chunk in zip(open_rows, chunks, strict=True):
                 before = state[i]
                 ids, lps = before.token_ids + chunk.token_ids, before.logprobs + chunk.logprobs
-                mask = before.sampling_mask + chunk.sampling_mask if before.sampling_mask is not None and chunk.sampling_mask is not None else None
+                mask = (
+                    before.sampling_mask + chunk.sampling_mask
+                    if before.sampling_mask is not None and chunk.sampling_mask is not None
+                    else None
+                )
                 cut = stop_cut(self._text, ids, sampling.stop, start=len(before.token_ids))
                 if cut is not None:
                     state[i] = Completion(ids[:cut], lps[:cut], "stop", mask[:cut] if mask is not None else None)

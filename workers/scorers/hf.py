@@ -46,7 +46,9 @@ class HFScoreBackend:
         if labels == 1 and config.transform == "softmax":
             raise BackendConfigError(f"{config.path} has one label: a softmax over it is always 1; use transform = 'logit' or 'sigmoid'")
         if labels > 1 and (config.label is None or config.label >= labels):
-            raise BackendConfigError(f"{config.path} has {labels} labels: set [scorer] label to the one read as the score (0..{labels - 1})")
+            raise BackendConfigError(
+                f"{config.path} has {labels} labels: set [scorer] label to the one read as the score (0..{labels - 1})"
+            )
         self.label = config.label or 0
         # Batches are padded, and the classifier reads each row at its last non-pad token: both
         # need a pad token, which many causal-LM tokenizers lack (their end of text serves).
