@@ -180,7 +180,13 @@ def trainer(
         cache_dir=os.path.join(run_dir, "cache", "trainer"),
         state_dir=os.path.join(run_dir, "trainer"),
     )
-    train(cfg, options)
+    from decentrl.model.build import ModelPathError
+
+    try:
+        train(cfg, options)
+    except ModelPathError as exc:  # the model directory is not on this machine: one line, not a traceback
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -236,6 +242,7 @@ def evaluate(
     from transformers.utils import logging as hf_logging
 
     from decentrl.store.checkpoints import StoreError
+    from decentrl.tasks.prompts import PromptError
     from workers.evaluate import EvalError
     from workers.evaluate import evaluate as run_eval
 
@@ -258,7 +265,7 @@ def evaluate(
             loaded, local, chosen, prompts=prompts, samples_per_prompt=samples, split=split,  # type: ignore[arg-type]
             greedy=greedy, seed=seed, device=loaded.worker.device,
         )
-    except (StoreError, EvalError) as exc:
+    except (StoreError, EvalError, PromptError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(json.dumps(result.as_dict()))

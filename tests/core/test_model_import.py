@@ -298,3 +298,22 @@ def test_the_orchestrator_refuses_to_start_on_a_model_path_that_is_missing(make_
     config = make_config().model_copy(update={"model": PretrainedModelConfig(path=str(tmp_path / "absent"))})
     with pytest.raises(StartupError, match=r"model.path = .*absent' does not exist: make one with"):
         open_state(config, str(tmp_path / "run"))
+
+
+def test_the_trainer_command_says_the_model_path_in_one_line(tmp_path: Path) -> None:
+    """`decentrl trainer` started on its own with no model directory: exit 2 and the way to make
+    one, not a traceback (under `decentrl run` the orchestrator says it first)."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\ntype = "pretrained"\npath = "{tmp_path / "absent"}"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "decentrl", "trainer", str(config), "--orchestrator", "http://127.0.0.1:9",
+         "--token", "t", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert f"error: model.path = '{tmp_path / 'absent'}' does not exist" in done.stderr
+    assert "decentrl model import SRC --out DIR" in done.stderr
