@@ -29,9 +29,13 @@ import argparse
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from typing import Any
 
 import torch
@@ -41,6 +45,28 @@ from decentrl.store.checkpoints import CheckpointStore
 from decentrl.store.weights import write_hf_dir
 
 MB = 1e6
+
+
+def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+    """moto's S3 server in its own process, so it does not share the benchmark's GIL (nor would S3)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
+            return server, endpoint
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError("moto server did not start") from None
+            time.sleep(0.2)
 
 
 class Link:
@@ -205,7 +231,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="Training steps (delta versions) per learning rate.")
     parser.add_argument("--link-mbit", type=float, default=100.0, help="Shaped link to the S3 server, Mbit/s.")
     args = parser.parse_args()
-    from checkpoint_io import start_moto  # this script's folder is on sys.path
     from fsspec.core import url_to_fs
 
     work = tempfile.mkdtemp(prefix="decentrl-bench-delta-")

@@ -40,17 +40,13 @@ import json
 import logging
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from checkpoint_delta import delta_figures  # this script's folder is on sys.path
+from checkpoint_delta import delta_figures, start_moto  # this script's folder is on sys.path
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from transformers import Qwen2Config
@@ -164,28 +160,6 @@ def measure(url: str, options: dict[str, object], ckpt: str, work: str, repeats:
     store.delete(0)
     fs.rm(raw_dir, recursive=True)
     return best
-
-
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    """moto's S3 server in its own process, so it does not share the benchmark's GIL (nor would S3)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
-            return server, endpoint
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError("moto server did not start") from None
-            time.sleep(0.2)
 
 
 def sha256_mb_s() -> float:
