@@ -173,7 +173,7 @@ def decentrl_step(config, trainer, batch, device):  # noqa: ANN001, ANN201 - a t
     model = shard_model(
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=trainer.mixed_precision
     )
-    optimizer = build_optimizer(list(model.parameters()), trainer, device)
+    optimizer = build_optimizer(list(model.parameters()), trainer)
     max_tokens = max(len(s.completion_token_ids) for s in batch.samples)
 
     def step() -> None:

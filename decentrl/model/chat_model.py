@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -69,7 +69,7 @@ def train_chat_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokeniz
 def write_chat_model(texts: list[str], out: str, spec: ChatModelSpec) -> Path:
     """Train the tokenizer on `texts`, build the model, save both to `out`; returns the directory."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if len(set(texts)) < 2:
         raise ValueError("a tokenizer needs text to learn from: the task gave fewer than 2 distinct texts")
@@ -82,7 +82,14 @@ def write_chat_model(texts: list[str], out: str, spec: ChatModelSpec) -> Path:
         eos_token_id=end_of_turn, pad_token_id=end_of_text, bos_token_id=None,
     )
     torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config).float()
+    return save_chat_model(Qwen2ForCausalLM(config).float(), tokenizer, out)
+
+
+def save_chat_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out: str) -> Path:
+    """`model` and `tokenizer` saved to `out`, generation stopping at the end of a turn or a text."""
+    from transformers import GenerationConfig
+
+    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids([IM_END, END_OF_TEXT])
     # A chat model ends its turn with <|im_end|>; <|endoftext|> ends a document. Both stop generation.
     model.generation_config = GenerationConfig(eos_token_id=[end_of_turn, end_of_text], pad_token_id=end_of_text)
     directory = Path(out)
@@ -153,7 +160,7 @@ def write_shaped_model(
     `tokenizer_vocab` BPE ids trained on `texts` and padded to the model's vocabulary (the shape's,
     or `overrides["vocab_size"]`); loaded like write_chat_model's directory."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}: choose one of {', '.join(SHAPES)}")
@@ -164,9 +171,4 @@ def write_shaped_model(
     end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids([IM_END, END_OF_TEXT])
     config = shape_config(shape, **overrides, vocab_size=size, eos_token_id=end_of_turn, pad_token_id=end_of_text, bos_token_id=None)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(eos_token_id=[end_of_turn, end_of_text], pad_token_id=end_of_text)
-    directory = Path(out)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_chat_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(torch.bfloat16), tokenizer, out)

@@ -329,7 +329,8 @@ def copy_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None
     targets = model.state_dict()  # tensors aliasing the model's own storage
     # A tied weight (lm_head.weight is embed_tokens.weight in SmolLM2, Qwen3 and most small models)
     # is saved once by save_pretrained: copying its twin fills it, so its absence is no gap.
-    targets = {name: t for name, t in targets.items() if name in state or name not in tied_aliases(targets)}
+    aliases = tied_aliases(targets)
+    targets = {name: t for name, t in targets.items() if name in state or name not in aliases}
     if problems := mismatches(targets, state):
         raise CheckpointError("the weights do not fit the model: " + "; ".join(problems))
     with torch.no_grad():

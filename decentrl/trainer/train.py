@@ -87,7 +87,7 @@ def load_policy(directory: str, config: TrainerConfig, device: torch.device, *, 
     )
 
 
-def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainerConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainerConfig) -> torch.optim.AdamW:
     """AdamW with its fused kernel (as torchtitan defaults to): one pass over all parameters instead
     of a dispatch per tensor, which on FSDP2's DTensors is the costly part of the step on the CPU
     (docs/trainer.md has the figures) and on CUDA a launch per tensor."""
@@ -152,7 +152,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
     model = load_policy(initial_dir, cfg, device)
     reference = load_policy(initial_dir, cfg, device, frozen=True) if cfg.kl_coef > 0 else None
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA: the adapters
-    optimizer = build_optimizer(trainable, cfg, device)
+    optimizer = build_optimizer(trainable, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(cfg.lr_warmup_steps))
     progress = checkpoints.load(plan.checkpoint, model, optimizer, scheduler) if plan.checkpoint else Progress()
     if plan.replay_through > plan.checkpoint or plan.checkpoint:

@@ -42,6 +42,7 @@ class HFBackend:
         limit_gpu_memory(self.device, gpu_memory)
         self.router_noise = router_noise  # [simulation] router_noise: benchmarks only (workers/simulation.py)
         self.model: PreTrainedModel | None = None
+        self._last_only: dict[str, int] = {}  # the prefill's logits_to_keep, where the model takes it (load)
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.version: int | None = None
         self.generator = torch.Generator(device=self.device)
@@ -58,6 +59,9 @@ class HFBackend:
         if self.model is None:
             model = load_pretrained(checkpoint_dir, as_published=True).to(self.device).eval()
             self.model, self.tokenizer = model, AutoTokenizer.from_pretrained(model_dir(checkpoint_dir))
+            # The prefill needs the last position's logits only: a (B, W, V) tensor is as large as the
+            # model's weights at 64 rows of 256 tokens (transformers' generate keeps one position too).
+            self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         else:
             # Same architecture, new weights: copy in place instead of rebuilding the module.
             copy_into(self.model, read_weights(checkpoint_dir))
@@ -125,12 +129,9 @@ class HFBackend:
     ) -> list[Completion]:
         eos_ids, _ = self._eos_and_pad()
         moe = recorder.layers > 0
-        # The prefill needs the last position's logits only: a (B, W, V) tensor is as large as the
-        # model's weights at 64 rows of 256 tokens (transformers' generate keeps one position too).
-        last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         logits = self.model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True,
-            **last_only,
+            **self._last_only,
         ).logits[:, -1]  # (B, V)
         # Routes: the prefill's (B, W, layers, K), then one (B, 1, layers, K) per fed token.
         fed = [recorder.take().view(*input_ids.shape, recorder.layers, -1)] if moe else []
