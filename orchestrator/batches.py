@@ -160,7 +160,6 @@ class Batches:
         if trainer_version <= self.versions.trainer:
             return  # groups in the buffer were fresh for this version when they arrived
         self.versions.trainer = trainer_version
-        self.journal.meta_dirty = True
         max_staleness = self.config.max_staleness
         def stale(group: Group) -> bool:
             return not is_fresh(trainer_version, group.oldest_version, max_staleness)

@@ -231,7 +231,7 @@ class Journal:
         self._pending: list[tuple[str, tuple[Any, ...]]] = []
         self._meta_source: Callable[[], dict[str, Any]] | None = None
         self._integrity_source: Callable[[], IntegrityChanges] | None = None
-        self.meta_dirty = False
+        self._meta_written: str | None = None  # the meta row as last handed to the writer
         self._cond = threading.Condition()
         self._queue: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None] | None]] = []
         self._inflight = 0  # commits handed to the writer and not yet resolved (loop thread only)
@@ -264,7 +264,8 @@ class Journal:
     # -- recording (event loop thread) ---------------------------------------------------
 
     def set_meta_source(self, source: Callable[[], dict[str, Any]]) -> None:
-        """`source()` gives the meta row; it is written with the next commit after `meta_dirty`."""
+        """`source()` gives the meta row. It is asked at every commit and written when it differs
+        from the row last written: no part has to remember that it changed a counter."""
         self._meta_source = source
 
     def set_integrity_source(self, source: Callable[[], IntegrityChanges]) -> None:
@@ -318,9 +319,11 @@ class Journal:
             self._pending.extend((SQL_FORGET_CONTENT, (lease_id,)) for lease_id in changes.forgotten)
             self._pending.extend((SQL_CONTENT, row) for row in changes.kept)
             self._pending.extend((SQL_WORKER, row) for row in changes.workers)
-        if self.meta_dirty and self._meta_source is not None:
-            self._pending.append((SQL_META, ("state", json.dumps(self._meta_source()))))
-            self.meta_dirty = False
+        if self._meta_source is not None:
+            meta = json.dumps(self._meta_source())
+            if meta != self._meta_written:
+                self._pending.append((SQL_META, ("state", meta)))
+                self._meta_written = meta
         ops, self._pending = self._pending, []
         return ops
 
@@ -508,7 +511,6 @@ class NullJournal:
     path = "(no journal)"
 
     def __init__(self) -> None:
-        self.meta_dirty = False
         self.failed: BaseException | None = None  # never set: nothing is written
         self.on_commit: Callable[[float, int], None] | None = None  # never called
 

@@ -247,7 +247,6 @@ class LeaseBook:
                 policy_version=version,
             )
             self._open(OpenLease(lease=lease, holder=holder, granted_at=self.clock()), granted=True)
-            self.journal.meta_dirty = True  # the prompt cursor moved
             granted.append(lease)
         return granted
 
@@ -260,7 +259,6 @@ class LeaseBook:
         )
         self._open(OpenLease(lease=lease, holder=holder, granted_at=self.clock()), granted=True)
         self.counters.hedged_leases += 1
-        self.journal.meta_dirty = True  # the counter
         return lease
 
     def _open(self, open_lease: OpenLease, *, granted: bool) -> None:
@@ -365,7 +363,6 @@ class LeaseBook:
             self.journal.lease_closed(lease_id, status, now, drop_samples=bool(closed.samples))
         elif status == "served":
             self.journal.lease_closed(lease_id, status, now, drop_samples=False)
-        self.journal.meta_dirty = True
         return closed
 
     def supersede(self, index: int, winner: list[bytes]) -> None:

@@ -208,7 +208,6 @@ class RunState(RunView):
                 self.journal.path, self.published_version, self.trainer_version,
                 len(self.leases), len(self.ready), self.rollouts_accepted,
             )
-        self.journal.meta_dirty = True
         self.journal.flush()
 
     def _redo_checks(self) -> None:
@@ -302,8 +301,6 @@ class RunState(RunView):
             accepted += 1
             if len(open_lease.samples) == open_lease.lease.group_size:
                 self._complete(open_lease)  # 4. score, 5. line up
-        if accepted or duplicates or rejected:
-            self.journal.meta_dirty = True
         self.counters.rollouts_accepted += accepted
         self.counters.duplicates += duplicates
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
@@ -393,7 +390,6 @@ class RunState(RunView):
     def announce(self, version: int) -> None:
         """Version `version` is complete in the store; workers may pull it."""
         self.versions.published = max(version, self.versions.published or 0)
-        self.journal.meta_dirty = True
         self.batches.advance(version)
 
     def take_batch(self, trainer_version: int, request_id: str | None = None) -> TrainBatch | None:

@@ -126,6 +126,24 @@ def test_prompts_continue_where_they_were(open_state: Callable[..., RunState], g
     assert third.prompt_id == state._prompt_order[2]
 
 
+def test_a_counter_changed_alone_is_committed_and_an_unchanged_meta_row_is_not_rewritten(
+    open_state: Callable[..., RunState], journal_path: str
+) -> None:
+    """No part marks the meta row dirty: the journal compares it at each commit."""
+    state = open_state()
+    state.announce(0)
+    state.journal.flush()
+    statements: list[str] = []
+    state.journal._conn.set_trace_callback(statements.append)
+    state.journal.flush()  # nothing changed: nothing written
+    assert not [s for s in statements if "INTO meta" in s]
+    state.counters.hedge_copies_told += 1  # a change no recording method is called for
+    state.journal.flush()
+    assert [s for s in statements if "INTO meta" in s]
+    state = restart(state, open_state)
+    assert state.counters.hedge_copies_told == 1
+
+
 def test_only_committed_changes_survive(open_state: Callable[..., RunState], group: Any) -> None:
     state = open_state()
     state.announce(0)
