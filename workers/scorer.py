@@ -7,18 +7,16 @@ them (idempotent by rollout id, so the client's retries of a post whose answer w
 counted once). Three threads beside the backend's, so that the backend never waits for HTTP:
 
     lease (the `fetch` thread) -> score (the calling thread) -> check and post (the post thread)
-                      renew every lease held until it is posted (the `renew` thread)
+        renew every lease held until it is posted (the `renew` thread: workers/lease_loop.py)
 
 - Leases in hand: the fetch thread keeps up to `leases_ahead` leases beyond the one being
   scored, asking for the next while the backend works; such a request is marked `ahead`, so the
   orchestrator gives waiting samples to an idle scorer first. Posting runs in its own thread: the
   backend starts on the next lease at once.
 - An empty lease: wait the orchestrator's `retry_after_s` (at least `min_wait_s`), ask again.
-- Renewal: every lease held (waiting, being scored, being posted) is renewed at half the time
-  left before its deadline (the orchestrator's clock: clocks are assumed NTP-close; renewing at
-  the half leaves room for a skew below half the lease timeout). A renewal refused (the lease
-  expired, 409) is not tried again: the post will be refused too, and the items are already with
-  another scorer.
+- Renewal (`Renewals`): every lease held (waiting, being scored, being posted) is renewed at half
+  the time left before its deadline; one refused because it expired is not tried again: the post
+  will be refused too, and the items are already with another scorer.
 - Checks (`checked`): a verdict without a score, with a NaN or out-of-range score or step score
   (the lease's `score_range`), or without one step score per step of an item that has steps, is
   posted as `failure = "parse"`: the run's `on_parse_failure` decides what it becomes (a default
@@ -41,18 +39,16 @@ import os
 import queue
 import signal
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from decentrl.api.client import OrchestratorClient, OrchestratorError
 from decentrl.api.wire import ScoreItem, ScoreLease, ScoreLeaseRequest, ScorePost, ScoreResult
 from decentrl.config import ScorerConfig
+from workers.lease_loop import LEASE_GONE, Renewals, Stop, answers, on_signals
 from workers.scorers import ScoreBackend, Verdict, build_scorer_backend
 
 log = logging.getLogger("decentrl.scorer")
-LEASE_GONE = (403, 404, 409)  # the lease expired, closed, or is held by another scorer
-MIN_RENEW_S = 0.5
 
 
 @dataclass
@@ -76,33 +72,34 @@ class Scorer:
         self.backend = backend
         self.counts = ScorerCounts()
         self.stopping = False
-        self._wake = threading.Event()  # set on stop (and when a run ends): cuts a wait short
-        # Guards what the threads share below; notified when any of it changes, and on stop.
-        self._lock = threading.Condition(threading.RLock())  # reentrant: request_stop may interrupt a holder
-        self._held: dict[str, float] = {}  # lease id -> when to renew it (time.time()), until posted
+        self._halt = Stop()  # this run's: set on stop and when the run ends; cuts the fetch thread's waits short
+        self._renewals = self._new_renewals()
+        # Guards `_in_hand`; notified when it changes, and on stop. Reentrant: request_stop may interrupt a holder.
+        self._lock = threading.Condition(threading.RLock())
         self._in_hand = 0  # leases fetched and not yet scored, the one being scored included
-        self._closing = False  # the run is ending: the fetch and renew threads return
-        self._error: BaseException | None = None  # what stopped the fetch or renew thread: `run` raises it
+        self._error: BaseException | None = None  # what stopped the fetch thread: `run` raises it
+
+    def _new_renewals(self) -> Renewals:
+        return Renewals(lambda lease_id: self.client.renew_score_lease(lease_id, self.scorer_id).deadline,
+                        failed=self.request_stop)
 
     def request_stop(self, *_: object) -> None:
         """SIGTERM/SIGINT: the leases in hand are scored and posted, then `run` returns."""
         self.stopping = True
-        self._wake.set()
+        self._halt.set()
         with self._lock:
             self._lock.notify_all()
 
     def run(self, max_leases: int | None = None) -> ScorerCounts:
         """Lease, score and post until stopped (or `max_leases` leases, counted over every run).
         A lease answered after a stop was asked for is still scored and posted."""
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.request_stop)
-            signal.signal(signal.SIGINT, self.request_stop)
-        if not self.stopping:
-            self._wake.clear()
-        self._closing, self._error = False, None
+        on_signals(self.request_stop, signal.SIGTERM, signal.SIGINT)
+        self._halt, self._renewals, self._error = Stop(), self._new_renewals(), None
+        if self.stopping:
+            self._halt.set()
         leased: queue.Queue[ScoreLease | None] = queue.Queue()  # None: the fetch thread is done
         fetcher = threading.Thread(target=self.fetch, args=(leased, max_leases), name="score-fetch", daemon=True)
-        renewer = threading.Thread(target=self.renew, name="score-renew", daemon=True)
+        renewer = threading.Thread(target=self._renewals.run, name="score-renew", daemon=True)
         fetcher.start()
         renewer.start()
         try:
@@ -119,13 +116,14 @@ class Scorer:
                     posts.append(posting.submit(self.post, lease, verdicts))
                 for future in posts:
                     future.result()
-            if self._error is not None:
-                raise self._error
+            for error in (self._error, self._renewals.error):
+                if error is not None:
+                    raise error
         finally:
+            self._halt.set()
             with self._lock:
-                self._closing = True
                 self._lock.notify_all()
-            self._wake.set()
+            self._renewals.close()
             fetcher.join()
             renewer.join()
         log.info("scorer %s stopping: %s", self.scorer_id, self.counts)
@@ -133,67 +131,40 @@ class Scorer:
 
     def fetch(self, leased: queue.Queue[ScoreLease | None], max_leases: int | None) -> None:
         """The fetch thread: keep up to `leases_ahead` leases beyond the one being scored in `leased`."""
+
+        def ask() -> ScoreLease | None:  # None: enough leases, or the run is ending
+            with self._lock:
+                while self._in_hand > self.config.leases_ahead and not self._halt.is_set():
+                    self._lock.wait()
+                if self._halt.is_set() or (max_leases is not None and self.counts.leases >= max_leases):
+                    return None
+                ahead = self._in_hand > 0
+            return self.client.score_lease(
+                ScoreLeaseRequest(scorer_id=self.scorer_id, max_items=self.config.max_items, ahead=ahead)
+            )
+
         try:
-            while max_leases is None or self.counts.leases < max_leases:
-                with self._lock:
-                    while self._in_hand > self.config.leases_ahead and not (self.stopping or self._closing):
-                        self._lock.wait()
-                    if self.stopping or self._closing:
-                        return
-                    ahead = self._in_hand > 0
-                request = ScoreLeaseRequest(scorer_id=self.scorer_id, max_items=self.config.max_items, ahead=ahead)
-                lease = self.client.score_lease(request)
+            for lease in answers(ask, stop=self._halt):
+                if lease is None:
+                    return
                 if not lease.items:
-                    self._wake.wait(max(lease.retry_after_s, self.config.min_wait_s))
+                    self._halt.wait(max(lease.retry_after_s, self.config.min_wait_s))
                     continue
                 self.counts.leases += 1
                 with self._lock:
                     self._in_hand += 1
-                    self._held[lease.lease_id] = renew_at(lease.deadline)
-                    self._lock.notify_all()
+                self._renewals.hold(lease.lease_id, lease.deadline)
                 leased.put(lease)
         except Exception as exc:  # the orchestrator unreachable, or refusing: `run` raises it
             self._error = exc
         finally:
             leased.put(None)
 
-    def renew(self) -> None:
-        """The renew thread: renew each lease held at half the time left, until it is posted."""
-        while True:
-            with self._lock:
-                if self._closing:
-                    return
-                now = time.time()
-                due = [lease_id for lease_id, at in self._held.items() if at <= now]
-                if not due:
-                    self._lock.wait(min(self._held.values(), default=now + 60.0) - now)
-                    continue
-            for lease_id in due:
-                try:
-                    deadline = self.client.renew_score_lease(lease_id, self.scorer_id).deadline
-                except OrchestratorError as exc:
-                    if exc.status not in LEASE_GONE:
-                        self._error = exc
-                        self.request_stop()
-                        return
-                    with self._lock:
-                        if self._held.pop(lease_id, None) is not None:
-                            log.warning("lease %s could not be renewed (%s); its items are leased again", lease_id, exc)
-                    continue
-                except ConnectionError as exc:
-                    self._error = exc
-                    self.request_stop()
-                    return
-                with self._lock:
-                    if lease_id in self._held:
-                        self._held[lease_id] = renew_at(deadline)
-
     def post(self, lease: ScoreLease, verdicts: list[Verdict]) -> None:
         try:
             self._post(lease, verdicts)
         finally:
-            with self._lock:
-                self._held.pop(lease.lease_id, None)
+            self._renewals.let_go(lease.lease_id)
 
     def _post(self, lease: ScoreLease, verdicts: list[Verdict]) -> None:
         low, high = lease.score_range
@@ -224,12 +195,6 @@ class Scorer:
             return
         self.counts.scored += sum(result.failure is None for result in results)
         self.counts.duplicates += ack.duplicates
-
-
-def renew_at(deadline: float) -> float:
-    """When to renew a lease due at `deadline` (the orchestrator's time.time()): at half the time left."""
-    now = time.time()
-    return now + max(MIN_RENEW_S, (deadline - now) / 2)
 
 
 def checked(item: ScoreItem, verdict: Verdict, low: float, high: float) -> ScoreResult:

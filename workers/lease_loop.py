@@ -1,0 +1,218 @@
+"""The client side of a lease, shared by the worker (workers/worker.py) and the scorer (workers/scorer.py).
+
+    ask (`answers`) -> hold (`Renewals`) -> work -> post (`Spool`)
+
+- Asking: `answers` asks until stopped; an error the caller names as passing (the orchestrator
+  unreachable after the client's own retries, an answer that does not validate) is logged and
+  asked again after a full-jitter exponential backoff (`backoff`, 30 s cap). An empty answer is
+  the caller's to wait out (its `retry_after_s`, cut short by `Stop`).
+- Holding: `Renewals` renews every lease held at half the time left before its deadline (the
+  orchestrator's clock: clocks are assumed NTP-close; renewing at the half leaves room for a skew
+  below half the lease timeout), one thread for all of them, until the holder lets it go.
+- Posting: `Spool` writes each finished batch to disk before it is sent and removes it once
+  acknowledged; what could not be sent is resent later, and at the next start with the same
+  directory (rollout ids make resends idempotent).
+
+The scorer asks, holds and posts (its posts die with their lease, so they are not spooled); the
+worker asks and posts, and does not renew: a slow worker's lease expires and its prompt goes to
+another, so no worker ever holds a group back for longer than the lease timeout (docs/api.md).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import random
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from decentrl.api.client import OrchestratorError
+from decentrl.api.wire import RolloutBatch
+
+log = logging.getLogger("decentrl.lease_loop")
+A = TypeVar("A")
+LEASE_GONE = (403, 404, 409)  # the lease expired, was closed, or is held by another
+MIN_RENEW_S = 0.5
+
+
+def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^failures)]."""
+    return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(failures, 16)))
+
+
+class Stop:
+    """Asked to stop (a signal, or the owner): every wait on it ends at once."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self, *_: object) -> None:  # a signal handler's signature too
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> None:
+        self._event.wait(seconds)
+
+
+def on_signals(handler: Callable[..., object], *signals: signal.Signals) -> None:
+    """Call `handler` on `signals` (SIGTERM: a graceful stop); only the main thread may install
+    handlers, so elsewhere (a test, a benchmark's thread) nothing is installed."""
+    if threading.current_thread() is threading.main_thread():
+        for number in signals:
+            signal.signal(number, handler)
+
+
+def answers(ask: Callable[[], A], *, stop: Stop, passing: tuple[type[Exception], ...] = ()) -> Iterator[A]:
+    """The answers to `ask`, until `stop`; an error in `passing` is logged and asked again after a
+    backoff, any other propagates."""
+    failures = 0
+    while not stop.is_set():
+        try:
+            answer = ask()
+        except passing as exc:
+            failures += 1
+            delay = backoff(failures)
+            log.warning("lease request failed (%s); asking again in %.1fs", exc, delay)
+            stop.wait(delay)
+            continue
+        failures = 0
+        yield answer
+
+
+class Renewals:
+    """The leases held, each renewed at half the time left before its deadline until let go.
+    `renew(lease_id)` pushes a lease's deadline out and returns the new one (the orchestrator's
+    time.time()). A renewal refused because the lease is gone (403/404/409) lets it go: its post
+    would be refused too and its work is with another holder already. Any other error (the
+    orchestrator unreachable after the client's retries) ends `run`, kept in `error` for the
+    owner, and calls `failed`."""
+
+    def __init__(
+        self, renew: Callable[[str], float], *, failed: Callable[[], None], clock: Callable[[], float] = time.time
+    ) -> None:
+        self._renew = renew
+        self._failed = failed
+        self._clock = clock
+        self._changed = threading.Condition()  # guards `_due` and `_closed`; notified when either changes
+        self._due: dict[str, float] = {}  # lease id -> when to renew it (`clock` time)
+        self._closed = False
+        self.error: Exception | None = None
+
+    def hold(self, lease_id: str, deadline: float) -> None:
+        with self._changed:
+            self._due[lease_id] = self._renew_at(deadline)
+            self._changed.notify_all()
+
+    def let_go(self, lease_id: str) -> None:
+        with self._changed:
+            self._due.pop(lease_id, None)
+
+    def held(self) -> list[str]:
+        with self._changed:
+            return list(self._due)
+
+    def _renew_at(self, deadline: float) -> float:
+        now = self._clock()
+        return now + max(MIN_RENEW_S, (deadline - now) / 2)
+
+    def renew_due(self) -> float | None:
+        """Renew every lease due now; when the next one is due (None: none held). Raises what a
+        renewal raised, other than a lease gone."""
+        with self._changed:
+            now = self._clock()
+            due = [lease_id for lease_id, at in self._due.items() if at <= now]
+        for lease_id in due:
+            try:
+                deadline = self._renew(lease_id)
+            except OrchestratorError as exc:
+                if exc.status not in LEASE_GONE:
+                    raise
+                with self._changed:
+                    if self._due.pop(lease_id, None) is not None:
+                        log.warning("lease %s could not be renewed (%s); it is leased again", lease_id, exc)
+                continue
+            with self._changed:
+                if lease_id in self._due:  # not let go meanwhile
+                    self._due[lease_id] = self._renew_at(deadline)
+        with self._changed:
+            return min(self._due.values(), default=None)
+
+    def run(self) -> None:
+        """The renewing thread's loop, until `close`."""
+        while True:
+            try:
+                self.renew_due()
+            except (OrchestratorError, ConnectionError) as exc:
+                self.error = exc
+                self._failed()
+                return
+            with self._changed:  # (a lease held since `renew_due` is in `_due` already)
+                next_at, now = min(self._due.values(), default=None), self._clock()
+                if self._closed:
+                    return
+                if next_at is None or next_at > now:
+                    self._changed.wait(60.0 if next_at is None else next_at - now)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+
+class Spool:
+    """Rollout batches on their way to the orchestrator, in `directory`: each written before it is
+    sent (write-then-rename: never a half file) and removed once acknowledged (accepted, duplicate
+    or rejected: never to be sent again). `send` posts one batch; a ConnectionError from it leaves
+    the batch spooled and `unsent` set, for `resend`."""
+
+    def __init__(self, directory: str, send: Callable[[RolloutBatch], object]) -> None:
+        self.directory = directory
+        self._send = send
+        self.unsent = False  # a send failed: batches wait here
+        os.makedirs(directory, exist_ok=True)
+
+    def post(self, batch: RolloutBatch) -> bool:
+        """Spool `batch` and send it; False: it stays spooled."""
+        # Named by creation time, so the oldest work is resent first.
+        path = os.path.join(self.directory, f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json")
+        with open(path + ".partial", "w", encoding="utf-8") as file:
+            file.write(batch.model_dump_json())
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(path + ".partial", path)
+        return self._deliver(path, batch)
+
+    def pending(self) -> list[str]:
+        return sorted(glob.glob(os.path.join(self.directory, "*.json")))
+
+    def resend(self) -> None:
+        """Send what is spooled, oldest first, until a send fails (the rest waits for the next try)."""
+        self.unsent = False
+        for path in self.pending():
+            try:
+                with open(path, encoding="utf-8") as file:
+                    batch = RolloutBatch.model_validate_json(file.read())
+            except FileNotFoundError:  # another thread sent it meanwhile
+                continue
+            if not self._deliver(path, batch):
+                return
+
+    def _deliver(self, path: str, batch: RolloutBatch) -> bool:
+        try:
+            self._send(batch)
+        except ConnectionError as exc:
+            log.warning("orchestrator unreachable (%s); %d rollouts stay spooled", exc, len(batch.rollouts))
+            self.unsent = True
+            return False
+        try:  # two threads may resend the same file at once (harmless: duplicates); one removes it
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        return True
