@@ -1,12 +1,20 @@
-"""Generation batched across a worker's slots (flat combining).
+"""The one door to a worker's backend: generation batched across its slots (flat combining),
+and the soft pause of a weight swap.
 
-Called by the worker loop (workers/worker.py `_complete`). Each slot queues its unfinished rows
-(prompt + tokens so far, budget left, sampling) as a request; one slot at a time leads: it takes
-the queued requests of every slot (up to `max_rows` rows), runs them as few backend calls as
-their budgets and sampling allow, hands each completion back to its sample, and wakes the
-slots whose requests are done. A slot whose request is still queued when the lead finishes
-leads the next round. So N slots with one group each cost one batched decode instead of N
-sequential ones, and the rows in memory at once stay bounded by `max_rows`.
+Called by the worker loop (workers/worker.py `_complete`, `_swap`). Each slot queues its
+unfinished rows (prompt + tokens so far, budget left, sampling) as a request; one slot at a time
+leads: it takes the queued requests of every slot (up to `max_rows` rows), runs them as few
+backend calls as their budgets and sampling allow, hands each completion back to its sample, and
+wakes the slots whose requests are done. A slot whose request is still queued when the lead
+finishes leads the next round. So N slots with one group each cost one batched decode instead of
+N sequential ones, and the rows in memory at once stay bounded by `max_rows`. A backend that
+batches concurrent requests itself (an OpenAI-compatible server, `combine=False`) is not batched
+again: every slot leads a round of its own request, all at once.
+
+Soft pause (`swapping`): no new round starts; the rounds running go on until the swap's deadline,
+after which the backend's `should_stop` turns true and they end "interrupted" between tokens; the
+swap runs once none is left, and the interrupted rows continue under the new weights in the next
+round. Generation and weight swaps never overlap (a backend is not assumed thread-safe).
 
 Invariants: rows in one backend call share their tokens left (no row can exceed its budget) and
 their sampling parameters; requests are served first come, first served; a backend error ends
@@ -27,8 +35,10 @@ leave the queue before the round that would generate them; a request left with n
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from decentrl.api.wire import SamplingParams
@@ -76,7 +86,12 @@ def never_abandoned(group: str) -> bool:
 
 class Batcher:
     def __init__(
-        self, *, max_rows: int, fixed_rows: int | None = None, abandoned: Callable[[str], bool] = never_abandoned
+        self,
+        *,
+        max_rows: int,
+        fixed_rows: int | None = None,
+        abandoned: Callable[[str], bool] = never_abandoned,
+        combine: bool = True,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_batch_rows must be at least 1 (got {max_rows}): it caps the rows generated at once")
@@ -84,9 +99,13 @@ class Batcher:
         # Deterministic runs: the rows of every call (whole groups + filler); None: a group per call.
         self.fixed_rows = fixed_rows
         self.abandoned = abandoned  # deterministic runs: whether a group (a lease id) is no longer wanted
+        self.combine = combine  # False: the backend batches concurrent calls itself; each slot leads its own
         self._queue: deque[Request] = deque()
-        self._changed = threading.Condition()  # guards the queue, `_leading` and every request's `done`
-        self._leading = False
+        # Guards the queue, every request's `done`, `_rounds` and `_swapping`; notified when any changes.
+        self._changed = threading.Condition()
+        self._rounds = 0  # rounds generating now: at most one when combining
+        self._swapping = False  # a swap waits for the rounds running, or runs: no round starts
+        self._deadline: float | None = None  # time.monotonic() after which the rounds running are interrupted
 
     def submit(self, rows: list[Sample], sampling: SamplingParams, version: int | None = None) -> Request:
         request = Request(rows, sampling, version)
@@ -100,17 +119,42 @@ class Batcher:
             return self._queue[0].version
 
     def lead(self, request: Request) -> bool:
-        """Block until `request` is done (False) or no slot leads and it is not done (True:
-        the caller leads the next round, calls `generate_next`, then `lead` again)."""
+        """Block until `request` is done (False) or it is not and a round may start (True: the
+        caller leads the next round, calls `generate_next`, then `lead` again). A round may start
+        when no swap is due and, when combining, no other round runs."""
         with self._changed:
-            while not request.done and self._leading:
+            while not request.done and (self._swapping or (self.combine and self._rounds)):
                 self._changed.wait()
             if not request.done:
                 self._drop_abandoned()
             if request.done:
                 return False
-            self._leading = True
+            self._rounds += 1
             return True
+
+    @contextmanager
+    def swapping(self, deadline_s: float) -> Iterator[None]:
+        """A weight swap's soft pause: the block runs once no round runs; until then none starts,
+        and those running are interrupted `deadline_s` from now. One swapper: swaps never nest."""
+        with self._changed:
+            self._swapping, self._deadline = True, time.monotonic() + deadline_s
+            while self._rounds:
+                self._changed.wait()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._swapping, self._deadline = False, None
+                self._changed.notify_all()
+
+    def pause_due(self) -> bool:
+        """Whether a swap's deadline has passed: the backend stops the rows in flight."""
+        deadline = self._deadline
+        return deadline is not None and time.monotonic() >= deadline
+
+    @property
+    def paused(self) -> bool:
+        return self._swapping
 
     def _drop_abandoned(self) -> None:
         """(Under `_changed`.) Rows of abandoned groups leave the queue; a request left with no
@@ -135,28 +179,34 @@ class Batcher:
             self._queue = deque(request for request in self._queue if request.version != version)
             for request in failed:
                 request.error, request.done = error, True
-            self._leading = False
+            self._rounds -= 1
             self._changed.notify_all()
 
-    def generate_next(self, backend: Backend, version: int, should_stop: Callable[[], bool]) -> None:
+    def generate_next(
+        self, backend: Backend, version: int, should_stop: Callable[[], bool] | None = None, own: Request | None = None
+    ) -> None:
         """The lead's round: take queued requests (whole, first come first served, at least
         one) while they fit in `max_rows`, generate them with `backend` (whose weights are
-        `version`: the caller holds the lock that excludes swaps), and mark them done. Only
-        requests of the head's version (deterministic runs) join it, wherever they are queued:
-        one round per version, not one per change of version along the queue. Rows abandoned
-        since the lead began leave first; if that leaves no request of `version` (the head the
-        lead loaded it for was abandoned), the round ends at once and the next lead loads the
-        version now at the head: rows are never generated under weights they do not name."""
+        `version`: no swap runs during a round), and mark them done. Only requests of the
+        head's version (deterministic runs) join it, wherever they are queued: one round per
+        version, not one per change of version along the queue. Rows abandoned since the lead
+        began leave first; if that leaves no request of `version` (the head the lead loaded it
+        for was abandoned), the round ends at once and the next lead loads the version now at
+        the head: rows are never generated under weights they do not name. Not combining, the
+        round is the lead's `own` request alone. `should_stop` (None: `pause_due`) interrupts it."""
         with self._changed:
             self._drop_abandoned()
-            head = next((r for r in self._queue if r.version is None or r.version == version), None)
+            if own is not None and not self.combine:
+                head = own if own in self._queue else None
+            else:
+                head = next((r for r in self._queue if r.version is None or r.version == version), None)
             if head is None:
-                self._leading = False
+                self._rounds -= 1
                 self._changed.notify_all()
                 return
             self._queue.remove(head)
             taken, kept, rows = [head], deque[Request](), len(head.rows)
-            while self._queue:
+            while self.combine and self._queue:
                 request = self._queue.popleft()
                 if request.version != head.version:
                     kept.append(request)
@@ -171,10 +221,11 @@ class Batcher:
             for call in batches(taken, self.max_rows, self.fixed_rows):
                 budget = call.sampling.model_copy(update={"max_tokens": call.left})
                 seeds = call.seeds()
+                stop = should_stop or self.pause_due
                 completions = (
-                    backend.generate(call.prompts(), budget, should_stop)
+                    backend.generate(call.prompts(), budget, stop)
                     if None in seeds
-                    else backend.generate(call.prompts(), budget, should_stop, seeds=seeds)  # type: ignore[call-arg]
+                    else backend.generate(call.prompts(), budget, stop, seeds=seeds)  # type: ignore[call-arg]
                 )
                 for sample, completion in zip(call.rows, completions[: len(call.rows)], strict=True):
                     sample.extend_routes(completion.routes)
@@ -192,7 +243,7 @@ class Batcher:
             with self._changed:
                 for request in taken:
                     request.done = True
-                self._leading = False
+                self._rounds -= 1
                 self._changed.notify_all()
 
 

@@ -5,17 +5,18 @@ Settings are the run config's `[worker]` section (`WorkerConfig`, the one declar
 `[store]` for reading versions; the run name, group size, staleness bound, store URL and sampling
 come from the orchestrator, so a worker needs no more than its URL and a token.
 
-Threads:
-- `concurrency` slots each run lease -> generate -> post. A lock makes backend calls and weight
-  swaps exclusive (a backend is not assumed thread-safe); the rows of slots that wait for it are
-  generated together, up to `max_batch_rows` per call (workers/batching.py), the way an
-  inference server batches concurrent requests. A simulated latency ([simulation], benchmarks
-  only) wraps a slot's generation step (workers/simulation.py), so slots overlap their delays.
+Threads, and the one condition `_changed` they share (versions, copies told lost, counts):
+- `concurrency` slots each run the lease loop (workers/lease_loop.py): ask -> generate -> post.
+  Their generation goes through one door, workers/batching.py: the rows of slots that wait are
+  generated together, up to `max_batch_rows` per call, the way an inference server batches
+  concurrent requests (a backend that is such a server is called by every slot at once
+  instead). A simulated latency ([simulation], benchmarks only) wraps a slot's generation step
+  (workers/simulation.py), so slots overlap their delays.
 - one swapper learns of new versions (lease answers, or polling /info), pulls them from the
-  store while generation goes on, then swaps with a soft pause: new generations are held back,
-  the one in flight may finish until `swap_deadline_s`, after which it is interrupted, the
-  weights are swapped, and it continues under the new version as a partial rollout whose
-  `token_versions` say which version sampled each token.
+  store while generation goes on, then swaps with a soft pause (`Batcher.swapping`): no new
+  round starts, the one in flight may finish until `swap_deadline_s`, after which it is
+  interrupted, the weights are swapped, and it continues under the new version as a partial
+  rollout whose `token_versions` say which version sampled each token.
 
 Deterministic runs (`RunInfo.deterministic`, docs/reproducibility.md): there is no swapper; each
 lease names the version it is sampled under, and the slot that leads a generation round loads
@@ -30,23 +31,21 @@ simulated delay ends early, and nothing of it is posted or spooled (`copies_aban
 For a multi-turn task (`RunInfo.episode_task`) a slot plays episodes (workers/episodes.py)
 instead of single completions; each model turn goes through the same generation path.
 
-(This module passes 400 lines: the loop's two modes share its slots, posting and spooling;
-splitting the deterministic path out would split the one place a slot's generation is read.)
-
 Faults: an unreachable orchestrator is retried with exponential backoff and jitter (the client,
-then this loop); every finished batch is spooled to disk before it is sent and removed only once
-acknowledged (workers/spool.py); an unreachable store leaves the current version in use while it
-is fresh (announced - loaded <= max_staleness); a version that fails verification or does not
-load is refused, counted (`refused`) and skipped, and generation goes on with the weights last
-loaded, which an all-or-nothing load left whole. SIGTERM: no new leases, in-flight generations
-finish and are posted, leases not yet started are handed back, then the worker exits.
+then the lease loop); every finished batch is spooled to disk before it is sent and removed only
+once acknowledged (workers/lease_loop.py `Spool`); an unreachable store leaves the current
+version in use while it is fresh (`is_fresh`, decentrl/rl/staleness.py); a version that fails
+verification or does not load is refused, counted (`refused`) and skipped, and generation goes
+on with the weights last loaded, which an all-or-nothing load left whole. SIGTERM: no new
+leases, in-flight generations finish and are posted, leases not yet started are handed back,
+then the worker exits. Leases are not renewed: a slow worker's lease expires and its prompt goes
+to another worker, so none holds a group back for longer than the lease timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 import threading
 import time
@@ -54,18 +53,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentrl.api.client import InvalidAnswer, OrchestratorClient, OrchestratorError
-from decentrl.api.wire import Lease, LeaseRequest, RolloutBatch, RunInfo, SamplingParams
+from decentrl.api.wire import Lease, LeaseRequest, LeaseResponse, RolloutBatch, RunInfo, SamplingParams
 from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
 from decentrl.rl.determinism import sample_seed
+from decentrl.rl.staleness import is_fresh
 from decentrl.store.checkpoints import CheckpointStore, StoreError, VerificationError
 from decentrl.tasks.episodes import TextCodec
 from workers.backends import Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
+from workers.lease_loop import Spool, Stop, answers, backoff, on_signals
 from workers.progress import Progress
 from workers.sample import Sample, to_rollout
 from workers.simulation import SimulatedLatency
-from workers.spool import Spool
 
 log = logging.getLogger("decentrl.worker")
 
@@ -111,48 +111,43 @@ class Worker:
         self.store = CheckpointStore.from_config(
             store.for_reader(store.url or self.info.store_url), run_name=self.info.run_name
         )
-        self.spool = Spool(spool_dir or os.path.join(cache_dir, "spool", worker_id))
+        self.spool = Spool(spool_dir or os.path.join(cache_dir, "spool", worker_id), self._send)
+        self._stop = Stop()
+        # Guards what the threads share below; notified when the announced or loaded version, the
+        # refused versions, the store's state or the copies told lost change, and on stop.
+        self._changed = threading.Condition()
+        self.announced: int | None = self.info.policy_version
+        self._seen_at: dict[int, float] = {}
+        self._store_failing = False  # set by the swapper while pulls fail; slots then keep a fresh older version
+        self.refused: dict[int, str] = {}  # version -> why it was not loaded; skipped for good
         # Hedging (deterministic runs): the leases the slots hold, and those of them another copy
-        # filled first (told by the orchestrator), replaced whole under `_told`, which is notified
-        # when it grows; a slot's leases leave both when the slot is done with them.
-        self._told = threading.Condition()
+        # filled first (told by the orchestrator), replaced whole; a slot's leases leave both when
+        # the slot is done with them.
         self._held: set[str] = set()
         self._lost: frozenset[str] = frozenset()
         latency = SimulatedLatency.of(simulation, worker_id)
         self._samples_for: Callable[[list[Lease], SamplingParams], list[Sample]] = (
             self._generate_leases if latency is None
-            else latency.around(self._generate_leases, abandoned=lambda leases, _: self._all_lost(leases), woken=self._told)
+            else latency.around(self._generate_leases, abandoned=lambda leases, _: self._all_lost(leases), woken=self._changed)
         )
-        self.stopping = False
         self.rollouts_posted = 0
         self.progress = Progress()
         self.swaps: list[SwapRecord] = []
-        self.refused: dict[int, str] = {}  # version -> why it was not loaded; skipped for good
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
-        self._lock = threading.Lock()  # backend calls and weight swaps never overlap
         self._batcher = Batcher(
-            max_rows=config.max_batch_rows, fixed_rows=fixed_rows(self.info, config), abandoned=self._abandoned
+            max_rows=config.max_batch_rows, fixed_rows=fixed_rows(self.info, config), abandoned=self._abandoned,
+            combine=not backend.batches_requests,
         )
-        self._stats_lock = threading.Lock()
-        self._versions = threading.Condition()  # guards `announced`; notified when it or the loaded version changes
-        self.announced: int | None = self.info.policy_version
-        self._seen_at: dict[int, float] = {}
-        self._admit = threading.Event()  # cleared during a soft pause: no new generation starts
-        self._store_failing = False  # set by the swapper while pulls fail; slots then keep a fresh older version
-        self._admit.set()
-        self._pause_deadline: float | None = None  # monotonic time after which in-flight work is interrupted
-        self._unsent = False  # a send failed: the spool holds work to resend
 
     def request_stop(self, *_: object) -> None:
         """SIGTERM/SIGINT: every slot finishes the generation in flight, posts it, then exits."""
-        self.stopping = True
-        with self._versions:
-            self._versions.notify_all()
+        self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
 
     def run(self, max_iterations: int | None = None) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.request_stop)
-        self._resend_spooled()  # work finished but not acknowledged before a previous exit
+        on_signals(self.request_stop, signal.SIGTERM)
+        self.spool.resend()  # work finished but not acknowledged before a previous exit
         if not self.info.deterministic:  # a deterministic run's slots load the versions their leases name
             threading.Thread(target=self._swapper, name="swapper", daemon=True).start()
         slots = [
@@ -165,7 +160,7 @@ class Worker:
             for slot in slots:
                 slot.join(timeout=0.5)  # short joins keep the main thread responsive to signals
         self.request_stop()
-        self._resend_spooled()
+        self.spool.resend()
         left = len(self.spool.pending())
         log.info(
             "worker %s stopping after %d rollouts, %d versions refused, %d lost copies abandoned%s", self.worker_id,
@@ -178,30 +173,30 @@ class Worker:
     def _note_version(self, version: int | None) -> None:
         if version is None:
             return
-        with self._versions:
+        with self._changed:
             self._seen_at.setdefault(version, time.time())
             if self.announced is None or version > self.announced:
                 self.announced = version
-                self._versions.notify_all()
+                self._changed.notify_all()
 
     def _await_version(self, version: int | None) -> None:
         """Before generating for leases granted under `version`, wait for the swapper to load
         it: the orchestrator's lease budget assumes groups are sampled under the version they
         were leased at, so an older one would mostly end up dropped as stale. Only while the
         store is failing does generation go on with an older, still fresh, version."""
-        with self._versions:
+        with self._changed:
             while (
                 version is not None
-                and not self.stopping
+                and not self._stop.is_set()
                 and not self._store_failing
                 and version not in self.refused
                 and (self.backend.version is None or self.backend.version < version)
             ):
-                self._versions.wait(timeout=0.5)
+                self._changed.wait(timeout=0.5)
 
     def _fresh(self) -> bool:
         loaded = self.backend.version
-        return loaded is not None and self.announced is not None and self.announced - loaded <= self.info.max_staleness
+        return loaded is not None and self.announced is not None and is_fresh(self.announced, loaded, self.info.max_staleness)
 
     def _due(self) -> bool:
         return self.announced is not None and self.announced != self.backend.version and self.announced not in self.refused
@@ -212,13 +207,12 @@ class Worker:
         backoff; a version that fails verification or loading is refused and skipped, and
         generation goes on with the weights last loaded (`_refuse`)."""
         failures = 0
-        while not self.stopping:
-            with self._versions:
-                due = self._due()
-                if not due:
-                    self._versions.wait(timeout=self.config.version_poll_s)
-                    due = self._due()
-            if self.stopping:
+        while not self._stop.is_set():
+            with self._changed:
+                if not self._due():
+                    self._changed.wait(timeout=self.config.version_poll_s)
+                due, version = self._due(), self.announced
+            if self._stop.is_set():
                 return
             if not due:
                 try:
@@ -226,120 +220,119 @@ class Worker:
                 except ConnectionError as exc:
                     log.warning("version poll failed: %s", exc)
                 continue
-            version = self.announced
             assert version is not None
             started = time.perf_counter()
             try:
-                path = self.store.pull(version, self.cache_dir)
-            except VerificationError as exc:  # the store answered with something not to be trusted
-                self._refuse(version, exc)
-                continue
-            except (StoreError, OSError) as exc:
-                # Keep generating with the loaded version while it is fresh (slots check).
-                failures += 1
-                with self._versions:
-                    self._store_failing = True
-                    self._versions.notify_all()
-                delay = backoff(failures, cap_s=10.0)
-                log.warning("pulling version %d failed (%s); retrying in %.1fs", version, exc, delay)
-                time.sleep(delay)
-                continue
-            failures = 0
-            self._store_failing = False
-            try:
+                if (path := self._pull(version, failures)) is None:
+                    failures += 1  # the loaded version is kept while it is fresh (slots check)
+                    continue
+                failures = 0
                 self._swap(path, version, pull_s=time.perf_counter() - started)
-            # Any failure to load a verified version is that version's: the backends check before
-            # they copy (decentrl/store/weights.py `copy_into`), so the weights loaded before are still whole.
-            except Exception as exc:  # noqa: BLE001 - CheckpointError, VerificationError, a backend's own
-                self._refuse(version, exc)
+            except UnloadableVersion:  # refused: generation goes on with the weights loaded before
+                continue
+
+    def _pull(self, version: int, failures: int) -> str | None:
+        """`version`'s verified local directory, or None when the store could not be read (after
+        a backoff; `_store_failing` says so meanwhile). A version that fails verification is
+        refused: UnloadableVersion."""
+        try:
+            path = self.store.pull(version, self.cache_dir)
+        except VerificationError as exc:  # the store answered with something not to be trusted
+            self._refuse(version, exc)
+            raise UnloadableVersion(version, self.refused[version]) from exc
+        except (StoreError, OSError) as exc:
+            with self._changed:
+                self._store_failing = True
+                self._changed.notify_all()
+            delay = backoff(failures + 1, cap_s=10.0)
+            log.warning("pulling version %d failed (%s); retrying in %.1fs", version, exc, delay)
+            self._stop.wait(delay)
+            return None
+        self._store_failing = False
+        return path
 
     def _refuse(self, version: int, exc: Exception) -> None:
         """Skip `version` for good; slots waiting for it go on with the loaded version while fresh."""
-        with self._versions:
+        with self._changed:
             self.refused[version] = f"{type(exc).__name__}: {exc}"
-            self._versions.notify_all()
+            self._changed.notify_all()
         log.error(
             "refused version %d (%s): %s; still generating with version %s (%d versions refused so far)",
             version, type(exc).__name__, exc, self.backend.version, len(self.refused),
         )
 
     def _swap(self, path: str, version: int, *, pull_s: float) -> None:
-        if self.episode_task is not None and self._codec is None:
-            self._codec = load_codec(path)
+        """Load `version` with a soft pause: the round in flight is interrupted at the deadline."""
         paused = time.perf_counter()
-        self._admit.clear()
-        self._pause_deadline = time.monotonic() + self.config.swap_deadline_s
+        with self._batcher.swapping(self.config.swap_deadline_s):
+            self._install(path, version, pull_s=pull_s, paused=paused)
+
+    def _install(self, path: str, version: int, *, pull_s: float, paused: float) -> None:
+        """Load `version` into the backend (no generation runs) and record it. Any failure to
+        load a verified version is that version's, and refuses it: the backends check before
+        they copy (decentrl/store/weights.py `copy_into`), so the weights loaded before are whole."""
         try:
-            with self._lock:  # waits for the generation in flight (interrupted at the deadline)
-                self.backend.load(path, version)
-        finally:  # loaded or refused, generation resumes
-            self._pause_deadline = None
-            self._admit.set()
-        record = SwapRecord(
-            version=version,
-            seen_at=self._seen_at.get(version, time.time()),
-            pull_s=pull_s,
-            pause_s=time.perf_counter() - paused,
-            loaded_at=time.time(),
-        )
+            if self.episode_task is not None and self._codec is None:
+                self._codec = load_codec(path)
+            self.backend.load(path, version)
+        except Exception as exc:  # noqa: BLE001 - CheckpointError, VerificationError, a backend's own
+            self._refuse(version, exc)
+            raise UnloadableVersion(version, self.refused[version]) from exc
+        now = time.time()
+        record = SwapRecord(version, self._seen_at.get(version, now), pull_s, time.perf_counter() - paused, now)
         self.swaps.append(record)
-        with self._versions:
-            self._versions.notify_all()
+        with self._changed:
+            self._changed.notify_all()
         log.info(
             "loaded version %d: pull %.2fs, pause %.2fs, %.2fs after it was announced",
             version, record.pull_s, record.pause_s, record.loaded_at - record.seen_at,
         )
 
-    def _pause_due(self) -> bool:
-        deadline = self._pause_deadline
-        return deadline is not None and time.monotonic() >= deadline
-
     # -- slots ----------------------------------------------------------------------------
 
     def _slot(self, index: int, max_iterations: int | None) -> None:
-        iterations, failures = 0, 0
-        while not self.stopping and (max_iterations is None or iterations < max_iterations):
-            with self._versions:  # a stale version would only produce rejected rollouts
-                while not self.stopping and not self.info.deterministic and not self._fresh():
-                    self._versions.wait(timeout=1.0)
-            if self.stopping:
-                break
-            try:
-                response = self.client.lease(
-                    LeaseRequest(worker_id=self.worker_id, max_groups=self.config.groups_per_request)
-                )
-            except (ConnectionError, InvalidAnswer) as exc:  # unreachable, or an answer this worker cannot read
-                failures += 1
-                delay = backoff(failures)
-                log.warning("lease request failed (%s); asking again in %.1fs", exc, delay)
-                time.sleep(delay)
-                continue
-            failures = 0
-            iterations += 1
-            self._note_version(response.policy_version)
-            self._note_lost(response.superseded)
+        """One lease loop: ask (once the loaded version is fresh), generate, post; slot 0 also
+        resends what the spool holds after a failed send."""
+        request = LeaseRequest(worker_id=self.worker_id, max_groups=self.config.groups_per_request)
+        asked = answers(lambda: self._ask(request), stop=self._stop, passing=(ConnectionError, InvalidAnswer))
+        for iteration, response in enumerate(asked, start=1):
+            if response is None:
+                return
             if not response.leases:
-                time.sleep(response.retry_after_s)
-                continue
-            if not self.info.deterministic:
-                self._await_version(response.policy_version)
-            self._hold(response.leases)
-            try:
-                if self.stopping:
-                    self._hand_back(response.leases)
-                    break
+                self._stop.wait(response.retry_after_s)
+            else:
+                if not self.info.deterministic:
+                    self._await_version(response.policy_version)
+                self._hold(response.leases)
                 try:
+                    if self._stop.is_set():
+                        self._hand_back(response.leases)
+                        return
                     samples = self._samples_for(response.leases, response.sampling)
+                    self._post(response.leases, samples, response.sampling)
                 except UnloadableVersion as exc:  # deterministic runs: the leases' version cannot be loaded
                     log.error("%s; handing its leases back", exc)
                     self._hand_back(response.leases)
-                    time.sleep(backoff(1, base_s=5.0))
-                    continue
-                self._post(response.leases, samples, response.sampling)
-            finally:
-                self._let_go(response.leases)
-            if index == 0 and self._unsent:
-                self._resend_spooled()
+                    self._stop.wait(backoff(1, base_s=5.0))
+                finally:
+                    self._let_go(response.leases)
+                if index == 0 and self.spool.unsent:
+                    self.spool.resend()
+            if max_iterations is not None and iteration >= max_iterations:
+                return
+
+    def _ask(self, request: LeaseRequest) -> LeaseResponse | None:
+        """A lease answer, once the loaded version is fresh (a stale one would only produce
+        rejected rollouts); None: stopping. Every answer says the version and the copies lost."""
+        with self._changed:
+            while not self._stop.is_set() and not self.info.deterministic and not self._fresh():
+                self._changed.wait(timeout=1.0)
+        if self._stop.is_set():
+            return None
+        response = self.client.lease(request)
+        self._note_version(response.policy_version)
+        self._note_lost(response.superseded)
+        return response
 
     def _generate_leases(self, leases: list[Lease], sampling: SamplingParams) -> list[Sample]:
         """One sample per member of every leased group: a completion, or an episode of a
@@ -381,77 +374,60 @@ class Worker:
         slots waiting at once are generated together (workers/batching.py); in a deterministic
         run one request per version the samples name, each generated under that version."""
         while unfinished := [s for s in samples if s.finish_reason is None and not self._abandoned(s.group)]:
-            self._admit.wait()
             wanted = sorted({s.version for s in unfinished}, key=lambda v: -1 if v is None else v)
             requests = [
                 self._batcher.submit([s for s in unfinished if s.version == v], sampling, v) for v in wanted
             ]
             for request in requests:
                 while self._batcher.lead(request):  # this slot generates the queued rows of every slot
-                    with self._lock:
-                        if (needed := self._batcher.next_version()) is not None:
-                            try:
-                                self._load(needed)
-                            except UnloadableVersion as exc:  # its rows' slots hand their leases back
-                                self._batcher.fail_next(exc)
-                                continue
-                        version = self.backend.version
-                        assert version is not None
-                        self.first_generation_at.setdefault(version, time.time())
-                        self._batcher.generate_next(self.backend, version, self._pause_due)
+                    if (needed := self._batcher.next_version()) is not None:
+                        try:
+                            self._load(needed)
+                        except UnloadableVersion as exc:  # its rows' slots hand their leases back
+                            self._batcher.fail_next(exc)
+                            continue
+                    version = self.backend.version
+                    assert version is not None
+                    self.first_generation_at.setdefault(version, time.time())
+                    self._batcher.generate_next(self.backend, version, own=request)
             for request in requests:
                 request.raise_error()
 
     def _load(self, version: int) -> None:
-        """Deterministic runs (under `_lock`): make `version` the loaded one, pulling it first;
-        a failing store is retried with backoff (the lease is renewed by nobody meanwhile: if it
-        expires, it is leased again under the same version, so the run stays the same)."""
+        """Deterministic runs (the lead, no round beside it): make `version` the loaded one,
+        pulling it first; a failing store is retried with backoff (the lease is renewed by nobody
+        meanwhile: if it expires, it is leased again under the same version, so the run stays the same)."""
         if self.backend.version == version:
             return
         if version in self.refused:
             raise UnloadableVersion(version, self.refused[version])
         started, failures = time.perf_counter(), 0
-        while True:
-            try:
-                path = self.store.pull(version, self.cache_dir)
-                break
-            except VerificationError as exc:  # not to be trusted: refused, as the swapper does
-                self._refuse(version, exc)
-                raise UnloadableVersion(version, self.refused[version]) from exc
-            except (StoreError, OSError) as exc:
-                failures += 1
-                delay = backoff(failures, cap_s=10.0)
-                log.warning("pulling version %d failed (%s); retrying in %.1fs", version, exc, delay)
-                time.sleep(delay)
+        while (path := self._pull(version, failures)) is None:
+            if self._stop.is_set():  # the slot hands its leases back rather than wait for the store
+                raise UnloadableVersion(version, "the store could not be read before the worker stopped")
+            failures += 1
         pulled = time.perf_counter()
-        try:
-            self.backend.load(path, version)
-        # As in the swapper: the backends check before they copy, so the old weights are whole.
-        except Exception as exc:  # noqa: BLE001 - CheckpointError, a backend's own
-            self._refuse(version, exc)
-            raise UnloadableVersion(version, self.refused[version]) from exc
-        now = time.time()
-        self.swaps.append(SwapRecord(version, now, pulled - started, time.perf_counter() - pulled, now))
+        self._install(path, version, pull_s=pulled - started, paused=pulled)
 
     # -- hedging: copies that lost (deterministic runs) -----------------------------------------
 
     def _hold(self, leases: list[Lease]) -> None:
-        with self._told:
+        with self._changed:
             self._held.update(lease.lease_id for lease in leases)
 
     def _note_lost(self, lease_ids: list[str]) -> None:
         """A lease answer told of copies that lost: those this worker holds are abandoned (an id
         it does not hold, finished or never its own, is ignored)."""
-        with self._told:
+        with self._changed:
             news = self._held.intersection(lease_ids)
             if news:
                 self._lost = self._lost | news
-                self._told.notify_all()  # a slot in its simulated delay may stop
+                self._changed.notify_all()  # a slot in its simulated delay may stop
 
     def _let_go(self, leases: list[Lease]) -> None:
         """The slot is done with `leases` (posted, abandoned or handed back)."""
         ids = {lease.lease_id for lease in leases}
-        with self._told:
+        with self._changed:
             self._held -= ids
             if not self._lost.isdisjoint(ids):
                 self._lost = self._lost - ids
@@ -485,7 +461,7 @@ class Worker:
         finished or not: their post would be a duplicate)."""
         lost = self._lost
         if abandoned := sum(lease.lease_id in lost for lease in leases):
-            with self._stats_lock:
+            with self._changed:
                 self.progress.abandoned += abandoned
         owners = [lease for lease in leases for _ in range(lease.group_size)]
         rollouts = [
@@ -493,20 +469,13 @@ class Worker:
             for lease, sample in zip(owners, samples, strict=True)
             if lease.lease_id not in lost
         ]
-        if not rollouts:
-            return
-        batch = RolloutBatch(rollouts=rollouts)
-        self._send(self.spool.add(batch), batch)
+        if rollouts:
+            self.spool.post(RolloutBatch(rollouts=rollouts))
 
-    def _send(self, path: str, batch: RolloutBatch) -> bool:
-        try:
-            result = self.client.post_rollouts(batch)
-        except ConnectionError as exc:
-            log.warning("orchestrator unreachable (%s); %d rollouts stay spooled", exc, len(batch.rollouts))
-            self._unsent = True
-            return False
-        self.spool.remove(path)  # acknowledged: accepted, duplicate or rejected, never to be sent again
-        with self._stats_lock:  # slots post at once: the counts are shared
+    def _send(self, batch: RolloutBatch) -> None:
+        """The spool's send: post, then count what was acknowledged (a ConnectionError keeps it spooled)."""
+        result = self.client.post_rollouts(batch)
+        with self._changed:  # slots post at once: the counts are shared
             self.rollouts_posted += result.accepted
             self.progress.posted(batch, result)  # a line every 10 s (workers/progress.py)
         if result.rejected:
@@ -514,17 +483,6 @@ class Worker:
             for rejection in result.rejected:
                 reasons[rejection.reason] = reasons.get(rejection.reason, 0) + 1
             log.info("orchestrator rejected %d rollouts: %s", len(result.rejected), reasons)
-        return True
-
-    def _resend_spooled(self) -> None:
-        self._unsent = False
-        for path in self.spool.pending():
-            try:
-                batch = Spool.load(path)
-            except FileNotFoundError:  # another slot sent it meanwhile
-                continue
-            if not self._send(path, batch):
-                return  # still unreachable: try again later
 
 
 class UnloadableVersion(Exception):
@@ -557,11 +515,6 @@ def require_routes(info: RunInfo, backend: Backend) -> None:
             f"{type(backend).__name__} backend cannot record routes; use [worker] backend = \"hf\" "
             "(docs/routing.md), or set [model] keep_routing = false in the run's config"
         )
-
-
-def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
-    """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^failures)]."""
-    return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(failures, 16)))
 
 
 def load_codec(checkpoint_dir: str) -> TextCodec:

@@ -271,7 +271,7 @@ def test_rollouts_are_spooled_while_the_orchestrator_is_down_and_resent(setup: S
     assert len(worker.spool.pending()) == 1
     assert worker.rollouts_posted == 0
     setup.orchestrator.start()  # same port, same state: leases still open
-    worker._resend_spooled()
+    worker.spool.resend()
     assert worker.spool.pending() == []
     assert worker.rollouts_posted == 4
     assert worker.client.status().rollouts_accepted == 4
@@ -342,7 +342,7 @@ def test_slots_waiting_together_are_generated_in_one_backend_call(setup: Setup) 
     recording = Recording(worker.backend)  # type: ignore[arg-type]
     worker.backend = recording
     results: list[list[Any]] = [[] for _ in range(4)]
-    with worker._lock:  # a generation in flight: the four slots queue their rows meanwhile
+    with worker._batcher.swapping(60.0):  # a swap under way: the four slots queue their rows meanwhile
         slots = [threading.Thread(target=lambda i=i: results[i].extend(worker._generate(prompts, response.sampling)))
                  for i in range(4)]
         for slot in slots:

@@ -9,6 +9,7 @@ whatever else shared the call.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -62,6 +63,49 @@ class OutOfMemory(Recording):
         raise RuntimeError("out of memory")
 
 
+class Gated:
+    """A backend that batches concurrent calls itself (a server): each call waits at a barrier
+    until `parties` calls are in flight at once (it breaks after 10 s if they never are)."""
+
+    batches_requests = True
+    version = 3
+
+    def __init__(self, parties: int) -> None:
+        self.barrier = threading.Barrier(parties, timeout=10)
+        self.calls: list[list[list[int]]] = []
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+    ) -> list[Completion]:
+        self.calls.append(prompts)
+        self.barrier.wait()
+        return [Completion([7] * sampling.max_tokens, [-0.5] * sampling.max_tokens, "length") for _ in prompts]
+
+
+class UntilStopped:
+    """A backend whose call samples a token every 10 ms until `should_stop` (then "interrupted")
+    or the budget; `started` is set when a call begins."""
+
+    batches_requests = False
+
+    def __init__(self) -> None:
+        self.version = 1
+        self.calls = 0
+        self.started = threading.Event()
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
+    ) -> list[Completion]:
+        self.calls += 1
+        self.started.set()
+        tokens = 0
+        while tokens < sampling.max_tokens and not should_stop():
+            time.sleep(0.01)
+            tokens += 1
+        finish = "length" if tokens == sampling.max_tokens else "interrupted"
+        return [Completion([5] * tokens, [-0.1] * tokens, finish) for _ in prompts]
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, str]:
     model = build_model(TINY)
@@ -76,15 +120,14 @@ def backend(model: tuple[torch.nn.Module, str]) -> Recording:
     return Recording(hf)
 
 
-def run_slots(batcher: Batcher, backend: Recording, requests: list[Request]) -> None:
-    """Each request's slot leads while its request is not done, as Worker._complete does."""
-    lock = threading.Lock()
+def run_slots(batcher: Batcher, backend: Recording | Gated, requests: list[Request]) -> None:
+    """Each request's slot leads while its request is not done, as Worker._complete does (no
+    lock beside the batcher's: it lets one round run at a time when it combines)."""
 
     def slot(request: Request) -> None:
         while batcher.lead(request):
-            with lock:
-                assert backend.version is not None
-                batcher.generate_next(backend, backend.version, never)  # type: ignore[arg-type]
+            assert backend.version is not None
+            batcher.generate_next(backend, backend.version, never, own=request)  # type: ignore[arg-type]
 
     threads = [threading.Thread(target=slot, args=(request,)) for request in requests]
     for thread in threads:
@@ -183,6 +226,49 @@ def test_a_version_the_lead_cannot_load_fails_only_its_own_requests() -> None:
             request.raise_error()
     assert batcher.next_version() == 4 and not good.done
     assert batcher.lead(good)  # the lead passed on
+
+
+def test_a_backend_that_batches_requests_itself_is_called_by_every_slot_at_once() -> None:
+    """Not combining (an OpenAI-compatible server batches concurrent requests itself): every
+    slot's round runs at once, each with its own rows only; combined, the barrier would break."""
+    batcher = Batcher(max_rows=64, combine=False)
+    sampling = SamplingParams(temperature=1.0, max_tokens=2)
+    requests = [batcher.submit([Sample(prompt=[1, i], budget=2) for _ in range(2)], sampling) for i in range(3)]
+    backend = Gated(3)
+    run_slots(batcher, backend, requests)
+    assert sorted(backend.calls) == [[[1, i]] * 2 for i in range(3)]
+    assert all(s.token_ids == [7, 7] and s.versions == [3, 3] for r in requests for s in r.rows)
+
+
+@pytest.mark.parametrize("combine", [True, False])
+def test_a_swap_holds_new_rounds_back_and_interrupts_the_one_in_flight_at_its_deadline(combine: bool) -> None:
+    """The soft pause: the swap's block runs once the round in flight ended, interrupted at the
+    deadline (its rows go on after the swap, under the new version); a round asked for meanwhile
+    waits for the swap to end."""
+    batcher = Batcher(max_rows=8, combine=combine)
+    backend = UntilStopped()
+
+    def slot(request: Request) -> None:
+        while batcher.lead(request):
+            assert backend.version is not None
+            batcher.generate_next(backend, backend.version, own=request)  # type: ignore[arg-type]
+
+    first = batcher.submit([Sample(prompt=[1], budget=1000)], SamplingParams(temperature=1.0, max_tokens=1000))
+    threading.Thread(target=slot, args=(first,), daemon=True).start()
+    assert backend.started.wait(10)
+    asked = time.monotonic()
+    with batcher.swapping(0.3):
+        assert time.monotonic() - asked >= 0.3 and first.done and batcher.paused
+        (row,) = first.rows
+        assert row.finish_reason is None and row.token_ids and set(row.versions) == {1}  # interrupted, to go on
+        second = batcher.submit([Sample(prompt=[2], budget=3)], SamplingParams(temperature=1.0, max_tokens=3))
+        waiting = threading.Thread(target=slot, args=(second,), daemon=True)
+        waiting.start()
+        time.sleep(0.3)
+        assert backend.calls == 1 and not second.done  # held back while the swap runs
+        backend.version = 2
+    waiting.join(10)
+    assert second.done and second.rows[0].versions == [2, 2, 2] and not batcher.paused and not batcher.pause_due()
 
 
 def seeded_group(prompt: list[int], prompt_id: int, size: int = 4, budget: int = 8) -> list[Sample]:

@@ -8,9 +8,11 @@ The client under test only speaks HTTP to it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
+from aiohttp import web
 
 from decentrl.api.wire import SamplingParams
 from decentrl.config import TinyModelConfig
@@ -66,3 +68,38 @@ def test_openai_backend_stop_strings_and_interruption(server: tuple[str, HFBacke
     for completion in interrupted:
         # One chunk, then the deadline: the worker continues it after a swap.
         assert len(completion.token_ids) <= 2 and completion.finish_reason in ("stop", "interrupted")
+
+
+def test_openai_backend_sends_the_rows_of_a_call_at_once_for_the_server_to_batch(tmp_path: pytest.TempPathFactory) -> None:
+    """The server batches concurrent requests itself, so the worker does not batch again: the
+    rows of one call go at once. This server answers none until three are in flight together
+    (sent one at a time, the first would wait 5 s and be refused)."""
+    in_flight = [0]
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        in_flight[0] += 1
+        for _ in range(500):
+            if in_flight[0] >= 3:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            return web.json_response({"error": "the rows came one at a time"}, status=504)
+        n = body["max_tokens"]
+        logprobs = {"tokens": ["token_id:4"] * n, "token_logprobs": [-0.5] * n, "top_logprobs": [{"token_id:4": -0.5}] * n}
+        return web.json_response({"choices": [{"index": 0, "text": "", "logprobs": logprobs, "finish_reason": "length"}]})
+
+    async def reload(request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/update_weights_from_disk", reload)
+    loopback = Loopback(app)
+    try:
+        backend = OpenAIBackend(url=loopback.url, model="tiny")
+        backend.load(write_version(str(tmp_path / "v"), build_model(TINY)), 0)  # type: ignore[operator]
+        completions_of_call = backend.generate([[1, 5, 3], [1, 6, 3], [1, 7, 3]], SamplingParams(temperature=1.0, max_tokens=2))
+        assert [c.token_ids for c in completions_of_call] == [[4, 4]] * 3
+    finally:
+        loopback.close()

@@ -41,6 +41,9 @@ def never() -> bool:
 class Backend(Protocol):
     version: int | None
     records_routes: bool  # whether `generate` returns MoE routes (a keep_routing run needs them)
+    # Whether the engine batches concurrent `generate` calls itself (a server): then the worker
+    # calls it from every slot at once instead of combining the slots' rows (workers/batching.py).
+    batches_requests: bool
 
     def load(self, checkpoint_dir: str, version: int) -> None:
         """Make `version` (a verified local checkpoint directory) the weights used from now on."""

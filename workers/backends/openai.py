@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from decentrl.api.wire import SamplingParams
@@ -27,6 +28,7 @@ from workers.backends import Completion, never, truncates
 
 class OpenAIBackend:
     records_routes = False  # the OpenAI API has no routed experts: keep_routing runs refuse it
+    batches_requests = True  # the server batches concurrent requests (continuous batching)
 
     def __init__(
         self,
@@ -104,7 +106,9 @@ class OpenAIBackend:
         self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
     ) -> list[Completion]:
         assert self._decode is not None, "load() a version before generate()"
-        return [self._complete(prompt, sampling, should_stop) for prompt in prompts]
+        # Every row at once, so that the server batches them (at most the worker's max_batch_rows).
+        with ThreadPoolExecutor(len(prompts) or 1, thread_name_prefix="openai") as pool:
+            return list(pool.map(lambda prompt: self._complete(prompt, sampling, should_stop), prompts))
 
     def _complete(self, prompt: list[int], sampling: SamplingParams, should_stop: Callable[[], bool]) -> Completion:
         assert self._decode is not None
