@@ -1,35 +1,23 @@
 """The one door to a worker's backend: generation batched across its slots (flat combining),
-and the soft pause of a weight swap.
+and the soft pause of a weight swap. Called by the worker loop (workers/worker.py).
 
-Called by the worker loop (workers/worker.py `_complete`, `_swap`). Each slot queues its
-unfinished rows (prompt + tokens so far, budget left, sampling) as a request; one slot at a time
-leads: it takes the queued requests of every slot (up to `max_rows` rows), runs them as few
-backend calls as their budgets and sampling allow, hands each completion back to its sample, and
-wakes the slots whose requests are done. A slot whose request is still queued when the lead
-finishes leads the next round. So N slots with one group each cost one batched decode instead of
-N sequential ones, and the rows in memory at once stay bounded by `max_rows`. A backend that
-batches concurrent requests itself (an OpenAI-compatible server, `combine=False`) is not batched
-again: every slot leads a round of its own request, all at once.
+Each slot queues its unfinished rows (prompt + tokens so far, budget left, sampling) as a
+request; one slot at a time leads a round: it takes the queued requests of every slot (up to
+`max_rows` rows), generates them in as few backend calls as their budgets and sampling allow,
+and wakes the slots whose requests are done; a slot still queued leads the next round. A backend
+that batches concurrent requests itself (a server: `combine=False`) is not batched again: every
+slot leads a round of its own request, all at once. A swap (`swapping`) starts no new round and
+interrupts those running at its deadline; it runs once none is left.
 
-Soft pause (`swapping`): no new round starts; the rounds running go on until the swap's deadline,
-after which the backend's `should_stop` turns true and they end "interrupted" between tokens; the
-swap runs once none is left, and the interrupted rows continue under the new weights in the next
-round. Generation and weight swaps never overlap (a backend is not assumed thread-safe).
+Invariants: rows in one call share their tokens left (no row exceeds its budget) and sampling;
+first come, first served; a backend error ends the requests of its batch, raised in each slot;
+generation and weight swaps never overlap.
 
-Invariants: rows in one backend call share their tokens left (no row can exceed its budget) and
-their sampling parameters; requests are served first come, first served; a backend error ends
-the requests of the batch it hit, and each of their slots raises it.
-
-Deterministic runs (docs/reproducibility.md): a request names the version its rows must be
-sampled under, and a round takes only requests of the version at the head of the queue (the
-lead loads it first: `next_version`); rows carry their own seeds. A CPU forward is not
-batch-invariant (a row's logits change with the number of rows beside it) but it is
-row-independent at a fixed shape (the same rows give the same bits whatever the other rows
-hold), so every call has one shape: `fixed_rows` rows (the worker's `deterministic_groups_per_call`
-whole groups) of one prompt length, and when fewer are queued the call is filled with repeats of
-its own rows (generated, then discarded). A row's logits and tokens are then the same whatever
-else was queued. Rows of a group `abandoned` (a hedge's losing copy, told by the orchestrator)
-leave the queue before the round that would generate them; a request left with none is done.
+Deterministic runs (docs/reproducibility.md): a round takes only requests of the head's version
+(`next_version`, loaded by the lead first); rows carry their seeds. A CPU forward is not
+batch-invariant but is row-independent at a fixed shape, so every call has `fixed_rows` rows
+(whole groups of one prompt length, filled with repeats of its own rows, generated then
+discarded). Rows of a group `abandoned` (a hedge's losing copy) leave the queue before their round.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
-"""The client side of a lease, shared by the worker (workers/worker.py) and the scorer (workers/scorer.py).
+"""The client side of a lease, shared by the worker (workers/worker.py) and the scorer (workers/scorer.py):
 
-    ask (`answers`) -> hold (`Renewals`) -> work -> post (`Spool`)
+    ask (`answers`, a backoff while requests fail) -> hold (`Renewals`) -> work -> post (`Spool`)
 
-- Asking: `answers` asks until stopped; an error the caller names as passing (the orchestrator
-  unreachable after the client's own retries, an answer that does not validate) is logged and
-  asked again after a full-jitter exponential backoff (`backoff`, 30 s cap). An empty answer is
-  the caller's to wait out (its `retry_after_s`, cut short by `Stop`).
-- Holding: `Renewals` renews every lease held at half the time left before its deadline (the
-  orchestrator's clock: clocks are assumed NTP-close; renewing at the half leaves room for a skew
-  below half the lease timeout), one thread for all of them, until the holder lets it go.
-- Posting: `Spool` writes each finished batch to disk before it is sent and removes it once
-  acknowledged; what could not be sent is resent later, and at the next start with the same
-  directory (rollout ids make resends idempotent).
-
-The scorer asks, holds and posts (its posts die with their lease, so they are not spooled); the
-worker asks and posts, and does not renew: a slow worker's lease expires and its prompt goes to
-another, so no worker ever holds a group back for longer than the lease timeout (docs/api.md).
+Renewing at half the time left before the deadline (the orchestrator's clock; clocks are assumed
+NTP-close) leaves room for a skew below half the lease timeout. The scorer asks, holds and posts
+(unspooled: its posts die with their lease); the worker asks and posts, and does not renew: a
+slow worker's lease expires, so none holds a group back for longer than the lease timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -45,22 +36,6 @@ def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
     return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(failures, 16)))
 
 
-class Stop:
-    """Asked to stop (a signal, or the owner): every wait on it ends at once."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def set(self, *_: object) -> None:  # a signal handler's signature too
-        self._event.set()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, seconds: float) -> None:
-        self._event.wait(seconds)
-
-
 def on_signals(handler: Callable[..., object], *signals: signal.Signals) -> None:
     """Call `handler` on `signals` (SIGTERM: a graceful stop); only the main thread may install
     handlers, so elsewhere (a test, a benchmark's thread) nothing is installed."""
@@ -69,9 +44,10 @@ def on_signals(handler: Callable[..., object], *signals: signal.Signals) -> None
             signal.signal(number, handler)
 
 
-def answers(ask: Callable[[], A], *, stop: Stop, passing: tuple[type[Exception], ...] = ()) -> Iterator[A]:
-    """The answers to `ask`, until `stop`; an error in `passing` is logged and asked again after a
-    backoff, any other propagates."""
+def answers(ask: Callable[[], A], *, stop: threading.Event, passing: tuple[type[Exception], ...] = ()) -> Iterator[A]:
+    """The answers to `ask` until `stop` is set; an error in `passing` (the orchestrator unreachable
+    after the client's retries, an answer that does not validate) is logged and asked again after a
+    backoff (cut short by `stop`), any other propagates. An empty answer is the caller's to wait out."""
     failures = 0
     while not stop.is_set():
         try:
@@ -87,12 +63,10 @@ def answers(ask: Callable[[], A], *, stop: Stop, passing: tuple[type[Exception],
 
 
 class Renewals:
-    """The leases held, each renewed at half the time left before its deadline until let go.
-    `renew(lease_id)` pushes a lease's deadline out and returns the new one (the orchestrator's
-    time.time()). A renewal refused because the lease is gone (403/404/409) lets it go: its post
-    would be refused too and its work is with another holder already. Any other error (the
-    orchestrator unreachable after the client's retries) ends `run`, kept in `error` for the
-    owner, and calls `failed`."""
+    """The leases held, each renewed at half the time left before its deadline until let go, by
+    one thread (`run`). `renew(lease_id)` returns the new deadline. A lease gone (403/404/409) is
+    let go: its post would be refused too and its work is with another holder. Any other error
+    ends `run`, kept in `error` for the owner, and calls `failed`."""
 
     def __init__(
         self, renew: Callable[[str], float], *, failed: Callable[[], None], clock: Callable[[], float] = time.time
@@ -113,10 +87,6 @@ class Renewals:
     def let_go(self, lease_id: str) -> None:
         with self._changed:
             self._due.pop(lease_id, None)
-
-    def held(self) -> list[str]:
-        with self._changed:
-            return list(self._due)
 
     def _renew_at(self, deadline: float) -> float:
         now = self._clock()
@@ -167,10 +137,10 @@ class Renewals:
 
 
 class Spool:
-    """Rollout batches on their way to the orchestrator, in `directory`: each written before it is
-    sent (write-then-rename: never a half file) and removed once acknowledged (accepted, duplicate
-    or rejected: never to be sent again). `send` posts one batch; a ConnectionError from it leaves
-    the batch spooled and `unsent` set, for `resend`."""
+    """Rollout batches on their way, in `directory`: each written before it is sent (write, then
+    rename: never a half file) and removed once acknowledged (accepted, duplicate or rejected). A
+    ConnectionError from `send` leaves it spooled and `unsent` set; `resend` sends what waits,
+    also after a restart with the same directory (rollout ids make resends idempotent)."""
 
     def __init__(self, directory: str, send: Callable[[RolloutBatch], object]) -> None:
         self.directory = directory
@@ -211,8 +181,6 @@ class Spool:
             log.warning("orchestrator unreachable (%s); %d rollouts stay spooled", exc, len(batch.rollouts))
             self.unsent = True
             return False
-        try:  # two threads may resend the same file at once (harmless: duplicates); one removes it
+        with contextlib.suppress(FileNotFoundError):  # two threads may resend one file (duplicates): one removes it
             os.remove(path)
-        except FileNotFoundError:
-            pass
         return True

@@ -1,34 +1,22 @@
 """The scorer loop: lease samples to score, score them with the backend, post the scores.
 
-Run by `decentrl scorer` (through `run_scorer` below), by tests and benchmarks. The scorer
-protocol (docs/rewards.md): `POST /v1/score/leases` long-polls for up to `max_items` samples;
-`POST /v1/score/leases/{id}/renew` pushes the lease's deadline out; `POST /v1/scores` posts
-them (idempotent by rollout id, so the client's retries of a post whose answer was lost are
-counted once). Three threads beside the backend's, so that the backend never waits for HTTP:
+Run by `decentrl scorer` (through `run_scorer` below), by tests and benchmarks; the protocol is
+in docs/rewards.md. Three threads beside the backend's, so that the backend never waits for HTTP:
 
     lease (the `fetch` thread) -> score (the calling thread) -> check and post (the post thread)
         renew every lease held until it is posted (the `renew` thread: workers/lease_loop.py)
 
-- Leases in hand: the fetch thread keeps up to `leases_ahead` leases beyond the one being
-  scored, asking for the next while the backend works; such a request is marked `ahead`, so the
-  orchestrator gives waiting samples to an idle scorer first. Posting runs in its own thread: the
-  backend starts on the next lease at once.
-- An empty lease: wait the orchestrator's `retry_after_s` (at least `min_wait_s`), ask again.
-- Renewal (`Renewals`): every lease held (waiting, being scored, being posted) is renewed at half
-  the time left before its deadline; one refused because it expired is not tried again: the post
-  will be refused too, and the items are already with another scorer.
+- The fetch thread keeps up to `leases_ahead` leases beyond the one being scored, asking for them
+  `ahead` (the orchestrator serves an idle scorer first); an empty answer is asked again after
+  its `retry_after_s` (at least `min_wait_s`).
 - Checks (`checked`): a verdict without a score, with a NaN or out-of-range score or step score
   (the lease's `score_range`), or without one step score per step of an item that has steps, is
-  posted as `failure = "parse"`: the run's `on_parse_failure` decides what it becomes (a default
-  score or a drop, counted by the orchestrator), never a silent 0. A transient verdict (the judge
-  unreachable after its retries) is not posted: its lease expires and it is leased again.
-- A post the orchestrator refuses because the lease is gone (403/404/409) is counted as `lost`
-  and the loop goes on; the samples were leased again.
-- SIGTERM/SIGINT: no new lease; the leases in hand (at most `leases_ahead` + 1) are scored and
-  posted, then it exits.
-A backend that raises (a judge refusing every request, a model that does not fit), or an
-orchestrator that cannot be reached, stops the scorer with its message; the leases it held are
-no longer renewed, expire and are leased again.
+  posted as `failure = "parse"` (the run's `on_parse_failure` decides what it becomes, never a
+  silent 0). A transient verdict (the judge unreachable) is not posted: its lease expires.
+- A post refused because the lease is gone (403/404/409) is counted `lost`; the loop goes on.
+- SIGTERM/SIGINT: no new lease; the leases in hand are scored and posted, then it exits.
+A backend that raises, or an orchestrator that cannot be reached, stops the scorer with its
+message; the leases it held are no longer renewed, expire and are leased again.
 """
 
 from __future__ import annotations
@@ -45,7 +33,7 @@ from dataclasses import dataclass
 from decentrl.api.client import OrchestratorClient, OrchestratorError
 from decentrl.api.wire import ScoreItem, ScoreLease, ScoreLeaseRequest, ScorePost, ScoreResult
 from decentrl.config import ScorerConfig
-from workers.lease_loop import LEASE_GONE, Renewals, Stop, answers, on_signals
+from workers.lease_loop import LEASE_GONE, Renewals, answers, on_signals
 from workers.scorers import ScoreBackend, Verdict, build_scorer_backend
 
 log = logging.getLogger("decentrl.scorer")
@@ -72,7 +60,7 @@ class Scorer:
         self.backend = backend
         self.counts = ScorerCounts()
         self.stopping = False
-        self._halt = Stop()  # this run's: set on stop and when the run ends; cuts the fetch thread's waits short
+        self._halt = threading.Event()  # this run's: set on stop and when the run ends; cuts the fetch thread's waits short
         self._renewals = self._new_renewals()
         # Guards `_in_hand`; notified when it changes, and on stop. Reentrant: request_stop may interrupt a holder.
         self._lock = threading.Condition(threading.RLock())
@@ -94,7 +82,7 @@ class Scorer:
         """Lease, score and post until stopped (or `max_leases` leases, counted over every run).
         A lease answered after a stop was asked for is still scored and posted."""
         on_signals(self.request_stop, signal.SIGTERM, signal.SIGINT)
-        self._halt, self._renewals, self._error = Stop(), self._new_renewals(), None
+        self._halt, self._renewals, self._error = threading.Event(), self._new_renewals(), None
         if self.stopping:
             self._halt.set()
         leased: queue.Queue[ScoreLease | None] = queue.Queue()  # None: the fetch thread is done

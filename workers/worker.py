@@ -1,45 +1,29 @@
 """The worker loop: lease prompts, generate with the loaded version, post; swap weights softly.
 
 Called by `decentrl worker` (through workers/main.py), by tests and by benchmarks/worker.py.
-Settings are the run config's `[worker]` section (`WorkerConfig`, the one declaration), with
-`[store]` for reading versions; the run name, group size, staleness bound, store URL and sampling
-come from the orchestrator, so a worker needs no more than its URL and a token.
+Settings are the run config's `[worker]` section, with `[store]` for reading versions; the run
+name, group size, staleness bound, store URL and sampling come from the orchestrator, so a
+worker needs no more than its URL and a token. docs/workers.md tells the whole story.
 
-Threads, and the one condition `_changed` they share (versions, copies told lost, counts):
-- `concurrency` slots each run the lease loop (workers/lease_loop.py): ask -> generate -> post.
-  Their generation goes through one door, workers/batching.py: the rows of slots that wait are
-  generated together, up to `max_batch_rows` per call, the way an inference server batches
-  concurrent requests (a backend that is such a server is called by every slot at once
-  instead). A simulated latency ([simulation], benchmarks only) wraps a slot's generation step
-  (workers/simulation.py), so slots overlap their delays.
-- one swapper learns of new versions (lease answers, or polling /info), pulls them from the
-  store while generation goes on, then swaps with a soft pause (`Batcher.swapping`): no new
-  round starts, the one in flight may finish until `swap_deadline_s`, after which it is
-  interrupted, the weights are swapped, and it continues under the new version as a partial
-  rollout whose `token_versions` say which version sampled each token.
+Threads, sharing one condition (`_changed`: versions, copies told lost, counts):
+- `concurrency` slots, each a lease loop (workers/lease_loop.py): ask once the loaded version is
+  fresh (`is_fresh`) -> generate through workers/batching.py (the slots' rows combined, or every
+  slot at once for a backend that batches requests itself) -> post through the spool. A
+  simulated latency ([simulation], benchmarks only) wraps a slot's generation step.
+- one swapper (free-running runs) learns of new versions (lease answers, or polling /info),
+  pulls them while generation goes on, then swaps with a soft pause (`Batcher.swapping`): a
+  generation interrupted at `swap_deadline_s` continues under the new version, its
+  `token_versions` saying which version sampled each token.
 
-Deterministic runs (`RunInfo.deterministic`, docs/reproducibility.md): there is no swapper; each
-lease names the version it is sampled under, and the slot that leads a generation round loads
-that version (pulling it from the store) before generating; every sample is seeded from (run
-seed, prompt id, sample index, version) and generated in calls of one fixed shape
-(`deterministic_groups_per_call` groups, workers/batching.py), so a group's samples do not depend
-on the groups beside it. With hedging a lease may lose to another worker's copy of its place;
-the orchestrator says so in a later lease answer (`LeaseResponse.superseded`, to any slot), and
-the worker abandons the copy: its rows still queued are not generated (workers/batching.py), a
-simulated delay ends early, and nothing of it is posted or spooled (`copies_abandoned`).
+Deterministic runs (docs/reproducibility.md): no swapper; the slot that leads a generation round
+loads the version its leases name; samples are seeded per (run seed, prompt id, index, version)
+and generated in calls of one fixed shape. A hedged copy the orchestrator says lost
+(`LeaseResponse.superseded`) is abandoned: not generated further, not posted (`copies_abandoned`).
 
-For a multi-turn task (`RunInfo.episode_task`) a slot plays episodes (workers/episodes.py)
-instead of single completions; each model turn goes through the same generation path.
-
-Faults: an unreachable orchestrator is retried with exponential backoff and jitter (the client,
-then the lease loop); every finished batch is spooled to disk before it is sent and removed only
-once acknowledged (workers/lease_loop.py `Spool`); an unreachable store leaves the current
-version in use while it is fresh (`is_fresh`, decentrl/rl/staleness.py); a version that fails
-verification or does not load is refused, counted (`refused`) and skipped, and generation goes
-on with the weights last loaded, which an all-or-nothing load left whole. SIGTERM: no new
-leases, in-flight generations finish and are posted, leases not yet started are handed back,
-then the worker exits. Leases are not renewed: a slow worker's lease expires and its prompt goes
-to another worker, so none holds a group back for longer than the lease timeout.
+Faults: a store that cannot be read leaves the loaded version in use while it is fresh; a
+version that fails verification or loading is refused (`refused`) and skipped, the weights last
+loaded still whole. SIGTERM: no new leases, in-flight generations finish and are posted, leases
+not yet started are handed back. Leases are not renewed: a slow worker's lease expires.
 """
 
 from __future__ import annotations
@@ -49,6 +33,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,7 +47,7 @@ from decentrl.tasks.episodes import TextCodec
 from workers.backends import Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
-from workers.lease_loop import Spool, Stop, answers, backoff, on_signals
+from workers.lease_loop import Spool, answers, backoff, on_signals
 from workers.progress import Progress
 from workers.sample import Sample, to_rollout
 from workers.simulation import SimulatedLatency
@@ -112,7 +97,7 @@ class Worker:
             store.for_reader(store.url or self.info.store_url), run_name=self.info.run_name
         )
         self.spool = Spool(spool_dir or os.path.join(cache_dir, "spool", worker_id), self._send)
-        self._stop = Stop()
+        self._stop = threading.Event()
         # Guards what the threads share below; notified when the announced or loaded version, the
         # refused versions, the store's state or the copies told lost change, and on stop.
         self._changed = threading.Condition()
@@ -130,7 +115,6 @@ class Worker:
             self._generate_leases if latency is None
             else latency.around(self._generate_leases, abandoned=lambda leases, _: self._all_lost(leases), woken=self._changed)
         )
-        self.rollouts_posted = 0
         self.progress = Progress()
         self.swaps: list[SwapRecord] = []
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
@@ -439,6 +423,11 @@ class Worker:
         return all(lease.lease_id in self._lost for lease in leases)
 
     @property
+    def rollouts_posted(self) -> int:
+        """Rollouts the orchestrator accepted from this worker."""
+        return self.progress.accepted
+
+    @property
     def copies_abandoned(self) -> int:
         """Leases this worker did not post because another copy of their place filled it first."""
         return self.progress.abandoned
@@ -476,13 +465,10 @@ class Worker:
         """The spool's send: post, then count what was acknowledged (a ConnectionError keeps it spooled)."""
         result = self.client.post_rollouts(batch)
         with self._changed:  # slots post at once: the counts are shared
-            self.rollouts_posted += result.accepted
             self.progress.posted(batch, result)  # a line every 10 s (workers/progress.py)
         if result.rejected:
-            reasons: dict[str, int] = {}
-            for rejection in result.rejected:
-                reasons[rejection.reason] = reasons.get(rejection.reason, 0) + 1
-            log.info("orchestrator rejected %d rollouts: %s", len(result.rejected), reasons)
+            reasons = Counter(rejection.reason for rejection in result.rejected)
+            log.info("orchestrator rejected %d rollouts: %s", len(result.rejected), dict(reasons))
 
 
 class UnloadableVersion(Exception):
