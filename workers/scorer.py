@@ -3,10 +3,10 @@
 Run by `decentrl scorer` (through `run_scorer` below), by tests and benchmarks; the protocol is
 in docs/rewards.md. Three threads beside the backend's, so that the backend never waits for HTTP:
 
-    lease (the `fetch` thread) -> score (the calling thread) -> check and post (the post thread)
+    lease (the asking thread) -> score (the calling thread) -> check and post (the post thread)
         renew every lease held until it is posted (the `renew` thread: workers/lease_loop.py)
 
-- The fetch thread keeps up to `leases_ahead` leases beyond the one being scored, asking for them
+- The asking thread keeps up to `leases_ahead` leases beyond the one being scored, asking for them
   `ahead` (the orchestrator serves an idle scorer first); an empty answer is asked again after
   its `retry_after_s` (at least `min_wait_s`).
 - Checks (`checked`): a verdict without a score, with a NaN or out-of-range score or step score
@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
 import signal
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -60,12 +60,9 @@ class Scorer:
         self.backend = backend
         self.counts = ScorerCounts()
         self.stopping = False
-        self._halt = threading.Event()  # this run's: set on stop and when the run ends; cuts the fetch thread's waits short
+        self._halt = threading.Event()  # this run's: set on stop and when the run ends; cuts the asking waits short
         self._renewals = self._new_renewals()
-        # Guards `_in_hand`; notified when it changes, and on stop. Reentrant: request_stop may interrupt a holder.
-        self._lock = threading.Condition(threading.RLock())
-        self._in_hand = 0  # leases fetched and not yet scored, the one being scored included
-        self._error: BaseException | None = None  # what stopped the fetch thread: `run` raises it
+        self._scored = 0  # leases scored, so far over every run: `counts.leases - _scored` are in hand
 
     def _new_renewals(self) -> Renewals:
         return Renewals(lambda lease_id: self.client.renew_score_lease(lease_id, self.scorer_id).deadline,
@@ -75,78 +72,62 @@ class Scorer:
         """SIGTERM/SIGINT: the leases in hand are scored and posted, then `run` returns."""
         self.stopping = True
         self._halt.set()
-        with self._lock:
-            self._lock.notify_all()
 
     def run(self, max_leases: int | None = None) -> ScorerCounts:
         """Lease, score and post until stopped (or `max_leases` leases, counted over every run).
         A lease answered after a stop was asked for is still scored and posted."""
         on_signals(self.request_stop, signal.SIGTERM, signal.SIGINT)
-        self._halt, self._renewals, self._error = threading.Event(), self._new_renewals(), None
+        self._halt, self._renewals, self._scored = threading.Event(), self._new_renewals(), self.counts.leases
         if self.stopping:
             self._halt.set()
-        leased: queue.Queue[ScoreLease | None] = queue.Queue()  # None: the fetch thread is done
-        fetcher = threading.Thread(target=self.fetch, args=(leased, max_leases), name="score-fetch", daemon=True)
         renewer = threading.Thread(target=self._renewals.run, name="score-renew", daemon=True)
-        fetcher.start()
         renewer.start()
+        asking = ThreadPoolExecutor(1, thread_name_prefix="score-fetch")  # one at a time: answered in order
+        posting = ThreadPoolExecutor(1, thread_name_prefix="score-post")
         try:
-            with ThreadPoolExecutor(1, thread_name_prefix="score-post") as posting:
-                posts: list[Future[None]] = []
-                while (lease := leased.get()) is not None:
-                    verdicts = self.backend.score(lease.items)
-                    with self._lock:
-                        self._in_hand -= 1
-                        self._lock.notify_all()
-                    for future in [future for future in posts if future.done()]:
-                        future.result()  # a post that failed stops the scorer
-                    posts = [future for future in posts if not future.done()]
-                    posts.append(posting.submit(self.post, lease, verdicts))
-                for future in posts:
-                    future.result()
-            for error in (self._error, self._renewals.error):
-                if error is not None:
-                    raise error
+            # The next lease to score and `leases_ahead` beyond it, asked for (or answered) already.
+            asked = deque(asking.submit(self._next_lease, max_leases) for _ in range(self.config.leases_ahead + 1))
+            posts: list[Future[None]] = []
+            while (lease := asked.popleft().result()) is not None:  # None: stopped, or max_leases reached
+                verdicts = self.backend.score(lease.items)
+                self._scored += 1
+                asked.append(asking.submit(self._next_lease, max_leases))
+                for future in [future for future in posts if future.done()]:
+                    future.result()  # a post that failed stops the scorer
+                posts = [future for future in posts if not future.done()]
+                posts.append(posting.submit(self.post, lease, verdicts))
+            for future in posts:
+                future.result()
+            if self._renewals.error is not None:
+                raise self._renewals.error
         finally:
             self._halt.set()
-            with self._lock:
-                self._lock.notify_all()
+            asking.shutdown(cancel_futures=True)
+            posting.shutdown()
             self._renewals.close()
-            fetcher.join()
             renewer.join()
         log.info("scorer %s stopping: %s", self.scorer_id, self.counts)
         return self.counts
 
-    def fetch(self, leased: queue.Queue[ScoreLease | None], max_leases: int | None) -> None:
-        """The fetch thread: keep up to `leases_ahead` leases beyond the one being scored in `leased`."""
+    def _next_lease(self, max_leases: int | None) -> ScoreLease | None:
+        """The asking thread: the next lease with items, held (renewed) from now on; None once
+        stopped or `max_leases` were leased. Asked `ahead` while another is in hand."""
 
-        def ask() -> ScoreLease | None:  # None: enough leases, or the run is ending
-            with self._lock:
-                while self._in_hand > self.config.leases_ahead and not self._halt.is_set():
-                    self._lock.wait()
-                if self._halt.is_set() or (max_leases is not None and self.counts.leases >= max_leases):
-                    return None
-                ahead = self._in_hand > 0
-            return self.client.score_lease(
-                ScoreLeaseRequest(scorer_id=self.scorer_id, max_items=self.config.max_items, ahead=ahead)
-            )
+        def ask() -> ScoreLease | None:
+            if max_leases is not None and self.counts.leases >= max_leases:
+                return None
+            ahead = self.counts.leases > self._scored
+            return self.client.score_lease(ScoreLeaseRequest(scorer_id=self.scorer_id, max_items=self.config.max_items, ahead=ahead))
 
-        try:
-            for lease in answers(ask, stop=self._halt):
-                if lease is None:
-                    return
-                if not lease.items:
-                    self._halt.wait(max(lease.retry_after_s, self.config.min_wait_s))
-                    continue
+        for lease in answers(ask, stop=self._halt):
+            if lease is None:
+                return None
+            if lease.items:
                 self.counts.leases += 1
-                with self._lock:
-                    self._in_hand += 1
                 self._renewals.hold(lease.lease_id, lease.deadline)
-                leased.put(lease)
-        except Exception as exc:  # the orchestrator unreachable, or refusing: `run` raises it
-            self._error = exc
-        finally:
-            leased.put(None)
+                return lease
+            self._halt.wait(max(lease.retry_after_s, self.config.min_wait_s))
+        return None
 
     def post(self, lease: ScoreLease, verdicts: list[Verdict]) -> None:
         try:
