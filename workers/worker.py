@@ -113,7 +113,10 @@ class Worker:
         latency = SimulatedLatency.of(simulation, worker_id)
         self._samples_for: Callable[[list[Lease], SamplingParams], list[Sample]] = (
             self._generate_leases if latency is None
-            else latency.around(self._generate_leases, abandoned=lambda leases, _: self._all_lost(leases), woken=self._changed)
+            else latency.around(
+                self._generate_leases, abandoned=lambda leases, _: all(self._abandoned(l.lease_id) for l in leases),
+                woken=self._changed,
+            )
         )
         self.progress = Progress()
         self.swaps: list[SwapRecord] = []
@@ -321,34 +324,27 @@ class Worker:
     def _generate_leases(self, leases: list[Lease], sampling: SamplingParams) -> list[Sample]:
         """One sample per member of every leased group: a completion, or an episode of a
         multi-turn task. The slot's generation step (what a simulated latency wraps)."""
-        owners = [lease for lease in leases for _ in range(lease.group_size)]
-        if self.info.deterministic:
-            return self._generate_seeded(leases, sampling)
-        if self.episode_task is None:
-            return self._generate([lease.prompt_token_ids for lease in owners], sampling)
-        assert self._codec is not None  # set with the first version, loaded before any generation
-        return run_episodes(owners, sampling, task=self.episode_task, codec=self._codec, complete=self._complete)
-
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
-        samples = [Sample(prompt=prompt, budget=sampling.max_tokens) for prompt in prompts]
+        if self.episode_task is not None:
+            assert self._codec is not None  # set with the first version, loaded before any generation
+            owners = [lease for lease in leases for _ in range(lease.group_size)]
+            return run_episodes(owners, sampling, task=self.episode_task, codec=self._codec, complete=self._complete)
+        samples = [self._new_sample(lease, j, sampling.max_tokens) for lease in leases for j in range(lease.group_size)]
         self._complete(samples, sampling)
         return samples
 
-    def _generate_seeded(self, leases: list[Lease], sampling: SamplingParams) -> list[Sample]:
-        """Deterministic runs: sample j of a lease is seeded from (run seed, prompt id, j, the
-        lease's version) and generated under that version, in calls of a fixed shape."""
-        samples = []
-        for lease in leases:
-            if lease.policy_version is None:
-                raise ValueError(f"lease {lease.lease_id} of a deterministic run names no policy_version")
-            samples += [
-                Sample(
-                    prompt=lease.prompt_token_ids, budget=sampling.max_tokens,
-                    seed=sample_seed(self.info.seed, lease.prompt_id, j, lease.policy_version), index=j,
-                    group=lease.lease_id, version=lease.policy_version,
-                )
-                for j in range(lease.group_size)
-            ]
+    def _new_sample(self, lease: Lease, j: int, budget: int) -> Sample:
+        """Sample j of `lease`. Deterministic runs: seeded from (run seed, prompt id, j, the lease's
+        version) and generated under that version, in calls of a fixed shape."""
+        if not self.info.deterministic:
+            return Sample(prompt=lease.prompt_token_ids, budget=budget)
+        if (version := lease.policy_version) is None:
+            raise ValueError(f"lease {lease.lease_id} of a deterministic run names no policy_version")
+        seed = sample_seed(self.info.seed, lease.prompt_id, j, version)
+        return Sample(prompt=lease.prompt_token_ids, budget=budget, seed=seed, index=j, group=lease.lease_id, version=version)
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """Completions of bare prompts (tests and benchmarks/worker.py drive the worker with it)."""
+        samples = [Sample(prompt=prompt, budget=sampling.max_tokens) for prompt in prompts]
         self._complete(samples, sampling)
         return samples
 
@@ -418,9 +414,6 @@ class Worker:
 
     def _abandoned(self, lease_id: str | None) -> bool:
         return lease_id in self._lost
-
-    def _all_lost(self, leases: list[Lease]) -> bool:
-        return all(lease.lease_id in self._lost for lease in leases)
 
     @property
     def rollouts_posted(self) -> int:
