@@ -22,7 +22,7 @@ sampled by policies up to max_staleness versions older than its final one. A com
 the asynchronous run again with deterministic = true (docs/reproducibility.md), same seeds, and
 reports its trainer busy fraction and time to target against the free-running one
 ("deterministic_cost"; the goal is busy within 0.05), with its hedging as configured or as
---hedge-after, --max-copies, --hedge-batches, --no-hedging set it (orchestrator/hedges.py). --skip-sync leaves the synchronous run out
+--hedge-after, --max-copies, --hedge-batches, --no-hedging set it (orchestrator/lease_policy.py). --skip-sync leaves the synchronous run out
 (its figures and ratios are then null), for measuring only that cost. Every run also reports the
 trainer's compute and wait per step (after the first batch): on a machine where the workers'
 generation shares the trainer's cores, a trainer slowed by it looks busier. And the machine's
@@ -68,7 +68,7 @@ def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int,
     )
     config["trainer"].update(steps=args.steps, seed=seed, **({"lr": args.lr} if args.lr else {}))
     config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s)
-    if deterministic:  # hedging (orchestrator/hedges.py) acts in deterministic runs only
+    if deterministic:  # hedging (orchestrator/lease_policy.py) acts in deterministic runs only
         config["orchestrator"]["hedging"] = {
             "enabled": not args.no_hedging, **({"after": args.hedge_after} if args.hedge_after else {}),
             **({"max_copies": args.max_copies} if args.max_copies else {}),

@@ -5,7 +5,7 @@ the workers, the trainer and the orchestrator share 2 cores. This asks what the 
 before any overhead: the same pool and latency, the trainer computing `--step-s` a step, and
 nothing else costing time. The rules are the real ones, imported: the lease budget
 (decentrl/rl/staleness.py `lease_budget`), the version a place is sampled under
-(decentrl/rl/determinism.py `required_version`) and the hedging policy (orchestrator/hedges.py
+(decentrl/rl/determinism.py `required_version`) and the hedging policy (orchestrator/lease_policy.py
 `Hedges`, `[orchestrator.hedging]`).
 
 - Pool: `--workers` x `--slots` slots; a slot asks for one lease whenever it is free. A lease
@@ -56,7 +56,7 @@ from decentrl.api.wire import Lease
 from decentrl.config import HedgingConfig
 from decentrl.rl.determinism import required_version
 from decentrl.rl.staleness import lease_budget
-from orchestrator.hedges import Hedges, Places
+from orchestrator.lease_policy import Hedges, Places
 from orchestrator.leases import OpenLease
 
 MODES: dict[str, dict] = {

@@ -1,15 +1,11 @@
-"""The trainer's side: its version moving on, batches built with advantages, batches kept for re-asks.
+"""The trainer's side: batches built with advantages, and batches kept for re-asks.
 
-RunState (orchestrator/state.py) hands POST /v1/version (`advance`) and GET /v1/batch (`take`)
-here. A batch is the `groups_per_step` groups at the front of the line (orchestrator/buffer.py).
+RunState (orchestrator/state.py) takes the `groups_per_step` groups at the front of the line
+(orchestrator/buffer.py), builds the batch here (`build_batch`) and keeps it (`KeptBatches`).
 Invariants:
-- a group is served at most once, and only if every sample is fresh for the trainer's version:
-  groups that can no longer train are evicted when the version moves on (`stale_in_buffer`);
 - a served batch is journaled before it is sent (its leases as served), and the last
   `batches_kept` are kept by request id, so a trainer that lost an answer and asks again with
   the same request id gets the same batch, never a second one;
-- a deterministic run's batch s is exactly the groups at places s*groups_per_step onwards of the
-  consumption order, in that order, whatever order they completed in;
 - advantages are computed per group (decentrl/rl/advantages.py) when the batch is built; this is
   the one place that reads their setting; a group scored per step (process rewards,
   orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`);
@@ -19,22 +15,18 @@ Invariants:
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentrl.api.encoding import pack_floats, pack_ints
 from decentrl.api.wire import Rollout, TrainBatch, TrainSample
-from decentrl.config import AdvantageConfig, RunConfig
+from decentrl.config import AdvantageConfig
 from decentrl.rl.advantages import group_advantages, process_advantages
-from decentrl.rl.staleness import is_fresh, staleness
-from orchestrator.buffer import Buffer, Group
+from decentrl.rl.staleness import staleness
+from orchestrator.buffer import Group
 from orchestrator.codec import Packed, train_batch_msgpack
-from orchestrator.counters import Counters, Versions
-from orchestrator.integrity import Integrity
 from orchestrator.journal import RunJournal
-from orchestrator.leases import LeaseBook
 
 
 def pack_sample(rollout: Rollout) -> Packed:
@@ -130,86 +122,17 @@ def token_advantages(group: Group, outcome: list[float], config: AdvantageConfig
     return result
 
 
-class Batches:
-    def __init__(
-        self,
-        *,
-        config: RunConfig,
-        versions: Versions,
-        counters: Counters,
-        lease_book: LeaseBook,
-        buffer: Buffer,
-        integrity: Integrity,
-        journal: RunJournal,
-        clock: Callable[[], float],
-    ) -> None:
-        self.config = config
-        self.versions = versions
-        self.counters = counters
-        self.lease_book = lease_book
-        self.buffer = buffer
-        self.integrity = integrity
+class KeptBatches:
+    """The last `batches_kept` batches served, by request id, journaled: a trainer that lost an
+    answer and asks again with the same request id gets the same batch, never a second one."""
+
+    def __init__(self, *, batches_kept: int, journal: RunJournal, clock: Callable[[], float]) -> None:
+        self.batches_kept = batches_kept
         self.journal = journal
         self.clock = clock
         self.served: OrderedDict[str, ServedBatch] = OrderedDict()  # request id -> batch, newest last
         self.leases: set[str] = set()  # leases of the batches in `served` (not to be forgotten yet)
         self._by_batch_id: dict[str, ServedBatch] = {}
-
-    def advance(self, trainer_version: int) -> None:
-        """The trainer now holds `trainer_version`: evict groups that can no longer train."""
-        if trainer_version <= self.versions.trainer:
-            return  # groups in the buffer were fresh for this version when they arrived
-        self.versions.trainer = trainer_version
-        max_staleness = self.config.max_staleness
-        def stale(group: Group) -> bool:
-            return not is_fresh(trainer_version, group.oldest_version, max_staleness)
-
-        for group in self.buffer.evict(stale):
-            self.lease_book.close(group.lease_id, "dropped", reason="stale_in_buffer", counted=group.size)
-        # A group still waiting for model scores that can no longer train goes now (a group held
-        # back for its logprob check alone is judged when the check is done: orchestrator/verdicts.py).
-        for group in self.buffer.release_held_back(lambda group: "scores" in group.awaiting and stale(group)):
-            self.lease_book.close(group.lease_id, "dropped", reason="stale_waiting_scores", counted=group.size)
-
-    def take(self, trainer_version: int, request_id: str | None) -> TrainBatch | None:
-        """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet; for a
-        `request_id` already answered, the same batch again while it is kept."""
-        if request_id is not None and (again := self.again(request_id)) is not None:
-            return again
-        self.advance(trainer_version)
-        wanted = self.config.trainer.groups_per_step
-        if len(self.buffer.ready) < wanted or self.buffer.held_back_ahead(wanted):
-            return None
-        if self.config.deterministic and not self._next_places_ready(wanted):
-            return None
-        groups = self.buffer.take_front(wanted)
-        self.counters.groups_served += wanted
-        batch = self.build(
-            groups, trainer_version=self.versions.trainer, batch_id=uuid.uuid4().hex,
-            rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
-        )
-        for group in groups:
-            self.counters.recent_rewards.extend(group.rewards)
-            closed = self.lease_book.close(group.lease_id, "served")
-            self.integrity.record(closed.holder).served += group.size
-        assert batch.batch_id is not None
-        self._serve(request_id or batch.batch_id, batch, groups)
-        return batch
-
-    def _next_places_ready(self, wanted: int) -> bool:
-        """Deterministic runs: whether the line starts with the next `wanted` places, consecutive
-        (groups are served in place order, so the next place is groups_served + 1 as a `seq`)."""
-        first = self.counters.groups_served + 1
-        return all(self.buffer.ready[i].seq == first + i for i in range(wanted))
-
-    def build(
-        self, groups: list[Group], *, trainer_version: int, batch_id: str, rollouts_accepted: int, stale_dropped: int
-    ) -> TrainBatch:
-        return build_batch(
-            groups, trainer_version=trainer_version, batch_id=batch_id,
-            advantages=self.config.orchestrator.advantages,
-            rollouts_accepted=rollouts_accepted, stale_dropped=stale_dropped,
-        )
 
     def again(self, request_id: str) -> TrainBatch | None:
         """The batch already served for this request id, if it is still kept."""
@@ -221,7 +144,7 @@ class Batches:
         served = self._by_batch_id.get(batch.batch_id or "")
         return served.msgpack() if served is not None and served.batch is batch else None
 
-    def _serve(self, request_id: str, batch: TrainBatch, groups: list[Group]) -> None:
+    def served_now(self, request_id: str, batch: TrainBatch, groups: list[Group]) -> None:
         """Journal a batch as served under `request_id` and keep it; the oldest beyond
         `batches_kept` can no longer be asked for again."""
         assert batch.batch_id is not None
@@ -238,7 +161,7 @@ class Batches:
             },
         )
         self.keep(request_id, ServedBatch(batch.batch_id, groups, lambda: batch, batch))
-        while len(self.served) > self.config.orchestrator.batches_kept:
+        while len(self.served) > self.batches_kept:
             old_key, old = self.served.popitem(last=False)
             self.leases.difference_update(old.lease_ids)
             self._by_batch_id.pop(old.batch_id, None)

@@ -30,7 +30,7 @@ class Counters:
     stale_dropped: int = 0  # samples dropped as stale, at ingest or in the buffer
     groups_served: int = 0
     leases_expired: int = 0
-    # Hedging (deterministic runs, orchestrator/hedges.py): second leases granted for a lagging
+    # Hedging (deterministic runs, orchestrator/lease_policy.py): second leases granted for a lagging
     # place; samples of a losing copy posted after the winner, answered as duplicates; and those
     # of them that differ from the winner's sample of the same index (not bit for bit the same);
     # losing copies their holders were told of in a lease answer, to stop generating them.

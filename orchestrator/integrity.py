@@ -2,7 +2,7 @@
 
 RunState (orchestrator/state.py) owns one `Integrity`: the ingest checks consult it
 (orchestrator/checks.py), and the verification scheduler (orchestrator/verification.py) reports the
-logprob checks of orchestrator/verify.py back through RunState to orchestrator/verdicts.py.
+logprob checks of orchestrator/verify.py back to RunState (`verification_done`).
 Everything is keyed by token name (the part of a lease holder before "/"): a token may serve
 many worker ids, and a ban revokes the token. Pure Python, no torch.
 
@@ -11,7 +11,7 @@ Invariants:
   finish_reason the tokens contradict, a future version, a prompt it was not leased, tokens
   outside the vocabulary, logprobs beyond the tolerance of the recomputed ones);
 - a token with `max_strikes` strikes is banned once (`newly_banned` hands it out once) and
-  everything of it still waiting for the trainer is dropped (orchestrator/verdicts.py);
+  everything of it still waiting for the trainer is dropped (RunState.drop_banned);
 - a replay is a rollout whose content (prompt, completion, logprobs) equals one already kept
   under another lease *with another claimed version*: identical logprobs under different weights
   do not happen honestly. The same content under the same version is an honest coincidence when

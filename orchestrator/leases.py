@@ -19,7 +19,7 @@ RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its publ
   (`Lease.index`), which fixes its prompt (the seeded order, cycled) and the version it is
   sampled under (decentrl/rl/determinism.py `required_version`); a place closed without training
   is leased again, lowest first, with the same prompt and version, so no place is ever skipped;
-- hedging (deterministic runs, orchestrator/hedges.py): a place may have up to
+- hedging (deterministic runs, orchestrator/lease_policy.py): a place may have up to
   `hedging.max_copies` open leases at once (`places`: place -> its open leases), each the same
   group bit for bit; the lease budget counts places, not copies; the first copy to complete
   fills the place and the others close as `superseded` (`supersede`); a place goes back in line
@@ -252,7 +252,7 @@ class LeaseBook:
 
     def copy(self, index: int, holder: str) -> Lease:
         """Deterministic runs: another lease of place `index` (open now) for `holder` - a hedge
-        (orchestrator/hedges.py). Same prompt and version, so the same group bit for bit."""
+        (orchestrator/lease_policy.py). Same prompt and version, so the same group bit for bit."""
         first = self.open[self.places[index][0]].lease
         lease = first.model_copy(
             update={"lease_id": uuid.uuid4().hex, "deadline": self.clock() + self.config.orchestrator.lease_timeout_s}

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from decentrl.api.wire import Lease, Rollout, TrainBatch
+from decentrl.config import AdvantageConfig
 from decentrl.rl.determinism import required_version
-from orchestrator.batches import Batches, ServedBatch, pack_sample
+from orchestrator.batches import KeptBatches, ServedBatch, build_batch, pack_sample
 from orchestrator.buffer import Buffer, Group
 from orchestrator.codec import Packed
 from orchestrator.counters import Counters, Versions
@@ -112,7 +113,8 @@ def recover(
     counters: Counters,
     lease_book: LeaseBook,
     buffer: Buffer,
-    batches: Batches,
+    batches: KeptBatches,
+    advantages: AdvantageConfig,
     integrity: Integrity,
     restore_steps: Callable[[Group], None],
 ) -> None:
@@ -124,7 +126,7 @@ def recover(
     ids of every closed lease (resends stay duplicates) and the closed leases not in the buffer
     nor in a kept batch, which are only remembered, oldest first, to be forgotten in time.
     `restore_steps` gives a group in line or in a kept batch its process rewards again (its steps
-    split again, its step scores from the journal; `ScoreStage.recover_steps`, which reads nothing
+    split again, its step scores from the journal; `Scorer.restore_steps`, which reads nothing
     in a run without step scores), so a batch asked for again carries the same token advantages.
     """
     _restore_meta(snapshot.meta, versions=versions, counters=counters, lease_book=lease_book, buffer=buffer)
@@ -176,20 +178,18 @@ def recover(
                 lease_id, lease.prompt_id, rewards, 0, read=functools.partial(_read_samples, journal, lease, run_name)
             ))
         build = functools.partial(
-            _build_kept, batches, groups, restore_steps, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
+            _build_kept, groups, restore_steps, advantages=advantages, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
             rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],
         )
         batches.keep(request_id, ServedBatch(body["batch_id"], groups, build))
     integrity.restore(snapshot.workers, snapshot.content)
 
 
-def _build_kept(
-    batches: Batches, groups: list[Group], restore_steps: Callable[[Group], None], **options: Any
-) -> TrainBatch:
+def _build_kept(groups: list[Group], restore_steps: Callable[[Group], None], **options: Any) -> TrainBatch:
     """A kept batch rebuilt when asked for again, with its groups' process rewards restored."""
     for group in groups:
         restore_steps(group)
-    return batches.build(groups, **options)
+    return build_batch(groups, **options)
 
 
 def _read_samples(journal: RunJournal, lease: Lease, run_name: str) -> tuple[list[Rollout], list[Packed]]:

@@ -1,55 +1,54 @@
-"""RunState: the orchestrator's run, as its parts, with the one pipeline a rollout goes through.
+"""RunState: the one owner of the orchestrator's run. It holds the run's state, drives the
+stages, and applies what they decide.
 
 Plain synchronous code with no HTTP in it; the handlers (orchestrator/handlers.py) call it from
 the event loop (one thread, so no locks), as do orchestrator/service.py (which builds it),
 orchestrator/verification.py, orchestrator/metrics.py and benchmarks/; what they read under the
 parts' names, and the /v1/status answer, is its base RunView (orchestrator/view.py). The parts,
-each in a file named for what it holds:
+none of which holds another (except the lease policy, which works on the lease table):
 
-  lease_book  orchestrator/leases.py    prompt order, open leases and deadlines, the lease budget,
-                                        the one lease-close path, closed leases remembered
-  hedges      orchestrator/hedges.py    deterministic runs: which lagging places of the next batch
-                                        get a second lease (None when off or free-running)
-  copies      orchestrator/copies.py    deterministic runs: a place filled, its losing copies'
-                                        samples compared with the winner's
-  checks      orchestrator/checks.py    why a posted rollout is refused
-  scorer      orchestrator/scoring.py   rewards recomputed with the task's verifier, combined with
-                                        model scores
-  score_queue orchestrator/score_queue.py  samples waiting for model scores, leased to scorers
-  score_stage orchestrator/score_stage.py  a model reward's stage: a group queued, scorers' posts
-                                        taken, rewards combined, the group let into line
-  buffer      orchestrator/buffer.py    complete groups in line, groups held back for their check
-  batches     orchestrator/batches.py   the trainer's side: its version moving on (stale groups
-                                        evicted), batches with advantages, batches kept for re-asks
-  integrity   orchestrator/integrity.py strikes, bans, spot-check sampling, replays
-  verdicts    orchestrator/verdicts.py  what follows a logprob check or a ban
-  journal     orchestrator/journal.py   every change, committed before the HTTP answer (a
-                                        NullJournal when journaling is off); recovery.py rebuilds
-                                        the parts from it at startup
+  lease_book   orchestrator/leases.py       prompt order, open leases and deadlines, the lease
+                                            budget, the one lease-close path, closed leases remembered
+  lease_policy orchestrator/lease_policy.py free-running, or deterministic (places, hedged copies,
+                                            losing copies), chosen once at start-up
+  checks       orchestrator/checks.py       why a posted rollout is refused
+  scorer       orchestrator/scoring.py      rewards recomputed with the task's verifier, combined
+                                            with model scores
+  score_queue  orchestrator/score_queue.py  samples waiting for model scores, leased to scorers
+  integrity    orchestrator/integrity.py    strikes, bans, spot-check sampling, replays
+  buffer       orchestrator/buffer.py       complete groups in line, groups held back for their
+                                            check or their model scores
+  kept         orchestrator/batches.py      batches built with advantages, the last ones kept for re-asks
+  journal      orchestrator/journal.py      every change, committed before the HTTP answer (a
+                                            NullJournal when journaling is off); it compares the
+                                            meta row (versions, counters) itself at each commit;
+                                            recovery.py rebuilds the parts from it at startup
   versions, counters  orchestrator/counters.py
 
 The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
-  1. dedupe   a rollout id already acknowledged is a duplicate, counted once; so is a sample of
-              a hedge's losing copy (its place filled by another copy, bit for bit the same:
-              copies.py compares them)
+  1. dedupe   a rollout id already acknowledged is a duplicate, counted once; so is a sample of a
+              copy that lost its place (the lease policy compares it with the winner's)
   2. check    checks.py gives a rejection reason (counted; a stale one drops its whole group)
   3. record   the sample joins its open lease; integrity keeps its content hash and may pick it
               for a logprob check; the journal records it
-  4. score    when the group is full (and still fresh): scoring.py rewards each sample with the
-              task's verifier; with a model reward its samples go to the score queue
-              (score_stage.py, score_queue.py) for scorers to lease and score (`post_scores`)
-  5. line up  the group is held back, keeping its place, until its check is done (buffer.hold_back;
-              orchestrator/verification.py reports through `verification_done`) and its model
-              scores are in (`post_scores`: score_stage.py combines the rewards with scoring.py),
-              or joins the line for the trainer at once (buffer.to_ready)
+  4. complete when the group is full (and still fresh): scoring.py rewards each sample with the
+              task's verifier; the lease policy fills its place
+  5. line up  the group joins the line for the trainer, or is held back in its place until its
+              logprob check (`verification_done`) and its model scores (`post_scores`) are in
 then `take_batch` serves the front of the line as a batch (batches.py).
+
+Every group that leaves the buffer without training goes through `_drop`, and every held-back
+group through `_release`: one place each for what the checks, the scores, a ban and the
+trainer's version decide.
 
 Invariants:
 - a rollout is scored with the task's verifier and/or by scorers (scoring.py, score_queue.py), never
   with the worker's claimed reward; a group waiting for scores counts toward the staleness budget
   and is dropped (`stale_waiting_scores`) if it goes stale waiting;
 - a group is served to the trainer at most once, and only if every sample is fresh for the
-  trainer's version;
+  trainer's version: groups that can no longer train are evicted when the version moves on;
+- a deterministic run's batch s is exactly the groups at places s*groups_per_step onwards of the
+  consumption order, in that order, whatever order they completed in;
 - no more groups are leased than can be consumed without going stale (`lease_budget`), nor
   than the buffer bound allows (`orchestrator.max_buffer_groups`, ready groups + open leases);
 - every lease closes through `LeaseBook.close` (journaled; drops counted; content forgotten).
@@ -59,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -81,22 +81,19 @@ from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import make_prompt_encoder
-from orchestrator.batches import Batches, pack_sample
-from orchestrator.buffer import Buffer, Group, VerifyJob
+from orchestrator.batches import KeptBatches, build_batch, pack_sample
+from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
 from orchestrator.checks import IngestChecks
 from orchestrator.codec import Packed
-from orchestrator.copies import Copies
 from orchestrator.counters import Counters, Versions
-from orchestrator.hedges import Hedges, Places
-from orchestrator.integrity import Integrity
+from orchestrator.integrity import Integrity, token_of
 from orchestrator.journal import Journal, NullJournal, RunJournal
-from orchestrator.leases import LeaseBook, LeaseError, OpenLease, PromptQueue
+from orchestrator.lease_policy import Deterministic, FreeRunning
+from orchestrator.leases import ClosedLease, LeaseBook, LeaseError, OpenLease, PromptQueue, Requeue
 from orchestrator.recovery import meta_row, recover
 from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
-from orchestrator.score_stage import ScoreStage
 from orchestrator.scoring import Scorer
 from orchestrator.tokens import make_decoder, make_encoder
-from orchestrator.verdicts import Verdicts
 from orchestrator.view import RunView
 
 if TYPE_CHECKING:
@@ -157,11 +154,10 @@ class RunState(RunView):
             ),
             versions=self.versions, counters=self.counters, integrity=self.integrity, journal=self.journal, clock=clock,
         )
-        self.hedges = (
-            Hedges(config=options.hedging, groups_per_step=config.trainer.groups_per_step, clock=clock)
-            if config.deterministic and options.hedging.enabled else None
+        self.lease_policy: FreeRunning | Deterministic = (
+            Deterministic(config=config, lease_book=self.lease_book, counters=self.counters, clock=clock)
+            if config.deterministic else FreeRunning()
         )
-        self.copies = Copies(lease_book=self.lease_book, hedges=self.hedges, counters=self.counters, clock=clock)
         self.scorer = Scorer(
             task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt,
             steps=options.advantages.steps,
@@ -176,18 +172,8 @@ class RunState(RunView):
             config=options.rewards, journal=self.journal, clock=clock,
             alive=lambda group_id: self.buffer.waits_for(group_id, "scores"),
         )
-        self.score_stage = ScoreStage(
-            config=config, versions=self.versions, scorer=self.scorer, score_queue=self.score_queue,
-            buffer=self.buffer, lease_book=self.lease_book, integrity=self.integrity,
-        )
-        self.batches = Batches(
-            config=config, versions=self.versions, counters=self.counters, lease_book=self.lease_book,
-            buffer=self.buffer, integrity=self.integrity, journal=self.journal, clock=clock,
-        )
-        self.verdicts = Verdicts(
-            config=config, versions=self.versions, counters=self.counters, lease_book=self.lease_book,
-            buffer=self.buffer, integrity=self.integrity,
-        )
+        self.scores_taken: dict[str, ScoreResult] = {}  # model scores journaled, read at recovery
+        self.kept = KeptBatches(batches_kept=options.batches_kept, journal=self.journal, clock=clock)
 
         self.journal.set_meta_source(
             lambda: meta_row(versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer)
@@ -195,11 +181,11 @@ class RunState(RunView):
         self.journal.set_integrity_source(self.integrity.journal_changes)
         snapshot = self.journal.load()
         if snapshot.meta:
-            self.score_stage.taken = {rid: ScoreResult.model_validate_json(data) for rid, data in snapshot.scores.items()}
+            self.scores_taken = {rid: ScoreResult.model_validate_json(data) for rid, data in snapshot.scores.items()}
             recover(
                 snapshot, journal=self.journal, run_name=config.run_name, versions=self.versions, counters=self.counters,
-                lease_book=self.lease_book, buffer=self.buffer, batches=self.batches, integrity=self.integrity,
-                restore_steps=self.score_stage.recover_steps,
+                lease_book=self.lease_book, buffer=self.buffer, batches=self.kept, advantages=options.advantages,
+                integrity=self.integrity, restore_steps=self._restore_steps,
             )
             self._redo_checks()
             log.info(
@@ -228,33 +214,24 @@ class RunState(RunView):
             if len(open_lease.samples) >= open_lease.lease.group_size:
                 self._complete(open_lease)
         if self.scorer.steps_config is None:  # kept for the kept batches' step scores, rebuilt when asked for
-            self.score_stage.taken = {}
+            self.scores_taken = {}
 
-    # -- leases (orchestrator/leases.py) ------------------------------------------------------
+    # -- leases (orchestrator/leases.py, orchestrator/lease_policy.py) ----------------------------
 
     def lease_capacity(self) -> int:
         return self.lease_book.capacity(groups_served=self.counters.groups_served, waiting=self.buffer.waiting())
 
     def grant_leases(self, holder: str, max_groups: int) -> list[Lease]:
-        """Copies of lagging places of the next batch first (hedging: the trainer waits for that
-        batch), then new places as the budget allows."""
+        """Copies of lagging places of the next batch first (a deterministic run's hedges: the
+        trainer waits for that batch), then new places as the budget allows."""
         self.expire_leases()
-        copies = []
-        if self.hedges is not None:
-            copies = [self.lease_book.copy(index, holder) for index in self.hedges.pick(holder, max_groups, self._places())]
+        copies = self.lease_policy.copies(holder, max_groups)
         return copies + self.lease_book.grant(holder, min(max_groups - len(copies), self.lease_capacity()))
 
     def hedge_due_in(self, holder: str | None) -> float | None:
         """Seconds until a place falls due for a copy `holder` (None: any worker) may take (None:
         none will, or no hedging): how long a lease long-poll may sleep before asking again."""
-        return self.hedges.due_in(holder, self._places()) if self.hedges is not None else None
-
-    def _places(self) -> Places:
-        book = self.lease_book
-        return Places(
-            open=book.places, leases=book.open, head=self.counters.groups_served, cursor=book.prompts.cursor,
-            requeued=book.prompts.requeued,
-        )
+        return self.lease_policy.due_in(holder)
 
     def expire_leases(self) -> int:
         """Close overdue leases and lease their prompts again; a late answer is rejected."""
@@ -285,10 +262,10 @@ class RunState(RunView):
         accepted, duplicates, rejected = 0, 0, []
         journaled = self.lease_book.journaled_ids([rollout.rollout_id for rollout in rollouts])
         for index, rollout in enumerate(rollouts):
-            if rollout.rollout_id in self.lease_book.seen_rollout_ids or rollout.rollout_id in journaled:  # 1. dedupe
-                duplicates += 1
-                continue
-            if self.config.deterministic and self.copies.lost(rollout, holder):  # a losing copy's (copies.py)
+            if (  # 1. dedupe
+                rollout.rollout_id in self.lease_book.seen_rollout_ids or rollout.rollout_id in journaled
+                or self.lease_policy.lost(rollout, holder)
+            ):
                 duplicates += 1
                 continue
             verdict = self.checks.check(rollout, holder)  # 2. check
@@ -300,7 +277,7 @@ class RunState(RunView):
             open_lease = self._record(rollout, holder, arrays, verdict.digest)  # 3. record
             accepted += 1
             if len(open_lease.samples) == open_lease.lease.group_size:
-                self._complete(open_lease)  # 4. score, 5. line up
+                self._complete(open_lease)  # 4. complete, 5. line up
         self.counters.rollouts_accepted += accepted
         self.counters.duplicates += duplicates
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
@@ -311,7 +288,7 @@ class RunState(RunView):
         if reason == "stale":
             # The group can no longer train as a whole: free its slot at once rather than hold
             # it until the lease expires.
-            self.lease_book.close(rollout.lease_id, "dropped", reason="stale_at_ingest", requeue="back")
+            self._drop(rollout.lease_id, "stale_at_ingest", requeue="back")
             self.counters.stale_dropped += 1  # this sample; the close counted those it held
 
     def _record(self, rollout: Rollout, holder: str, packed: Packed, digest: bytes | None) -> OpenLease:
@@ -325,22 +302,20 @@ class RunState(RunView):
         return open_lease
 
     def _complete(self, open_lease: OpenLease) -> None:
-        """The group is full: score it, then hold it back for its check or put it in line."""
-        lease = open_lease.lease
-        if not self._fresh(min(r.policy_version for r in open_lease.samples)):
+        """The group is full: reward it, fill its place, then put it in line or hold it back."""
+        lease, samples = open_lease.lease, open_lease.samples
+        if not self._fresh(min(r.policy_version for r in samples)):
             # Its first samples were fresh when they came, but the trainer moved on since.
-            self.lease_book.close(lease.lease_id, "dropped", reason="stale_in_buffer")
+            self._drop(lease.lease_id, "stale_in_buffer")
             return
-        samples = open_lease.samples
         verifier = self.scorer.verifier_rewards(samples)  # None for a model-only reward
         model = self.config.orchestrator.rewards.uses_model
         # A deterministic run's groups take their place in line from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
-        rewards = verifier if verifier is not None else [0.0] * len(samples)  # final once scored (score_stage.py)
+        rewards = verifier if verifier is not None else [0.0] * len(samples)  # final once scored (`_scored`)
         group = Group.of(lease.lease_id, lease.prompt_id, samples, rewards, open_lease.packed, seq)
         self.lease_book.close(lease.lease_id, "complete")
-        if lease.index is not None:
-            self.copies.filled(lease.index, open_lease)
+        self.lease_policy.filled(open_lease)
         check = VerifyJob(lease.lease_id, [samples[i] for i in open_lease.check], open_lease.holder) if open_lease.check else None
         if not model:
             self.integrity.rewards_claimed(open_lease.holder, group.samples)
@@ -350,12 +325,41 @@ class RunState(RunView):
         group.verifier_rewards = verifier
         self.buffer.hold_back(group, check=check, scores=model)
         if model:
-            self.score_stage.wait(group, samples)
+            self._await_scores(group, samples)
 
     def _fresh(self, version: int) -> bool:
         return is_fresh(self.versions.trainer, version, self.config.max_staleness)
 
-    # -- scorers (orchestrator/score_queue.py, score_stage.py: a model reward) -------------------
+    # -- what leaves the buffer: the one path of a dropped group, and of a held-back one -----------
+
+    def _drop(
+        self, lease_id: str, reason: str, *, counted: int | None = None, requeue: Requeue | None = None
+    ) -> ClosedLease:
+        """An open lease, or a group out of the buffer, closed without training for `reason`."""
+        return self.lease_book.close(lease_id, "dropped", reason=reason, counted=counted, requeue=requeue)
+
+    def _release(self, group: Group, what: Wait, *, stale_reason: str) -> None:
+        """`what` is done for a held-back group: once nothing else holds it back it joins the line
+        in its place, or is dropped if the trainer moved on meanwhile."""
+        if self.buffer.done_waiting(group.lease_id, what) is None:
+            return  # it still waits for the other
+        if self._fresh(group.oldest_version):
+            self.buffer.to_ready(group)
+        else:
+            self._drop(group.lease_id, stale_reason, counted=group.size)
+
+    def _holder(self, group: Group) -> str:
+        return self.lease_book.closed[group.lease_id].holder
+
+    # -- model scores (orchestrator/score_queue.py; rewards combined by scoring.py) ---------------
+
+    def _await_scores(self, group: Group, samples: list[Rollout]) -> None:
+        """`group` (held back for its scores) has its samples, split into steps for a process
+        reward, queued for scorers."""
+        steps = self.scorer.steps(samples)
+        group.step_ends = [s.ends for s in steps] if steps is not None else None
+        if self.score_queue.add(group.lease_id, self.scorer.items(samples, steps), self.scores_taken):
+            self._scored(group.lease_id)  # recovered with every score already taken
 
     def lease_scores(self, holder: str, max_items: int) -> ScoreLeaseEntry | None:
         return self.score_queue.lease(holder, max_items)
@@ -364,33 +368,103 @@ class RunState(RunView):
         return self.score_queue.renew(lease_id, holder)
 
     def post_scores(self, holder: str, body: ScorePost) -> ScoreAck:
-        """A scorer's post, taken by the scoring stage (score_stage.py)."""
-        return self.score_stage.post(holder, body)
+        """Take a scorer's post (all or nothing: ScoreError, or a LeaseError for a lease it cannot
+        use); the groups it completes combine their rewards and join the line (or are dropped:
+        stale, or a judge reply that did not parse)."""
+        ack, done = self.score_queue.post(holder, body)
+        for group_id in done:
+            self._scored(group_id)
+        return ack
 
-    # -- verdicts on workers (orchestrator/verdicts.py; the app runs the verification loop) -----
+    def _scored(self, group_id: str) -> None:
+        results = self.score_queue.take(group_id)
+        group = self.buffer.pending.get(group_id)
+        if group is None:
+            return  # dropped while its scores came in
+        rewards = self.scorer.combine(group.verifier_rewards, results)
+        if rewards is None:  # a judge reply that did not parse, on_parse_failure = drop
+            self.buffer.release_held_back(lambda g: g.lease_id == group_id)
+            self._drop(group_id, "judge_parse_failure", counted=group.size)
+            return
+        group.rewards = rewards
+        if group.step_ends is not None:
+            group.step_scores = [result.step_scores for result in results]
+        self.integrity.rewards_claimed(self._holder(group), group.samples)
+        self._release(group, "scores", stale_reason="stale_waiting_scores")
+
+    def _restore_steps(self, group: Group) -> None:
+        """A group recovered in line or in a kept batch: its steps split again, its step scores
+        from the journal (nothing is read in a run without step scores)."""
+        if self.scorer.steps_config is None:
+            return
+        rollouts = group.rollouts
+        steps = self.scorer.steps(rollouts)
+        assert steps is not None
+        group.step_ends = [s.ends for s in steps]
+        results = [self.scores_taken.get(rollout.rollout_id) for rollout in rollouts]
+        group.step_scores = [result.step_scores if result is not None else None for result in results]
+
+    # -- verdicts on workers (the app runs the verification loop: orchestrator/verification.py) ---
 
     def verification_done(self, lease_id: str, failed: dict[str, str]) -> None:
-        """The check of a held-back group is done (`failed`: rollout id -> rejection reason)."""
-        self.verdicts.checked(lease_id, failed)
+        """The check of a held-back group is done; `failed`: rollout id -> rejection reason
+        (`logprob_mismatch` strikes its worker; `unverifiable` does not). A group with any failed
+        sample is dropped whole; a clean one joins the line if it is still fresh."""
+        group = self.buffer.pending.get(lease_id)
+        if group is None:
+            return  # dropped meanwhile (its worker was banned, or it went stale waiting for its scores)
+        holder = self._holder(group)
+        if failed:
+            self.buffer.release_held_back(lambda g: g.lease_id == lease_id)
+            for reason in failed.values():
+                self.counters.rejected[reason] += 1
+                self.integrity.rejected(holder, reason)
+            self._drop(lease_id, "failed_verification", counted=group.size - len(failed))
+            return
+        self.integrity.record(holder).passed += 1
+        self._release(group, "check", stale_reason="stale_in_buffer")
 
     def held_back_ahead(self, count: int) -> bool:
         """Whether the next `count` groups in line wait for a held-back group (buffer.py)."""
         return self.buffer.held_back_ahead(count)
 
     def drop_banned(self, token: str) -> int:
-        """Drop what a banned token has waiting; returns the samples dropped."""
-        return self.verdicts.banned(token)
+        """A banned token's open leases, held-back and ready groups are dropped (its prompts are
+        leased again): what it sent unchecked is no longer trusted. Returns the samples dropped."""
+        dropped = 0
+        for lease_id in self.lease_book.held_by(token):
+            dropped += self._drop(lease_id, "banned_worker", requeue="back").samples
+
+        def of_token(group: Group) -> bool:
+            return token_of(self._holder(group)) == token
+
+        for group in self.buffer.release_held_back(of_token) + self.buffer.evict(of_token):
+            self._drop(group.lease_id, "banned_worker", counted=group.size)
+            dropped += group.size
+        return dropped
 
     # -- trainer side --------------------------------------------------------------------------
 
     def advance(self, trainer_version: int) -> None:
         """The trainer now holds `trainer_version`: evict groups that can no longer train."""
-        self.batches.advance(trainer_version)
+        if trainer_version <= self.versions.trainer:
+            return  # groups in the buffer were fresh for this version when they arrived
+        self.versions.trainer = trainer_version
+
+        def stale(group: Group) -> bool:
+            return not self._fresh(group.oldest_version)
+
+        for group in self.buffer.evict(stale):
+            self._drop(group.lease_id, "stale_in_buffer", counted=group.size)
+        # A group still waiting for model scores that can no longer train goes now (a group held
+        # back for its logprob check alone is judged when the check is done: `verification_done`).
+        for group in self.buffer.release_held_back(lambda group: "scores" in group.awaiting and stale(group)):
+            self._drop(group.lease_id, "stale_waiting_scores", counted=group.size)
 
     def announce(self, version: int) -> None:
         """Version `version` is complete in the store; workers may pull it."""
         self.versions.published = max(version, self.versions.published or 0)
-        self.batches.advance(version)
+        self.advance(version)
 
     def take_batch(self, trainer_version: int, request_id: str | None = None) -> TrainBatch | None:
         """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet.
@@ -398,18 +472,40 @@ class RunState(RunView):
         With a `request_id` already answered (its answer was lost and the trainer asks again),
         the same batch again, as long as it is among the last `batches_kept`.
         """
-        return self.batches.take(trainer_version, request_id)
+        if request_id is not None and (again := self.kept.again(request_id)) is not None:
+            return again
+        self.advance(trainer_version)
+        wanted = self.config.trainer.groups_per_step
+        if len(self.buffer.ready) < wanted or self.buffer.held_back_ahead(wanted):
+            return None
+        first = self.counters.groups_served + 1  # a deterministic run serves places in order (`seq`)
+        if self.config.deterministic and any(self.buffer.ready[i].seq != first + i for i in range(wanted)):
+            return None
+        groups = self.buffer.take_front(wanted)
+        self.counters.groups_served += wanted
+        batch = build_batch(
+            groups, trainer_version=self.versions.trainer, batch_id=uuid.uuid4().hex,
+            advantages=self.config.orchestrator.advantages,
+            rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
+        )
+        for group in groups:
+            self.counters.recent_rewards.extend(group.rewards)
+            closed = self.lease_book.close(group.lease_id, "served")
+            self.integrity.record(closed.holder).served += group.size
+        assert batch.batch_id is not None
+        self.kept.served_now(request_id or batch.batch_id, batch, groups)
+        return batch
 
     def served_batch(self, request_id: str) -> TrainBatch | None:
         """The batch already served for this request id, if it is still kept."""
-        return self.batches.again(request_id)
+        return self.kept.again(request_id)
 
     def batch_msgpack(self, batch: TrainBatch) -> bytes | None:
         """A kept batch as msgpack, from the arrays packed at ingest (None if no longer kept)."""
-        return self.batches.msgpack(batch)
+        return self.kept.msgpack(batch)
 
     # -- upkeep ----------------------------------------------------------------------------------
 
     def forget_closed(self, limit: int = 10_000) -> int:
         """Forget leases closed more than `dedupe_window_s` ago (and their rollout ids)."""
-        return self.lease_book.forget_closed(in_batches=self.batches.leases, limit=limit)
+        return self.lease_book.forget_closed(in_batches=self.kept.leases, limit=limit)

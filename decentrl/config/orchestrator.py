@@ -201,7 +201,7 @@ class HedgingConfig(Section):
         0.5, gt=0.0, le=100.0,
         description="A place is hedged once its newest lease has been out so long that the recent leases which "
         "took that long went on, on average, for at least this many times the median lease time more (a copy "
-        "is then expected to finish first; with a light tail of lease times no place is, orchestrator/hedges.py). "
+        "is then expected to finish first; with a light tail of lease times no place is, orchestrator/lease_policy.py). "
         "The last open place of the next batch is hedged at once.",
     )
     max_copies: int = Field(

@@ -1,4 +1,4 @@
-"""Hedging in deterministic runs (orchestrator/hedges.py, LeaseBook.copy/supersede): a lagging
+"""Hedging in deterministic runs (orchestrator/lease_policy.py, LeaseBook.copy/supersede): a lagging
 place of the next batch gets a second lease on another worker; the first copy to complete fills
 it, the other is closed and its posts answered as duplicates, never a strike; a place is never
 served twice nor skipped, across expiries and a restart on the journal."""
@@ -19,8 +19,8 @@ from decentrl.config import ConfigError
 from decentrl.tasks import build_task
 from orchestrator import handlers
 from orchestrator.auth import TokenRegistry
-from orchestrator.hedges import MIN_RECENT, hedge_wait
 from orchestrator.journal import Journal
+from orchestrator.lease_policy import MIN_RECENT, hedge_wait
 from orchestrator.state import RunState
 
 ALICE, BOB, CAROL = "alice/w0", "bob/w1", "carol/w2"
@@ -68,7 +68,7 @@ def lagging(state: RunState, clock: Any) -> list[Lease]:
     leases = state.grant_leases(ALICE, 8)
     assert [lease.index for lease in leases] == [0, 1, 2, 3]  # the budget: 4 places under version 0
     for lease_s in TAILED:
-        state.hedges.completed(lease_s)  # type: ignore[union-attr]
+        state.lease_policy.hedges.completed(lease_s)  # type: ignore[union-attr]
     return leases
 
 
@@ -126,7 +126,7 @@ def test_lease_times_without_a_tail_hedge_only_the_batch_straggler(
     state = open_state()
     leases = state.grant_leases(ALICE, 8)
     for _ in range(MIN_RECENT):
-        state.hedges.completed(1.0)  # type: ignore[union-attr]
+        state.lease_policy.hedges.completed(1.0)  # type: ignore[union-attr]
     clock.advance(10.0)
     assert state.grant_leases(BOB, 4) == [] and state.hedge_due_in(BOB) is None  # however long they are out
     state.ingest(group(state, leases[1], "w0"), ALICE)
@@ -253,7 +253,7 @@ def test_free_running_runs_are_never_hedged(make_config: Any, tokenizer: PreTrai
     state.announce(0)
     state.grant_leases(ALICE, 4)
     clock.advance(5.0)
-    assert state.hedges is None and state.hedge_due_in(BOB) is None
+    assert state.lease_policy.hedges is None and state.hedge_due_in(BOB) is None
     assert state.grant_leases(BOB, 4) == [] and state.counters.hedged_leases == 0
 
 
@@ -261,7 +261,7 @@ def test_hedging_can_be_turned_off(open_state: Callable[..., RunState], group: A
     state = open_state(orchestrator={"hedging": {"enabled": False}})
     leases = state.grant_leases(ALICE, 8)
     state.ingest(group(state, leases[1], "w0"), ALICE)
-    assert state.hedges is None and state.grant_leases(BOB, 1) == []
+    assert state.lease_policy.hedges is None and state.grant_leases(BOB, 1) == []
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from decentrl.api.client import InvalidAnswer, OrchestratorClient
 from decentrl.api.wire import MAX_SUPERSEDED, IngestResponse, LeaseRequest, LeaseResponse, RolloutBatch, RunInfo, SamplingParams
 from decentrl.config import RunConfig, SimulationConfig, WorkerConfig, parse_config
 from decentrl.store.checkpoints import CheckpointStore
-from orchestrator.hedges import MIN_RECENT
+from orchestrator.lease_policy import MIN_RECENT
 from tests.workers.test_worker import TINY, TRAINER, WORKER, Orchestrator, Setup
 from workers.backends.hf import HFBackend
 from workers.worker import Worker
@@ -148,9 +148,9 @@ def test_the_worker_whose_copy_lost_abandons_it_and_the_batch_is_unchanged(
     fast = (WorkerConfig(concurrency=1, groups_per_request=copies), SimulationConfig())
     with make_run(tmp_path, hedging=True, w0=slow, w1=fast) as run:
         state = run.setup.orchestrator.state
-        assert state.hedges is not None
+        assert state.lease_policy.hedges is not None
         for lease_s in [0.01] * (MIN_RECENT // 2) + [0.03] * (MIN_RECENT // 2):
-            state.hedges.completed(lease_s)  # recent lease times with a tail: w0's places are due a copy after 0.01 s
+            state.lease_policy.hedges.completed(lease_s)  # recent lease times with a tail: w0's places are due a copy after 0.01 s
         w0 = run.workers["w0"]
         run.start("w0")
         wait_for(lambda: len(state.leases) == 2, 60)
