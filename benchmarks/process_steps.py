@@ -2,7 +2,7 @@
 
 Trains two small tokenizers here on reasoning-like text (byte-level BPE as Qwen and Llama 3 use,
 and SentencePiece-style Metaspace), builds completions of 4, 16 and 32 "\\n\\n"-separated steps, and
-times `split_steps` with the orchestrator's decoder (orchestrator/tokens.py `make_decoder`): the
+times `split_steps` with the orchestrator's decoder (orchestrator/tokenizer.py `make_decoder`): the
 median of `--repeats` calls after one warm-up. The orchestrator runs it once per sample of a
 process-reward task. docs/rewards.md#steps holds the figures.
 Last line: one JSON object, `split_ms_<tokenizer>_<steps>` (milliseconds per completion) and
@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from decentrl.config import DelimiterStepsConfig
 from decentrl.model.tokenizer import RustTokenizer
 from decentrl.rl.steps import split_steps
-from orchestrator.tokens import make_decoder
+from orchestrator.tokenizer import make_decoder
 
 WORDS = "let x be the sum of two numbers then we add three and check the answer is five so".split()
 

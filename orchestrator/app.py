@@ -53,13 +53,13 @@ from orchestrator.appstate import (
     stop_waiting,
 )
 from orchestrator.auth import TokenRegistry
+from orchestrator.checks import run_keeps_routing
 from orchestrator.dashboard import sampler
 from orchestrator.history import History
 from orchestrator.limits import InFlight, RateLimiter
 from orchestrator.metrics import Metrics
 from orchestrator.middlewares import auth_middleware, errors_middleware
 from orchestrator.routes import add_routes, openapi_spec, route_roles
-from orchestrator.routing_check import run_keeps_routing
 from orchestrator.state import RunState
 from orchestrator.upkeep import journal_writer, lease_upkeep
 from orchestrator.verification import verification

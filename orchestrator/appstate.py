@@ -16,6 +16,7 @@ verification scheduler waits on CHECKS_WANTED).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ from orchestrator.limits import InFlight, RateLimiter
 from orchestrator.metrics import Metrics
 from orchestrator.state import RunState
 from orchestrator.verify import Verifier
+
+log = logging.getLogger("decentrl.orchestrator")
 
 # (method, route template) -> the roles allowed to call it; None: no token needed.
 RouteRoles = dict[tuple[str, str], tuple[str, ...] | None]
@@ -103,3 +106,19 @@ def wake_checks(app: web.Application) -> None:
     checks them now or later: orchestrator/verification.py)."""
     if app[STATE].verify_queue:
         app[CHECKS_WANTED].set()
+
+
+def enforce_bans(app: web.Application) -> None:
+    """Revoke the tokens banned since the last call and drop what they left waiting (open leases,
+    held-back and ready groups: their prompts are leased again); their next request gets 401.
+    Called wherever a strike can happen: after ingest (orchestrator/handlers.py) and after a
+    check (orchestrator/verification.py); orchestrator/integrity.py decides the ban."""
+    state, tokens = app[STATE], app[TOKENS]
+    for name in state.integrity.newly_banned():
+        dropped = state.drop_banned(name)
+        try:
+            tokens.revoke(name)
+        except PermissionError as exc:  # an environment token: only its operator can remove it
+            log.error("worker token %r is banned but cannot be revoked here (%s); its rollouts are refused", name, exc)
+        log.warning("worker token %r banned after %d strikes; %d of its samples dropped", name,
+                    state.integrity.workers[name].strikes, dropped)

@@ -1,31 +1,43 @@
 """The ingest checks: why a posted rollout is refused, or None to accept it.
 
 The first stage of RunState.ingest (orchestrator/state.py), run on every rollout that is not a
-resend. Cheap checks come first (the lease, the prompt, the sampling params, the versions, the
+resend. Before it, once per POST /v1/rollouts, the rollouts handler (orchestrator/handlers.py)
+holds the whole post to the size bounds that follow from the run's config (`oversized`, a 400:
+nothing of it is ingested, held or journaled). Cheap checks come first (the lease, the prompt, the sampling params, the versions, the
 token ranges); an episode is replayed against its environment (orchestrator/scoring.py); with
 verification on, finish reasons and replays of content kept before are refused too
 (orchestrator/integrity.py). The reasons are the `reason` of a `Rejection` on the wire and are
 listed in docs/api.md.
+
+Size bounds. The wire models (decentrl/api/wire.py) hold bounds that hold whatever the config;
+the run adds its own: a top-k sampling mask keeps at most top_k ids a token, any mask at most the
+vocabulary. (A completion longer than sampling.max_tokens, a prompt not its lease's, ids outside
+the vocabulary: those are per-rollout rejections; each mask has one entry per completion token.)
+
+MoE routes (Keep Routing; docs/routing.md): the rules are decentrl/model/routing.py's
+`routing_problem`; this module resolves, once per model config, which layers of the run's model
+are sparse and whether the run keeps routing.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from decentrl.api.wire import Rollout, SamplingParams, value_range
-from decentrl.config import RunConfig
+from decentrl.config import PretrainedModelConfig, RunConfig, TinyModelConfig
+from decentrl.model.routing import RouteSpec, keeps_routing, routing_problem, spec_of
 from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask
 from orchestrator.counters import Versions
 from orchestrator.integrity import Integrity
 from orchestrator.leases import CLOSED_REASON, LeaseBook
-from orchestrator.routing_check import routing_problem_of
 from orchestrator.scoring import Scorer
 
 log = logging.getLogger("decentrl.orchestrator.checks")
-
 
 
 class Verdict(NamedTuple):
@@ -120,3 +132,40 @@ class IngestChecks:
         elif self.config.orchestrator.verification.enabled and self.integrity.finish_reason_problem(rollout):
             return "bad_finish_reason"
         return None
+
+
+def oversized(rollouts: Sequence[Rollout], sampling: SamplingParams, vocab_size: int) -> str | None:
+    """What is too large in the first rollout that is (a message naming the field and the run's
+    limit), or None when every rollout fits the run."""
+    per_token = min(sampling.top_k, vocab_size) if sampling.top_k > 0 else vocab_size
+    for index, rollout in enumerate(rollouts):
+        if rollout.sampling_mask is not None:
+            widest = max((len(entry) for entry in rollout.sampling_mask), default=0)
+            if widest > per_token:
+                return (
+                    f"rollouts.{index}.sampling_mask keeps {widest} ids for one token; this run allows at most {per_token} "
+                    f"(sampling.top_k={sampling.top_k}, vocabulary {vocab_size})"
+                )
+    return None
+
+
+@functools.cache
+def _resolved(model: TinyModelConfig | PretrainedModelConfig) -> tuple[RouteSpec | None, bool]:
+    # Config sections are frozen (hashable): a pretrained config.json is read once per run.
+    spec = spec_of(model)
+    return spec, keeps_routing(model, spec)
+
+
+def routing_problem_of(rollout: Rollout, model: TinyModelConfig | PretrainedModelConfig) -> str | None:
+    """The rejection reason of a rollout's routes (`bad_expert_routing:...`), or None."""
+    if rollout.expert_routing is None and model.keep_routing is False:
+        return None  # the common dense case, without resolving the model
+    spec, keep = _resolved(model)
+    tokens = len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
+    return routing_problem(rollout.expert_routing, spec, keep, tokens)
+
+
+def run_keeps_routing(model: TinyModelConfig | PretrainedModelConfig) -> bool:
+    """Whether the run's rollouts must carry routes (told to workers in /v1/info). Also resolves
+    the model once at start-up, so a `keep_routing = true` on a dense model stops the service there."""
+    return _resolved(model)[1]

@@ -52,15 +52,14 @@ from orchestrator.appstate import (
     TOKENS,
     VERIFIER,
     commit,
+    enforce_bans,
     notify_all,
     wake_checks,
 )
-from orchestrator.bans import enforce_bans
 from orchestrator.body import error, parse_body, parse_body_with_raw, respond, wants_msgpack
-from orchestrator.bounds import oversized
+from orchestrator.checks import oversized, run_keeps_routing
 from orchestrator.codec import packed_arrays
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from orchestrator.routing_check import run_keeps_routing
 from orchestrator.state import LeaseError, RunState
 
 log = logging.getLogger("decentrl.orchestrator")
@@ -219,7 +218,7 @@ async def rollouts(request: web.Request) -> web.Response:
         ready_before, superseded_before = len(state.ready), state.lease_book.superseded
         packed = packed_arrays(raw) if raw is not None else None
         result = state.ingest(body.rollouts, holder_of(request, first.worker_id), packed=packed)
-        enforce_bans(state, app[TOKENS])
+        enforce_bans(app)
         await commit(state)
     metrics = app[METRICS]
     if result.accepted:

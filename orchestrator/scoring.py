@@ -1,7 +1,7 @@
 """Rewards, recomputed by the orchestrator: the task's verifier, never the worker's claimed reward.
 
 RunState (orchestrator/state.py) scores a group once it is full: a single-turn completion is
-decoded (orchestrator/tokens.py) and handed to the task's reward; a multi-turn episode is
+decoded (orchestrator/tokenizer.py) and handed to the task's reward; a multi-turn episode is
 replayed against its environment (decentrl/tasks/episodes.py), which the ingest checks
 (orchestrator/checks.py) also do to refuse a transcript the environment would not have given.
 
@@ -21,7 +21,7 @@ from decentrl.rl.steps import Steps, split_steps
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask, replay_episode, tokenizer_codec
 from decentrl.tasks.prompts import chat_messages, uses_chat
-from orchestrator.tokens import Decoder
+from orchestrator.tokenizer import Decoder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -93,7 +93,7 @@ from orchestrator.leases import ClosedLease, LeaseBook, LeaseError, OpenLease, P
 from orchestrator.recovery import meta_row, recover
 from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
 from orchestrator.scoring import Scorer
-from orchestrator.tokens import make_decoder, make_encoder
+from orchestrator.tokenizer import make_decoder, make_encoder
 from orchestrator.view import RunView
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ With `[orchestrator.verification] enabled`, ingest holds some complete groups ba
 (RunState.pending, their jobs in RunState.verify_queue) until the Verifier (orchestrator/
 verify.py) has recomputed their sampled logprobs. This module decides when to check which groups,
 runs the Verifier on one worker thread off the event loop, hands the verdicts back to RunState,
-enforces the bans they cause (orchestrator/bans.py), and wakes the long-polls a verdict may
+enforces the bans they cause (orchestrator/appstate.py `enforce_bans`), and wakes the long-polls a verdict may
 serve (a batch formed, a place for a lease freed).
 
 It is a `cleanup_ctx` entry of create_app (orchestrator/app.py). It sleeps on CHECKS_WANTED
@@ -32,12 +32,11 @@ from orchestrator.appstate import (
     JOURNAL_FAILED,
     LEASES_FREED,
     STATE,
-    TOKENS,
     VERIFIER,
     commit,
+    enforce_bans,
     notify_all,
 )
-from orchestrator.bans import enforce_bans
 from orchestrator.integrity import token_of
 from orchestrator.journal import JournalError
 from orchestrator.state import RunState, VerifyJob
@@ -90,7 +89,7 @@ async def _judge(app: web.Application, executor: concurrent.futures.Executor, jo
         state.verification_done(
             job.lease_id, {r.rollout_id: failed[r.rollout_id] for r in job.rollouts if r.rollout_id in failed}
         )
-    enforce_bans(state, app[TOKENS])
+    enforce_bans(app)
     await commit(state)
     # A batch may form now: groups joined the buffer, or a held-back group it waited for was
     # dropped (which also frees its place for a new lease).

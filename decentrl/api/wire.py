@@ -31,7 +31,7 @@ TOKEN_NAME = r"^[A-Za-z0-9._:@-]{1,64}$"  # no "/" either, for the same reason
 MAX_VERSION = 2**31 - 1  # versions and prompt ids fit the journal's integers with room to spare
 
 # Size bounds of every list on the wire, whatever the run's config: they bound what one request
-# can make the orchestrator hold before its config-derived checks run (orchestrator/bounds.py;
+# can make the orchestrator hold before its config-derived checks run (orchestrator/checks.py;
 # the body itself is bounded by orchestrator.max_request_bytes).
 MAX_SEQUENCE = 2**17  # token ids of one prompt or completion (and their per-token lists)
 MAX_VOCAB = 2**20  # ids one sampling-mask entry may keep: above any real vocabulary

@@ -3,7 +3,7 @@
 Which layers of a model are sparse, how many experts each has and how many a token takes
 (`RouteSpec`), whether a run records and replays routes (`keeps_routing`), and what a rollout's
 routes must look like (`routing_problem`). No torch here: the orchestrator checks routes at
-ingest with this module (orchestrator/routing_check.py); the torch side (recording in a worker,
+ingest with this module (orchestrator/checks.py); the torch side (recording in a worker,
 replaying in the trainer and the verifier) is decentrl/model/routers.py.
 
 Layout: `ExpertRouting` (decentrl/api/wire.py) holds, row-major, one row per token fed to the model

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from decentrl.config import DelimiterStepsConfig, StepsConfig, TurnStepsConfig
 
-# tokenizer.batch_decode(sequences, skip_special_tokens=True): orchestrator/tokens.py `make_decoder`.
+# tokenizer.batch_decode(sequences, skip_special_tokens=True): orchestrator/tokenizer.py `make_decoder`.
 BatchDecode = Callable[[list[list[int]]], list[str]]
 
 

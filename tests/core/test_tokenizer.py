@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from decentrl.config import PretrainedModelConfig, TinyModelConfig
 from decentrl.model.build import build_tiny_tokenizer, end_of_sequence_ids, load_text_tokenizer
 from decentrl.model.tokenizer import RustTokenizer
-from orchestrator.tokens import make_decoder, make_encoder
+from orchestrator.tokenizer import make_decoder, make_encoder
 
 TEXTS = ["", "1234", "12=34", "9" * 50, "x1", "</s>12", "<s><pad>3"]
 SEQUENCES = [[], [1], [4, 5, 6, 2], [0, 1, 2, 3, 4], list(range(14)) * 3, [13, 2, 2, 1]]

@@ -37,9 +37,8 @@ from decentrl.api.wire import Rollout, SamplingParams, TrainBatch, TrainSample
 from decentrl.cli.main import app as cli
 from orchestrator.auth import Identity, TokenRegistry, add_token, list_tokens, parse_env_tokens, revoke_token
 from orchestrator.codec import train_batch_msgpack
-from orchestrator.detokenize import piece_table
 from orchestrator.limits import RateLimiter, retry_after_header
-from orchestrator.tokens import make_decoder, make_encoder
+from orchestrator.tokenizer import make_decoder, make_encoder, piece_table
 
 
 def rollout(**fields: Any) -> Rollout:
@@ -154,7 +153,7 @@ def test_piece_table_decoder_agrees_with_a_byte_level_tokenizer() -> None:
 def test_piece_table_only_where_decode_is_a_join(monkeypatch: pytest.MonkeyPatch) -> None:
     from tokenizers import decoders
 
-    import orchestrator.detokenize as detokenize
+    import orchestrator.tokenizer as detokenize
 
     assert piece_table(byte_level_bpe(decoders.Metaspace()).backend_tokenizer) is None  # strips, replaces
     broken = detokenize._piece_bytes
