@@ -155,7 +155,7 @@ async def leases(request: web.Request) -> web.Response:
             sampling=state.sampling,
             leases=granted,
             retry_after_s=0.0 if granted or wait_s > 0 else 0.2,
-            superseded=book.tell(holder),
+            superseded=state.tell(holder),
         ),
     )
 

@@ -158,7 +158,9 @@ class Deterministic:
     def copies(self, holder: str, count: int) -> list[Lease]:
         if self.hedges is None:
             return []
-        return [self.lease_book.copy(index, holder) for index in self.hedges.pick(holder, count, self._places())]
+        copies = [self.lease_book.copy(index, holder) for index in self.hedges.pick(holder, count, self._places())]
+        self.counters.hedged_leases += len(copies)
+        return copies
 
     def due_in(self, holder: str | None) -> float | None:
         return self.hedges.due_in(holder, self._places()) if self.hedges is not None else None

@@ -2,15 +2,18 @@
 closes, and the closed leases remembered for late samples and resends.
 
 RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its public methods
-(grant, renew, release, expire, ingest, batches, bans). Invariants:
+(grant, renew, release, expire, ingest, batches, bans). It holds no other part: what a lease
+closed without training means for the counters and for integrity, the owner applies (`on_dropped`).
+Invariants:
 - a lease is one group: `group_size` samples of one prompt, all answered by its holder;
 - a lease has a deadline (`lease_timeout_s` after it was granted or last renewed); an overdue
   lease expires, its prompt is leased again first and a late sample gets `lease_expired`;
 - no more leases are open than can be consumed without going stale (`lease_budget`,
   decentrl/rl/staleness.py), nor than the buffer bound allows (`orchestrator.max_buffer_groups`);
-- every status change of a lease goes through `LeaseBook.close`: it journals the change, and a
-  lease closed without training (expired, released, dropped) has its samples counted as
-  dropped and its content forgotten by orchestrator/integrity.py (so it may honestly come again);
+- every status change of a lease goes through `LeaseBook.close`: it journals the change, and
+  hands a lease closed without training (expired, released, dropped, superseded) to `on_dropped`
+  (RunState counts its samples as dropped and integrity forgets their content, so it may honestly
+  come again);
 - a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample
   gets a precise reason and a resend is answered as a duplicate; after a recovery those of the
   leases closed before it are remembered in the journal and looked up there (`journaled_ids`,
@@ -49,8 +52,6 @@ from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import PromptEncoder
 from orchestrator.codec import Packed
-from orchestrator.counters import Counters, Versions
-from orchestrator.integrity import Integrity, token_of
 from orchestrator.journal import RunJournal, lease_of
 
 ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded"]
@@ -58,8 +59,6 @@ Requeue = Literal["back", "front"]
 
 # A lease closed with one of these did not train: its samples are dropped.
 UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "superseded"})
-# Drop reasons that are staleness (also counted in `stale_dropped`).
-STALE_REASONS = frozenset({"stale_in_buffer", "stale_at_ingest", "stale_waiting_scores"})
 # Why a closed lease no longer takes samples -> the rejection reason of a late sample.
 CLOSED_REASON = {
     "complete": "group_full",
@@ -175,19 +174,17 @@ class LeaseBook:
         *,
         config: RunConfig,
         prompts: PromptQueue,
-        versions: Versions,
-        counters: Counters,
-        integrity: Integrity,
         journal: RunJournal,
         clock: Callable[[], float],
+        on_dropped: Callable[[ClosedLease, str, int], None],
     ) -> None:
+        """`on_dropped(closed, reason, samples)`: a lease closed without training, `samples` of its
+        samples to count as dropped for `reason`."""
         self.config = config
         self.prompts = prompts
-        self.versions = versions
-        self.counters = counters
-        self.integrity = integrity
         self.journal = journal
         self.clock = clock
+        self.on_dropped = on_dropped
         self.open: dict[str, OpenLease] = {}
         self.places: dict[int, list[str]] = {}  # deterministic runs: place -> its open leases (copies), oldest first
         # A superseded lease -> the content hashes of the copy that filled its place, by sample
@@ -208,15 +205,15 @@ class LeaseBook:
 
     # -- granting -------------------------------------------------------------------------
 
-    def capacity(self, *, groups_served: int, waiting: int) -> int:
-        """How many leases may be granted now. `waiting`: complete groups not yet served (in
-        line or held back for their check)."""
-        if self.versions.published is None:
+    def capacity(self, *, published: int | None, groups_served: int, waiting: int) -> int:
+        """How many leases may be granted now. `published`: the newest version workers may pull;
+        `waiting`: complete groups not yet served (in line or held back)."""
+        if published is None:
             return 0
         leased = len(self.places) if self.prompts.deterministic else len(self.open)  # copies of a place count once
         committed = groups_served + waiting + leased
         budget = lease_budget(
-            self.versions.published, self.config.max_staleness, self.config.trainer.groups_per_step, committed
+            published, self.config.max_staleness, self.config.trainer.groups_per_step, committed
         )
         room = self.config.orchestrator.max_buffer_groups - waiting - leased
         return max(0, min(budget, room))
@@ -258,7 +255,6 @@ class LeaseBook:
             update={"lease_id": uuid.uuid4().hex, "deadline": self.clock() + self.config.orchestrator.lease_timeout_s}
         )
         self._open(OpenLease(lease=lease, holder=holder, granted_at=self.clock()), granted=True)
-        self.counters.hedged_leases += 1
         return lease
 
     def _open(self, open_lease: OpenLease, *, granted: bool) -> None:
@@ -278,7 +274,8 @@ class LeaseBook:
         self._open(open_lease, granted=False)
 
     def expire(self) -> int:
-        """Close overdue leases and lease their prompts again; a late answer is rejected."""
+        """Close overdue leases and lease their prompts again; a late answer is rejected.
+        Returns how many expired."""
         now, expired = self.clock(), 0
         while self.deadlines and self.deadlines[0][0] < now:
             deadline, lease_id = heapq.heappop(self.deadlines)
@@ -286,7 +283,6 @@ class LeaseBook:
             if open_lease is None or open_lease.lease.deadline != deadline:
                 continue  # closed already, or renewed (a later heap entry stands for it)
             self.close(lease_id, "expired", requeue="back", reason="lease_expired")
-            self.counters.leases_expired += 1
             expired += 1
         return expired
 
@@ -302,10 +298,6 @@ class LeaseBook:
         open_lease.packed.append(packed)
         return open_lease
 
-    def held_by(self, token: str) -> list[str]:
-        """The open leases of a worker token (any of its worker ids)."""
-        return [lease_id for lease_id, lease in self.open.items() if token_of(lease.holder) == token]
-
     # -- the one close path -----------------------------------------------------------------
 
     def close(
@@ -320,13 +312,12 @@ class LeaseBook:
         """Close an open lease, or move a closed one on (complete -> served or dropped).
 
         A lease closed without training (`UNTRAINED`) needs the `reason` its samples are dropped
-        for: `counted` of them (default: all it holds) are counted under `dropped[reason]` (and
-        `stale_dropped` for a stale reason), and integrity forgets their content. `requeue`
-        puts an open lease's prompt back in line; in a deterministic run every lease closed
-        without training puts its place back (a skipped place would change the run), unless
-        another copy of the place is still open (hedging) or it was `superseded` (its place
-        filled). A complete group is journaled by the buffer when it joins the line (with its
-        place and rewards), not here.
+        for: `counted` of them (default: all it holds) are handed to `on_dropped`. `requeue` puts
+        an open lease's prompt back in line; in a deterministic run every lease closed without
+        training puts its place back (a skipped place would change the run), unless another copy
+        of the place is still open (hedging) or it was `superseded` (its place filled). A
+        complete group is journaled by the buffer when it joins the line (with its place and
+        rewards), not here.
         """
         now = self.clock()
         open_lease = self.open.pop(lease_id, None)
@@ -354,12 +345,7 @@ class LeaseBook:
         self.closed_order.append((now, lease_id))
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
-            self.integrity.forget_lease(lease_id)
-            if closed.samples:
-                samples = closed.samples if counted is None else counted
-                self.counters.dropped[reason] += samples
-                if reason in STALE_REASONS:
-                    self.counters.stale_dropped += samples
+            self.on_dropped(closed, reason, (closed.samples if counted is None else counted) if closed.samples else 0)
             self.journal.lease_closed(lease_id, status, now, drop_samples=bool(closed.samples))
         elif status == "served":
             self.journal.lease_closed(lease_id, status, now, drop_samples=False)
@@ -379,11 +365,7 @@ class LeaseBook:
 
     def tell(self, holder: str) -> list[str]:
         """The superseded leases of `holder` not told yet, for its lease answer (told once)."""
-        lost = self.untold.pop(holder, None)
-        if not lost:
-            return []
-        self.counters.hedge_copies_told += len(lost)
-        return list(lost)
+        return list(self.untold.pop(holder, None) or ())
 
     def _told_needless(self, lease_id: str, holder: str) -> None:
         """`holder` no longer holds `lease_id` (it posted it, or the lease is forgotten): nothing to tell."""

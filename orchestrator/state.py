@@ -106,6 +106,9 @@ __all__ = ["LeaseError", "RunState", "VerifyJob"]
 
 log = logging.getLogger("decentrl.orchestrator.state")
 
+# Drop reasons that are staleness (also counted in `stale_dropped`).
+STALE_REASONS = frozenset({"stale_in_buffer", "stale_at_ingest", "stale_waiting_scores"})
+
 
 class RunState(RunView):
     def __init__(
@@ -152,7 +155,7 @@ class RunState(RunView):
             prompts=PromptQueue(
                 task=task, render=render_prompt, seed=config.task.seed, deterministic=config.deterministic
             ),
-            versions=self.versions, counters=self.counters, integrity=self.integrity, journal=self.journal, clock=clock,
+            journal=self.journal, clock=clock, on_dropped=self._dropped,
         )
         self.lease_policy: FreeRunning | Deterministic = (
             Deterministic(config=config, lease_book=self.lease_book, counters=self.counters, clock=clock)
@@ -219,7 +222,9 @@ class RunState(RunView):
     # -- leases (orchestrator/leases.py, orchestrator/lease_policy.py) ----------------------------
 
     def lease_capacity(self) -> int:
-        return self.lease_book.capacity(groups_served=self.counters.groups_served, waiting=self.buffer.waiting())
+        return self.lease_book.capacity(
+            published=self.versions.published, groups_served=self.counters.groups_served, waiting=self.buffer.waiting()
+        )
 
     def grant_leases(self, holder: str, max_groups: int) -> list[Lease]:
         """Copies of lagging places of the next batch first (a deterministic run's hedges: the
@@ -235,7 +240,15 @@ class RunState(RunView):
 
     def expire_leases(self) -> int:
         """Close overdue leases and lease their prompts again; a late answer is rejected."""
-        return self.lease_book.expire()
+        expired = self.lease_book.expire()
+        self.counters.leases_expired += expired
+        return expired
+
+    def tell(self, holder: str) -> list[str]:
+        """The copies of `holder` that lost their places, not told yet (told once, in its lease answer)."""
+        lost = self.lease_book.tell(holder)
+        self.counters.hedge_copies_told += len(lost)
+        return lost
 
     def lease_state(self, lease_id: str, holder: str) -> LeaseState:
         return self.lease_book.state_of(lease_id, holder)
@@ -331,6 +344,15 @@ class RunState(RunView):
         return is_fresh(self.versions.trainer, version, self.config.max_staleness)
 
     # -- what leaves the buffer: the one path of a dropped group, and of a held-back one -----------
+
+    def _dropped(self, closed: ClosedLease, reason: str, samples: int) -> None:
+        """Every lease closed without training, as LeaseBook.close reports it: `samples` of its
+        samples counted as dropped for `reason`, and its content forgotten (it may honestly come again)."""
+        self.integrity.forget_lease(closed.lease.lease_id)
+        if samples:
+            self.counters.dropped[reason] += samples
+            if reason in STALE_REASONS:
+                self.counters.stale_dropped += samples
 
     def _drop(
         self, lease_id: str, reason: str, *, counted: int | None = None, requeue: Requeue | None = None
@@ -432,7 +454,7 @@ class RunState(RunView):
         """A banned token's open leases, held-back and ready groups are dropped (its prompts are
         leased again): what it sent unchecked is no longer trusted. Returns the samples dropped."""
         dropped = 0
-        for lease_id in self.lease_book.held_by(token):
+        for lease_id in [lease_id for lease_id, lease in self.lease_book.open.items() if token_of(lease.holder) == token]:
             dropped += self._drop(lease_id, "banned_worker", requeue="back").samples
 
         def of_token(group: Group) -> bool:
