@@ -44,7 +44,7 @@ from decentrl.rl.determinism import sample_seed
 from decentrl.rl.staleness import is_fresh
 from decentrl.store.checkpoints import CheckpointStore, StoreError, VerificationError
 from decentrl.tasks.episodes import TextCodec
-from workers.backends import Backend
+from workers.backends import BATCHING_ITSELF, Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
 from workers.lease_loop import Spool, answers, backoff, on_signals
@@ -123,7 +123,7 @@ class Worker:
         self.first_generation_at: dict[int, float] = {}  # version -> time.time() of its first generation
         self._batcher = Batcher(
             max_rows=config.max_batch_rows, fixed_rows=fixed_rows(self.info, config), abandoned=self._abandoned,
-            combine=not backend.batches_requests,
+            combine=config.backend not in BATCHING_ITSELF,
         )
 
     def request_stop(self, *_: object) -> None:

@@ -67,7 +67,6 @@ class Gated:
     """A backend that batches concurrent calls itself (a server): each call waits at a barrier
     until `parties` calls are in flight at once (it breaks after 10 s if they never are)."""
 
-    batches_requests = True
     version = 3
 
     def __init__(self, parties: int) -> None:
@@ -85,8 +84,6 @@ class Gated:
 class UntilStopped:
     """A backend whose call samples a token every 10 ms until `should_stop` (then "interrupted")
     or the budget; `started` is set when a call begins."""
-
-    batches_requests = False
 
     def __init__(self) -> None:
         self.version = 1

@@ -131,3 +131,13 @@ def test_the_worker_wraps_its_generation_step_only_for_a_simulation(tmp_path: Pa
     assert plain._samples_for == plain._generate_leases
     assert plain.store.url == f"file://{tmp_path}/store"  # the URL the orchestrator announced
     assert worker(SimulationConfig(latency_median_s=1.0))._samples_for != plain._generate_leases
+
+
+def test_a_server_backend_is_called_by_every_slot_at_once_and_an_in_process_one_combined(tmp_path: Path) -> None:
+    """An OpenAI-compatible server batches concurrent requests itself: the worker does not batch
+    again (workers/batching.py `combine`); hf and vllm generate one call at a time, combined."""
+    server = load_config(None, ["worker.backend=openai", "worker.openai.url=http://127.0.0.1:8000", "worker.openai.model=m"])
+    for config, combined in ((load_config(None), True), (server, False)):
+        worker = Worker(config.worker, worker_id="worker-0", cache_dir=str(tmp_path / "cache"),
+                        client=InfoOnly(f"file://{tmp_path}/store"), backend=HFBackend())  # type: ignore[arg-type]
+        assert worker._batcher.combine is combined

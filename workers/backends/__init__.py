@@ -34,6 +34,12 @@ class Completion:
     routes: ExpertRouting | None = None
 
 
+# `[worker] backend`s whose engine batches concurrent requests itself (a server's continuous
+# batching): the worker calls them from every slot at once instead of combining the slots' rows
+# (workers/batching.py); the in-process engines generate one call at a time.
+BATCHING_ITSELF = frozenset({"openai"})
+
+
 def never() -> bool:
     return False
 
@@ -41,9 +47,6 @@ def never() -> bool:
 class Backend(Protocol):
     version: int | None
     records_routes: bool  # whether `generate` returns MoE routes (a keep_routing run needs them)
-    # Whether the engine batches concurrent `generate` calls itself (a server): then the worker
-    # calls it from every slot at once instead of combining the slots' rows (workers/batching.py).
-    batches_requests: bool
 
     def load(self, checkpoint_dir: str, version: int) -> None:
         """Make `version` (a verified local checkpoint directory) the weights used from now on."""

@@ -33,7 +33,6 @@ from workers.simulation import noisy_routers
 
 class HFBackend:
     records_routes = True  # router hooks, for the MoE architectures decentrl/model/routers.py knows
-    batches_requests = False  # one model in this process: the worker combines its slots' rows
 
     def __init__(
         self, *, device: str = "cpu", seed: int | None = None, router_noise: float = 0.0, gpu_memory: float | None = None

