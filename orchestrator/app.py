@@ -53,6 +53,7 @@ from orchestrator.appstate import (
     stop_waiting,
 )
 from orchestrator.auth import TokenRegistry
+from orchestrator.body import BODY_LIMITS, BodyLimits
 from orchestrator.checks import run_keeps_routing
 from orchestrator.dashboard import sampler
 from orchestrator.history import History
@@ -89,6 +90,7 @@ def create_app(
         handler_args={"auto_decompress": False},
     )
     app[STATE] = state
+    app[BODY_LIMITS] = BodyLimits(options.max_request_bytes, options.body_timeout_s)
     app[TOKENS] = tokens
     app[STORE_URL] = store_url
     app[METRICS] = metrics = Metrics(state)

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from decentrl.store.checkpoints import CheckpointStore
-from orchestrator.auth import Identity, TokenRegistry
+from orchestrator.auth import TokenRegistry
 from orchestrator.history import History
 from orchestrator.limits import InFlight, RateLimiter
 from orchestrator.metrics import Metrics
@@ -79,7 +79,6 @@ SCORES_WAITING = web.AppKey("scores_waiting", asyncio.Condition)  # notified whe
 IDLE_SCORERS = web.AppKey("idle_scorers", IdleScorers)
 CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when held-back groups may be due a check
 HISTORY = web.AppKey("history", History)  # bounded curves and samples for the dashboard
-IDENTITY = web.RequestKey("identity", Identity)  # the caller's token, set by the auth middleware
 
 
 async def commit(state: RunState) -> None:

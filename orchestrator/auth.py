@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from aiohttp import web
+
 Role = Literal["worker", "trainer", "scorer", "admin"]
 ROLES: tuple[Role, ...] = ("worker", "trainer", "scorer", "admin")
 NAME = re.compile(r"^[A-Za-z0-9._:@-]{1,64}$")  # no "/": lease holders are "token-name/worker-id"
@@ -42,6 +44,9 @@ log = logging.getLogger("decentrl.orchestrator.auth")
 class Identity:
     name: str
     role: Role
+
+
+IDENTITY = web.RequestKey("identity", Identity)  # the caller's token, set by the auth middleware
 
 
 def _digest(token: str) -> bytes:

@@ -1,6 +1,7 @@
 """HTTP bodies of the orchestrator: parsing requests, answering, and errors a user can act on.
 
-Called by the handlers (orchestrator/handlers.py) and the middlewares (orchestrator/middlewares.py).
+Called by the handlers (orchestrator/handlers.py, score_handlers.py, dashboard.py) and the
+middlewares (orchestrator/middlewares.py); also the query parameters they read and who the caller is.
 A request body is JSON or msgpack by its Content-Type, optionally gzip- or deflate-compressed
 (Content-Encoding); an answer is msgpack when the request's Accept names it, JSON otherwise; an
 error is always JSON {"error": "..."}. The encodings themselves are decentrl/api/encoding.py.
@@ -16,15 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import zlib
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, EncodingError, encode_model, unpack_msgpack
-from decentrl.api.wire import problems
-from orchestrator.appstate import STATE
+from decentrl.api.wire import MAX_VERSION, WORKER_ID, problems
+from orchestrator.auth import IDENTITY
 from orchestrator.limits import retry_after_header
 
 M = TypeVar("M", bound=BaseModel)
@@ -34,6 +36,14 @@ JSON_TYPES = frozenset({MEDIA_JSON, "text/plain", "application/octet-stream", ""
 # Content-Encoding -> zlib's wbits: gzip (with its header and trailer), deflate (RFC 9110: the
 # zlib format; raw deflate is not accepted).
 ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+class BodyLimits(NamedTuple):
+    max_request_bytes: int  # decompressed
+    timeout_s: float  # for the whole body to arrive
+
+
+BODY_LIMITS = web.AppKey("body_limits", BodyLimits)  # set by create_app from [orchestrator]
 
 
 def error(
@@ -107,8 +117,8 @@ async def parse_body_with_raw(request: web.Request, model: type[M]) -> tuple[M, 
             web.HTTPUnsupportedMediaType,
             f"Content-Type {media!r} is not supported; send {MEDIA_JSON} or {MEDIA_MSGPACK} (optionally gzip-encoded)",
         )
-    options = request.app[STATE].config.orchestrator
-    body = await read_body(request, limit=options.max_request_bytes, timeout_s=options.body_timeout_s)
+    limits = request.app[BODY_LIMITS]
+    body = await read_body(request, limit=limits.max_request_bytes, timeout_s=limits.timeout_s)
     try:
         if msgpack:
             decoded = unpack_msgpack(body)
@@ -118,3 +128,33 @@ async def parse_body_with_raw(request: web.Request, model: type[M]) -> tuple[M, 
         raise error(web.HTTPBadRequest, f"invalid {model.__name__}: body: {exc}") from None
     except ValidationError as exc:
         raise error(web.HTTPBadRequest, f"invalid {model.__name__}: {problems(exc)}") from None
+
+
+# -- query parameters and the caller ------------------------------------------------------
+
+# The answer for a refused lease or score operation, by its error's `status`.
+STATUS_ERRORS: dict[int, type[web.HTTPException]] = {
+    400: web.HTTPBadRequest, 403: web.HTTPForbidden, 404: web.HTTPNotFound, 409: web.HTTPConflict,
+}
+
+
+def query_int(request: web.Request, name: str, *, low: int = 0, high: int = MAX_VERSION) -> int:
+    try:
+        value = int(request.query[name])
+    except (KeyError, ValueError):
+        raise error(web.HTTPBadRequest, f"query parameter {name} (an integer >= {low}) is required") from None
+    if not low <= value <= high:
+        raise error(web.HTTPBadRequest, f"query parameter {name} must be between {low} and {high}, got {value}")
+    return value
+
+
+def holder_of(request: web.Request, worker_id: str) -> str:
+    """Who holds a lease: the caller's token name and its worker id ("alice/w0")."""
+    return f"{request[IDENTITY].name}/{worker_id}"
+
+
+def query_worker(request: web.Request) -> str:
+    worker_id = request.query.get("worker_id", "")
+    if not re.fullmatch(WORKER_ID, worker_id):
+        raise error(web.HTTPBadRequest, f"query parameter worker_id is required and must match {WORKER_ID}")
+    return holder_of(request, worker_id)

@@ -20,8 +20,6 @@ from pydantic import BaseModel
 
 from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK
 from decentrl.api.wire import (
-    MAX_VERSION,
-    WORKER_ID,
     Health,
     LeaseRequest,
     LeaseResponse,
@@ -39,7 +37,6 @@ from decentrl.tasks.episodes import EpisodeTask
 from orchestrator.appstate import (
     BATCH_READY,
     HISTORY,
-    IDENTITY,
     INFLIGHT,
     LEASES_FREED,
     METRICS,
@@ -56,7 +53,18 @@ from orchestrator.appstate import (
     notify_all,
     wake_checks,
 )
-from orchestrator.body import error, parse_body, parse_body_with_raw, respond, wants_msgpack
+from orchestrator.auth import IDENTITY
+from orchestrator.body import (
+    STATUS_ERRORS,
+    error,
+    holder_of,
+    parse_body,
+    parse_body_with_raw,
+    query_int,
+    query_worker,
+    respond,
+    wants_msgpack,
+)
 from orchestrator.checks import oversized, run_keeps_routing
 from orchestrator.codec import packed_arrays
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -65,34 +73,6 @@ from orchestrator.state import LeaseError, RunState
 log = logging.getLogger("decentrl.orchestrator")
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# The answer for a refused lease or score operation, by its error's `status`.
-STATUS_ERRORS: dict[int, type[web.HTTPException]] = {
-    400: web.HTTPBadRequest, 403: web.HTTPForbidden, 404: web.HTTPNotFound, 409: web.HTTPConflict,
-}
-
-
-def query_int(request: web.Request, name: str, *, low: int = 0, high: int = MAX_VERSION) -> int:
-    try:
-        value = int(request.query[name])
-    except (KeyError, ValueError):
-        raise error(web.HTTPBadRequest, f"query parameter {name} (an integer >= {low}) is required") from None
-    if not low <= value <= high:
-        raise error(web.HTTPBadRequest, f"query parameter {name} must be between {low} and {high}, got {value}")
-    return value
-
-
-def holder_of(request: web.Request, worker_id: str) -> str:
-    """Who holds a lease: the caller's token name and its worker id ("alice/w0")."""
-    return f"{request[IDENTITY].name}/{worker_id}"
-
-
-def query_worker(request: web.Request) -> str:
-    worker_id = request.query.get("worker_id", "")
-    if not re.fullmatch(WORKER_ID, worker_id):
-        raise error(web.HTTPBadRequest, f"query parameter worker_id is required and must match {WORKER_ID}")
-    return holder_of(request, worker_id)
-
-
 def run_status(app: web.Application) -> StatusResponse:
     found = app[STATE].status()
     if VERIFIER in app:

@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from decentrl.api.encoding import MEDIA_JSON
-from orchestrator.appstate import IDENTITY, JOURNAL_FAILED, LIMITER, METRICS, ROUTE_ROLES, TOKENS
+from orchestrator.appstate import JOURNAL_FAILED, LIMITER, METRICS, ROUTE_ROLES, TOKENS
+from orchestrator.auth import IDENTITY
 from orchestrator.body import error
 from orchestrator.journal import JournalError
 from orchestrator.protocol import client_faults

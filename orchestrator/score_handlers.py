@@ -26,8 +26,7 @@ from orchestrator.appstate import (
     notify_all,
     wake_checks,
 )
-from orchestrator.body import error, parse_body, respond
-from orchestrator.handlers import STATUS_ERRORS, holder_of
+from orchestrator.body import STATUS_ERRORS, error, holder_of, parse_body, respond
 from orchestrator.leases import LeaseError
 from orchestrator.score_queue import ScoreError
 
