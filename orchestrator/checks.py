@@ -4,7 +4,7 @@ The first stage of RunState.ingest (orchestrator/state.py), run on every rollout
 resend. Before it, once per POST /v1/rollouts, the rollouts handler (orchestrator/handlers.py)
 holds the whole post to the size bounds that follow from the run's config (`oversized`, a 400:
 nothing of it is ingested, held or journaled). Cheap checks come first (the lease, the prompt, the sampling params, the versions, the
-token ranges); an episode is replayed against its environment (orchestrator/scoring.py); with
+token ranges); an episode is replayed against its environment (orchestrator/rewards.py); with
 verification on, finish reasons and replays of content kept before are refused too
 (orchestrator/integrity.py). The reasons are the `reason` of a `Rejection` on the wire and are
 listed in docs/api.md.
@@ -35,12 +35,12 @@ from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask
 from orchestrator.counters import Versions
 from orchestrator.integrity import Integrity
 from orchestrator.leases import CLOSED_REASON, LeaseBook
-from orchestrator.scoring import Scorer
+from orchestrator.rewards import Rewards
 
 log = logging.getLogger("decentrl.orchestrator.checks")
 
 
-class Verdict(NamedTuple):
+class CheckResult(NamedTuple):
     reason: str | None  # why the rollout is refused; None: accepted
     digest: bytes | None  # its content hash, to keep for replay detection (verification on only)
 
@@ -56,7 +56,7 @@ class IngestChecks:
         versions: Versions,
         lease_book: LeaseBook,
         integrity: Integrity,
-        scorer: Scorer,
+        rewards: Rewards,
     ) -> None:
         self.config = config
         self.task = task
@@ -65,16 +65,16 @@ class IngestChecks:
         self.versions = versions
         self.lease_book = lease_book
         self.integrity = integrity
-        self.scorer = scorer
+        self.rewards = rewards
 
-    def check(self, rollout: Rollout, holder: str) -> Verdict:
+    def check(self, rollout: Rollout, holder: str) -> CheckResult:
         if self.integrity.is_banned(holder):
-            return Verdict("banned", None)
+            return CheckResult("banned", None)
         reason = self.reason(rollout, holder)
         if reason is not None or not self.config.orchestrator.verification.enabled:
-            return Verdict(reason, None)
+            return CheckResult(reason, None)
         digest = self.integrity.replay_of(rollout)
-        return Verdict("replay", None) if digest is None else Verdict(None, digest)
+        return CheckResult("replay", None) if digest is None else CheckResult(None, digest)
 
     def reason(self, rollout: Rollout, holder: str) -> str | None:
         """The reason to reject a rollout, or None to accept it."""
@@ -123,7 +123,7 @@ class IngestChecks:
             return problem
         if isinstance(self.task, EpisodeTask):  # the replay checks the ending too
             try:
-                self.scorer.episode_reward(rollout)
+                self.rewards.episode_reward(rollout)
             except EpisodeMismatch as exc:
                 log.info("rollout %s: %s", rollout.rollout_id, exc)
                 return "episode_mismatch"

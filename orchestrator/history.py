@@ -49,7 +49,7 @@ class WorkerActivity:
 
 
 @dataclass(frozen=True)
-class Sample:
+class ShownSample:
     """One completion served to the trainer; decoded lazily (orchestrator/dashboard.py)."""
 
     time: float
@@ -74,7 +74,7 @@ class History:
     points: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=POINTS_KEPT))
     steps: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
     versions: deque[VersionEvent] = field(default_factory=lambda: deque(maxlen=VERSIONS_KEPT))
-    samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
+    samples: deque[ShownSample] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
     workers: dict[str, WorkerActivity] = field(default_factory=dict)
     staleness: Counter[int] = field(default_factory=Counter)  # samples served, by staleness
 
@@ -133,7 +133,7 @@ class History:
             if sample.group_id in seen:
                 continue
             seen.add(sample.group_id)
-            self.samples.append(Sample(
+            self.samples.append(ShownSample(
                 now, sample.policy_version, batch.trainer_version, sample.reward, sample.advantage,
                 list(sample.prompt_token_ids), list(sample.completion_token_ids),
             ))

@@ -28,7 +28,7 @@ class Param:
 
 
 @dataclass(frozen=True)
-class RouteSpec:
+class Endpoint:
     method: str
     path: str
     summary: str
@@ -63,7 +63,7 @@ def _content(ref: dict[str, Any], msgpack: bool) -> dict[str, Any]:
     return content
 
 
-def build_openapi(routes: list[RouteSpec], *, title: str, version: str, description: str) -> dict[str, Any]:
+def build_openapi(routes: list[Endpoint], *, title: str, version: str, description: str) -> dict[str, Any]:
     models: set[tuple[type[BaseModel], str]] = {(ErrorBody, "serialization")}
     for route in routes:
         if route.body is not None:

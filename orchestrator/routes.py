@@ -66,7 +66,7 @@ from decentrl.api.wire import (
 from orchestrator import dashboard, handlers, score_handlers
 from orchestrator.appstate import RouteRoles
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from orchestrator.openapi import Param, RouteSpec, build_openapi
+from orchestrator.openapi import Endpoint, Param, build_openapi
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -74,68 +74,68 @@ ANY = ("worker", "trainer", "scorer", "admin")
 P = API_PREFIX
 LEASE_ID = Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/leases.")
 WORKER_Q = Param("worker_id", "query", {"type": "string", "pattern": WORKER_ID}, "The worker id that leased it.")
-ROUTES: list[tuple[RouteSpec, Handler]] = [
-    (RouteSpec("GET", f"{P}/info", "What a worker needs to join: run, store URL, newest version.", ANY,
+ROUTES: list[tuple[Endpoint, Handler]] = [
+    (Endpoint("GET", f"{P}/info", "What a worker needs to join: run, store URL, newest version.", ANY,
                answers={200: RunInfo}, msgpack=True), handlers.info),
-    (RouteSpec("GET", f"{P}/status", "Run counters for progress displays.", ANY,
+    (Endpoint("GET", f"{P}/status", "Run counters for progress displays.", ANY,
                answers={200: StatusResponse}, msgpack=True), handlers.status),
-    (RouteSpec("POST", f"{P}/leases", "Lease prompt groups; with none due, waits up to lease_wait_s for one (then empty).", ("worker",),
+    (Endpoint("POST", f"{P}/leases", "Lease prompt groups; with none due, waits up to lease_wait_s for one (then empty).", ("worker",),
                body=LeaseRequest, answers={200: LeaseResponse}, msgpack=True, tag="worker"), handlers.leases),
-    (RouteSpec("GET", f"{P}/leases/{{lease_id}}", "Where one of my leases stands.", ("worker",),
+    (Endpoint("GET", f"{P}/leases/{{lease_id}}", "Where one of my leases stands.", ("worker",),
                params=(LEASE_ID, WORKER_Q), answers={200: LeaseState}, errors=(404,), msgpack=True, tag="worker"),
      handlers.lease_get),
-    (RouteSpec("POST", f"{P}/leases/{{lease_id}}/renew", "Push my open lease's deadline lease_timeout_s from now.",
+    (Endpoint("POST", f"{P}/leases/{{lease_id}}/renew", "Push my open lease's deadline lease_timeout_s from now.",
                ("worker",), params=(LEASE_ID, WORKER_Q), answers={200: Lease}, errors=(404, 409), msgpack=True,
                tag="worker"), handlers.lease_renew),
-    (RouteSpec("DELETE", f"{P}/leases/{{lease_id}}", "Give my open lease back; its prompt is leased again first.",
+    (Endpoint("DELETE", f"{P}/leases/{{lease_id}}", "Give my open lease back; its prompt is leased again first.",
                ("worker",), params=(LEASE_ID, WORKER_Q), answers={200: LeaseState}, errors=(404, 409), msgpack=True,
                tag="worker"), handlers.lease_release),
-    (RouteSpec("POST", f"{P}/rollouts", "Post samples; each is accepted, a duplicate, or rejected with a reason.",
+    (Endpoint("POST", f"{P}/rollouts", "Post samples; each is accepted, a duplicate, or rejected with a reason.",
                ("worker",), body=RolloutBatch, answers={200: IngestResponse}, errors=(409,), msgpack=True,
                tag="worker"), handlers.rollouts),
-    (RouteSpec("POST", f"{P}/score/leases",
+    (Endpoint("POST", f"{P}/score/leases",
                "Lease samples to score; with none waiting, waits up to lease_wait_s for some (then empty).",
                ("scorer",), body=ScoreLeaseRequest, answers={200: ScoreLease}, msgpack=True, tag="scorer"),
      score_handlers.score_leases),
-    (RouteSpec("POST", f"{P}/score/leases/{{lease_id}}/renew", "Push my score lease's deadline rewards.lease_timeout_s from now.",
+    (Endpoint("POST", f"{P}/score/leases/{{lease_id}}/renew", "Push my score lease's deadline rewards.lease_timeout_s from now.",
                ("scorer",), params=(
                    Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/score/leases."),
                    Param("scorer_id", "query", {"type": "string", "pattern": WORKER_ID}, "The scorer id that leased it."),
                ), answers={200: ScoreRenewal}, errors=(403, 404, 409), msgpack=True, tag="scorer"),
      score_handlers.score_renew),
-    (RouteSpec("POST", f"{P}/scores",
+    (Endpoint("POST", f"{P}/scores",
                "Post scores for items of my score lease: all taken (a resend counted as duplicate), or none with a reason.",
                ("scorer",), body=ScorePost, answers={200: ScoreAck}, errors=(403, 404, 409), msgpack=True, tag="scorer"),
      score_handlers.scores),
-    (RouteSpec("GET", f"{P}/batch", "Long-poll for the next batch of fresh groups (204 if none within batch_wait_s).",
+    (Endpoint("GET", f"{P}/batch", "Long-poll for the next batch of fresh groups (204 if none within batch_wait_s).",
                ("trainer",), params=(
                    Param("trainer_version", "query", {"type": "integer", "minimum": 0, "maximum": MAX_VERSION},
                          "The version the trainer holds (the step about to run starts from it); at most trainer.steps."),
                    Param("request_id", "query", {"type": "string", "pattern": handlers.REQUEST_ID.pattern},
                          "Idempotency key: asking again with it returns the same batch.", required=False),
                ), answers={200: TrainBatch, 204: None}, msgpack=True, tag="trainer"), handlers.batch),
-    (RouteSpec("POST", f"{P}/version", "Announce a version complete in the store.", ("trainer",),
+    (Endpoint("POST", f"{P}/version", "Announce a version complete in the store.", ("trainer",),
                body=VersionAnnouncement, answers={200: StatusResponse}, errors=(409,), msgpack=True, tag="trainer"),
      handlers.version),
-    (RouteSpec("GET", f"{P}/admin/tokens", "Token names, roles and sources (never the tokens).", ("admin",),
+    (Endpoint("GET", f"{P}/admin/tokens", "Token names, roles and sources (never the tokens).", ("admin",),
                answers={200: TokenList}, tag="admin"), handlers.tokens_list),
-    (RouteSpec("POST", f"{P}/admin/tokens", "Create a token (written to the tokens file).", ("admin",),
+    (Endpoint("POST", f"{P}/admin/tokens", "Create a token (written to the tokens file).", ("admin",),
                body=TokenCreate, answers={201: TokenCreated}, errors=(409,), tag="admin"), handlers.tokens_create),
-    (RouteSpec("DELETE", f"{P}/admin/tokens/{{name}}", "Revoke a token; the next request with it gets 401.", ("admin",),
+    (Endpoint("DELETE", f"{P}/admin/tokens/{{name}}", "Revoke a token; the next request with it gets 401.", ("admin",),
                params=(Param("name", "path", {"type": "string", "pattern": TOKEN_NAME}, "The token's name."),),
                answers={200: TokenEntry}, errors=(404, 409), tag="admin"), handlers.tokens_revoke),
-    (RouteSpec("GET", "/metrics", "Prometheus metrics (text format 0.0.4).", ("trainer", "admin"),
+    (Endpoint("GET", "/metrics", "Prometheus metrics (text format 0.0.4).", ("trainer", "admin"),
                answers={200: METRICS_CONTENT_TYPE}, tag="ops"), handlers.metrics),
-    (RouteSpec("GET", "/openapi.json", "This description.", None, answers={200: MEDIA_JSON}, tag="ops"), handlers.openapi),
-    (RouteSpec("GET", "/healthz", "Liveness: 503 once the journal has failed.", None,
+    (Endpoint("GET", "/openapi.json", "This description.", None, answers={200: MEDIA_JSON}, tag="ops"), handlers.openapi),
+    (Endpoint("GET", "/healthz", "Liveness: 503 once the journal has failed.", None,
                answers={200: Health}, tag="ops"), handlers.healthz),
-    (RouteSpec("POST", f"{P}/trainer/steps", "One optimizer step's metrics, for the dashboard.", ("trainer",),
+    (Endpoint("POST", f"{P}/trainer/steps", "One optimizer step's metrics, for the dashboard.", ("trainer",),
                body=TrainerStep, answers={200: MEDIA_JSON}, msgpack=True, tag="trainer"), dashboard.trainer_steps),
-    (RouteSpec("GET", f"{P}/dashboard", "The run's curves, workers and recent samples since `since` (the page's poll).",
+    (Endpoint("GET", f"{P}/dashboard", "The run's curves, workers and recent samples since `since` (the page's poll).",
                ANY, params=(Param("since", "query", {"type": "number", "minimum": 0, "maximum": dashboard.MAX_SINCE},
                                   "Time stamp of the last poll: only newer points come back.", required=False),),
                answers={200: MEDIA_JSON}, tag="ops"), dashboard.dashboard),
-    (RouteSpec("GET", "/", "The live dashboard page (its script polls /v1/dashboard).", None,
+    (Endpoint("GET", "/", "The live dashboard page (its script polls /v1/dashboard).", None,
                answers={200: "text/html"}, tag="ops"), dashboard.page),
 ]
 
@@ -144,7 +144,7 @@ ROUTES: list[tuple[RouteSpec, Handler]] = [
 PUBLIC_WITH_METRICS = ("/metrics", f"{P}/dashboard")
 
 
-def route_specs(*, metrics_public: bool = False) -> list[RouteSpec]:
+def route_specs(*, metrics_public: bool = False) -> list[Endpoint]:
     """The routes as served: with `metrics_public`, /metrics and /v1/dashboard need no token."""
     specs = [spec for spec, _ in ROUTES]
     if metrics_public:

@@ -6,7 +6,7 @@ hands each complete group's items to `add` while the buffer holds the group back
 (orchestrator/buffer.py); scorers (the `scorer` role: `decentrl scorer`, workers/scorer.py)
 lease items through the handlers (`lease`, `renew`), score them with their backend and `post`
 the scores; when the last sample of a group is scored, `post` names the group and RunState
-combines the rewards (orchestrator/scoring.py) and lets it join the line.
+combines the rewards (orchestrator/rewards.py) and lets it join the line.
 
 Invariants:
 - an item is leased to one scorer at a time; a lease has a deadline (`lease_timeout_s` from

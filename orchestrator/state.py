@@ -5,14 +5,15 @@ Plain synchronous code with no HTTP in it; the handlers (orchestrator/handlers.p
 the event loop (one thread, so no locks), as do orchestrator/service.py (which builds it),
 orchestrator/verification.py, orchestrator/metrics.py and benchmarks/; what they read under the
 parts' names, and the /v1/status answer, is its base RunView (orchestrator/view.py). The parts,
-none of which holds another (except the lease policy, which works on the lease table):
+none of which holds another, except the lease policy (it works on the lease table) and the
+ingest checks (they read the lease table, integrity, the rewards' episode replay and the versions):
 
   lease_book   orchestrator/leases.py       prompt order, open leases and deadlines, the lease
                                             budget, the one lease-close path, closed leases remembered
   lease_policy orchestrator/lease_policy.py free-running, or deterministic (places, hedged copies,
                                             losing copies), chosen once at start-up
   checks       orchestrator/checks.py       why a posted rollout is refused
-  scorer       orchestrator/scoring.py      rewards recomputed with the task's verifier, combined
+  rewards      orchestrator/rewards.py      rewards recomputed with the task's verifier, combined
                                             with model scores
   score_queue  orchestrator/score_queue.py  samples waiting for model scores, leased to scorers
   integrity    orchestrator/integrity.py    strikes, bans, spot-check sampling, replays
@@ -31,7 +32,7 @@ The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
   2. check    checks.py gives a rejection reason (counted; a stale one drops its whole group)
   3. record   the sample joins its open lease; integrity keeps its content hash and may pick it
               for a logprob check; the journal records it
-  4. complete when the group is full (and still fresh): scoring.py rewards each sample with the
+  4. complete when the group is full (and still fresh): rewards.py rewards each sample with the
               task's verifier; the lease policy fills its place
   5. line up  the group joins the line for the trainer, or is held back in its place until its
               logprob check (`verification_done`) and its model scores (`post_scores`) are in
@@ -42,7 +43,7 @@ group through `_release`: one place each for what the checks, the scores, a ban 
 trainer's version decide.
 
 Invariants:
-- a rollout is scored with the task's verifier and/or by scorers (scoring.py, score_queue.py), never
+- a rollout is scored with the task's verifier and/or by scorers (rewards.py, score_queue.py), never
   with the worker's claimed reward; a group waiting for scores counts toward the staleness budget
   and is dropped (`stale_waiting_scores`) if it goes stale waiting;
 - a group is served to the trainer at most once, and only if every sample is fresh for the
@@ -91,8 +92,8 @@ from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.lease_policy import Deterministic, FreeRunning
 from orchestrator.leases import ClosedLease, LeaseBook, LeaseError, OpenLease, PromptQueue, Requeue
 from orchestrator.recovery import meta_row, recover
+from orchestrator.rewards import Rewards
 from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
-from orchestrator.scoring import Scorer
 from orchestrator.tokenizer import make_decoder, make_encoder
 from orchestrator.view import RunView
 
@@ -161,14 +162,14 @@ class RunState(RunView):
             Deterministic(config=config, lease_book=self.lease_book, counters=self.counters, clock=clock)
             if config.deterministic else FreeRunning()
         )
-        self.scorer = Scorer(
+        self.rewards = Rewards(
             task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt,
             steps=options.advantages.steps,
         )
         self.checks = IngestChecks(
             config=config, task=task, sampling=SamplingParams(**config.sampling.model_dump()),
             vocab_size=self.vocab_size, versions=self.versions, lease_book=self.lease_book,
-            integrity=self.integrity, scorer=self.scorer,
+            integrity=self.integrity, rewards=self.rewards,
         )
         self.buffer = Buffer(journal=self.journal, clock=clock)
         self.score_queue = ScoreQueue(
@@ -216,7 +217,7 @@ class RunState(RunView):
                 open_lease.check = list(range(len(open_lease.samples)))
             if len(open_lease.samples) >= open_lease.lease.group_size:
                 self._complete(open_lease)
-        if self.scorer.steps_config is None:  # kept for the kept batches' step scores, rebuilt when asked for
+        if self.rewards.steps_config is None:  # kept for the kept batches' step scores, rebuilt when asked for
             self.scores_taken = {}
 
     # -- leases (orchestrator/leases.py, orchestrator/lease_policy.py) ----------------------------
@@ -321,7 +322,7 @@ class RunState(RunView):
             # Its first samples were fresh when they came, but the trainer moved on since.
             self._drop(lease.lease_id, "stale_in_buffer")
             return
-        verifier = self.scorer.verifier_rewards(samples)  # None for a model-only reward
+        verifier = self.rewards.verifier_rewards(samples)  # None for a model-only reward
         model = self.config.orchestrator.rewards.uses_model
         # A deterministic run's groups take their place in line from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
@@ -373,14 +374,14 @@ class RunState(RunView):
     def _holder(self, group: Group) -> str:
         return self.lease_book.closed[group.lease_id].holder
 
-    # -- model scores (orchestrator/score_queue.py; rewards combined by scoring.py) ---------------
+    # -- model scores (orchestrator/score_queue.py; rewards combined by rewards.py) ---------------
 
     def _await_scores(self, group: Group, samples: list[Rollout]) -> None:
         """`group` (held back for its scores) has its samples, split into steps for a process
         reward, queued for scorers."""
-        steps = self.scorer.steps(samples)
+        steps = self.rewards.steps(samples)
         group.step_ends = [s.ends for s in steps] if steps is not None else None
-        if self.score_queue.add(group.lease_id, self.scorer.items(samples, steps), self.scores_taken):
+        if self.score_queue.add(group.lease_id, self.rewards.items(samples, steps), self.scores_taken):
             self._scored(group.lease_id)  # recovered with every score already taken
 
     def lease_scores(self, holder: str, max_items: int) -> ScoreLeaseEntry | None:
@@ -403,7 +404,7 @@ class RunState(RunView):
         group = self.buffer.pending.get(group_id)
         if group is None:
             return  # dropped while its scores came in
-        rewards = self.scorer.combine(group.verifier_rewards, results)
+        rewards = self.rewards.combine(group.verifier_rewards, results)
         if rewards is None:  # a judge reply that did not parse, on_parse_failure = drop
             self.buffer.release_held_back(lambda g: g.lease_id == group_id)
             self._drop(group_id, "judge_parse_failure", counted=group.size)
@@ -417,10 +418,10 @@ class RunState(RunView):
     def _restore_steps(self, group: Group) -> None:
         """A group recovered in line or in a kept batch: its steps split again, its step scores
         from the journal (nothing is read in a run without step scores)."""
-        if self.scorer.steps_config is None:
+        if self.rewards.steps_config is None:
             return
         rollouts = group.rollouts
-        steps = self.scorer.steps(rollouts)
+        steps = self.rewards.steps(rollouts)
         assert steps is not None
         group.step_ends = [s.ends for s in steps]
         results = [self.scores_taken.get(rollout.rollout_id) for rollout in rollouts]

@@ -2,7 +2,7 @@
 
 RunState (orchestrator/state.py) builds one encoder and one decoder at startup: the lease book
 encodes each prompt it leases (orchestrator/leases.py), the scorer decodes every accepted
-completion (orchestrator/scoring.py) and integrity decodes stop strings (orchestrator/integrity.py).
+completion (orchestrator/rewards.py) and integrity decodes stop strings (orchestrator/integrity.py).
 Both give exactly what the Hugging Face tokenizer methods give; they only skip layers of Python
 where that cannot change the result.
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from decentrl.model.tokenizer import RustTokenizer
 
 
-class Scorer:
+class Rewards:
     def __init__(
         self, *, task: Task | EpisodeTask, tokenizer: PreTrainedTokenizerBase | RustTokenizer, decode: Decoder,
         end_ids: set[int], rewards: RewardConfig, prompt: PromptConfig, steps: StepsConfig,
