@@ -1,0 +1,204 @@
+"""The orchestrator's parts, each on its own: no RunState, no sibling part, a fake clock.
+
+RunState (orchestrator/state.py) owns the parts and applies what they decide; these tests hold
+each part to its own promises. The journal is the no-op one (what is journaled, and recovered,
+is tests/orchestrator/test_orchestrator_journal.py's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from decentrl.api.wire import Lease, Rollout, SamplingParams
+from decentrl.config import AdvantageConfig, HedgingConfig, VerificationConfig
+from decentrl.tasks import build_task
+from orchestrator.batches import KeptBatches, build_batch, pack_sample
+from orchestrator.buffer import Buffer, Group, VerifyJob
+from orchestrator.checks import oversized
+from orchestrator.integrity import Integrity
+from orchestrator.journal import NullJournal
+from orchestrator.lease_policy import MIN_RECENT, Hedges, Places
+from orchestrator.leases import ClosedLease, LeaseBook, LeaseNotFound, NotLeaseHolder, OpenLease, PromptQueue
+
+HOLDER = "alice/w0"
+
+
+def lease(lease_id: str, prompt_id: int = 0, group_size: int = 2) -> Lease:
+    return Lease(lease_id=lease_id, prompt_id=prompt_id, prompt_token_ids=[1, 2], group_size=group_size, deadline=0.0)
+
+
+def group(make_rollout: Any, lease_id: str, rewards: list[float], *, version: int = 0, seq: int = 0) -> Group:
+    rollouts = [make_rollout(lease(lease_id), [5, 6], policy_version=version) for _ in rewards]
+    return Group.of(lease_id, 0, rollouts, rewards, [pack_sample(r) for r in rollouts], seq)
+
+
+# -- the buffer -------------------------------------------------------------------------------
+
+
+def test_a_pending_group_keeps_its_place_in_the_queue(make_rollout: Any, clock: Any) -> None:
+    buffer = Buffer(journal=NullJournal(), clock=clock)
+    first, second, third = (group(make_rollout, name, [1.0, 0.0]) for name in "abc")
+    job = VerifyJob("a", first.rollouts, HOLDER)
+    buffer.hold_back(first, check=job, scores=True)
+    buffer.to_ready(second)
+    buffer.to_ready(third)
+    assert [g.lease_id for g in buffer.ready] == ["b", "c"] and list(buffer.verify_queue) == [job]
+    assert buffer.held_back_ahead(1)  # a batch of one would skip "a": it waits
+    assert buffer.done_waiting("a", "check") is None  # still waits for its scores
+    assert buffer.waits_for("a", "scores") and not buffer.waits_for("a", "check")
+    released = buffer.done_waiting("a", "scores")
+    assert released is first and buffer.pending == {}
+    buffer.to_ready(first)
+    assert [g.lease_id for g in buffer.ready] == ["a", "b", "c"]  # back in its place, ahead of later groups
+    assert [g.lease_id for g in buffer.take_front(2)] == ["a", "b"] and buffer.waiting() == 1
+
+
+def test_evicted_and_released_groups_leave_with_their_checks(make_rollout: Any, clock: Any) -> None:
+    buffer = Buffer(journal=NullJournal(), clock=clock)
+    old, new = group(make_rollout, "old", [1.0], version=0), group(make_rollout, "new", [1.0], version=3)
+    waiting = group(make_rollout, "waiting", [1.0], version=0)
+    buffer.to_ready(old)
+    buffer.to_ready(new)
+    buffer.hold_back(waiting, check=VerifyJob("waiting", waiting.rollouts, HOLDER))
+    assert buffer.evict(lambda g: g.oldest_version < 2) == [old]
+    assert buffer.release_held_back(lambda g: g.oldest_version < 2) == [waiting]
+    assert list(buffer.ready) == [new] and not buffer.verify_queue and not buffer.pending
+
+
+def test_a_deterministic_group_joins_the_queue_at_its_place(make_rollout: Any, clock: Any) -> None:
+    buffer = Buffer(journal=NullJournal(), clock=clock)
+    for name, seq in [("p3", 3), ("p1", 1), ("p2", 2)]:
+        buffer.to_ready(group(make_rollout, name, [0.5], seq=seq))
+    assert [g.seq for g in buffer.ready] == [1, 2, 3]
+
+
+# -- batches ----------------------------------------------------------------------------------
+
+
+def test_a_batch_has_group_advantages_and_a_staleness_histogram(make_rollout: Any) -> None:
+    groups = [group(make_rollout, "a", [1.0, 0.0], version=2), group(make_rollout, "b", [0.5, 0.5], version=1)]
+    batch = build_batch(
+        groups, trainer_version=2, batch_id="x", advantages=AdvantageConfig(), rollouts_accepted=4, stale_dropped=0
+    )
+    advantages = [sample.advantage for sample in batch.samples]
+    assert advantages[0] > 0 > advantages[1] and advantages[2:] == [0.0, 0.0]  # a group without signal has none
+    assert batch.staleness_histogram == {"0": 2, "1": 2}
+    assert [sample.group_id for sample in batch.samples] == ["a", "a", "b", "b"]
+
+
+def test_kept_batches_answer_a_re_ask_and_forget_the_oldest(make_rollout: Any, clock: Any) -> None:
+    kept = KeptBatches(batches_kept=2, journal=NullJournal(), clock=clock)
+    served = []
+    for index in range(3):
+        groups = [group(make_rollout, f"g{index}", [1.0, 0.0])]
+        batch = build_batch(
+            groups, trainer_version=0, batch_id=f"b{index}", advantages=AdvantageConfig(), rollouts_accepted=0, stale_dropped=0
+        )
+        kept.served_now(f"r{index}", batch, groups)
+        served.append(batch)
+    assert kept.again("r0") is None  # beyond batches_kept
+    assert kept.again("r2") is served[2] and kept.leases == {"g1", "g2"}
+    assert kept.msgpack(served[2]) is not None and kept.msgpack(served[0]) is None
+
+
+# -- the lease table --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lease_table(make_config: Any, tokenizer: Any, clock: Any) -> tuple[LeaseBook, list[tuple[ClosedLease, str, int]]]:
+    config = make_config(orchestrator={"lease_timeout_s": 10.0})
+    task = build_task(config.task)
+    dropped: list[tuple[ClosedLease, str, int]] = []
+    book = LeaseBook(
+        config=config,
+        prompts=PromptQueue(task=task, render=lambda prompt: tokenizer(prompt.text).input_ids, seed=0),
+        journal=NullJournal(), clock=clock, on_dropped=lambda *args: dropped.append(args),
+    )
+    return book, dropped
+
+
+def test_no_lease_before_a_version_is_published_then_the_budget_bounds_them(lease_table: Any) -> None:
+    book, _ = lease_table
+    assert book.capacity(published=None, groups_served=0, waiting=0) == 0
+    room = book.capacity(published=0, groups_served=0, waiting=0)
+    assert room > 0
+    book.grant(HOLDER, room)
+    assert book.capacity(published=0, groups_served=0, waiting=0) == 0
+
+
+def test_an_overdue_lease_expires_its_prompt_goes_out_first_and_its_drop_is_reported(
+    lease_table: Any, clock: Any, make_rollout: Any
+) -> None:
+    book, dropped = lease_table
+    (first,) = book.grant(HOLDER, 1)
+    book.add_sample(make_rollout(first, [5, 6]), ([], []))  # type: ignore[arg-type]
+    clock.advance(5.0)
+    book.renew(first.lease_id, HOLDER)
+    clock.advance(9.0)
+    assert book.expire() == 0  # renewed: its deadline moved
+    clock.advance(2.0)
+    assert book.expire() == 1
+    (closed, reason, samples), = dropped
+    assert closed.lease.lease_id == first.lease_id and reason == "lease_expired" and samples == 1
+    (again,) = book.grant(HOLDER, 1)
+    assert again.prompt_id == first.prompt_id  # its prompt goes out again first
+
+
+def test_only_the_holder_may_act_on_a_lease(lease_table: Any) -> None:
+    book, _ = lease_table
+    (granted,) = book.grant(HOLDER, 1)
+    with pytest.raises(NotLeaseHolder):
+        book.renew(granted.lease_id, "bob/w1")
+    with pytest.raises(LeaseNotFound):
+        book.renew("no-such-lease", HOLDER)
+    assert book.release(granted.lease_id, HOLDER).state == "released"
+
+
+# -- hedging (the deterministic lease policy's timing rule) ------------------------------------
+
+
+def test_a_lagging_place_of_the_next_batch_is_due_a_copy_for_another_worker(clock: Any) -> None:
+    """Due after the wait its recent lease times give; the last open place of the batch at once."""
+    hedges = Hedges(config=HedgingConfig(enabled=True), groups_per_step=2, clock=clock)
+    for lease_s in [1.0] * (MIN_RECENT - 2) + [9.0, 9.0]:  # a tail: a lease out long is likely a straggler
+        hedges.completed(lease_s)
+    assert hedges.wait is not None
+    leases = {name: OpenLease(lease=lease(name), holder=HOLDER, granted_at=clock()) for name in "xy"}
+    places = Places(open={0: ["x"], 1: ["y"]}, leases=leases, head=0, cursor=2, requeued=[])
+    assert hedges.pick("bob/w1", 1, places) == [] and hedges.due_in("bob/w1", places) == pytest.approx(hedges.wait)
+    clock.advance(hedges.wait + 0.1)
+    assert hedges.pick("bob/w1", 1, places) == [0]
+    assert hedges.pick(HOLDER, 2, places) == []  # never a second copy for the holder of the first
+    last = Places(open={1: ["y"]}, leases=leases, head=0, cursor=2, requeued=[])
+    assert Hedges(config=HedgingConfig(enabled=True), groups_per_step=2, clock=clock).pick("bob/w1", 1, last) == [1]
+
+
+# -- integrity and the size bounds ------------------------------------------------------------
+
+
+def test_strikes_ban_a_token_once_and_a_replay_under_another_version_is_caught(make_rollout: Any) -> None:
+    integrity = Integrity(VerificationConfig(enabled=True, max_strikes=2), eos_ids={0}, decode=lambda ids: "")
+    integrity.rejected(HOLDER, "replay")
+    assert not integrity.is_banned(HOLDER)
+    integrity.rejected("alice/w1", "future_version")  # the same token, another worker id
+    assert integrity.is_banned(HOLDER) and integrity.newly_banned() == ["alice"] and integrity.newly_banned() == []
+    sample: Rollout = make_rollout(lease("a"), [5, 6], policy_version=1)
+    digest = integrity.replay_of(sample)
+    assert digest is not None
+    integrity.kept("a", digest, 1)
+    assert integrity.replay_of(make_rollout(lease("b"), [5, 6], policy_version=2)) is None  # other lease, other version
+    assert integrity.replay_of(make_rollout(lease("b"), [5, 6], policy_version=1)) is not None  # same version: honest
+    integrity.forget_lease("a")
+    assert integrity.replay_of(make_rollout(lease("b"), [5, 6], policy_version=2)) is not None
+
+
+def test_a_mask_wider_than_top_k_is_named_with_the_limit(make_rollout: Any) -> None:
+    sampling = SamplingParams(temperature=1.0, max_tokens=8, top_k=2)
+    fine: Rollout = make_rollout(lease("a"), [5, 6], sampling=sampling, sampling_mask=[[1, 2], [3]])
+    wide: Rollout = make_rollout(lease("a"), [5, 6], sampling=sampling, sampling_mask=[[1, 2, 3], [3]])
+    assert oversized([fine], sampling, vocab_size=100) is None
+    problem = oversized([fine, wide], sampling, vocab_size=100)
+    assert problem is not None and problem.startswith("rollouts.1.sampling_mask keeps 3 ids") and "top_k=2" in problem
+
