@@ -42,7 +42,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 from decentrl.api.wire import MAX_SUPERSEDED, Lease, LeaseState, Rollout
 from decentrl.config import RunConfig
@@ -87,6 +87,45 @@ class NotLeaseHolder(LeaseError):
 
 class LeaseClosed(LeaseError):
     status = 409
+
+
+class Holder(Protocol):
+    holder: str
+
+
+H = TypeVar("H", bound=Holder)
+
+
+def owned_by(found: H | None, holder: str, *, what: str, missing: str, others: str) -> H:
+    """The lease `found` if `holder` holds it: the one owner check of prompt and score leases.
+    `what` names it ("lease 'ab12'"), `missing` says why it may be unknown, `others` who else holds
+    such leases ("worker", "scorer")."""
+    if found is None:
+        raise LeaseNotFound(f"no {what}: {missing}")
+    if found.holder != holder:
+        raise NotLeaseHolder(f"{what} is held by another {others}")
+    return found
+
+
+class Deadlines:
+    """The deadlines of the open leases of one table (prompt leases, score leases): a heap in
+    which the entries of a lease renewed or closed since are skipped when they come up."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, str]] = []
+
+    def set(self, lease_id: str, deadline: float) -> None:
+        heapq.heappush(self._heap, (deadline, lease_id))
+
+    def overdue(self, now: float, deadline_of: Callable[[str], float | None]) -> list[str]:
+        """The leases whose deadline passed before `now`, oldest first; `deadline_of(lease_id)`
+        is a lease's deadline now (None once closed)."""
+        due: dict[str, None] = {}  # a lease renewed to the same deadline has two entries: once
+        while self._heap and self._heap[0][0] < now:
+            deadline, lease_id = heapq.heappop(self._heap)
+            if deadline_of(lease_id) == deadline:  # else closed already, or renewed (a later entry stands for it)
+                due[lease_id] = None
+        return list(due)
 
 
 @dataclass
@@ -200,7 +239,7 @@ class LeaseBook:
         # (closed_at, lease_id), oldest first, to be forgotten in time; both are looked up there.
         self.journaled = False
         self.remembered: deque[tuple[float, str]] = deque()
-        self.deadlines: list[tuple[float, str]] = []  # heap; entries of closed or renewed leases skipped lazily
+        self.deadlines = Deadlines()
         self.closed_order: deque[tuple[float, str]] = deque()  # (closed_at, lease_id), oldest first, for forgetting
 
     # -- granting -------------------------------------------------------------------------
@@ -263,7 +302,7 @@ class LeaseBook:
         self.open[lease.lease_id] = open_lease
         if lease.index is not None:
             self.places.setdefault(lease.index, []).append(lease.lease_id)
-        heapq.heappush(self.deadlines, (lease.deadline, lease.lease_id))
+        self.deadlines.set(lease.lease_id, lease.deadline)
         if granted:
             self.journal.lease_granted(lease, open_lease.holder)
 
@@ -276,15 +315,12 @@ class LeaseBook:
     def expire(self) -> int:
         """Close overdue leases and lease their prompts again; a late answer is rejected.
         Returns how many expired."""
-        now, expired = self.clock(), 0
-        while self.deadlines and self.deadlines[0][0] < now:
-            deadline, lease_id = heapq.heappop(self.deadlines)
-            open_lease = self.open.get(lease_id)
-            if open_lease is None or open_lease.lease.deadline != deadline:
-                continue  # closed already, or renewed (a later heap entry stands for it)
+        overdue = self.deadlines.overdue(self.clock(), lambda lease_id: (
+            found.lease.deadline if (found := self.open.get(lease_id)) is not None else None
+        ))
+        for lease_id in overdue:
             self.close(lease_id, "expired", requeue="back", reason="lease_expired")
-            expired += 1
-        return expired
+        return len(overdue)
 
     # -- samples --------------------------------------------------------------------------
 
@@ -410,14 +446,8 @@ class LeaseBook:
 
     def owned(self, lease_id: str, holder: str) -> OpenLease | ClosedLease:
         found: OpenLease | ClosedLease | None = self.open.get(lease_id) or self.closed_lease(lease_id)
-        if found is None:
-            raise LeaseNotFound(
-                f"no lease {lease_id!r}: never granted, or closed more than "
-                f"{self.config.orchestrator.dedupe_window_s:.0f}s ago"
-            )
-        if found.holder != holder:
-            raise NotLeaseHolder(f"lease {lease_id!r} is held by another worker")
-        return found
+        missing = f"never granted, or closed more than {self.config.orchestrator.dedupe_window_s:.0f}s ago"
+        return owned_by(found, holder, what=f"lease {lease_id!r}", missing=missing, others="worker")
 
     def state_of(self, lease_id: str, holder: str) -> LeaseState:
         found = self.owned(lease_id, holder)
@@ -438,7 +468,7 @@ class LeaseBook:
             raise LeaseClosed(f"lease {lease_id!r} is {found.status}; it can no longer be renewed")
         deadline = self.clock() + self.config.orchestrator.lease_timeout_s
         found.lease = found.lease.model_copy(update={"deadline": deadline})
-        heapq.heappush(self.deadlines, (deadline, lease_id))
+        self.deadlines.set(lease_id, deadline)
         self.journal.lease_renewed(lease_id, deadline)
         return found.lease
 

@@ -26,7 +26,6 @@ Invariants:
 
 from __future__ import annotations
 
-import heapq
 import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from typing import Literal
 from decentrl.api.wire import ScoreAck, ScoreItem, ScorePost, ScoreRenewal, ScoreResult
 from decentrl.config import RewardConfig
 from orchestrator.journal import RunJournal
-from orchestrator.leases import LeaseClosed, LeaseNotFound, NotLeaseHolder
+from orchestrator.leases import Deadlines, LeaseClosed, owned_by
 
 # What the queue counts since this orchestrator started (not journaled); /metrics names each
 # decentrl_<name>_total (orchestrator/metrics.py).
@@ -85,7 +84,7 @@ class ScoreQueue:
         self.queue: deque[str] = deque()  # rollout ids to lease, front first
         self.leases: dict[str, ScoreLeaseEntry] = {}  # open score leases
         self.closed: OrderedDict[str, ScoreLeaseEntry] = OrderedDict()  # the last CLOSED_KEPT closed ones
-        self.deadlines: list[tuple[float, str]] = []  # heap; entries of closed or renewed leases skipped lazily
+        self.deadlines = Deadlines()
         # Since this orchestrator started: COUNTS.
         self.counts: Counter[str] = Counter()
 
@@ -136,7 +135,7 @@ class ScoreQueue:
             uuid.uuid4().hex, holder, self.clock() + self.config.lease_timeout_s, taken, unscored=set(taken)
         )
         self.leases[entry.lease_id] = entry
-        heapq.heappush(self.deadlines, (entry.deadline, entry.lease_id))
+        self.deadlines.set(entry.lease_id, entry.deadline)
         return entry
 
     def items(self, entry: ScoreLeaseEntry) -> list[ScoreItem]:
@@ -146,7 +145,7 @@ class ScoreQueue:
         self.expire()
         entry = self._owned(lease_id, holder)
         entry.deadline = self.clock() + self.config.lease_timeout_s
-        heapq.heappush(self.deadlines, (entry.deadline, lease_id))
+        self.deadlines.set(lease_id, entry.deadline)
         return ScoreRenewal(lease_id=lease_id, deadline=entry.deadline, unscored=len(entry.unscored))
 
     def post(self, holder: str, body: ScorePost) -> tuple[ScoreAck, list[str]]:
@@ -180,11 +179,10 @@ class ScoreQueue:
         )
 
     def _owned(self, lease_id: str, holder: str, *, posting: bool = False) -> ScoreLeaseEntry:
-        entry = self.leases.get(lease_id) or self.closed.get(lease_id)
-        if entry is None:
-            raise LeaseNotFound(f"no score lease {lease_id!r}: never granted, or forgotten (lease again)")
-        if entry.holder != holder:
-            raise NotLeaseHolder(f"score lease {lease_id!r} is held by another scorer")
+        entry = owned_by(
+            self.leases.get(lease_id) or self.closed.get(lease_id), holder, what=f"score lease {lease_id!r}",
+            missing="never granted, or forgotten (lease again)", others="scorer",
+        )
         if entry.status == "expired":
             raise LeaseClosed(
                 f"score lease {lease_id!r} expired (no full answer within {self.config.lease_timeout_s:.0f}s); its "
@@ -229,19 +227,18 @@ class ScoreQueue:
 
     def expire(self) -> int:
         """Close overdue score leases; their unscored items go to the front of the queue."""
-        now, expired, again = self.clock(), 0, []
-        while self.deadlines and self.deadlines[0][0] < now:
-            deadline, lease_id = heapq.heappop(self.deadlines)
-            entry = self.leases.get(lease_id)
-            if entry is None or entry.deadline != deadline:
-                continue  # closed already, or renewed (a later heap entry stands for it)
+        overdue = self.deadlines.overdue(self.clock(), lambda lease_id: (
+            entry.deadline if (entry := self.leases.get(lease_id)) is not None else None
+        ))
+        again = []
+        for lease_id in overdue:
+            entry = self.leases[lease_id]
             again += [rid for rid in entry.rollout_ids if rid in entry.unscored and rid in self.samples]
-            self.counts["score_leases_expired"] += 1
             self._close(entry, "expired")
-            expired += 1
         self.queue.extendleft(reversed(again))  # first, the lease that expired first first
+        self.counts["score_leases_expired"] += len(overdue)
         self.counts["scores_reassigned"] += len(again)
-        return expired
+        return len(overdue)
 
     def _close(self, entry: ScoreLeaseEntry, status: Literal["done", "expired"]) -> None:
         entry.status = status

@@ -20,7 +20,16 @@ from orchestrator.checks import oversized
 from orchestrator.integrity import Integrity
 from orchestrator.journal import NullJournal
 from orchestrator.lease_policy import MIN_RECENT, Hedges, Places
-from orchestrator.leases import ClosedLease, LeaseBook, LeaseNotFound, NotLeaseHolder, OpenLease, PromptQueue
+from orchestrator.leases import (
+    ClosedLease,
+    Deadlines,
+    LeaseBook,
+    LeaseNotFound,
+    NotLeaseHolder,
+    OpenLease,
+    PromptQueue,
+    owned_by,
+)
 
 HOLDER = "alice/w0"
 
@@ -154,6 +163,27 @@ def test_only_the_holder_may_act_on_a_lease(lease_table: Any) -> None:
     with pytest.raises(LeaseNotFound):
         book.renew("no-such-lease", HOLDER)
     assert book.release(granted.lease_id, HOLDER).state == "released"
+
+
+def test_deadlines_give_each_overdue_lease_once_and_skip_renewed_and_closed_ones() -> None:
+    deadlines, current = Deadlines(), {"a": 5.0, "b": 6.0, "c": 7.0}
+    for lease_id, deadline in current.items():
+        deadlines.set(lease_id, deadline)
+    deadlines.set("a", 5.0)  # renewed to the same deadline: two entries, one lease
+    current["b"] = 20.0  # renewed
+    deadlines.set("b", 20.0)
+    del current["c"]  # closed
+    assert deadlines.overdue(10.0, current.get) == ["a"]
+    assert deadlines.overdue(30.0, current.get) == ["b"]
+
+
+def test_the_owner_check_names_the_lease_and_who_else_holds_such_leases() -> None:
+    found = OpenLease(lease=lease("x"), holder=HOLDER)
+    assert owned_by(found, HOLDER, what="lease 'x'", missing="gone", others="worker") is found
+    with pytest.raises(NotLeaseHolder, match="lease 'x' is held by another scorer"):
+        owned_by(found, "bob/s1", what="lease 'x'", missing="gone", others="scorer")
+    with pytest.raises(LeaseNotFound, match="no lease 'x': gone"):
+        owned_by(None, HOLDER, what="lease 'x'", missing="gone", others="worker")
 
 
 # -- hedging (the deterministic lease policy's timing rule) ------------------------------------
