@@ -10,7 +10,7 @@ Invariants:
   the one place that reads their setting; a group scored per step (process rewards,
   orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`);
 - the completion ids and logprobs of every sample were packed as typed arrays at ingest
-  (`pack_sample`), and a batch is encoded from them (orchestrator/codec.py), not packed again.
+  (orchestrator/codec.py `pack_sample`), and a batch is encoded from them (orchestrator/codec.py), not packed again.
 """
 
 from __future__ import annotations
@@ -19,19 +19,14 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decentrl.api.encoding import pack_floats, pack_ints
-from decentrl.api.wire import Rollout, TrainBatch, TrainSample
+from decentrl.api.encoding import pack_ints
+from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.config import AdvantageConfig
 from decentrl.rl.advantages import group_advantages, process_advantages
 from decentrl.rl.staleness import staleness
 from orchestrator.buffer import Group
-from orchestrator.codec import Packed, train_batch_msgpack
+from orchestrator.codec import train_batch_msgpack
 from orchestrator.journal import RunJournal
-
-
-def pack_sample(rollout: Rollout) -> Packed:
-    """A sample's completion ids and logprobs as the typed arrays a batch is served from."""
-    return pack_ints(rollout.completion_token_ids), pack_floats(rollout.logprobs)
 
 
 @dataclass

@@ -14,10 +14,24 @@ from typing import Any
 
 import msgpack
 
-from decentrl.api.encoding import EXT_FLOAT32, EXT_FLOAT64, EXT_INT32, EXT_INT64, TypedList, pack_ints, pack_routes
-from decentrl.api.wire import ExpertRouting, TrainBatch
+from decentrl.api.encoding import (
+    EXT_FLOAT32,
+    EXT_FLOAT64,
+    EXT_INT32,
+    EXT_INT64,
+    TypedList,
+    pack_floats,
+    pack_ints,
+    pack_routes,
+)
+from decentrl.api.wire import ExpertRouting, Rollout, TrainBatch
 
 Packed = tuple[msgpack.ExtType, msgpack.ExtType]  # (completion ids, logprobs)
+
+
+def pack_sample(rollout: Rollout) -> Packed:
+    """A sample's completion ids and logprobs as the typed arrays a batch is served from."""
+    return pack_ints(rollout.completion_token_ids), pack_floats(rollout.logprobs)
 
 
 def packed_arrays(raw: dict[str, Any]) -> list[Packed | None]:

@@ -51,7 +51,7 @@ from decentrl.rl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import PromptEncoder
-from orchestrator.codec import Packed
+from orchestrator.codec import Packed, pack_sample
 from orchestrator.journal import RunJournal, lease_of
 
 ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded"]
@@ -324,14 +324,15 @@ class LeaseBook:
 
     # -- samples --------------------------------------------------------------------------
 
-    def add_sample(self, rollout: Rollout, packed: Packed) -> OpenLease:
-        """Keep an accepted sample with its open lease (the checks found the lease open)."""
+    def add_sample(self, rollout: Rollout, packed: Packed | None) -> OpenLease:
+        """Keep an accepted sample with its open lease (the checks found the lease open), with its
+        completion ids and logprobs as typed arrays: `packed` as they came, or packed now."""
         self.seen_rollout_ids[rollout.rollout_id] = rollout.lease_id
         open_lease = self.open[rollout.lease_id]
         # Equal to the lease's prompt (checked): share that list instead of keeping a copy.
         rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids
         open_lease.samples.append(rollout)
-        open_lease.packed.append(packed)
+        open_lease.packed.append(packed or pack_sample(rollout))
         return open_lease
 
     # -- the one close path -----------------------------------------------------------------

@@ -24,9 +24,9 @@ from typing import Any
 from decentrl.api.wire import Lease, Rollout, TrainBatch
 from decentrl.config import AdvantageConfig
 from decentrl.rl.determinism import required_version
-from orchestrator.batches import KeptBatches, ServedBatch, build_batch, pack_sample
+from orchestrator.batches import KeptBatches, ServedBatch, build_batch
 from orchestrator.buffer import Buffer, Group
-from orchestrator.codec import Packed
+from orchestrator.codec import Packed, pack_sample
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity
 from orchestrator.journal import RunJournal, Snapshot, decode_rollout, lease_of

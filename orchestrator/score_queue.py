@@ -90,15 +90,14 @@ class ScoreQueue:
 
     # -- groups in ------------------------------------------------------------------------
 
-    def add(self, group_id: str, items: list[ScoreItem], taken: dict[str, ScoreResult]) -> bool:
+    def add(self, group_id: str, items: list[ScoreItem], taken: dict[str, ScoreResult]) -> None:
         """A complete group waits for its scores; `taken`: scores already journaled for its
-        samples (after a restart). Returns whether every sample is scored already."""
+        samples (after a restart: `complete` then says whether any is still missing)."""
         self.groups[group_id] = [item.rollout_id for item in items]
         for item in items:
             waiting = self.samples[item.rollout_id] = Waiting(item, group_id, taken.get(item.rollout_id))
             if waiting.result is None:
                 self.queue.append(item.rollout_id)
-        return self.complete(group_id)
 
     def complete(self, group_id: str) -> bool:
         return all(self.samples[rollout_id].result is not None for rollout_id in self.groups[group_id])

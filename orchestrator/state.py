@@ -82,7 +82,7 @@ from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import make_prompt_encoder
-from orchestrator.batches import KeptBatches, build_batch, pack_sample
+from orchestrator.batches import KeptBatches, build_batch
 from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
 from orchestrator.checks import IngestChecks
 from orchestrator.codec import Packed
@@ -217,6 +217,9 @@ class RunState(RunView):
                 open_lease.check = list(range(len(open_lease.samples)))
             if len(open_lease.samples) >= open_lease.lease.group_size:
                 self._complete(open_lease)
+                lease_id = open_lease.lease.lease_id
+                if self.buffer.waits_for(lease_id, "scores") and self.score_queue.complete(lease_id):
+                    self._scored(lease_id)  # every score of it was journaled before the stop
         if self.rewards.steps_config is None:  # kept for the kept batches' step scores, rebuilt when asked for
             self.scores_taken = {}
 
@@ -287,7 +290,7 @@ class RunState(RunView):
                 self._reject(rollout, holder, verdict.reason)
                 rejected.append(Rejection(rollout_id=rollout.rollout_id, reason=verdict.reason))
                 continue
-            arrays = (packed[index] if packed is not None else None) or pack_sample(rollout)
+            arrays = packed[index] if packed is not None else None  # None: packed as it is kept
             open_lease = self._record(rollout, holder, arrays, verdict.digest)  # 3. record
             accepted += 1
             if len(open_lease.samples) == open_lease.lease.group_size:
@@ -305,14 +308,14 @@ class RunState(RunView):
             self._drop(rollout.lease_id, "stale_at_ingest", requeue="back")
             self.counters.stale_dropped += 1  # this sample; the close counted those it held
 
-    def _record(self, rollout: Rollout, holder: str, packed: Packed, digest: bytes | None) -> OpenLease:
+    def _record(self, rollout: Rollout, holder: str, packed: Packed | None, digest: bytes | None) -> OpenLease:
         open_lease = self.lease_book.add_sample(rollout, packed)
         if digest is not None:  # verification enabled
             self.integrity.kept(rollout.lease_id, digest, rollout.policy_version)
             if self.integrity.wants_check(holder):
                 open_lease.check.append(len(open_lease.samples) - 1)
         self.counters.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
-        self.journal.rollout_accepted(rollout, packed)
+        self.journal.rollout_accepted(rollout, open_lease.packed[-1])
         return open_lease
 
     def _complete(self, open_lease: OpenLease) -> None:
@@ -378,11 +381,10 @@ class RunState(RunView):
 
     def _await_scores(self, group: Group, samples: list[Rollout]) -> None:
         """`group` (held back for its scores) has its samples, split into steps for a process
-        reward, queued for scorers."""
+        reward, queued for scorers (less the scores journaled before a restart: `_redo_checks`)."""
         steps = self.rewards.steps(samples)
         group.step_ends = [s.ends for s in steps] if steps is not None else None
-        if self.score_queue.add(group.lease_id, self.rewards.items(samples, steps), self.scores_taken):
-            self._scored(group.lease_id)  # recovered with every score already taken
+        self.score_queue.add(group.lease_id, self.rewards.items(samples, steps), self.scores_taken)
 
     def lease_scores(self, holder: str, max_items: int) -> ScoreLeaseEntry | None:
         return self.score_queue.lease(holder, max_items)

@@ -14,9 +14,10 @@ import pytest
 from decentrl.api.wire import Lease, Rollout, SamplingParams
 from decentrl.config import AdvantageConfig, HedgingConfig, VerificationConfig
 from decentrl.tasks import build_task
-from orchestrator.batches import KeptBatches, build_batch, pack_sample
+from orchestrator.batches import KeptBatches, build_batch
 from orchestrator.buffer import Buffer, Group, VerifyJob
 from orchestrator.checks import oversized
+from orchestrator.codec import pack_sample
 from orchestrator.integrity import Integrity
 from orchestrator.journal import NullJournal
 from orchestrator.lease_policy import MIN_RECENT, Hedges, Places
