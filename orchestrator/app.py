@@ -38,7 +38,6 @@ from orchestrator.appstate import (
     JOURNAL_FAILED,
     LEASES_FREED,
     LIMITER,
-    METRICS,
     OPENAPI,
     ROUTE_ROLES,
     SCORES_WAITING,
@@ -58,7 +57,7 @@ from orchestrator.checks import run_keeps_routing
 from orchestrator.dashboard import sampler
 from orchestrator.history import History
 from orchestrator.limits import InFlight, RateLimiter
-from orchestrator.metrics import Metrics
+from orchestrator.metrics import METRICS, Metrics
 from orchestrator.middlewares import auth_middleware, errors_middleware
 from orchestrator.routes import add_routes, openapi_spec, route_roles
 from orchestrator.state import RunState
@@ -97,7 +96,7 @@ def create_app(
     app[LIMITER] = RateLimiter(options.rate_limit_per_s, options.rate_limit_burst)
     app[INFLIGHT] = InFlight(options.max_inflight_requests, options.max_inflight_per_token)
     app[STORE] = store
-    app[JOURNAL_FAILED] = JournalFailed(metrics, on_fatal)
+    app[JOURNAL_FAILED] = JournalFailed(lambda: metrics.journal_failed.set(1), on_fatal)
     app[ROUTE_ROLES] = route_roles(metrics_public=options.metrics_public)
     app[OPENAPI] = openapi_spec(metrics_public=options.metrics_public)
     app[BATCH_READY] = asyncio.Condition()

@@ -26,7 +26,6 @@ from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import TokenRegistry
 from orchestrator.history import History
 from orchestrator.limits import InFlight, RateLimiter
-from orchestrator.metrics import Metrics
 from orchestrator.state import RunState
 from orchestrator.verify import Verifier
 
@@ -50,12 +49,13 @@ class JournalFailed:
     set each time, and the service's callback is called once (`decentrl orchestrator` then shuts
     down, so that a restart recovers from the journal; orchestrator/service.py)."""
 
-    def __init__(self, metrics: Metrics, callback: Callable[[BaseException], Any] | None) -> None:
-        self._metrics = metrics
+    def __init__(self, mark: Callable[[], None], callback: Callable[[BaseException], Any] | None) -> None:
+        """`mark()` sets the metric; `callback(exc)` is the service's."""
+        self._mark = mark
         self._callback = callback
 
     def __call__(self, exc: BaseException) -> None:
-        self._metrics.journal_failed.set(1)
+        self._mark()
         callback, self._callback = self._callback, None
         if callback is not None:
             callback(exc)
@@ -66,7 +66,6 @@ TOKENS = web.AppKey("tokens", TokenRegistry)
 STORE_URL = web.AppKey("store_url", str)
 STORE: web.AppKey[CheckpointStore | None] = web.AppKey("store")  # announced versions must exist in it
 STOPPING = web.AppKey("stopping", asyncio.Event)  # set when the app shuts down: long-polls answer now
-METRICS = web.AppKey("metrics", Metrics)
 LIMITER = web.AppKey("limiter", RateLimiter)
 INFLIGHT = web.AppKey("inflight", InFlight)
 JOURNAL_FAILED = web.AppKey("journal_failed", JournalFailed)

@@ -39,7 +39,6 @@ from orchestrator.appstate import (
     HISTORY,
     INFLIGHT,
     LEASES_FREED,
-    METRICS,
     OPENAPI,
     SCORES_WAITING,
     STATE,
@@ -68,6 +67,7 @@ from orchestrator.body import (
 from orchestrator.checks import oversized, run_keeps_routing
 from orchestrator.codec import packed_arrays
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.metrics import METRICS
 from orchestrator.state import LeaseError, RunState
 
 log = logging.getLogger("decentrl.orchestrator")

@@ -19,10 +19,11 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from decentrl.api.encoding import MEDIA_JSON
-from orchestrator.appstate import JOURNAL_FAILED, LIMITER, METRICS, ROUTE_ROLES, TOKENS
+from orchestrator.appstate import JOURNAL_FAILED, LIMITER, ROUTE_ROLES, TOKENS
 from orchestrator.auth import IDENTITY
 from orchestrator.body import error
 from orchestrator.journal import JournalError
+from orchestrator.metrics import METRICS
 from orchestrator.protocol import client_faults
 
 log = logging.getLogger("decentrl.orchestrator")

@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from orchestrator.appstate import JOURNAL_FAILED, METRICS, STATE, commit
+from orchestrator.appstate import JOURNAL_FAILED, STATE, commit
 from orchestrator.journal import JournalError
+from orchestrator.metrics import METRICS
 
 log = logging.getLogger("decentrl.orchestrator")
 
