@@ -5,7 +5,7 @@ A rollout's completion ids and logprobs are taken as the typed arrays they arriv
 journal stores those bytes, and the batch answer to the trainer reuses them
 (`train_batch_msgpack`), so the big lists are never walked again in Python. The bytes are
 exactly what `encode_model` produces (int32 ids, float64 logprobs: exact), so any client decodes
-them.
+them. A rollout's journal body is encoded here too (`encode_rollout`, `decode_rollout`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+from pydantic import BaseModel
 
 from decentrl.api.encoding import (
     EXT_FLOAT32,
@@ -23,10 +24,14 @@ from decentrl.api.encoding import (
     pack_floats,
     pack_ints,
     pack_routes,
+    unpack_msgpack,
 )
-from decentrl.api.wire import ExpertRouting, Rollout, TrainBatch
+from decentrl.api.wire import ExpertRouting, Rollout, SamplingParams, TrainBatch
 
 Packed = tuple[msgpack.ExtType, msgpack.ExtType]  # (completion ids, logprobs)
+
+# Rollout fields the lease row already holds (or that are the same for the whole run).
+_NOT_IN_BODY = {"rollout_id", "lease_id", "run_name", "prompt_token_ids"}
 
 
 def pack_sample(rollout: Rollout) -> Packed:
@@ -79,3 +84,29 @@ def routing_body(routing: ExpertRouting | None) -> dict[str, Any] | None:
     experts = routing.experts
     packed = experts.ext if type(experts) is TypedList else pack_routes(experts)
     return {"layers": routing.layers, "top_k": routing.top_k, "experts": packed}
+
+
+def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:
+    """A rollout's journal body: msgpack with typed arrays, without what its lease row holds.
+
+    `packed` holds its completion ids and logprobs already packed (`pack_sample`, or as they came).
+    """
+    body = {}
+    for name in type(rollout).model_fields:
+        if name not in _NOT_IN_BODY:
+            value = getattr(rollout, name)
+            body[name] = value.model_dump() if isinstance(value, BaseModel) else value
+    body["completion_token_ids"], body["logprobs"] = packed
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_rollout(data: bytes, *, rollout_id: str, lease_id: str, run_name: str, prompt_token_ids: list[int]) -> Rollout:
+    """A journaled rollout, built without validating it again: the journal only holds rollouts
+    that were validated and checked at ingest, written by `encode_rollout` (validation was about
+    a third of recovery's time; orchestrator/recovery.py)."""
+    body = unpack_msgpack(data)
+    body.update(rollout_id=rollout_id, lease_id=lease_id, run_name=run_name, prompt_token_ids=prompt_token_ids)
+    body["sampling"] = SamplingParams.model_construct(**body["sampling"])
+    if body.get("expert_routing") is not None:
+        body["expert_routing"] = ExpertRouting.model_construct(**body["expert_routing"])
+    return Rollout.model_construct(**body)

@@ -39,8 +39,8 @@ recovery rebuilds the state from what was committed (orchestrator/recovery.py).
 With journaling off (`orchestrator.journal = false`) the state holds a `NullJournal`: the same
 methods, recording nothing, so the state's code has one path either way.
 
-Over 400 lines on purpose: the journal is one file format, and its schema, its writer and its
-reader (`load`) stay in one module so they cannot drift apart.
+The journal is one file format: its schema, its writer and its reader (`load`) are this module;
+a rollout's body in it is orchestrator/codec.py's (`encode_rollout`, `decode_rollout`).
 """
 
 from __future__ import annotations
@@ -57,11 +57,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-from pydantic import BaseModel
 
 from decentrl.api.encoding import unpack_msgpack
-from decentrl.api.wire import ExpertRouting, Lease, Rollout, SamplingParams
-from orchestrator.codec import Packed, pack_ints
+from decentrl.api.wire import Lease, Rollout
+from orchestrator.codec import Packed, encode_rollout, pack_ints
 
 log = logging.getLogger("decentrl.orchestrator.journal")
 
@@ -125,8 +124,6 @@ SQL_FORGET_CONTENT = "DELETE FROM content WHERE lease_id = ?"
 SQL_SCORE = "INSERT OR IGNORE INTO scores(rollout_id, lease_id, result) VALUES (?, ?, ?)"
 SQL_FORGET_SCORES = "DELETE FROM scores WHERE lease_id = ?"
 
-# Rollout fields the lease row already holds (or that are the same for the whole run).
-_NOT_IN_BODY = {"rollout_id", "lease_id", "run_name", "prompt_token_ids"}
 
 
 class JournalError(RuntimeError):
@@ -164,32 +161,6 @@ class IntegrityChanges:
     forgotten: list[str]  # leases whose content hashes go (first, so a digest may be kept again)
     kept: list[tuple[bytes, str, int]]  # (digest, lease_id, version) first kept
     workers: list[tuple[str, str]]  # (token name, record as JSON)
-
-
-def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:
-    """A rollout's journal body: msgpack with typed arrays, without what its lease row holds.
-
-    `packed` holds its completion ids and logprobs already packed (orchestrator.codec).
-    """
-    body = {}
-    for name in type(rollout).model_fields:
-        if name not in _NOT_IN_BODY:
-            value = getattr(rollout, name)
-            body[name] = value.model_dump() if isinstance(value, BaseModel) else value
-    body["completion_token_ids"], body["logprobs"] = packed
-    return msgpack.packb(body, use_bin_type=True)
-
-
-def decode_rollout(data: bytes, *, rollout_id: str, lease_id: str, run_name: str, prompt_token_ids: list[int]) -> Rollout:
-    """A journaled rollout, built without validating it again: the journal only holds rollouts
-    that were validated and checked at ingest, written by `encode_rollout` (validation was about
-    a third of recovery's time; orchestrator/recovery.py)."""
-    body = unpack_msgpack(data)
-    body.update(rollout_id=rollout_id, lease_id=lease_id, run_name=run_name, prompt_token_ids=prompt_token_ids)
-    body["sampling"] = SamplingParams.model_construct(**body["sampling"])
-    if body.get("expert_routing") is not None:
-        body["expert_routing"] = ExpertRouting.model_construct(**body["expert_routing"])
-    return Rollout.model_construct(**body)
 
 
 def lease_of(row: sqlite3.Row) -> Lease:

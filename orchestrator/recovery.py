@@ -26,10 +26,10 @@ from decentrl.config import AdvantageConfig
 from decentrl.rl.determinism import required_version
 from orchestrator.batches import KeptBatches, ServedBatch, build_batch
 from orchestrator.buffer import Buffer, Group
-from orchestrator.codec import Packed, pack_sample
+from orchestrator.codec import Packed, decode_rollout, pack_sample
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity
-from orchestrator.journal import RunJournal, Snapshot, decode_rollout, lease_of
+from orchestrator.journal import RunJournal, Snapshot, lease_of
 from orchestrator.leases import ClosedLease, LeaseBook, OpenLease
 
 log = logging.getLogger("decentrl.orchestrator.recovery")
