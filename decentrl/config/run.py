@@ -129,6 +129,13 @@ class RunConfig(Section):
                 f"trainer_ranks = {self.trainer_ranks}: one GPU per rank, so list {self.trainer_ranks} GPUs "
                 f"or set trainer_ranks = {len(placement.trainer.gpus)}"
             )
+        for role, count, setting in (("workers", self.num_workers, "num_workers"), ("scorers", self.num_scorers, "num_scorers")):
+            gpus = getattr(placement, role).gpus
+            if count and len(gpus) > count:
+                raise ValueError(
+                    f"placement.{role}.gpus lists {len(gpus)} GPUs {gpus} but {setting} = {count}: GPUs past the "
+                    f"first {count} would get no process; list {count} GPU(s) or set {setting} = {len(gpus)}"
+                )
         if placement.workers.gpus and self.worker.backend == "openai":
             raise ValueError(
                 "placement.workers.gpus places workers on GPUs but worker.backend = 'openai' runs no model in the "

@@ -79,6 +79,10 @@ def test_workers_cycle_over_their_gpus_and_the_trainer_sees_all_of_its_own() -> 
       "placement": {"workers": {"gpus": [0]}}}, ["worker.backend = 'openai'", "placement.workers.gpus = []"]),
     ({"num_scorers": 1, **MODEL_SCORER, "scorer": {"type": "python", "function": "m:f"},
       "placement": {"scorers": {"gpus": [0]}}}, ["scorer.type = 'python'", "placement.scorers.gpus = []"]),
+    ({"num_workers": 2, "placement": {"workers": {"gpus": [0, 1, 2]}}},
+     ["placement.workers.gpus lists 3 GPUs [0, 1, 2] but num_workers = 2", "set num_workers = 3"]),
+    ({"num_scorers": 1, **MODEL_SCORER, "placement": {"scorers": {"gpus": [0, 1]}}},
+     ["placement.scorers.gpus lists 2 GPUs [0, 1] but num_scorers = 1"]),
     ({"worker": {"gpu_memory": 0}}, ["worker.gpu_memory: Input should be greater than 0"]),
     ({"trainer": {"gpu_memory": 1.1}}, ["trainer.gpu_memory: Input should be less than or equal to 1"]),
 ])
@@ -113,7 +117,10 @@ def test_placement_on_a_machine_without_cuda_or_without_that_gpu() -> None:
         "remove [placement] or run on a GPU machine"
     )
     assert placement_problem(config, available=1) is None
-    wide = placed(trainer={"gpus": [0, 1], "memory": 0.5}, workers={"gpus": [2, 3], "memory": 0.5})
+    wide = parse_config({
+        "trainer_ranks": 2, "num_workers": 2,
+        "placement": {"trainer": {"gpus": [0, 1], "memory": 0.5}, "workers": {"gpus": [2, 3], "memory": 0.5}},
+    })
     problem = placement_problem(wide, available=3)
     assert problem is not None and problem.startswith("placement.workers.gpus = [2, 3] names GPU 3 but this machine has 3")
     assert placement_problem(wide, available=4) is None
