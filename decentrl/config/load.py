@@ -91,10 +91,22 @@ def _read(path: str) -> dict[str, object]:
 def _format_error(source: str, error: ValidationError) -> str:
     lines = [f"{source}: invalid config"]
     for item in error.errors():
-        got = f" (got {item['input']!r})" if item["type"] != "missing" and "input" in item else ""
+        # A check across sections (the whole config as its input) names its values itself: no dump.
+        shown = item["type"] != "missing" and "input" in item and not (
+            isinstance(item["input"], dict) and len(repr(item["input"])) > SHOWN
+        )
+        got = f" (got {_short(item['input'])})" if shown else ""
         message = item["msg"].removeprefix("Value error, ")  # our validators' messages stand alone
         lines.append(f"  {path_in_file(item['loc'])}: {message}{got}")
     return "\n".join(lines)
+
+
+SHOWN = 200  # characters of a bad value shown in an error
+
+
+def _short(value: object, limit: int = SHOWN) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def path_in_file(loc: Sequence[int | str]) -> str:

@@ -91,6 +91,22 @@ def test_error_lists_every_bad_field(tmp_path: Path) -> None:
         assert field in message
 
 
+def test_a_check_across_sections_names_its_values_without_dumping_the_config() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(str(REPO / "configs/local.toml"), ["num_workers=1", "placement.workers.gpus=[0, 1]"])
+    message = str(info.value)
+    assert "placement.workers.gpus lists 2 GPUs [0, 1] but num_workers = 1" in message
+    assert "got" not in message and "run_name" not in message  # not the whole config after it
+    assert len(message.splitlines()) == 2
+
+
+def test_a_long_bad_value_is_shown_shortened(tmp_path: Path) -> None:
+    path = write(tmp_path, f'run_name = "{"x" * 1000}"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "characters)" in str(info.value) and len(str(info.value)) < 600
+
+
 def test_unknown_model_type_is_an_error(tmp_path: Path) -> None:
     path = write(tmp_path, '[model]\ntype = "huge"\n')
     with pytest.raises(ConfigError) as info:
