@@ -46,7 +46,7 @@ from typing import Any
 
 from decentrl.api.client import OrchestratorClient, OrchestratorError
 from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch
-from decentrl.cli.launch import _free_port, _get_json, _start, _stop, orchestrator_command, trainer_command, worker_command
+from decentrl.cli.launch import _get_json, _start, _stop, free_port, orchestrator_command, trainer_command, worker_command
 from decentrl.config import TinyModelConfig, load_config
 from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import add_token
@@ -158,7 +158,7 @@ def main() -> None:
     config = load_config(args.config)
     run_dir = Path(tempfile.mkdtemp(prefix="adversarial-"))
     (run_dir / "logs").mkdir()
-    port = _free_port()
+    port = free_port()
     if not config.orchestrator.verification.enabled:
         raise SystemExit(f"{args.config}: [orchestrator.verification] enabled = false; this benchmark measures it")
     # The config's verification settings as they are; a low rate limit for the flood.

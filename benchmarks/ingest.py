@@ -272,14 +272,6 @@ def consumer_process(url: str, token: str, duration: float, cpus: list[int] | No
 # -- the driver ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_up(port: int, timeout: float = 60.0) -> None:
     import socket
 
@@ -303,8 +295,10 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def run_round(kind: str, options: argparse.Namespace, cpus: list[int] | None) -> dict[str, Any]:
+    from decentrl.cli.launch import free_port
+
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     run_dir = tempfile.mkdtemp(prefix="decentrl-ingest-", dir=options.dir)
     tokens = {}
     if kind in ("orchestrator", "dashboard"):

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -114,12 +113,6 @@ def fill(run_dir: Path, rollouts: int) -> float:
     return time.perf_counter() - started
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start(run_dir: Path, port: int) -> subprocess.Popen[bytes]:
     log = open(run_dir / "orchestrator.log", "ab")
     env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
@@ -155,6 +148,7 @@ def until_serving(port: int, token: str, process: subprocess.Popen[bytes], timeo
 
 
 def measure(rollouts: int, work: Path) -> dict[str, float]:
+    from decentrl.cli.launch import free_port
     from orchestrator.auth import add_token
 
     run_dir = work / f"run-{rollouts}"
@@ -199,6 +193,7 @@ def measure(rollouts: int, work: Path) -> dict[str, float]:
 
 def startup_s(work: Path) -> float:
     """A fresh `decentrl orchestrator` on an empty run dir: from the exec to the first 200."""
+    from decentrl.cli.launch import free_port
     from orchestrator.auth import add_token
 
     run_dir = work / "empty"

@@ -57,7 +57,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a server started next; tests and benchmarks use it too)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -275,7 +276,7 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not config.store.url:
         config = config.with_store_url(str(run_dir / "checkpoints"))
-    port = config.orchestrator.port or _free_port()
+    port = config.orchestrator.port or free_port()
     config = config.model_copy(update={"orchestrator": config.orchestrator.model_copy(update={"port": port})})
     config_path = run_dir / "config.json"
     config_path.write_text(config.model_dump_json(indent=2))

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.loopback import free_port
+from decentrl.cli.launch import free_port
 from tests.pipeline.test_pipeline import TINY_MODEL
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]

@@ -353,7 +353,7 @@ def test_clients_that_drop_mid_body_log_one_line_each_at_most(serve: Any, caplog
 
 @pytest.mark.integration  # a real `decentrl orchestrator` process
 def test_sigterm_stops_within_2_s_with_long_polls_pending(tmp_path: Path) -> None:
-    from tests.loopback import free_port
+    from decentrl.cli.launch import free_port
     from tests.orchestrator.test_orchestrator_kill9 import start
 
     config = tmp_path / "run.toml"

@@ -35,9 +35,9 @@ import pytest
 
 from decentrl.api.client import OrchestratorClient
 from decentrl.api.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
+from decentrl.cli.launch import free_port
 from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import add_token
-from tests.loopback import free_port
 from tests.pipeline.test_pipeline import TINY_MODEL
 
 pytestmark = pytest.mark.integration

@@ -20,8 +20,8 @@ import pytest
 
 from decentrl.api.client import OrchestratorClient, OrchestratorError
 from decentrl.api.wire import Lease, LeaseRequest, Rollout, RolloutBatch, SamplingParams
+from decentrl.cli.launch import free_port
 from orchestrator.auth import add_token
-from tests.loopback import free_port
 from tests.orchestrator.test_orchestrator_kill9 import publish, start
 from tests.pipeline.test_pipeline import TINY_MODEL
 

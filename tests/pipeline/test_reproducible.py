@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from decentrl.cli.launch import orchestrator_command, trainer_command, worker_command
+from decentrl.cli.launch import free_port, orchestrator_command, trainer_command, worker_command
 from decentrl.config import load_config
 from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import add_token
-from tests.loopback import free_port
 from tests.trainer.test_trainer_crash_resume import family, read_metrics, start, stop, wait_for
 
 pytestmark = pytest.mark.integration

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from decentrl.cli.launch import free_port
 from decentrl.config import parse_config
 from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import add_token
-from tests.loopback import free_port
 
 pytestmark = pytest.mark.integration
 

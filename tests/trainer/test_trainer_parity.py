@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from decentrl.api.wire import TrainBatch, TrainSample
+from decentrl.cli.launch import free_port
 from decentrl.config import TinyModelConfig, TrainerConfig
 from decentrl.model.build import build_model
 from decentrl.rl.losses import summarize
@@ -22,7 +23,6 @@ from decentrl.trainer.batching import batch_totals, collate, rank_share, select_
 from decentrl.trainer.distributed import full_state_dict, init_distributed, shard_model
 from decentrl.trainer.gather import WeightGather
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
-from tests.loopback import free_port
 
 pytestmark = pytest.mark.integration
 

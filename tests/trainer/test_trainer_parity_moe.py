@@ -15,12 +15,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from decentrl.api.wire import ExpertRouting, TrainBatch, TrainSample
+from decentrl.cli.launch import free_port
 from decentrl.config import TinyModelConfig, TrainerConfig
 from decentrl.model.build import build_model
 from decentrl.trainer.batching import batch_totals, collate, rank_share, select_samples
 from decentrl.trainer.distributed import init_distributed, shard_model
 from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
-from tests.loopback import free_port
 
 pytestmark = pytest.mark.integration
 
