@@ -153,11 +153,11 @@ def test_piece_table_decoder_agrees_with_a_byte_level_tokenizer() -> None:
 def test_piece_table_only_where_decode_is_a_join(monkeypatch: pytest.MonkeyPatch) -> None:
     from tokenizers import decoders
 
-    import orchestrator.tokenizer as detokenize
+    import orchestrator.tokenizer as tokenizer_module
 
     assert piece_table(byte_level_bpe(decoders.Metaspace()).backend_tokenizer) is None  # strips, replaces
-    broken = detokenize._piece_bytes
-    monkeypatch.setattr(detokenize, "_piece_bytes", lambda kind, piece, byte_of: broken(kind, piece, byte_of)[:-1])
+    broken = tokenizer_module._piece_bytes
+    monkeypatch.setattr(tokenizer_module, "_piece_bytes", lambda kind, piece, byte_of: broken(kind, piece, byte_of)[:-1])
     tokenizer = byte_level_bpe()
     assert piece_table(tokenizer.backend_tokenizer) is None  # the self-check finds the difference
     ids = tokenizer("héllo wörld").input_ids
