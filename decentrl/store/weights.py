@@ -64,6 +64,9 @@ class CheckpointError(ValueError):
 # -- write ------------------------------------------------------------------------------------
 
 
+TIED_HEAD = "lm_head.weight"  # the output head transformers ties to the input embeddings
+
+
 def write_hf_dir(
     directory: str,
     state: Mapping[str, torch.Tensor],
@@ -79,6 +82,10 @@ def write_hf_dir(
     and config.json says so."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
+    if getattr(model_config, "tie_word_embeddings", False) and TIED_HEAD in state:
+        # The head is the embeddings (SmolLM2, Qwen3): written once, under the embeddings' name, as
+        # save_pretrained does; a gathered or converted state holds it as a tensor of its own.
+        state = {name: tensor for name, tensor in state.items() if name != TIED_HEAD}
     if dtype is not None:
         state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
         model_config = copy.deepcopy(model_config)

@@ -18,6 +18,7 @@ from decentrl.store.weights import (
     Adapter,
     CheckpointError,
     copy_into,
+    load_pretrained,
     merge_adapter,
     read_hf_weights,
     weights_from_files,
@@ -194,3 +195,27 @@ def test_a_pulled_version_is_read_as_its_manifest_lists_it(model: PreTrainedMode
     files = {path.name: path.read_bytes() for path in pulled.iterdir() if path.name != "config.json"}
     with pytest.raises(CheckpointError, match=f"{INDEX_NAME}: weight_map is not a map"):
         weights_from_files(files)
+
+
+def test_a_tied_head_is_written_once_whatever_tensor_holds_it(tmp_path: Path) -> None:
+    """A gathered (FSDP) or dtype-converted state holds the tied head as a tensor of its own: the
+    directory still holds it once, as save_pretrained writes it, and loads tied again."""
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )
+    tied = LlamaForCausalLM(config)
+    state = {name: tensor.clone() for name, tensor in tied.state_dict().items()}  # no storage shared
+    assert "lm_head.weight" in state
+    tokenizer_dir = tmp_path / "tokenizer"
+    build_tiny_tokenizer().save_pretrained(tokenizer_dir)
+    out = tmp_path / "out"
+    write_hf_dir(str(out), state, config, str(tokenizer_dir), dtype=torch.bfloat16)
+    with safe_open(str(out / "model.safetensors"), "pt") as written:
+        assert "lm_head.weight" not in set(written.keys()) and "model.embed_tokens.weight" in set(written.keys())
+    loaded = load_pretrained(str(out), as_published=True)
+    assert torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)
+    assert torch.equal(loaded.lm_head.weight, state["model.embed_tokens.weight"].to(torch.bfloat16))
