@@ -116,14 +116,11 @@ def untied_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The state dict with each tied tensor once (an output head tied to the embeddings keeps the
     embeddings' name): from_pretrained ties it again, as config.json's tie_word_embeddings says,
     and written twice it would add the embedding's bytes to the directory (57 MB for SmolLM2-135M)."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    state = {}
-    for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            state[name] = tensor
-    return state
+    from decentrl.store.weights import tied_aliases
+
+    state = model.state_dict()
+    aliases = tied_aliases(state)
+    return {name: tensor for name, tensor in state.items() if name not in aliases}
 
 
 def write_model_dir(
