@@ -31,6 +31,11 @@ LEASE_GONE = (403, 404, 409)  # the lease expired, was closed, or is held by ano
 MIN_RENEW_S = 0.5
 
 
+def default_id() -> str:
+    """A worker's or scorer's id when none is given: this host and process."""
+    return f"{os.uname().nodename}-{os.getpid()}"
+
+
 def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
     """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^failures)]."""
     return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(failures, 16)))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 import threading
 from collections import deque
@@ -193,10 +192,6 @@ def verdict_problem(item: ScoreItem, verdict: Verdict, low: float, high: float) 
         if not (math.isfinite(value) and low <= value <= high):
             return f"score {value!r} is not within the run's score_range [{low}, {high}]"
     return None
-
-
-def default_scorer_id() -> str:
-    return f"{os.uname().nodename}-{os.getpid()}"
 
 
 def run_scorer(config: ScorerConfig, *, orchestrator_url: str, token: str, scorer_id: str) -> ScorerCounts:

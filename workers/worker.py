@@ -504,7 +504,3 @@ def load_codec(checkpoint_dir: str) -> TextCodec:
     from decentrl.tasks.episodes import tokenizer_codec
 
     return tokenizer_codec(AutoTokenizer.from_pretrained(model_dir(checkpoint_dir)))
-
-
-def default_worker_id() -> str:
-    return f"{os.uname().nodename}-{os.getpid()}"

@@ -111,12 +111,12 @@ def worker(
     --set worker.openai.model=NAME, or --set store.public_key=trainer.pub to refuse unsigned versions.
     """
     _setup_logging("worker")
+    from workers.lease_loop import default_id
     from workers.main import run_worker
-    from workers.worker import default_worker_id
 
     cfg = load_run_config(config, overrides)
     run_worker(
-        cfg, orchestrator_url=orchestrator_url, token=token, worker_id=worker_id or default_worker_id(),
+        cfg, orchestrator_url=orchestrator_url, token=token, worker_id=worker_id or default_id(),
         cache_dir=os.path.expanduser(cache_dir), spool_dir=spool_dir,
     )
 
@@ -140,7 +140,8 @@ def scorer(
     --set scorer.base_url=http://127.0.0.1:8000/v1 --set scorer.model=NAME --set scorer.api_key_env=OPENAI_API_KEY.
     """
     _setup_logging("scorer")
-    from workers.scorer import default_scorer_id, run_scorer
+    from workers.lease_loop import default_id
+    from workers.scorer import run_scorer
     from workers.scorers import BackendConfigError
 
     cfg = load_run_config(config, overrides)
@@ -149,7 +150,7 @@ def scorer(
                    "with its keys (docs/rewards.md)", err=True)
         raise typer.Exit(2)
     try:
-        run_scorer(cfg.scorer, orchestrator_url=orchestrator_url, token=token, scorer_id=scorer_id or default_scorer_id())
+        run_scorer(cfg.scorer, orchestrator_url=orchestrator_url, token=token, scorer_id=scorer_id or default_id())
     except BackendConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
