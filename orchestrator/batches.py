@@ -26,7 +26,7 @@ from decentrl.rl.advantages import group_advantages, process_advantages
 from decentrl.rl.staleness import staleness
 from orchestrator.buffer import Group
 from orchestrator.codec import train_batch_msgpack
-from orchestrator.journal import RunJournal
+from orchestrator.events import BatchForgotten, BatchServed, Journaling
 
 
 @dataclass
@@ -121,7 +121,7 @@ class KeptBatches:
     """The last `batches_kept` batches served, by request id, journaled: a trainer that lost an
     answer and asks again with the same request id gets the same batch, never a second one."""
 
-    def __init__(self, *, batches_kept: int, journal: RunJournal, clock: Callable[[], float]) -> None:
+    def __init__(self, *, batches_kept: int, journal: Journaling, clock: Callable[[], float]) -> None:
         self.batches_kept = batches_kept
         self.journal = journal
         self.clock = clock
@@ -143,7 +143,7 @@ class KeptBatches:
         """Journal a batch as served under `request_id` and keep it; the oldest beyond
         `batches_kept` can no longer be asked for again."""
         assert batch.batch_id is not None
-        self.journal.batch_served(
+        self.journal.record(BatchServed(
             request_id,
             self.clock(),
             {
@@ -154,13 +154,13 @@ class KeptBatches:
                 "rollouts_accepted": batch.rollouts_accepted,
                 "stale_dropped": batch.stale_dropped,
             },
-        )
+        ))
         self.keep(request_id, ServedBatch(batch.batch_id, groups, lambda: batch, batch))
         while len(self.served) > self.batches_kept:
             old_key, old = self.served.popitem(last=False)
             self.leases.difference_update(old.lease_ids)
             self._by_batch_id.pop(old.batch_id, None)
-            self.journal.batch_forgotten(old_key, old.lease_ids)
+            self.journal.record(BatchForgotten(old_key, old.lease_ids))
 
     def keep(self, request_id: str, served: ServedBatch) -> None:
         """Keep a batch for re-asks (one just served, or one recovered from the journal)."""

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from decentrl.api.encoding import Packed
 from decentrl.api.wire import Rollout
-from orchestrator.codec import Packed
-from orchestrator.journal import RunJournal
+from orchestrator.events import GroupCompleted, Journaling
 
 Wait = Literal["check", "scores"]
 
@@ -92,7 +92,7 @@ class VerifyJob:
 
 
 class Buffer:
-    def __init__(self, *, journal: RunJournal, clock: Callable[[], float]) -> None:
+    def __init__(self, *, journal: Journaling, clock: Callable[[], float]) -> None:
         self.journal = journal
         self.clock = clock
         self.ready: deque[Group] = deque()  # in line, oldest first
@@ -145,7 +145,7 @@ class Buffer:
             while position and self.ready[position - 1].seq > group.seq:
                 position -= 1
             self.ready.insert(position, group)
-        self.journal.group_completed(group.lease_id, group.seq, group.rewards, group.oldest_version, self.clock())
+        self.journal.record(GroupCompleted(group.lease_id, group.seq, group.rewards, group.oldest_version, self.clock()))
 
     def held_back_ahead(self, count: int) -> bool:
         """Whether a group held back for its check is among the first `count` complete groups in

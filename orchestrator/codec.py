@@ -20,6 +20,7 @@ from decentrl.api.encoding import (
     EXT_FLOAT64,
     EXT_INT32,
     EXT_INT64,
+    Packed,
     TypedList,
     pack_floats,
     pack_ints,
@@ -27,8 +28,6 @@ from decentrl.api.encoding import (
     unpack_msgpack,
 )
 from decentrl.api.wire import ExpertRouting, Rollout, SamplingParams, TrainBatch
-
-Packed = tuple[msgpack.ExtType, msgpack.ExtType]  # (completion ids, logprobs)
 
 # Rollout fields the lease row already holds (or that are the same for the whole run).
 _NOT_IN_BODY = {"rollout_id", "lease_id", "run_name", "prompt_token_ids"}

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from decentrl.api.wire import Rollout
 from decentrl.config import VerificationConfig
 from decentrl.model.stopping import ends_generation
-from orchestrator.journal import IntegrityChanges
+from orchestrator.events import IntegrityChanges
 
 # Rejection reasons that only a faulty or dishonest worker produces: each is a strike.
 STRIKE_REASONS = frozenset(

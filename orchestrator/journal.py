@@ -1,7 +1,7 @@
 """The orchestrator's durable journal: SQLite in WAL mode under the run dir.
 
-What is journaled (the parts of RunState, orchestrator/state.py, call the recording methods as
-they change):
+What is journaled (the parts of RunState, orchestrator/state.py, `record` an event of
+orchestrator/events.py as they change):
   meta      one row: versions, prompt cursor, prompts to lease again first, counters
   leases    every lease not yet forgotten: prompt, holder, deadline, status
             (open, complete, served, expired, released, dropped), rewards of a complete group
@@ -59,8 +59,22 @@ from typing import Any
 import msgpack
 
 from decentrl.api.encoding import unpack_msgpack
-from decentrl.api.wire import Lease, Rollout
-from orchestrator.codec import Packed, encode_rollout, pack_ints
+from decentrl.api.wire import Lease
+from orchestrator.codec import encode_rollout, pack_ints
+from orchestrator.events import (
+    BatchForgotten,
+    BatchServed,
+    Event,
+    GroupCompleted,
+    IntegrityChanges,
+    JournaledLease,
+    LeaseClosedAs,
+    LeaseForgotten,
+    LeaseGranted,
+    LeaseRenewed,
+    RolloutAccepted,
+    ScoreTaken,
+)
 
 log = logging.getLogger("decentrl.orchestrator.journal")
 
@@ -154,15 +168,6 @@ class Snapshot:
     scores: dict[str, str] = field(default_factory=dict)  # rollout id -> its ScoreResult as JSON
 
 
-@dataclass
-class IntegrityChanges:
-    """What orchestrator/integrity.py changed since the last commit, written with it."""
-
-    forgotten: list[str]  # leases whose content hashes go (first, so a digest may be kept again)
-    kept: list[tuple[bytes, str, int]]  # (digest, lease_id, version) first kept
-    workers: list[tuple[str, str]]  # (token name, record as JSON)
-
-
 def lease_of(row: sqlite3.Row) -> Lease:
     """A journaled lease, built without validating it again (it was validated when it was made)."""
     return Lease.model_construct(
@@ -244,45 +249,32 @@ class Journal:
         so a strike, a ban or a kept hash is on disk before the answer that follows it."""
         self._integrity_source = source
 
-    def record(self, sql: str, params: tuple[Any, ...]) -> None:
-        self._pending.append((sql, params))
-
-    def lease_granted(self, lease: Lease, holder: str) -> None:
-        self.record(
-            SQL_LEASE,
-            (lease.lease_id, lease.prompt_id, holder, lease.deadline, msgpack.packb(pack_ints(lease.prompt_token_ids)), lease.group_size),
-        )
-
-    def rollout_accepted(self, rollout: Rollout, packed: Packed) -> None:
-        self.record(SQL_ROLLOUT, (rollout.rollout_id, rollout.lease_id, encode_rollout(rollout, packed)))
-
-    def group_completed(self, lease_id: str, ready_seq: int, rewards: list[float], oldest_version: int, at: float) -> None:
-        self.record(SQL_COMPLETE, (ready_seq, at, json.dumps(rewards), oldest_version, lease_id))
-
-    def lease_closed(self, lease_id: str, status: str, at: float, *, drop_samples: bool) -> None:
-        self.record(SQL_CLOSE, (status, at, lease_id))
-        if drop_samples:
-            self.record(SQL_DROP_DATA, (lease_id,))
-
-    def lease_renewed(self, lease_id: str, deadline: float) -> None:
-        self.record(SQL_RENEW, (deadline, lease_id))
-
-    def batch_served(self, request_id: str, at: float, body: dict[str, Any]) -> None:
-        self.record(SQL_BATCH, (request_id, at, json.dumps(body)))
-
-    def batch_forgotten(self, request_id: str, lease_ids: list[str]) -> None:
-        """An old batch can no longer be asked for again: its samples' bodies may go."""
-        self.record(SQL_FORGET_BATCH, (request_id,))
-        for lease_id in lease_ids:
-            self.record(SQL_DROP_DATA, (lease_id,))
-
-    def lease_forgotten(self, lease_id: str) -> None:
-        self.record(SQL_FORGET_ROLLOUTS, (lease_id,))
-        self.record(SQL_FORGET_SCORES, (lease_id,))
-        self.record(SQL_FORGET_LEASE, (lease_id,))
-
-    def score_taken(self, rollout_id: str, lease_id: str, result: str) -> None:
-        self.record(SQL_SCORE, (rollout_id, lease_id, result))
+    def record(self, event: Event) -> None:
+        """Queue `event`'s statements for the next commit, in the order the state changed."""
+        pending = self._pending
+        match event:
+            case LeaseGranted(lease, holder):
+                prompt = msgpack.packb(pack_ints(lease.prompt_token_ids))
+                pending.append((SQL_LEASE, (lease.lease_id, lease.prompt_id, holder, lease.deadline, prompt, lease.group_size)))
+            case RolloutAccepted(rollout, packed):
+                pending.append((SQL_ROLLOUT, (rollout.rollout_id, rollout.lease_id, encode_rollout(rollout, packed))))
+            case GroupCompleted(lease_id, ready_seq, rewards, oldest_version, at):
+                pending.append((SQL_COMPLETE, (ready_seq, at, json.dumps(rewards), oldest_version, lease_id)))
+            case LeaseClosedAs(lease_id, status, at, drop_samples):
+                pending.append((SQL_CLOSE, (status, at, lease_id)))
+                if drop_samples:
+                    pending.append((SQL_DROP_DATA, (lease_id,)))
+            case LeaseRenewed(lease_id, deadline):
+                pending.append((SQL_RENEW, (deadline, lease_id)))
+            case BatchServed(request_id, at, body):
+                pending.append((SQL_BATCH, (request_id, at, json.dumps(body))))
+            case BatchForgotten(request_id, lease_ids):
+                pending.append((SQL_FORGET_BATCH, (request_id,)))
+                pending.extend((SQL_DROP_DATA, (lease_id,)) for lease_id in lease_ids)
+            case LeaseForgotten(lease_id):
+                pending += [(SQL_FORGET_ROLLOUTS, (lease_id,)), (SQL_FORGET_SCORES, (lease_id,)), (SQL_FORGET_LEASE, (lease_id,))]
+            case ScoreTaken(rollout_id, lease_id, result):
+                pending.append((SQL_SCORE, (rollout_id, lease_id, result)))
 
     def _take_pending(self) -> list[tuple[str, tuple[Any, ...]]]:
         if self._integrity_source is not None:
@@ -446,8 +438,8 @@ class Journal:
         """Those of `rollout_ids` the journal holds (acknowledged and not yet forgotten)."""
         return {row[0] for row in _rows_of(self._reader, "SELECT rollout_id FROM rollouts WHERE rollout_id IN ({})", rollout_ids)}
 
-    def closed_lease(self, lease_id: str) -> tuple[sqlite3.Row, list[str]] | None:
-        """A closed lease's row and its rollout ids, if the journal still holds it."""
+    def closed_lease(self, lease_id: str) -> JournaledLease | None:
+        """A closed lease and its rollout ids, if the journal still holds it."""
         cursor = self._reader.cursor()
         cursor.row_factory = sqlite3.Row
         row = cursor.execute("SELECT * FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
@@ -456,7 +448,7 @@ class Journal:
         ids = [rollout_id for (rollout_id,) in self._reader.execute(
             "SELECT rollout_id FROM rollouts WHERE lease_id = ? ORDER BY rowid", (lease_id,)
         )]
-        return row, ids
+        return JournaledLease(lease_of(row), row["holder"], row["status"], row["closed_at"], ids)
 
     def samples(self, lease_id: str) -> list[tuple[str, bytes | None]]:
         """A lease's (rollout id, body) in acceptance order."""
@@ -491,31 +483,7 @@ class NullJournal:
     def set_integrity_source(self, source: Callable[[], IntegrityChanges]) -> None:
         pass
 
-    def lease_granted(self, lease: Lease, holder: str) -> None:
-        pass
-
-    def rollout_accepted(self, rollout: Rollout, packed: Packed) -> None:
-        pass
-
-    def group_completed(self, lease_id: str, ready_seq: int, rewards: list[float], oldest_version: int, at: float) -> None:
-        pass
-
-    def lease_closed(self, lease_id: str, status: str, at: float, *, drop_samples: bool) -> None:
-        pass
-
-    def lease_renewed(self, lease_id: str, deadline: float) -> None:
-        pass
-
-    def batch_served(self, request_id: str, at: float, body: dict[str, Any]) -> None:
-        pass
-
-    def batch_forgotten(self, request_id: str, lease_ids: list[str]) -> None:
-        pass
-
-    def lease_forgotten(self, lease_id: str) -> None:
-        pass
-
-    def score_taken(self, rollout_id: str, lease_id: str, result: str) -> None:
+    def record(self, event: Event) -> None:
         pass
 
     def load(self) -> Snapshot:
@@ -524,7 +492,7 @@ class NullJournal:
     def acknowledged(self, rollout_ids: list[str]) -> set[str]:
         return set()
 
-    def closed_lease(self, lease_id: str) -> tuple[sqlite3.Row, list[str]] | None:
+    def closed_lease(self, lease_id: str) -> JournaledLease | None:
         return None
 
     def samples(self, lease_id: str) -> list[tuple[str, bytes | None]]:

@@ -44,6 +44,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
+from decentrl.api.encoding import Packed
 from decentrl.api.wire import MAX_SUPERSEDED, Lease, LeaseState, Rollout
 from decentrl.config import RunConfig
 from decentrl.rl.determinism import required_version
@@ -51,8 +52,8 @@ from decentrl.rl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import PromptEncoder
-from orchestrator.codec import Packed, pack_sample
-from orchestrator.journal import RunJournal, lease_of
+from orchestrator.codec import pack_sample
+from orchestrator.events import Journaling, LeaseClosedAs, LeaseForgotten, LeaseGranted, LeaseRenewed
 
 ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded"]
 Requeue = Literal["back", "front"]
@@ -213,7 +214,7 @@ class LeaseBook:
         *,
         config: RunConfig,
         prompts: PromptQueue,
-        journal: RunJournal,
+        journal: Journaling,
         clock: Callable[[], float],
         on_dropped: Callable[[ClosedLease, str, int], None],
     ) -> None:
@@ -304,7 +305,7 @@ class LeaseBook:
             self.places.setdefault(lease.index, []).append(lease.lease_id)
         self.deadlines.set(lease.lease_id, lease.deadline)
         if granted:
-            self.journal.lease_granted(lease, open_lease.holder)
+            self.journal.record(LeaseGranted(lease, open_lease.holder))
 
     def reopen(self, open_lease: OpenLease) -> None:
         """Recovery (orchestrator/recovery.py): an open lease the journal holds, held again (its
@@ -383,9 +384,9 @@ class LeaseBook:
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
             self.on_dropped(closed, reason, (closed.samples if counted is None else counted) if closed.samples else 0)
-            self.journal.lease_closed(lease_id, status, now, drop_samples=bool(closed.samples))
+            self.journal.record(LeaseClosedAs(lease_id, status, now, drop_samples=bool(closed.samples)))
         elif status == "served":
-            self.journal.lease_closed(lease_id, status, now, drop_samples=False)
+            self.journal.record(LeaseClosedAs(lease_id, status, now, drop_samples=False))
         return closed
 
     def supersede(self, index: int, winner: list[bytes]) -> None:
@@ -442,8 +443,7 @@ class LeaseBook:
         found = self.journal.closed_lease(lease_id)
         if found is None:
             return None
-        row, ids = found
-        return ClosedLease(lease_of(row), row["holder"], row["status"], row["closed_at"], len(ids), ids)
+        return ClosedLease(found.lease, found.holder, found.status, found.closed_at, len(found.rollout_ids), found.rollout_ids)
 
     def owned(self, lease_id: str, holder: str) -> OpenLease | ClosedLease:
         found: OpenLease | ClosedLease | None = self.open.get(lease_id) or self.closed_lease(lease_id)
@@ -470,7 +470,7 @@ class LeaseBook:
         deadline = self.clock() + self.config.orchestrator.lease_timeout_s
         found.lease = found.lease.model_copy(update={"deadline": deadline})
         self.deadlines.set(lease_id, deadline)
-        self.journal.lease_renewed(lease_id, deadline)
+        self.journal.record(LeaseRenewed(lease_id, deadline))
         return found.lease
 
     def release(self, lease_id: str, holder: str) -> LeaseState:
@@ -503,11 +503,11 @@ class LeaseBook:
             self._told_needless(lease_id, closed.holder)
             for rollout_id in closed.rollout_ids:
                 self.seen_rollout_ids.pop(rollout_id, None)
-            self.journal.lease_forgotten(lease_id)
+            self.journal.record(LeaseForgotten(lease_id))
             forgotten += 1
         while self.remembered and self.remembered[0][0] < horizon and forgotten < limit:
             lease_id = self.remembered.popleft()[1]
             if lease_id not in self.closed:  # else recovered into memory (a batch kept): forgotten from there
-                self.journal.lease_forgotten(lease_id)
+                self.journal.record(LeaseForgotten(lease_id))
                 forgotten += 1
         return forgotten

@@ -21,12 +21,13 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+from decentrl.api.encoding import Packed
 from decentrl.api.wire import Lease, Rollout, TrainBatch
 from decentrl.config import AdvantageConfig
 from decentrl.rl.determinism import required_version
 from orchestrator.batches import KeptBatches, ServedBatch, build_batch
 from orchestrator.buffer import Buffer, Group
-from orchestrator.codec import Packed, decode_rollout, pack_sample
+from orchestrator.codec import decode_rollout, pack_sample
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity
 from orchestrator.journal import RunJournal, Snapshot, lease_of

@@ -34,7 +34,7 @@ from typing import Literal
 
 from decentrl.api.wire import ScoreAck, ScoreItem, ScorePost, ScoreRenewal, ScoreResult
 from decentrl.config import RewardConfig
-from orchestrator.journal import RunJournal
+from orchestrator.events import Journaling, ScoreTaken
 from orchestrator.leases import Deadlines, LeaseClosed, owned_by
 
 # What the queue counts since this orchestrator started (not journaled); /metrics names each
@@ -72,7 +72,7 @@ class ScoreLeaseEntry:
 
 class ScoreQueue:
     def __init__(
-        self, *, config: RewardConfig, journal: RunJournal, clock: Callable[[], float], alive: Callable[[str], bool]
+        self, *, config: RewardConfig, journal: Journaling, clock: Callable[[], float], alive: Callable[[str], bool]
     ) -> None:
         """`alive(group_id)`: whether the group still waits for its scores (the buffer holds it)."""
         self.config = config
@@ -161,7 +161,7 @@ class ScoreQueue:
                     self.forget(waiting.group_id)
                 continue  # its group was dropped meanwhile: nothing waits for this score
             waiting.result = result
-            self.journal.score_taken(result.rollout_id, waiting.group_id, result.model_dump_json())
+            self.journal.record(ScoreTaken(result.rollout_id, waiting.group_id, result.model_dump_json()))
             if result.failure == "parse":
                 self.counts["judge_parse_failures"] += 1
         self.counts["scores_posted"] += len(fresh)

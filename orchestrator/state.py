@@ -63,6 +63,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from decentrl.api.encoding import Packed
 from decentrl.api.wire import (
     IngestResponse,
     Lease,
@@ -85,8 +86,8 @@ from decentrl.tasks.prompts import make_prompt_encoder
 from orchestrator.batches import KeptBatches, build_batch
 from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
 from orchestrator.checks import IngestChecks
-from orchestrator.codec import Packed
 from orchestrator.counters import Counters, Versions
+from orchestrator.events import RolloutAccepted
 from orchestrator.integrity import Integrity, token_of
 from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.lease_policy import Deterministic, FreeRunning
@@ -315,7 +316,7 @@ class RunState(RunView):
             if self.integrity.wants_check(holder):
                 open_lease.check.append(len(open_lease.samples) - 1)
         self.counters.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
-        self.journal.rollout_accepted(rollout, open_lease.packed[-1])
+        self.journal.record(RolloutAccepted(rollout, open_lease.packed[-1]))
         return open_lease
 
     def _complete(self, open_lease: OpenLease) -> None:

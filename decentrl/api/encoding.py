@@ -53,6 +53,11 @@ class TypedList(list):  # type: ignore[type-arg]
     __slots__ = ("ext",)
 
 
+# A sample's completion ids and logprobs as typed arrays, as a msgpack body carries them and as
+# the orchestrator keeps and journals them (orchestrator/codec.py).
+Packed = tuple[msgpack.ExtType, msgpack.ExtType]
+
+
 def _ext(packed: array, code: int) -> msgpack.ExtType:  # type: ignore[type-arg]
     if _SWAP:
         packed.byteswap()

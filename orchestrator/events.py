@@ -1,0 +1,116 @@
+"""What the run's parts hand to the journal: one event per durable change, and the two lookups
+they make of what was committed.
+
+RunState (orchestrator/state.py) gives each part the run's journal as a `Journaling`; a part
+records an event where it changes what a restart must find (a lease granted, a group completed,
+a batch served ...) and knows nothing else of the journal. orchestrator/journal.py turns each
+event into its statements and commits them, in the order recorded, before the HTTP answer that
+follows; with journaling off a NullJournal drops them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from decentrl.api.encoding import Packed
+from decentrl.api.wire import Lease, Rollout
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGranted:
+    lease: Lease
+    holder: str
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutAccepted:
+    rollout: Rollout
+    packed: Packed
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCompleted:
+    lease_id: str
+    ready_seq: int  # its place in line
+    rewards: list[float]
+    oldest_version: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseClosedAs:
+    lease_id: str
+    status: str
+    at: float
+    drop_samples: bool  # its samples' bodies can go (it will never be trained on)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewed:
+    lease_id: str
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class BatchServed:
+    request_id: str
+    at: float
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchForgotten:
+    """An old batch can no longer be asked for again: its samples' bodies may go."""
+
+    request_id: str
+    lease_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseForgotten:
+    lease_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreTaken:
+    rollout_id: str
+    lease_id: str
+    result: str  # the ScoreResult as JSON
+
+
+Event = (
+    LeaseGranted | RolloutAccepted | GroupCompleted | LeaseClosedAs | LeaseRenewed | BatchServed | BatchForgotten
+    | LeaseForgotten | ScoreTaken
+)
+
+
+class JournaledLease(NamedTuple):
+    """A closed lease as the journal holds it, for a lookup after a recovery."""
+
+    lease: Lease
+    holder: str
+    status: str
+    closed_at: float
+    rollout_ids: list[str]
+
+
+@dataclass
+class IntegrityChanges:
+    """What orchestrator/integrity.py changed since the last commit, written with it."""
+
+    forgotten: list[str]  # leases whose content hashes go (first, so a digest may be kept again)
+    kept: list[tuple[bytes, str, int]]  # (digest, lease_id, version) first kept
+    workers: list[tuple[str, str]]  # (token name, record as JSON)
+
+
+class Journaling(Protocol):
+    """The journal as a part sees it (orchestrator/journal.py `Journal` or `NullJournal`)."""
+
+    def record(self, event: Event) -> None: ...
+
+    def acknowledged(self, rollout_ids: list[str]) -> set[str]:
+        """Those of `rollout_ids` the journal holds (acknowledged and not yet forgotten)."""
+        ...
+
+    def closed_lease(self, lease_id: str) -> JournaledLease | None: ...
