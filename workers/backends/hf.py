@@ -104,6 +104,18 @@ class HFBackend:
             generators = [torch.Generator(device=self.device) for _ in seeds]
             for generator, seed in zip(generators, seeds, strict=True):
                 generator.manual_seed(seed)
+        # The noise hooks first: the recorder records the routes the (noisy) model really ran.
+        with noisy_routers(self.model, self.router_noise, self.generator), RouteRecorder(self.model) as recorder:
+            return self._decode(prompts, sampling, should_stop, recorder, generators)
+
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        should_stop: Callable[[], bool],
+        recorder: RouteRecorder,
+        generators: list[torch.Generator] | None,
+    ) -> list[Completion]:
         eos_ids, pad = self._eos_and_pad()
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token in the last column.
@@ -111,23 +123,6 @@ class HFBackend:
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        # The noise hooks first: the recorder records the routes the (noisy) model really ran.
-        with noisy_routers(self.model, self.router_noise, self.generator), RouteRecorder(self.model) as recorder:
-            return self._decode(prompts, sampling, should_stop, input_ids, attention, positions, cache, recorder, generators)
-
-    def _decode(
-        self,
-        prompts: list[list[int]],
-        sampling: SamplingParams,
-        should_stop: Callable[[], bool],
-        input_ids: torch.Tensor,
-        attention: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DynamicCache,
-        recorder: RouteRecorder,
-        generators: list[torch.Generator] | None,
-    ) -> list[Completion]:
-        eos_ids, _ = self._eos_and_pad()
         moe = recorder.layers > 0
         logits = self.model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True,
@@ -167,7 +162,6 @@ class HFBackend:
             if moe:
                 fed.append(recorder.take().view(rows, 1, recorder.layers, -1))
         routes = torch.cat(fed, dim=1) if moe else None  # (B, W + steps, layers, K)
-        width = input_ids.shape[1]
         return [
             Completion(
                 tokens[row],
