@@ -89,10 +89,10 @@ class Batcher:
         self.abandoned = abandoned  # deterministic runs: whether a group (a lease id) is no longer wanted
         self.combine = combine  # False: the backend batches concurrent calls itself; each slot leads its own
         self._queue: deque[Request] = deque()
-        # Guards the queue, every request's `done`, `_rounds` and `_swapping`; notified when any changes.
+        # Guards the queue, every request's `done`, `_rounds` and `paused`; notified when any changes.
         self._changed = threading.Condition()
         self._rounds = 0  # rounds generating now: at most one when combining
-        self._swapping = False  # a swap waits for the rounds running, or runs: no round starts
+        self.paused = False  # a swap waits for the rounds running, or runs: no round starts
         self._deadline: float | None = None  # time.monotonic() after which the rounds running are interrupted
 
     def submit(self, rows: list[Sample], sampling: SamplingParams, version: int | None = None) -> Request:
@@ -111,7 +111,7 @@ class Batcher:
         caller leads the next round, calls `generate_next`, then `lead` again). A round may start
         when no swap is due and, when combining, no other round runs."""
         with self._changed:
-            while not request.done and (self._swapping or (self.combine and self._rounds)):
+            while not request.done and (self.paused or (self.combine and self._rounds)):
                 self._changed.wait()
             if not request.done:
                 self._drop_abandoned()
@@ -125,24 +125,20 @@ class Batcher:
         """A weight swap's soft pause: the block runs once no round runs; until then none starts,
         and those running are interrupted `deadline_s` from now. One swapper: swaps never nest."""
         with self._changed:
-            self._swapping, self._deadline = True, time.monotonic() + deadline_s
+            self.paused, self._deadline = True, time.monotonic() + deadline_s
             while self._rounds:
                 self._changed.wait()
         try:
             yield
         finally:
             with self._changed:
-                self._swapping, self._deadline = False, None
+                self.paused, self._deadline = False, None
                 self._changed.notify_all()
 
     def pause_due(self) -> bool:
         """Whether a swap's deadline has passed: the backend stops the rows in flight."""
         deadline = self._deadline
         return deadline is not None and time.monotonic() >= deadline
-
-    @property
-    def paused(self) -> bool:
-        return self._swapping
 
     def _drop_abandoned(self) -> None:
         """(Under `_changed`.) Rows of abandoned groups leave the queue; a request left with no

@@ -129,40 +129,38 @@ class Scorer:
         return None
 
     def post(self, lease: ScoreLease, verdicts: list[Verdict]) -> None:
+        """The post thread: check the verdicts and post them; the lease is let go (no longer renewed) after."""
         try:
-            self._post(lease, verdicts)
+            low, high = lease.score_range
+            results = []
+            for item, verdict in zip(lease.items, verdicts, strict=True):
+                self.counts.parse_retries += verdict.retries
+                if verdict.transient:
+                    log.warning("sample %s not scored (%s); it is leased again", item.rollout_id, verdict.error)
+                    self.counts.transient += 1
+                    continue
+                result = checked(item, verdict, low, high)
+                if result.failure is not None:
+                    self.counts.failed += 1
+                results.append(result)
+            if not results:
+                return
+            post = ScorePost(
+                lease_id=lease.lease_id, scorer_id=self.scorer_id, scores=results,
+                parse_retries=sum(verdict.retries for verdict in verdicts),
+            )
+            try:
+                ack = self.client.post_scores(post)
+            except OrchestratorError as exc:
+                if exc.status not in LEASE_GONE:
+                    raise
+                log.warning("scores of lease %s refused (%s): its samples were leased again", lease.lease_id, exc)
+                self.counts.lost += len(results)
+                return
+            self.counts.scored += sum(result.failure is None for result in results)
+            self.counts.duplicates += ack.duplicates
         finally:
             self._renewals.let_go(lease.lease_id)
-
-    def _post(self, lease: ScoreLease, verdicts: list[Verdict]) -> None:
-        low, high = lease.score_range
-        results = []
-        for item, verdict in zip(lease.items, verdicts, strict=True):
-            self.counts.parse_retries += verdict.retries
-            if verdict.transient:
-                log.warning("sample %s not scored (%s); it is leased again", item.rollout_id, verdict.error)
-                self.counts.transient += 1
-                continue
-            result = checked(item, verdict, low, high)
-            if result.failure is not None:
-                self.counts.failed += 1
-            results.append(result)
-        if not results:
-            return
-        post = ScorePost(
-            lease_id=lease.lease_id, scorer_id=self.scorer_id, scores=results,
-            parse_retries=sum(verdict.retries for verdict in verdicts),
-        )
-        try:
-            ack = self.client.post_scores(post)
-        except OrchestratorError as exc:
-            if exc.status not in LEASE_GONE:
-                raise
-            log.warning("scores of lease %s refused (%s): its samples were leased again", lease.lease_id, exc)
-            self.counts.lost += len(results)
-            return
-        self.counts.scored += sum(result.failure is None for result in results)
-        self.counts.duplicates += ack.duplicates
 
 
 def checked(item: ScoreItem, verdict: Verdict, low: float, high: float) -> ScoreResult:
