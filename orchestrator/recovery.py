@@ -127,7 +127,7 @@ def recover(
     ids of every closed lease (resends stay duplicates) and the closed leases not in the buffer
     nor in a kept batch, which are only remembered, oldest first, to be forgotten in time.
     `restore_steps` gives a group in line or in a kept batch its process rewards again (its steps
-    split again, its step scores from the journal; `RunState._restore_steps`, which reads nothing
+    split again, its step scores from the journal; the reward stage's, orchestrator/reward_stage.py, which reads nothing
     in a run without step scores), so a batch asked for again carries the same token advantages.
     """
     _restore_meta(snapshot.meta, versions=versions, counters=counters, lease_book=lease_book, buffer=buffer)

@@ -15,12 +15,15 @@ ingest checks (they read the lease table, integrity, the rewards' episode replay
   checks       orchestrator/checks.py       why a posted rollout is refused
   rewards      orchestrator/rewards.py      rewards recomputed with the task's verifier, combined
                                             with model scores
+  reward_stage orchestrator/reward_stage.py the verifier's rewards at once, or model scores
+                                            awaited, chosen once at start-up
   score_queue  orchestrator/score_queue.py  samples waiting for model scores, leased to scorers
   integrity    orchestrator/integrity.py    strikes, bans, spot-check sampling, replays
   buffer       orchestrator/buffer.py       complete groups in line, groups held back for their
                                             check or their model scores
   kept         orchestrator/batches.py      batches built with advantages, the last ones kept for re-asks
-  journal      orchestrator/journal.py      every change, committed before the HTTP answer (a
+  journal      orchestrator/journal.py      every change, recorded by the parts as the events of
+                                            orchestrator/events.py, committed before the HTTP answer (a
                                             NullJournal when journaling is off); it compares the
                                             meta row (versions, counters) itself at each commit;
                                             recovery.py rebuilds the parts from it at startup
@@ -32,8 +35,8 @@ The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
   2. check    checks.py gives a rejection reason (counted; a stale one drops its whole group)
   3. record   the sample joins its open lease; integrity keeps its content hash and may pick it
               for a logprob check; the journal records it
-  4. complete when the group is full (and still fresh): rewards.py rewards each sample with the
-              task's verifier; the lease policy fills its place
+  4. complete when the group is full (and still fresh): the reward stage rewards it (the task's
+              verifier) or queues it for scorers; the lease policy fills its place
   5. line up  the group joins the line for the trainer, or is held back in its place until its
               logprob check (`verification_done`) and its model scores (`post_scores`) are in
 then `take_batch` serves the front of the line as a batch (batches.py).
@@ -74,7 +77,6 @@ from decentrl.api.wire import (
     ScoreAck,
     ScorePost,
     ScoreRenewal,
-    ScoreResult,
     TrainBatch,
 )
 from decentrl.config import RunConfig
@@ -93,6 +95,7 @@ from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.lease_policy import Deterministic, FreeRunning
 from orchestrator.leases import ClosedLease, LeaseBook, LeaseError, OpenLease, PromptQueue, Requeue
 from orchestrator.recovery import meta_row, recover
+from orchestrator.reward_stage import ModelRewards, VerifierRewards
 from orchestrator.rewards import Rewards
 from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
 from orchestrator.tokenizer import make_decoder, make_encoder
@@ -176,8 +179,10 @@ class RunState(RunView):
         self.score_queue = ScoreQueue(
             config=options.rewards, journal=self.journal, clock=clock,
             alive=lambda group_id: self.buffer.waits_for(group_id, "scores"),
+        )  # stays empty unless the reward uses a model
+        self.reward_stage: VerifierRewards | ModelRewards = (
+            ModelRewards(self.rewards, self.score_queue) if options.rewards.uses_model else VerifierRewards(self.rewards)
         )
-        self.scores_taken: dict[str, ScoreResult] = {}  # model scores journaled, read at recovery
         self.kept = KeptBatches(batches_kept=options.batches_kept, journal=self.journal, clock=clock)
 
         self.journal.set_meta_source(
@@ -186,11 +191,11 @@ class RunState(RunView):
         self.journal.set_integrity_source(self.integrity.journal_changes)
         snapshot = self.journal.load()
         if snapshot.meta:
-            self.scores_taken = {rid: ScoreResult.model_validate_json(data) for rid, data in snapshot.scores.items()}
+            self.reward_stage.recovered(snapshot.scores)
             recover(
                 snapshot, journal=self.journal, run_name=config.run_name, versions=self.versions, counters=self.counters,
                 lease_book=self.lease_book, buffer=self.buffer, batches=self.kept, advantages=options.advantages,
-                integrity=self.integrity, restore_steps=self._restore_steps,
+                integrity=self.integrity, restore_steps=self.reward_stage.restore_steps,
             )
             self._redo_checks()
             log.info(
@@ -221,8 +226,8 @@ class RunState(RunView):
                 lease_id = open_lease.lease.lease_id
                 if self.buffer.waits_for(lease_id, "scores") and self.score_queue.complete(lease_id):
                     self._scored(lease_id)  # every score of it was journaled before the stop
-        if self.rewards.steps_config is None:  # kept for the kept batches' step scores, rebuilt when asked for
-            self.scores_taken = {}
+        if isinstance(self.reward_stage, ModelRewards) and self.rewards.steps_config is None:
+            self.reward_stage.taken = {}  # kept only for the kept batches' step scores, rebuilt when asked for
 
     # -- leases (orchestrator/leases.py, orchestrator/lease_policy.py) ----------------------------
 
@@ -326,24 +331,19 @@ class RunState(RunView):
             # Its first samples were fresh when they came, but the trainer moved on since.
             self._drop(lease.lease_id, "stale_in_buffer")
             return
-        verifier = self.rewards.verifier_rewards(samples)  # None for a model-only reward
-        model = self.config.orchestrator.rewards.uses_model
         # A deterministic run's groups take their place in line from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
-        rewards = verifier if verifier is not None else [0.0] * len(samples)  # final once scored (`_scored`)
-        group = Group.of(lease.lease_id, lease.prompt_id, samples, rewards, open_lease.packed, seq)
+        group = Group.of(lease.lease_id, lease.prompt_id, samples, [0.0] * len(samples), open_lease.packed, seq)
+        scored = self.reward_stage.start(group)  # rewarded now, or queued for scorers
         self.lease_book.close(lease.lease_id, "complete")
         self.lease_policy.filled(open_lease)
         check = VerifyJob(lease.lease_id, [samples[i] for i in open_lease.check], open_lease.holder) if open_lease.check else None
-        if not model:
+        if scored:
             self.integrity.rewards_claimed(open_lease.holder, group.samples)
-        if check is None and not model:
+        if check is None and scored:
             self.buffer.to_ready(group)
-            return
-        group.verifier_rewards = verifier
-        self.buffer.hold_back(group, check=check, scores=model)
-        if model:
-            self._await_scores(group, samples)
+        else:
+            self.buffer.hold_back(group, check=check, scores=not scored)
 
     def _fresh(self, version: int) -> bool:
         return is_fresh(self.versions.trainer, version, self.config.max_staleness)
@@ -380,13 +380,6 @@ class RunState(RunView):
 
     # -- model scores (orchestrator/score_queue.py; rewards combined by rewards.py) ---------------
 
-    def _await_scores(self, group: Group, samples: list[Rollout]) -> None:
-        """`group` (held back for its scores) has its samples, split into steps for a process
-        reward, queued for scorers (less the scores journaled before a restart: `_redo_checks`)."""
-        steps = self.rewards.steps(samples)
-        group.step_ends = [s.ends for s in steps] if steps is not None else None
-        self.score_queue.add(group.lease_id, self.rewards.items(samples, steps), self.scores_taken)
-
     def lease_scores(self, holder: str, max_items: int) -> ScoreLeaseEntry | None:
         return self.score_queue.lease(holder, max_items)
 
@@ -403,32 +396,17 @@ class RunState(RunView):
         return ack
 
     def _scored(self, group_id: str) -> None:
-        results = self.score_queue.take(group_id)
+        assert isinstance(self.reward_stage, ModelRewards), "only a model reward has scores"
         group = self.buffer.pending.get(group_id)
         if group is None:
-            return  # dropped while its scores came in
-        rewards = self.rewards.combine(group.verifier_rewards, results)
-        if rewards is None:  # a judge reply that did not parse, on_parse_failure = drop
+            self.score_queue.forget(group_id)  # dropped while its scores came in
+            return
+        if not self.reward_stage.finish(group):  # a judge reply that did not parse, on_parse_failure = drop
             self.buffer.release_held_back(lambda g: g.lease_id == group_id)
             self._drop(group_id, "judge_parse_failure", counted=group.size)
             return
-        group.rewards = rewards
-        if group.step_ends is not None:
-            group.step_scores = [result.step_scores for result in results]
         self.integrity.rewards_claimed(self._holder(group), group.samples)
         self._release(group, "scores", stale_reason="stale_waiting_scores")
-
-    def _restore_steps(self, group: Group) -> None:
-        """A group recovered in line or in a kept batch: its steps split again, its step scores
-        from the journal (nothing is read in a run without step scores)."""
-        if self.rewards.steps_config is None:
-            return
-        rollouts = group.rollouts
-        steps = self.rewards.steps(rollouts)
-        assert steps is not None
-        group.step_ends = [s.ends for s in steps]
-        results = [self.scores_taken.get(rollout.rollout_id) for rollout in rollouts]
-        group.step_scores = [result.step_scores if result is not None else None for result in results]
 
     # -- verdicts on workers (the app runs the verification loop: orchestrator/verification.py) ---
 

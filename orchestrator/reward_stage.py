@@ -1,0 +1,81 @@
+"""The reward stage of the pipeline, chosen once at start-up from `[orchestrator.rewards] type`.
+
+RunState (orchestrator/state.py) hands every complete group to `start`:
+- `VerifierRewards` (type = "verifier"): the task's verifier gives the rewards at once, final;
+- `ModelRewards` (type = "model" | "sum", docs/rewards.md): the group's samples (split into steps
+  for process rewards) go to the score queue (orchestrator/score_queue.py) that scorers lease
+  from, and the group is held back in its place until the last score is in; then `finish`
+  combines the scores with the verifier's rewards (orchestrator/rewards.py). The scores taken
+  are journaled by the queue and read back at a restart (`recovered`), so none is lost.
+Either way the rewards are recomputed here, never the worker's claimed reward.
+"""
+
+from __future__ import annotations
+
+from decentrl.api.wire import ScoreResult
+from orchestrator.buffer import Group
+from orchestrator.rewards import Rewards
+from orchestrator.score_queue import ScoreQueue
+
+
+class VerifierRewards:
+    def __init__(self, rewards: Rewards) -> None:
+        self.rewards = rewards
+
+    def start(self, group: Group) -> bool:
+        """Reward `group` with the task's verifier; True: its rewards are final now."""
+        group.rewards = self.rewards.rewards(group.rollouts)
+        return True
+
+    def restore_steps(self, group: Group) -> None:
+        """No process rewards without scorers: nothing to restore."""
+
+    def recovered(self, scores: dict[str, str]) -> None:
+        """No model scores are journaled in a verifier-only run."""
+
+
+class ModelRewards:
+    def __init__(self, rewards: Rewards, queue: ScoreQueue) -> None:
+        self.rewards = rewards
+        self.queue = queue
+        self.taken: dict[str, ScoreResult] = {}  # scores journaled before a restart, by rollout id
+
+    def start(self, group: Group) -> bool:
+        """Queue `group`'s samples for scorers (less the scores taken before a restart); False:
+        it waits for them."""
+        rollouts = group.rollouts
+        group.verifier_rewards = self.rewards.verifier_rewards(rollouts)  # None for a model-only reward
+        if group.verifier_rewards is not None:
+            group.rewards = group.verifier_rewards  # final once scored (`finish`)
+        steps = self.rewards.steps(rollouts)
+        group.step_ends = [s.ends for s in steps] if steps is not None else None
+        self.queue.add(group.lease_id, self.rewards.items(rollouts, steps), self.taken)
+        return False
+
+    def finish(self, group: Group) -> bool:
+        """The last score of `group` is in: it leaves the queue with its rewards combined. False:
+        it is to be dropped (a judge reply that did not parse, with on_parse_failure = drop)."""
+        results = self.queue.take(group.lease_id)
+        rewards = self.rewards.combine(group.verifier_rewards, results)
+        if rewards is None:
+            return False
+        group.rewards = rewards
+        if group.step_ends is not None:
+            group.step_scores = [result.step_scores for result in results]
+        return True
+
+    def restore_steps(self, group: Group) -> None:
+        """A group recovered in line or in a kept batch: its steps split again, its step scores
+        from the journal (nothing is read in a run without step scores)."""
+        if self.rewards.steps_config is None:
+            return
+        rollouts = group.rollouts
+        steps = self.rewards.steps(rollouts)
+        assert steps is not None
+        group.step_ends = [s.ends for s in steps]
+        results = [self.taken.get(rollout.rollout_id) for rollout in rollouts]
+        group.step_scores = [result.step_scores if result is not None else None for result in results]
+
+    def recovered(self, scores: dict[str, str]) -> None:
+        """The scores the journal holds (rollout id -> ScoreResult as JSON), read at a restart."""
+        self.taken = {rollout_id: ScoreResult.model_validate_json(data) for rollout_id, data in scores.items()}
