@@ -80,10 +80,9 @@ def serve_orchestrator(port: int, run_dir: str, cpus: list[int] | None, group_si
     from decentrl.config import SortingTaskConfig, parse_config
     from decentrl.model.build import build_tiny_tokenizer
     from decentrl.tasks.sorting import SortingTask
-    from orchestrator.app import create_app
+    from orchestrator.app import create_app, tune_gc
     from orchestrator.auth import TokenRegistry
     from orchestrator.journal import Journal
-    from orchestrator.service import tune_gc
     from orchestrator.state import RunState
 
     logging.basicConfig(level=logging.WARNING)

@@ -1,17 +1,55 @@
-"""The orchestrator's aiohttp application: `create_app` wires the parts together.
+"""The orchestrator service: its route table, its aiohttp app, and the process that serves it.
 
-Called by `serve` (orchestrator/service.py, behind `decentrl orchestrator`), and by tests and
-benchmarks on loopback. Where each part lives:
+Called by `decentrl orchestrator` (decentrl/cli/main.py, which only parses its arguments) through
+`serve`, and by tests and benchmarks, which build the app with `create_app` and serve it on
+loopback (OrchestratorRunner, orchestrator/protocol.py). Top down:
 
-  orchestrator/routes.py       the route table: paths, roles, bodies, answers; /openapi.json
-  orchestrator/middlewares.py  JSON errors and request metrics, then auth and rate limits
-  orchestrator/handlers.py     one thin handler per route: validate, call RunState, commit, answer
-  orchestrator/body.py         request bodies (JSON, msgpack, gzip) and answers
-  orchestrator/appstate.py     the app's typed state (web.AppKey) and its wake-ups
-  orchestrator/upkeep.py       background: the journal's writer, lease expiry
-  orchestrator/verification.py background: the logprob spot-check scheduler
-  orchestrator/dashboard.py    the live page at /, the JSON it polls; history.py its curves
-  orchestrator/state.py        the run itself (leases, ingest, groups, batches), no HTTP in it
+- the route table (ROUTES): every route, who may call it, its body and answers. The one table
+  registers the handlers (`add_routes`), tells the auth middleware each route's roles
+  (`route_roles`), and generates /openapi.json (`openapi_spec`, with orchestrator/openapi.py), so
+  the three cannot drift apart;
+- the app's background upkeep, `cleanup_ctx` entries: the journal's writer, lease expiry
+  (`journal_writer`, `lease_upkeep`);
+- `create_app`, which wires the parts together;
+- `serve`, the process: it builds everything the app needs from the run's config: the tokens
+  (RUN_DIR/tokens.json and env DECENTRL_TOKENS), the journal (RUN_DIR/journal.sqlite, from which
+  RunState recovers a crashed run), the task and tokenizer, the verifier when verification is
+  enabled, the store (an announced version must exist in it); then tunes the garbage collector
+  and runs the app on uvloop where it installs, until SIGINT or SIGTERM (stopped within 2 s). A
+  journal failure stops the process: a restart recovers what was committed.
+
+The routes, in short (docs/api.md is the reference for clients):
+
+  GET    /v1/info                    any token  what a worker needs to join
+  GET    /v1/status                  any token  counters, for progress displays
+  POST   /v1/leases                  worker     lease prompt groups, learn the newest version
+  GET    /v1/leases/{lease_id}       worker     where one of my leases stands
+  POST   /v1/leases/{lease_id}/renew worker     push my lease's deadline out (slow generation)
+  DELETE /v1/leases/{lease_id}       worker     give my lease back (its prompt goes out again)
+  POST   /v1/rollouts                worker     post samples; per-rollout accept/reject
+  POST   /v1/score/leases            scorer     lease samples to score (model rewards, docs/rewards.md)
+  POST   /v1/score/leases/{lease_id}/renew  scorer  push my score lease's deadline out
+  POST   /v1/scores                  scorer     post scores; all taken, or none with a reason
+  GET    /v1/batch                   trainer    long-poll for the next fresh batch (204 if none in time)
+  POST   /v1/version                 trainer    announce a version complete in the store
+  POST   /v1/trainer/steps           trainer    one step's metrics, for the dashboard
+  GET    /v1/dashboard               any token (or none: metrics_public)  curves, workers, samples
+  GET    /v1/admin/tokens            admin      token names and roles
+  POST   /v1/admin/tokens            admin      create a token
+  DELETE /v1/admin/tokens/{name}     admin      revoke a token, at once
+  GET    /metrics                    trainer, admin (or none: metrics_public)  Prometheus text
+  GET    /openapi.json, /healthz, /  none       (/ is the dashboard page, which holds no data)
+
+Where the other parts live:
+
+  orchestrator/middlewares.py     JSON errors and request metrics, then auth and rate limits
+  orchestrator/handlers.py        one thin handler per route: validate, call RunState, commit, answer
+  orchestrator/score_handlers.py  the scorer role's handlers
+  orchestrator/body.py            request bodies (JSON, msgpack, gzip) and answers
+  orchestrator/appstate.py        the app's typed state (web.AppKey) and its wake-ups
+  orchestrator/verification.py    background: the logprob spot-check scheduler
+  orchestrator/dashboard.py       the live page at /, the JSON it polls; history.py its curves
+  orchestrator/state.py           the run itself (leases, ingest, groups, batches), no HTTP in it
 
 A request passes errors_middleware -> auth_middleware -> its handler; every change a handler
 makes is journaled and committed before it answers. Errors are JSON {"error": "..."} with the
@@ -23,12 +61,51 @@ lease/token or another run, 413 too big, 415 unknown Content-Type, 429 over the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+import decentrl
+from decentrl.api.encoding import MEDIA_JSON
+from decentrl.api.wire import (
+    API_PREFIX,
+    MAX_VERSION,
+    TOKEN_NAME,
+    WORKER_ID,
+    Health,
+    IngestResponse,
+    Lease,
+    LeaseRequest,
+    LeaseResponse,
+    LeaseState,
+    RolloutBatch,
+    RunInfo,
+    ScoreAck,
+    ScoreLease,
+    ScoreLeaseRequest,
+    ScorePost,
+    ScoreRenewal,
+    StatusResponse,
+    TokenCreate,
+    TokenCreated,
+    TokenEntry,
+    TokenList,
+    TrainBatch,
+    TrainerStep,
+    VersionAnnouncement,
+)
+from decentrl.config import RunConfig
+from decentrl.model.build import build_model, load_text_tokenizer
 from decentrl.store.checkpoints import CheckpointStore
+from decentrl.tasks import build_task
+from orchestrator import dashboard, handlers, score_handlers
 from orchestrator.appstate import (
     BATCH_READY,
     CHECKS_WANTED,
@@ -49,21 +126,180 @@ from orchestrator.appstate import (
     VERIFIER,
     IdleScorers,
     JournalFailed,
+    RouteRoles,
+    commit,
     stop_waiting,
 )
-from orchestrator.auth import TokenRegistry
+from orchestrator.auth import ENV_VAR, TokenRegistry
 from orchestrator.body import BODY_LIMITS, BodyLimits
 from orchestrator.checks import run_keeps_routing
-from orchestrator.dashboard import sampler
 from orchestrator.history import History
+from orchestrator.journal import Journal, JournalError, JournalMismatch
 from orchestrator.limits import InFlight, RateLimiter
+from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.metrics import METRICS, Metrics
 from orchestrator.middlewares import auth_middleware, errors_middleware
-from orchestrator.routes import add_routes, openapi_spec, route_roles
+from orchestrator.openapi import Endpoint, Param, build_openapi
+from orchestrator.protocol import OrchestratorRunner
 from orchestrator.state import RunState
-from orchestrator.upkeep import journal_writer, lease_upkeep
 from orchestrator.verification import verification
 from orchestrator.verify import Verifier
+
+log = logging.getLogger("decentrl.orchestrator")
+
+# -- the route table ----------------------------------------------------------------------
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+ANY = ("worker", "trainer", "scorer", "admin")
+P = API_PREFIX
+LEASE_ID = Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/leases.")
+WORKER_Q = Param("worker_id", "query", {"type": "string", "pattern": WORKER_ID}, "The worker id that leased it.")
+ROUTES: list[tuple[Endpoint, Handler]] = [
+    (Endpoint("GET", f"{P}/info", "What a worker needs to join: run, store URL, newest version.", ANY,
+               answers={200: RunInfo}, msgpack=True), handlers.info),
+    (Endpoint("GET", f"{P}/status", "Run counters for progress displays.", ANY,
+               answers={200: StatusResponse}, msgpack=True), handlers.status),
+    (Endpoint("POST", f"{P}/leases", "Lease prompt groups; with none due, waits up to lease_wait_s for one (then empty).", ("worker",),
+               body=LeaseRequest, answers={200: LeaseResponse}, msgpack=True, tag="worker"), handlers.leases),
+    (Endpoint("GET", f"{P}/leases/{{lease_id}}", "Where one of my leases stands.", ("worker",),
+               params=(LEASE_ID, WORKER_Q), answers={200: LeaseState}, errors=(404,), msgpack=True, tag="worker"),
+     handlers.lease_get),
+    (Endpoint("POST", f"{P}/leases/{{lease_id}}/renew", "Push my open lease's deadline lease_timeout_s from now.",
+               ("worker",), params=(LEASE_ID, WORKER_Q), answers={200: Lease}, errors=(404, 409), msgpack=True,
+               tag="worker"), handlers.lease_renew),
+    (Endpoint("DELETE", f"{P}/leases/{{lease_id}}", "Give my open lease back; its prompt is leased again first.",
+               ("worker",), params=(LEASE_ID, WORKER_Q), answers={200: LeaseState}, errors=(404, 409), msgpack=True,
+               tag="worker"), handlers.lease_release),
+    (Endpoint("POST", f"{P}/rollouts", "Post samples; each is accepted, a duplicate, or rejected with a reason.",
+               ("worker",), body=RolloutBatch, answers={200: IngestResponse}, errors=(409,), msgpack=True,
+               tag="worker"), handlers.rollouts),
+    (Endpoint("POST", f"{P}/score/leases",
+               "Lease samples to score; with none waiting, waits up to lease_wait_s for some (then empty).",
+               ("scorer",), body=ScoreLeaseRequest, answers={200: ScoreLease}, msgpack=True, tag="scorer"),
+     score_handlers.score_leases),
+    (Endpoint("POST", f"{P}/score/leases/{{lease_id}}/renew", "Push my score lease's deadline rewards.lease_timeout_s from now.",
+               ("scorer",), params=(
+                   Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/score/leases."),
+                   Param("scorer_id", "query", {"type": "string", "pattern": WORKER_ID}, "The scorer id that leased it."),
+               ), answers={200: ScoreRenewal}, errors=(403, 404, 409), msgpack=True, tag="scorer"),
+     score_handlers.score_renew),
+    (Endpoint("POST", f"{P}/scores",
+               "Post scores for items of my score lease: all taken (a resend counted as duplicate), or none with a reason.",
+               ("scorer",), body=ScorePost, answers={200: ScoreAck}, errors=(403, 404, 409), msgpack=True, tag="scorer"),
+     score_handlers.scores),
+    (Endpoint("GET", f"{P}/batch", "Long-poll for the next batch of fresh groups (204 if none within batch_wait_s).",
+               ("trainer",), params=(
+                   Param("trainer_version", "query", {"type": "integer", "minimum": 0, "maximum": MAX_VERSION},
+                         "The version the trainer holds (the step about to run starts from it); at most trainer.steps."),
+                   Param("request_id", "query", {"type": "string", "pattern": handlers.REQUEST_ID.pattern},
+                         "Idempotency key: asking again with it returns the same batch.", required=False),
+               ), answers={200: TrainBatch, 204: None}, msgpack=True, tag="trainer"), handlers.batch),
+    (Endpoint("POST", f"{P}/version", "Announce a version complete in the store.", ("trainer",),
+               body=VersionAnnouncement, answers={200: StatusResponse}, errors=(409,), msgpack=True, tag="trainer"),
+     handlers.version),
+    (Endpoint("GET", f"{P}/admin/tokens", "Token names, roles and sources (never the tokens).", ("admin",),
+               answers={200: TokenList}, tag="admin"), handlers.tokens_list),
+    (Endpoint("POST", f"{P}/admin/tokens", "Create a token (written to the tokens file).", ("admin",),
+               body=TokenCreate, answers={201: TokenCreated}, errors=(409,), tag="admin"), handlers.tokens_create),
+    (Endpoint("DELETE", f"{P}/admin/tokens/{{name}}", "Revoke a token; the next request with it gets 401.", ("admin",),
+               params=(Param("name", "path", {"type": "string", "pattern": TOKEN_NAME}, "The token's name."),),
+               answers={200: TokenEntry}, errors=(404, 409), tag="admin"), handlers.tokens_revoke),
+    (Endpoint("GET", "/metrics", "Prometheus metrics (text format 0.0.4).", ("trainer", "admin"),
+               answers={200: METRICS_CONTENT_TYPE}, tag="ops"), handlers.metrics),
+    (Endpoint("GET", "/openapi.json", "This description.", None, answers={200: MEDIA_JSON}, tag="ops"), handlers.openapi),
+    (Endpoint("GET", "/healthz", "Liveness: 503 once the journal has failed.", None,
+               answers={200: Health}, tag="ops"), handlers.healthz),
+    (Endpoint("POST", f"{P}/trainer/steps", "One optimizer step's metrics, for the dashboard.", ("trainer",),
+               body=TrainerStep, answers={200: MEDIA_JSON}, msgpack=True, tag="trainer"), dashboard.trainer_steps),
+    (Endpoint("GET", f"{P}/dashboard", "The run's curves, workers and recent samples since `since` (the page's poll).",
+               ANY, params=(Param("since", "query", {"type": "number", "minimum": 0, "maximum": dashboard.MAX_SINCE},
+                                  "Time stamp of the last poll: only newer points come back.", required=False),),
+               answers={200: MEDIA_JSON}, tag="ops"), dashboard.dashboard),
+    (Endpoint("GET", "/", "The live dashboard page (its script polls /v1/dashboard).", None,
+               answers={200: "text/html"}, tag="ops"), dashboard.page),
+]
+
+
+# Read-only views of the run that `orchestrator.metrics_public` opens to callers without a token.
+PUBLIC_WITH_METRICS = ("/metrics", f"{P}/dashboard")
+
+
+def route_specs(*, metrics_public: bool = False) -> list[Endpoint]:
+    """The routes as served: with `metrics_public`, /metrics and /v1/dashboard need no token."""
+    specs = [spec for spec, _ in ROUTES]
+    if metrics_public:
+        specs = [dataclasses.replace(s, roles=None) if s.path in PUBLIC_WITH_METRICS else s for s in specs]
+    return specs
+
+
+def route_roles(*, metrics_public: bool = False) -> RouteRoles:
+    """(method, route template) -> the roles that may call it (None: no token), for the auth middleware."""
+    return {(s.method, s.path): s.roles for s in route_specs(metrics_public=metrics_public)}
+
+
+def openapi_spec(*, metrics_public: bool = False) -> dict[str, Any]:
+    """The OpenAPI document an app serves at /openapi.json."""
+    return build_openapi(
+        route_specs(metrics_public=metrics_public),
+        title="decentrl orchestrator",
+        version=decentrl.__version__,
+        description="Leases prompts to inference workers, ingests and scores their rollouts, serves batches to "
+        "the trainer. Bodies: JSON or msgpack (typed arrays for token ids and logprobs), optionally gzip. "
+        "See docs/api.md.",
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    for spec, handler in ROUTES:
+        app.router.add_route(spec.method, spec.path, handler)
+
+
+# -- background upkeep, cleanup_ctx entries of the app ------------------------------------
+
+
+UPKEEP_INTERVAL_S = 0.5  # at most this late does an overdue lease expire
+
+
+async def journal_writer(app: web.Application) -> AsyncIterator[None]:
+    """The journal's writer thread (orchestrator/journal.py) runs while the app does; each
+    commit's duration goes to the metrics."""
+    journal = app[STATE].journal
+    journal.on_commit = app[METRICS].on_commit
+    journal.start(asyncio.get_running_loop())
+    yield
+    await journal.stop()
+
+
+async def _expire_and_forget(app: web.Application) -> None:
+    state = app[STATE]
+    while True:
+        await asyncio.sleep(UPKEEP_INTERVAL_S)
+        try:
+            state.expire_leases()
+            state.forget_closed()
+            await commit(state)
+        except JournalError as exc:
+            log.critical("journal failed: %s", exc)
+            app[JOURNAL_FAILED](exc)
+            return
+        except Exception:  # a bug here must not stop lease expiry for good
+            log.exception("lease upkeep failed; trying again")
+
+
+async def lease_upkeep(app: web.Application) -> AsyncIterator[None]:
+    """Every UPKEEP_INTERVAL_S, expire overdue leases (their prompts are leased again first) and
+    forget leases closed longer than `dedupe_window_s`, then commit. A journal failure here trips
+    JOURNAL_FAILED as a request's would. Set up after the journal's writer, so it stops first."""
+    task = asyncio.create_task(_expire_and_forget(app))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+# -- the app ------------------------------------------------------------------------------
 
 
 def create_app(
@@ -114,7 +350,123 @@ def create_app(
     app.cleanup_ctx.append(journal_writer)
     app.cleanup_ctx.append(lease_upkeep)
     app.cleanup_ctx.append(verification)
-    app.cleanup_ctx.append(sampler)
+    app.cleanup_ctx.append(dashboard.sampler)
     app.on_shutdown.append(stop_waiting)  # long-polls answer at once: SIGTERM stops in well under 2 s
     add_routes(app)
     return app
+
+
+# -- the process: `decentrl orchestrator` -------------------------------------------------
+
+
+STOP_S = 1.0  # the most a request may hold up a stop (SIGTERM ends the process within 2 s)
+
+
+class StartupError(Exception):
+    """The run directory or config cannot be served (a broken tokens file, a journal of another
+    run); the message says what to fix."""
+
+
+def tune_gc() -> None:
+    """Fewer cyclic garbage collections for a long-running service.
+
+    The buffer holds many container objects (token lists) that are never part of a cycle, and
+    every full collection walks all of them: freeze what startup built and collect less often
+    (about a tenth less CPU per rollout under load; docs/api.md). Also called by
+    benchmarks/ingest.py, to measure what `serve` runs.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)
+
+
+def open_tokens(run_dir: str, tokens_file: str | None) -> TokenRegistry:
+    """The tokens file (default RUN_DIR/tokens.json) and the environment's tokens."""
+    try:
+        return TokenRegistry.from_file(tokens_file or os.path.join(run_dir, "tokens.json"), env=os.environ.get(ENV_VAR))
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise StartupError(str(exc)) from None
+
+
+def open_state(config: RunConfig, run_dir: str) -> RunState:
+    """The run's state, recovered from RUN_DIR/journal.sqlite when orchestrator.journal is on."""
+    try:
+        journal = None
+        if config.orchestrator.journal:
+            os.makedirs(run_dir, exist_ok=True)
+            journal = Journal(
+                os.path.join(run_dir, "journal.sqlite"), run_name=config.run_name, sync=config.orchestrator.journal_sync
+            )
+        return RunState(config=config, task=build_task(config.task), tokenizer=load_text_tokenizer(config.model),
+                        journal=journal)
+    except (JournalMismatch, JournalError, ValueError) as exc:
+        raise StartupError(str(exc)) from None
+
+
+def build_verifier(config: RunConfig, run_dir: str) -> Verifier | None:
+    """The logprob spot-checker, when orchestrator.verification is enabled; its models are built
+    from the run's model config at startup (orchestrator/verify.py)."""
+    if not config.orchestrator.verification.enabled:
+        return None
+    return Verifier(
+        config.orchestrator.verification, store=CheckpointStore.from_config(config.store, run_name=config.run_name),
+        cache_dir=os.path.join(run_dir, "verifier-cache"), build=lambda: build_model(config.model),
+        run_seed=config.seed if config.deterministic else None,
+    )
+
+
+def _event_loop() -> asyncio.AbstractEventLoop | None:
+    """uvloop's event loop where it installs (Linux, macOS), else None: aiohttp's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop()
+
+
+async def _run(app: web.Application, host: str, port: int) -> None:
+    """Serve `app` until SIGINT or SIGTERM, then stop within STOP_S: the long-polls answer at once
+    (orchestrator/appstate.py, `stop_waiting`) and any other request still running after that is
+    cancelled, so a supervisor's SIGTERM never waits for batch_wait_s."""
+    runner = OrchestratorRunner(app, access_log=None, shutdown_timeout=STOP_S)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("serving on http://%s:%d", host, runner.addresses[0][1])
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await runner.cleanup()
+
+
+def serve(config: RunConfig, *, run_dir: str, host: str | None = None, port: int | None = None,
+          tokens_file: str | None = None) -> bool:
+    """Serve the run until SIGINT or SIGTERM. Returns False when it stopped because the journal
+    failed; raises StartupError when it cannot start. `config.store.url` must be resolved."""
+    tokens = open_tokens(run_dir, tokens_file)
+    state = open_state(config, run_dir)
+    failed: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        """The journal failed: stop serving; a restart recovers what was committed."""
+        log.critical("journal failed (%s): shutting down so that a restart recovers from the journal", exc)
+        failed.append(exc)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    tune_gc()
+    app = create_app(
+        state=state, tokens=tokens, store_url=config.store.url, on_fatal=on_fatal,
+        verifier=build_verifier(config, run_dir), store=CheckpointStore.from_config(config.store),
+    )
+    where = (host or config.orchestrator.host, config.orchestrator.port if port is None else port)
+    loop = _event_loop() or asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(_run(app, *where))
+    finally:
+        loop.close()
+    state.journal.close()
+    return not failed

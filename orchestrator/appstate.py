@@ -2,8 +2,8 @@
 
 `create_app` (orchestrator/app.py) sets every key before the app starts; the handlers
 (orchestrator/handlers.py), the middlewares (orchestrator/middlewares.py) and the background
-tasks (orchestrator/upkeep.py, orchestrator/verification.py) read them. The keys live here, not
-in app.py, so that those modules can import them without importing the app factory.
+tasks (the upkeep in orchestrator/app.py, orchestrator/verification.py) read them. The keys live
+here, not in app.py, so that those modules can import them without importing the app factory.
 
 Wake-ups. Handlers and background tasks wake one another instead of polling: a handler that may
 have let a batch form notifies BATCH_READY (the trainer's long-poll waits on it), one that may
@@ -47,7 +47,7 @@ class IdleScorers:
 class JournalFailed:
     """What happens when the journal fails (a request's commit or the upkeep's): the metric is
     set each time, and the service's callback is called once (`decentrl orchestrator` then shuts
-    down, so that a restart recovers from the journal; orchestrator/service.py)."""
+    down, so that a restart recovers from the journal; orchestrator/app.py `serve`)."""
 
     def __init__(self, mark: Callable[[], None], callback: Callable[[BaseException], Any] | None) -> None:
         """`mark()` sets the metric; `callback(exc)` is the service's."""

@@ -1,6 +1,6 @@
 """The orchestrator's live dashboard: the page at `/`, the JSON it polls, the trainer's step metrics.
 
-Routes (orchestrator/routes.py):
+Routes (the route table, orchestrator/app.py):
   GET  /                   none        the page (orchestrator/static/dashboard.html): static, holds
                                        no data; its script asks for a token and polls the JSON
   GET  /v1/dashboard       any token   (none with `metrics_public`) the run's history since `since`

@@ -1,6 +1,6 @@
 """The orchestrator's request handlers: thin, each validates, calls RunState, commits, answers.
 
-Registered by the route table (orchestrator/routes.py), which also says who may call each one;
+Registered by the route table (orchestrator/app.py), which also says who may call each one;
 the middlewares (orchestrator/middlewares.py) have authenticated the caller before a handler
 runs. A handler that changes the run awaits the journal's commit before it answers
 (orchestrator/journal.py), so an acknowledged rollout, lease or batch survives a crash, and then

@@ -5,7 +5,7 @@ Installed by create_app (orchestrator/app.py). Every request passes both before 
   404/405/413 included), counts the request and its latency, and on a journal failure answers
   503 and trips JOURNAL_FAILED (the service then stops; a restart recovers from the journal);
 - `auth_middleware` checks the bearer token against the route's roles (the route table,
-  orchestrator/routes.py), then the token's rate limit, and records the caller's IDENTITY.
+  orchestrator/app.py), then the token's rate limit, and records the caller's IDENTITY.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 description of the orchestrator's routes (GET /openapi.json).
 
-Built from the same route table the app registers (`orchestrator.routes.ROUTES`) and from the
+Built from the same route table the app registers (`orchestrator.app.ROUTES`) and from the
 pydantic models' JSON schemas, so it cannot drift from what the handlers validate.
 """
 

@@ -1,6 +1,6 @@
 """The orchestrator's HTTP connections: aiohttp's protocol, with its own parser errors made safe.
 
-Used by every place that serves the app: `serve` (orchestrator/service.py), the tests' loopback
+Used by every place that serves the app: `serve` (orchestrator/app.py), the tests' loopback
 fixture (tests/conftest.py) and the benchmarks, through `OrchestratorRunner` instead of
 `web.AppRunner`. A request aiohttp's parser refuses (a header line with a control character, a
 line past 8190 bytes, a bad request line) never reaches the app's middlewares: aiohttp answers it

@@ -2,7 +2,7 @@
 
 Thin, as orchestrator/handlers.py: each validates, calls RunState (the scoring stage is
 orchestrator/score_queue.py), commits the journal and answers. Registered by the route table
-(orchestrator/routes.py), which admits only `scorer` tokens; the client is workers/scorer.py
+(orchestrator/app.py), which admits only `scorer` tokens; the client is workers/scorer.py
 (`decentrl scorer`), the protocol is docs/rewards.md.
 """
 

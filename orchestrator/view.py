@@ -2,7 +2,7 @@
 
 RunState (orchestrator/state.py) is a RunView: it builds the parts declared here and changes them;
 this class only reads them, under the names the handlers (orchestrator/handlers.py), the
-verification loop (orchestrator/verification.py), orchestrator/metrics.py, orchestrator/service.py,
+verification loop (orchestrator/verification.py), orchestrator/metrics.py, orchestrator/app.py,
 benchmarks and tests read, and builds `status()` (GET /v1/status, `decentrl status`). Its two
 setters replace a part's value whole (`sampling`: tests; `verify_queue`: verification.py).
 """

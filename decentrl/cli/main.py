@@ -78,7 +78,7 @@ def orchestrator(
     recovers. Tokens come from the tokens file and from env DECENTRL_TOKENS (name:role:token,...).
     """
     _setup_logging("orchestrator")
-    from orchestrator.service import StartupError, serve
+    from orchestrator.app import StartupError, serve
 
     cfg = _resolve_store(load_run_config(config, overrides), run_dir)
     try:

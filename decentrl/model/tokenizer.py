@@ -1,6 +1,6 @@
 """A tokenizer from the `tokenizers` library alone, for the orchestrator's start-up.
 
-The orchestrator (orchestrator/service.py, `open_state`) needs of its tokenizer only the
+The orchestrator (orchestrator/app.py, `open_state`) needs of its tokenizer only the
 vocabulary size, an encoder for prompts, a decoder for completions, and the special and
 end-of-sequence ids; importing transformers for that cost about 1.4 s of every start-up and
 restart (docs/benchmarks.md, recovery). `load_text_tokenizer` (decentrl/model/build.py) gives a `RustTokenizer`, which

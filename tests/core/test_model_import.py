@@ -293,7 +293,7 @@ def test_a_model_path_that_is_no_model_directory_fails_saying_how_to_make_one(ki
 
 
 def test_the_orchestrator_refuses_to_start_on_a_model_path_that_is_missing(make_config, tmp_path: Path) -> None:  # noqa: ANN001 - fixture
-    from orchestrator.service import StartupError, open_state
+    from orchestrator.app import StartupError, open_state
 
     config = make_config().model_copy(update={"model": PretrainedModelConfig(path=str(tmp_path / "absent"))})
     with pytest.raises(StartupError, match=r"model.path = .*absent' does not exist: make one with"):

@@ -57,7 +57,7 @@ def test_the_orchestrator_starts_without_importing_transformers_or_torch() -> No
     code = (
         "import sys\n"
         "from decentrl.config import TinyModelConfig\n"
-        "import orchestrator.service\n"
+        "import orchestrator.app\n"
         "from decentrl.model.build import load_text_tokenizer\n"
         "load_text_tokenizer(TinyModelConfig())\n"
         "print(sorted(m for m in ('transformers', 'torch', 'numpy') if m in sys.modules))\n"

@@ -32,11 +32,10 @@ from transformers import PreTrainedTokenizerBase
 
 from decentrl.store.checkpoints import CheckpointStore
 from decentrl.tasks import build_task
-from orchestrator.app import create_app
+from orchestrator.app import ROUTES, create_app, openapi_spec
 from orchestrator.auth import TokenRegistry
 from orchestrator.journal import Journal
 from orchestrator.protocol import OrchestratorRunner
-from orchestrator.routes import ROUTES, openapi_spec
 from orchestrator.state import RunState
 
 WORKER, TRAINER, ADMIN = "worker-token-0123456789", "trainer-token-0123456789", "admin-token-0123456789"

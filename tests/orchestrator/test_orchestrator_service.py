@@ -600,7 +600,7 @@ def test_msgpack_posts_are_journaled_as_received_and_recover_equal(
 
 
 def test_the_orchestrator_command_refuses_a_run_dir_it_cannot_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`decentrl orchestrator` (orchestrator/service.py `serve`) exits 2 with the fix in the message,
+    """`decentrl orchestrator` (orchestrator/app.py `serve`) exits 2 with the fix in the message,
     before it listens: no tokens file, then a journal of another run."""
     from typer.testing import CliRunner
 
