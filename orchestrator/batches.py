@@ -10,7 +10,7 @@ Invariants:
   the one place that reads their setting; a group scored per step (process rewards,
   orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`);
 - the completion ids and logprobs of every sample were packed as typed arrays at ingest
-  (orchestrator/codec.py `pack_sample`), and a batch is encoded from them (orchestrator/codec.py), not packed again.
+  (decentrl/api/encoding.py `pack_sample`), and a batch is encoded from them (orchestrator/codec.py), not packed again.
 """
 
 from __future__ import annotations

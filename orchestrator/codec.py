@@ -22,7 +22,6 @@ from decentrl.api.encoding import (
     EXT_INT64,
     Packed,
     TypedList,
-    pack_floats,
     pack_ints,
     pack_routes,
     unpack_msgpack,
@@ -31,11 +30,6 @@ from decentrl.api.wire import ExpertRouting, Rollout, SamplingParams, TrainBatch
 
 # Rollout fields the lease row already holds (or that are the same for the whole run).
 _NOT_IN_BODY = {"rollout_id", "lease_id", "run_name", "prompt_token_ids"}
-
-
-def pack_sample(rollout: Rollout) -> Packed:
-    """A sample's completion ids and logprobs as the typed arrays a batch is served from."""
-    return pack_ints(rollout.completion_token_ids), pack_floats(rollout.logprobs)
 
 
 def packed_arrays(raw: dict[str, Any]) -> list[Packed | None]:
@@ -88,7 +82,7 @@ def routing_body(routing: ExpertRouting | None) -> dict[str, Any] | None:
 def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:
     """A rollout's journal body: msgpack with typed arrays, without what its lease row holds.
 
-    `packed` holds its completion ids and logprobs already packed (`pack_sample`, or as they came).
+    `packed` holds its completion ids and logprobs already packed (decentrl/api/encoding.py `pack_sample`, or as they came).
     """
     body = {}
     for name in type(rollout).model_fields:

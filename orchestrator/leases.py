@@ -44,7 +44,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
-from decentrl.api.encoding import Packed
+from decentrl.api.encoding import Packed, pack_sample
 from decentrl.api.wire import MAX_SUPERSEDED, Lease, LeaseState, Rollout
 from decentrl.config import RunConfig
 from decentrl.rl.determinism import required_version
@@ -52,7 +52,6 @@ from decentrl.rl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import PromptEncoder
-from orchestrator.codec import pack_sample
 from orchestrator.events import Journaling, LeaseClosedAs, LeaseForgotten, LeaseGranted, LeaseRenewed
 
 ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded"]
@@ -333,7 +332,7 @@ class LeaseBook:
         # Equal to the lease's prompt (checked): share that list instead of keeping a copy.
         rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids
         open_lease.samples.append(rollout)
-        open_lease.packed.append(packed or pack_sample(rollout))
+        open_lease.packed.append(packed or pack_sample(rollout.completion_token_ids, rollout.logprobs))
         return open_lease
 
     # -- the one close path -----------------------------------------------------------------

@@ -21,13 +21,13 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from decentrl.api.encoding import Packed
+from decentrl.api.encoding import Packed, pack_sample
 from decentrl.api.wire import Lease, Rollout, TrainBatch
 from decentrl.config import AdvantageConfig
 from decentrl.rl.determinism import required_version
 from orchestrator.batches import KeptBatches, ServedBatch, build_batch
 from orchestrator.buffer import Buffer, Group
-from orchestrator.codec import decode_rollout, pack_sample
+from orchestrator.codec import decode_rollout
 from orchestrator.counters import Counters, Versions
 from orchestrator.integrity import Integrity
 from orchestrator.journal import RunJournal, Snapshot, lease_of
@@ -162,7 +162,7 @@ def recover(
             for rollout_id, data in entries
             if data is not None
         ]
-        packed = [pack_sample(sample) for sample in samples]
+        packed = [pack_sample(sample.completion_token_ids, sample.logprobs) for sample in samples]
         # Two open leases of one place (a hedge) get the same place: the same prompt, last before the cursor.
         lease_book.reopen(OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed))
     buffer.ready = deque(sorted(ready, key=lambda group: group.seq))
@@ -201,4 +201,4 @@ def _read_samples(journal: RunJournal, lease: Lease, run_name: str) -> tuple[lis
         samples.append(decode_rollout(
             data, rollout_id=rollout_id, lease_id=lease.lease_id, run_name=run_name, prompt_token_ids=lease.prompt_token_ids,
         ))
-    return samples, [pack_sample(sample) for sample in samples]
+    return samples, [pack_sample(sample.completion_token_ids, sample.logprobs) for sample in samples]

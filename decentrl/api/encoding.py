@@ -72,6 +72,11 @@ def pack_ints(values: Sequence[int]) -> msgpack.ExtType:
         return _ext(array("q", values), EXT_INT64)
 
 
+def pack_sample(completion_token_ids: Sequence[int], logprobs: Sequence[float]) -> Packed:
+    """A sample's completion ids and logprobs packed once, as the orchestrator keeps, journals and serves them."""
+    return pack_ints(completion_token_ids), pack_floats(logprobs)
+
+
 def pack_routes(values: Sequence[int]) -> msgpack.ExtType:
     """Expert ids as a uint8 array, or uint16 where one is 256 or more (OverflowError past 65535
     or below 0: such ids then travel as a plain list and the receiver rejects them)."""

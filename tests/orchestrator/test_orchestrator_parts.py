@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
+from decentrl.api.encoding import pack_sample
 from decentrl.api.wire import Lease, Rollout, SamplingParams
 from decentrl.config import AdvantageConfig, HedgingConfig, VerificationConfig
 from decentrl.tasks import build_task
 from orchestrator.batches import KeptBatches, build_batch
 from orchestrator.buffer import Buffer, Group, VerifyJob
 from orchestrator.checks import oversized
-from orchestrator.codec import pack_sample
 from orchestrator.integrity import Integrity
 from orchestrator.journal import NullJournal
 from orchestrator.lease_policy import MIN_RECENT, Hedges, Places
@@ -41,7 +41,7 @@ def lease(lease_id: str, prompt_id: int = 0, group_size: int = 2) -> Lease:
 
 def group(make_rollout: Any, lease_id: str, rewards: list[float], *, version: int = 0, seq: int = 0) -> Group:
     rollouts = [make_rollout(lease(lease_id), [5, 6], policy_version=version) for _ in rewards]
-    return Group.of(lease_id, 0, rollouts, rewards, [pack_sample(r) for r in rollouts], seq)
+    return Group.of(lease_id, 0, rollouts, rewards, [pack_sample(r.completion_token_ids, r.logprobs) for r in rollouts], seq)
 
 
 # -- the buffer -------------------------------------------------------------------------------
