@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from decentrl.api.wire import ExpertRouting, SamplingParams
+from decentrl.model.stopping import stop_cut
 
 # "interrupted": generation stopped early because a weight swap was due (the worker continues
 # it under the new weights); never posted as such.
@@ -64,3 +65,20 @@ class Backend(Protocol):
 def truncates(sampling: SamplingParams) -> bool:
     """Whether sampling keeps only part of the vocabulary (so a sampling mask is recorded)."""
     return sampling.top_k > 0 or sampling.top_p < 1.0
+
+
+def extended(before: Completion, chunk: Completion, sampling: SamplingParams, text: Callable[[list[int]], str]) -> Completion:
+    """`before` continued by `chunk`, the next piece of a backend that generates in chunks (so
+    that a soft pause can interrupt it between them): "stop" at a stop string, which may span
+    the two (the engine saw only the chunk), "length" at the budget, else "interrupted" (more to
+    generate). The sampling mask is kept where both have one."""
+    ids, lps = before.token_ids + chunk.token_ids, before.logprobs + chunk.logprobs
+    mask = None
+    if before.sampling_mask is not None and chunk.sampling_mask is not None:
+        mask = before.sampling_mask + chunk.sampling_mask
+    cut = stop_cut(text, ids, sampling.stop, start=len(before.token_ids))
+    if cut is not None:
+        return Completion(ids[:cut], lps[:cut], "stop", None if mask is None else mask[:cut])
+    if chunk.finish_reason == "stop":
+        return Completion(ids, lps, "stop", mask)
+    return Completion(ids, lps, "length" if len(ids) >= sampling.max_tokens else "interrupted", mask)

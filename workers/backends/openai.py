@@ -22,8 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from decentrl.api.wire import SamplingParams
-from decentrl.model.stopping import stop_cut
-from workers.backends import Completion, never, truncates
+from workers.backends import Completion, extended, never, truncates
 
 
 class OpenAIBackend:
@@ -111,23 +110,9 @@ class OpenAIBackend:
 
     def _complete(self, prompt: list[int], sampling: SamplingParams, should_stop: Callable[[], bool]) -> Completion:
         assert self._decode is not None
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        masks: list[list[int]] | None = [] if truncates(sampling) else None
+        done = Completion([], [], "interrupted", [] if truncates(sampling) else None)
         while True:
-            chunk = self._request(prompt + tokens, sampling, min(self.chunk_tokens, sampling.max_tokens - len(tokens)))
-            checked = len(tokens)
-            tokens += chunk.token_ids
-            logprobs += chunk.logprobs
-            if masks is not None and chunk.sampling_mask is not None:
-                masks += chunk.sampling_mask
-            # A stop string may span two chunks: the server saw only one of them.
-            cut = stop_cut(self._decode, tokens, sampling.stop, start=max(0, checked - 1))
-            if cut is not None:
-                return Completion(tokens[:cut], logprobs[:cut], "stop", masks[:cut] if masks is not None else None)
-            if chunk.finish_reason == "stop":
-                return Completion(tokens, logprobs, "stop", masks)
-            if len(tokens) >= sampling.max_tokens:
-                return Completion(tokens, logprobs, "length", masks)
-            if should_stop():
-                return Completion(tokens, logprobs, "interrupted", masks)
+            budget = min(self.chunk_tokens, sampling.max_tokens - len(done.token_ids))
+            done = extended(done, self._request(prompt + done.token_ids, sampling, budget), sampling, self._decode)
+            if done.finish_reason != "interrupted" or should_stop():
+                return done

@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from decentrl.api.wire import SamplingParams
-from decentrl.model.stopping import stop_cut
-from workers.backends import Completion, never, truncates
+from workers.backends import Completion, extended, never, truncates
 
 
 class VLLMBackend:
@@ -85,26 +84,11 @@ class VLLMBackend:
     ) -> list[Completion]:
         assert self.llm is not None, "load() a version before generate()"
         state = [Completion([], [], "interrupted", [] if truncates(sampling) else None) for _ in prompts]
-        while True:
-            open_rows = [i for i, c in enumerate(state) if c.finish_reason == "interrupted"]
-            if not open_rows:
-                return state
+        while open_rows := [i for i, c in enumerate(state) if c.finish_reason == "interrupted"]:
             budgets = [min(self.chunk_tokens, sampling.max_tokens - len(state[i].token_ids)) for i in open_rows]
             chunks = self._chunk([prompts[i] + state[i].token_ids for i in open_rows], sampling, budgets)
             for i, chunk in zip(open_rows, chunks, strict=True):
-                before = state[i]
-                ids, lps = before.token_ids + chunk.token_ids, before.logprobs + chunk.logprobs
-                mask = (
-                    before.sampling_mask + chunk.sampling_mask
-                    if before.sampling_mask is not None and chunk.sampling_mask is not None
-                    else None
-                )
-                cut = stop_cut(self._text, ids, sampling.stop, start=len(before.token_ids))
-                if cut is not None:
-                    state[i] = Completion(ids[:cut], lps[:cut], "stop", mask[:cut] if mask is not None else None)
-                elif chunk.finish_reason == "stop" or len(ids) >= sampling.max_tokens:
-                    state[i] = Completion(ids, lps, chunk.finish_reason if chunk.finish_reason == "stop" else "length", mask)
-                else:
-                    state[i] = Completion(ids, lps, "interrupted", mask)
+                state[i] = extended(state[i], chunk, sampling, self._text)
             if should_stop():
-                return state
+                break
+        return state
