@@ -55,13 +55,17 @@ from decentrl.config.task import (
     VerifiersTaskConfig,
 )
 from decentrl.config.trainer import (
+    CISPOObjectiveConfig,
     DrGRPOLossConfig,
     GRPOLossConfig,
+    GSPOObjectiveConfig,
     IcePopConfig,
     LoRAConfig,
     LossConfig,
+    ObjectiveConfig,
     OffPolicyConfig,
     PolicyLossBase,
+    PPOObjectiveConfig,
     SeqMaskConfig,
     TISConfig,
     TokenLossConfig,
@@ -71,13 +75,15 @@ from decentrl.config.trainer import (
 from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
-    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ConfigError", "CountdownTaskConfig",
-    "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig", "GuessTaskConfig", "HedgingConfig", "HFScorerConfig",
-    "IcePopConfig", "ImportTaskConfig", "JsonVerdictConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig",
+    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "CISPOObjectiveConfig", "ConfigError",
+    "CountdownTaskConfig", "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig",
+    "GSPOObjectiveConfig", "GuessTaskConfig", "HedgingConfig", "HFScorerConfig", "IcePopConfig", "ImportTaskConfig",
+    "JsonVerdictConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "ObjectiveConfig",
     "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig", "OrchestratorConfig", "Placed", "PlacementConfig",
-    "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig", "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig",
-    "RegexVerdictConfig", "RewardConfig", "RolePlacement", "RunConfig", "SamplingConfig", "ScorerConfig", "SeqMaskConfig",
-    "SimulationConfig", "SortingTaskConfig", "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig",
-    "TokenLossConfig", "TrainerAdvantagesConfig", "TrainerConfig", "TurnStepsConfig", "VerificationConfig",
-    "VerifiersTaskConfig", "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",
+    "PPOObjectiveConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig",
+    "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RegexVerdictConfig", "RewardConfig", "RolePlacement",
+    "RunConfig", "SamplingConfig", "ScorerConfig", "SeqMaskConfig", "SimulationConfig", "SortingTaskConfig",
+    "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig", "TokenLossConfig",
+    "TrainerAdvantagesConfig", "TrainerConfig", "TurnStepsConfig", "VerificationConfig", "VerifiersTaskConfig",
+    "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",
 ]

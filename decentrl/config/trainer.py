@@ -1,7 +1,7 @@
 """`[trainer]`: the FSDP2 trainer's optimization, loss and checkpointing (decentrl/trainer/ reads it).
 
-The loss and the off-policy correction are unions keyed by `type`, each member mapped to its
-function in decentrl/rl/losses.py; docs/trainer.md explains every choice.
+The objective, the loss normalization and the off-policy correction are unions keyed by `type`,
+each member mapped to its function in decentrl/rl/losses.py; docs/trainer.md explains every choice.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ from decentrl.config.base import Section, keyed_union, reject_moved
 
 
 class PolicyLossBase(Section):
-    """PPO clipping shared by every loss normalization (clip-higher: eps_high > eps_low)."""
+    """PPO clipping shared by every loss normalization (clip-higher: eps_high > eps_low). It clips
+    the `ppo` objective (the default); GSPO and CISPO clip with their own [trainer.objective] bounds."""
 
     eps_low: float = Field(
-        0.2, gt=0, le=1, description="PPO clip: a token with negative advantage and ratio < 1 - eps_low gets no gradient."
+        0.2, gt=0, le=1, description="PPO clip: a token with negative advantage and ratio < 1 - eps_low gets no gradient "
+        "(trainer.objective.type = 'ppo' only)."
     )
     eps_high: float = Field(
-        0.28, gt=0, description="PPO clip: a token with positive advantage and ratio > 1 + eps_high gets no gradient."
+        0.28, gt=0, description="PPO clip: a token with positive advantage and ratio > 1 + eps_high gets no gradient "
+        "(trainer.objective.type = 'ppo' only)."
     )
 
 
@@ -43,6 +46,44 @@ class DrGRPOLossConfig(PolicyLossBase):
 
 
 LossConfig = keyed_union(GRPOLossConfig, TokenLossConfig, DrGRPOLossConfig)
+
+
+class PPOObjectiveConfig(Section):
+    """PPO's clipped surrogate on each token's ratio to the sampling policy (the default): the
+    importance weight comes from [trainer.off_policy], the clip range from [trainer.loss]."""
+
+    type: Literal["ppo"] = "ppo"
+
+
+class GSPOObjectiveConfig(Section):
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): one importance ratio per sample, the geometric
+    mean of its token ratios, clipped per sample; GSPO-token, so per-token advantages still work.
+    It is its own importance weight: [trainer.off_policy] adds only its mask (icepop, seq_mask)."""
+
+    type: Literal["gspo"] = "gspo"
+    eps_low: float = Field(
+        3e-4, gt=0, le=1, description="A sample with negative advantage and sequence ratio < 1 - eps_low gets no "
+        "gradient (the paper: 3e-4; sequence ratios stay much closer to 1 than token ratios)."
+    )
+    eps_high: float = Field(
+        4e-4, gt=0, description="A sample with positive advantage and sequence ratio > 1 + eps_high gets no gradient "
+        "(the paper: 4e-4)."
+    )
+
+
+class CISPOObjectiveConfig(Section):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by the token ratio clipped to
+    [1 - eps_low, 1 + eps_high], without gradient; no token's gradient is dropped by the clip.
+    It is its own importance weight: [trainer.off_policy] adds only its mask (icepop, seq_mask)."""
+
+    type: Literal["cispo"] = "cispo"
+    eps_low: float = Field(
+        1.0, gt=0, le=1, description="Floor 1 - eps_low of the weight; 1.0 (the paper): no floor, only eps_high is tuned."
+    )
+    eps_high: float = Field(0.28, gt=0, description="Ceiling 1 + eps_high of the weight.")
+
+
+ObjectiveConfig = keyed_union(PPOObjectiveConfig, GSPOObjectiveConfig, CISPOObjectiveConfig)
 
 
 class TISConfig(Section):
@@ -119,6 +160,10 @@ class TrainerConfig(Section):
     lr_warmup_steps: int = Field(0, ge=0, description="Linear warmup of the learning rate over these steps; 0 = none.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    objective: ObjectiveConfig = Field(
+        default_factory=PPOObjectiveConfig, description="Policy-gradient objective: ppo (token ratio, clipped), "
+        "gspo (sequence ratio, clipped per sample) or cispo (clipped ratio as a stop-gradient weight)."
+    )
     loss: LossConfig = Field(default_factory=GRPOLossConfig, description="Normalization and PPO clipping.")
     off_policy: OffPolicyConfig = Field(
         default_factory=TISConfig, description="Correction against the workers' sampling logprobs."

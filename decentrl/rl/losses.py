@@ -10,12 +10,16 @@ Every loss is a sum over tokens of a per-token term times a normalization weight
 whole-batch counts (`BatchTotals`), never from the micro-batch at hand: micro-batches and ranks
 then add up to exactly the loss (and gradient) of the whole batch in one piece.
 
-Two choices come from the config, each a table from the section's `type` to a function:
+Three choices come from the config, each a table from the section's `type` to a function:
 - normalization, `trainer.loss.type`: grpo (sequence mean), token (DAPO), dr_grpo (constant);
 - off-policy correction, `trainer.off_policy.type`: tis, icepop, seq_mask. Each turns the
-  detached log-ratio log(pi_trainer / pi_sampler) into a per-token weight and keep-mask.
-PPO clipping (separate eps_low / eps_high, against the sampling policy) drops the tokens where
-the clipped surrogate has no gradient; KL to a reference (k3) and an entropy bonus are optional.
+  detached log-ratio log(pi_trainer / pi_sampler) into a per-token weight and keep-mask;
+- objective, `trainer.objective.type`: ppo, gspo, cispo. Each turns the same log-ratio (and the
+  correction's weight) into the per-token importance weight the REINFORCE term is scaled by and
+  a clip-keep mask: PPO clipping (separate eps_low / eps_high, against the sampling policy)
+  drops the tokens where the clipped surrogate has no gradient, GSPO clips one ratio per
+  sample, CISPO clips the weight and drops nothing.
+KL to a reference (k3) and an entropy bonus are optional.
 """
 
 from __future__ import annotations
@@ -25,7 +29,17 @@ from dataclasses import dataclass
 
 import torch
 
-from decentrl.config import IcePopConfig, LossConfig, OffPolicyConfig, SeqMaskConfig, TISConfig
+from decentrl.config import (
+    CISPOObjectiveConfig,
+    GSPOObjectiveConfig,
+    IcePopConfig,
+    LossConfig,
+    ObjectiveConfig,
+    OffPolicyConfig,
+    PPOObjectiveConfig,
+    SeqMaskConfig,
+    TISConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,64 @@ def ppo_clip_keep(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: fl
     return (~clipped).to(log_ratio.dtype)
 
 
+# -- objective: (weight, clip_keep, truncated) per token from the detached log-ratio ---------------
+# The REINFORCE term of every objective is -weight * clip_keep * A * log p (weight, clip_keep
+# constants); `truncated` marks the tokens whose weight is below or off the ratio it stands for,
+# for the is_truncated_fraction statistic.
+
+
+def ppo_objective(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, is_weight: torch.Tensor,
+    *, loss: LossConfig, objective: PPOObjectiveConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO (Schulman et al. 2017, arXiv 1707.06347) on token ratios: the gradient of
+    min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) is r A grad log p inside the trust region and 0
+    where the clip binds; r's factor is the off-policy correction's weight.  # (B, T) x 3"""
+    truncated = (log_ratio.exp() > is_weight).to(mask.dtype)  # (B, T) TIS cap
+    return is_weight, ppo_clip_keep(log_ratio, advantages, loss.eps_low, loss.eps_high), truncated
+
+
+def gspo_objective(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, is_weight: torch.Tensor,
+    *, loss: LossConfig, objective: GSPOObjectiveConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071), GSPO-token form.
+
+    s_b = exp(1/|y_b| sum_t log(pi / pi_sampler)_bt), one ratio per sample over its completion
+    tokens; the token objective is min(s_bt A_bt, clip(s_bt, 1 - eps_low, 1 + eps_high) A_bt) with
+    s_bt = sg[s_b] * pi_bt / sg[pi_bt], whose gradient is sg[s_b] A_bt grad log pi_bt, or 0 where
+    the clip binds (the whole sample when its advantage is per sample). With per-sample advantages
+    and grpo normalization this is the paper's sequence-level GSPO gradient exactly. The token
+    ratios' own weight (`is_weight`) is not used: s_b is the importance weight.  # (B, T) x 3
+    """
+    lengths = mask.sum(dim=1).clamp(min=1.0)  # (B,)
+    sequence_log_ratio = ((log_ratio * mask).sum(dim=1) / lengths)[:, None].expand_as(log_ratio)  # (B, T)
+    clip_keep = ppo_clip_keep(sequence_log_ratio, advantages, objective.eps_low, objective.eps_high)  # (B, T)
+    return sequence_log_ratio.exp(), clip_keep, torch.zeros_like(mask)
+
+
+def cispo_objective(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, is_weight: torch.Tensor,
+    *, loss: LossConfig, objective: CISPOObjectiveConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): per token -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi.
+
+    The clip bounds the importance weight instead of zeroing the gradient, so every token (the
+    rare "However"/"Wait" tokens PPO clips away after their first update included) keeps its
+    REINFORCE gradient. The clipped ratio is the importance weight (`is_weight` is not used).  # (B, T) x 3
+    """
+    ratio = log_ratio.exp()  # (B, T)
+    weight = ratio.clamp(min=1.0 - objective.eps_low, max=1.0 + objective.eps_high)  # (B, T)
+    return weight, torch.ones_like(mask), (weight != ratio).to(mask.dtype)
+
+
+OBJECTIVES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    "ppo": ppo_objective,
+    "gspo": gspo_objective,
+    "cispo": cispo_objective,
+}
+
+
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi || pi_ref) per sampled token: e^d - d - 1 with d = log pi_ref - log pi (>= 0).  # (B, T)"""
     delta = ref_logprobs - logprobs
@@ -138,11 +210,13 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,  # (B, T) reference model, needed iff kl_coef > 0
     kl_coef: float = 0.0,
     entropy_coef: float = 0.0,
+    objective: ObjectiveConfig = PPOObjectiveConfig(),  # frozen, so one shared default is safe
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance-corrected, clipped policy gradient (+ k3 KL, - entropy bonus), normalized per `loss.type`.
 
     per token: -w_bt * keep_bt * clip_bt * A_bt * log p_bt + kl_coef * k3_bt - entropy_coef * H_bt,
-    with w, keep, clip constants (no gradient): the gradient of the first term is the
+    with w, keep, clip constants (no gradient): keep from the off-policy correction, w and clip
+    from the objective (PPO: w the correction's weight). The gradient of the first term is the
     off-policy corrected REINFORCE estimate with the group-relative advantage as baseline
     (A_bt = A_b for every token of sample b when advantages are per sample).
     Returns the loss and token sums (plus one max) that add up over micro-batches and ranks.
@@ -152,8 +226,10 @@ def policy_loss(
     advantages = advantages.expand_as(logprobs)  # (B, T)
     # Zero off the completion, so padding can never overflow exp() or reach a statistic.
     log_ratio = (logprobs.detach() - sampler_logprobs) * mask  # (B, T)
-    weight, keep = CORRECTIONS[off_policy.type](log_ratio, mask, off_policy)  # (B, T), (B, T)
-    clip_keep = ppo_clip_keep(log_ratio, advantages, loss.eps_low, loss.eps_high)  # (B, T)
+    is_weight, keep = CORRECTIONS[off_policy.type](log_ratio, mask, off_policy)  # (B, T), (B, T)
+    weight, clip_keep, truncated = OBJECTIVES[objective.type](
+        log_ratio, advantages, mask, is_weight, loss=loss, objective=objective
+    )  # (B, T) x 3
     per_token = -(weight * keep * clip_keep) * advantages * logprobs  # (B, T)
     kl = k3_kl(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)
     per_token = per_token + kl_coef * kl - entropy_coef * entropy
@@ -165,7 +241,7 @@ def policy_loss(
             "tokens": mask.sum(),
             "ratio_sum": ratio.sum(),
             "ratio_max": ratio.max() if ratio.numel() else ratio.new_zeros(()),
-            "truncated": ((ratio > weight) * mask).sum(),
+            "truncated": (truncated * mask).sum(),
             "masked": ((1.0 - keep) * mask).sum(),
             "clipped": ((1.0 - clip_keep) * mask).sum(),
             "entropy_sum": (entropy.detach() * mask).sum(),

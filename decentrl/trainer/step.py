@@ -103,6 +103,7 @@ def micro_batch_loss(
         totals=totals,
         loss=config.loss,
         off_policy=config.off_policy,
+        objective=config.objective,
         entropy=entropies,
         ref_logprobs=ref_logprobs,
         kl_coef=config.kl_coef,
