@@ -6,9 +6,10 @@ Invariants:
 - a served batch is journaled before it is sent (its leases as served), and the last
   `batches_kept` are kept by request id, so a trainer that lost an answer and asks again with
   the same request id gets the same batch, never a second one;
-- advantages are computed per group (decentrl/rl/advantages.py) when the batch is built; this is
-  the one place that reads their setting; a group scored per step (process rewards,
-  orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`);
+- advantages are computed (decentrl/rl/advantages.py) when the batch is built, from the rewards
+  after overlong shaping, by the estimator the config names (per group, or over the batch's
+  groups); this is the one place that reads their setting; a group scored per step (process
+  rewards, orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`);
 - the completion ids and logprobs of every sample were packed as typed arrays at ingest
   (decentrl/api/encoding.py `pack_sample`), and a batch is encoded from them (orchestrator/codec.py), not packed again.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from decentrl.api.encoding import pack_ints
 from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.config import AdvantageConfig
-from decentrl.rl.advantages import group_advantages, process_advantages
+from decentrl.rl.advantages import ESTIMATORS, overlong_penalty, process_advantages
 from decentrl.rl.staleness import staleness
 from orchestrator.buffer import Group
 from orchestrator.codec import train_batch_msgpack
@@ -60,10 +61,11 @@ def build_batch(
     rollouts_accepted: int, stale_dropped: int,
 ) -> TrainBatch:
     samples, histogram = [], Counter()
-    for group in groups:
-        outcome = group_advantages(group.rewards, normalize_std=advantages.normalize_std)
+    rewards = [shaped_rewards(group, advantages) for group in groups]
+    for group, group_rewards, outcome in zip(groups, rewards, ESTIMATORS[advantages.type](rewards, advantages), strict=True):
         per_token = token_advantages(group, outcome, advantages)
-        for rollout, reward, advantage, tokens in zip(group.rollouts, group.rewards, outcome, per_token, strict=True):
+        for rollout, reward, advantage, tokens in zip(group.rollouts, group_rewards, outcome, per_token, strict=True):
+            truncated = advantages.mask_truncated and rollout.finish_reason == "length"
             # Fields were validated at ingest: construct without copying the token lists.
             samples.append(
                 TrainSample.model_construct(
@@ -76,7 +78,7 @@ def build_batch(
                     group_id=rollout.lease_id,
                     rollout_id=rollout.rollout_id,
                     sampling_mask=rollout.sampling_mask,
-                    loss_mask=rollout.loss_mask,
+                    loss_mask=[0] * len(rollout.completion_token_ids) if truncated else rollout.loss_mask,
                     expert_routing=rollout.expert_routing,
                     token_advantages=tokens,
                 )
@@ -90,6 +92,17 @@ def build_batch(
         stale_dropped=stale_dropped,
         batch_id=batch_id,
     )
+
+
+def shaped_rewards(group: Group, config: AdvantageConfig) -> list[float]:
+    """The group's rewards plus DAPO's overlong punishment of each completion's length, when
+    `[orchestrator.advantages.overlong]` is set (else the rewards as scored)."""
+    if config.overlong is None:
+        return group.rewards
+    return [
+        reward + overlong_penalty(len(rollout.completion_token_ids), config.overlong)
+        for rollout, reward in zip(group.rollouts, group.rewards, strict=True)
+    ]
 
 
 def token_advantages(group: Group, outcome: list[float], config: AdvantageConfig) -> list[list[float] | None]:

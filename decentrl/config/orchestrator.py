@@ -94,11 +94,46 @@ class TurnStepsConfig(Section):
 StepsConfig = keyed_union(DelimiterStepsConfig, TurnStepsConfig)
 
 
-class AdvantageConfig(Section):
-    """Advantages, computed by the orchestrator when a group is complete (decentrl/rl/advantages.py).
+class OverlongConfig(Section):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), added to the reward
+    of a completion of L tokens before advantages are computed (decentrl/rl/advantages.py
+    `overlong_penalty`):
 
-    Outcome rewards (`group_advantages`): each reward minus its group's mean (divided by the
-    group's std with normalize_std). Process rewards, when a scorer gives a score per step
+        R_len(L) = 0                                       L <= max_length - cache
+                 = penalty * ((max_length - cache) - L) / cache   max_length - cache < L <= max_length
+                 = -penalty                                L > max_length
+    """
+
+    max_length: int = Field(
+        ge=1, le=131072, description="L_max: completions longer than this get the full punishment; at most "
+        "sampling.max_tokens (DAPO: equal to it, so the punishment grows over the last `cache` tokens of the budget)."
+    )
+    cache: int = Field(
+        ge=0, le=131072, description="L_cache: the band (max_length - cache, max_length] over which the punishment "
+        "grows linearly from 0 to -penalty (DAPO: 4096 of 20480); 0 = a step at max_length."
+    )
+    penalty: float = Field(1.0, gt=0.0, le=1000.0, description="Size of the full punishment (DAPO: 1).")
+
+    @model_validator(mode="after")
+    def _band_fits(self) -> OverlongConfig:
+        if self.cache > self.max_length:
+            raise ValueError(
+                f"orchestrator.advantages.overlong.cache ({self.cache}) must be at most max_length ({self.max_length}): "
+                "the punished band (max_length - cache, max_length] starts at a length >= 0; lower cache"
+            )
+        return self
+
+
+class AdvantageConfig(Section):
+    """Advantages, computed by the orchestrator when a batch is built (decentrl/rl/advantages.py).
+
+    Outcome rewards, by `type` (`ESTIMATORS`): grpo, each reward minus its group's mean (divided
+    by the group's std with normalize_std); rloo, minus the mean of the group's other rewards;
+    reinforce_pp, the batch's rewards whitened by the batch's mean and std; reinforce_pp_baseline,
+    each reward minus its group's mean, divided by the batch's std of those. `overlong` shapes the
+    rewards first; `mask_truncated` keeps truncated samples out of the loss.
+
+    Process rewards, when a scorer gives a score per step
     (`process_advantages`, docs/rewards.md#process-rewards): every step score of the group is
     normalized the same way over all the group's steps, giving s_ij; token t of sample i gets
 
@@ -108,6 +143,11 @@ class AdvantageConfig(Section):
     DeepSeekMath's process supervision) or s_ij of t's own step (`process = "step"`).
     """
 
+    type: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo", description="Outcome advantage estimator: grpo (group mean baseline), rloo (leave-one-out baseline, "
+        "arXiv 2402.14740), reinforce_pp (batch mean and std, arXiv 2501.03262), reinforce_pp_baseline (group mean, "
+        "then the batch's std)."
+    )
     normalize_std: bool = Field(
         False, description="Divide each group's centered rewards (and centered step scores) by their std (GRPO); "
         "Dr.GRPO leaves it off."
@@ -127,6 +167,15 @@ class AdvantageConfig(Section):
         default_factory=DelimiterStepsConfig,
         description="How a completion is split into the steps a process scorer scores (decentrl/rl/steps.py).",
     )
+    overlong: OverlongConfig | None = Field(
+        None, description="Present ([orchestrator.advantages.overlong]): DAPO's soft overlong punishment added to each "
+        "reward (the samples' `reward` in the batch is the shaped one). Absent: rewards as scored."
+    )
+    mask_truncated: bool = Field(
+        False, strict=True, description="DAPO's overlong filtering: a sample cut at sampling.max_tokens "
+        "(finish_reason 'length') gets loss_mask 0 on every token, so it trains nothing; it still counts in its "
+        "group's baseline and in grpo/dr_grpo's sample count (trainer.loss.type = 'token' leaves it out entirely)."
+    )
 
     @model_validator(mode="after")
     def _some_weight(self) -> AdvantageConfig:
@@ -134,6 +183,11 @@ class AdvantageConfig(Section):
             raise ValueError(
                 "orchestrator.advantages: process_weight and outcome_weight are both 0, so every token's advantage "
                 "would be 0; set process_weight > 0 (or outcome_weight > 0)"
+            )
+        if self.normalize_std and self.type != "grpo":
+            raise ValueError(
+                f"orchestrator.advantages.normalize_std divides by the group's std (type = 'grpo'); type = '{self.type}' "
+                "has its own scale (rloo: none, reinforce_pp*: the batch's std): set normalize_std = false or type = 'grpo'"
             )
         return self
 

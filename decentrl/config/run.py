@@ -102,6 +102,17 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _overlong_within_budget(self) -> RunConfig:
+        overlong = self.orchestrator.advantages.overlong
+        if overlong is not None and overlong.max_length > self.sampling.max_tokens:
+            raise ValueError(
+                f"orchestrator.advantages.overlong.max_length ({overlong.max_length}) exceeds sampling.max_tokens "
+                f"({self.sampling.max_tokens}): no completion is longer than max_tokens; set max_length <= "
+                f"{self.sampling.max_tokens} (DAPO: max_length = max_tokens)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _deterministic_backend(self) -> RunConfig:
         if self.deterministic and self.worker.backend != "hf":
             raise ValueError(

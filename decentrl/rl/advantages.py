@@ -1,10 +1,12 @@
-"""Group-relative advantages (GRPO): each sample's reward minus its group's mean; per token, from
-step scores, for process rewards.
+"""Advantages from rewards: group-relative (GRPO), leave-one-out (RLOO), batch-normalized
+(REINFORCE++); per token, from step scores, for process rewards; DAPO's overlong shaping.
 
-The orchestrator calls `group_advantages` when a group is complete (`[orchestrator.advantages]`
-normalize_std), and `process_advantages` when a scorer also gave the group's samples one score per
-step (decentrl/rl/steps.py splits the steps), so the trainer receives ready advantages; the trainer
-calls `informative_samples` to drop the groups with no policy-gradient signal when
+The orchestrator builds each batch's advantages (orchestrator/batches.py `build_batch`): it shapes
+the rewards (`overlong_penalty`, with `[orchestrator.advantages.overlong]`), turns the batch's
+groups of rewards into advantages with the estimator `[orchestrator.advantages] type` names
+(`ESTIMATORS`), and calls `process_advantages` when a scorer also gave the group's samples one
+score per step (decentrl/rl/steps.py splits the steps), so the trainer receives ready advantages;
+the trainer calls `informative_samples` to drop the groups with no policy-gradient signal when
 `[trainer.advantages]` drop_zero_variance is set.
 """
 
@@ -12,13 +14,78 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 
-from decentrl.config import AdvantageConfig
+from decentrl.config import AdvantageConfig, OverlongConfig
 
 
 def group_advantages(rewards: list[float], normalize_std: bool = False, eps: float = 1e-6) -> list[float]:
-    """Advantages of one group; with normalize_std, divided by the group's (population) std + eps."""
+    """GRPO (Shao et al. 2024, arXiv 2402.03300): A_i = r_i - mean(r) of one group; with
+    normalize_std, divided by the group's (population) std + eps."""
     return _normalize(rewards, normalize_std, eps)
+
+
+def rloo_advantages(rewards: list[float]) -> list[float]:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics", arXiv 2402.14740, eq. 4) for one group of G:
+    A_i = r_i - 1/(G-1) sum_{j != i} r_j = G/(G-1) * (r_i - mean(r)), an unbiased baseline that
+    does not contain the sample's own reward. A group of one has no other sample: 0."""
+    if len(rewards) < 2:
+        return [0.0] * len(rewards)
+    scale = len(rewards) / (len(rewards) - 1)
+    return [scale * a for a in _normalize(rewards, False, 0.0)]
+
+
+def reinforce_pp_advantages(groups: list[list[float]], eps: float = 1e-6) -> list[list[float]]:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262), outcome reward, no critic: every reward of the
+    batch whitened by the batch's mean and (population) std + eps, A = (r - mean_B) / std_B.
+    Groups play no part: an all-correct group still gets positive advantages."""
+    flat = _normalize([r for rewards in groups for r in rewards], True, eps)
+    return _regroup(flat, groups)
+
+
+def reinforce_pp_baseline_advantages(groups: list[list[float]], eps: float = 1e-6) -> list[list[float]]:
+    """REINFORCE++-baseline (Hu 2025, arXiv 2501.03262): each reward minus its group's mean, then
+    divided by the (population) std + eps of those centered values over the whole batch,
+    A_i = (r_i - mean_group(r)) / std_B. A group of equal rewards gets exactly 0."""
+    centered = [a for rewards in groups for a in _normalize(rewards, False, 0.0)]
+    if not any(centered):
+        return _regroup(centered, groups)
+    scale = statistics.pstdev(centered) + eps
+    return _regroup([a / scale for a in centered], groups)
+
+
+def _regroup(flat: list[float], groups: list[list[float]]) -> list[list[float]]:
+    result, offset = [], 0
+    for rewards in groups:
+        result.append(flat[offset : offset + len(rewards)])
+        offset += len(rewards)
+    return result
+
+
+# A batch's groups of rewards -> their advantages, by `[orchestrator.advantages] type`.
+ESTIMATORS: dict[str, Callable[[list[list[float]], AdvantageConfig], list[list[float]]]] = {
+    "grpo": lambda groups, config: [group_advantages(rewards, config.normalize_std) for rewards in groups],
+    "rloo": lambda groups, config: [rloo_advantages(rewards) for rewards in groups],
+    "reinforce_pp": lambda groups, config: reinforce_pp_advantages(groups),
+    "reinforce_pp_baseline": lambda groups, config: reinforce_pp_baseline_advantages(groups),
+}
+
+
+def overlong_penalty(length: int, config: OverlongConfig) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13) of a completion
+    of `length` tokens, added to its reward: with L_max = max_length, L_cache = cache,
+
+        R_len(L) = 0                              if L <= L_max - L_cache
+                 = ((L_max - L_cache) - L) / L_cache   if L_max - L_cache < L <= L_max
+                 = -1                             if L > L_max
+
+    times `penalty`. Long answers are discouraged gradually instead of all scoring 0 at the cut."""
+    start = config.max_length - config.cache
+    if length <= start:
+        return 0.0
+    if length <= config.max_length:
+        return config.penalty * (start - length) / config.cache
+    return -config.penalty
 
 
 def process_advantages(
