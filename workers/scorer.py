@@ -1,22 +1,15 @@
 """The scorer loop: lease samples to score, score them with the backend, post the scores.
 
 Run by `decentrl scorer` (through `run_scorer` below), by tests and benchmarks; the protocol is
-in docs/rewards.md. Three threads beside the backend's, so that the backend never waits for HTTP:
+in docs/rewards.md, what the loop does with each verdict and signal in docs/rewards_backends.md.
+Three threads beside the backend's, so that the backend never waits for HTTP:
 
     lease (the asking thread) -> score (the calling thread) -> check and post (the post thread)
         renew every lease held until it is posted (the `renew` thread: workers/lease_loop.py)
 
-- The asking thread keeps up to `leases_ahead` leases beyond the one being scored, asking for them
-  `ahead` (the orchestrator serves an idle scorer first); an empty answer is asked again after
-  its `retry_after_s` (at least `min_wait_s`).
-- Checks (`checked`): a verdict without a score, with a NaN or out-of-range score or step score
-  (the lease's `score_range`), or without one step score per step of an item that has steps, is
-  posted as `failure = "parse"` (the run's `on_parse_failure` decides what it becomes, never a
-  silent 0). A transient verdict (the judge unreachable) is not posted: its lease expires.
-- A post refused because the lease is gone (403/404/409) is counted `lost`; the loop goes on.
-- SIGTERM/SIGINT: no new lease; the leases in hand are scored and posted, then it exits.
-A backend that raises, or an orchestrator that cannot be reached, stops the scorer with its
-message; the leases it held are no longer renewed, expire and are leased again.
+A verdict that fails its check (`checked`) is posted as `failure = "parse"`, never a silent 0; a
+transient one (the judge unreachable) is not posted, and its lease expires. A backend that raises,
+or an orchestrator that cannot be reached, stops the scorer; the leases it held expire.
 """
 
 from __future__ import annotations

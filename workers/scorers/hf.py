@@ -1,19 +1,11 @@
 """The `hf` scorer backend: a reward model, i.e. an AutoModelForSequenceClassification directory.
 
 Built by workers/scorers/__init__.py from `[scorer] type = "hf"`; called by the scorer loop
-(workers/scorer.py) in a thread. Each sample is one text: with `input = "chat"` the tokenizer's
-chat template over the prompt's messages and the completion as the assistant's turn (how reward
-models such as Skywork-Reward or ArmoRM are trained to read), with `input = "text"` the prompt
-and the completion concatenated. Texts longer than `max_length` tokens are cut on
-`truncation_side` (left by default: the classifier reads its score at the last token).
-
-The score is the logit of the model's one label (num_labels = 1), or of `label`, optionally as a
-sigmoid or as the softmax probability of `label`. Step scores (process rewards): the score of
-each prefix of the completion that ends at a step, where the steps are consecutive pieces of the
-completion found in order (a step that is not in the completion fails the item). Prefix scoring
-is how an outcome reward model is used as a process reward model; a PRM trained with per-step
-labels at a separator token is read the same way, one prefix per step. Texts are deduplicated
-(the last prefix is usually the whole completion) and scored `batch_size` at a time.
+(workers/scorer.py) in a thread. Its keys (chat or text input, truncation, label, transform) are
+in docs/rewards_backends.md. Step scores (process rewards) are the scores of the completion's
+prefixes ending at each step (`step_prefixes`): how an outcome reward model is read as a process
+reward model. Texts are deduplicated (the last prefix is usually the whole completion) and
+scored `batch_size` at a time, like lengths together.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The `openai` scorer backend: an LLM judge behind any OpenAI-compatible chat completions API.
 
 Built by workers/scorers/__init__.py from `[scorer] type = "openai"`; called by the scorer loop
-(workers/scorer.py) in a thread, and asks the judge `concurrency` samples at a time. Each sample
-is one chat request: the system prompt (if any) and the prompt template with {prompt},
-{completion} and {steps} filled in; the verdict is read from the reply's text by a regex (its
-last match's one group) or as a JSON object's field (docs/rewards.md, "Scorer backends").
-
-Per sample, up to `max_attempts` tries, waiting `backoff_s` (doubling, with jitter) between them:
-- a reply that does not parse is asked again; unparsed after the last try, the verdict is a
-  failure the loop posts as `failure = "parse"`, so the run's policy scores it (a default score or
-  a drop, counted): never a silent 0;
-- a timeout, a dropped connection, 408, 429 or a 5xx is asked again; still failing after the last
-  try, the verdict is `transient`: the loop does not post it, its lease expires and it is leased
-  again (to this or another scorer);
-- 400, 413 or 422 (this request is refused, e.g. longer than the judge's context) fails the sample
-  at once; any other 4xx (a wrong key, model or URL) raises `JudgeError`: nothing this scorer
-  asks can succeed, so it stops with the judge's message.
-The API key is read from the environment variable `api_key_env` names, sent as a bearer token,
-and never logged or put in an error.
+(workers/scorer.py) in a thread, and asks the judge `concurrency` samples at a time. The prompt
+template, the verdict parsers and what each answer of the judge leads to are in
+docs/rewards_backends.md. Per sample, up to `max_attempts` tries: a reply that does not parse is
+asked again, then failed as a parse failure (never a silent 0); no reply (a timeout, 408, 429,
+5xx) is asked again, then `transient` (not posted: leased again); 400, 413 or 422 fails the
+sample at once; any other 4xx raises `JudgeError`, since nothing this scorer asks can succeed.
+The API key, read from the variable `api_key_env` names, is never logged or put in an error.
 """
 
 from __future__ import annotations
