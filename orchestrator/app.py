@@ -279,7 +279,7 @@ async def _expire_and_forget(app: web.Application) -> None:
         try:
             state.expire_leases()
             state.forget_closed()
-            await commit(state)
+            await commit(app)
         except JournalError as exc:
             log.critical("journal failed: %s", exc)
             app[JOURNAL_FAILED](exc)

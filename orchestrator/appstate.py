@@ -80,8 +80,17 @@ CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when held-back
 HISTORY = web.AppKey("history", History)  # bounded curves and samples for the dashboard
 
 
-async def commit(state: RunState) -> None:
-    """Wait until everything the state recorded is on disk (no-op without a journal)."""
+async def commit(app: web.Application) -> None:
+    """After a change to the state: revoke the tokens it banned (their next request gets 401;
+    what they left waiting is already dropped, RunState `_apply_bans`), then wait until everything
+    the state recorded is on disk (no-op without a journal)."""
+    state = app[STATE]
+    while state.new_bans:
+        name = state.new_bans.pop(0)
+        try:
+            app[TOKENS].revoke(name)
+        except PermissionError as exc:  # an environment token: only its operator can remove it
+            log.error("worker token %r is banned but cannot be revoked here (%s); its rollouts are refused", name, exc)
     await state.journal.commit()
 
 
@@ -104,19 +113,3 @@ def wake_checks(app: web.Application) -> None:
     checks them now or later: orchestrator/verification.py)."""
     if app[STATE].verify_queue:
         app[CHECKS_WANTED].set()
-
-
-def enforce_bans(app: web.Application) -> None:
-    """Revoke the tokens banned since the last call and drop what they left waiting (open leases,
-    held-back and ready groups: their prompts are leased again); their next request gets 401.
-    Called wherever a strike can happen: after ingest (orchestrator/handlers.py) and after a
-    check (orchestrator/verification.py); orchestrator/integrity.py decides the ban."""
-    state, tokens = app[STATE], app[TOKENS]
-    for name in state.integrity.newly_banned():
-        dropped = state.drop_banned(name)
-        try:
-            tokens.revoke(name)
-        except PermissionError as exc:  # an environment token: only its operator can remove it
-            log.error("worker token %r is banned but cannot be revoked here (%s); its rollouts are refused", name, exc)
-        log.warning("worker token %r banned after %d strikes; %d of its samples dropped", name,
-                    state.integrity.workers[name].strikes, dropped)

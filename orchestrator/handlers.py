@@ -48,7 +48,6 @@ from orchestrator.appstate import (
     TOKENS,
     VERIFIER,
     commit,
-    enforce_bans,
     notify_all,
     wake_checks,
 )
@@ -127,7 +126,7 @@ async def leases(request: web.Request) -> web.Response:
                 timeout = min(timeout, hedge + 0.001)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(freed.wait(), timeout=timeout)
-    await commit(state)
+    await commit(request.app)
     return respond(
         request,
         LeaseResponse(
@@ -149,7 +148,7 @@ async def _on_lease(request: web.Request, operation: Callable[[RunState, str, st
         answer = operation(state, request.match_info["lease_id"], holder)
     except LeaseError as exc:
         raise error(STATUS_ERRORS[exc.status], str(exc)) from None
-    await commit(state)
+    await commit(request.app)
     return respond(request, answer)
 
 
@@ -198,8 +197,7 @@ async def rollouts(request: web.Request) -> web.Response:
         ready_before, superseded_before = len(state.ready), state.lease_book.superseded
         packed = packed_arrays(raw) if raw is not None else None
         result = state.ingest(body.rollouts, holder_of(request, first.worker_id), packed=packed)
-        enforce_bans(app)
-        await commit(state)
+        await commit(app)
     metrics = app[METRICS]
     if result.accepted:
         metrics.worker_rollouts.labels(name, "accepted").inc(result.accepted)
@@ -246,7 +244,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
             wake_checks(request.app)
             with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
                 await asyncio.wait_for(ready.wait(), timeout=min(remaining, 1.0))
-    await commit(state)
+    await commit(request.app)
     await notify_all(request.app[LEASES_FREED])  # the buffer has room again
     wake_checks(request.app)  # a held-back group may now be in the next batch's way
     histogram = request.app[METRICS].staleness
@@ -264,7 +262,7 @@ async def version(request: web.Request) -> web.Response:
     state = request.app[STATE]
     await check_in_store(request.app, body.version)
     state.announce(body.version)
-    await commit(state)
+    await commit(request.app)
     request.app[HISTORY].announced(body.version)
     await notify_all(request.app[LEASES_FREED])  # the staleness budget grows by a step's groups
     wake_checks(request.app)  # stale groups left the line ahead of a held-back one

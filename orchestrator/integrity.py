@@ -10,8 +10,8 @@ Invariants:
 - a strike is only given for something an honest worker never does (a replayed rollout, a
   finish_reason the tokens contradict, a future version, a prompt it was not leased, tokens
   outside the vocabulary, logprobs beyond the tolerance of the recomputed ones);
-- a token with `max_strikes` strikes is banned once (`newly_banned` hands it out once) and
-  everything of it still waiting for the trainer is dropped (RunState.drop_banned);
+- a token with `max_strikes` strikes is banned once (`newly_banned` hands it out once to
+  RunState, which drops everything of it still waiting for the trainer, `_apply_bans`);
 - a replay is a rollout whose content (prompt, completion, logprobs) equals one already kept
   under another lease *with another claimed version*: identical logprobs under different weights
   do not happen honestly. The same content under the same version is an honest coincidence when

@@ -80,7 +80,7 @@ async def scores(request: web.Request) -> web.Response:
         ack = state.post_scores(holder_of(request, body.scorer_id), body)
     except (ScoreError, LeaseError) as exc:
         raise error(STATUS_ERRORS[exc.status], str(exc)) from None
-    await commit(state)
+    await commit(app)
     wake_checks(app)  # a scored group may still wait for its check, now due
     if len(state.ready) > ready_before:
         await notify_all(app[BATCH_READY])

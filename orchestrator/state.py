@@ -185,6 +185,8 @@ class RunState(RunView):
         )
         self.kept = KeptBatches(batches_kept=options.batches_kept, journal=self.journal, clock=clock)
 
+        self.new_bans: list[str] = []  # banned, their leftovers dropped, not yet revoked (`_apply_bans`)
+
         self.journal.set_meta_source(
             lambda: meta_row(versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer)
         )
@@ -303,6 +305,7 @@ class RunState(RunView):
                 self._complete(open_lease)  # 4. complete, 5. line up
         self.counters.rollouts_accepted += accepted
         self.counters.duplicates += duplicates
+        self._apply_bans()
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
 
     def _reject(self, rollout: Rollout, holder: str, reason: str) -> None:
@@ -393,6 +396,7 @@ class RunState(RunView):
         ack, done = self.score_queue.post(holder, body)
         for group_id in done:
             self._scored(group_id)
+        self._apply_bans()
         return ack
 
     def _scored(self, group_id: str) -> None:
@@ -410,27 +414,40 @@ class RunState(RunView):
 
     # -- verdicts on workers (the app runs the verification loop: orchestrator/verification.py) ---
 
-    def verification_done(self, lease_id: str, failed: dict[str, str]) -> None:
-        """The check of a held-back group is done; `failed`: rollout id -> rejection reason
-        (`logprob_mismatch` strikes its worker; `unverifiable` does not). A group with any failed
-        sample is dropped whole; a clean one joins the line if it is still fresh."""
-        group = self.buffer.pending.get(lease_id)
-        if group is None:
-            return  # dropped meanwhile (its worker was banned, or it went stale waiting for its scores)
-        holder = self._holder(group)
-        if failed:
+    def verification_done(self, verdicts: dict[str, dict[str, str]]) -> None:
+        """The checks of held-back groups are done: lease id -> its failed samples (rollout id ->
+        rejection reason; `logprob_mismatch` strikes its worker, `unverifiable` does not). A group
+        with any failed sample is dropped whole; a clean one joins the line if it is still fresh.
+        The bans they cause apply once all are judged."""
+        for lease_id, failed in verdicts.items():
+            group = self.buffer.pending.get(lease_id)
+            if group is None:
+                continue  # dropped meanwhile (its worker was banned, or it went stale waiting for its scores)
+            holder = self._holder(group)
+            if not failed:
+                self.integrity.record(holder).passed += 1
+                self._release(group, "check", stale_reason="stale_in_buffer")
+                continue
             self.buffer.release_held_back(lambda g: g.lease_id == lease_id)
             for reason in failed.values():
                 self.counters.rejected[reason] += 1
                 self.integrity.rejected(holder, reason)
             self._drop(lease_id, "failed_verification", counted=group.size - len(failed))
-            return
-        self.integrity.record(holder).passed += 1
-        self._release(group, "check", stale_reason="stale_in_buffer")
+        self._apply_bans()
 
     def held_back_ahead(self, count: int) -> bool:
         """Whether the next `count` groups in line wait for a held-back group (buffer.py)."""
         return self.buffer.held_back_ahead(count)
+
+    def _apply_bans(self) -> None:
+        """The tokens integrity banned since the last call (where a strike can happen: ingest, a
+        check, a score): what each left waiting is dropped now, and it waits in `new_bans` for the
+        app to revoke it (orchestrator/appstate.py `commit`)."""
+        for name in self.integrity.newly_banned():
+            dropped = self.drop_banned(name)
+            self.new_bans.append(name)
+            log.warning("worker token %r banned after %d strikes; %d of its samples dropped", name,
+                        self.integrity.workers[name].strikes, dropped)
 
     def drop_banned(self, token: str) -> int:
         """A banned token's open leases, held-back and ready groups are dropped (its prompts are

@@ -3,8 +3,8 @@
 With `[orchestrator.verification] enabled`, ingest holds some complete groups back
 (RunState.pending, their jobs in RunState.verify_queue) until the Verifier (orchestrator/
 verify.py) has recomputed their sampled logprobs. This module decides when to check which groups,
-runs the Verifier on one worker thread off the event loop, hands the verdicts back to RunState,
-enforces the bans they cause (orchestrator/appstate.py `enforce_bans`), and wakes the long-polls a verdict may
+runs the Verifier on one worker thread off the event loop, hands the verdicts back to RunState
+(which drops what a ban leaves; `commit` revokes the token), and wakes the long-polls a verdict may
 serve (a batch formed, a place for a lease freed).
 
 It is a `cleanup_ctx` entry of create_app (orchestrator/app.py). It sleeps on CHECKS_WANTED
@@ -34,7 +34,6 @@ from orchestrator.appstate import (
     STATE,
     VERIFIER,
     commit,
-    enforce_bans,
     notify_all,
 )
 from orchestrator.integrity import token_of
@@ -77,7 +76,7 @@ def checks_due(state: RunState) -> bool:
 
 
 async def _judge(app: web.Application, executor: concurrent.futures.Executor, jobs: list[VerifyJob]) -> None:
-    """Check `jobs` in one forward on the verifier's thread; verdicts to RunState, bans enforced."""
+    """Check `jobs` in one forward on the verifier's thread; verdicts to RunState, bans revoked."""
     state = app[STATE]
     rollouts = [rollout for job in jobs for rollout in job.rollouts]
     try:
@@ -85,12 +84,10 @@ async def _judge(app: web.Application, executor: concurrent.futures.Executor, jo
     except Exception:  # a bug must not hold groups back for good: they are dropped, unjudged
         log.exception("verification failed; dropping %d groups unjudged", len(jobs))
         failed = {rollout.rollout_id: "unverifiable" for rollout in rollouts}
-    for job in jobs:
-        state.verification_done(
-            job.lease_id, {r.rollout_id: failed[r.rollout_id] for r in job.rollouts if r.rollout_id in failed}
-        )
-    enforce_bans(app)
-    await commit(state)
+    state.verification_done(
+        {job.lease_id: {r.rollout_id: failed[r.rollout_id] for r in job.rollouts if r.rollout_id in failed} for job in jobs}
+    )
+    await commit(app)
     # A batch may form now: groups joined the buffer, or a held-back group it waited for was
     # dropped (which also frees its place for a new lease).
     await notify_all(app[BATCH_READY])

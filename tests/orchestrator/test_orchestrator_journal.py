@@ -359,8 +359,7 @@ def test_strikes_bans_and_replay_hashes_survive_a_restart(
         assert state.ingest([make_rollout(future, "1234", policy_version=5)], cheat).rejected[0].reason == "future_version"
     lying = state.grant_leases(struck, 1)[0]
     assert state.ingest([make_rollout(lying, [4, 5, 6])], struck).rejected[0].reason == "bad_finish_reason"  # "stop", no eos
-    assert state.integrity.newly_banned() == ["mallory"]
-    state.drop_banned("mallory")
+    assert state.new_bans == ["mallory"]  # its leftovers dropped, its token to revoke
     state.journal.flush()
     with sqlite3.connect(state.journal.path) as conn:
         assert conn.execute("SELECT COUNT(*) FROM content").fetchone()[0] == 1  # identical samples: one hash
@@ -370,7 +369,7 @@ def test_strikes_bans_and_replay_hashes_survive_a_restart(
     assert workers["mallory"].banned and workers["mallory"].strikes == 2
     assert workers["eve"].strikes == 1 and not workers["eve"].banned
     assert workers["alice"].rollouts == GROUP + 1 and workers["alice"].rejections == {}
-    assert state.integrity.is_banned(cheat) and not state.integrity.newly_banned()  # revoked already, not again
+    assert state.integrity.is_banned(cheat) and not state.new_bans  # revoked already, not again
     lease = state.grant_leases(cheat, 1)[0]
     assert state.ingest([make_rollout(lease, "1234")], cheat).rejected[0].reason == "banned"
     # The kept content again, under another lease and another version: a replay, after the restart too.
@@ -383,7 +382,7 @@ def test_strikes_bans_and_replay_hashes_survive_a_restart(
         r.model_copy(update={"rollout_id": f"replay-{i}", "lease_id": again.lease_id, "policy_version": 1}) for i, r in enumerate(kept)
     ]
     assert {r.reason for r in state.ingest(replay[:1], struck).rejected} == {"replay"}
-    assert state.integrity.workers["eve"].strikes == 2 and state.integrity.newly_banned() == ["eve"]
+    assert state.integrity.workers["eve"].strikes == 2 and state.new_bans == ["eve"]
 
 
 def test_samples_recovered_into_open_leases_are_all_checked(
@@ -405,7 +404,7 @@ def test_samples_recovered_into_open_leases_are_all_checked(
     assert held.lease_id in state.pending and not state.ready
     assert [(job.lease_id, len(job.rollouts)) for job in state.verify_queue] == [(held.lease_id, GROUP)]
     assert state.leases[partial.lease_id].check == [0, 1]
-    state.verification_done(held.lease_id, {})
+    state.verification_done({held.lease_id: {}})
     assert [g.lease_id for g in state.ready] == [held.lease_id]
 
 

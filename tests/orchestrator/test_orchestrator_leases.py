@@ -82,7 +82,7 @@ def failed_check(state: RunState, lease: Lease, make: Any, clock: Any) -> list[R
     posted = [_one(state, lease, make) for _ in range(GROUP)]
     state.ingest(posted, HOLDER)
     (job,) = state.verify_queue
-    state.verification_done(lease.lease_id, {job.rollouts[0].rollout_id: "logprob_mismatch"})
+    state.verification_done({lease.lease_id: {job.rollouts[0].rollout_id: "logprob_mismatch"}})
     return posted
 
 

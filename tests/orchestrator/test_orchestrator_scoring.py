@@ -498,7 +498,7 @@ def test_a_group_waits_for_both_its_check_and_its_scores(make_state: Any, comple
         results = [ScoreResult(rollout_id=rid, score=0.5) for rid in entry.rollout_ids]
         state.post_scores("judge/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=results))
 
-    first, second = (lambda: state.verification_done(lease.lease_id, {}), score)
+    first, second = (lambda: state.verification_done({lease.lease_id: {}}), score)
     if not check_first:
         first, second = second, first
     first()
@@ -512,7 +512,7 @@ def test_a_group_failing_its_check_while_scored_is_dropped_and_its_items_go(make
                                      "verification": {"enabled": True, "new_worker_checks": 64}})
     lease = complete_group(state)
     rollout_id = state.pending[lease.lease_id].samples[0][0].rollout_id
-    state.verification_done(lease.lease_id, {rollout_id: "logprob_mismatch"})
+    state.verification_done({lease.lease_id: {rollout_id: "logprob_mismatch"}})
     assert not state.pending and state.dropped["failed_verification"] == 2
     assert state.lease_scores("judge/s0", 8) is None and state.score_queue.waiting() == 0
 

@@ -111,11 +111,12 @@ def generated(backend: HFBackend, lease: Lease, sampling: SamplingParams, holder
 def verify_all(state: RunState, verifier: Verifier) -> dict[str, str]:
     """Run the verification loop's work synchronously; returns every failure."""
     failures: dict[str, str] = {}
+    verdicts: dict[str, dict[str, str]] = {}
     while state.verify_queue:
         job = state.verify_queue.popleft()
-        failed = verifier.check(job.rollouts)
-        failures.update(failed)
-        state.verification_done(job.lease_id, failed)
+        verdicts[job.lease_id] = verifier.check(job.rollouts)
+        failures.update(verdicts[job.lease_id])
+    state.verification_done(verdicts)  # as the app's loop hands over the verdicts of one forward
     return failures
 
 
@@ -176,7 +177,7 @@ def test_forged_logprobs_are_rejected_and_the_token_banned(setup: Any, world: di
     assert set(failures.values()) == {"logprob_mismatch"} and len(failures) == 3
     assert not state.ready and state.dropped["failed_verification"] == 0  # all three rejected
     assert state.rejected["logprob_mismatch"] == 3
-    assert state.integrity.newly_banned() == ["mallory"]
+    assert state.new_bans == ["mallory"]
     assert (
         state.grant_leases(CHEAT, 1)
         and state.ingest(generated(world["honest"], state.leases[next(iter(state.leases))].lease, state.sampling, CHEAT), CHEAT)
@@ -204,14 +205,14 @@ def test_replays_future_versions_and_false_finish_reasons_are_strikes(
     assert {r.reason for r in state.ingest(replay[:1], CHEAT).rejected} == {"replay"}
     future = make_rollout(again, "1234", policy_version=5)
     assert {r.reason for r in state.ingest([future], CHEAT).rejected} == {"future_version"}
-    assert state.integrity.workers["mallory"].strikes == 2 and not state.integrity.newly_banned()
+    assert state.integrity.workers["mallory"].strikes == 2 and not state.new_bans
     lying = make_rollout(again, [4, 5, 6])  # "stop" without end-of-sequence or a stop string
     assert {r.reason for r in state.ingest([lying], CHEAT).rejected} == {"bad_finish_reason"}
     short = make_rollout(again, [4, 5, 6, 2][:3] + [7], finish_reason="length")  # 4 tokens, max_tokens 6
     assert state.ingest([short], CHEAT).rejected[0].reason == "bad_finish_reason"
-    assert state.integrity.newly_banned() == ["mallory"]
+    assert state.new_bans == ["mallory"]
     # What the banned token left waiting never reaches the trainer; its prompt goes out again.
-    assert state.drop_banned("mallory") == 3
+    assert state.drop_banned("mallory") == 0  # dropped when it was banned
     assert not state.ready and not state.leases and state.dropped["banned_worker"] == 3
 
 
@@ -422,7 +423,7 @@ def test_a_batch_waits_for_a_held_back_group_ahead_of_it_which_keeps_its_place(
     assert state.held_back_ahead(2) and checks_due(state)
     assert state.take_batch(0) is None  # would skip the held-back group
     state.verify_queue.clear()
-    state.verification_done(first.lease_id, {})
+    state.verification_done({first.lease_id: {}})
     batch = state.take_batch(0)
     assert batch is not None and [s.group_id for s in batch.samples][::3] == [first.lease_id, second.lease_id]
     assert not state.held_back_ahead(2) and not checks_due(state)

@@ -98,7 +98,7 @@ def test_chosen_samples_with_honest_logprobs_are_struck(run: Any, backend: Any) 
     assert failures and set(failures.values()) == {"not_reproduced"}
     assert len(failures) >= 4
     assert not state.ready and state.rejected["not_reproduced"] == len(failures)
-    assert state.integrity.newly_banned() == ["mallory"]
+    assert state.new_bans == ["mallory"]
 
 
 def test_a_single_forged_token_is_enough(run: Any, backend: Any) -> None:
