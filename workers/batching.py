@@ -1,13 +1,11 @@
-"""The one door to a worker's backend: generation batched across its slots (flat combining),
-and the soft pause of a weight swap. Called by the worker loop (workers/worker.py).
+"""The one door to a worker's backend: generation batched across its slots (flat combining,
+docs/workers.md "Slots and batched generation"), and the soft pause of a weight swap. Called by
+the worker loop (workers/worker.py).
 
-Each slot queues its unfinished rows (prompt + tokens so far, budget left, sampling) as a
-request; one slot at a time leads a round: it takes the queued requests of every slot (up to
-`max_rows` rows), generates them in as few backend calls as their budgets and sampling allow,
-and wakes the slots whose requests are done; a slot still queued leads the next round. A backend
-that batches concurrent requests itself (a server: `combine=False`) is not batched again: every
-slot leads a round of its own request, all at once. A swap (`swapping`) starts no new round and
-interrupts those running at its deadline; it runs once none is left.
+Each slot queues its unfinished rows as a `Request`; one slot at a time leads a round (`lead`,
+`generate_next`) of the queued requests of every slot and wakes the slots whose requests are
+done. A backend that batches concurrent requests itself (`combine=False`) is not batched again:
+every slot leads a round of its own request, all at once.
 
 Invariants: rows in one call share their tokens left (no row exceeds its budget) and sampling;
 first come, first served; a backend error ends the requests of its batch, raised in each slot;

@@ -1,21 +1,16 @@
-"""Simulated generation latency ([simulation], benchmarks only), applied around one step.
+"""Simulated generation latency and router noise ([simulation], benchmarks only; docs/workers.md).
 
-The toy task generates 5 tokens in milliseconds, while real reasoning traces take seconds to
-minutes with a long tail. To measure scheduling (asynchronous vs synchronous, stragglers) with
-the real system, a worker holds each lease request's finished samples back for an extra delay
-drawn from a log-normal distribution - median `latency_median_s`, shape `latency_sigma` (sigma
-1.0: p90 = 3.6x median, p99 = 10x) - and multiplies its whole generation time by its slowdown
-(a slower GPU). The delay is a wait, so it costs no CPU: it stands for work done on the
-worker's own accelerator, and slots overlap their delays as they would overlap real requests.
-A real engine would abort a request no longer wanted, so the wait ends early once the worker
-learns that every lease of the step lost to another copy (hedging, deterministic runs).
+The toy task generates in milliseconds, while real reasoning traces take seconds to minutes with
+a long tail. To measure scheduling (asynchronous vs synchronous, stragglers) with the real
+system, `Worker` wraps its generation step with `SimulatedLatency.around`: each lease request's
+finished samples wait an extra log-normal delay (median `latency_median_s`, shape
+`latency_sigma`) and the generation time is multiplied by the worker's slowdown. The delay is a
+wait, costing no CPU, so slots overlap their delays as they would real requests; it ends early
+once every lease of the step lost to another copy (hedging), as a real engine would abort.
+Nothing else in the worker knows about simulation.
 
-`Worker` wraps its generation step with `SimulatedLatency.around` when the config asks for it;
-nothing else in the worker knows about simulation.
-
-`noisy_routers` ([simulation] router_noise) perturbs an MoE model's router logits during the hf
-backend's generation, so that a CPU worker routes differently from the fp32 trainer, as a real
-inference engine does (Keep Routing, docs/routing.md); benchmarks/routing_replay.py uses it too.
+`noisy_routers` ([simulation] router_noise) perturbs an MoE model's router logits in the hf
+backend, as a real inference engine's numerics do (docs/routing.md); benchmarks/routing_replay.py uses it too.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 Called by `decentrl worker` (through workers/main.py), by tests and by benchmarks/worker.py.
 Settings are the run config's `[worker]` section, with `[store]` for reading versions; the run
 name, group size, staleness bound, store URL and sampling come from the orchestrator, so a
-worker needs no more than its URL and a token. docs/workers.md tells the whole story.
+worker needs no more than its URL and a token. docs/workers.md tells the whole story (faults and
+SIGTERM included).
 
 Threads, sharing one condition (`_changed`: versions, copies told lost, counts):
 - `concurrency` slots, each a lease loop (workers/lease_loop.py): ask once the loaded version is
-  fresh (`is_fresh`) -> generate through workers/batching.py (the slots' rows combined, or every
-  slot at once for a backend that batches requests itself) -> post through the spool. A
+  fresh (`is_fresh`) -> generate through workers/batching.py -> post through the spool. A
   simulated latency ([simulation], benchmarks only) wraps a slot's generation step.
 - one swapper (free-running runs) learns of new versions (lease answers, or polling /info),
   pulls them while generation goes on, then swaps with a soft pause (`Batcher.swapping`): a
@@ -19,11 +19,6 @@ Deterministic runs (docs/reproducibility.md): no swapper; the slot that leads a 
 loads the version its leases name; samples are seeded per (run seed, prompt id, index, version)
 and generated in calls of one fixed shape. A hedged copy the orchestrator says lost
 (`LeaseResponse.superseded`) is abandoned: not generated further, not posted (`copies_abandoned`).
-
-Faults: a store that cannot be read leaves the loaded version in use while it is fresh; a
-version that fails verification or loading is refused (`refused`) and skipped, the weights last
-loaded still whole. SIGTERM: no new leases, in-flight generations finish and are posted, leases
-not yet started are handed back. Leases are not renewed: a slow worker's lease expires.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 samples completions with the per-token logprobs of the distribution actually sampled.
 
 Three implementations: `hf` (transformers, workers/backends/hf.py), `vllm` (an in-process vLLM
-engine, vllm_engine.py) and `openai` (any OpenAI-compatible server, openai.py). The worker loop
-(workers/worker.py) is the only caller.
+engine, vllm_engine.py) and `openai` (any OpenAI-compatible server, openai.py). Called by the
+worker loop (workers/worker.py), and the hf one by `decentrl eval` (workers/evaluate.py).
 
 "The distribution actually sampled" means after temperature and top-k/top-p truncation: a kept
 token's logprob is renormalized over the kept set, and the kept set of every token is returned

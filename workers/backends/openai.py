@@ -7,10 +7,8 @@ sampling mask when truncation applies. The server must report the logprobs of th
 it sampled from (vLLM: `--logprobs-mode processed_logprobs`). Generation goes in chunks of
 `chunk_tokens` so that a soft-pause deadline can interrupt it between chunks.
 
-New weights: `reload="weights"` POSTs the checkpoint directory to `reload_route` (SGLang's
-/update_weights_from_disk, body {"model_path": dir}); `reload="lora"` loads it as an adapter
-named after the version through /v1/load_lora_adapter (vLLM with runtime LoRA updating) and
-samples with that adapter. The server must see the worker's cache directory (same machine).
+New weights (`reload`, docs/workers.md "Backends"): the server loads the pulled directory itself,
+so it must see the worker's cache directory (same machine).
 """
 
 from __future__ import annotations

