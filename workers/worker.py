@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentrl.api.client import InvalidAnswer, OrchestratorClient, OrchestratorError
-from decentrl.api.wire import Lease, LeaseRequest, LeaseResponse, RolloutBatch, RunInfo, SamplingParams
+from decentrl.api.wire import IngestResponse, Lease, LeaseRequest, LeaseResponse, RolloutBatch, RunInfo, SamplingParams
 from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
 from decentrl.rl.determinism import sample_seed
 from decentrl.rl.staleness import is_fresh
@@ -43,11 +43,11 @@ from workers.backends import BATCHING_ITSELF, Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
 from workers.lease_loop import Spool, answers, backoff, on_signals
-from workers.progress import Progress
 from workers.sample import Sample, to_rollout
 from workers.simulation import SimulatedLatency
 
 log = logging.getLogger("decentrl.worker")
+progress_log = logging.getLogger("decentrl.worker.progress")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,40 @@ class SwapRecord:
     pull_s: float
     pause_s: float  # new generations held back (waiting for in-flight work, then loading)
     loaded_at: float
+
+
+class Progress:
+    """A worker's own progress, one line every `interval_s` in its log (stderr of `decentrl worker`,
+    logs/worker-N.log under `decentrl run`), so a volunteer sees their contribution without the
+    orchestrator's dashboard: the newest version it generated with, rollouts accepted, completion
+    tokens a second, rejections by reason, and (hedged deterministic runs) the copies it abandoned
+    because another copy of their place won. `Worker._send` calls `posted` after each acknowledged post."""
+
+    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self.accepted = 0
+        self.tokens = 0
+        self.version = -1
+        self.rejected: Counter[str] = Counter()
+        self.abandoned = 0  # hedging: leases not posted, another copy of their place filled it first
+        self._mark = (clock(), 0)  # (time, tokens) at the last line
+
+    def posted(self, batch: RolloutBatch, result: IngestResponse) -> None:
+        self.accepted += result.accepted
+        self.rejected.update(rejection.reason for rejection in result.rejected)
+        self.tokens += sum(len(rollout.completion_token_ids) for rollout in batch.rollouts)
+        self.version = max(self.version, *(rollout.policy_version for rollout in batch.rollouts))
+        now = self.clock()
+        if now - self._mark[0] >= self.interval_s:
+            progress_log.info("%s", self.line(now))
+            self._mark = (now, self.tokens)
+
+    def line(self, now: float) -> str:
+        rate = (self.tokens - self._mark[1]) / max(now - self._mark[0], 1e-9)
+        rejected = ", ".join(f"{reason} {count}" for reason, count in sorted(self.rejected.items())) or "none"
+        abandoned = f"  lost copies abandoned {self.abandoned}" if self.abandoned else ""
+        return f"progress: v{self.version}  rollouts accepted {self.accepted}  {rate:.0f} tokens/s  rejected: {rejected}{abandoned}"
 
 
 class Worker:
@@ -220,8 +254,7 @@ class Worker:
         try:
             path = self.store.pull(version, self.cache_dir)
         except VerificationError as exc:  # the store answered with something not to be trusted
-            self._refuse(version, exc)
-            raise UnloadableVersion(version, self.refused[version]) from exc
+            raise self._refuse(version, exc) from exc
         except (StoreError, OSError) as exc:
             with self._changed:
                 self._store_failing = True
@@ -233,8 +266,8 @@ class Worker:
         self._store_failing = False
         return path
 
-    def _refuse(self, version: int, exc: Exception) -> None:
-        """Skip `version` for good; slots waiting for it go on with the loaded version while fresh."""
+    def _refuse(self, version: int, exc: Exception) -> UnloadableVersion:
+        """Skip `version` for good (slots waiting for it go on with the loaded version while fresh); the error to raise."""
         with self._changed:
             self.refused[version] = f"{type(exc).__name__}: {exc}"
             self._changed.notify_all()
@@ -242,6 +275,7 @@ class Worker:
             "refused version %d (%s): %s; still generating with version %s (%d versions refused so far)",
             version, type(exc).__name__, exc, self.backend.version, len(self.refused),
         )
+        return UnloadableVersion(version, self.refused[version])
 
     def _swap(self, path: str, version: int, *, pull_s: float) -> None:
         """Load `version` with a soft pause: the round in flight is interrupted at the deadline."""
@@ -258,8 +292,7 @@ class Worker:
                 self._codec = load_codec(path)
             self.backend.load(path, version)
         except Exception as exc:  # noqa: BLE001 - CheckpointError, VerificationError, a backend's own
-            self._refuse(version, exc)
-            raise UnloadableVersion(version, self.refused[version]) from exc
+            raise self._refuse(version, exc) from exc
         now = time.time()
         record = SwapRecord(version, self._seen_at.get(version, now), pull_s, time.perf_counter() - paused, now)
         self.swaps.append(record)
@@ -453,7 +486,7 @@ class Worker:
         """The spool's send: post, then count what was acknowledged (a ConnectionError keeps it spooled)."""
         result = self.client.post_rollouts(batch)
         with self._changed:  # slots post at once: the counts are shared
-            self.progress.posted(batch, result)  # a line every 10 s (workers/progress.py)
+            self.progress.posted(batch, result)  # a line every 10 s (`Progress`)
         if result.rejected:
             reasons = Counter(rejection.reason for rejection in result.rejected)
             log.info("orchestrator rejected %d rollouts: %s", len(result.rejected), dict(reasons))

@@ -414,7 +414,7 @@ def test_max_rows_below_one_is_refused() -> None:
 
 def test_worker_progress_line_says_version_accepted_rate_and_rejections(caplog: pytest.LogCaptureFixture) -> None:
     from decentrl.api.wire import IngestResponse, Rejection, Rollout, RolloutBatch, SamplingParams
-    from workers.progress import Progress
+    from workers.worker import Progress
 
     now = [0.0]
     progress = Progress(interval_s=10.0, clock=lambda: now[0])
