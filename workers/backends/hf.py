@@ -100,10 +100,8 @@ class HFBackend:
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt")
         generators = None
-        if seeds is not None:
-            generators = [torch.Generator(device=self.device) for _ in seeds]
-            for generator, seed in zip(generators, seeds, strict=True):
-                generator.manual_seed(seed)
+        if seeds is not None:  # manual_seed returns the generator it seeds
+            generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
         # The noise hooks first: the recorder records the routes the (noisy) model really ran.
         with noisy_routers(self.model, self.router_noise, self.generator), RouteRecorder(self.model) as recorder:
             return self._decode(prompts, sampling, should_stop, recorder, generators)
