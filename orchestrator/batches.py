@@ -9,7 +9,8 @@ Invariants:
 - advantages are computed (decentrl/rl/advantages.py) when the batch is built, from the rewards
   after overlong shaping, by the estimator the config names (per group, or over the batch's
   groups); this is the one place that reads their setting; a group scored per step (process
-  rewards, orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`);
+  rewards, orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`),
+  and so does a group a teacher scored token by token (on-policy distillation, `distill_advantages`);
 - the completion ids and logprobs of every sample were packed as typed arrays at ingest
   (decentrl/api/encoding.py `pack_sample`), and a batch is encoded from them (orchestrator/codec.py), not packed again.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from decentrl.api.encoding import pack_ints
 from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.config import AdvantageConfig
-from decentrl.rl.advantages import ESTIMATORS, overlong_penalty, process_advantages
+from decentrl.rl.advantages import ESTIMATORS, distill_advantages, overlong_penalty, process_advantages
 from decentrl.rl.staleness import staleness
 from orchestrator.buffer import Group
 from orchestrator.codec import train_batch_msgpack
@@ -106,10 +107,18 @@ def shaped_rewards(group: Group, config: AdvantageConfig) -> list[float]:
 
 
 def token_advantages(group: Group, outcome: list[float], config: AdvantageConfig) -> list[list[float] | None]:
-    """Process rewards: per-token advantages of the group's samples scored per step
-    (decentrl/rl/advantages.py `process_advantages`, normalized over those samples' steps); None for
-    a sample without step scores (a judge reply that did not parse, scored by default: it trains
-    on its outcome advantage) and for every sample of a group scored without steps."""
+    """Per-token advantages of the group's samples, or None for a sample that trains on its
+    outcome advantage alone. On-policy distillation (`[orchestrator.advantages.distill]`): every
+    sample's from the teacher's log-probs (decentrl/rl/advantages.py `distill_advantages`). Process
+    rewards: the samples scored per step (`process_advantages`, normalized over those samples'
+    steps); None for a sample without step scores (a judge reply that did not parse, scored by
+    default) and for every sample of a group scored without steps."""
+    if config.distill is not None:
+        teacher = group.teacher_logprobs or [None] * group.size
+        return [
+            distill_advantages(logprobs, rollout.logprobs, rollout.loss_mask, advantage, config.distill)
+            for rollout, logprobs, advantage in zip(group.rollouts, teacher, outcome, strict=True)
+        ]
     if group.step_scores is None or group.step_ends is None:
         return [None] * group.size
     scored = [i for i, scores in enumerate(group.step_scores) if scores is not None]

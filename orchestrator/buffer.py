@@ -50,6 +50,9 @@ class Group:
     # scores (None for a sample scored without them: a judge reply that did not parse).
     step_ends: list[list[int]] | None = None
     step_scores: list[list[float] | None] | None = None
+    # On-policy distillation: per sample, the teacher's log-prob of each completion token (None for
+    # a sample the teacher could not score), from the scorers (orchestrator/reward_stage.py).
+    teacher_logprobs: list[list[float] | None] | None = None
 
     @classmethod
     def of(cls, lease_id: str, prompt_id: int, rollouts: list[Rollout], rewards: list[float], packed: list[Packed],

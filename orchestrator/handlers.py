@@ -32,6 +32,7 @@ from decentrl.api.wire import (
     TokenList,
     VersionAnnouncement,
 )
+from decentrl.model.tokenizer import vocab_digest
 from decentrl.store.checkpoints import StoreError
 from decentrl.tasks.episodes import EpisodeTask
 from orchestrator.appstate import (
@@ -96,6 +97,8 @@ async def info(request: web.Request) -> web.Response:
             episode_task=state.config.task.model_dump() if isinstance(state.task, EpisodeTask) else None,
             deterministic=state.config.deterministic,
             seed=state.config.seed,
+            vocab_size=state.vocab_size,
+            vocab_digest=vocab_digest(state.tokenizer) if state.config.orchestrator.advantages.distill is not None else None,
         ),
     )
 

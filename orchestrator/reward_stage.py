@@ -5,7 +5,8 @@ RunState (orchestrator/state.py) hands every complete group to `start`:
 - `ModelRewards` (type = "model" | "sum", docs/rewards.md): the group's samples (split into steps
   for process rewards) go to the score queue (orchestrator/score_queue.py) that scorers lease
   from, and the group is held back in its place until the last score is in; then `finish`
-  combines the scores with the verifier's rewards (orchestrator/rewards.py). The scores taken
+  combines the scores with the verifier's rewards (orchestrator/rewards.py) and keeps a
+  distillation teacher's per-token log-probs for the batch's advantages. The scores taken
   are journaled by the queue and read back at a restart (`recovered`), so none is lost.
 Either way the rewards are recomputed here, never the worker's claimed reward.
 """
@@ -62,18 +63,24 @@ class ModelRewards:
         group.rewards = rewards
         if group.step_ends is not None:
             group.step_scores = [result.step_scores for result in results]
+        if self.rewards.token_ids:
+            group.teacher_logprobs = [result.token_logprobs for result in results]
         return True
 
     def restore_steps(self, group: Group) -> None:
         """A group recovered in line or in a kept batch: its steps split again, its step scores
-        from the journal (nothing is read in a run without step scores)."""
-        if self.rewards.steps_config is None:
+        and a teacher's log-probs from the journal (nothing is read in a run without either)."""
+        if self.rewards.steps_config is None and not self.rewards.token_ids:
             return
         rollouts = group.rollouts
+        results = [self.taken.get(rollout.rollout_id) for rollout in rollouts]
+        if self.rewards.token_ids:
+            group.teacher_logprobs = [result.token_logprobs if result is not None else None for result in results]
+        if self.rewards.steps_config is None:
+            return
         steps = self.rewards.steps(rollouts)
         assert steps is not None
         group.step_ends = [s.ends for s in steps]
-        results = [self.taken.get(rollout.rollout_id) for rollout in rollouts]
         group.step_scores = [result.step_scores if result is not None else None for result in results]
 
     def recovered(self, scores: dict[str, str]) -> None:

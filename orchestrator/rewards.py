@@ -7,8 +7,9 @@ replayed against its environment (decentrl/tasks/episodes.py), which the ingest 
 
 With a model reward (`[orchestrator.rewards]`, docs/rewards.md) the group's samples also become
 the items scorers score (`items`: the prompt, the decoded completion, and for process rewards
-its steps, split by decentrl/rl/steps.py), and once scored the two rewards combine here (`combine`): the one place that reads
-the reward's type and weights.
+its steps, split by decentrl/rl/steps.py; for on-policy distillation the prompt's and the
+completion's token ids, which a teacher scores), and once scored the two rewards combine here
+(`combine`): the one place that reads the reward's type and weights.
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ if TYPE_CHECKING:
 class Rewards:
     def __init__(
         self, *, task: Task | EpisodeTask, tokenizer: PreTrainedTokenizerBase | RustTokenizer, decode: Decoder,
-        end_ids: set[int], rewards: RewardConfig, prompt: PromptConfig, steps: StepsConfig,
+        end_ids: set[int], rewards: RewardConfig, prompt: PromptConfig, steps: StepsConfig, token_ids: bool = False,
     ) -> None:
         """`end_ids`: what ends a model turn (the ids the worker backends stop at); `steps`: how a
-        completion is split for step scores (used with `rewards.step_scores`)."""
+        completion is split for step scores (used with `rewards.step_scores`); `token_ids`: items
+        carry the samples' token ids, for a distillation teacher ([orchestrator.advantages.distill])."""
         self.task = task
         self.decode = decode
         self.end_ids = end_ids
         self.config = rewards
         self.prompt_config = prompt
         self.steps_config = steps if rewards.step_scores else None
+        self.token_ids = token_ids
         self._chat = rewards.uses_model and uses_chat(prompt, tokenizer)
         self._episode_codec = tokenizer_codec(tokenizer) if isinstance(task, EpisodeTask) else None
 
@@ -70,6 +73,8 @@ class Rewards:
             items.append(ScoreItem(
                 rollout_id=rollout.rollout_id, prompt_id=rollout.prompt_id, prompt=prompt.text, messages=messages,
                 completion=text, steps=steps[i].texts if steps is not None else None,
+                prompt_token_ids=rollout.prompt_token_ids if self.token_ids else None,
+                completion_token_ids=rollout.completion_token_ids if self.token_ids else None,
             ))
         return items
 

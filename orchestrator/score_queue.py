@@ -13,8 +13,9 @@ Invariants:
   the grant or the last renewal); an overdue lease expires (`expire`) and its unscored items go
   to the front of the queue, to the next scorer that asks (counted as reassigned); a post on an
   expired lease is refused (409), so a dead or slow scorer never blocks a group;
-- a post is all or nothing: every score is checked (in range, the step count right, in the
-  lease) before any is taken, and a bad one refuses the whole post with a reason (ScoreError);
+- a post is all or nothing: every score is checked (in range, the step count right, one teacher
+  log-prob per completion token for distillation, in the lease) before any is taken, and a bad
+  one refuses the whole post with a reason (ScoreError);
 - a score is taken once per sample (idempotent by rollout id: a resend is a duplicate) and
   journaled (the `scores` table) before the answer; a restart re-adds the waiting groups (their
   samples are in the journal's open leases) with the scores already taken, and leases the rest
@@ -68,6 +69,25 @@ class ScoreLeaseEntry:
     rollout_ids: list[str]
     status: Literal["open", "done", "expired"] = "open"
     unscored: set[str] = field(default_factory=set)
+
+
+def _check_token_logprobs(rid: str, item: ScoreItem, result: ScoreResult) -> None:
+    """On-policy distillation: one teacher log-prob per completion token of an item that carries
+    token ids, none for an item without (their values were checked on the wire: finite, <= 0)."""
+    ids = item.completion_token_ids
+    if result.token_logprobs is not None:
+        if ids is None:
+            raise ScoreError(f"rollout {rid!r}: token_logprobs given, but the item has no token ids (post null)")
+        if len(result.token_logprobs) != len(ids):
+            raise ScoreError(
+                f"rollout {rid!r}: {len(result.token_logprobs)} token log-probs for {len(ids)} completion tokens "
+                "(one per token)"
+            )
+    elif ids is not None and result.failure is None:
+        raise ScoreError(
+            f"rollout {rid!r}: the item has {len(ids)} completion tokens; post the teacher's log-prob of each "
+            "(token_logprobs)"
+        )
 
 
 class ScoreQueue:
@@ -218,6 +238,8 @@ class ScoreQueue:
                     raise ScoreError(f"rollout {rid!r}: step score {bad} is outside score_range [{low}, {high}]")
             elif steps is not None and result.failure is None:
                 raise ScoreError(f"rollout {rid!r}: the item has {len(steps)} steps; post one step score for each")
+            if waiting is not None:
+                _check_token_logprobs(rid, waiting.item, result)
             if rid in entry.unscored:
                 fresh.append(result)
         return fresh

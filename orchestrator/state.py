@@ -168,7 +168,7 @@ class RunState(RunView):
         )
         self.rewards = Rewards(
             task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt,
-            steps=options.advantages.steps,
+            steps=options.advantages.steps, token_ids=options.advantages.distill is not None,
         )
         self.checks = IngestChecks(
             config=config, task=task, sampling=SamplingParams(**config.sampling.model_dump()),
@@ -228,8 +228,8 @@ class RunState(RunView):
                 lease_id = open_lease.lease.lease_id
                 if self.buffer.waits_for(lease_id, "scores") and self.score_queue.complete(lease_id):
                     self._scored(lease_id)  # every score of it was journaled before the stop
-        if isinstance(self.reward_stage, ModelRewards) and self.rewards.steps_config is None:
-            self.reward_stage.taken = {}  # kept only for the kept batches' step scores, rebuilt when asked for
+        if isinstance(self.reward_stage, ModelRewards) and self.rewards.steps_config is None and not self.rewards.token_ids:
+            self.reward_stage.taken = {}  # kept only for the kept batches' per-token scores, rebuilt when asked for
 
     # -- leases (orchestrator/leases.py, orchestrator/lease_policy.py) ----------------------------
 

@@ -164,14 +164,22 @@ def checked(item: ScoreItem, verdict: Verdict, low: float, high: float) -> Score
         return ScoreResult(rollout_id=item.rollout_id, score=None, failure="parse")
     assert verdict.score is not None  # verdict_problem said so
     steps = None if item.steps is None else [float(value) for value in verdict.step_scores or ()]
-    return ScoreResult(rollout_id=item.rollout_id, score=float(verdict.score), step_scores=steps)
+    logprobs = None if item.completion_token_ids is None else [float(value) for value in verdict.token_logprobs or ()]
+    return ScoreResult(rollout_id=item.rollout_id, score=float(verdict.score), step_scores=steps, token_logprobs=logprobs)
 
 
 def verdict_problem(item: ScoreItem, verdict: Verdict, low: float, high: float) -> str | None:
     """Why a verdict cannot be posted as a score, or None. Step scores of an item without steps
-    are not wanted and are left out, not a problem."""
+    (token log-probs of an item without token ids) are not wanted and are left out, not a problem."""
     if verdict.score is None:
         return verdict.error or "the backend gave no score"
+    if item.completion_token_ids is not None:
+        logprobs = verdict.token_logprobs
+        if logprobs is None or len(logprobs) != len(item.completion_token_ids):
+            got = "none" if logprobs is None else len(logprobs)
+            return f"{len(item.completion_token_ids)} completion tokens but {got} token log-probs"
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v <= 0 for v in logprobs):
+            return "a token log-prob is not a finite number <= 0"
     wanted = item.steps is not None
     if wanted and (verdict.step_scores is None or len(verdict.step_scores) != len(item.steps or ())):
         got = "none" if verdict.step_scores is None else len(verdict.step_scores)
@@ -186,7 +194,8 @@ def verdict_problem(item: ScoreItem, verdict: Verdict, low: float, high: float) 
 
 
 def run_scorer(config: ScorerConfig, *, orchestrator_url: str, token: str, scorer_id: str) -> ScorerCounts:
-    """`decentrl scorer`: build the backend `[scorer] type` names and score until SIGTERM."""
-    backend = build_scorer_backend(config)
+    """`decentrl scorer`: build the backend `[scorer] type` names and score until SIGTERM. A
+    teacher first asks the run for its tokenizer (/v1/info) and refuses another one."""
     client = OrchestratorClient(orchestrator_url, token)
+    backend = build_scorer_backend(config, run=client.info() if config.type == "teacher" else None)
     return Scorer(config, scorer_id=scorer_id, client=client, backend=backend).run()

@@ -35,7 +35,7 @@ _EXT_DTYPES = {EXT_INT32: "<i4", EXT_INT64: "<i8", EXT_FLOAT32: "<f4", EXT_FLOAT
 # "route": MoE expert ids (decentrl/model/routing.py), one byte each while every id is below 256.
 ARRAY_FIELDS = {
     "prompt_token_ids": "int", "completion_token_ids": "int", "token_versions": "int", "logprobs": "float",
-    "token_advantages": "float",
+    "token_advantages": "float", "token_logprobs": "float",
     "experts": "route",
 }
 _SWAP = sys.byteorder != "little"  # the wire is little-endian whatever the machine

@@ -117,6 +117,13 @@ class RunInfo(Wire):
         "`policy_version`, seeding sample j of it with decentrl/rl/determinism.py `sample_seed(seed, prompt_id, j, version)`."
     )
     seed: Int = Field(0, ge=0, le=2**63 - 1, description="The run's sampling seed (deterministic runs).")
+    vocab_size: Int | None = Field(
+        None, ge=1, description="Token ids of the run's tokenizer, added tokens included: every id of a rollout is below it."
+    )
+    vocab_digest: str | None = Field(
+        None, max_length=128, description="Runs with on-policy distillation: sha256 of the run's tokenizer vocabulary "
+        "(decentrl/model/tokenizer.py `vocab_digest`); a teacher scorer with another tokenizer refuses to start. None otherwise."
+    )
 
 
 class LeaseRequest(Wire):
@@ -300,6 +307,14 @@ class ScoreItem(Wire):
         None, max_length=MAX_STEPS, description="Process rewards: the completion split into steps (decentrl/rl/steps.py); "
         "the post must carry one step score per step. None: no step scores wanted (post step_scores = null)."
     )
+    prompt_token_ids: IntArray | None = Field(
+        None, description="On-policy distillation ([orchestrator.advantages.distill]): the prompt's token ids as the "
+        "student was given them; the teacher scores the completion after exactly these. None otherwise."
+    )
+    completion_token_ids: IntArray | None = Field(
+        None, description="On-policy distillation: the completion's token ids as the student sampled them; the post "
+        "must carry one teacher log-prob for each (`token_logprobs`). None otherwise (post token_logprobs = null)."
+    )
 
 
 class ScoreLease(Wire):
@@ -339,13 +354,19 @@ class ScoreResult(Wire):
         "item had no steps."
     )
     failure: Literal["parse"] | None = Field(None, description="Why there is no score (the judge's reply did not parse).")
+    token_logprobs: FloatArray | None = Field(
+        None, description="On-policy distillation: the teacher's log-prob of each of the item's `completion_token_ids`, "
+        "in order, finite and <= 0; null for an item without token ids."
+    )
 
     @model_validator(mode="after")
     def _score_or_failure(self) -> ScoreResult:
         if (self.score is None) == (self.failure is None):
             raise ValueError("give either a score or a failure (score = null with failure = 'parse'), not both or neither")
-        if self.failure is not None and self.step_scores is not None:
-            raise ValueError("a failed item carries no step_scores")
+        if self.failure is not None and (self.step_scores is not None or self.token_logprobs is not None):
+            raise ValueError("a failed item carries no step_scores and no token_logprobs")
+        if self.token_logprobs is not None and not _valid_logprobs(self.token_logprobs):
+            raise ValueError("token_logprobs must be finite and <= 0 (log of a probability)")
         return self
 
 

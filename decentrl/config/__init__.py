@@ -14,6 +14,7 @@ run.py holds `RunConfig`,
 load.py reading files and overrides. Import from this package.
 """
 
+from decentrl.config.distill import DistillConfig
 from decentrl.config.load import ConfigError, apply_overrides, load_config, parse_config, path_in_file
 from decentrl.config.logging import LoggingConfig
 from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelConfig, TinyMoEConfig
@@ -39,6 +40,7 @@ from decentrl.config.scorer import (
     PythonScorerConfig,
     RegexVerdictConfig,
     ScorerConfig,
+    TeacherScorerConfig,
 )
 from decentrl.config.simulation import SimulationConfig
 from decentrl.config.store import StoreConfig
@@ -77,14 +79,14 @@ from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
     "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "CISPOObjectiveConfig", "ConfigError",
-    "CountdownTaskConfig", "DatasetTaskConfig", "DelimiterStepsConfig", "DrGRPOLossConfig", "GRPOLossConfig",
+    "CountdownTaskConfig", "DatasetTaskConfig", "DelimiterStepsConfig", "DistillConfig", "DrGRPOLossConfig", "GRPOLossConfig",
     "GSPOObjectiveConfig", "GuessTaskConfig", "HedgingConfig", "HFScorerConfig", "IcePopConfig", "ImportTaskConfig",
     "JsonVerdictConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "ObjectiveConfig",
     "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig", "OrchestratorConfig", "OverlongConfig", "Placed", "PlacementConfig",
     "PPOObjectiveConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig",
     "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RegexVerdictConfig", "RewardConfig", "RolePlacement",
     "RunConfig", "SamplingConfig", "ScorerConfig", "SeqMaskConfig", "SimulationConfig", "SortingTaskConfig",
-    "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TinyModelConfig", "TinyMoEConfig", "TokenLossConfig",
+    "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TeacherScorerConfig", "TinyModelConfig", "TinyMoEConfig", "TokenLossConfig",
     "TrainerAdvantagesConfig", "TrainerConfig", "TurnStepsConfig", "VerificationConfig", "VerifiersTaskConfig",
     "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",
 ]

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from decentrl.config.base import Section, keyed_union
+from decentrl.config.distill import DistillConfig
 
 
 class SamplingConfig(Section):
@@ -175,6 +176,10 @@ class AdvantageConfig(Section):
         False, strict=True, description="DAPO's overlong filtering: a sample cut at sampling.max_tokens "
         "(finish_reason 'length') gets loss_mask 0 on every token, so it trains nothing; it still counts in its "
         "group's baseline and in grpo/dr_grpo's sample count (trainer.loss.type = 'token' leaves it out entirely)."
+    )
+    distill: DistillConfig | None = Field(
+        None, description="Present ([orchestrator.advantages.distill]): on-policy distillation, each token's advantage "
+        "from a teacher scorer's log-prob of it (decentrl/config/distill.py, docs/rewards.md). Absent: none."
     )
 
     @model_validator(mode="after")

@@ -152,15 +152,46 @@ class RunConfig(Section):
                 "placement.workers.gpus places workers on GPUs but worker.backend = 'openai' runs no model in the "
                 "worker (its server does): set placement.workers.gpus = []"
             )
-        if placement.scorers.gpus and self.num_scorers and (self.scorer is None or self.scorer.type != "hf"):
+        if placement.scorers.gpus and self.num_scorers and (self.scorer is None or self.scorer.type not in ("hf", "teacher")):
             kind = "no [scorer]" if self.scorer is None else f"scorer.type = {self.scorer.type!r}"
             raise ValueError(
                 f"placement.scorers.gpus places scorers on GPUs but {kind} runs no model in the scorer: "
-                "use [scorer] type = 'hf', or set placement.scorers.gpus = []"
+                "use [scorer] type = 'hf' or 'teacher', or set placement.scorers.gpus = []"
             )
         overcommit = memory_overcommit(self.processes())
         if overcommit:
             raise ValueError(overcommit)
+        return self
+
+    @model_validator(mode="after")
+    def _distill_has_a_teacher(self) -> RunConfig:
+        distill, rewards = self.orchestrator.advantages.distill, self.orchestrator.rewards
+        # Scorers read [scorer] alone (`decentrl scorer`): the scorer's type is checked against the run's
+        # only where `decentrl run` starts them.
+        teacher = self.scorer is not None and self.scorer.type == "teacher"
+        if distill is None:
+            if teacher and self.num_scorers:
+                raise ValueError(
+                    "[scorer] type = 'teacher' posts per-token log-probs that only on-policy distillation uses: add "
+                    "[orchestrator.advantages.distill] (docs/rewards.md), or choose another scorer type"
+                )
+            return self
+        if not rewards.uses_model:
+            raise ValueError(
+                "orchestrator.advantages.distill needs the teacher's log-probs, which scorers post: set "
+                "orchestrator.rewards.type = 'sum' (with model_weight = 0 the task's reward stays as it is) or 'model', "
+                "and run scorers with [scorer] type = 'teacher'"
+            )
+        if rewards.step_scores:
+            raise ValueError(
+                "orchestrator.advantages.distill and orchestrator.rewards.step_scores both set every token's advantage: "
+                "set step_scores = false, or drop [orchestrator.advantages.distill]"
+            )
+        if self.scorer is not None and self.num_scorers and not teacher:
+            raise ValueError(
+                f"orchestrator.advantages.distill needs a teacher scorer, but [scorer] type = {self.scorer.type!r}: "
+                "set [scorer] type = 'teacher' and its path (docs/rewards.md)"
+            )
         return self
 
     def processes(self) -> dict[str, Placed]:

@@ -4,7 +4,8 @@ docs/rewards.md, "Scorer backends").
 Read by `decentrl scorer` only. What the run decides (the score range, which samples need a
 model score, steps, what a failed parse turns into) comes from the orchestrator with every score
 lease, so this section holds the scorer's own settings: its backend, keyed on `type` (a reward
-model directory, an OpenAI-compatible judge, or a Python function), and how much it leases at once.
+model directory, an OpenAI-compatible judge, a Python function, or a distillation teacher), and
+how much it leases at once.
 """
 
 from __future__ import annotations
@@ -179,4 +180,34 @@ class PythonScorerConfig(ScorerBase):
     options: dict[str, object] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
 
 
-ScorerConfig = keyed_union(HFScorerConfig, OpenAIScorerConfig, PythonScorerConfig)
+class TeacherScorerConfig(ScorerBase):
+    """On-policy distillation's teacher (workers/scorers/teacher.py): a causal LM directory with the
+    run's tokenizer scores the student's own samples token by token. For each leased sample it
+    posts the teacher's log-prob of every completion token given the prompt's and the earlier
+    tokens' ids (`[orchestrator.advantages.distill]` turns them into advantages) and, as the
+    sample's score, exp(mean of those log-probs): the teacher's per-token likelihood, in (0, 1]."""
+
+    type: Literal["teacher"] = "teacher"
+    path: str = Field(
+        min_length=1, description="The teacher's directory (config.json, weights, tokenizer files): what `decentrl "
+        "model init/import` writes, or a version of a run's store; its tokenizer must be the run's (checked at start-up)."
+    )
+    device: str = Field("cpu", min_length=1, description="torch device, e.g. cpu, cuda, cuda:1.")
+    gpu_memory: float | None = Field(
+        None, gt=0, le=1, description="Share of its GPU's memory this scorer may take on CUDA; None: no limit. "
+        "`decentrl run` sets it from [placement] scorers.memory.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype on the device.")
+    batch_size: int = Field(16, ge=1, le=1024, description="Samples per forward pass (padded to the longest).")
+    max_length: int = Field(
+        32768, ge=2, le=2**20, description="Most prompt + completion tokens of one sample; a longer one is posted as "
+        "a failure (the run's on_parse_failure decides), never cut: every completion token needs its log-prob."
+    )
+    temperature: float = Field(
+        1.0, gt=0, le=10, description="The teacher's logits are divided by this before the log-softmax; 1.0: the "
+        "teacher's own distribution (what on-policy distillation matches)."
+    )
+    torch_threads: int = Field(1, ge=1, le=256, description="Intra-op CPU threads.")
+
+
+ScorerConfig = keyed_union(HFScorerConfig, OpenAIScorerConfig, PythonScorerConfig, TeacherScorerConfig)

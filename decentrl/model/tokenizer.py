@@ -15,12 +15,16 @@ one such difference), and custom code, slow tokenizers and chat templates need i
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,9 @@ class RustTokenizer:
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> Encoded:
         return Encoded(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
@@ -53,3 +60,13 @@ class RustTokenizer:
 
     def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
         return self.backend_tokenizer.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
+
+
+@functools.lru_cache(maxsize=8)
+def vocab_digest(tokenizer: PreTrainedTokenizerBase | RustTokenizer) -> str:
+    """sha256 of a tokenizer's vocabulary (every token and its id, added tokens included, in id
+    order): two tokenizers with the same digest turn text into the same ids and back. The
+    orchestrator sends its tokenizer's in /v1/info and a distillation teacher (workers/scorers/
+    teacher.py) compares its own with it at start-up. Cached: /v1/info is asked often."""
+    pairs = sorted(tokenizer.get_vocab().items(), key=lambda pair: (pair[1], pair[0]))
+    return hashlib.sha256(json.dumps(pairs, ensure_ascii=False).encode()).hexdigest()

@@ -1,11 +1,13 @@
 """Advantages from rewards: group-relative (GRPO), leave-one-out (RLOO), batch-normalized
-(REINFORCE++); per token, from step scores, for process rewards; DAPO's overlong shaping.
+(REINFORCE++); per token, from step scores, for process rewards, and from a teacher's log-probs,
+for on-policy distillation; DAPO's overlong shaping.
 
 The orchestrator builds each batch's advantages (orchestrator/batches.py `build_batch`): it shapes
 the rewards (`overlong_penalty`, with `[orchestrator.advantages.overlong]`), turns the batch's
 groups of rewards into advantages with the estimator `[orchestrator.advantages] type` names
 (`ESTIMATORS`), and calls `process_advantages` when a scorer also gave the group's samples one
-score per step (decentrl/rl/steps.py splits the steps), so the trainer receives ready advantages;
+score per step (decentrl/rl/steps.py splits the steps) and `distill_advantages` when a teacher
+scorer gave the log-prob of every completion token, so the trainer receives ready advantages;
 the trainer calls `informative_samples` to drop the groups with no policy-gradient signal when
 `[trainer.advantages]` drop_zero_variance is set.
 """
@@ -17,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from decentrl.config import AdvantageConfig, OverlongConfig
+from decentrl.config.distill import DistillConfig
 
 
 def group_advantages(rewards: list[float], normalize_std: bool = False, eps: float = 1e-6) -> list[float]:
@@ -140,6 +143,43 @@ def process_advantages(
             (config.process_weight * p + config.outcome_weight * outcome) * (1 if mask is None else mask[t])
             for t, p in enumerate(tokens)
         ])
+    return result
+
+
+def distill_advantages(
+    teacher_logprobs: list[float] | None,
+    student_logprobs: list[float],
+    loss_mask: list[int] | None,
+    outcome_advantage: float,
+    config: DistillConfig,
+) -> list[float]:
+    """Per-token advantages of one sample under on-policy distillation (Agarwal et al. 2024, GKD,
+    arXiv 2306.13649; Thinking Machines, "On-Policy Distillation", 2025): token t gets
+
+        A_t = m_t * (weight * clip(teacher_t - student_t) + outcome_weight * A)
+
+    where teacher_t is the teacher's log-prob of the sampled token given the prompt and the tokens
+    before it, student_t the student's sampling log-prob (the worker's `Rollout.logprobs`), clip
+    bounds the difference to [-clip, clip] when `config.clip` is set, A the sample's outcome
+    advantage and m_t its loss mask (1 without one). teacher_t - student_t is the one-sample
+    estimate of -KL(student || teacher) at position t: the policy gradient with it as the advantage
+    lowers the reverse KL on the student's own samples. A sample the teacher could not score
+    (`teacher_logprobs` None: a failure the run scored by default) keeps outcome_weight * A alone.
+    """
+    n = len(student_logprobs)
+    if teacher_logprobs is not None and len(teacher_logprobs) != n:
+        raise ValueError(f"{len(teacher_logprobs)} teacher log-probs for {n} completion tokens (one per token)")
+    if loss_mask is not None and len(loss_mask) != n:
+        raise ValueError(f"loss mask of {len(loss_mask)} for {n} completion tokens")
+    outcome = config.outcome_weight * outcome_advantage
+    bound = config.clip if config.clip is not None else float("inf")
+    result = []
+    for t in range(n):
+        if loss_mask is not None and not loss_mask[t]:
+            result.append(0.0)
+            continue
+        gap = 0.0 if teacher_logprobs is None else min(max(teacher_logprobs[t] - student_logprobs[t], -bound), bound)
+        result.append(config.weight * gap + outcome)
     return result
 
 

@@ -163,7 +163,7 @@ def test_checked_passes_good_verdicts_as_floats_and_leaves_unwanted_step_scores_
     plain = ScoreItem(rollout_id="r1", prompt_id=0, prompt="p", completion="ab")
     stepped = plain.model_copy(update={"steps": ["a", "b"]})
     assert checked(plain, Verdict(1, [0.2]), 0.0, 1.0).model_dump() == {  # type: ignore[arg-type]
-        "rollout_id": "r1", "score": 1.0, "step_scores": None, "failure": None}
+        "rollout_id": "r1", "score": 1.0, "step_scores": None, "failure": None, "token_logprobs": None}
     result = checked(stepped, Verdict(0.0, [0, 1.0]), 0.0, 1.0)  # type: ignore[list-item]
     assert result.score == 0.0 and result.step_scores == [0.0, 1.0] and type(result.step_scores[0]) is float
 

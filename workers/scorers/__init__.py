@@ -7,7 +7,9 @@ The scorer loop (workers/scorer.py) leases `ScoreItem`s (decentrl/api/wire.py) a
   of the completion's prefixes ending at each step;
 - `openai` (judge.py): an LLM judge behind any OpenAI-compatible chat endpoint, with a prompt
   template and a verdict parser, retried when its reply does not parse;
-- `python` (python.py): a function `module:function`, for tests and custom scorers.
+- `python` (python.py): a function `module:function`, for tests and custom scorers;
+- `teacher` (teacher.py): on-policy distillation's teacher, a causal LM giving the log-prob of
+  every completion token the student sampled; it checks its tokenizer against the run's first.
 
 A backend reports what it got, not what the run allows: the loop checks every verdict against
 the lease's score range and the item's steps (NaN, out of range, a step list of the wrong length
@@ -16,14 +18,18 @@ the lease's score range and the item's steps (NaN, out of range, a step list of 
 
 from __future__ import annotations
 
-from decentrl.config import HFScorerConfig, OpenAIScorerConfig, PythonScorerConfig
+from decentrl.api.wire import RunInfo
+from decentrl.config import HFScorerConfig, OpenAIScorerConfig, PythonScorerConfig, TeacherScorerConfig
 from workers.scorers.base import BackendConfigError, ScoreBackend, Verdict
 
 __all__ = ["BackendConfigError", "ScoreBackend", "Verdict", "build_scorer_backend"]
 
 
-def build_scorer_backend(config: HFScorerConfig | OpenAIScorerConfig | PythonScorerConfig) -> ScoreBackend:
-    """The backend `[scorer] type` names; heavy imports (torch, transformers) happen here."""
+def build_scorer_backend(
+    config: HFScorerConfig | OpenAIScorerConfig | PythonScorerConfig | TeacherScorerConfig, run: RunInfo | None = None
+) -> ScoreBackend:
+    """The backend `[scorer] type` names; heavy imports (torch, transformers) happen here. `run`:
+    the run's /v1/info, which a teacher needs (its tokenizer is checked against the run's)."""
     if isinstance(config, HFScorerConfig):
         from workers.scorers.hf import HFScoreBackend
 
@@ -32,6 +38,12 @@ def build_scorer_backend(config: HFScorerConfig | OpenAIScorerConfig | PythonSco
         from workers.scorers.judge import JudgeBackend
 
         return JudgeBackend(config)
+    if isinstance(config, TeacherScorerConfig):
+        from workers.scorers.teacher import TeacherBackend
+
+        if run is None:
+            raise BackendConfigError("a teacher scorer needs the run's /v1/info to check its tokenizer against")
+        return TeacherBackend(config, run)
     from workers.scorers.python import PythonScoreBackend
 
     return PythonScoreBackend(config)

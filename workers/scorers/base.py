@@ -24,6 +24,7 @@ class Verdict:
     error: str | None = None
     retries: int = 0  # replies that did not parse and were asked again (reported to the orchestrator)
     transient: bool = False  # no score for now (the judge unreachable): not posted, leased again after expiry
+    token_logprobs: list[float] | None = None  # a distillation teacher's: one per completion token of the item
 
 
 class ScoreBackend(Protocol):

@@ -1,0 +1,122 @@
+"""The `teacher` scorer backend: on-policy distillation's teacher, a causal LM scoring the student's
+own tokens.
+
+Built by workers/scorers/__init__.py from `[scorer] type = "teacher"` with the run's /v1/info (the
+orchestrator's tokenizer: `vocabulary_problem` refuses a teacher with another one before any
+sample is scored); called by the scorer loop (workers/scorer.py) in a thread. For each item (the
+orchestrator sends the prompt's and the completion's token ids when the run distills,
+`[orchestrator.advantages.distill]`) it runs the teacher over prompt + completion and answers
+the log-prob of every completion token given the ids before it (`token_logprobs`) and, as the
+item's score, exp(their mean). The orchestrator turns them into per-token advantages
+(decentrl/rl/advantages.py `distill_advantages`). Invariant: the teacher scores exactly the ids the
+student sampled; no text is decoded or encoded again on the way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from decentrl.api.wire import RunInfo, ScoreItem
+from decentrl.config import TeacherScorerConfig
+from decentrl.model.devices import available_gpus, device_problem, limit_gpu_memory
+from decentrl.model.tokenizer import vocab_digest
+from workers.scorers.base import BackendConfigError, Verdict
+
+if TYPE_CHECKING:
+    import torch
+
+
+def vocabulary_problem(path: str, *, teacher_vocab: int, teacher_rows: int, teacher_digest: str, run: RunInfo) -> str | None:
+    """Why a teacher cannot score this run's samples, or None: its tokenizer must be the run's (the
+    same tokens under the same ids: `vocab_digest`), and its model must have a row for every id."""
+    if run.vocab_size is None or run.vocab_digest is None:
+        return (
+            f"the run {run.run_name!r} does not distill (its /v1/info gives no vocab_digest): a teacher scorer serves "
+            "runs with [orchestrator.advantages.distill] only"
+        )
+    if teacher_digest != run.vocab_digest:
+        same = " (the same size, but other tokens or ids)" if teacher_vocab == run.vocab_size else ""
+        return (
+            f"teacher {path} has another tokenizer than the run {run.run_name!r}: its vocabulary has {teacher_vocab} "
+            f"tokens, the run's (the student's) {run.vocab_size}{same}. On-policy distillation scores the student's "
+            "token ids as they are: use a teacher with the student's tokenizer"
+        )
+    if teacher_rows < run.vocab_size:
+        return (
+            f"teacher {path} has {teacher_rows} rows in its embedding for a vocabulary of {run.vocab_size} tokens: "
+            "every id the student may sample needs one"
+        )
+    return None
+
+
+class TeacherBackend:
+    def __init__(self, config: TeacherScorerConfig, run: RunInfo) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(config.torch_threads)
+        problem = device_problem("scorer.device", config.device, available_gpus())
+        if problem:
+            raise BackendConfigError(problem)
+        limit_gpu_memory(torch.device(config.device), config.gpu_memory)
+        self.config = config
+        tokenizer = AutoTokenizer.from_pretrained(config.path)
+        model = AutoModelForCausalLM.from_pretrained(config.path, dtype=getattr(torch, config.dtype))
+        rows = model.get_input_embeddings().num_embeddings
+        problem = vocabulary_problem(
+            config.path, teacher_vocab=len(tokenizer), teacher_rows=rows, teacher_digest=vocab_digest(tokenizer), run=run
+        )
+        if problem:
+            raise BackendConfigError(problem)
+        self.model = model.to(config.device).eval()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked out anyway
+
+    def score(self, items: list[ScoreItem]) -> list[Verdict]:
+        verdicts: list[Verdict | None] = [None] * len(items)
+        scorable = []
+        for i, item in enumerate(items):
+            if item.prompt_token_ids is None or item.completion_token_ids is None:
+                verdicts[i] = Verdict(None, error="the item has no token ids: is the run distilling?")
+            elif len(item.prompt_token_ids) + len(item.completion_token_ids) > self.config.max_length:
+                length = len(item.prompt_token_ids) + len(item.completion_token_ids)
+                verdicts[i] = Verdict(None, error=f"{length} tokens, over [scorer] max_length = {self.config.max_length}")
+            else:
+                scorable.append(i)
+        # Like lengths together pad least.
+        scorable.sort(key=lambda i: len(items[i].prompt_token_ids or ()) + len(items[i].completion_token_ids or ()))
+        for start in range(0, len(scorable), self.config.batch_size):
+            rows = scorable[start : start + self.config.batch_size]
+            for i, logprobs in zip(rows, self.token_logprobs([items[i] for i in rows]), strict=True):
+                verdicts[i] = Verdict(math.exp(sum(logprobs) / len(logprobs)), token_logprobs=logprobs)
+        assert all(verdict is not None for verdict in verdicts), "every item is answered"
+        return verdicts  # type: ignore[return-value]
+
+    def token_logprobs(self, items: list[ScoreItem]) -> list[list[float]]:
+        """The teacher's log-prob of each completion token of each item, one forward over the
+        items right-padded (causal attention: a row's tokens never see the padding after them)."""
+        import torch
+
+        sequences = [[*(item.prompt_token_ids or ()), *(item.completion_token_ids or ())] for item in items]
+        width = max(map(len, sequences))
+        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            mask[row, : len(sequence)] = 1
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids.to(self.config.device), attention_mask=mask.to(self.config.device)).logits
+        result = []
+        for row, item in enumerate(items):
+            prompt, completion = len(item.prompt_token_ids or ()), item.completion_token_ids or []
+            # Completion token t sits at position prompt + t and is predicted by the logits before it.
+            predicting = logits[row, prompt - 1 : prompt + len(completion) - 1].float() / self.config.temperature  # (C, V)
+            chosen = _gathered(predicting.log_softmax(-1), completion)
+            result.append([min(value, 0.0) for value in chosen.tolist()])  # rounding never makes a log-prob > 0
+        return result
+
+
+def _gathered(logprobs: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    import torch
+
+    return logprobs.gather(-1, torch.tensor(ids, device=logprobs.device).unsqueeze(-1)).squeeze(-1)  # (C,)
