@@ -50,7 +50,7 @@ def expected_advantages(rewards: list[float], weight: float, outcome_weight: flo
 
 
 def test_a_teacher_post_must_hold_one_log_prob_per_token_and_they_become_token_advantages(
-    make_state: Any, make_rollout: Any, serve_orchestrator: Any
+    make_state: Any, make_rollout: Any, serve_orchestrator: Any  # noqa: F811 - the fixture imported above
 ) -> None:
     state = make_state(**distill_options(weight=2.0, outcome_weight=0.5))
     lease = one_group(state, make_rollout)
@@ -89,7 +89,7 @@ def test_a_teacher_post_must_hold_one_log_prob_per_token_and_they_become_token_a
 
 
 def test_a_run_without_distillation_sends_no_token_ids_and_takes_no_log_probs(
-    make_state: Any, make_rollout: Any, serve_orchestrator: Any
+    make_state: Any, make_rollout: Any, serve_orchestrator: Any  # noqa: F811 - the fixture imported above
 ) -> None:
     state = make_state(trainer={"groups_per_step": 1, "steps": 3})  # rewards type = model, no distill
     one_group(state, make_rollout)
@@ -109,7 +109,9 @@ def test_a_run_without_distillation_sends_no_token_ids_and_takes_no_log_probs(
     run(scenario())
 
 
-def test_teacher_log_probs_survive_a_restart(make_state: Any, make_rollout: Any, tmp_path: Path) -> None:
+def test_teacher_log_probs_survive_a_restart(
+    make_state: Any, make_rollout: Any, tmp_path: Path  # noqa: F811 - the fixture imported above
+) -> None:
     path = str(tmp_path / "journal.sqlite")
     options = distill_options(clip=1.0)
     state = make_state(path, **options)
