@@ -1,8 +1,9 @@
 """The trainer's side: batches built with advantages, and batches kept for re-asks.
 
-RunState (orchestrator/state.py) takes the `groups_per_step` groups at the front of the line
-(orchestrator/buffer.py), builds the batch here (`build_batch`) and keeps it (`KeptBatches`).
-Invariants:
+RunState (orchestrator/state.py) takes the `places_per_step` groups at the front of the line
+(orchestrator/buffer.py), picks the `groups_per_step` it trains (`pick_signal`: all of them,
+unless dynamic sampling consumes more), builds the batch here (`build_batch`) and keeps it
+(`KeptBatches`). Invariants:
 - a served batch is journaled before it is sent (its leases as served), and the last
   `batches_kept` are kept by request id, so a trainer that lost an answer and asks again with
   the same request id gets the same batch, never a second one;
@@ -55,6 +56,30 @@ class ServedBatch:
         packed = [packed for group in self.groups for packed in group.packed]  # per sample of the batch
         prompts = {group.lease_id: pack_ints(group.rollouts[0].prompt_token_ids) for group in self.groups if group.size}
         return train_batch_msgpack(self.batch, packed, prompts)
+
+
+def has_signal(group: Group) -> bool:
+    """Whether a group teaches anything under a group baseline: its rewards differ, or (process
+    rewards) its step scores do."""
+    if max(group.rewards) > min(group.rewards):
+        return True
+    scores = [score for steps in group.step_scores or [] if steps for score in steps]
+    return bool(scores) and max(scores) > min(scores)
+
+
+def pick_signal(window: list[Group], wanted: int) -> tuple[list[Group], list[tuple[Group, str]]]:
+    """DAPO's dynamic sampling over the groups one step consumes, in their order: the first
+    `wanted` with a signal, topped up in order with those without one when too few have one (a
+    step always trains `wanted` groups); the others, each with why it is dropped (`zero_signal`,
+    or `surplus`: a signal beyond the `wanted`). A pure function of the rewards, so a deterministic
+    run skips the same groups in every replay. Without oversampling it takes the whole window."""
+    signal = [group for group in window if has_signal(group)]
+    chosen = signal[:wanted]
+    chosen += [group for group in window if not has_signal(group)][:wanted - len(chosen)]
+    picked = {id(group) for group in chosen}
+    train = [group for group in window if id(group) in picked]
+    dropped = [(group, "surplus" if has_signal(group) else "zero_signal") for group in window if id(group) not in picked]
+    return train, dropped
 
 
 def build_batch(

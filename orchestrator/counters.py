@@ -29,6 +29,7 @@ class Counters:
     dropped: Counter[str] = field(default_factory=Counter)  # accepted samples dropped later, per reason
     stale_dropped: int = 0  # samples dropped as stale, at ingest or in the buffer
     groups_served: int = 0
+    groups_skipped: int = 0  # dynamic sampling: groups a step consumed and dropped (zero_signal, surplus)
     leases_expired: int = 0
     # Hedging (deterministic runs, orchestrator/lease_policy.py): second leases granted for a lagging
     # place; samples of a losing copy posted after the winner, answered as duplicates; and those
@@ -40,3 +41,9 @@ class Counters:
     hedge_copies_told: int = 0
     recoveries: int = 0  # times the state was rebuilt from the journal
     recent_rewards: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_REWARDS))
+
+    @property
+    def groups_consumed(self) -> int:
+        """Complete groups the steps so far took from the front of the line, trained or not: the
+        next place a deterministic run serves, and what the lease budget counts as done."""
+        return self.groups_served + self.groups_skipped

@@ -21,7 +21,7 @@ one machine type; a difference is counted (`hedge_mismatches`) and logged, not a
 hardware rounds differently.
 
 Hedging (`[orchestrator.hedging]`, decentrl/config/orchestrator.py):
-- only places of the next batch the trainer takes (places groups_served .. + groups_per_step),
+- only places of the next batch the trainer takes (places groups_consumed .. + places_per_step),
   or of the next `batches` batches;
 - a place is due once its newest open lease has been out `wait` (`hedge_wait`): the shortest
   time out after which the last RECENT complete groups that took at least that long went on, on
@@ -58,7 +58,7 @@ class Places:
 
     open: Mapping[int, list[str]]  # place -> its open leases (LeaseBook.places)
     leases: Mapping[str, OpenLease]  # lease id -> open lease (LeaseBook.open)
-    head: int  # the next place the trainer takes (groups served)
+    head: int  # the next place the trainer takes (groups consumed)
     cursor: int  # places below it have been leased at least once
     requeued: Collection[int]  # places waiting to be leased again
 
@@ -152,7 +152,7 @@ class Deterministic:
         self.clock = clock
         hedging = config.orchestrator.hedging
         self.hedges = (
-            Hedges(config=hedging, groups_per_step=config.trainer.groups_per_step, clock=clock) if hedging.enabled else None
+            Hedges(config=hedging, groups_per_step=config.places_per_step, clock=clock) if hedging.enabled else None
         )
 
     def copies(self, holder: str, count: int) -> list[Lease]:
@@ -168,7 +168,7 @@ class Deterministic:
     def _places(self) -> Places:
         book = self.lease_book
         return Places(
-            open=book.places, leases=book.open, head=self.counters.groups_served, cursor=book.prompts.cursor,
+            open=book.places, leases=book.open, head=self.counters.groups_consumed, cursor=book.prompts.cursor,
             requeued=book.prompts.requeued,
         )
 

@@ -11,7 +11,7 @@ Invariants:
 - no more leases are open than can be consumed without going stale (`lease_budget`,
   decentrl/rl/staleness.py), nor than the buffer bound allows (`orchestrator.max_buffer_groups`);
 - every status change of a lease goes through `LeaseBook.close`: it journals the change, and
-  hands a lease closed without training (expired, released, dropped, superseded) to `on_dropped`
+  hands a lease closed without training (expired, released, dropped, superseded, skipped) to `on_dropped`
   (RunState counts its samples as dropped and integrity forgets their content, so it may honestly
   come again);
 - a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample
@@ -54,11 +54,11 @@ from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import PromptEncoder
 from orchestrator.events import Journaling, LeaseClosedAs, LeaseForgotten, LeaseGranted, LeaseRenewed
 
-ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded"]
+ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded", "skipped"]
 Requeue = Literal["back", "front"]
 
 # A lease closed with one of these did not train: its samples are dropped.
-UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "superseded"})
+UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "superseded", "skipped"})
 # Why a closed lease no longer takes samples -> the rejection reason of a late sample.
 CLOSED_REASON = {
     "complete": "group_full",
@@ -67,6 +67,7 @@ CLOSED_REASON = {
     "released": "lease_released",
     "dropped": "group_dropped",
     "superseded": "hedge_lost",  # another copy of its place completed first (its holder's posts: duplicates)
+    "skipped": "group_full",  # complete, and dropped by dynamic sampling when a step consumed it
 }
 PROMPT_CACHE = 4096  # prompts whose token ids are kept (prompts come back each epoch)
 
@@ -142,7 +143,7 @@ class OpenLease:
 class ClosedLease:
     lease: Lease
     holder: str
-    status: ClosedStatus  # complete (in the buffer or held back), served, expired, released, dropped, superseded
+    status: ClosedStatus  # complete (in the buffer or held back), served, expired, released, dropped, superseded, skipped
     closed_at: float
     samples: int  # samples it took
     # Their ids, where memory holds them: a lease recovered from the journal as complete, or
@@ -244,16 +245,15 @@ class LeaseBook:
 
     # -- granting -------------------------------------------------------------------------
 
-    def capacity(self, *, published: int | None, groups_served: int, waiting: int) -> int:
+    def capacity(self, *, published: int | None, groups_consumed: int, waiting: int) -> int:
         """How many leases may be granted now. `published`: the newest version workers may pull;
-        `waiting`: complete groups not yet served (in line or held back)."""
+        `groups_consumed`: groups the steps so far took (trained, or dropped by dynamic sampling);
+        `waiting`: complete groups not yet taken (in line or held back)."""
         if published is None:
             return 0
         leased = len(self.places) if self.prompts.deterministic else len(self.open)  # copies of a place count once
-        committed = groups_served + waiting + leased
-        budget = lease_budget(
-            published, self.config.max_staleness, self.config.trainer.groups_per_step, committed
-        )
+        committed = groups_consumed + waiting + leased
+        budget = lease_budget(published, self.config.max_staleness, self.config.places_per_step, committed)
         room = self.config.orchestrator.max_buffer_groups - waiting - leased
         return max(0, min(budget, room))
 
@@ -269,7 +269,7 @@ class LeaseBook:
                 index = self.prompts.next_index()
                 prompt_id = self.prompts.prompt_at(index)
                 version = required_version(
-                    index, groups_per_step=self.config.trainer.groups_per_step, max_staleness=self.config.max_staleness
+                    index, groups_per_step=self.config.places_per_step, max_staleness=self.config.max_staleness
                 )
             else:
                 prompt_id = self.prompts.next_id()
@@ -352,7 +352,8 @@ class LeaseBook:
         for: `counted` of them (default: all it holds) are handed to `on_dropped`. `requeue` puts
         an open lease's prompt back in line; in a deterministic run every lease closed without
         training puts its place back (a skipped place would change the run), unless another copy
-        of the place is still open (hedging) or it was `superseded` (its place filled). A
+        of the place is still open (hedging), it was `superseded` (its place filled) or `skipped`
+        (dynamic sampling: its place was consumed by a step, which dropped it). A
         complete group is journaled by the buffer when it joins the line (with its place and
         rewards), not here.
         """
@@ -375,7 +376,7 @@ class LeaseBook:
             closed.status, closed.closed_at = status, now
             index = closed.lease.index
         if (
-            self.prompts.deterministic and status in UNTRAINED and status != "superseded" and index is not None
+            self.prompts.deterministic and status in UNTRAINED and status not in ("superseded", "skipped") and index is not None
             and index not in self.places  # another copy of the place is still out: it goes on
         ):
             self.prompts.requeue(index, "back")

@@ -51,6 +51,7 @@ def meta_row(*, versions: Versions, counters: Counters, lease_book: LeaseBook, b
         "dropped": dict(counters.dropped),
         "stale_dropped": counters.stale_dropped,
         "groups_served": counters.groups_served,
+        "groups_skipped": counters.groups_skipped,
         "leases_expired": counters.leases_expired,
         "hedged_leases": counters.hedged_leases,
         "hedge_duplicates": counters.hedge_duplicates,
@@ -75,6 +76,7 @@ def _restore_meta(
     counters.dropped = Counter(meta["dropped"])
     counters.stale_dropped = meta["stale_dropped"]
     counters.groups_served = meta["groups_served"]
+    counters.groups_skipped = meta.get("groups_skipped", 0)  # absent from journals of older versions
     counters.leases_expired = meta["leases_expired"]
     counters.hedged_leases = meta.get("hedged_leases", 0)  # absent from journals of older versions
     counters.hedge_duplicates = meta.get("hedge_duplicates", 0)
@@ -83,24 +85,24 @@ def _restore_meta(
     counters.recoveries = meta["recoveries"] + 1
 
 
-def _with_place(lease: Lease, lease_book: LeaseBook, ready_seq: int | None, groups_served: int) -> Lease:
+def _with_place(lease: Lease, lease_book: LeaseBook, ready_seq: int | None, groups_consumed: int) -> Lease:
     """Deterministic runs: a recovered lease with its place and version again. The journal keeps a
     complete group's place (its ready_seq) and an open lease's prompt; a prompt occurs once in any
-    num_prompts consecutive places, and an open lease's place lies between the groups served and
+    num_prompts consecutive places, and an open lease's place lies between the groups consumed and
     the cursor, so it is the last place before the cursor that holds its prompt."""
     queue = lease_book.prompts
     if ready_seq:
         index = ready_seq - 1
     else:
-        if queue.cursor - groups_served > len(queue.order):
+        if queue.cursor - groups_consumed > len(queue.order):
             raise ValueError(
                 f"journal: cannot place open lease {lease.lease_id} of a deterministic run: more places are in "
-                f"flight ({queue.cursor - groups_served}) than the task has prompts ({len(queue.order)}); "
-                "use a task with more prompts than (max_staleness + 2) * trainer.groups_per_step"
+                f"flight ({queue.cursor - groups_consumed}) than the task has prompts ({len(queue.order)}); "
+                "use a task with more prompts than (max_staleness + 2) * the groups a step consumes"
             )
         index = queue.cursor - 1 - (queue.cursor - 1 - queue.order.index(lease.prompt_id)) % len(queue.order)
     version = required_version(
-        index, groups_per_step=lease_book.config.trainer.groups_per_step, max_staleness=lease_book.config.max_staleness
+        index, groups_per_step=lease_book.config.places_per_step, max_staleness=lease_book.config.max_staleness
     )
     return lease.model_copy(update={"index": index, "policy_version": version})
 
@@ -138,7 +140,7 @@ def recover(
         lease = lease_of(row)
         status = row["status"]
         if lease_book.prompts.deterministic and status in ("open", "complete"):
-            lease = _with_place(lease, lease_book, row["ready_seq"], counters.groups_served)
+            lease = _with_place(lease, lease_book, row["ready_seq"], counters.groups_consumed)
         if status != "open":  # in the buffer (complete) or in a batch kept (served): samples stay on disk
             rewards = json.loads(row["rewards"])
             lease_book.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], len(rewards))

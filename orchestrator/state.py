@@ -51,8 +51,9 @@ Invariants:
   and is dropped (`stale_waiting_scores`) if it goes stale waiting;
 - a group is served to the trainer at most once, and only if every sample is fresh for the
   trainer's version: groups that can no longer train are evicted when the version moves on;
-- a deterministic run's batch s is exactly the groups at places s*groups_per_step onwards of the
-  consumption order, in that order, whatever order they completed in;
+- a deterministic run's batch s is taken from exactly the groups at places s*places_per_step
+  onwards of the consumption order (places_per_step = groups_per_step unless dynamic sampling
+  consumes more, `pick_signal`), in that order, whatever order they completed in;
 - no more groups are leased than can be consumed without going stale (`lease_budget`), nor
   than the buffer bound allows (`orchestrator.max_buffer_groups`, ready groups + open leases);
 - every lease closes through `LeaseBook.close` (journaled; drops counted; content forgotten).
@@ -85,7 +86,7 @@ from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import make_prompt_encoder
-from orchestrator.batches import KeptBatches, build_batch
+from orchestrator.batches import KeptBatches, build_batch, pick_signal
 from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
 from orchestrator.checks import IngestChecks
 from orchestrator.counters import Counters, Versions
@@ -127,10 +128,11 @@ class RunState(RunView):
     ) -> None:
         """With a `journal` that holds this run, the state is recovered from it at once."""
         options = config.orchestrator
-        if options.max_buffer_groups < config.trainer.groups_per_step:
+        if options.max_buffer_groups < config.places_per_step:
             raise ValueError(
-                f"orchestrator.max_buffer_groups ({options.max_buffer_groups}) must be at least "
-                f"trainer.groups_per_step ({config.trainer.groups_per_step}), or no batch could ever form"
+                f"orchestrator.max_buffer_groups ({options.max_buffer_groups}) must be at least the groups a step "
+                f"consumes ({config.places_per_step}: trainer.groups_per_step, times "
+                "orchestrator.dynamic_sampling.oversample when it is on), or no batch could ever form"
             )
         if config.deterministic and isinstance(task, EpisodeTask):
             raise ValueError(
@@ -235,7 +237,7 @@ class RunState(RunView):
 
     def lease_capacity(self) -> int:
         return self.lease_book.capacity(
-            published=self.versions.published, groups_served=self.counters.groups_served, waiting=self.buffer.waiting()
+            published=self.versions.published, groups_consumed=self.counters.groups_consumed, waiting=self.buffer.waiting()
         )
 
     def grant_leases(self, holder: str, max_groups: int) -> list[Lease]:
@@ -488,7 +490,9 @@ class RunState(RunView):
         self.advance(version)
 
     def take_batch(self, trainer_version: int, request_id: str | None = None) -> TrainBatch | None:
-        """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet.
+        """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet. With
+        dynamic sampling a step consumes `places_per_step` groups and trains those with a reward
+        signal (batches.py `pick_signal`); the others close as `skipped`, counted as dropped.
 
         With a `request_id` already answered (its answer was lost and the trainer asks again),
         the same batch again, as long as it is among the last `batches_kept`.
@@ -496,14 +500,17 @@ class RunState(RunView):
         if request_id is not None and (again := self.kept.again(request_id)) is not None:
             return again
         self.advance(trainer_version)
-        wanted = self.config.trainer.groups_per_step
-        if len(self.buffer.ready) < wanted or self.buffer.held_back_ahead(wanted):
+        places = self.config.places_per_step  # groups_per_step, unless dynamic sampling consumes more
+        if len(self.buffer.ready) < places or self.buffer.held_back_ahead(places):
             return None
-        first = self.counters.groups_served + 1  # a deterministic run serves places in order (`seq`)
-        if self.config.deterministic and any(self.buffer.ready[i].seq != first + i for i in range(wanted)):
+        first = self.counters.groups_consumed + 1  # a deterministic run serves places in order (`seq`)
+        if self.config.deterministic and any(self.buffer.ready[i].seq != first + i for i in range(places)):
             return None
-        groups = self.buffer.take_front(wanted)
-        self.counters.groups_served += wanted
+        groups, skipped = pick_signal(self.buffer.take_front(places), self.config.trainer.groups_per_step)
+        for group, reason in skipped:
+            self.lease_book.close(group.lease_id, "skipped", reason=reason, counted=group.size)
+        self.counters.groups_skipped += len(skipped)
+        self.counters.groups_served += len(groups)
         batch = build_batch(
             groups, trainer_version=self.versions.trainer, batch_id=uuid.uuid4().hex,
             advantages=self.config.orchestrator.advantages,

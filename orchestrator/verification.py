@@ -71,7 +71,7 @@ def checks_due(state: RunState) -> bool:
     and a batch's worth of groups is complete: then check at once. Until then a check may wait
     for others to share its forward at no cost to the trainer, which could not take a batch
     sooner anyway."""
-    wanted = state.config.trainer.groups_per_step
+    wanted = state.config.places_per_step
     return len(state.ready) + len(state.pending) >= wanted and state.held_back_ahead(wanted)
 
 

@@ -545,7 +545,7 @@ class LeaseState(Wire):
 
     lease_id: str
     prompt_id: Int
-    state: Literal["open", "complete", "served", "expired", "released", "dropped", "superseded"]
+    state: Literal["open", "complete", "served", "expired", "released", "dropped", "superseded", "skipped"]
     samples: Int = Field(ge=0, description="Samples acknowledged for it so far.")
     group_size: Int = Field(ge=1)
     deadline: float = Field(description="Unix time; for an open lease, when it expires.")

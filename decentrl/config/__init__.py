@@ -21,6 +21,7 @@ from decentrl.config.model import ModelConfig, PretrainedModelConfig, TinyModelC
 from decentrl.config.orchestrator import (
     AdvantageConfig,
     DelimiterStepsConfig,
+    DynamicSamplingConfig,
     HedgingConfig,
     OrchestratorConfig,
     OverlongConfig,
@@ -80,7 +81,8 @@ from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 __all__ = [
     "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "CISPOObjectiveConfig", "ConfigError",
     "CountdownTaskConfig", "DatasetTaskConfig", "DelimiterStepsConfig", "DistillConfig", "DrGRPOLossConfig", "GRPOLossConfig",
-    "GSPOObjectiveConfig", "GuessTaskConfig", "HedgingConfig", "HFScorerConfig", "IcePopConfig", "ImportTaskConfig",
+    "DynamicSamplingConfig", "GSPOObjectiveConfig", "GuessTaskConfig", "HedgingConfig", "HFScorerConfig", "IcePopConfig",
+    "ImportTaskConfig",
     "JsonVerdictConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "ObjectiveConfig",
     "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig", "OrchestratorConfig", "OverlongConfig", "Placed", "PlacementConfig",
     "PPOObjectiveConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig",

@@ -273,6 +273,27 @@ class HedgingConfig(Section):
     )
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476): batches of groups that carry a
+    signal. A group whose rewards are all equal (and, with process rewards, whose step scores are
+    too) gives every sample the same advantage: it teaches nothing under a group baseline.
+
+    Each step consumes `ceil(oversample * groups_per_step)` complete groups in their order (a
+    deterministic run: that many numbered places), trains the first `groups_per_step` that carry a
+    signal (topped up in order with the others when too few do) and drops the rest, counted as
+    `zero_signal` or `surplus`. The lease budget grows by the same factor, so the trainer is not
+    kept waiting; the same groups are skipped in every replay of a deterministic run.
+    """
+
+    enabled: bool = Field(False, strict=True, description="Serve only groups with a reward signal (DAPO dynamic sampling).")
+    oversample: float = Field(
+        2.0, ge=1.0, le=8.0, allow_inf_nan=False,
+        description="Complete groups consumed per step / groups_per_step. Pick about 1 / (share of groups with a "
+        "signal): the dashboard's `zero_signal` drops show the share. More wastes generation, less trains on "
+        "zero-signal groups when a step has too few with a signal.",
+    )
+
+
 class OrchestratorConfig(Section):
     """The central HTTP service: leases, ingest, rewards, groups, batches (see docs/api.md)."""
 
@@ -344,6 +365,10 @@ class OrchestratorConfig(Section):
     )
     advantages: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="How a complete group's rewards become advantages."
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig,
+        description="Batches of groups with a reward signal only, more groups leased to fill them (DAPO).",
     )
     rewards: RewardConfig = Field(
         default_factory=RewardConfig, description="Verifier, model (scorers) or weighted-sum rewards (docs/rewards.md)."

@@ -8,6 +8,8 @@ here, with errors that say which keys to change.
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field, model_validator
 
 from decentrl.config.base import Section
@@ -70,6 +72,14 @@ class RunConfig(Section):
         default_factory=PlacementConfig, description="`decentrl run`: the GPUs of the trainer's ranks, the workers "
         "and the scorers, and each process's share of their memory; left out, every role stays on its own device."
     )
+
+    @property
+    def places_per_step(self) -> int:
+        """Complete groups each step consumes, in order: groups_per_step, times the oversampling of
+        dynamic sampling when it is on (the others are dropped at the step: orchestrator/state.py)."""
+        dynamic = self.orchestrator.dynamic_sampling
+        groups = self.trainer.groups_per_step
+        return math.ceil(dynamic.oversample * groups) if dynamic.enabled else groups
 
     @model_validator(mode="after")
     def _batch_divides(self) -> RunConfig:

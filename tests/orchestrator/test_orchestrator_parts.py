@@ -131,11 +131,11 @@ def lease_table(make_config: Any, tokenizer: Any, clock: Any) -> tuple[LeaseBook
 
 def test_no_lease_before_a_version_is_published_then_the_budget_bounds_them(lease_table: Any) -> None:
     book, _ = lease_table
-    assert book.capacity(published=None, groups_served=0, waiting=0) == 0
-    room = book.capacity(published=0, groups_served=0, waiting=0)
+    assert book.capacity(published=None, groups_consumed=0, waiting=0) == 0
+    room = book.capacity(published=0, groups_consumed=0, waiting=0)
     assert room > 0
     book.grant(HOLDER, room)
-    assert book.capacity(published=0, groups_served=0, waiting=0) == 0
+    assert book.capacity(published=0, groups_consumed=0, waiting=0) == 0
 
 
 def test_an_overdue_lease_expires_its_prompt_goes_out_first_and_its_drop_is_reported(

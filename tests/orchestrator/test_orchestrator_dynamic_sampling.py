@@ -1,0 +1,170 @@
+"""DAPO's dynamic sampling on the orchestrator's side (`[orchestrator.dynamic_sampling]`): each step
+consumes `ceil(oversample * groups_per_step)` complete groups, trains those with a reward signal
+(topped up when too few have one), drops the rest as `zero_signal` or `surplus`; the lease budget
+grows by the same factor; a deterministic run skips the same places in every replay.
+
+BASE_CONFIG (conftest): group_size 3, groups_per_step 2, max_staleness 1; the sorting task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from decentrl.api.encoding import pack_sample
+from decentrl.api.wire import Lease
+from decentrl.config import ConfigError
+from decentrl.rl.determinism import required_version
+from decentrl.tasks import build_task
+from orchestrator.batches import pick_signal
+from orchestrator.buffer import Group
+from orchestrator.journal import Journal
+from orchestrator.state import RunState
+
+HOLDER = "alice/w0"
+DYNAMIC = {"orchestrator": {"dynamic_sampling": {"enabled": True, "oversample": 2.0}}}
+
+
+@pytest.fixture
+def make_state(make_config: Any, tokenizer: PreTrainedTokenizerBase, clock: Any) -> Callable[..., RunState]:
+    def make(journal: str | None = None, **overrides: Any) -> RunState:
+        config = make_config(**{**DYNAMIC, **overrides})
+        opened = Journal(journal, run_name=config.run_name) if journal is not None else None
+        state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, clock=clock, journal=opened)
+        if state.published_version is None:
+            state.announce(0)
+        return state
+
+    return make
+
+
+@pytest.fixture
+def post(make_rollout: Any, sorted_answer: Callable[[str], str]) -> Callable[..., None]:
+    """Post `lease`'s whole group: all right (no signal) or, with `signal`, one wrong answer."""
+
+    def send(state: RunState, lease: Lease, *, signal: bool) -> None:
+        right = sorted_answer(state.task.prompt(lease.prompt_id).text)
+        answers = [right] * lease.group_size
+        if signal:
+            answers[0] = "x"
+        version = lease.policy_version or 0
+        rollouts = [
+            make_rollout(lease, answer, policy_version=version, sample_index=j if lease.index is not None else None)
+            for j, answer in enumerate(answers)
+        ]
+        assert state.ingest(rollouts, HOLDER).accepted == lease.group_size
+
+    return send
+
+
+def group(name: str, rewards: list[float], make_rollout: Any) -> Group:
+    lease = Lease(lease_id=name, prompt_id=0, prompt_token_ids=[1, 2], group_size=len(rewards), deadline=0.0)
+    rollouts = [make_rollout(lease, [4, 5]) for _ in rewards]
+    return Group.of(name, 0, rollouts, rewards, [pack_sample(r.completion_token_ids, r.logprobs) for r in rollouts])
+
+
+def test_pick_signal_trains_the_first_groups_with_a_signal_in_order_and_names_what_it_drops(make_rollout: Any) -> None:
+    flat, mixed, flat2, mixed2, mixed3 = (
+        group("flat", [1.0, 1.0], make_rollout), group("mixed", [0.0, 1.0], make_rollout),
+        group("flat2", [0.0, 0.0], make_rollout), group("mixed2", [0.5, 0.0], make_rollout),
+        group("mixed3", [0.2, 0.1], make_rollout),
+    )
+    train, dropped = pick_signal([flat, mixed, flat2, mixed2, mixed3], 2)
+    assert [g.lease_id for g in train] == ["mixed", "mixed2"]
+    assert [(g.lease_id, why) for g, why in dropped] == [("flat", "zero_signal"), ("flat2", "zero_signal"), ("mixed3", "surplus")]
+    # Too few with a signal: topped up in window order with those without one; a step trains `wanted`.
+    train, dropped = pick_signal([flat, mixed, flat2], 2)
+    assert [g.lease_id for g in train] == ["flat", "mixed"] and [(g.lease_id, why) for g, why in dropped] == [("flat2", "zero_signal")]
+    # Without oversampling the window is the batch, signal or not.
+    assert pick_signal([flat, flat2], 2) == ([flat, flat2], [])
+    # Process rewards: equal outcomes, different step scores, carry a signal.
+    flat.step_ends, flat.step_scores = [[1], [1]], [[0.0], [1.0]]
+    assert [g.lease_id for g in pick_signal([flat, flat2], 1)[0]] == ["flat"]
+
+
+def test_a_step_trains_the_groups_with_a_signal_and_drops_the_others_counted(make_state: Any, post: Any) -> None:
+    state = make_state()
+    assert state.config.places_per_step == 4
+    # The budget is raised by the oversampling: (0 + 1 + 1) * 4 places, not * 2.
+    leases = state.grant_leases(HOLDER, 16)
+    assert len(leases) == 8
+    for lease, signal in zip(leases[:4], [False, True, False, True], strict=True):
+        post(state, lease, signal=signal)
+    batch = state.take_batch(0)
+    assert batch is not None
+    assert {s.group_id for s in batch.samples} == {leases[1].lease_id, leases[3].lease_id}
+    assert state.groups_served == 2 and state.counters.groups_skipped == 2
+    assert state.dropped["zero_signal"] == 2 * 3
+    skipped = state.lease_state(leases[0].lease_id, HOLDER)
+    assert skipped.state == "skipped"
+    assert state.status().dropped == {"zero_signal": 6}
+
+
+def test_a_step_waits_for_all_the_groups_it_consumes(make_state: Any, post: Any) -> None:
+    state = make_state()
+    leases = state.grant_leases(HOLDER, 8)
+    for lease in leases[:3]:
+        post(state, lease, signal=True)
+    assert state.take_batch(0) is None  # 3 of the 4 groups the step consumes
+    post(state, leases[3], signal=True)
+    batch = state.take_batch(0)
+    assert batch is not None and len({s.group_id for s in batch.samples}) == 2
+    assert state.dropped["surplus"] == 2 * 3
+
+
+def test_off_by_default_a_step_takes_groups_per_step_groups_signal_or_not(make_state: Any, post: Any) -> None:
+    state = make_state(orchestrator={"dynamic_sampling": {"enabled": False}})
+    assert state.config.places_per_step == 2
+    leases = state.grant_leases(HOLDER, 16)
+    assert len(leases) == 4
+    for lease in leases[:2]:
+        post(state, lease, signal=False)
+    assert state.take_batch(0) is not None and not state.dropped and state.counters.groups_skipped == 0
+
+
+def test_a_deterministic_run_skips_the_same_places_in_every_replay_and_after_a_restart(
+    make_state: Any, post: Any, tmp_path: Path
+) -> None:
+    def run(journal: str) -> tuple[list[int], list[str]]:
+        state = make_state(journal=journal, deterministic=True)
+        leases = state.grant_leases(HOLDER, 8)
+        # Places are pinned by the places a step consumes (4), not groups_per_step (2).
+        assert [lease.policy_version for lease in leases] == [
+            required_version(lease.index, groups_per_step=4, max_staleness=1) for lease in leases
+        ]
+        for lease in reversed(leases[:4]):  # completion order does not matter
+            post(state, lease, signal=lease.index in (0, 2))
+        batch = state.take_batch(0)
+        assert batch is not None
+        state.journal.flush()
+        state.journal.close()
+        restarted = make_state(journal=journal, deterministic=True)
+        assert restarted.counters.groups_skipped == 2 and restarted.counters.groups_consumed == 4
+        trained = sorted(next(lease.index for lease in leases if lease.lease_id == s.group_id) for s in batch.samples)
+        return sorted(set(trained)), sorted(restarted.dropped)
+
+    first, second = run(str(tmp_path / "a.sqlite")), run(str(tmp_path / "b.sqlite"))
+    assert first == second == ([0, 2], ["zero_signal"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"orchestrator": {"dynamic_sampling": {"enabled": True, "oversample": 0.5}}}, "oversample"),
+        ({"orchestrator": {"dynamic_sampling": {"enabled": True, "oversample": 9}}}, "oversample"),
+        ({"orchestrator": {"dynamic_sampling": {"enabled": "yes"}}}, "enabled"),
+        ({"orchestrator": {"dynamic_sampling": {"oversampel": 2}}}, "oversampel"),
+    ],
+)
+def test_bad_dynamic_sampling_settings_are_named(make_config: Any, overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_config(**overrides)
+
+
+def test_a_buffer_bound_below_the_groups_a_step_consumes_is_refused(make_state: Any) -> None:
+    with pytest.raises(ValueError, match="max_buffer_groups .3. must be at least the groups a step consumes .4"):
+        make_state(orchestrator={"max_buffer_groups": 3, **DYNAMIC["orchestrator"]})
