@@ -90,6 +90,7 @@ class History:
             "rollouts_accepted": status.rollouts_accepted,
             "rejected": sum(status.rollouts_rejected.values()),
             "stale_dropped": status.stale_dropped,
+            "signal_dropped": status.dropped.get("zero_signal", 0) + status.dropped.get("surplus", 0),
             "groups_served": status.groups_served,
             "groups_ready": status.groups_ready,
             "leases_active": status.leases_active,

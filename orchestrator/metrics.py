@@ -84,6 +84,10 @@ class StateCollector(Collector):
             value=c.hedge_copies_told,
         )
         yield CounterMetricFamily("decentrl_groups_served", "Groups served to the trainer.", value=c.groups_served)
+        yield CounterMetricFamily(
+            "decentrl_groups_skipped", "Dynamic sampling: groups a step consumed and did not train (no signal, or surplus).",
+            value=c.groups_skipped,
+        )
         yield GaugeMetricFamily("decentrl_buffer_groups", "Complete groups waiting for the trainer.", value=len(s.ready))
         yield GaugeMetricFamily("decentrl_buffer_limit", "Depth bound: ready groups plus open leases.", value=s.buffer_limit)
         yield GaugeMetricFamily("decentrl_leases_open", "Leases granted and not yet answered.", value=len(s.leases))

@@ -59,6 +59,7 @@ class RunView:
             stale_dropped=counters.stale_dropped,
             groups_ready=len(self.buffer.ready),
             groups_served=counters.groups_served,
+            groups_skipped=counters.groups_skipped,
             leases_active=len(self.lease_book.open),
             leases_expired=counters.leases_expired,
             hedged_leases=counters.hedged_leases,

@@ -513,6 +513,10 @@ class StatusResponse(Wire):
     buffer_limit: Int | None = Field(None, description="Depth bound: ready groups plus open leases.")
     journal: bool = Field(False, description="Whether acknowledged state is journaled on disk.")
     recoveries: Int = Field(0, description="How many times this run's state was recovered from the journal.")
+    groups_skipped: Int = Field(
+        0, description="Dynamic sampling: complete groups a step consumed and did not train (dropped as zero_signal or "
+        "surplus; their samples are in `dropped`)."
+    )
     groups_verifying: Int = Field(0, description="Complete groups held back until their logprob spot-check is done.")
     groups_scoring: Int = Field(0, description="Complete groups held back until scorers have scored every sample.")
     scoring: dict[str, Int] | None = Field(

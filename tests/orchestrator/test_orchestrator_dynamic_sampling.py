@@ -16,13 +16,14 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.encoding import pack_sample
-from decentrl.api.wire import Lease
+from decentrl.api.wire import Lease, ScorePost, ScoreResult
 from decentrl.config import ConfigError
 from decentrl.rl.determinism import required_version
 from decentrl.tasks import build_task
 from orchestrator.batches import pick_signal
 from orchestrator.buffer import Group
 from orchestrator.journal import Journal
+from orchestrator.metrics import Metrics
 from orchestrator.state import RunState
 
 HOLDER = "alice/w0"
@@ -168,3 +169,25 @@ def test_bad_dynamic_sampling_settings_are_named(make_config: Any, overrides: di
 def test_a_buffer_bound_below_the_groups_a_step_consumes_is_refused(make_state: Any) -> None:
     with pytest.raises(ValueError, match="max_buffer_groups .3. must be at least the groups a step consumes .4"):
         make_state(orchestrator={"max_buffer_groups": 3, **DYNAMIC["orchestrator"]})
+
+
+def test_with_model_scores_the_signal_is_judged_on_the_scores_and_reported(make_state: Any, post: Any) -> None:
+    state = make_state(orchestrator={**DYNAMIC["orchestrator"], "rewards": {"type": "model"}})
+    leases = state.grant_leases(HOLDER, 4)
+    for lease in leases:
+        post(state, lease, signal=False)  # the verifier would see no signal; the scorers decide
+    entry = state.lease_scores("judge/s0", 64)
+    assert entry is not None and len(entry.rollout_ids) == 12
+    by_group: dict[str, list[str]] = {lease.lease_id: [] for lease in leases}
+    for item in state.score_queue.items(entry):
+        by_group[state.score_queue.samples[item.rollout_id].group_id].append(item.rollout_id)
+    scores = []
+    for lease, varied in zip(leases, [True, False, True, False], strict=True):
+        scores += [ScoreResult(rollout_id=rid, score=0.1 * i if varied else 0.5) for i, rid in enumerate(by_group[lease.lease_id])]
+    assert state.take_batch(0) is None  # held back until scored
+    state.post_scores("judge/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=scores))
+    batch = state.take_batch(0)
+    assert batch is not None and {s.group_id for s in batch.samples} == {leases[0].lease_id, leases[2].lease_id}
+    assert state.status().groups_skipped == 2 and state.dropped == {"zero_signal": 6}
+    metrics = Metrics(state).render().decode()
+    assert "decentrl_groups_skipped_total 2.0" in metrics
