@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentrl.api.encoding import pack_ints
-from decentrl.api.wire import TrainBatch, TrainSample
+from decentrl.api.wire import StaleReport, TrainBatch, TrainSample
 from decentrl.config import AdvantageConfig
 from decentrl.rl.advantages import ESTIMATORS, distill_advantages, overlong_penalty, process_advantages
 from decentrl.rl.staleness import staleness
@@ -59,9 +59,9 @@ class ServedBatch:
 
 
 def has_signal(group: Group) -> bool:
-    """Whether a group teaches anything under a group baseline: its rewards differ, or (process
-    rewards) its step scores do."""
-    if max(group.rewards) > min(group.rewards):
+    """Whether a group teaches anything under a group baseline: its rewards differ, (process
+    rewards) its step scores do, or (on-policy distillation) a teacher graded its tokens."""
+    if max(group.rewards) > min(group.rewards) or group.teacher_logprobs is not None:
         return True
     scores = [score for steps in group.step_scores or [] if steps for score in steps]
     return bool(scores) and max(scores) > min(scores)
@@ -84,7 +84,7 @@ def pick_signal(window: list[Group], wanted: int) -> tuple[list[Group], list[tup
 
 def build_batch(
     groups: list[Group], *, trainer_version: int, batch_id: str, advantages: AdvantageConfig,
-    rollouts_accepted: int, stale_dropped: int,
+    rollouts_accepted: int, stale_dropped: int, stale_report: StaleReport | None = None,
 ) -> TrainBatch:
     samples, histogram = [], Counter()
     rewards = [shaped_rewards(group, advantages) for group in groups]
@@ -116,6 +116,7 @@ def build_batch(
         staleness_histogram=dict(sorted(histogram.items())),
         rollouts_accepted=rollouts_accepted,
         stale_dropped=stale_dropped,
+        stale_report=stale_report,
         batch_id=batch_id,
     )
 
@@ -200,6 +201,7 @@ class KeptBatches:
                 "rewards": [group.rewards for group in groups],
                 "rollouts_accepted": batch.rollouts_accepted,
                 "stale_dropped": batch.stale_dropped,
+                "stale_report": batch.stale_report.model_dump() if batch.stale_report is not None else None,
             },
         ))
         self.keep(request_id, ServedBatch(batch.batch_id, groups, lambda: batch, batch))

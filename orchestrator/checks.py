@@ -103,7 +103,7 @@ class IngestChecks:
         published = self.versions.published
         if published is None or rollout.policy_version > published:
             return "future_version"
-        if not is_fresh(self.versions.trainer, rollout.policy_version, self.config.max_staleness):
+        if not is_fresh(self.versions.trainer, rollout.policy_version, self.config.train_staleness):
             return "stale"
         ids = rollout.completion_token_ids
         low, high = value_range(ids)  # numpy over the packed bytes when they came packed

@@ -65,6 +65,7 @@ def train_batch_msgpack(batch: TrainBatch, packed: list[Packed], prompts: dict[s
         fields["expert_routing"] = routing_body(sample.expert_routing)
         samples.append(fields)
     body = {name: getattr(batch, name) for name in type(batch).model_fields}
+    body.update((name, value.model_dump()) for name, value in body.items() if isinstance(value, BaseModel))
     body["samples"] = samples
     return msgpack.packb(body, use_bin_type=True)
 

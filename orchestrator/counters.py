@@ -21,6 +21,24 @@ class Versions:
 
 
 @dataclass
+class Tally:
+    """Samples, their completion tokens and, where known, their rewards: what the staleness rule
+    dropped since the last batch, to report against what the batch trains (the length bias)."""
+
+    samples: int = 0
+    tokens: int = 0
+    rewarded: int = 0
+    reward: float = 0.0
+
+    def add(self, lengths: list[int], rewards: list[float] | None) -> None:
+        self.samples += len(lengths)
+        self.tokens += sum(lengths)
+        if rewards is not None:
+            self.rewarded += len(rewards)
+            self.reward += sum(rewards)
+
+
+@dataclass
 class Counters:
     rollouts_accepted: int = 0
     tokens_accepted: int = 0  # prompt + completion tokens of the rollouts accepted
@@ -41,6 +59,7 @@ class Counters:
     hedge_copies_told: int = 0
     recoveries: int = 0  # times the state was rebuilt from the journal
     recent_rewards: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_REWARDS))
+    stale_since_batch: Tally = field(default_factory=Tally)  # not journaled: a restart starts it again
 
     @property
     def groups_consumed(self) -> int:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from decentrl.api.encoding import Packed, pack_sample
-from decentrl.api.wire import Lease, Rollout, TrainBatch
+from decentrl.api.wire import Lease, Rollout, StaleReport, TrainBatch
 from decentrl.config import AdvantageConfig
 from decentrl.rl.determinism import required_version
 from orchestrator.batches import KeptBatches, ServedBatch, build_batch
@@ -183,6 +183,7 @@ def recover(
         build = functools.partial(
             _build_kept, groups, restore_steps, advantages=advantages, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
             rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],
+            stale_report=StaleReport.model_validate(body["stale_report"]) if body.get("stale_report") else None,
         )
         batches.keep(request_id, ServedBatch(body["batch_id"], groups, build))
     integrity.restore(snapshot.workers, snapshot.content)

@@ -78,6 +78,7 @@ from decentrl.api.wire import (
     ScoreAck,
     ScorePost,
     ScoreRenewal,
+    StaleReport,
     TrainBatch,
 )
 from decentrl.config import RunConfig
@@ -89,7 +90,7 @@ from decentrl.tasks.prompts import make_prompt_encoder
 from orchestrator.batches import KeptBatches, build_batch, pick_signal
 from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
 from orchestrator.checks import IngestChecks
-from orchestrator.counters import Counters, Versions
+from orchestrator.counters import Counters, Tally, Versions
 from orchestrator.events import RolloutAccepted
 from orchestrator.integrity import Integrity, token_of
 from orchestrator.journal import Journal, NullJournal, RunJournal
@@ -318,6 +319,7 @@ class RunState(RunView):
             # it until the lease expires.
             self._drop(rollout.lease_id, "stale_at_ingest", requeue="back")
             self.counters.stale_dropped += 1  # this sample; the close counted those it held
+            self.counters.stale_since_batch.add([len(rollout.completion_token_ids)], None)
 
     def _record(self, rollout: Rollout, holder: str, packed: Packed | None, digest: bytes | None) -> OpenLease:
         open_lease = self.lease_book.add_sample(rollout, packed)
@@ -351,7 +353,7 @@ class RunState(RunView):
             self.buffer.hold_back(group, check=check, scores=not scored)
 
     def _fresh(self, version: int) -> bool:
-        return is_fresh(self.versions.trainer, version, self.config.max_staleness)
+        return is_fresh(self.versions.trainer, version, self.config.train_staleness)
 
     # -- what leaves the buffer: the one path of a dropped group, and of a held-back one -----------
 
@@ -365,9 +367,17 @@ class RunState(RunView):
                 self.counters.stale_dropped += samples
 
     def _drop(
-        self, lease_id: str, reason: str, *, counted: int | None = None, requeue: Requeue | None = None
+        self, lease_id: str, reason: str, *, counted: int | None = None, requeue: Requeue | None = None,
+        group: Group | None = None,
     ) -> ClosedLease:
-        """An open lease, or a group out of the buffer, closed without training for `reason`."""
+        """An open lease, or a group out of the buffer (`group`), closed without training for
+        `reason`. What goes stale is tallied for the next batch's `stale_report`: its completion
+        lengths, and its rewards if they were final."""
+        if reason in STALE_REASONS:
+            open_lease = self.lease_book.open.get(lease_id)
+            rollouts = group.rollouts if group is not None else open_lease.samples if open_lease is not None else []
+            rewards = group.rewards if group is not None and not group.awaiting else None
+            self.counters.stale_since_batch.add([len(r.completion_token_ids) for r in rollouts], rewards)
         return self.lease_book.close(lease_id, "dropped", reason=reason, counted=counted, requeue=requeue)
 
     def _release(self, group: Group, what: Wait, *, stale_reason: str) -> None:
@@ -378,7 +388,7 @@ class RunState(RunView):
         if self._fresh(group.oldest_version):
             self.buffer.to_ready(group)
         else:
-            self._drop(group.lease_id, stale_reason, counted=group.size)
+            self._drop(group.lease_id, stale_reason, counted=group.size, group=group)
 
     def _holder(self, group: Group) -> str:
         return self.lease_book.closed[group.lease_id].holder
@@ -478,11 +488,11 @@ class RunState(RunView):
             return not self._fresh(group.oldest_version)
 
         for group in self.buffer.evict(stale):
-            self._drop(group.lease_id, "stale_in_buffer", counted=group.size)
+            self._drop(group.lease_id, "stale_in_buffer", counted=group.size, group=group)
         # A group still waiting for model scores that can no longer train goes now (a group held
         # back for its logprob check alone is judged when the check is done: `verification_done`).
         for group in self.buffer.release_held_back(lambda group: "scores" in group.awaiting and stale(group)):
-            self._drop(group.lease_id, "stale_waiting_scores", counted=group.size)
+            self._drop(group.lease_id, "stale_waiting_scores", counted=group.size, group=group)
 
     def announce(self, version: int) -> None:
         """Version `version` is complete in the store; workers may pull it."""
@@ -515,6 +525,7 @@ class RunState(RunView):
             groups, trainer_version=self.versions.trainer, batch_id=uuid.uuid4().hex,
             advantages=self.config.orchestrator.advantages,
             rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
+            stale_report=self._stale_report(),
         )
         for group in groups:
             self.counters.recent_rewards.extend(group.rewards)
@@ -523,6 +534,15 @@ class RunState(RunView):
         assert batch.batch_id is not None
         self.kept.served_now(request_id or batch.batch_id, batch, groups)
         return batch
+
+    def _stale_report(self) -> StaleReport:
+        """What went stale since the previous batch (the tally starts again)."""
+        tally, self.counters.stale_since_batch = self.counters.stale_since_batch, Tally()
+        return StaleReport(
+            samples=tally.samples,
+            mean_length=tally.tokens / tally.samples if tally.samples else None,
+            mean_reward=tally.reward / tally.rewarded if tally.rewarded else None,
+        )
 
     def served_batch(self, request_id: str) -> TrainBatch | None:
         """The batch already served for this request id, if it is still kept."""

@@ -433,6 +433,19 @@ def _all_finite(values: list[float]) -> bool:
     return all(map(math.isfinite, values))  # Python's min and max would not
 
 
+class StaleReport(Wire):
+    """What the staleness rule dropped since the previous batch, to hold against what a batch
+    trains: dropping late groups biases training toward prompts that finish fast, which shows as
+    dropped completions longer (and rewards lower) than kept ones (docs/trainer.md)."""
+
+    samples: Int = Field(ge=0, description="Samples dropped as stale since the previous batch.")
+    mean_length: float | None = Field(None, allow_inf_nan=False, description="Their mean completion tokens.")
+    mean_reward: float | None = Field(
+        None, allow_inf_nan=False, description="Their mean reward, of those rewarded before the drop (a group dropped "
+        "before it was complete, or before its model scores, has none)."
+    )
+
+
 class TrainBatch(Wire):
     """GET /v1/batch answer: complete groups, fresh for the trainer's current version."""
 
@@ -441,6 +454,7 @@ class TrainBatch(Wire):
     staleness_histogram: dict[str, Int] = Field(description="Samples per (trainer_version - policy_version).")
     rollouts_accepted: Int = Field(ge=0, description="Run total acknowledged so far.")
     stale_dropped: Int = Field(ge=0, description="Run total dropped as stale (ingest or buffer).")
+    stale_report: StaleReport | None = Field(None, description="Dropped as stale since the previous batch.")
     batch_id: str | None = Field(
         None, description="Unique per batch; a resent request (same request_id) gets the same batch again."
     )

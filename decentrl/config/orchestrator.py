@@ -366,6 +366,13 @@ class OrchestratorConfig(Section):
     advantages: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="How a complete group's rewards become advantages."
     )
+    keep_late: int = Field(
+        0, ge=0, le=64,
+        description="Versions beyond max_staleness a group already leased may lag and still train, its importance "
+        "weights correcting it ([trainer.off_policy]); leasing still keeps to max_staleness, so only groups that "
+        "finish late use it. 0: late groups are dropped as stale, which biases training toward prompts that finish "
+        "fast (each batch's stale_report shows it, docs/trainer.md).",
+    )
     dynamic_sampling: DynamicSamplingConfig = Field(
         default_factory=DynamicSamplingConfig,
         description="Batches of groups with a reward signal only, more groups leased to fill them (DAPO).",

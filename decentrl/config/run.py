@@ -74,6 +74,12 @@ class RunConfig(Section):
     )
 
     @property
+    def train_staleness(self) -> int:
+        """The most versions a sample may lag the trainer and still train: max_staleness, plus
+        orchestrator.keep_late for groups that finish late (leasing keeps to max_staleness)."""
+        return self.max_staleness + self.orchestrator.keep_late
+
+    @property
     def places_per_step(self) -> int:
         """Complete groups each step consumes, in order: groups_per_step, times the oversampling of
         dynamic sampling when it is on (the others are dropped at the step: orchestrator/state.py)."""

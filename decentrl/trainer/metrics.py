@@ -6,8 +6,10 @@ grad_norm, the loss statistics (entropy, kl (to the reference model), sampler_kl
 KL(sampler || trainer) on the sampled tokens), is_ratio_mean/max, is_truncated_fraction,
 masked_fraction, clipped_fraction), samples / samples_trained / tokens, tokens_per_s, the timing
 split (wait_for_batch_s, compute_s, publish_wait_s, publish_wait_fraction, checkpoint_s, step_s),
-trainer_busy_fraction (this step) and trainer_busy_fraction_total, and the orchestrator's
-rollouts_accepted, stale_dropped and staleness_histogram. compute_s is rank 0's wall time of
+trainer_busy_fraction (this step) and trainer_busy_fraction_total, the orchestrator's
+rollouts_accepted, stale_dropped and staleness_histogram, and the length bias of the staleness
+rule: completion_length_mean of this batch against stale_report_samples /
+stale_report_length_mean / stale_report_reward_mean, what went stale since the previous batch. compute_s is rank 0's wall time of
 forward, backward and optimizer step; decentrl/trainer/train.py adds compute_cpu_s (rank 0's
 CPU time of the thread that computes: meaningful on CPU, launch overhead only on GPU) and
 compute_s_all_ranks / compute_cpu_s_all_ranks (the same, summed over every rank: the trainer's
@@ -98,6 +100,11 @@ def step_record(
         "trainer_busy_fraction_total": progress.busy_s / progress.wall_s,
         "rollouts_accepted": batch.rollouts_accepted,
         "stale_dropped": batch.stale_dropped,
+        # The length bias of dropping late groups: what went stale since the previous batch vs this batch.
+        "completion_length_mean": sum(len(s.completion_token_ids) for s in batch.samples) / len(batch.samples),
+        "stale_report_samples": report.samples if (report := batch.stale_report) is not None else 0,
+        "stale_report_length_mean": report.mean_length if report is not None else None,
+        "stale_report_reward_mean": report.mean_reward if report is not None else None,
         "staleness_histogram": batch.staleness_histogram,
         "replayed": replayed,
         "time": time.time(),

@@ -164,7 +164,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
             store=store,
             model_config=model.config,
             extras_from=initial_dir,
-            keep_last=max(config.store.keep_last, config.max_staleness + 2),
+            keep_last=max(config.store.keep_last, config.train_staleness + 2),
             on_published=client.announce,
             max_shard_bytes=config.store.shard_size_mb * 2**20,
             lora=cfg.lora,

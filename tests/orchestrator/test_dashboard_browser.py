@@ -28,7 +28,7 @@ from tests.pipeline.test_pipeline import TINY_MODEL
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-LINE_PLOTS = ["c-reward", "c-rate", "c-busy", "c-is", "c-masked", "c-entropy", "c-loss", "c-versions", "c-latency"]
+LINE_PLOTS = ["c-reward", "c-rate", "c-busy", "c-is", "c-masked", "c-entropy", "c-length", "c-loss", "c-versions", "c-latency"]
 
 
 def run_config(port: int) -> str:

@@ -84,7 +84,10 @@ def test_pick_signal_trains_the_first_groups_with_a_signal_in_order_and_names_wh
     assert pick_signal([flat, flat2], 2) == ([flat, flat2], [])
     # Process rewards: equal outcomes, different step scores, carry a signal.
     flat.step_ends, flat.step_scores = [[1], [1]], [[0.0], [1.0]]
-    assert [g.lease_id for g in pick_signal([flat, flat2], 1)[0]] == ["flat"]
+    assert [g.lease_id for g in pick_signal([flat2, flat], 1)[0]] == ["flat"]
+    # On-policy distillation: the teacher's grades are a signal of their own.
+    flat2.teacher_logprobs = [[-1.0, -2.0], [-0.5, -0.1]]
+    assert [g.lease_id for g in pick_signal([flat2, flat], 1)[0]] == ["flat2"]
 
 
 def test_a_step_trains_the_groups_with_a_signal_and_drops_the_others_counted(make_state: Any, post: Any) -> None:
