@@ -23,7 +23,17 @@ the asynchronous run again with deterministic = true (docs/reproducibility.md), 
 reports its trainer busy fraction and time to target against the free-running one
 ("deterministic_cost"; the goal is busy within 0.05), with its hedging as configured or as
 --hedge-after, --max-copies, --hedge-batches, --no-hedging set it (orchestrator/lease_policy.py). --skip-sync leaves the synchronous run out
-(its figures and ratios are then null), for measuring only that cost. Every run also reports the
+(its figures and ratios are then null), for measuring only that cost.
+
+What the staleness rule throws away (docs/trainer.md): every run reports "length_bias", from the
+trainer's metrics.jsonl - the samples dropped as stale over the run against those trained, their
+counts and sample-weighted mean completion length and reward, and the gaps against the batch of
+the same step. The toy task's generation time hardly grows with length, so
+--latency-per-token-s adds a delay per completion token a request produced (simulation.
+latency_per_token_s) and --max-tokens lets lengths vary; long completions then finish late, as
+real reasoning traces do. --keep-late K adds "async_keep_late": the first asynchronous run again
+with orchestrator.keep_late = K, and "keep_late_effect" holds its bias, drops and held-out final
+reward against the run without. Every run also reports the
 trainer's compute and wait per step (after the first batch): on a machine where the workers'
 generation shares the trainer's cores, a trainer slowed by it looks busier. And the machine's
 load over the same window: `cores_busy`, the cores the run's processes kept busy, and
@@ -38,6 +48,8 @@ and prints, as its last line, one JSON object: the base scenario's {"sync", "asy
     .venv/bin/pip install -e ".[bench]"
     .venv/bin/python benchmarks/async_vs_sync.py --scenarios base --seeds 3 --async-staleness 2,3 --out docs/figures
     .venv/bin/python benchmarks/async_vs_sync.py --scenarios slow_worker,killed_worker --steps 60 --out docs/figures
+    .venv/bin/python benchmarks/async_vs_sync.py --scenarios base --seeds 2 --async-staleness 2 --keep-late 2 --skip-sync \
+        --max-tokens 16 --latency-per-token-s 0.02 --out docs/figures
 """
 
 from __future__ import annotations
@@ -60,14 +72,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int, deterministic: bool) -> dict:
+def run_label(scenario: str, max_staleness: int, deterministic: bool, keep_late: int) -> str:
+    return f"{scenario}-s{max_staleness}{'-det' if deterministic else ''}{f'-k{keep_late}' if keep_late else ''}"
+
+
+def scenario_config(
+    args: argparse.Namespace, scenario: str, max_staleness: int, seed: int, deterministic: bool, keep_late: int = 0
+) -> dict:
     config = tomllib.loads((ROOT / "configs" / "local.toml").read_text())
     config.update(
-        run_name=f"{scenario}-s{max_staleness}{'-det' if deterministic else ''}", max_staleness=max_staleness,
+        run_name=run_label(scenario, max_staleness, deterministic, keep_late), max_staleness=max_staleness,
         num_workers=args.workers, deterministic=deterministic, seed=seed,
     )
     config["trainer"].update(steps=args.steps, seed=seed, **({"lr": args.lr} if args.lr else {}))
-    config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s)
+    config["orchestrator"].update(lease_timeout_s=args.lease_timeout_s, keep_late=keep_late)
     if deterministic:  # hedging (orchestrator/lease_policy.py) acts in deterministic runs only
         config["orchestrator"]["hedging"] = {
             "enabled": not args.no_hedging, **({"after": args.hedge_after} if args.hedge_after else {}),
@@ -76,9 +94,12 @@ def scenario_config(args: argparse.Namespace, scenario: str, max_staleness: int,
         }
     config["store"].update(keep_last=args.steps + 1)  # every version stays, to be evaluated afterwards
     config["worker"].update(groups_per_request=1, concurrency=args.slots)
+    if args.max_tokens:
+        config["sampling"].update(max_tokens=args.max_tokens)
     config["simulation"] = {
         "latency_median_s": args.latency_median_s,
         "latency_sigma": args.latency_sigma,
+        "latency_per_token_s": args.latency_per_token_s,  # long completions late, as real traces are
         "seed": seed,  # the delays differ from seed to seed, as the trainer's randomness does
         "slowdowns": {"worker-0": 10.0} if scenario == "slow_worker" else {},
     }
@@ -159,11 +180,14 @@ def pin_trainer(run_dir: Path) -> None:
                 pass
 
 
-def run_once(args: argparse.Namespace, scenario: str, max_staleness: int, seed: int, work: Path, deterministic: bool = False) -> dict:
-    name = f"{scenario}-s{max_staleness}{'-det' if deterministic else ''}-seed{seed}"
+def run_once(
+    args: argparse.Namespace, scenario: str, max_staleness: int, seed: int, work: Path, deterministic: bool = False,
+    keep_late: int = 0,
+) -> dict:
+    name = f"{run_label(scenario, max_staleness, deterministic, keep_late)}-seed{seed}"
     run_dir = work / name
     config_path = work / f"{name}.json"
-    config_path.write_text(json.dumps(scenario_config(args, scenario, max_staleness, seed, deterministic)))
+    config_path.write_text(json.dumps(scenario_config(args, scenario, max_staleness, seed, deterministic, keep_late)))
     log = open(work / f"{name}.out", "w")
     others = set(range(os.cpu_count() or 1)) - TRAINER_CPUS
     process = subprocess.Popen(
@@ -267,9 +291,62 @@ def summarize(args: argparse.Namespace, metrics: list[dict], status: dict, kille
         "hedge_mismatches": status.get("hedge_mismatches", 0),
         "hedge_copies_told": status.get("hedge_copies_told", 0),  # losing copies whose workers were told to stop
         "worker_killed_at_s": killed_at - start if killed_at else None,
+        "length_bias": length_bias(metrics),
         "curve": {"t": times, "reward": rewards, "smoothed": smoothed},
         "timeline": [(m["time"] - start - m["step_s"], m["wait_for_batch_s"], m["step_s"] - m["wait_for_batch_s"]) for m in metrics],
     }
+
+
+def length_bias(metrics: list[dict]) -> dict:
+    """What the staleness rule threw away against what trained, over the run (the trainer's
+    metrics.jsonl: each batch's completion_length_mean and reward_mean, and its stale_report of
+    the samples dropped as stale since the previous batch), weighted by samples. Completions
+    shorten as a policy learns, so the run-wide means mix early and late steps; the `*_gap_same_step`
+    figures compare each step's dropped samples with the batch of that step, weighted by the
+    dropped samples: a positive length gap means the rule dropped longer completions than it kept."""
+    trained = sum(m["samples"] for m in metrics)
+    dropped = [m for m in metrics if m["stale_report_samples"]]
+    n_dropped = sum(m["stale_report_samples"] for m in dropped)
+    # A group dropped before its rewards (a sample stale at ingest, a group awaiting scores) has none.
+    rewarded = [m for m in dropped if m["stale_report_reward_mean"] is not None]
+    n_rewarded = sum(m["stale_report_samples"] for m in rewarded)
+
+    def weighted(rows: list[dict], value: str, weight: str) -> float | None:
+        total = sum(m[weight] for m in rows)
+        return sum(m[value] * m[weight] for m in rows) / total if total else None
+
+    return {
+        "trained_samples": trained,
+        "trained_length_mean": weighted(metrics, "completion_length_mean", "samples"),
+        "trained_reward_mean": weighted(metrics, "reward_mean", "samples"),
+        "dropped_samples": n_dropped,
+        "dropped_length_mean": weighted(dropped, "stale_report_length_mean", "stale_report_samples"),
+        "dropped_rewarded_samples": n_rewarded,  # of steps whose report has a reward: an upper bound
+        "dropped_reward_mean": weighted(rewarded, "stale_report_reward_mean", "stale_report_samples"),
+        "length_gap_same_step": (
+            sum((m["stale_report_length_mean"] - m["completion_length_mean"]) * m["stale_report_samples"] for m in dropped)
+            / n_dropped if n_dropped else None
+        ),
+        "reward_gap_same_step": (
+            sum((m["stale_report_reward_mean"] - m["reward_mean"]) * m["stale_report_samples"] for m in rewarded)
+            / n_rewarded if n_rewarded else None
+        ),
+    }
+
+
+def pool_length_bias(biases: list[dict]) -> dict:
+    """Several runs' `length_bias` as if one run: counts summed, means weighted by their counts."""
+    weights = {
+        "trained_length_mean": "trained_samples", "trained_reward_mean": "trained_samples",
+        "dropped_length_mean": "dropped_samples", "length_gap_same_step": "dropped_samples",
+        "dropped_reward_mean": "dropped_rewarded_samples", "reward_gap_same_step": "dropped_rewarded_samples",
+    }
+    pooled: dict = {count: sum(b[count] for b in biases) for count in set(weights.values())}
+    for key, count in weights.items():
+        rows = [b for b in biases if b[key] is not None]
+        total = sum(b[count] for b in rows)
+        pooled[key] = sum(b[key] * b[count] for b in rows) / total if total else None
+    return {key: pooled[key] for key in biases[0]}  # the runs' order of keys
 
 
 def reward_at(result: dict, t: float) -> float:
@@ -305,6 +382,7 @@ def aggregate(runs: list[dict]) -> dict:
             for key in ("hedged_leases", "hedge_duplicates", "hedge_mismatches", "hedge_copies_told", "copies_abandoned")
         },
         "worker_killed_at_s": [run["worker_killed_at_s"] for run in runs] if first["worker_killed_at_s"] else None,
+        "length_bias": pool_length_bias([run["length_bias"] for run in runs]),
         "cores_busy": mean([run["cores_busy"] for run in runs]) if None not in [run["cores_busy"] for run in runs] else None,
         "cpu_s_by_role": {
             role: round(mean([run["cpu_s_by_role"].get(role, 0.0) for run in runs]), 2)
@@ -361,9 +439,24 @@ def main() -> None:
     parser.add_argument("--async-staleness", default="2", help="max_staleness of the asynchronous run; a comma list runs one per value.")
     parser.add_argument("--lr", type=float, default=None, help="trainer.lr of every mode; default configs/local.toml's (1e-3).")
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument(
+        "--max-tokens", type=int, default=None,
+        help="sampling.max_tokens of every mode; default configs/local.toml's (6: completions of 5-6 tokens, hardly "
+        "varying in length). More lets lengths vary, which --latency-per-token-s turns into lateness.",
+    )
     parser.add_argument("--slots", type=int, default=16, help="Concurrent lease slots per worker.")
     parser.add_argument("--latency-median-s", type=float, default=0.2)
     parser.add_argument("--latency-sigma", type=float, default=1.0)
+    parser.add_argument(
+        "--latency-per-token-s", type=float, default=0.0,
+        help="simulation.latency_per_token_s: seconds of delay per completion token a request produced, so long "
+        "completions finish late (default 0: the delay does not depend on length).",
+    )
+    parser.add_argument(
+        "--keep-late", type=int, default=0,
+        help="Also run the first asynchronous mode with orchestrator.keep_late = K (\"async_keep_late\") and report "
+        "what it does to the length bias of stale drops and to the final held-out reward (\"keep_late_effect\").",
+    )
     parser.add_argument("--lease-timeout-s", type=float, default=5.0)
     parser.add_argument("--eval-prompts", type=int, default=1024, help="Held-out prompts per evaluation of a version.")
     parser.add_argument("--eval-samples", type=int, default=4, help="Samples per held-out prompt.")
@@ -403,14 +496,20 @@ def main() -> None:
     modes = {**({} if args.skip_sync else {"sync": 0}), "async": stalenesses[0], **{f"async_s{n}": n for n in stalenesses[1:]}}
     if args.deterministic:
         modes["async_deterministic"] = stalenesses[0]
+    if args.keep_late:
+        modes["async_keep_late"] = stalenesses[0]
     for scenario in args.scenarios.split(","):
         results: dict[str, list[dict]] = {mode: [] for mode in modes}
         seeds = []
         for seed in range(args.seeds):
             for mode, staleness in modes.items():
                 deterministic = mode == "async_deterministic"
-                result = run_once(args, scenario, staleness, seed, Path(tmp), deterministic)
-                result["label"] = f"max_staleness={staleness}{' deterministic' if deterministic else ''}"
+                keep_late = args.keep_late if mode == "async_keep_late" else 0
+                result = run_once(args, scenario, staleness, seed, Path(tmp), deterministic, keep_late)
+                result["label"] = (
+                    f"max_staleness={staleness}{' deterministic' if deterministic else ''}"
+                    f"{f' keep_late={keep_late}' if keep_late else ''}"
+                )
                 results[mode].append(result)
                 print(f"{scenario} seed {seed} {mode}: " + json.dumps({k: v for k, v in result.items() if k not in plain}), flush=True)
             pair = {mode: runs[-1] for mode, runs in results.items()}
@@ -455,6 +554,24 @@ def main() -> None:
             "seeds": seeds,
             "plot": str(figure),
         }
+        if args.keep_late:
+            off, on = means["async"], means["async_keep_late"]
+            report[scenario]["keep_late_effect"] = {
+                "keep_late": args.keep_late,
+                "length_bias_off": off["length_bias"],
+                "length_bias_on": on["length_bias"],
+                "stale_dropped_fraction_off": off["stale_dropped_fraction"],
+                "stale_dropped_fraction_on": on["stale_dropped_fraction"],
+                "staleness_histogram_on": on["staleness_histogram"],  # lags beyond max_staleness: the groups kept late
+                "eval_final_reward_off": off["eval_final_reward"],
+                "eval_final_reward_on": on["eval_final_reward"],
+                "eval_final_reward_per_seed_off": [s["async"]["eval_final_reward"] for s in seeds],
+                "eval_final_reward_per_seed_on": [s["async_keep_late"]["eval_final_reward"] for s in seeds],
+                "wall_s_off": off["wall_s"],
+                "wall_s_on": on["wall_s"],
+                "samples_per_s_off": off["samples_per_s"],
+                "samples_per_s_on": on["samples_per_s"],
+            }
         if args.deterministic:
             free, fixed = means["async"], means["async_deterministic"]
             report[scenario]["deterministic_cost"] = {
@@ -515,10 +632,13 @@ def main() -> None:
             "smooth",
             "async_staleness",
             "lr",
+            "max_tokens",
             "workers",
             "slots",
             "latency_median_s",
             "latency_sigma",
+            "latency_per_token_s",
+            "keep_late",
             "lease_timeout_s",
             "eval_prompts",
             "eval_samples",
@@ -535,6 +655,7 @@ def main() -> None:
     print(json.dumps({
         "sync": first.get("sync"), "async": first["async"], "time_to_target_ratio": first["time_to_target_ratio"],
         **({"deterministic_cost": first["deterministic_cost"]} if args.deterministic else {}),
+        **({"keep_late_effect": first["keep_late_effect"]} if args.keep_late else {}),
         "settings": settings, "scenarios": report,
     }))
 

@@ -4,7 +4,14 @@ The toy task generates in milliseconds, while real reasoning traces take seconds
 a long tail. To measure scheduling (asynchronous vs synchronous, stragglers) with the real
 system, `Worker` wraps its generation step with `SimulatedLatency.around`: each lease request's
 finished samples wait an extra log-normal delay (median `latency_median_s`, shape
-`latency_sigma`) and the generation time is multiplied by the worker's slowdown. The delay is a
+`latency_sigma`), plus `latency_per_token_s` per completion token the request produced (all its
+samples together), and the generation time is multiplied by the worker's slowdown:
+
+    extra = generation_s * (slowdown - 1) + slowdown * (median_s * exp(sigma * N(0, 1)) + per_token_s * tokens)
+
+The per-token part makes long completions late, as real reasoning traces are: the toy task's
+own generation time hardly grows with length, so without it dropping late groups could not
+favour short ones (docs/trainer.md, "What the staleness rule throws away"). The delay is a
 wait, costing no CPU, so slots overlap their delays as they would real requests; it ends early
 once every lease of the step lost to another copy (hedging), as a real engine would abort.
 Nothing else in the worker knows about simulation.
@@ -21,21 +28,23 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec
 
 from decentrl.config import SimulationConfig
 
 if TYPE_CHECKING:
     import torch
 
+    from workers.sample import Sample
+
 P = ParamSpec("P")
-R = TypeVar("R")
 
 
 class SimulatedLatency:
-    def __init__(self, *, median_s: float, sigma: float, slowdown: float, seed: str) -> None:
-        self.median_s = median_s  # 0 = no injected delay
+    def __init__(self, *, median_s: float, sigma: float, slowdown: float, seed: str, per_token_s: float = 0.0) -> None:
+        self.median_s = median_s  # 0 = no log-normal part
         self.sigma = sigma
+        self.per_token_s = per_token_s  # 0 = the delay does not depend on the request's length
         self.slowdown = slowdown  # >= 1; 10 = a worker ten times slower than the rest
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()  # slots draw from one generator
@@ -46,31 +55,33 @@ class SimulatedLatency:
         if not config.active_for(worker_id):
             return None
         return cls(
-            median_s=config.latency_median_s, sigma=config.latency_sigma,
+            median_s=config.latency_median_s, sigma=config.latency_sigma, per_token_s=config.latency_per_token_s,
             slowdown=config.slowdowns.get(worker_id, 1.0), seed=f"{config.seed}/{worker_id}",
         )
 
-    def extra_delay(self, generation_s: float) -> float:
-        """Seconds to wait after a real generation that took `generation_s`."""
+    def extra_delay(self, generation_s: float, tokens: int = 0) -> float:
+        """Seconds to wait after a real generation that took `generation_s` and produced
+        `tokens` completion tokens."""
         with self._rng_lock:
             noise = self._rng.gauss(0.0, 1.0)
         tail = self.median_s * math.exp(self.sigma * noise) if self.median_s > 0 else 0.0
-        return generation_s * (self.slowdown - 1.0) + self.slowdown * tail
+        return generation_s * (self.slowdown - 1.0) + self.slowdown * (tail + self.per_token_s * tokens)
 
     def around(
-        self, generate: Callable[P, R], *, abandoned: Callable[P, bool], woken: threading.Condition
-    ) -> Callable[P, R]:
-        """`generate`, followed by the extra delay its own duration calls for; the delay ends
-        early once `abandoned` (called with the same arguments) holds, checked whenever `woken`
-        is notified."""
+        self, generate: Callable[P, list[Sample]], *, abandoned: Callable[P, bool], woken: threading.Condition
+    ) -> Callable[P, list[Sample]]:
+        """`generate`, followed by the extra delay its own duration and the completion tokens
+        of the samples it returns call for; the delay ends early once `abandoned` (called with
+        the same arguments) holds, checked whenever `woken` is notified."""
 
-        def slowed(*args: P.args, **kwargs: P.kwargs) -> R:
+        def slowed(*args: P.args, **kwargs: P.kwargs) -> list[Sample]:
             started = time.perf_counter()
-            result = generate(*args, **kwargs)
-            delay = self.extra_delay(time.perf_counter() - started)
+            samples = generate(*args, **kwargs)
+            tokens = sum(len(sample.token_ids) for sample in samples)
+            delay = self.extra_delay(time.perf_counter() - started, tokens)
             with woken:
                 woken.wait_for(lambda: abandoned(*args, **kwargs), timeout=delay)
-            return result
+            return samples
 
         return slowed
 

@@ -18,14 +18,21 @@ from decentrl.config.base import Section
 
 
 class SimulationConfig(Section):
-    """Hold each finished lease request back by an injected log-normal delay, and scale some
-    workers' generation time; the delay is a sleep, standing for work on the worker's own GPU."""
+    """Hold each finished lease request back by an injected delay - a log-normal tail, plus a time
+    per completion token when `latency_per_token_s` asks for one - and scale some workers'
+    generation time; the delay is a sleep, standing for work on the worker's own GPU."""
 
     latency_median_s: float = Field(
         0.0, ge=0, description="Median of the delay added to every lease request's generation (0 = none)."
     )
     latency_sigma: float = Field(
         1.0, ge=0, le=4, description="Shape of the log-normal delay (1.0: p90 = 3.6x median, p99 = 10x)."
+    )
+    latency_per_token_s: float = Field(
+        0.0, ge=0, le=10,
+        description="Seconds added to a lease request's delay per completion token it produced (summed over its "
+        "samples), so a request that writes more finishes later, as a real reasoning trace does; the toy task's own "
+        "generation time hardly grows with length. 0 = the delay does not depend on length.",
     )
     slowdowns: dict[str, Annotated[float, Field(ge=1)]] = Field(
         default_factory=dict,
@@ -41,4 +48,4 @@ class SimulationConfig(Section):
     )
 
     def active_for(self, worker_id: str) -> bool:
-        return self.latency_median_s > 0 or self.slowdowns.get(worker_id, 1.0) > 1.0
+        return self.latency_median_s > 0 or self.latency_per_token_s > 0 or self.slowdowns.get(worker_id, 1.0) > 1.0

@@ -19,6 +19,7 @@ from decentrl.config import SimulationConfig, load_config
 from workers.backends.hf import HFBackend
 from workers.backends.openai import OpenAIBackend
 from workers.main import build_backend
+from workers.sample import Sample
 from workers.simulation import SimulatedLatency
 from workers.worker import Worker
 
@@ -59,18 +60,25 @@ def test_the_backend_is_built_from_the_worker_section() -> None:
 
 def test_simulated_latency_is_off_unless_configured() -> None:
     assert SimulatedLatency.of(SimulationConfig(), "worker-0") is None
+    assert SimulatedLatency.of(SimulationConfig(latency_per_token_s=0.01), "worker-0") is not None
     slow = SimulationConfig(slowdowns={"worker-0": 3.0})
     assert SimulatedLatency.of(slow, "worker-1") is None
     latency = SimulatedLatency.of(slow, "worker-0")
     assert latency is not None and latency.extra_delay(0.5) == pytest.approx(1.0)  # 0.5 s more, twice over
 
 
+def completions(*lengths: int) -> list[Sample]:
+    """Finished samples with completions of these lengths (what a generation step returns)."""
+    return [Sample(prompt=[1], budget=8, token_ids=[2] * n) for n in lengths]
+
+
 def test_simulated_latency_wraps_a_step_and_draws_a_log_normal_delay() -> None:
     latency = SimulatedLatency(median_s=0.02, sigma=0.0, slowdown=2.0, seed="s")
     assert latency.extra_delay(0.0) == pytest.approx(0.04)  # sigma 0: exactly the median, times the slowdown
-    step = latency.around(lambda x: x + 1, abandoned=lambda x: False, woken=threading.Condition())
+    assert latency.extra_delay(0.0, tokens=100) == pytest.approx(0.04)  # no per-token part unless configured
+    step = latency.around(lambda n: completions(n), abandoned=lambda n: False, woken=threading.Condition())
     started = time.perf_counter()
-    assert step(1) == 2
+    assert [len(s.token_ids) for s in step(3)] == [3]
     assert time.perf_counter() - started >= 0.04
     spread = SimulatedLatency(median_s=1.0, sigma=1.0, slowdown=1.0, seed="s")
     draws = sorted(spread.extra_delay(0.0) for _ in range(2001))
@@ -84,11 +92,11 @@ def test_a_simulated_delay_ends_early_once_its_step_is_abandoned() -> None:
     abandoned, or told of something else, waits its delay out."""
     latency = SimulatedLatency(median_s=30.0, sigma=0.0, slowdown=1.0, seed="s")
     woken, lost = threading.Condition(), set[str]()
-    step = latency.around(lambda lease: lease, abandoned=lambda lease: lease in lost, woken=woken)
+    step = latency.around(lambda lease: completions(1), abandoned=lambda lease: lease in lost, woken=woken)
     done: list[float] = []
 
     def run() -> None:
-        assert step("a") == "a"
+        assert len(step("a")) == 1
         done.append(time.perf_counter() - started)
 
     slot = threading.Thread(target=run)
@@ -107,8 +115,34 @@ def test_a_simulated_delay_ends_early_once_its_step_is_abandoned() -> None:
     assert not slot.is_alive() and 0.4 <= done[0] < 2.0
     quick = SimulatedLatency(median_s=0.05, sigma=0.0, slowdown=1.0, seed="s")
     started = time.perf_counter()
-    assert quick.around(lambda x: x, abandoned=lambda x: False, woken=threading.Condition())(3) == 3
+    assert len(quick.around(lambda n: completions(n), abandoned=lambda n: False, woken=threading.Condition())(3)) == 1
     assert time.perf_counter() - started >= 0.05
+
+
+def test_a_per_token_delay_makes_a_longer_request_later() -> None:
+    """[simulation] latency_per_token_s: the delay grows with the completion tokens a request
+    produced (all its samples), on top of the same log-normal tails as without it (same seed),
+    and a slow worker is slower per token too."""
+    config = SimulationConfig(latency_median_s=0.5, latency_sigma=1.0, latency_per_token_s=0.01, seed=4)
+    with_tokens, without = SimulatedLatency.of(config, "worker-0"), SimulatedLatency.of(
+        config.model_copy(update={"latency_per_token_s": 0.0}), "worker-0"
+    )
+    assert with_tokens is not None and without is not None
+    for tokens in (0, 8, 48):
+        assert with_tokens.extra_delay(0.0, tokens) == pytest.approx(without.extra_delay(0.0, tokens) + 0.01 * tokens)
+    only = SimulatedLatency.of(SimulationConfig(latency_per_token_s=0.01), "worker-0")  # no tail: length alone
+    assert only is not None and only.extra_delay(0.0, 30) == pytest.approx(0.3)
+    slow = SimulatedLatency(median_s=0.0, sigma=1.0, per_token_s=0.01, slowdown=3.0, seed="s")
+    assert slow.extra_delay(0.1, 20) == pytest.approx(0.1 * 2 + 3 * 0.2)
+    step = SimulatedLatency(median_s=0.0, sigma=0.0, per_token_s=0.01, slowdown=1.0, seed="s").around(
+        lambda lengths: completions(*lengths), abandoned=lambda lengths: False, woken=threading.Condition()
+    )
+    waited = []
+    for lengths in ((1, 1), (6, 6, 6, 6, 6, 6, 6, 6)):  # 2 and 48 completion tokens
+        started = time.perf_counter()
+        step(lengths)
+        waited.append(time.perf_counter() - started)
+    assert 0.02 <= waited[0] < 0.3 and waited[1] >= 0.48
 
 class InfoOnly:
     """A client that only answers /v1/info (enough to build a Worker)."""
