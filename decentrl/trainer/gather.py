@@ -57,8 +57,16 @@ class WeightGather:
         previous gather is still waiting to start."""
         self._raise_if_failed()
         state = self.model.state_dict()
-        flat = torch.cat([state[name].to_local().detach().reshape(-1).float() for name in self.sharded])
-        flat = torch.nn.functional.pad(flat.cpu(), (0, self.capacity - flat.numel()))
+        pieces = [state[name].to_local().detach().reshape(-1).float() for name in self.sharded]
+        used = sum(piece.numel() for piece in pieces)
+        # One copy of the shards, written straight into the padded buffer the gather sends (a cat
+        # and then a pad copied every byte twice, on the step's critical path).
+        flat = torch.empty(self.capacity)
+        if pieces and pieces[0].device.type == "cpu":
+            torch.cat(pieces, out=flat[:used])
+        else:  # cat on the device, then one transfer
+            flat[:used].copy_(torch.cat(pieces))
+        flat[used:].zero_()
         whole = {name: state[name].detach().cpu().clone() for name in self.whole} if self.rank == 0 else {}
         self._queue.put((version, flat, whole))
 
