@@ -60,6 +60,8 @@ def mode_config(mode: str, args: argparse.Namespace, teacher: str) -> dict:
     config["scorer"]["path"] = teacher
     if args.clip is not None:
         config["orchestrator"]["advantages"]["distill"]["clip"] = args.clip
+    if args.baseline is not None:
+        config["orchestrator"]["advantages"]["distill"]["baseline"] = args.baseline
     if mode == "both":
         config["orchestrator"]["advantages"]["distill"]["outcome_weight"] = args.outcome_weight
     if mode == "rl":
@@ -123,6 +125,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.3, help="Training reward (5-step moving average) to time.")
     parser.add_argument("--outcome-weight", type=float, default=1.0, help="Weight of the GRPO advantage in `both`.")
     parser.add_argument("--clip", type=float, default=None, help="[orchestrator.advantages.distill] clip (default none).")
+    parser.add_argument("--baseline", choices=("none", "group"), default=None,
+                        help="[orchestrator.advantages.distill] baseline (default: configs/distill.toml's, group).")
     parser.add_argument("--seed", type=int, default=0, help="trainer.seed of every mode.")
     parser.add_argument("--teacher-run", default=str(ROOT / "runs" / "distill-teacher"))
     parser.add_argument("--teacher-steps", type=int, default=150, help="Steps of the teacher, when it is trained here.")

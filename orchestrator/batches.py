@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from decentrl.api.encoding import pack_ints
 from decentrl.api.wire import StaleReport, TrainBatch, TrainSample
 from decentrl.config import AdvantageConfig
-from decentrl.rl.advantages import ESTIMATORS, distill_advantages, overlong_penalty, process_advantages
+from decentrl.rl.advantages import ESTIMATORS, distill_advantages, distill_baseline, overlong_penalty, process_advantages
 from decentrl.rl.staleness import staleness
 from orchestrator.buffer import Group
 from orchestrator.codec import train_batch_msgpack
@@ -141,9 +141,11 @@ def token_advantages(group: Group, outcome: list[float], config: AdvantageConfig
     default) and for every sample of a group scored without steps."""
     if config.distill is not None:
         teacher = group.teacher_logprobs or [None] * group.size
+        rollouts = group.rollouts
+        baseline = distill_baseline(teacher, [r.logprobs for r in rollouts], [r.loss_mask for r in rollouts], config.distill)
         return [
-            distill_advantages(logprobs, rollout.logprobs, rollout.loss_mask, advantage, config.distill)
-            for rollout, logprobs, advantage in zip(group.rollouts, teacher, outcome, strict=True)
+            distill_advantages(logprobs, rollout.logprobs, rollout.loss_mask, advantage, config.distill, baseline)
+            for rollout, logprobs, advantage in zip(rollouts, teacher, outcome, strict=True)
         ]
     if group.step_scores is None or group.step_ends is None:
         return [None] * group.size

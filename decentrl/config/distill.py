@@ -21,7 +21,7 @@ class DistillConfig(Section):
     """On-policy distillation (Agarwal et al. 2024, GKD, arXiv 2306.13649; Thinking Machines,
     "On-Policy Distillation", 2025): token t of sample i gets
 
-        A_it = m_it * (weight * clip(log p_teacher(y_t) - log p_student(y_t)) + outcome_weight * A_i)
+        A_it = m_it * (weight * (clip(log p_teacher(y_t) - log p_student(y_t)) - b_t) + outcome_weight * A_i)
 
     with log p_student the sampling log-prob the worker posted, A_i the group's outcome advantage
     (`[orchestrator.advantages] type`) and m_it the loss mask. Minimizing the reverse KL
@@ -39,6 +39,12 @@ class DistillConfig(Section):
     outcome_weight: float = Field(
         0.0, ge=0.0, le=1000.0, allow_inf_nan=False, description="Weight of the group's outcome advantage added to "
         "every token (0: distillation alone; > 0: distillation plus the task reward's RL signal)."
+    )
+    baseline: Literal["none", "group"] = Field(
+        "none", description="none: the teacher-minus-student gap as it is (the papers, for a student that already "
+        "writes plausible text); group: minus, at each token position, the group's mean gap there (the group's "
+        "samples answer one prompt), so a token earns credit only for beating its siblings - less variance for a "
+        "student that starts far from the teacher (docs/rewards.md)."
     )
     clip: float | None = Field(
         None, gt=0.0, le=1000.0, allow_inf_nan=False, description="Bound |teacher - student| log-prob of a token "

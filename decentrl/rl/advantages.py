@@ -152,15 +152,17 @@ def distill_advantages(
     loss_mask: list[int] | None,
     outcome_advantage: float,
     config: DistillConfig,
+    baseline: list[float] | None = None,
 ) -> list[float]:
     """Per-token advantages of one sample under on-policy distillation (Agarwal et al. 2024, GKD,
     arXiv 2306.13649; Thinking Machines, "On-Policy Distillation", 2025): token t gets
 
-        A_t = m_t * (weight * clip(teacher_t - student_t) + outcome_weight * A)
+        A_t = m_t * (weight * (clip(teacher_t - student_t) - b_t) + outcome_weight * A)
 
     where teacher_t is the teacher's log-prob of the sampled token given the prompt and the tokens
     before it, student_t the student's sampling log-prob (the worker's `Rollout.logprobs`), clip
-    bounds the difference to [-clip, clip] when `config.clip` is set, A the sample's outcome
+    bounds the difference to [-clip, clip] when `config.clip` is set, b_t the `baseline` at
+    position t (0 without one: `distill_baseline`), A the sample's outcome
     advantage and m_t its loss mask (1 without one). teacher_t - student_t is the one-sample
     estimate of -KL(student || teacher) at position t: the policy gradient with it as the advantage
     lowers the reverse KL on the student's own samples. A sample the teacher could not score
@@ -179,8 +181,37 @@ def distill_advantages(
             result.append(0.0)
             continue
         gap = 0.0 if teacher_logprobs is None else min(max(teacher_logprobs[t] - student_logprobs[t], -bound), bound)
+        if teacher_logprobs is not None and baseline is not None and t < len(baseline):
+            gap -= baseline[t]
         result.append(config.weight * gap + outcome)
     return result
+
+
+def distill_baseline(
+    teacher_logprobs: list[list[float] | None], student_logprobs: list[list[float]], loss_masks: list[list[int] | None],
+    config: DistillConfig,
+) -> list[float] | None:
+    """`baseline = "group"`: at each position t, the mean (clipped) teacher-minus-student gap over
+    the group's samples graded and unmasked at t - the group answers one prompt, so a token is
+    credited for how much better the teacher finds it than its siblings' at the same place. None
+    for `baseline = "none"`."""
+    if config.baseline == "none":
+        return None
+    bound = config.clip if config.clip is not None else float("inf")
+    sums: list[float] = []
+    counts: list[int] = []
+    for teacher, student, mask in zip(teacher_logprobs, student_logprobs, loss_masks, strict=True):
+        if teacher is None:
+            continue
+        for t, (a, b) in enumerate(zip(teacher, student, strict=True)):
+            if mask is not None and not mask[t]:
+                continue
+            while len(sums) <= t:
+                sums.append(0.0)
+                counts.append(0)
+            sums[t] += min(max(a - b, -bound), bound)
+            counts[t] += 1
+    return [total / count if count else 0.0 for total, count in zip(sums, counts, strict=True)]
 
 
 def _normalize(values: list[float], normalize_std: bool, eps: float) -> list[float]:

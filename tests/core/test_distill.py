@@ -11,7 +11,7 @@ import pytest
 
 from decentrl.config import DistillConfig, parse_config
 from decentrl.config.load import ConfigError
-from decentrl.rl.advantages import distill_advantages
+from decentrl.rl.advantages import distill_advantages, distill_baseline
 
 
 def reference(teacher: np.ndarray, student: np.ndarray, mask: np.ndarray, outcome: float, weight: float,
@@ -35,6 +35,32 @@ def test_distill_advantages_equal_the_float64_reference(clip: float | None) -> N
         got = distill_advantages(teacher.tolist(), student.tolist(), mask.tolist(), outcome, config)
         expected = reference(teacher, student, mask, outcome, weight, outcome_weight, clip)
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_the_group_baseline_centres_each_position_on_the_groups_mean_gap(clip: float | None) -> None:
+    """baseline = "group": token t's gap minus the mean gap of the group's graded, unmasked samples
+    at t (float64 reference); samples of different lengths; one sample the teacher did not grade."""
+    rng = np.random.default_rng(1)
+    lengths = [5, 3, 7, 4]
+    teachers = [(-rng.exponential(2.0, n)).tolist() for n in lengths]
+    students = [(-rng.exponential(1.0, n)).tolist() for n in lengths]
+    masks = [None, [1, 0, 1], None, [1, 1, 1, 1]]
+    graded: list[list[float] | None] = [teachers[0], teachers[1], None, teachers[3]]
+    config = DistillConfig(baseline="group", clip=clip, weight=2.0)
+    baseline = distill_baseline(graded, students, masks, config)
+    assert baseline is not None and len(baseline) == 5
+    for t in range(5):
+        gaps = [
+            np.clip(np.float64(graded[i][t]) - students[i][t], -(clip or np.inf), clip or np.inf)
+            for i in range(4) if graded[i] is not None and t < lengths[i] and (masks[i] is None or masks[i][t])
+        ]
+        assert baseline[t] == pytest.approx(float(np.mean(gaps)), abs=1e-12)
+    got = distill_advantages(graded[0], students[0], masks[0], 0.5, config, baseline)
+    gap0 = np.clip(np.array(teachers[0]) - np.array(students[0]), -(clip or np.inf), clip or np.inf)
+    np.testing.assert_allclose(got, 2.0 * (gap0 - np.array(baseline)), rtol=0, atol=1e-12)
+    # Without a baseline the gaps are taken as they are.
+    assert distill_baseline(graded, students, masks, DistillConfig()) is None
 
 
 def test_a_sample_the_teacher_did_not_score_keeps_the_weighted_outcome_alone() -> None:
