@@ -107,8 +107,12 @@ def stream_copy(fs: AbstractFileSystem, remote: list[str], local_dir: str, concu
         list(pool.map(copy, remote))
 
 
-def measure(url: str, options: dict[str, object], ckpt: str, work: str, repeats: int, concurrency: int) -> dict[str, float]:
-    """Best-of-`repeats` seconds of raw copies and store operations of the checkpoint under `url`.
+def measure(
+    url: str, options: dict[str, object], ckpt: str, work: str, repeats: int, concurrency: int,
+    summary: Callable[[list[float]], float] = min,
+) -> dict[str, float]:
+    """Seconds of raw copies and store operations of the checkpoint under `url`: `summary` (the best,
+    unless told) of `repeats` rounds.
 
     Each round runs every operation once, so raw and store figures share the machine's moods
     (other processes, page cache) instead of one of them getting a quiet minute.
@@ -149,17 +153,17 @@ def measure(url: str, options: dict[str, object], ckpt: str, work: str, repeats:
     if not store.link_local:  # a remote store: both pulls and both publishes copy
         for name in ("publish_copy", "pull_copy"):
             del operations[name]
-    best = {name: float("inf") for name in operations}
+    rounds: dict[str, list[float]] = {name: [] for name in operations}
     for _ in range(repeats):
         for name, (setup, action) in operations.items():
             setup()
             fs.invalidate_cache()
             started = time.perf_counter()
             action()
-            best[name] = min(best[name], time.perf_counter() - started)
+            rounds[name].append(time.perf_counter() - started)
     store.delete(0)
     fs.rm(raw_dir, recursive=True)
-    return best
+    return {name: summary(seconds) for name, seconds in rounds.items()}
 
 
 def sha256_mb_s() -> float:

@@ -159,25 +159,38 @@ def bare_step(model, optimizer, samples, budget: int, device, autocast: bool) ->
 
 def decentrl_step(config, trainer, batch, device):  # noqa: ANN001, ANN201 - a transformers config; returns the step
     """A fresh FSDP2 model of `config` (seed 0) with the trainer's optimizer, and one full step over
-    `batch` as the training loop runs it: rank_share -> accumulate_gradients -> clip -> AdamW -> the
-    loss all-reduce. The model lives as long as the returned function."""
+    `batch` as the training loop runs it (`training_step`). The model lives as long as the returned function."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from decentrl.trainer.batching import rank_share
     from decentrl.trainer.distributed import shard_model
-    from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
-    from decentrl.trainer.train import build_optimizer
 
     torch.manual_seed(0)
     model = shard_model(
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=trainer.mixed_precision
     )
-    optimizer = build_optimizer(list(model.parameters()), trainer)
+    return training_step(model, trainer, batch, device)
+
+
+def training_step(model, trainer, batch, device):  # noqa: ANN001, ANN201 - an FSDP2 model; returns the step
+    """One full step of the training loop's code over `batch` on `model` (sharded over the ranks of the
+    process group) with the trainer's optimizer: this rank's share (rank_share) -> accumulate_gradients
+    -> clip -> AdamW -> the loss all-reduce. benchmarks/real_model.py runs it on the imported model."""
+    import torch
+    import torch.distributed as dist
+
+    from decentrl.trainer.batching import rank_share
+    from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
+    from decentrl.trainer.train import build_optimizer
+
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], trainer)
     max_tokens = max(len(s.completion_token_ids) for s in batch.samples)
+    rank, world = dist.get_rank(), dist.get_world_size()
 
     def step() -> None:
-        _, totals, micro_batches = rank_share(batch, rank=0, world=1, config=trainer, max_tokens=max_tokens, pad_id=0, device=device)
+        _, totals, micro_batches = rank_share(
+            batch, rank=rank, world=world, config=trainer, max_tokens=max_tokens, pad_id=0, device=device
+        )
         loss, sums = accumulate_gradients(model, None, micro_batches, totals=totals, config=trainer, temperature=1.0)
         torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
         optimizer.step()
