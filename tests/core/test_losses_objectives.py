@@ -1,6 +1,7 @@
 """The GSPO and CISPO objectives of decentrl.rl.losses against float64 references written here
 from the papers' equations, their gradients (GSPO: one ratio per sample; CISPO: no token's
-gradient dropped), their split into micro-batches, and their config errors."""
+gradient dropped), their split into micro-batches, their config errors, and their gradients
+equal to TRL's formulation on the same tensors."""
 
 from __future__ import annotations
 
@@ -281,3 +282,51 @@ def test_objective_defaults_to_ppo_and_takes_the_papers_clip_ranges() -> None:
     assert (gspo.eps_low, gspo.eps_high) == (3e-4, 4e-4)
     cispo = parse_config({"trainer": {"objective": {"type": "cispo"}}}, source="run.toml").trainer.objective
     assert cispo.eps_low == 1.0  # no floor on the weight, as in MiniMax-M1
+
+
+def trl_formulation(inputs: dict[str, torch.Tensor], norm: str, kind: str, eps_low: float, eps_high: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's GRPOTrainer loss on the same tensors, as its `_compute_loss` writes it (read from
+    huggingface/trl's grpo_trainer.py, not imported: TRL is not a dependency), with the workers'
+    logprobs as its `old_per_token_logps`:
+    - GSPO is `importance_sampling_level = "sequence"`: log w = the masked mean of the log-ratio,
+      one w per sample; per-token loss -min(w A, clamp(w, 1 - eps_low, 1 + eps_high) A);
+    - CISPO is `loss_type = "cispo"`: per-token loss -sg(clamp(r, max=epsilon_high)) A log pi, its
+      `epsilon_high` an absolute bound on the ratio (decentrl's 1 + eps_high; decentrl's floor
+      1 - eps_low is 0 at eps_low = 1, TRL's none);
+    then TRL's `grpo` (each sample's token mean, then the batch mean; an empty sample counted as
+    decentrl counts it) or `dapo` (the batch's token mean) aggregation. Returns (loss, d loss / d logprobs)."""
+    logprobs = inputs["logprobs"].clone().double().requires_grad_(True)
+    sampler, mask = inputs["sampler"].double(), inputs["mask"].double()
+    advantages = inputs["advantages"].double()[:, None]  # (B, 1)
+    log_ratio = logprobs - sampler
+    if kind == "gspo":
+        coef_1 = torch.exp((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        per_token = -torch.min(coef_1 * advantages, coef_2 * advantages).expand_as(logprobs)
+    else:
+        clamped = torch.clamp(torch.exp(log_ratio), max=1 + eps_high).detach()
+        per_token = -clamped * advantages * logprobs
+    if norm == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / mask.shape[0]
+    else:
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    loss.backward()
+    assert logprobs.grad is not None
+    return loss.detach(), logprobs.grad
+
+
+@pytest.mark.parametrize(("kind", "norm"), [("gspo", "grpo"), ("gspo", "token"), ("cispo", "grpo"), ("cispo", "token")])
+def test_gspo_and_cispo_equal_trls_formulation_on_the_same_tensors(inputs: dict[str, torch.Tensor], kind: str, norm: str) -> None:
+    """The gradient equals TRL's (`importance_sampling_level = "sequence"`, `loss_type = "cispo"`)
+    with sequence-level advantages, the case TRL covers (decentrl's GSPO-token form also takes
+    per-token ones; its CISPO here with no floor, as TRL's). CISPO's value too: both write it
+    -sg(w) A log pi. GSPO's value differs by design: TRL's is the ratio surrogate -min(w A, ...),
+    decentrl's the same weight on -A log pi, whose gradient is the same (grad w = w grad log pi)."""
+    objective = GSPO if kind == "gspo" else CISPOObjectiveConfig(eps_low=1.0, eps_high=0.2)
+    loss, grad, _ = run(inputs, norm, objective)
+    expected_loss, expected_grad = trl_formulation(inputs, norm, kind, objective.eps_low, objective.eps_high)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-5, atol=1e-7)
+    assert grad.abs().sum() > 0
+    if kind == "cispo":
+        assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-5, abs=1e-7)
