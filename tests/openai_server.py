@@ -1,6 +1,7 @@
 """A small OpenAI-compatible server over the transformers engine, on loopback: the protocol peer
 of workers/backends/openai.py in its tests (tests/workers/test_worker_openai.py) and its benchmark
-(benchmarks/worker.py, which imports this module).
+(benchmarks/worker.py, which imports this module); and `PromptLogprobs`, a teacher server for
+workers/scorers/teacher_server.py (tests/workers/test_scorer_teacher_server.py).
 
 It serves /v1/completions (token-id prompts, "token_id:N" tokens, the processed logprobs of the
 sampled tokens, `top_logprobs`, stop strings) and SGLang's /update_weights_from_disk, one
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,6 +68,80 @@ def completions_app(engine: HFBackend) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/update_weights_from_disk", reload)
     return app
+
+
+class PromptLogprobs:
+    """/v1/completions answering the log-probs of a token-id prompt's own tokens from a causal LM,
+    as vLLM does: `prompt_logprobs: 0` -> choices[0].prompt_logprobs (null first, then
+    {"<id>": {"logprob", "rank", "decoded_token"}} for the id at each position); `echo: true` with
+    `logprobs` -> choices[0].logprobs.token_logprobs (null first, the prompt's, then the one greedy
+    token generated). GET /v1/models lists `name`; with `key`, both want "Bearer KEY" (401 else).
+
+    `fault(ids, nth)`, set by a test, may replace the nth (1-based) answer to a prompt of these
+    ids: a web.Response is sent as it is, a callable is applied to the answer's JSON first."""
+
+    def __init__(self, model: torch.nn.Module, name: str = "teacher", key: str | None = None) -> None:
+        self.model, self.name, self.key = model.eval(), name, key
+        self.lock = threading.Lock()
+        self.calls: Counter[tuple[int, ...]] = Counter()
+        self.bodies: list[dict[str, Any]] = []
+        self.authorization: list[str | None] = []
+        self.fault: Callable[[list[int], int], Any] = lambda ids, nth: None
+
+    def logprobs(self, ids: list[int]) -> tuple[list[float], int]:
+        """log p(ids[t] | ids[:t]) for t >= 1 (float64 over the model's logits) and the greedy next id."""
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([ids])).logits[0].double()
+        logprobs = logits.log_softmax(-1)
+        return [logprobs[t - 1, ids[t]].item() for t in range(1, len(ids))], int(logprobs[-1].argmax())
+
+    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        ids = body["prompt"]
+        with self.lock:
+            values, generated = self.logprobs(ids)
+        choice: dict[str, Any] = {"index": 0, "text": "x", "finish_reason": "length", "logprobs": None}
+        if body.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = [None] + [
+                {str(token): {"logprob": value, "rank": 1, "decoded_token": ""}} for token, value in zip(ids[1:], values, strict=True)
+            ]
+        if body.get("echo") and body.get("logprobs") is not None:
+            with self.lock:
+                last = self.logprobs([*ids, generated])[0][-1]
+            choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in [*ids, generated]],
+                                  "token_logprobs": [None, *values, last], "top_logprobs": None}
+        return {"object": "text_completion", "model": self.name, "choices": [choice]}
+
+    def refused(self, request: web.Request) -> web.Response | None:
+        self.authorization.append(request.headers.get("Authorization"))
+        if self.key is not None and request.headers.get("Authorization") != f"Bearer {self.key}":
+            return web.json_response({"error": "invalid api key"}, status=401)
+        return None
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if (refused := self.refused(request)) is not None:
+            return refused
+        if body.get("model") != self.name:
+            return web.json_response({"error": f"the model {body.get('model')!r} does not exist"}, status=404)
+        key = tuple(body["prompt"])
+        self.calls[key] += 1
+        fault = self.fault(list(key), self.calls[key])
+        if isinstance(fault, web.Response):
+            return fault
+        answer = await asyncio.to_thread(self.answer, body)
+        return web.json_response(fault(answer) if fault is not None else answer)
+
+    async def models(self, request: web.Request) -> web.Response:
+        if (refused := self.refused(request)) is not None:
+            return refused
+        return web.json_response({"object": "list", "data": [{"id": self.name, "object": "model", "max_model_len": 2048}]})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        return app
 
 
 class Loopback:

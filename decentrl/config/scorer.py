@@ -180,19 +180,54 @@ class PythonScorerConfig(ScorerBase):
     options: dict[str, object] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
 
 
+class TeacherServerConfig(Section):
+    """A distillation teacher behind an OpenAI-compatible completions server that returns the log-probs
+    of the prompt's own tokens (vLLM: `prompt_logprobs`; the classic form: `echo` with `logprobs`).
+    Each sample is one POST BASE_URL/completions whose prompt is its token ids (prompt, then
+    completion); the answer's log-probs at the completion's positions are the teacher's."""
+
+    base_url: str = Field(
+        pattern=r"^https?://\S+$", description="The API's base URL, up to /v1: http://127.0.0.1:8000/v1; requests go "
+        "to BASE_URL/completions (and BASE_URL/models once at start-up)."
+    )
+    model: str = Field(min_length=1, max_length=200, description="The teacher model's name at that server.")
+    api_key_env: str | None = Field(
+        None, pattern=ENV_NAME, description="Name of the environment variable holding the API key (sent as a bearer "
+        "token, never logged); None: no Authorization header (a local server)."
+    )
+    logprobs: Literal["prompt_logprobs", "echo"] = Field(
+        "prompt_logprobs", description="How the log-probs are asked for and read: prompt_logprobs (vLLM's extension: "
+        "`prompt_logprobs: 0`, read from choices[0].prompt_logprobs, each position's token id checked against the id "
+        "sent); echo (`echo: true, logprobs: 0`, read from choices[0].logprobs.token_logprobs, positions only)."
+    )
+    max_attempts: int = Field(
+        3, ge=1, le=20, description="Tries per sample when the server does not answer (a timeout, a dropped "
+        "connection, 408, 429, 5xx); unanswered after all: left to the lease's expiry and leased again."
+    )
+    backoff_s: float = Field(1.0, ge=0, le=600, description="Wait before the first retry; doubles each retry (with jitter).")
+    timeout_s: float = Field(120.0, gt=0, le=3600, description="One request's time limit.")
+    concurrency: int = Field(8, ge=1, le=256, description="Requests to the server in flight at once.")
+
+
 class TeacherScorerConfig(ScorerBase):
-    """On-policy distillation's teacher (workers/scorers/teacher.py): a causal LM directory with the
-    run's tokenizer scores the student's own samples token by token. For each leased sample it
+    """On-policy distillation's teacher (workers/scorers/teacher.py): a causal LM with the run's
+    tokenizer scores the student's own samples token by token - a model directory (`path`), or a
+    server (`[scorer.server]`, workers/scorers/teacher_server.py). For each leased sample it
     posts the teacher's log-prob of every completion token given the prompt's and the earlier
     tokens' ids (`[orchestrator.advantages.distill]` turns them into advantages) and, as the
     sample's score, exp(mean of those log-probs): the teacher's per-token likelihood, in (0, 1]."""
 
     type: Literal["teacher"] = "teacher"
-    path: str = Field(
-        min_length=1, description="The teacher's directory (config.json, weights, tokenizer files): what `decentrl "
-        "model init/import` writes, or a version of a run's store; its tokenizer must be the run's (checked at start-up)."
+    path: str | None = Field(
+        None, min_length=1, description="The teacher's directory (config.json, weights, tokenizer files): what `decentrl "
+        "model init/import` writes, or a version of a run's store; its tokenizer must be the run's (checked at start-up). "
+        "Set this or [scorer.server], not both."
     )
-    device: str = Field("cpu", min_length=1, description="torch device, e.g. cpu, cuda, cuda:1.")
+    server: TeacherServerConfig | None = Field(
+        None, description="The teacher behind an OpenAI-compatible server instead of a directory: [scorer.server] "
+        "base_url, model, ... (its tokenizer is the operator's to match: docs/rewards_backends.md)."
+    )
+    device: str = Field("cpu", min_length=1, description="torch device, e.g. cpu, cuda, cuda:1 (a directory's teacher).")
     gpu_memory: float | None = Field(
         None, gt=0, le=1, description="Share of its GPU's memory this scorer may take on CUDA; None: no limit. "
         "`decentrl run` sets it from [placement] scorers.memory.",
@@ -205,9 +240,22 @@ class TeacherScorerConfig(ScorerBase):
     )
     temperature: float = Field(
         1.0, gt=0, le=10, description="The teacher's logits are divided by this before the log-softmax; 1.0: the "
-        "teacher's own distribution (what on-policy distillation matches)."
+        "teacher's own distribution (what on-policy distillation matches). A server's log-probs are its model's "
+        "own: with [scorer.server] only 1.0 is accepted."
     )
     torch_threads: int = Field(1, ge=1, le=256, description="Intra-op CPU threads.")
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> TeacherScorerConfig:
+        if self.path is None and self.server is None:
+            raise ValueError("a teacher scorer needs its model: set [scorer] path (a model directory) or [scorer.server] "
+                             "(base_url and model of an OpenAI-compatible server)")
+        if self.path is not None and self.server is not None:
+            raise ValueError("[scorer] path and [scorer.server] both name a teacher: set one of them")
+        if self.server is not None and self.temperature != 1.0:
+            raise ValueError("a server's prompt log-probs are its model's own (temperature 1): [scorer] temperature "
+                             f"= {self.temperature} applies to a directory's teacher only; drop it or use path")
+        return self
 
 
 ScorerConfig = keyed_union(HFScorerConfig, OpenAIScorerConfig, PythonScorerConfig, TeacherScorerConfig)

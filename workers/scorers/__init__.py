@@ -9,7 +9,9 @@ The scorer loop (workers/scorer.py) leases `ScoreItem`s (decentrl/api/wire.py) a
   template and a verdict parser, retried when its reply does not parse;
 - `python` (python.py): a function `module:function`, for tests and custom scorers;
 - `teacher` (teacher.py): on-policy distillation's teacher, a causal LM giving the log-prob of
-  every completion token the student sampled; it checks its tokenizer against the run's first.
+  every completion token the student sampled; it checks its tokenizer against the run's first. With
+  `[scorer.server]` (teacher_server.py) the teacher is an OpenAI-compatible server answering prompt
+  log-probs (vLLM's `prompt_logprobs`, or `echo` with `logprobs`).
 
 A backend reports what it got, not what the run allows: the loop checks every verdict against
 the lease's score range and the item's steps (NaN, out of range, a step list of the wrong length
@@ -39,10 +41,14 @@ def build_scorer_backend(
 
         return JudgeBackend(config)
     if isinstance(config, TeacherScorerConfig):
-        from workers.scorers.teacher import TeacherBackend
-
         if run is None:
             raise BackendConfigError("a teacher scorer needs the run's /v1/info to check its tokenizer against")
+        if config.server is not None:
+            from workers.scorers.teacher_server import TeacherServerBackend
+
+            return TeacherServerBackend(config, run)
+        from workers.scorers.teacher import TeacherBackend
+
         return TeacherBackend(config, run)
     from workers.scorers.python import PythonScoreBackend
 

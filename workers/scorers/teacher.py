@@ -55,17 +55,19 @@ class TeacherBackend:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        assert config.path is not None, "a teacher with [scorer.server] is teacher_server.py's"
+        path = config.path
         torch.set_num_threads(config.torch_threads)
         problem = device_problem("scorer.device", config.device, available_gpus())
         if problem:
             raise BackendConfigError(problem)
         limit_gpu_memory(torch.device(config.device), config.gpu_memory)
         self.config = config
-        tokenizer = AutoTokenizer.from_pretrained(config.path)
-        model = AutoModelForCausalLM.from_pretrained(config.path, dtype=getattr(torch, config.dtype))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.dtype))
         rows = model.get_input_embeddings().num_embeddings
         problem = vocabulary_problem(
-            config.path, teacher_vocab=len(tokenizer), teacher_rows=rows, teacher_digest=vocab_digest(tokenizer), run=run
+            path, teacher_vocab=len(tokenizer), teacher_rows=rows, teacher_digest=vocab_digest(tokenizer), run=run
         )
         if problem:
             raise BackendConfigError(problem)

@@ -1,0 +1,210 @@
+"""The `teacher` scorer backend with `[scorer.server]`: on-policy distillation's teacher behind an
+OpenAI-compatible completions server that returns the log-probs of a prompt's own tokens.
+
+Built by workers/scorers/__init__.py (the run's /v1/info given); called by the scorer loop
+(workers/scorer.py) in a thread, `concurrency` samples at a time. Per sample, one
+POST BASE_URL/completions whose `prompt` is the token ids as they are (prompt, then completion:
+no text is decoded or encoded again), `max_tokens` 1 at temperature 0 (the one generated token
+is not read), and either
+
+- `prompt_logprobs: 0` (vLLM's extension): `choices[0].prompt_logprobs` holds one entry per id
+  sent, the first null, each other `{"<id>": {"logprob": x, ...}}` (or `{"<id>": x}`) for the id at
+  that position - the id is checked to be the one sent; or
+- `echo: true, logprobs: 0` (the classic form): `choices[0].logprobs.token_logprobs` holds the
+  echoed prompt's log-probs (the first null), then the generated token's.
+
+The entries at the completion's positions are the teacher's `token_logprobs`; the score is
+exp(their mean), as with a directory's teacher (teacher.py). Both forms are the model's own
+log-probs, untempered (vLLM computes prompt log-probs from the raw logits; temperature 0 is greedy
+with no scaling), hence `[scorer] temperature` must stay 1.0 with a server.
+
+What each answer leads to: an answer that does not hold one finite log-prob <= 0 per completion
+token (a missing field, another count, another id, NaN, a positive value) fails the sample at
+once (posted as a parse failure by the loop, counted: a server answers the same ids the same
+way); no answer (a timeout, a dropped connection, 408, 429, 5xx) is asked again after
+`backoff_s`, doubling, up to `max_attempts` tries, then `transient` (not posted: leased again);
+400, 413 or 422 fails the sample at once; any other 4xx raises `TeacherServerError` (a wrong key,
+model or URL: nothing this scorer asks can succeed). The API key, read from the variable
+`api_key_env` names, is never logged or put in an error.
+
+The tokenizer: the server cannot tell which one it has beyond its model's name, so at start-up
+the run must distill (/v1/info gives a vocab_digest), the server's /models must list `model` when
+it answers, and a warning, once, says that the tokenizer being the run's is the operator's to
+ensure (docs/rewards_backends.md).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import os
+import random
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from decentrl.api.wire import RunInfo, ScoreItem
+from decentrl.config.scorer import TeacherScorerConfig, TeacherServerConfig
+from workers.scorers.base import BackendConfigError, Verdict
+
+log = logging.getLogger("decentrl.scorer.teacher")
+RETRIED_STATUSES = (408, 429)
+ITEM_REFUSED_STATUSES = (400, 413, 422)
+
+
+class TeacherServerError(Exception):
+    """The server refuses every request (a wrong key, model name or URL): the scorer cannot work."""
+
+
+class BadAnswer(Exception):
+    """The server's answer holds no usable log-prob per completion token; the message says why."""
+
+
+class Refused(Exception):
+    """The server refused this request (400, 413, 422): asking again cannot help."""
+
+
+class Unreachable(Exception):
+    """No answer this time (timeout, connection, 408/429/5xx); asking again may help."""
+
+
+def completion_logprobs(answer: object, form: str, prompt: list[int], completion: list[int]) -> list[float]:
+    """The log-prob of each completion token read from a /completions answer, strictly; raises BadAnswer."""
+    try:
+        choice = answer["choices"][0]  # type: ignore[index]
+        entries = choice["prompt_logprobs"] if form == "prompt_logprobs" else choice["logprobs"]["token_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        field = "choices[0].prompt_logprobs" if form == "prompt_logprobs" else "choices[0].logprobs.token_logprobs"
+        raise BadAnswer(f"the answer has no {field}") from None
+    if not isinstance(entries, list):
+        raise BadAnswer("the answer's log-probs are not a list")
+    sent = len(prompt) + len(completion)
+    if form == "prompt_logprobs" and len(entries) != sent:
+        raise BadAnswer(f"{len(entries)} prompt log-probs for the {sent} token ids sent ({len(completion)} of the completion)")
+    if form == "echo" and not sent <= len(entries) <= sent + 1:
+        raise BadAnswer(f"{len(entries)} echoed log-probs for the {sent} token ids sent ({len(completion)} of the "
+                        "completion) and at most one generated")
+    values = []
+    for t, (entry, token) in enumerate(zip(entries[len(prompt) : sent], completion, strict=True)):
+        if form == "prompt_logprobs":
+            if not isinstance(entry, dict) or str(token) not in entry:
+                raise BadAnswer(f"completion token {t}: no log-prob for id {token} (the id sent there)")
+            entry = entry[str(token)]
+            if isinstance(entry, dict):
+                entry = entry.get("logprob")
+        if isinstance(entry, bool) or not isinstance(entry, int | float):
+            raise BadAnswer(f"completion token {t}: the log-prob is not a number ({str(entry)[:40]!r})")
+        value = float(entry)
+        if not math.isfinite(value) or value > 0:
+            raise BadAnswer(f"completion token {t}: log-prob {value!r} is not finite and <= 0")
+        values.append(value)
+    return values
+
+
+class TeacherServerBackend:
+    def __init__(self, config: TeacherScorerConfig, run: RunInfo) -> None:
+        assert config.server is not None
+        self.config, self.server = config, config.server
+        self.url = self.server.base_url.rstrip("/") + "/completions"
+        self._headers = {"Content-Type": "application/json"}
+        if self.server.api_key_env is not None:
+            key = os.environ.get(self.server.api_key_env)
+            if not key:
+                raise BackendConfigError(
+                    f"[scorer.server] api_key_env = {self.server.api_key_env!r}: that environment variable is not set"
+                )
+            self._headers["Authorization"] = f"Bearer {key}"
+        if run.vocab_size is None or run.vocab_digest is None:
+            raise BackendConfigError(
+                f"the run {run.run_name!r} does not distill (its /v1/info gives no vocab_digest): a teacher scorer serves "
+                "runs with [orchestrator.advantages.distill] only"
+            )
+        self._check_model(self.server)
+        log.warning(
+            "teacher server %s (model %r): its tokenizer cannot be checked against the run's (%d tokens, digest %s...); "
+            "it must be the student's, the same tokens under the same ids - that is the operator's to ensure",
+            self.server.base_url, self.server.model, run.vocab_size, run.vocab_digest[:12],
+        )
+        self._pool = ThreadPoolExecutor(self.server.concurrency, thread_name_prefix="teacher")
+
+    def _check_model(self, server: TeacherServerConfig) -> None:
+        """GET BASE_URL/models: a bad key or a model the server does not serve stops the scorer at
+        start-up; a server without the route, or not up yet, is let be (its requests will tell)."""
+        request = urllib.request.Request(server.base_url.rstrip("/") + "/models", headers=self._headers)
+        try:
+            with urllib.request.urlopen(request, timeout=server.timeout_s) as response:
+                served = [model.get("id") for model in json.loads(response.read())["data"]]
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):
+                raise BackendConfigError(f"the teacher server at {server.base_url} refused the key ({exc.code}): "
+                                         f"check [scorer.server] api_key_env") from None
+            log.warning("teacher server %s: GET /models answered %d; the model name is not checked", server.base_url, exc.code)
+            return
+        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+            log.warning("teacher server %s not reachable at start-up (%s); scoring will retry", server.base_url, exc)
+            return
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("teacher server %s: GET /models is not a model list; the model name is not checked", server.base_url)
+            return
+        if server.model not in served:
+            raise BackendConfigError(
+                f"the teacher server at {server.base_url} does not serve [scorer.server] model = {server.model!r} "
+                f"(it serves {', '.join(map(str, served[:10])) or 'none'})"
+            )
+
+    def score(self, items: list[ScoreItem]) -> list[Verdict]:
+        return list(self._pool.map(self.teacher, items))
+
+    def teacher(self, item: ScoreItem) -> Verdict:
+        server = self.server
+        prompt, completion = item.prompt_token_ids, item.completion_token_ids
+        if prompt is None or completion is None:
+            return Verdict(None, error="the item has no token ids: is the run distilling?")
+        if not prompt or not completion:
+            return Verdict(None, error=f"{len(prompt)} prompt and {len(completion)} completion tokens: both need one")
+        if len(prompt) + len(completion) > self.config.max_length:
+            return Verdict(None, error=f"{len(prompt) + len(completion)} tokens, over [scorer] max_length = "
+                                       f"{self.config.max_length}")
+        body: dict[str, Any] = {"model": server.model, "prompt": [*prompt, *completion], "max_tokens": 1, "temperature": 0.0}
+        body.update({"prompt_logprobs": 0} if server.logprobs == "prompt_logprobs" else {"echo": True, "logprobs": 0})
+        data = json.dumps(body).encode()
+        delay = server.backoff_s
+        for attempt in range(server.max_attempts):
+            if attempt:
+                time.sleep(delay * (0.5 + random.random()))
+                delay *= 2
+            try:
+                logprobs = completion_logprobs(self._ask(data), server.logprobs, prompt, completion)
+                return Verdict(math.exp(sum(logprobs) / len(logprobs)), token_logprobs=logprobs)
+            except BadAnswer as exc:
+                return Verdict(None, error=f"the teacher server's answer: {exc}")
+            except Refused as exc:
+                return Verdict(None, error=f"the teacher server refused the request: {exc}")
+            except Unreachable as exc:
+                error = f"teacher server unreachable: {exc}"
+            log.info("sample %s, try %d of %d: %s", item.rollout_id, attempt + 1, server.max_attempts, error)
+        return Verdict(None, error=error, transient=True)
+
+    def _ask(self, body: bytes) -> object:
+        """The server's answer as JSON; raises Unreachable, Refused, BadAnswer or TeacherServerError."""
+        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.server.timeout_s) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as exc:
+            message = exc.read()[:500].decode(errors="replace")
+            if exc.code in RETRIED_STATUSES or exc.code >= 500:
+                raise Unreachable(f"{exc.code} {message}") from None
+            if exc.code in ITEM_REFUSED_STATUSES:
+                raise Refused(f"{exc.code} {message}") from None
+            raise TeacherServerError(f"the teacher server at {self.url} answered {exc.code}: {message}") from None
+        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+            raise Unreachable(str(exc)) from None
+        try:
+            return json.loads(payload)
+        except ValueError:
+            raise BadAnswer("the answer is not JSON") from None
