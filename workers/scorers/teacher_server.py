@@ -15,8 +15,9 @@ is not read), and either
 
 The entries at the completion's positions are the teacher's `token_logprobs`; the score is
 exp(their mean), as with a directory's teacher (teacher.py). Both forms are the model's own
-log-probs, untempered (vLLM computes prompt log-probs from the raw logits; temperature 0 is greedy
-with no scaling), hence `[scorer] temperature` must stay 1.0 with a server.
+log-probs, untempered (vLLM computes them from the raw logits under its default `--logprobs-mode
+raw_logprobs`; temperature 0 is greedy, with no scaling in any mode), hence `[scorer] temperature`
+must stay 1.0 with a server.
 
 What each answer leads to: an answer that does not hold one finite log-prob <= 0 per completion
 token (a missing field, another count, another id, NaN, a positive value) fails the sample at
