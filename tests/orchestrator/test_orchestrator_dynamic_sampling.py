@@ -13,16 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.encoding import pack_sample
 from decentrl.api.wire import Lease, ScorePost, ScoreResult
 from decentrl.config import ConfigError
 from decentrl.rl.determinism import required_version
-from decentrl.tasks import build_task
 from orchestrator.batches import pick_signal
 from orchestrator.buffer import Group
-from orchestrator.journal import Journal
 from orchestrator.metrics import Metrics
 from orchestrator.state import RunState
 
@@ -31,14 +28,9 @@ DYNAMIC = {"orchestrator": {"dynamic_sampling": {"enabled": True, "oversample": 
 
 
 @pytest.fixture
-def make_state(make_config: Any, tokenizer: PreTrainedTokenizerBase, clock: Any) -> Callable[..., RunState]:
+def make_state(run_state: Callable[..., RunState]) -> Callable[..., RunState]:
     def make(journal: str | None = None, **overrides: Any) -> RunState:
-        config = make_config(**{**DYNAMIC, **overrides})
-        opened = Journal(journal, run_name=config.run_name) if journal is not None else None
-        state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, clock=clock, journal=opened)
-        if state.published_version is None:
-            state.announce(0)
-        return state
+        return run_state(journal, **{**DYNAMIC, **overrides})
 
     return make
 

@@ -15,31 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.wire import Lease, TrainBatch
 from decentrl.config import ConfigError
-from decentrl.tasks import build_task
 from decentrl.trainer.checkpoint import Progress
 from decentrl.trainer.metrics import StepTimes, step_record
-from orchestrator.journal import Journal
 from orchestrator.state import RunState
 
 HOLDER = "alice/w0"
 LONG, SHORT = [4, 5, 6, 7, 2], [4, 2]  # completion ids (2 ends a generation in the tiny tokenizer's config)
-
-
-@pytest.fixture
-def make_state(make_config: Any, tokenizer: PreTrainedTokenizerBase, clock: Any) -> Callable[..., RunState]:
-    def make(journal: str | None = None, **overrides: Any) -> RunState:
-        config = make_config(**overrides)
-        opened = Journal(journal, run_name=config.run_name) if journal is not None else None
-        state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, clock=clock, journal=opened)
-        if state.published_version is None:
-            state.announce(0)
-        return state
-
-    return make
 
 
 @pytest.fixture
@@ -66,8 +50,8 @@ def late_groups(state: RunState, post: Any) -> tuple[TrainBatch | None, list[Lea
     return state.take_batch(2, request_id="step-2"), [long, short]
 
 
-def test_a_batch_reports_what_went_stale_since_the_previous_one(make_state: Any, post: Any) -> None:
-    state = make_state()
+def test_a_batch_reports_what_went_stale_since_the_previous_one(run_state: Any, post: Any) -> None:
+    state = run_state()
     batch, _ = late_groups(state, post)
     assert batch is not None and batch.stale_report is not None
     report = batch.stale_report
@@ -85,8 +69,8 @@ def test_a_batch_reports_what_went_stale_since_the_previous_one(make_state: Any,
     assert following.stale_report.mean_length is None
 
 
-def test_the_report_reaches_the_trainers_metrics(make_state: Any, post: Any) -> None:
-    batch, _ = late_groups(make_state(), post)
+def test_the_report_reaches_the_trainers_metrics(run_state: Any, post: Any) -> None:
+    batch, _ = late_groups(run_state(), post)
     assert batch is not None
     record = step_record(
         step=3, batch=batch, trained=batch.samples, loss=0.0, grad_norm=0.0, stats={},
@@ -97,8 +81,8 @@ def test_the_report_reaches_the_trainers_metrics(make_state: Any, post: Any) -> 
     assert record["completion_length_mean"] == 2
 
 
-def test_keep_late_trains_the_late_groups_instead(make_state: Any, post: Any) -> None:
-    state = make_state(orchestrator={"keep_late": 1})
+def test_keep_late_trains_the_late_groups_instead(run_state: Any, post: Any) -> None:
+    state = run_state(orchestrator={"keep_late": 1})
     assert state.config.train_staleness == 2
     # Leasing still keeps to max_staleness: (0 + 1 + 1) * 2 groups under version 0.
     assert state.lease_capacity() == 4
@@ -109,14 +93,14 @@ def test_keep_late_trains_the_late_groups_instead(make_state: Any, post: Any) ->
     assert batch.staleness_histogram == {"2": 6}
 
 
-def test_the_report_of_a_kept_batch_survives_a_restart(make_state: Any, post: Any, tmp_path: Path) -> None:
+def test_the_report_of_a_kept_batch_survives_a_restart(run_state: Any, post: Any, tmp_path: Path) -> None:
     path = str(tmp_path / "journal.sqlite")
-    state = make_state(journal=path)
+    state = run_state(journal=path)
     batch, _ = late_groups(state, post)
     assert batch is not None
     state.journal.flush()
     state.journal.close()
-    again = make_state(journal=path).served_batch("step-2")
+    again = run_state(journal=path).served_batch("step-2")
     assert again is not None and again.stale_report == batch.stale_report
 
 
