@@ -168,11 +168,15 @@ class RunConfig(Section):
                 "placement.workers.gpus places workers on GPUs but worker.backend = 'openai' runs no model in the "
                 "worker (its server does): set placement.workers.gpus = []"
             )
-        if placement.scorers.gpus and self.num_scorers and (self.scorer is None or self.scorer.type not in ("hf", "teacher")):
-            kind = "no [scorer]" if self.scorer is None else f"scorer.type = {self.scorer.type!r}"
+        scorer = self.scorer
+        runs_a_model = scorer is not None and (scorer.type == "hf" or (scorer.type == "teacher" and scorer.server is None))
+        if placement.scorers.gpus and self.num_scorers and not runs_a_model:
+            kind = "no [scorer]" if scorer is None else f"scorer.type = {scorer.type!r}"
+            if scorer is not None and scorer.type == "teacher":
+                kind += " with a [scorer.server]"
             raise ValueError(
                 f"placement.scorers.gpus places scorers on GPUs but {kind} runs no model in the scorer: "
-                "use [scorer] type = 'hf' or 'teacher', or set placement.scorers.gpus = []"
+                "use [scorer] type = 'hf' or a 'teacher' with a path, or set placement.scorers.gpus = []"
             )
         overcommit = memory_overcommit(self.processes())
         if overcommit:
