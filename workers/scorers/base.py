@@ -1,13 +1,21 @@
-"""What every scorer backend shares: the `Verdict` it answers per item, the `ScoreBackend` protocol
-and `BackendConfigError`. Its own module so that the backends (hf.py, judge.py, python.py) and the
-package's `build_scorer_backend`, which imports them, do not import each other."""
+"""What every scorer backend shares: the `Verdict` it answers per item, the `ScoreBackend` protocol,
+`BackendConfigError`, and the one POST to an OpenAI-compatible server that the judge and the
+server teacher make (`post`: what to ask again, what to give up on). Its own module so that the
+backends and the package's `build_scorer_backend`, which imports them, do not import each other."""
 
 from __future__ import annotations
 
+import http.client
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from decentrl.api.wire import ScoreItem
+
+RETRIED_STATUSES = (408, 429)
+ITEM_REFUSED_STATUSES = (400, 413, 422)
 
 
 class BackendConfigError(ValueError):
@@ -25,6 +33,33 @@ class Verdict:
     retries: int = 0  # replies that did not parse and were asked again (reported to the orchestrator)
     transient: bool = False  # no score for now (the judge unreachable): not posted, leased again after expiry
     token_logprobs: list[float] | None = None  # a distillation teacher's: one per completion token of the item
+
+
+class Refused(Exception):
+    """The server refused this request (400, 413, 422): asking again cannot help."""
+
+
+class Unreachable(Exception):
+    """No answer this time (timeout, connection, 408/429/5xx); asking again may help."""
+
+
+def post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, refuses_all: Callable[[str], Exception]) -> bytes:
+    """POST `body` to an OpenAI-compatible server (the judge's, the teacher's); the answer's bytes.
+    Raises Unreachable (ask again), Refused (not this request), or `refuses_all(message)` for any
+    other status (a wrong key, model name or URL: the scorer cannot work)."""
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.read()
+    except urllib.error.HTTPError as exc:
+        message = exc.read()[:500].decode(errors="replace")
+        if exc.code in RETRIED_STATUSES or exc.code >= 500:
+            raise Unreachable(f"{exc.code} {message}") from None
+        if exc.code in ITEM_REFUSED_STATUSES:
+            raise Refused(f"{exc.code} {message}") from None
+        raise refuses_all(f"{exc.code}: {message}") from None
+    except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+        raise Unreachable(str(exc)) from None
 
 
 class ScoreBackend(Protocol):

@@ -12,26 +12,21 @@ The API key, read from the variable `api_key_env` names, is never logged or put 
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
 import random
 import re
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from decentrl.api.wire import ScoreItem
 from decentrl.config import JsonVerdictConfig, OpenAIScorerConfig, RegexVerdictConfig
-from workers.scorers.base import BackendConfigError, Verdict
+from workers.scorers.base import BackendConfigError, Refused, Unreachable, Verdict, post
 
 log = logging.getLogger("decentrl.scorer.judge")
 PLACEHOLDER = re.compile(r"\{(prompt|completion|steps)\}")
-RETRIED_STATUSES = (408, 429)
-ITEM_REFUSED_STATUSES = (400, 413, 422)
 
 
 class JudgeError(Exception):
@@ -40,14 +35,6 @@ class JudgeError(Exception):
 
 class Unparsed(Exception):
     """The judge's reply holds no verdict; the message says what was missing."""
-
-
-class Refused(Exception):
-    """The judge refused this request (400, 413, 422): asking again cannot help."""
-
-
-class Unreachable(Exception):
-    """No reply this time (timeout, connection, 408/429/5xx); asking again may help."""
 
 
 def render_prompt(template: str, item: ScoreItem) -> str:
@@ -146,19 +133,8 @@ class JudgeBackend:
     def _ask(self, body: bytes) -> str:
         """The text of the judge's reply; raises Unreachable, Refused, Unparsed (an answer
         without a reply's text) or JudgeError."""
-        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as response:
-                payload = response.read()
-        except urllib.error.HTTPError as exc:
-            message = exc.read()[:500].decode(errors="replace")
-            if exc.code in RETRIED_STATUSES or exc.code >= 500:
-                raise Unreachable(f"{exc.code} {message}") from None
-            if exc.code in ITEM_REFUSED_STATUSES:
-                raise Refused(f"{exc.code} {message}") from None
-            raise JudgeError(f"the judge at {self.url} answered {exc.code}: {message}") from None
-        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
-            raise Unreachable(str(exc)) from None
+        payload = post(self.url, body, self._headers, self.config.timeout_s,
+                       lambda answer: JudgeError(f"the judge at {self.url} answered {answer}"))
         try:
             content = json.loads(payload)["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError):

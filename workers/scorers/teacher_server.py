@@ -50,11 +50,9 @@ from typing import Any
 
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config.scorer import TeacherScorerConfig, TeacherServerConfig
-from workers.scorers.base import BackendConfigError, Verdict
+from workers.scorers.base import BackendConfigError, Refused, Unreachable, Verdict, post
 
 log = logging.getLogger("decentrl.scorer.teacher")
-RETRIED_STATUSES = (408, 429)
-ITEM_REFUSED_STATUSES = (400, 413, 422)
 
 
 class TeacherServerError(Exception):
@@ -63,14 +61,6 @@ class TeacherServerError(Exception):
 
 class BadAnswer(Exception):
     """The server's answer holds no usable log-prob per completion token; the message says why."""
-
-
-class Refused(Exception):
-    """The server refused this request (400, 413, 422): asking again cannot help."""
-
-
-class Unreachable(Exception):
-    """No answer this time (timeout, connection, 408/429/5xx); asking again may help."""
 
 
 def completion_logprobs(answer: object, form: str, prompt: list[int], completion: list[int]) -> list[float]:
@@ -192,19 +182,8 @@ class TeacherServerBackend:
 
     def _ask(self, body: bytes) -> object:
         """The server's answer as JSON; raises Unreachable, Refused, BadAnswer or TeacherServerError."""
-        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.server.timeout_s) as response:
-                payload = response.read()
-        except urllib.error.HTTPError as exc:
-            message = exc.read()[:500].decode(errors="replace")
-            if exc.code in RETRIED_STATUSES or exc.code >= 500:
-                raise Unreachable(f"{exc.code} {message}") from None
-            if exc.code in ITEM_REFUSED_STATUSES:
-                raise Refused(f"{exc.code} {message}") from None
-            raise TeacherServerError(f"the teacher server at {self.url} answered {exc.code}: {message}") from None
-        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
-            raise Unreachable(str(exc)) from None
+        payload = post(self.url, body, self._headers, self.server.timeout_s,
+                       lambda answer: TeacherServerError(f"the teacher server at {self.url} answered {answer}"))
         try:
             return json.loads(payload)
         except ValueError:
