@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from decentrl.api.wire import ScoreItem
+from decentrl.model.devices import available_gpus, device_problem, limit_gpu_memory
 
 RETRIED_STATUSES = (408, 429)
 ITEM_REFUSED_STATUSES = (400, 413, 422)
@@ -33,6 +34,18 @@ class Verdict:
     retries: int = 0  # replies that did not parse and were asked again (reported to the orchestrator)
     transient: bool = False  # no score for now (the judge unreachable): not posted, leased again after expiry
     token_logprobs: list[float] | None = None  # a distillation teacher's: one per completion token of the item
+
+
+def take_device(device: str, gpu_memory: float | None, torch_threads: int) -> None:
+    """A backend that runs a model here (hf, teacher): its thread count, its device checked (a clear
+    error for a GPU that is not there), its share of the GPU's memory."""
+    import torch  # only the backends that run a model load torch: `decentrl scorer --help` stays fast
+
+    torch.set_num_threads(torch_threads)
+    problem = device_problem("scorer.device", device, available_gpus())
+    if problem:
+        raise BackendConfigError(problem)
+    limit_gpu_memory(torch.device(device), gpu_memory)
 
 
 class Refused(Exception):

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from decentrl.api.wire import ScoreItem
 from decentrl.config import HFScorerConfig
-from decentrl.model.devices import available_gpus, device_problem, limit_gpu_memory
-from workers.scorers.base import BackendConfigError, Verdict
+from workers.scorers.base import BackendConfigError, Verdict, take_device
 
 
 class HFScoreBackend:
@@ -21,11 +20,7 @@ class HFScoreBackend:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        torch.set_num_threads(config.torch_threads)
-        problem = device_problem("scorer.device", config.device, available_gpus())
-        if problem:
-            raise BackendConfigError(problem)
-        limit_gpu_memory(torch.device(config.device), config.gpu_memory)
+        take_device(config.device, config.gpu_memory, config.torch_threads)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.path)
         self.tokenizer.truncation_side = config.truncation_side

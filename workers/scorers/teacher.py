@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING
 
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config import TeacherScorerConfig
-from decentrl.model.devices import available_gpus, device_problem, limit_gpu_memory
 from decentrl.model.tokenizer import vocab_digest
-from workers.scorers.base import BackendConfigError, Verdict
+from workers.scorers.base import BackendConfigError, Verdict, take_device
 
 if TYPE_CHECKING:
     import torch
@@ -57,11 +56,7 @@ class TeacherBackend:
 
         assert config.path is not None, "a teacher with [scorer.server] is teacher_server.py's"
         path = config.path
-        torch.set_num_threads(config.torch_threads)
-        problem = device_problem("scorer.device", config.device, available_gpus())
-        if problem:
-            raise BackendConfigError(problem)
-        limit_gpu_memory(torch.device(config.device), config.gpu_memory)
+        take_device(config.device, config.gpu_memory, config.torch_threads)
         self.config = config
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.dtype))
