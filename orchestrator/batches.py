@@ -73,12 +73,12 @@ def pick_signal(window: list[Group], wanted: int) -> tuple[list[Group], list[tup
     step always trains `wanted` groups); the others, each with why it is dropped (`zero_signal`,
     or `surplus`: a signal beyond the `wanted`). A pure function of the rewards, so a deterministic
     run skips the same groups in every replay. Without oversampling it takes the whole window."""
-    signal = [group for group in window if has_signal(group)]
-    chosen = signal[:wanted]
-    chosen += [group for group in window if not has_signal(group)][:wanted - len(chosen)]
-    picked = {id(group) for group in chosen}
-    train = [group for group in window if id(group) in picked]
-    dropped = [(group, "surplus" if has_signal(group) else "zero_signal") for group in window if id(group) not in picked]
+    signal = [has_signal(group) for group in window]
+    chosen = [i for i, yes in enumerate(signal) if yes][:wanted]
+    chosen += [i for i, yes in enumerate(signal) if not yes][:wanted - len(chosen)]
+    picked = set(chosen)
+    train = [group for i, group in enumerate(window) if i in picked]
+    dropped = [(group, "surplus" if signal[i] else "zero_signal") for i, group in enumerate(window) if i not in picked]
     return train, dropped
 
 
