@@ -174,13 +174,12 @@ def distill_advantages(
     if loss_mask is not None and len(loss_mask) != n:
         raise ValueError(f"loss mask of {len(loss_mask)} for {n} completion tokens")
     outcome = config.outcome_weight * outcome_advantage
-    bound = config.clip if config.clip is not None else float("inf")
     result = []
     for t in range(n):
         if loss_mask is not None and not loss_mask[t]:
             result.append(0.0)
             continue
-        gap = 0.0 if teacher_logprobs is None else min(max(teacher_logprobs[t] - student_logprobs[t], -bound), bound)
+        gap = 0.0 if teacher_logprobs is None else _gap(teacher_logprobs[t], student_logprobs[t], config)
         if teacher_logprobs is not None and baseline is not None and t < len(baseline):
             gap -= baseline[t]
         result.append(config.weight * gap + outcome)
@@ -197,7 +196,6 @@ def distill_baseline(
     for `baseline = "none"`."""
     if config.baseline == "none":
         return None
-    bound = config.clip if config.clip is not None else float("inf")
     sums: list[float] = []
     counts: list[int] = []
     for teacher, student, mask in zip(teacher_logprobs, student_logprobs, loss_masks, strict=True):
@@ -209,9 +207,15 @@ def distill_baseline(
             while len(sums) <= t:
                 sums.append(0.0)
                 counts.append(0)
-            sums[t] += min(max(a - b, -bound), bound)
+            sums[t] += _gap(a, b, config)
             counts[t] += 1
     return [total / count if count else 0.0 for total, count in zip(sums, counts, strict=True)]
+
+
+def _gap(teacher: float, student: float, config: DistillConfig) -> float:
+    """teacher - student log-prob of one token, bounded to [-clip, clip] when `config.clip` is set."""
+    gap = teacher - student
+    return gap if config.clip is None else min(max(gap, -config.clip), config.clip)
 
 
 def _normalize(values: list[float], normalize_std: bool, eps: float) -> list[float]:
