@@ -1,13 +1,14 @@
 """The ingest checks: why a posted rollout is refused, or None to accept it.
 
-The first stage of RunState.ingest (orchestrator/state.py), run on every rollout that is not a
-resend. Before it, once per POST /v1/rollouts, the rollouts handler (orchestrator/handlers.py)
-holds the whole post to the size bounds that follow from the run's config (`oversized`, a 400:
-nothing of it is ingested, held or journaled). Cheap checks come first (the lease, the prompt, the sampling params, the versions, the
-token ranges); an episode is replayed against its environment (orchestrator/rewards.py); with
-verification on, finish reasons and replays of content kept before are refused too
-(orchestrator/integrity.py). The reasons are the `reason` of a `Rejection` on the wire and are
-listed in docs/api.md.
+The second stage of RunState.ingest (orchestrator/state.py), after the dedupe, run on each rollout
+with what the owner looked up for it: its open lease (or the status its lease closed with) and
+the versions. The part holds no other part. Before it, once per POST /v1/rollouts, the rollouts
+handler (orchestrator/handlers.py) holds the whole post to the size bounds that follow from the
+run's config (`oversized`, a 400: nothing of it is ingested, held or journaled). Cheap checks come
+first (the lease, the prompt, the sampling params, the versions, the token ranges); an episode is
+replayed against its environment (decentrl/tasks/episodes.py); with verification on, a finish
+reason the tokens contradict is refused too. The reasons are the `reason` of a `Rejection` on the
+wire and are listed in docs/api.md.
 
 Size bounds. The wire models (decentrl/api/wire.py) hold bounds that hold whatever the config;
 the run adds its own: a top-k sampling mask keeps at most top_k ids a token, any mask at most the
@@ -23,87 +24,84 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from decentrl.api.wire import Rollout, SamplingParams, value_range
+from decentrl.api.wire import Lease, Rollout, SamplingParams, value_range
 from decentrl.config import PretrainedModelConfig, RunConfig, TinyModelConfig
 from decentrl.model.routing import RouteSpec, keeps_routing, routing_problem, spec_of
+from decentrl.model.stopping import ends_generation
 from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
-from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask
-from orchestrator.counters import Versions
-from orchestrator.integrity import Integrity
-from orchestrator.leases import CLOSED_REASON, LeaseBook
-from orchestrator.rewards import Rewards
+from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, TextCodec, replay_episode
 
 log = logging.getLogger("decentrl.orchestrator.checks")
 
+# The rejection of a rollout whose lease closed, by the status it closed with.
+CLOSED_REASON = {
+    "complete": "group_full",
+    "served": "group_full",
+    "expired": "lease_expired",
+    "released": "lease_released",
+    "dropped": "group_dropped",
+    "superseded": "hedge_lost",  # another copy of its place completed first (its holder's posts: duplicates)
+    "skipped": "group_full",  # complete, and dropped by dynamic sampling when a step consumed it
+}
 
-class CheckResult(NamedTuple):
-    reason: str | None  # why the rollout is refused; None: accepted
-    digest: bytes | None  # its content hash, to keep for replay detection (verification on only)
+
+class OpenGroup(Protocol):
+    """What the checks read of an open lease (orchestrator/leases.py `OpenLease`)."""
+
+    lease: Lease
+    holder: str
+    samples: list[Rollout]
 
 
 class IngestChecks:
     def __init__(
-        self,
-        *,
-        config: RunConfig,
-        task: Task | EpisodeTask,
-        sampling: SamplingParams,
-        vocab_size: int,
-        versions: Versions,
-        lease_book: LeaseBook,
-        integrity: Integrity,
-        rewards: Rewards,
+        self, *, config: RunConfig, task: Task | EpisodeTask, sampling: SamplingParams, vocab_size: int,
+        end_ids: set[int], decode: Callable[[list[int]], str], episode_codec: TextCodec | None,
     ) -> None:
+        """`end_ids`: what ends a generation (the ids the worker backends stop at); `decode`: one
+        completion's text, for stop strings; `episode_codec`: a multi-turn task's text codec."""
         self.config = config
         self.task = task
         self.sampling = sampling  # every rollout must have been sampled with exactly these
         self.vocab_size = vocab_size
-        self.versions = versions
-        self.lease_book = lease_book
-        self.integrity = integrity
-        self.rewards = rewards
+        self.end_ids = end_ids
+        self.decode = decode
+        self.episode_codec = episode_codec
 
-    def check(self, rollout: Rollout, holder: str) -> CheckResult:
-        if self.integrity.is_banned(holder):
-            return CheckResult("banned", None)
-        reason = self.reason(rollout, holder)
-        if reason is not None or not self.config.orchestrator.verification.enabled:
-            return CheckResult(reason, None)
-        digest = self.integrity.replay_of(rollout)
-        return CheckResult("replay", None) if digest is None else CheckResult(None, digest)
-
-    def reason(self, rollout: Rollout, holder: str) -> str | None:
-        """The reason to reject a rollout, or None to accept it."""
+    def reason(
+        self, rollout: Rollout, holder: str, *, lease: OpenGroup | None, closed: str | None, published: int | None,
+        trainer: int,
+    ) -> str | None:
+        """The reason to reject a rollout, or None to accept it. `lease`: its open lease, or None
+        and the status it `closed` with (None: unknown or expired long ago); `published`, `trainer`:
+        the newest published version and the trainer's."""
         if rollout.run_name != self.config.run_name:
             return "wrong_run"
-        open_lease = self.lease_book.open.get(rollout.lease_id)
-        if open_lease is None:
-            closed = self.lease_book.closed_lease(rollout.lease_id)
-            return CLOSED_REASON[closed.status] if closed is not None else "unknown_or_expired_lease"
-        lease = open_lease.lease
-        if open_lease.holder != holder:
+        if lease is None:
+            return CLOSED_REASON[closed] if closed is not None else "unknown_or_expired_lease"
+        if lease.holder != holder:
             return "not_lease_holder"
-        if rollout.prompt_id != lease.prompt_id or rollout.prompt_token_ids != lease.prompt_token_ids:
+        granted = lease.lease
+        if rollout.prompt_id != granted.prompt_id or rollout.prompt_token_ids != granted.prompt_token_ids:
             return "prompt_mismatch"
         if rollout.sampling != self.sampling:
             return "sampling_mismatch"
-        if lease.policy_version is not None and (
-            rollout.policy_version != lease.policy_version or rollout.token_versions is not None
+        if granted.policy_version is not None and (
+            rollout.policy_version != granted.policy_version or rollout.token_versions is not None
         ):
             return "wrong_version"  # a deterministic run: the lease names the one version to sample under
-        if lease.index is not None and (
-            rollout.sample_index is None or rollout.sample_index >= lease.group_size
-            or any(sample.sample_index == rollout.sample_index for sample in open_lease.samples)
+        if granted.index is not None and (
+            rollout.sample_index is None or rollout.sample_index >= granted.group_size
+            or any(sample.sample_index == rollout.sample_index for sample in lease.samples)
         ):
             return "bad_sample_index"  # a deterministic run: each seed of the group once (the verifier re-draws)
-        published = self.versions.published
         if published is None or rollout.policy_version > published:
             return "future_version"
-        if not is_fresh(self.versions.trainer, rollout.policy_version, self.config.train_staleness):
+        if not is_fresh(trainer, rollout.policy_version, self.config.train_staleness):
             return "stale"
         ids = rollout.completion_token_ids
         low, high = value_range(ids)  # numpy over the packed bytes when they came packed
@@ -122,16 +120,28 @@ class IngestChecks:
         if (problem := routing_problem_of(rollout, self.config.model)) is not None:
             return problem
         if isinstance(self.task, EpisodeTask):  # the replay checks the ending too
+            assert self.episode_codec is not None
             try:
-                self.rewards.episode_reward(rollout)
+                replay_episode(
+                    self.task, self.task.prompt(rollout.prompt_id), ids, rollout.loss_mask, rollout.finish_reason,
+                    rollout.sampling, self.episode_codec, eos_ids=self.end_ids,
+                )
             except EpisodeMismatch as exc:
                 log.info("rollout %s: %s", rollout.rollout_id, exc)
                 return "episode_mismatch"
         elif rollout.loss_mask is not None:
             return "loss_mask_without_episodes"  # a single-turn task has no environment tokens
-        elif self.config.orchestrator.verification.enabled and self.integrity.finish_reason_problem(rollout):
+        elif self.config.orchestrator.verification.enabled and self._contradicts_finish_reason(rollout):
             return "bad_finish_reason"
         return None
+
+    def _contradicts_finish_reason(self, rollout: Rollout) -> bool:
+        """"length" means exactly max_tokens tokens; "stop" means the last token is end-of-sequence
+        or completes a stop string."""
+        ids = rollout.completion_token_ids
+        if rollout.finish_reason == "length":
+            return len(ids) != rollout.sampling.max_tokens
+        return not ends_generation(ids, eos_ids=self.end_ids, stops=rollout.sampling.stop, text_of=self.decode)
 
 
 def oversized(rollouts: Sequence[Rollout], sampling: SamplingParams, vocab_size: int) -> str | None:

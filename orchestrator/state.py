@@ -5,8 +5,7 @@ Plain synchronous code with no HTTP in it; the handlers (orchestrator/handlers.p
 the event loop (one thread, so no locks), as do orchestrator/service.py (which builds it),
 orchestrator/verification.py, orchestrator/metrics.py and benchmarks/; what they read under the
 parts' names, and the /v1/status answer, is its base RunView (orchestrator/view.py). The parts,
-none of which holds another, except the lease policy (it works on the lease table) and the
-ingest checks (they read the lease table, integrity, the rewards' episode replay and the versions):
+none of which holds another, except the lease policy (it works on the lease table):
 
   lease_book   orchestrator/leases.py       prompt order, open leases and deadlines, the lease
                                             budget, the one lease-close path, closed leases remembered
@@ -85,7 +84,7 @@ from decentrl.config import RunConfig
 from decentrl.model.build import end_of_sequence_ids
 from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
-from decentrl.tasks.episodes import EpisodeTask
+from decentrl.tasks.episodes import EpisodeTask, tokenizer_codec
 from decentrl.tasks.prompts import make_prompt_encoder
 from orchestrator.batches import KeptBatches, build_batch, pick_signal
 from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
@@ -174,9 +173,9 @@ class RunState(RunView):
             steps=options.advantages.steps, token_ids=options.advantages.distill is not None,
         )
         self.checks = IngestChecks(
-            config=config, task=task, sampling=SamplingParams(**config.sampling.model_dump()),
-            vocab_size=self.vocab_size, versions=self.versions, lease_book=self.lease_book,
-            integrity=self.integrity, rewards=self.rewards,
+            config=config, task=task, sampling=SamplingParams(**config.sampling.model_dump()), vocab_size=self.vocab_size,
+            end_ids=end_ids, decode=lambda ids: decode([ids])[0],
+            episode_codec=tokenizer_codec(tokenizer) if isinstance(task, EpisodeTask) else None,
         )
         self.buffer = Buffer(journal=self.journal, clock=clock)
         self.score_queue = ScoreQueue(
@@ -296,13 +295,13 @@ class RunState(RunView):
             ):
                 duplicates += 1
                 continue
-            verdict = self.checks.check(rollout, holder)  # 2. check
-            if verdict.reason is not None:
-                self._reject(rollout, holder, verdict.reason)
-                rejected.append(Rejection(rollout_id=rollout.rollout_id, reason=verdict.reason))
+            reason, digest = self._check(rollout, holder)  # 2. check
+            if reason is not None:
+                self._reject(rollout, holder, reason)
+                rejected.append(Rejection(rollout_id=rollout.rollout_id, reason=reason))
                 continue
             arrays = packed[index] if packed is not None else None  # None: packed as it is kept
-            open_lease = self._record(rollout, holder, arrays, verdict.digest)  # 3. record
+            open_lease = self._record(rollout, holder, arrays, digest)  # 3. record
             accepted += 1
             if len(open_lease.samples) == open_lease.lease.group_size:
                 self._complete(open_lease)  # 4. complete, 5. line up
@@ -310,6 +309,22 @@ class RunState(RunView):
         self.counters.duplicates += duplicates
         self._apply_bans()
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
+
+    def _check(self, rollout: Rollout, holder: str) -> tuple[str | None, bytes | None]:
+        """Why `rollout` is refused (None: accepted), and with verification on its content hash,
+        kept to refuse replays of it."""
+        if self.integrity.is_banned(holder):
+            return "banned", None
+        open_lease = self.lease_book.open.get(rollout.lease_id)
+        closed = self.lease_book.closed_lease(rollout.lease_id) if open_lease is None else None
+        reason = self.checks.reason(
+            rollout, holder, lease=open_lease, closed=closed.status if closed is not None else None,
+            published=self.versions.published, trainer=self.versions.trainer,
+        )
+        if reason is not None or not self.config.orchestrator.verification.enabled:
+            return reason, None
+        digest = self.integrity.replay_of(rollout)
+        return ("replay", None) if digest is None else (None, digest)
 
     def _reject(self, rollout: Rollout, holder: str, reason: str) -> None:
         self.counters.rejected[reason] += 1
