@@ -1,48 +1,41 @@
-"""Prompt leases: which prompt goes out next, open leases and their deadlines, the one way a lease
-closes, and the closed leases remembered for late samples and resends.
+"""Prompt leases: which prompt goes out next, the open leases, the one way a lease closes, and the
+closed leases remembered for late samples and resends.
 
-RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its public methods
-(grant, renew, release, expire, ingest, batches, bans). It holds no other part: what a lease
-closed without training means for the counters and for integrity, the owner applies (`on_dropped`).
-Invariants:
-- a lease is one group: `group_size` samples of one prompt, all answered by its holder;
-- a lease has a deadline (`lease_timeout_s` after it was granted or last renewed); an overdue
-  lease expires, its prompt is leased again first and a late sample gets `lease_expired`;
+RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its public methods. What
+a lease closed without training means for the counters and for integrity, the owner applies
+(`on_dropped`). Invariants:
+- a lease is one group: `group_size` samples of one prompt, all answered by its holder; an
+  overdue lease (orchestrator/lease_table.py) expires, its prompt is leased again first and a
+  late sample gets `lease_expired`;
 - no more leases are open than can be consumed without going stale (`lease_budget`,
   decentrl/rl/staleness.py), nor than the buffer bound allows (`orchestrator.max_buffer_groups`);
-- every status change of a lease goes through `LeaseBook.close`: it journals the change, and
-  hands a lease closed without training (expired, released, dropped, superseded, skipped) to `on_dropped`
-  (RunState counts its samples as dropped and integrity forgets their content, so it may honestly
-  come again);
-- a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample
-  gets a precise reason and a resend is answered as a duplicate; after a recovery those of the
-  leases closed before it are remembered in the journal and looked up there (`journaled_ids`,
-  `closed_lease`), not held in memory;
+- every status change of a lease goes through `LeaseBook.close`: it journals the change and hands
+  a lease closed without training (`UNTRAINED`) to `on_dropped`, which counts its samples as
+  dropped and has integrity forget their content, so it may honestly come again;
+- a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample gets
+  a precise reason and a resend is a duplicate; after a recovery those closed before it are
+  looked up in the journal (`journaled_ids`, `closed_lease`), not held in memory;
 - deterministic runs (docs/reproducibility.md): a lease is a place in the consumption order
-  (`Lease.index`), which fixes its prompt (the seeded order, cycled) and the version it is
-  sampled under (decentrl/rl/determinism.py `required_version`); a place closed without training
-  is leased again, lowest first, with the same prompt and version, so no place is ever skipped;
-- hedging (deterministic runs, orchestrator/lease_policy.py): a place may have up to
-  `hedging.max_copies` open leases at once (`places`: place -> its open leases), each the same
-  group bit for bit; the lease budget counts places, not copies; the first copy to complete
-  fills the place and the others close as `superseded` (`supersede`); a place goes back in line
-  only when its last copy closes without training, never while another copy is out. Each losing
-  copy is remembered for its holder (`untold`) until its holder's next lease answer tells it
-  (`tell`), so the worker stops generating it: advisory and in memory only (forgotten on a
-  restart, the worker then finishes the copy and its post is a duplicate), at most
-  MAX_SUPERSEDED a holder, and no longer than the closed lease itself is remembered.
+  (`Lease.index`), which fixes its prompt (the seeded order, cycled) and the version it is sampled
+  under (decentrl/rl/determinism.py); a place closed without training is leased again, lowest
+  first, so no place is ever skipped;
+- hedging (orchestrator/lease_policy.py): a place may have up to `hedging.max_copies` open leases
+  (`places`), each the same group bit for bit; the budget counts places, not copies; the first
+  copy to complete fills the place and the others close as `superseded`; a place goes back in line
+  only when its last copy closes without training. Each losing copy is remembered for its holder
+  (`untold`) until its next lease answer tells it (`tell`): advisory and in memory only, at most
+  MAX_SUPERSEDED a holder, no longer than the closed lease itself.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import random
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar
+from typing import Literal
 
 from decentrl.api.encoding import Packed, pack_sample
 from decentrl.api.wire import MAX_SUPERSEDED, Lease, LeaseState, Rollout
@@ -53,12 +46,17 @@ from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import PromptEncoder
 from orchestrator.events import Journaling, LeaseClosedAs, LeaseForgotten, LeaseGranted, LeaseRenewed
+from orchestrator.lease_table import LeaseClosed, LeaseTable
+from orchestrator.lease_table import LeaseError as LeaseError  # re-exported: handlers answer it
 
 ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded", "skipped"]
 Requeue = Literal["back", "front"]
 
 # A lease closed with one of these did not train: its samples are dropped.
 UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "superseded", "skipped"})
+# Deterministic runs: a place closed with one of these is leased again (a superseded place was
+# filled by another copy; a skipped one was consumed by a step).
+REFILLED: frozenset[str] = frozenset({"expired", "released", "dropped"})
 # Why a closed lease no longer takes samples -> the rejection reason of a late sample.
 CLOSED_REASON = {
     "complete": "group_full",
@@ -66,67 +64,10 @@ CLOSED_REASON = {
     "expired": "lease_expired",
     "released": "lease_released",
     "dropped": "group_dropped",
-    "superseded": "hedge_lost",  # another copy of its place completed first (its holder's posts: duplicates)
+    "superseded": "hedge_lost",  # another copy of its place completed first
     "skipped": "group_full",  # complete, and dropped by dynamic sampling when a step consumed it
 }
 PROMPT_CACHE = 4096  # prompts whose token ids are kept (prompts come back each epoch)
-
-
-class LeaseError(Exception):
-    """A lease operation that cannot be done; `status` is the HTTP status to answer with."""
-
-    status = 409
-
-
-class LeaseNotFound(LeaseError):
-    status = 404
-
-
-class NotLeaseHolder(LeaseError):
-    status = 403
-
-
-class LeaseClosed(LeaseError):
-    status = 409
-
-
-class Holder(Protocol):
-    holder: str
-
-
-H = TypeVar("H", bound=Holder)
-
-
-def owned_by(found: H | None, holder: str, *, what: str, missing: str, others: str) -> H:
-    """The lease `found` if `holder` holds it: the one owner check of prompt and score leases.
-    `what` names it ("lease 'ab12'"), `missing` says why it may be unknown, `others` who else holds
-    such leases ("worker", "scorer")."""
-    if found is None:
-        raise LeaseNotFound(f"no {what}: {missing}")
-    if found.holder != holder:
-        raise NotLeaseHolder(f"{what} is held by another {others}")
-    return found
-
-
-class Deadlines:
-    """The deadlines of the open leases of one table (prompt leases, score leases): a heap in
-    which the entries of a lease renewed or closed since are skipped when they come up."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, str]] = []
-
-    def set(self, lease_id: str, deadline: float) -> None:
-        heapq.heappush(self._heap, (deadline, lease_id))
-
-    def overdue(self, now: float, deadline_of: Callable[[str], float | None]) -> list[str]:
-        """The leases whose deadline passed before `now`, oldest first; `deadline_of(lease_id)`
-        is a lease's deadline now (None once closed)."""
-        due: dict[str, None] = {}  # a lease renewed to the same deadline has two entries: once
-        while self._heap and self._heap[0][0] < now:
-            deadline, lease_id = heapq.heappop(self._heap)
-            if deadline_of(lease_id) == deadline:  # else closed already, or renewed (a later entry stands for it)
-                due[lease_id] = None
-        return list(due)
 
 
 @dataclass
@@ -138,26 +79,31 @@ class OpenLease:
     packed: list[Packed] = field(default_factory=list)  # per sample: completion ids and logprobs, packed
     check: list[int] = field(default_factory=list)  # samples whose logprobs are to be recomputed
 
+    @property
+    def deadline(self) -> float:
+        return self.lease.deadline
+
+    @deadline.setter
+    def deadline(self, deadline: float) -> None:
+        self.lease = self.lease.model_copy(update={"deadline": deadline})
+
 
 @dataclass
 class ClosedLease:
     lease: Lease
     holder: str
-    status: ClosedStatus  # complete (in the buffer or held back), served, expired, released, dropped, superseded, skipped
+    status: ClosedStatus
     closed_at: float
     samples: int  # samples it took
-    # Their ids, where memory holds them: a lease recovered from the journal as complete, or
-    # looked up there, leaves them on disk (`journaled_ids` finds them there).
+    # Their ids, where memory holds them (a lease recovered as complete leaves them on disk).
     rollout_ids: list[str] = field(default_factory=list)
 
 
 class PromptQueue:
     """The order prompts are leased in: a seeded shuffle of the task's pool, cycled, with the
     prompts of leases that closed unanswered going out first; and each prompt's token ids, as
-    `render` makes them (decentrl/tasks/prompts.py: the chat template, or the raw text).
-
-    In a deterministic run the queue hands out places in the consumption order instead
-    (`next_index`; the prompt is `prompt_at(index)`), and `requeued` holds places, lowest first."""
+    `render` makes them (decentrl/tasks/prompts.py). A deterministic run leases places of the
+    consumption order instead (`next_index`, `prompt_at`), and `requeued` holds places, lowest first."""
 
     def __init__(
         self, *, task: Task | EpisodeTask, render: PromptEncoder, seed: int, deterministic: bool = False
@@ -172,11 +118,7 @@ class PromptQueue:
         self._cache: OrderedDict[int, list[int]] = OrderedDict()
 
     def next_id(self) -> int:
-        if self.requeued:
-            return self.requeued.popleft()
-        prompt_id = self.order[self.cursor % len(self.order)]
-        self.cursor += 1
-        return prompt_id
+        return self.requeued.popleft() if self.requeued else self.prompt_at(self.next_index())
 
     def next_index(self) -> int:
         """Deterministic runs: the next place to lease, a requeued one first (the lowest)."""
@@ -198,7 +140,6 @@ class PromptQueue:
             self.requeued.append(item)
 
     def token_ids(self, prompt_id: int) -> list[int]:
-        """The prompt's token ids; the last few thousand are cached."""
         ids = self._cache.pop(prompt_id, None)
         if ids is None:
             ids = self.render(self.task.prompt(prompt_id))
@@ -225,30 +166,31 @@ class LeaseBook:
         self.journal = journal
         self.clock = clock
         self.on_dropped = on_dropped
-        self.open: dict[str, OpenLease] = {}
+        options = config.orchestrator
+        self.open: LeaseTable[OpenLease] = LeaseTable(
+            timeout_s=options.lease_timeout_s, clock=clock, what="lease", others="worker",
+            missing=f"never granted, or closed more than {options.dedupe_window_s:.0f}s ago",
+        )
         self.places: dict[int, list[str]] = {}  # deterministic runs: place -> its open leases (copies), oldest first
         # A superseded lease -> the content hashes of the copy that filled its place, by sample
-        # index: a late sample of it is compared with them (`hedge_mismatches`; not journaled).
+        # index, for `hedge_mismatches` (not journaled).
         self.winners: dict[str, list[bytes]] = {}
         # Holder -> its superseded leases it has not been told of yet, oldest first (an ordered set).
         self.untold: dict[str, dict[str, None]] = {}
         self.superseded = 0  # copies closed as superseded since the start: the lease long-poll wakes on more
         self.closed: dict[str, ClosedLease] = {}
+        self.closed_order: deque[tuple[float, str]] = deque()  # (closed_at, lease_id), oldest first, for forgetting
         self.seen_rollout_ids: dict[str, str] = {}  # rollout id -> lease id, while its lease is remembered
         # After a recovery (orchestrator/recovery.py): the journal holds rollout ids that memory
-        # does not (those of closed leases), and closed leases that are only `remembered` by
-        # (closed_at, lease_id), oldest first, to be forgotten in time; both are looked up there.
+        # does not, and closed leases only `remembered` as (closed_at, lease_id), oldest first.
         self.journaled = False
         self.remembered: deque[tuple[float, str]] = deque()
-        self.deadlines = Deadlines()
-        self.closed_order: deque[tuple[float, str]] = deque()  # (closed_at, lease_id), oldest first, for forgetting
 
     # -- granting -------------------------------------------------------------------------
 
     def capacity(self, *, published: int | None, groups_consumed: int, waiting: int) -> int:
         """How many leases may be granted now. `published`: the newest version workers may pull;
-        `groups_consumed`: groups the steps so far took (trained, or dropped by dynamic sampling);
-        `waiting`: complete groups not yet taken (in line or held back)."""
+        `groups_consumed`: groups the steps so far took; `waiting`: complete groups not yet taken."""
         if published is None:
             return 0
         leased = len(self.places) if self.prompts.deterministic else len(self.open)  # copies of a place count once
@@ -259,9 +201,8 @@ class LeaseBook:
 
     def grant(self, holder: str, count: int) -> list[Lease]:
         """`count` leases (the caller checked `capacity`). In a deterministic run each is the next
-        place in the consumption order, to be sampled under the version that place requires; the
-        budget guarantees that version is published (place < (published + max_staleness + 1) *
-        groups_per_step), so a worker asking early is held back by the budget, not given a lease."""
+        place, sampled under the version that place requires; the budget guarantees that version
+        is published, so a worker asking early is held back by the budget, not given a lease."""
         granted = []
         for _ in range(count):
             index = version = None
@@ -278,7 +219,7 @@ class LeaseBook:
                 prompt_id=prompt_id,
                 prompt_token_ids=self.prompts.token_ids(prompt_id),
                 group_size=self.config.group_size,
-                deadline=self.clock() + self.config.orchestrator.lease_timeout_s,
+                deadline=self.open.deadline(),
                 index=index,
                 policy_version=version,
             )
@@ -287,46 +228,36 @@ class LeaseBook:
         return granted
 
     def copy(self, index: int, holder: str) -> Lease:
-        """Deterministic runs: another lease of place `index` (open now) for `holder` - a hedge
-        (orchestrator/lease_policy.py). Same prompt and version, so the same group bit for bit."""
+        """Deterministic runs: another lease of open place `index` for `holder` (a hedge): the
+        same prompt and version, so the same group bit for bit."""
         first = self.open[self.places[index][0]].lease
-        lease = first.model_copy(
-            update={"lease_id": uuid.uuid4().hex, "deadline": self.clock() + self.config.orchestrator.lease_timeout_s}
-        )
+        lease = first.model_copy(update={"lease_id": uuid.uuid4().hex, "deadline": self.open.deadline()})
         self._open(OpenLease(lease=lease, holder=holder, granted_at=self.clock()), granted=True)
         return lease
 
-    def _open(self, open_lease: OpenLease, *, granted: bool) -> None:
-        """Hold an open lease: granted now (journaled), or recovered from the journal."""
-        lease = open_lease.lease
-        self.open[lease.lease_id] = open_lease
-        if lease.index is not None:
-            self.places.setdefault(lease.index, []).append(lease.lease_id)
-        self.deadlines.set(lease.lease_id, lease.deadline)
-        if granted:
-            self.journal.record(LeaseGranted(lease, open_lease.holder))
-
     def reopen(self, open_lease: OpenLease) -> None:
-        """Recovery (orchestrator/recovery.py): an open lease the journal holds, held again (its
-        grant time, for hedging, is now: the journal keeps only its deadline)."""
+        """Recovery: an open lease the journal holds (its grant time, for hedging, is now)."""
         open_lease.granted_at = self.clock()
         self._open(open_lease, granted=False)
 
+    def _open(self, open_lease: OpenLease, *, granted: bool) -> None:
+        lease = open_lease.lease
+        self.open.add(lease.lease_id, open_lease)
+        if lease.index is not None:
+            self.places.setdefault(lease.index, []).append(lease.lease_id)
+        if granted:
+            self.journal.record(LeaseGranted(lease, open_lease.holder))
+
     def expire(self) -> int:
-        """Close overdue leases and lease their prompts again; a late answer is rejected.
-        Returns how many expired."""
-        overdue = self.deadlines.overdue(self.clock(), lambda lease_id: (
-            found.lease.deadline if (found := self.open.get(lease_id)) is not None else None
-        ))
+        """Close overdue leases and lease their prompts again. Returns how many expired."""
+        overdue = self.open.overdue()
         for lease_id in overdue:
             self.close(lease_id, "expired", requeue="back", reason="lease_expired")
         return len(overdue)
 
-    # -- samples --------------------------------------------------------------------------
-
     def add_sample(self, rollout: Rollout, packed: Packed | None) -> OpenLease:
-        """Keep an accepted sample with its open lease (the checks found the lease open), with its
-        completion ids and logprobs as typed arrays: `packed` as they came, or packed now."""
+        """Keep an accepted sample with its open lease, its completion ids and logprobs as typed
+        arrays: `packed` as they came, or packed now."""
         self.seen_rollout_ids[rollout.rollout_id] = rollout.lease_id
         open_lease = self.open[rollout.lease_id]
         # Equal to the lease's prompt (checked): share that list instead of keeping a copy.
@@ -346,52 +277,42 @@ class LeaseBook:
         counted: int | None = None,
         requeue: Requeue | None = None,
     ) -> ClosedLease:
-        """Close an open lease, or move a closed one on (complete -> served or dropped).
+        """Close an open lease, or move a closed one on (complete -> served, skipped or dropped).
 
-        A lease closed without training (`UNTRAINED`) needs the `reason` its samples are dropped
-        for: `counted` of them (default: all it holds) are handed to `on_dropped`. `requeue` puts
-        an open lease's prompt back in line; in a deterministic run every lease closed without
-        training puts its place back (a skipped place would change the run), unless another copy
-        of the place is still open (hedging), it was `superseded` (its place filled) or `skipped`
-        (dynamic sampling: its place was consumed by a step, which dropped it). A
-        complete group is journaled by the buffer when it joins the line (with its place and
-        rewards), not here.
+        A lease closed without training needs the `reason` its samples are dropped for: `counted`
+        of them (default: all it holds) go to `on_dropped`. `requeue` puts an open lease's prompt
+        back in line; a deterministic run puts a `REFILLED` place back itself, once no other copy
+        of it is open. A complete group is journaled by the buffer (with its place and rewards).
         """
         now = self.clock()
         open_lease = self.open.pop(lease_id, None)
-        index = None if open_lease is None else open_lease.lease.index
-        if open_lease is not None:
-            ids = [r.rollout_id for r in open_lease.samples]
-            closed = ClosedLease(open_lease.lease, open_lease.holder, status, now, len(ids), ids)
-            self.closed[lease_id] = closed
-            if requeue is not None and not self.prompts.deterministic:
-                self.prompts.requeue(open_lease.lease.prompt_id, requeue)
-            if index is not None:
-                copies = self.places[index]
-                copies.remove(lease_id)
-                if not copies:
-                    del self.places[index]
-        else:
+        if open_lease is None:
             closed = self.closed[lease_id]
             closed.status, closed.closed_at = status, now
-            index = closed.lease.index
-        if (
-            self.prompts.deterministic and status in UNTRAINED and status not in ("superseded", "skipped") and index is not None
-            and index not in self.places  # another copy of the place is still out: it goes on
-        ):
+        else:
+            ids = [r.rollout_id for r in open_lease.samples]
+            closed = self.closed[lease_id] = ClosedLease(open_lease.lease, open_lease.holder, status, now, len(ids), ids)
+            if closed.lease.index is not None:
+                self.places[closed.lease.index].remove(lease_id)
+                if not self.places[closed.lease.index]:
+                    del self.places[closed.lease.index]
+        index = closed.lease.index  # None unless the run is deterministic
+        if index is None:
+            if requeue is not None and open_lease is not None:
+                self.prompts.requeue(closed.lease.prompt_id, requeue)
+        elif status in REFILLED and index not in self.places:
             self.prompts.requeue(index, "back")
         self.closed_order.append((now, lease_id))
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
             self.on_dropped(closed, reason, (closed.samples if counted is None else counted) if closed.samples else 0)
-            self.journal.record(LeaseClosedAs(lease_id, status, now, drop_samples=bool(closed.samples)))
-        elif status == "served":
-            self.journal.record(LeaseClosedAs(lease_id, status, now, drop_samples=False))
+        if status in UNTRAINED or status == "served":
+            self.journal.record(LeaseClosedAs(lease_id, status, now, drop_samples=status != "served" and closed.samples > 0))
         return closed
 
     def supersede(self, index: int, winner: list[bytes]) -> None:
         """Deterministic runs: a copy of place `index` completed; close its other copies (their
-        samples are duplicates of the winner's, `winner`: its content hashes by sample index)."""
+        samples duplicate the winner's, `winner`: its content hashes by sample index)."""
         for lease_id in list(self.places.get(index, ())):
             closed = self.close(lease_id, "superseded", reason="hedge_lost")
             self.winners[lease_id] = winner
@@ -406,31 +327,26 @@ class LeaseBook:
         return list(self.untold.pop(holder, None) or ())
 
     def _told_needless(self, lease_id: str, holder: str) -> None:
-        """`holder` no longer holds `lease_id` (it posted it, or the lease is forgotten): nothing to tell."""
+        """`holder` no longer holds `lease_id` (it posted it, or the lease is forgotten)."""
         lost = self.untold.get(holder)
-        if lost is None:
-            return
-        lost.pop(lease_id, None)
-        if not lost:
-            del self.untold[holder]
+        if lost is not None:
+            lost.pop(lease_id, None)
+            if not lost:
+                del self.untold[holder]
 
     def lost_copy(self, lease_id: str, holder: str) -> bool:
         """Whether `lease_id` is `holder`'s copy of a place another copy filled: its samples are
-        duplicates of ones already acknowledged, answered as such (never a strike). Its holder,
-        posting it, has finished it: it is no longer told of it."""
-        if lease_id in self.open:
-            return False
+        duplicates (never a strike). Posting it, its holder has finished it: it is not told of it."""
         closed = self.closed_lease(lease_id)
         if closed is None or closed.status != "superseded" or closed.holder != holder:
             return False
-        self._told_needless(lease_id, holder)  # it posted the copy: it has finished it
+        self._told_needless(lease_id, holder)
         return True
 
     # -- a holder's requests ----------------------------------------------------------------
 
     def journaled_ids(self, rollout_ids: list[str]) -> set[str]:
-        """Those of `rollout_ids` acknowledged before a recovery and not held in memory: the
-        journal is asked (one indexed query) only when it holds ids memory does not."""
+        """Those of `rollout_ids` acknowledged before a recovery and not held in memory."""
         if not self.journaled:
             return set()
         return self.journal.acknowledged([i for i in rollout_ids if i not in self.seen_rollout_ids])
@@ -445,13 +361,8 @@ class LeaseBook:
             return None
         return ClosedLease(found.lease, found.holder, found.status, found.closed_at, len(found.rollout_ids), found.rollout_ids)
 
-    def owned(self, lease_id: str, holder: str) -> OpenLease | ClosedLease:
-        found: OpenLease | ClosedLease | None = self.open.get(lease_id) or self.closed_lease(lease_id)
-        missing = f"never granted, or closed more than {self.config.orchestrator.dedupe_window_s:.0f}s ago"
-        return owned_by(found, holder, what=f"lease {lease_id!r}", missing=missing, others="worker")
-
     def state_of(self, lease_id: str, holder: str) -> LeaseState:
-        found = self.owned(lease_id, holder)
+        found = self.open.owned(lease_id, holder, self.closed_lease(lease_id))
         if isinstance(found, OpenLease):
             state, samples = "open", len(found.samples)
         else:
@@ -464,18 +375,16 @@ class LeaseBook:
 
     def renew(self, lease_id: str, holder: str) -> Lease:
         """Push an open lease's deadline to `lease_timeout_s` from now (a slow worker's heartbeat)."""
-        found = self.owned(lease_id, holder)
+        found = self.open.owned(lease_id, holder, self.closed_lease(lease_id))
         if not isinstance(found, OpenLease):
             raise LeaseClosed(f"lease {lease_id!r} is {found.status}; it can no longer be renewed")
-        deadline = self.clock() + self.config.orchestrator.lease_timeout_s
-        found.lease = found.lease.model_copy(update={"deadline": deadline})
-        self.deadlines.set(lease_id, deadline)
-        self.journal.record(LeaseRenewed(lease_id, deadline))
+        self.open.renew(lease_id)
+        self.journal.record(LeaseRenewed(lease_id, found.deadline))
         return found.lease
 
     def release(self, lease_id: str, holder: str) -> LeaseState:
         """The holder gives an open lease back: its prompt goes out again next, its samples are dropped."""
-        found = self.owned(lease_id, holder)
+        found = self.open.owned(lease_id, holder, self.closed_lease(lease_id))
         if not isinstance(found, OpenLease):
             raise LeaseClosed(f"lease {lease_id!r} is {found.status}; there is nothing to release")
         self.close(lease_id, "released", requeue="front", reason="lease_released")
@@ -494,9 +403,8 @@ class LeaseBook:
             if closed is None or closed.closed_at != closed_at:
                 continue  # its status changed later; a later entry stands for it
             if closed.status == "complete" or lease_id in in_batches:
-                # In the buffer, or in a batch that may be asked for again: look again later.
-                self.closed_order.append((self.clock(), lease_id))
-                closed.closed_at = self.closed_order[-1][0]
+                closed.closed_at = self.clock()  # still wanted: look again later
+                self.closed_order.append((closed.closed_at, lease_id))
                 continue
             del self.closed[lease_id]
             self.winners.pop(lease_id, None)

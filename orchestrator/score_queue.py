@@ -1,28 +1,22 @@
 """The scoring queue: samples waiting for a model score, leased to scorers, and the scores posted.
 
-A pipeline stage between "score" and "line up" for runs whose reward needs a model
-(`[orchestrator.rewards] type = model | sum`, docs/rewards.md). RunState (orchestrator/state.py)
-hands each complete group's items to `add` while the buffer holds the group back in its place
-(orchestrator/buffer.py); scorers (the `scorer` role: `decentrl scorer`, workers/scorer.py)
-lease items through the handlers (`lease`, `renew`), score them with their backend and `post`
-the scores; when the last sample of a group is scored, `post` names the group and RunState
-combines the rewards (orchestrator/rewards.py) and lets it join the line.
+A pipeline stage for runs whose reward needs a model (`[orchestrator.rewards] type = model | sum`,
+docs/rewards.md). RunState (orchestrator/state.py) hands each complete group's items to `add`
+while the buffer holds the group back in its place; scorers (workers/scorer.py) lease items
+through the handlers, score them and `post` the scores; `post` names the groups whose last
+sample it scored, and RunState combines their rewards (orchestrator/rewards.py).
 
 Invariants:
-- an item is leased to one scorer at a time; a lease has a deadline (`lease_timeout_s` from
-  the grant or the last renewal); an overdue lease expires (`expire`) and its unscored items go
-  to the front of the queue, to the next scorer that asks (counted as reassigned); a post on an
-  expired lease is refused (409), so a dead or slow scorer never blocks a group;
+- an item is leased to one scorer at a time; an overdue score lease (orchestrator/lease_table.py)
+  expires and its unscored items go to the front of the queue (counted as reassigned); a post on
+  an expired lease is refused (409), so a dead or slow scorer never blocks a group;
 - a post is all or nothing: every score is checked (in range, the step count right, one teacher
-  log-prob per completion token for distillation, in the lease) before any is taken, and a bad
-  one refuses the whole post with a reason (ScoreError);
-- a score is taken once per sample (idempotent by rollout id: a resend is a duplicate) and
-  journaled (the `scores` table) before the answer; a restart re-adds the waiting groups (their
-  samples are in the journal's open leases) with the scores already taken, and leases the rest
-  again: no score and no waiting sample is lost. Score leases themselves are not journaled (a
-  scorer whose lease is unknown after a restart leases again);
-- a group dropped while waiting (stale, banned, failed check) leaves its items here until they
-  come up: `alive(group_id)` says whether its group still waits, and dead items are skipped.
+  log-prob per completion token, in the lease) before any is taken (ScoreError);
+- a score is taken once per sample (a resend is a duplicate) and journaled before the answer; a
+  restart re-adds the waiting groups with the scores already taken and leases the rest again.
+  Score leases themselves are not journaled (a scorer whose lease is unknown leases again);
+- a group dropped while waiting leaves its items here until they come up: `alive(group_id)` says
+  whether its group still waits, and dead items are skipped.
 """
 
 from __future__ import annotations
@@ -36,7 +30,7 @@ from typing import Literal
 from decentrl.api.wire import ScoreAck, ScoreItem, ScorePost, ScoreRenewal, ScoreResult
 from decentrl.config import RewardConfig
 from orchestrator.events import Journaling, ScoreTaken
-from orchestrator.leases import Deadlines, LeaseClosed, owned_by
+from orchestrator.lease_table import LeaseClosed, LeaseTable
 
 # What the queue counts since this orchestrator started (not journaled); /metrics names each
 # decentrl_<name>_total (orchestrator/metrics.py).
@@ -46,8 +40,7 @@ CLOSED_KEPT = 4096  # closed score leases remembered, to answer a late post prec
 
 
 class ScoreError(Exception):
-    """A post whose scores cannot be taken (400). A lease that is unknown, another's or closed
-    raises the prompt leases' own errors (LeaseNotFound, NotLeaseHolder, LeaseClosed)."""
+    """A post whose scores cannot be taken (400)."""
 
     status = 400
 
@@ -71,22 +64,36 @@ class ScoreLeaseEntry:
     unscored: set[str] = field(default_factory=set)
 
 
-def _check_token_logprobs(rid: str, item: ScoreItem, result: ScoreResult) -> None:
-    """On-policy distillation: one teacher log-prob per completion token of an item that carries
-    token ids, none for an item without (their values were checked on the wire: finite, <= 0)."""
+def _check_score(result: ScoreResult, item: ScoreItem | None, low: float, high: float) -> None:
+    """One score against its item (None: its group left): in range, one step score per step, and
+    for distillation one teacher log-prob per completion token (their values were checked on the wire)."""
+    rid = result.rollout_id
+    if result.score is not None and not low <= result.score <= high:
+        raise ScoreError(f"rollout {rid!r}: score {result.score} is outside score_range [{low}, {high}]")
+    steps = item.steps if item is not None else None
+    if result.step_scores is not None:
+        if steps is None:
+            raise ScoreError(f"rollout {rid!r}: step_scores given, but the item has no steps (post null)")
+        if len(result.step_scores) != len(steps):
+            raise ScoreError(f"rollout {rid!r}: {len(result.step_scores)} step scores for {len(steps)} steps (one per step)")
+        bad = next((s for s in result.step_scores if not low <= s <= high), None)
+        if bad is not None:
+            raise ScoreError(f"rollout {rid!r}: step score {bad} is outside score_range [{low}, {high}]")
+    elif steps is not None and result.failure is None:
+        raise ScoreError(f"rollout {rid!r}: the item has {len(steps)} steps; post one step score for each")
+    if item is None:
+        return
     ids = item.completion_token_ids
     if result.token_logprobs is not None:
         if ids is None:
             raise ScoreError(f"rollout {rid!r}: token_logprobs given, but the item has no token ids (post null)")
         if len(result.token_logprobs) != len(ids):
             raise ScoreError(
-                f"rollout {rid!r}: {len(result.token_logprobs)} token log-probs for {len(ids)} completion tokens "
-                "(one per token)"
+                f"rollout {rid!r}: {len(result.token_logprobs)} token log-probs for {len(ids)} completion tokens (one per token)"
             )
     elif ids is not None and result.failure is None:
         raise ScoreError(
-            f"rollout {rid!r}: the item has {len(ids)} completion tokens; post the teacher's log-prob of each "
-            "(token_logprobs)"
+            f"rollout {rid!r}: the item has {len(ids)} completion tokens; post the teacher's log-prob of each (token_logprobs)"
         )
 
 
@@ -97,22 +104,21 @@ class ScoreQueue:
         """`alive(group_id)`: whether the group still waits for its scores (the buffer holds it)."""
         self.config = config
         self.journal = journal
-        self.clock = clock
         self.alive = alive
         self.samples: dict[str, Waiting] = {}  # rollout id -> its item, while its group waits
         self.groups: dict[str, list[str]] = {}  # group id -> its rollout ids, in sample order
         self.queue: deque[str] = deque()  # rollout ids to lease, front first
-        self.leases: dict[str, ScoreLeaseEntry] = {}  # open score leases
+        self.leases: LeaseTable[ScoreLeaseEntry] = LeaseTable(
+            timeout_s=config.lease_timeout_s, clock=clock, what="score lease", others="scorer",
+            missing="never granted, or forgotten (lease again)",
+        )
         self.closed: OrderedDict[str, ScoreLeaseEntry] = OrderedDict()  # the last CLOSED_KEPT closed ones
-        self.deadlines = Deadlines()
-        # Since this orchestrator started: COUNTS.
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()  # COUNTS
 
     # -- groups in ------------------------------------------------------------------------
 
     def add(self, group_id: str, items: list[ScoreItem], taken: dict[str, ScoreResult]) -> None:
-        """A complete group waits for its scores; `taken`: scores already journaled for its
-        samples (after a restart: `complete` then says whether any is still missing)."""
+        """A complete group waits for its scores; `taken`: scores already journaled for its samples."""
         self.groups[group_id] = [item.rollout_id for item in items]
         for item in items:
             waiting = self.samples[item.rollout_id] = Waiting(item, group_id, taken.get(item.rollout_id))
@@ -150,11 +156,8 @@ class ScoreQueue:
             taken.append(rollout_id)
         if not taken:
             return None
-        entry = ScoreLeaseEntry(
-            uuid.uuid4().hex, holder, self.clock() + self.config.lease_timeout_s, taken, unscored=set(taken)
-        )
-        self.leases[entry.lease_id] = entry
-        self.deadlines.set(entry.lease_id, entry.deadline)
+        entry = ScoreLeaseEntry(uuid.uuid4().hex, holder, self.leases.deadline(), taken, unscored=set(taken))
+        self.leases.add(entry.lease_id, entry)
         return entry
 
     def items(self, entry: ScoreLeaseEntry) -> list[ScoreItem]:
@@ -163,8 +166,7 @@ class ScoreQueue:
     def renew(self, lease_id: str, holder: str) -> ScoreRenewal:
         self.expire()
         entry = self._owned(lease_id, holder)
-        entry.deadline = self.clock() + self.config.lease_timeout_s
-        self.deadlines.set(lease_id, entry.deadline)
+        self.leases.renew(lease_id)
         return ScoreRenewal(lease_id=lease_id, deadline=entry.deadline, unscored=len(entry.unscored))
 
     def post(self, holder: str, body: ScorePost) -> tuple[ScoreAck, list[str]]:
@@ -173,6 +175,7 @@ class ScoreQueue:
         self.expire()
         entry = self._owned(body.lease_id, holder, posting=True)
         fresh = self._check(entry, body)
+        groups = set()
         for result in fresh:
             entry.unscored.discard(result.rollout_id)
             waiting = self.samples.get(result.rollout_id)
@@ -181,27 +184,21 @@ class ScoreQueue:
                     self.forget(waiting.group_id)
                 continue  # its group was dropped meanwhile: nothing waits for this score
             waiting.result = result
+            groups.add(waiting.group_id)
             self.journal.record(ScoreTaken(result.rollout_id, waiting.group_id, result.model_dump_json()))
             if result.failure == "parse":
                 self.counts["judge_parse_failures"] += 1
+        duplicates = len(body.scores) - len(fresh)
         self.counts["scores_posted"] += len(fresh)
-        self.counts["scores_duplicate"] += len(body.scores) - len(fresh)
+        self.counts["scores_duplicate"] += duplicates
         self.counts["judge_parse_retries"] += body.parse_retries
         if not entry.unscored and entry.status == "open":
             self._close(entry, "done")
-        done = sorted(
-            {self.samples[r.rollout_id].group_id for r in fresh if r.rollout_id in self.samples},
-        )
-        return (
-            ScoreAck(accepted=len(fresh), duplicates=len(body.scores) - len(fresh), unscored=len(entry.unscored)),
-            [group_id for group_id in done if self.complete(group_id)],
-        )
+        ack = ScoreAck(accepted=len(fresh), duplicates=duplicates, unscored=len(entry.unscored))
+        return ack, [group_id for group_id in sorted(groups) if self.complete(group_id)]
 
     def _owned(self, lease_id: str, holder: str, *, posting: bool = False) -> ScoreLeaseEntry:
-        entry = owned_by(
-            self.leases.get(lease_id) or self.closed.get(lease_id), holder, what=f"score lease {lease_id!r}",
-            missing="never granted, or forgotten (lease again)", others="scorer",
-        )
+        entry = self.leases.owned(lease_id, holder, self.closed.get(lease_id))
         if entry.status == "expired":
             raise LeaseClosed(
                 f"score lease {lease_id!r} expired (no full answer within {self.config.lease_timeout_s:.0f}s); its "
@@ -222,35 +219,15 @@ class ScoreQueue:
             if rid in seen:
                 raise ScoreError(f"rollout {rid!r} is scored twice in one post")
             seen.add(rid)
-            if result.score is not None and not low <= result.score <= high:
-                raise ScoreError(f"rollout {rid!r}: score {result.score} is outside score_range [{low}, {high}]")
             waiting = self.samples.get(rid)
-            steps = waiting.item.steps if waiting is not None else None
-            if result.step_scores is not None:
-                if steps is None:
-                    raise ScoreError(f"rollout {rid!r}: step_scores given, but the item has no steps (post null)")
-                if len(result.step_scores) != len(steps):
-                    raise ScoreError(
-                        f"rollout {rid!r}: {len(result.step_scores)} step scores for {len(steps)} steps (one per step)"
-                    )
-                bad = next((s for s in result.step_scores if not low <= s <= high), None)
-                if bad is not None:
-                    raise ScoreError(f"rollout {rid!r}: step score {bad} is outside score_range [{low}, {high}]")
-            elif steps is not None and result.failure is None:
-                raise ScoreError(f"rollout {rid!r}: the item has {len(steps)} steps; post one step score for each")
-            if waiting is not None:
-                _check_token_logprobs(rid, waiting.item, result)
+            _check_score(result, waiting.item if waiting is not None else None, low, high)
             if rid in entry.unscored:
                 fresh.append(result)
         return fresh
 
-    # -- deadlines ------------------------------------------------------------------------
-
     def expire(self) -> int:
         """Close overdue score leases; their unscored items go to the front of the queue."""
-        overdue = self.deadlines.overdue(self.clock(), lambda lease_id: (
-            entry.deadline if (entry := self.leases.get(lease_id)) is not None else None
-        ))
+        overdue = self.leases.overdue()
         again = []
         for lease_id in overdue:
             entry = self.leases[lease_id]
@@ -265,7 +242,7 @@ class ScoreQueue:
         entry.status = status
         self.leases.pop(entry.lease_id, None)
         self.closed[entry.lease_id] = entry
-        while len(self.closed) > CLOSED_KEPT:
+        if len(self.closed) > CLOSED_KEPT:
             self.closed.popitem(last=False)
 
     # -- for /metrics and /v1/status ----------------------------------------------------------

@@ -17,20 +17,12 @@ from decentrl.config import AdvantageConfig, HedgingConfig, VerificationConfig
 from decentrl.tasks import build_task
 from orchestrator.batches import KeptBatches, build_batch
 from orchestrator.buffer import Buffer, Group, VerifyJob
-from orchestrator.checks import oversized
+from orchestrator.handlers import oversized
 from orchestrator.integrity import Integrity
 from orchestrator.journal import NullJournal
 from orchestrator.lease_policy import MIN_RECENT, Hedges, Places
-from orchestrator.leases import (
-    ClosedLease,
-    Deadlines,
-    LeaseBook,
-    LeaseNotFound,
-    NotLeaseHolder,
-    OpenLease,
-    PromptQueue,
-    owned_by,
-)
+from orchestrator.lease_table import LeaseNotFound, LeaseTable, NotLeaseHolder
+from orchestrator.leases import ClosedLease, LeaseBook, OpenLease, PromptQueue
 
 HOLDER = "alice/w0"
 
@@ -166,25 +158,31 @@ def test_only_the_holder_may_act_on_a_lease(lease_table: Any) -> None:
     assert book.release(granted.lease_id, HOLDER).state == "released"
 
 
-def test_deadlines_give_each_overdue_lease_once_and_skip_renewed_and_closed_ones() -> None:
-    deadlines, current = Deadlines(), {"a": 5.0, "b": 6.0, "c": 7.0}
-    for lease_id, deadline in current.items():
-        deadlines.set(lease_id, deadline)
-    deadlines.set("a", 5.0)  # renewed to the same deadline: two entries, one lease
-    current["b"] = 20.0  # renewed
-    deadlines.set("b", 20.0)
-    del current["c"]  # closed
-    assert deadlines.overdue(10.0, current.get) == ["a"]
-    assert deadlines.overdue(30.0, current.get) == ["b"]
+def test_the_table_gives_each_overdue_lease_once_and_skips_renewed_and_closed_ones(clock: Any) -> None:
+    table: LeaseTable[OpenLease] = LeaseTable(timeout_s=5.0, clock=clock, what="lease", others="worker", missing="gone")
+    for name in "abc":
+        table.add(name, OpenLease(lease=lease(name).model_copy(update={"deadline": table.deadline()}), holder=HOLDER))
+        clock.advance(1.0)
+    table.add("a", table["a"])  # the same deadline again: two entries, one lease
+    table.renew("b")
+    del table["c"]  # closed
+    clock.advance(5.0)
+    assert table.overdue() == ["a"]
+    clock.advance(5.0)
+    assert table.overdue() == ["b"]
 
 
-def test_the_owner_check_names_the_lease_and_who_else_holds_such_leases() -> None:
+def test_the_owner_check_names_the_lease_and_who_else_holds_such_leases(clock: Any) -> None:
+    table: LeaseTable[OpenLease] = LeaseTable(timeout_s=5.0, clock=clock, what="lease", others="worker", missing="gone")
     found = OpenLease(lease=lease("x"), holder=HOLDER)
-    assert owned_by(found, HOLDER, what="lease 'x'", missing="gone", others="worker") is found
-    with pytest.raises(NotLeaseHolder, match="lease 'x' is held by another scorer"):
-        owned_by(found, "bob/s1", what="lease 'x'", missing="gone", others="scorer")
-    with pytest.raises(LeaseNotFound, match="no lease 'x': gone"):
-        owned_by(None, HOLDER, what="lease 'x'", missing="gone", others="worker")
+    table.add("x", found)
+    assert table.owned("x", HOLDER) is found
+    with pytest.raises(NotLeaseHolder, match="lease 'x' is held by another worker"):
+        table.owned("x", "bob/s1")
+    closed = ClosedLease(lease("y"), HOLDER, "expired", 0.0, 0)
+    assert table.owned("y", HOLDER, closed) is closed
+    with pytest.raises(LeaseNotFound, match="no lease 'z': gone"):
+        table.owned("z", HOLDER)
 
 
 # -- hedging (the deterministic lease policy's timing rule) ------------------------------------
