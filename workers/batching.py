@@ -3,19 +3,14 @@ docs/workers.md "Slots and batched generation"), and the soft pause of a weight 
 the worker loop (workers/worker.py).
 
 Each slot queues its unfinished rows as a `Request`; one slot at a time leads a round (`lead`,
-`generate_next`) of the queued requests of every slot and wakes the slots whose requests are
-done. A backend that batches concurrent requests itself (`combine=False`) is not batched again:
-every slot leads a round of its own request, all at once.
+`generate_next`) of the queued requests of every slot. A backend that batches concurrent requests
+itself (`combine=False`) is not batched again: every slot leads its own request, all at once.
 
 Invariants: rows in one call share their tokens left (no row exceeds its budget) and sampling;
 first come, first served; a backend error ends the requests of its batch, raised in each slot;
-generation and weight swaps never overlap.
-
-Deterministic runs (docs/reproducibility.md): a round takes only requests of the head's version
-(`next_version`, loaded by the lead first); rows carry their seeds. A CPU forward is not
-batch-invariant but is row-independent at a fixed shape, so every call has `fixed_rows` rows
-(whole groups of one prompt length, filled with repeats of its own rows, generated then
-discarded). Rows of a group `abandoned` (a hedge's losing copy) leave the queue before their round.
+generation and weight swaps never overlap. Deterministic runs: a round takes only requests of
+one version, and every call has `fixed_rows` rows (a CPU forward is row-independent only at a
+fixed shape); rows of an `abandoned` group (a hedge's losing copy) leave the queue before their round.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ from workers.sample import Sample
 
 @dataclass(eq=False)
 class Request:
-    """One slot's unfinished rows for one round of generation."""
+    """One slot's unfinished rows."""
 
     rows: list[Sample]
     sampling: SamplingParams
@@ -66,17 +61,13 @@ class Call:
         return seeds + [seeds[i % len(seeds)] for i in range(self.filler)]
 
 
-def never_abandoned(group: str) -> bool:
-    return False
-
-
 class Batcher:
     def __init__(
         self,
         *,
         max_rows: int,
         fixed_rows: int | None = None,
-        abandoned: Callable[[str], bool] = never_abandoned,
+        abandoned: Callable[[str], bool] = lambda group: False,
         combine: bool = True,
     ) -> None:
         if max_rows < 1:
@@ -84,8 +75,8 @@ class Batcher:
         self.max_rows = max_rows
         # Deterministic runs: the rows of every call (whole groups + filler); None: a group per call.
         self.fixed_rows = fixed_rows
-        self.abandoned = abandoned  # deterministic runs: whether a group (a lease id) is no longer wanted
-        self.combine = combine  # False: the backend batches concurrent calls itself; each slot leads its own
+        self.abandoned = abandoned  # whether a group (a lease id) is no longer wanted
+        self.combine = combine
         self._queue: deque[Request] = deque()
         # Guards the queue, every request's `done`, `_rounds` and `paused`; notified when any changes.
         self._changed = threading.Condition()
@@ -105,9 +96,8 @@ class Batcher:
             return self._queue[0].version
 
     def lead(self, request: Request) -> bool:
-        """Block until `request` is done (False) or it is not and a round may start (True: the
-        caller leads the next round, calls `generate_next`, then `lead` again). A round may start
-        when no swap is due and, when combining, no other round runs."""
+        """Block until `request` is done (False) or a round may start (True: the caller calls
+        `generate_next`, then `lead` again): no swap is due and, when combining, no round runs."""
         with self._changed:
             while not request.done and (self.paused or (self.combine and self._rounds)):
                 self._changed.wait()
@@ -139,8 +129,7 @@ class Batcher:
         return deadline is not None and time.monotonic() >= deadline
 
     def _drop_abandoned(self) -> None:
-        """(Under `_changed`.) Rows of abandoned groups leave the queue; a request left with no
-        rows is done, and its slot stops waiting."""
+        """(Under `_changed`.) Rows of abandoned groups leave the queue; a request left empty is done."""
         queue, emptied = deque[Request](), False
         for request in self._queue:
             request.rows = [row for row in request.rows if row.group is None or not self.abandoned(row.group)]
@@ -153,8 +142,8 @@ class Batcher:
             self._changed.notify_all()
 
     def fail_next(self, error: BaseException) -> None:
-        """The lead cannot serve the next round (deterministic runs: its version cannot be
-        loaded): every queued request of that version ends with `error`, and the lead passes on."""
+        """The next round's version cannot be loaded: every queued request of that version ends
+        with `error`, and the lead passes on."""
         with self._changed:
             version = self._queue[0].version
             failed = [request for request in self._queue if request.version == version]
@@ -167,15 +156,12 @@ class Batcher:
     def generate_next(
         self, backend: Backend, version: int, should_stop: Callable[[], bool] | None = None, own: Request | None = None
     ) -> None:
-        """The lead's round: take queued requests (whole, first come first served, at least
-        one) while they fit in `max_rows`, generate them with `backend` (whose weights are
-        `version`: no swap runs during a round), and mark them done. Only requests of the
-        head's version (deterministic runs) join it, wherever they are queued: one round per
-        version, not one per change of version along the queue. Rows abandoned since the lead
-        began leave first; if that leaves no request of `version` (the head the lead loaded it
-        for was abandoned), the round ends at once and the next lead loads the version now at
-        the head: rows are never generated under weights they do not name. Not combining, the
-        round is the lead's `own` request alone. `should_stop` (None: `pause_due`) interrupts it."""
+        """The lead's round: take queued requests (whole, first come first served, at least one)
+        while they fit in `max_rows`, generate them under `version`, and mark them done. Only
+        requests of the head's version join, wherever queued (one round per version). If no
+        request of `version` is left (abandoned since the lead loaded it), the round ends at once:
+        rows are never generated under weights they do not name. Not combining, the round is the
+        lead's `own` request alone. `should_stop` (None: `pause_due`) interrupts it."""
         with self._changed:
             self._drop_abandoned()
             if own is not None and not self.combine:
@@ -231,9 +217,8 @@ class Batcher:
 
 def batches(requests: list[Request], max_rows: int, fixed_rows: int | None = None) -> list[Call]:
     """The backend calls for `requests`: rows grouped by tokens left and sampling, in order of
-    first appearance, each cut into chunks of at most `max_rows` rows. Deterministic runs (rows
-    name their group): grouped by prompt length too, and cut into calls of whole groups filled
-    up to `fixed_rows` rows (`fixed_shape`)."""
+    first appearance, cut into chunks of at most `max_rows` rows. Rows that name their group
+    (deterministic runs): grouped by prompt length too, in calls of whole groups (`fixed_shape`)."""
     keyed: dict[tuple[int, str, int | None], tuple[SamplingParams, list[Sample]]] = {}
     for request in requests:
         key = request.sampling.model_dump_json()
@@ -252,9 +237,8 @@ def batches(requests: list[Request], max_rows: int, fixed_rows: int | None = Non
 
 
 def fixed_shape(rows: list[Sample], fixed_rows: int | None) -> list[list[Sample]]:
-    """Deterministic runs: `rows` cut into chunks of whole groups (a group's rows never split, so
-    none of them sees another shape), each chunk as many groups as fit in `fixed_rows` rows
-    (None: one group per chunk)."""
+    """`rows` cut into chunks of whole groups (a group never sees two shapes), as many as fit in
+    `fixed_rows` rows (None: one group per chunk)."""
     groups: dict[str | None, list[Sample]] = {}
     for sample in rows:
         groups.setdefault(sample.group, []).append(sample)

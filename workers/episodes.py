@@ -1,11 +1,10 @@
 """Multi-turn episodes on the worker: the model acts, the environment answers, repeat.
 
-Called by the worker loop (workers/worker.py) when the orchestrator announces a multi-turn task
-(`RunInfo.episode_task`). The episodes of one lease request advance together, one model turn
-each per round, so every round is one batched generation. The transcript is one completion:
-model tokens (loss_mask 1, their sampling logprobs) and environment tokens (loss_mask 0,
-logprob 0). The turn and token limits are decentrl/tasks/episodes.py's, which the
-orchestrator's replay checks; the reward the worker computes is only a claim.
+Called by the worker loop (workers/worker.py) when the orchestrator announces a multi-turn task.
+The episodes of one lease request advance together, one model turn each per round, so every
+round is one batched generation. The transcript is one completion: model tokens (loss_mask 1)
+and environment tokens (loss_mask 0, logprob 0). The limits are decentrl/tasks/episodes.py's,
+which the orchestrator's replay checks; the reward the worker computes is only a claim.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ Complete = Callable[[list[Sample], SamplingParams], None]
 
 
 def episode_task_of(info: RunInfo) -> EpisodeTask | None:
-    """The run's multi-turn task, built here as on the orchestrator; None for single-turn runs."""
+    """The run's multi-turn task, built as on the orchestrator; None for single-turn runs."""
     if info.episode_task is None:
         return None
     task = build_task(TypeAdapter(TaskConfig).validate_python(info.episode_task))
@@ -63,9 +62,8 @@ def take_turn(
 ) -> None:
     """Append the model's turn, let the environment answer, and append the answer or end the episode."""
     assert episode.loss_mask is not None
-    # MoE routes: the model turn was generated on the whole transcript, so its routes cover every
-    # token fed so far; the rows of earlier turns stay as recorded, and the environment's tokens
-    # (and the previous turn's last token) get the rows this turn's forward computed for them.
+    # The model turn's routes cover the whole transcript: the rows of earlier turns stay as
+    # recorded, the environment's tokens get the rows this turn's forward computed for them.
     episode.extend_routes(model.routes)
     episode.extend(model.token_ids, model.logprobs, model.versions, model.masks)
     episode.loss_mask += [1] * len(model.token_ids)

@@ -2,17 +2,13 @@
 
 Called by `decentrl eval` and by benchmarks/async_vs_sync.py, which judges a run by its final
 policy rather than by the rewards of its last training batches (in an asynchronous run those
-were sampled by policies up to `max_staleness` versions older than the final one).
+were sampled by older policies).
 
 Prompts come from a held-out pool by default: a dataset task's eval split, else the task rebuilt
-with another seed, minus every prompt text of the training pool. Tasks whose seed only orders a fixed prompt set (arithmetic,
-countdown, a JSONL file) have no held-out prompts that way; evaluate them with split="train".
-Prompts are rendered as the orchestrator renders them (decentrl/tasks/prompts.py: chat template or raw);
-completions are sampled with the run's `[sampling]` settings (or greedily), through the same
-transformers backend the workers use, and decoded the way the orchestrator decodes to score.
-The figure is correctness only: a task's format credit (`answer.format_reward`,
-decentrl/tasks/answers.py) shapes training, never eval. Besides the mean reward it reports pass@k
-(a sample counts as solved at reward 1.0).
+with another seed, minus every prompt text of the training pool (a task whose seed only orders a
+fixed prompt set has none: evaluate it with split="train"). Prompts are rendered, sampled (the
+hf backend) and decoded as in a run. The figure is correctness only: a task's format credit
+shapes training, never eval. Besides the mean reward it reports pass@k (solved: reward 1.0).
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from decentrl.api.wire import SamplingParams
-from decentrl.config import RunConfig, SamplingConfig
+from decentrl.config import RunConfig
 from decentrl.tasks import Prompt, Task, build_task
 from decentrl.tasks.answers import FormatCredited
 from decentrl.tasks.episodes import EpisodeTask
@@ -58,8 +54,7 @@ class EvalResult:
 
 def eval_prompts(config: RunConfig, split: Split, count: int, seed: int = 0) -> tuple[Task, list[Prompt]]:
     """`count` prompts of `split`, drawn without replacement, and the task they belong to, which
-    scores them: a prompt id indexes its own task's entries (a held-out split's, a reseeded
-    generator's), never the training pool's."""
+    scores them (a prompt id indexes its own task's entries, never the training pool's)."""
     task = build_task(config.task)
     if isinstance(task, EpisodeTask):
         raise EvalError(f"task.type {config.task.type!r} is multi-turn; `decentrl eval` scores single-turn tasks only")
@@ -104,7 +99,9 @@ def evaluate(
     backend = HFBackend(device=device, seed=seed)
     backend.load(checkpoint_dir, version)
     assert backend.tokenizer is not None
-    sampling = _sampling(config.sampling, greedy)
+    sampling = SamplingParams(**config.sampling.model_dump())
+    if greedy:  # top-1: a kept set of one token, whose logprob is 0
+        sampling = sampling.model_copy(update={"top_k": 1})
     samples = 1 if greedy else samples_per_prompt
     encode = make_prompt_encoder(config.prompt, backend.tokenizer, task)  # as the orchestrator renders
     rows = [(prompt, encode(prompt)) for prompt in chosen for _ in range(samples)]
@@ -145,9 +142,3 @@ def pass_at_k_table(rewards: list[float], samples: int) -> dict[str, float]:
     solved = [sum(r == 1.0 for r in rewards[i : i + samples]) for i in range(0, len(rewards), samples)]
     ks = sorted({2**i for i in range(samples.bit_length()) if 2**i <= samples} | {samples})
     return {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in solved) / len(solved) for k in ks}
-
-
-def _sampling(config: SamplingConfig, greedy: bool) -> SamplingParams:
-    """The run's sampling; greedy = top-1 (a kept set of one token: its logprob is 0)."""
-    params = SamplingParams(**config.model_dump())
-    return params.model_copy(update={"top_k": 1}) if greedy else params

@@ -2,10 +2,10 @@
 
     ask (`answers`, a backoff while requests fail) -> hold (`Renewals`) -> work -> post (`Spool`)
 
-Renewing at half the time left before the deadline (the orchestrator's clock; clocks are assumed
-NTP-close) leaves room for a skew below half the lease timeout. The scorer asks, holds and posts
-(unspooled: its posts die with their lease); the worker asks and posts, and does not renew: a
-slow worker's lease expires, so none holds a group back for longer than the lease timeout.
+Renewing at half the time left before the deadline leaves room for a clock skew below half the
+lease timeout. The scorer asks, holds and posts (unspooled: its posts die with their lease); the
+worker asks and posts, and does not renew, so no slow worker holds a group back for longer than
+the lease timeout.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
 
 
 def on_signals(handler: Callable[..., object], *signals: signal.Signals) -> None:
-    """Call `handler` on `signals` (SIGTERM: a graceful stop); only the main thread may install
-    handlers, so elsewhere (a test, a benchmark's thread) nothing is installed."""
+    """Call `handler` on `signals`; only the main thread may install handlers, so elsewhere (a
+    test, a benchmark's thread) nothing is installed."""
     if threading.current_thread() is threading.main_thread():
         for number in signals:
             signal.signal(number, handler)
@@ -52,7 +52,7 @@ def on_signals(handler: Callable[..., object], *signals: signal.Signals) -> None
 def answers(ask: Callable[[], A], *, stop: threading.Event, passing: tuple[type[Exception], ...] = ()) -> Iterator[A]:
     """The answers to `ask` until `stop` is set; an error in `passing` (the orchestrator unreachable
     after the client's retries, an answer that does not validate) is logged and asked again after a
-    backoff (cut short by `stop`), any other propagates. An empty answer is the caller's to wait out."""
+    backoff (cut short by `stop`), any other propagates."""
     failures = 0
     while not stop.is_set():
         try:
@@ -69,14 +69,13 @@ def answers(ask: Callable[[], A], *, stop: threading.Event, passing: tuple[type[
 
 class Renewals:
     """The leases held, each renewed at half the time left before its deadline until let go, by
-    one thread (`run`). `renew(lease_id)` returns the new deadline. A lease gone (403/404/409) is
-    let go: its post would be refused too and its work is with another holder. Any other error
-    ends `run`, kept in `error` for the owner, and calls `failed`."""
+    one thread (`run`). A lease gone (403/404/409) is let go: its post would be refused too and
+    its work is with another holder. Any other error ends `run`, kept in `error`, and calls `failed`."""
 
     def __init__(
         self, renew: Callable[[str], float], *, failed: Callable[[], None], clock: Callable[[], float] = time.time
     ) -> None:
-        self._renew = renew
+        self._renew = renew  # lease id -> its new deadline
         self._failed = failed
         self._clock = clock
         self._changed = threading.Condition()  # guards `_due` and `_closed`; notified when either changes
@@ -98,8 +97,7 @@ class Renewals:
         return now + max(MIN_RENEW_S, (deadline - now) / 2)
 
     def renew_due(self) -> float | None:
-        """Renew every lease due now; when the next one is due (None: none held). Raises what a
-        renewal raised, other than a lease gone."""
+        """Renew every lease due now; when the next one is due (None: none held)."""
         with self._changed:
             now = self._clock()
             due = [lease_id for lease_id, at in self._due.items() if at <= now]
@@ -129,11 +127,10 @@ class Renewals:
                 self._failed()
                 return
             with self._changed:  # (a lease held since `renew_due` is in `_due` already)
-                next_at, now = min(self._due.values(), default=None), self._clock()
+                next_at = min(self._due.values(), default=None)
                 if self._closed:
                     return
-                if next_at is None or next_at > now:
-                    self._changed.wait(60.0 if next_at is None else next_at - now)
+                self._changed.wait(60.0 if next_at is None else max(0.0, next_at - self._clock()))
 
     def close(self) -> None:
         with self._changed:
@@ -142,10 +139,9 @@ class Renewals:
 
 
 class Spool:
-    """Rollout batches on their way, in `directory`: each written before it is sent (write, then
-    rename: never a half file) and removed once acknowledged (accepted, duplicate or rejected). A
-    ConnectionError from `send` leaves it spooled and `unsent` set; `resend` sends what waits,
-    also after a restart with the same directory (rollout ids make resends idempotent)."""
+    """Rollout batches on their way, in `directory`: each written before it is sent (never a half
+    file) and removed once acknowledged. A ConnectionError from `send` leaves it spooled and
+    `unsent` set; `resend` sends what waits, also after a restart (rollout ids make resends idempotent)."""
 
     def __init__(self, directory: str, send: Callable[[RolloutBatch], object]) -> None:
         self.directory = directory
@@ -168,7 +164,7 @@ class Spool:
         return sorted(glob.glob(os.path.join(self.directory, "*.json")))
 
     def resend(self) -> None:
-        """Send what is spooled, oldest first, until a send fails (the rest waits for the next try)."""
+        """Send what is spooled, oldest first, until a send fails."""
         self.unsent = False
         for path in self.pending():
             try:

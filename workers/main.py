@@ -1,10 +1,8 @@
 """The `decentrl worker` process: from a run config to a running worker.
 
-Called by `decentrl worker` (decentrl/cli/main.py) with the config already loaded and its
-`--set` overrides applied. Builds the backend `[worker] backend` names, the orchestrator client
-and the `Worker` (workers/worker.py), then runs it until SIGTERM. torch and the backends are
-imported here, not by the command line, so `decentrl --help` stays fast. An hf worker whose
-`worker.device` names a GPU this machine lacks stops here with one line saying so.
+Called by `decentrl worker` (decentrl/cli/main.py) with the config loaded and `--set` applied.
+Builds the backend, the orchestrator client and the `Worker` (workers/worker.py), then runs it
+until SIGTERM. torch and the backends are imported here, so `decentrl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -16,10 +14,6 @@ from decentrl.config import RunConfig, WorkerConfig
 from decentrl.model.devices import available_gpus, device_problem
 from workers.backends import Backend
 from workers.worker import Worker
-
-
-class DeviceUnavailable(ValueError):
-    """`worker.device` names a GPU this machine does not have; the message names the setting."""
 
 
 def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend:
@@ -40,8 +34,9 @@ def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend
     from workers.backends.hf import HFBackend
 
     problem = device_problem("worker.device", config.device, available_gpus())
-    if problem:
-        raise DeviceUnavailable(problem)
+    if problem:  # a GPU this machine lacks: a setting to change, not a crash (one line, no traceback)
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     return HFBackend(device=config.device, router_noise=router_noise, gpu_memory=config.gpu_memory)
 
 
@@ -52,18 +47,13 @@ def run_worker(
     import torch
 
     torch.set_num_threads(config.worker.torch_threads)
-    try:
-        backend = build_backend(config.worker, router_noise=config.simulation.router_noise)
-    except DeviceUnavailable as exc:  # a setting to change, not a crash: one line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
     worker = Worker(
         config.worker,
         worker_id=worker_id,
         cache_dir=cache_dir,
         spool_dir=spool_dir,
         client=OrchestratorClient(orchestrator_url, token),
-        backend=backend,
+        backend=build_backend(config.worker, router_noise=config.simulation.router_noise),
         store=config.store,
         simulation=config.simulation,
     )

@@ -1,5 +1,5 @@
-"""One completion as the worker builds it, and the wire Rollout it becomes (`to_rollout`);
-used by workers/worker.py, workers/batching.py and workers/episodes.py."""
+"""One completion as the worker builds it (workers/worker.py, batching.py, episodes.py), and the
+wire Rollout it becomes (`to_rollout`)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ class Sample:
     loss_mask: list[int] | None = None  # episodes: 1 model token, 0 environment token
     claimed_reward: float | None = None
     routes: ExpertRouting | None = None  # MoE: experts of every token fed (decentrl/model/routing.py)
-    # Deterministic runs: the sample's own seed, its group (never split across calls, workers/batching.py)
+    # Deterministic runs: its seed, its place in its group, its group (never split across calls)
     # and the version it must be sampled under (the lease's).
     seed: int | None = None
-    index: int | None = None  # j, the sample's place in its group (its seed derives from it)
+    index: int | None = None
     group: str | None = None
     version: int | None = None
 
@@ -42,8 +42,8 @@ class Sample:
 
     def extend_routes(self, routes: ExpertRouting | None) -> None:
         """Routes of a generation of prompt + the tokens before its `extend`. After a weight swap
-        the rows already recorded stay (they routed the tokens sampled under the old weights);
-        the continuation adds the rows past them."""
+        the rows already recorded stay (they routed the old weights' tokens); the continuation
+        adds the rows past them."""
         if routes is None or self.routes is None:
             self.routes = routes
             return
@@ -54,9 +54,8 @@ class Sample:
 def to_rollout(
     run_name: str, worker_id: str, lease: Lease, sample: Sample, sampling: SamplingParams, *, keep_routing: bool
 ) -> Rollout:
-    """The rollout to post for `sample`, generated for `lease`; `token_versions` only when it spans a
-    swap. MoE routes travel only in a keep_routing run: in any other the trainer would replay them
-    all the same (`keep_routing = false` means its routers decide)."""
+    """The rollout to post for `sample`; `token_versions` only when it spans a swap. MoE routes
+    travel only in a keep_routing run: the trainer replays any routes it is given."""
     mixed = len(set(sample.versions)) > 1
     return Rollout(
         rollout_id=uuid.uuid4().hex,

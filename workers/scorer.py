@@ -1,15 +1,15 @@
 """The scorer loop: lease samples to score, score them with the backend, post the scores.
 
-Run by `decentrl scorer` (through `run_scorer` below), by tests and benchmarks; the protocol is
-in docs/rewards.md, what the loop does with each verdict and signal in docs/rewards_backends.md.
-Three threads beside the backend's, so that the backend never waits for HTTP:
+Run by `decentrl scorer` (`run_scorer` below), by tests and benchmarks; the protocol is in
+docs/rewards.md, what the loop does with each verdict in docs/rewards_backends.md. Three threads
+beside the calling one, so that the backend never waits for HTTP:
 
-    lease (the asking thread) -> score (the calling thread) -> check and post (the post thread)
-        renew every lease held until it is posted (the `renew` thread: workers/lease_loop.py)
+    lease (asking thread) -> score (calling thread) -> check and post (post thread)
+        renew every lease held until it is posted (renew thread: workers/lease_loop.py)
 
-A verdict that fails its check (`checked`) is posted as `failure = "parse"`, never a silent 0; a
-transient one (the judge unreachable) is not posted, and its lease expires. A backend that raises,
-or an orchestrator that cannot be reached, stops the scorer; the leases it held expire.
+A verdict that fails its check is posted as `failure = "parse"`, never a silent 0; a transient
+one is not posted, and its lease expires. A backend that raises, or an orchestrator that cannot
+be reached, stops the scorer; the leases it held expire.
 """
 
 from __future__ import annotations
@@ -54,20 +54,20 @@ class Scorer:
         self.stopping = False
         self._halt = threading.Event()  # this run's: set on stop and when the run ends; cuts the asking waits short
         self._renewals = self._new_renewals()
-        self._scored = 0  # leases scored, so far over every run: `counts.leases - _scored` are in hand
+        self._scored = 0  # leases scored over every run: `counts.leases - _scored` are in hand
 
     def _new_renewals(self) -> Renewals:
         return Renewals(lambda lease_id: self.client.renew_score_lease(lease_id, self.scorer_id).deadline,
                         failed=self.request_stop)
 
     def request_stop(self, *_: object) -> None:
-        """SIGTERM/SIGINT: the leases in hand are scored and posted, then `run` returns."""
+        """SIGTERM/SIGINT: the leases in hand (even one answered after the stop) are scored and
+        posted, then `run` returns."""
         self.stopping = True
         self._halt.set()
 
     def run(self, max_leases: int | None = None) -> ScorerCounts:
-        """Lease, score and post until stopped (or `max_leases` leases, counted over every run).
-        A lease answered after a stop was asked for is still scored and posted."""
+        """Lease, score and post until stopped (or `max_leases` leases, counted over every run)."""
         on_signals(self.request_stop, signal.SIGTERM, signal.SIGINT)
         self._halt, self._renewals, self._scored = threading.Event(), self._new_renewals(), self.counts.leases
         if self.stopping:
@@ -102,8 +102,8 @@ class Scorer:
         return self.counts
 
     def _next_lease(self, max_leases: int | None) -> ScoreLease | None:
-        """The asking thread: the next lease with items, held (renewed) from now on; None once
-        stopped or `max_leases` were leased. Asked `ahead` while another is in hand."""
+        """The asking thread: the next lease with items, renewed from now on; None once stopped
+        or `max_leases` were leased."""
 
         def ask() -> ScoreLease | None:
             if max_leases is not None and self.counts.leases >= max_leases:
@@ -122,7 +122,7 @@ class Scorer:
         return None
 
     def post(self, lease: ScoreLease, verdicts: list[Verdict]) -> None:
-        """The post thread: check the verdicts and post them; the lease is let go (no longer renewed) after."""
+        """The post thread: check the verdicts and post them, then let the lease go."""
         try:
             low, high = lease.score_range
             results = []
@@ -194,8 +194,7 @@ def verdict_problem(item: ScoreItem, verdict: Verdict, low: float, high: float) 
 
 
 def run_scorer(config: ScorerConfig, *, orchestrator_url: str, token: str, scorer_id: str) -> ScorerCounts:
-    """`decentrl scorer`: build the backend `[scorer] type` names and score until SIGTERM. A
-    teacher first asks the run for its tokenizer (/v1/info) and refuses another one."""
+    """`decentrl scorer`: build the backend `[scorer] type` names and score until SIGTERM."""
     client = OrchestratorClient(orchestrator_url, token)
     backend = build_scorer_backend(config, run=client.info() if config.type == "teacher" else None)
     return Scorer(config, scorer_id=scorer_id, client=client, backend=backend).run()

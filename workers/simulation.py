@@ -1,23 +1,18 @@
 """Simulated generation latency and router noise ([simulation], benchmarks only; docs/workers.md).
 
-The toy task generates in milliseconds, while real reasoning traces take seconds to minutes with
-a long tail. To measure scheduling (asynchronous vs synchronous, stragglers) with the real
-system, `Worker` wraps its generation step with `SimulatedLatency.around`: each lease request's
-finished samples wait an extra log-normal delay (median `latency_median_s`, shape
-`latency_sigma`), plus `latency_per_token_s` per completion token the request produced (all its
-samples together), and the generation time is multiplied by the worker's slowdown:
+The toy task generates in milliseconds, real reasoning traces in seconds to minutes with a long
+tail. To measure scheduling with the real system, `Worker` wraps its generation step with
+`SimulatedLatency.around`: each lease request's samples wait an extra
 
     extra = generation_s * (slowdown - 1) + slowdown * (median_s * exp(sigma * N(0, 1)) + per_token_s * tokens)
 
-The per-token part makes long completions late, as real reasoning traces are: the toy task's
-own generation time hardly grows with length, so without it dropping late groups could not
-favour short ones (docs/trainer.md, "What the staleness rule throws away"). The delay is a
-wait, costing no CPU, so slots overlap their delays as they would real requests; it ends early
-once every lease of the step lost to another copy (hedging), as a real engine would abort.
-Nothing else in the worker knows about simulation.
+The per-token part makes long completions late, as real ones are, so that dropping late groups
+can favour short ones (docs/trainer.md). The delay is a wait, costing no CPU, so slots overlap
+their delays as they would real requests; it ends early once every lease of the step lost to
+another copy, as a real engine would abort. Nothing else in the worker knows about simulation.
 
 `noisy_routers` ([simulation] router_noise) perturbs an MoE model's router logits in the hf
-backend, as a real inference engine's numerics do (docs/routing.md); benchmarks/routing_replay.py uses it too.
+backend, as a real engine's numerics do (docs/routing.md); benchmarks/routing_replay.py uses it too.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ class SimulatedLatency:
         self.sigma = sigma
         self.per_token_s = per_token_s  # 0 = the delay does not depend on the request's length
         self.slowdown = slowdown  # >= 1; 10 = a worker ten times slower than the rest
-        self._rng = random.Random(seed)
-        self._rng_lock = threading.Lock()  # slots draw from one generator
+        self._rng = random.Random(seed)  # slots draw from one generator, under `woken` (`around`)
 
     @classmethod
     def of(cls, config: SimulationConfig, worker_id: str) -> SimulatedLatency | None:
@@ -60,26 +54,22 @@ class SimulatedLatency:
         )
 
     def extra_delay(self, generation_s: float, tokens: int = 0) -> float:
-        """Seconds to wait after a real generation that took `generation_s` and produced
-        `tokens` completion tokens."""
-        with self._rng_lock:
-            noise = self._rng.gauss(0.0, 1.0)
-        tail = self.median_s * math.exp(self.sigma * noise) if self.median_s > 0 else 0.0
+        """Seconds to wait after a generation of `generation_s` that produced `tokens` tokens."""
+        tail = self.median_s * math.exp(self.sigma * self._rng.gauss(0.0, 1.0)) if self.median_s > 0 else 0.0
         return generation_s * (self.slowdown - 1.0) + self.slowdown * (tail + self.per_token_s * tokens)
 
     def around(
         self, generate: Callable[P, list[Sample]], *, abandoned: Callable[P, bool], woken: threading.Condition
     ) -> Callable[P, list[Sample]]:
-        """`generate`, followed by the extra delay its own duration and the completion tokens
-        of the samples it returns call for; the delay ends early once `abandoned` (called with
+        """`generate`, followed by its extra delay, which ends early once `abandoned` (called with
         the same arguments) holds, checked whenever `woken` is notified."""
 
         def slowed(*args: P.args, **kwargs: P.kwargs) -> list[Sample]:
             started = time.perf_counter()
             samples = generate(*args, **kwargs)
             tokens = sum(len(sample.token_ids) for sample in samples)
-            delay = self.extra_delay(time.perf_counter() - started, tokens)
             with woken:
+                delay = self.extra_delay(time.perf_counter() - started, tokens)
                 woken.wait_for(lambda: abandoned(*args, **kwargs), timeout=delay)
             return samples
 

@@ -1,28 +1,25 @@
 """The worker loop: lease prompts, generate with the loaded version, post; swap weights softly.
 
 Called by `decentrl worker` (through workers/main.py), by tests and by benchmarks/worker.py.
-Settings are the run config's `[worker]` section, with `[store]` for reading versions; the run
-name, group size, staleness bound, store URL and sampling come from the orchestrator, so a
-worker needs no more than its URL and a token. docs/workers.md tells the whole story (faults and
-SIGTERM included).
+Settings are `[worker]` and `[store]`; everything else about the run comes from the orchestrator.
+docs/workers.md tells the whole story (faults and SIGTERM included).
 
 Threads, sharing one condition (`_changed`: versions, copies told lost, counts):
 - `concurrency` slots, each a lease loop (workers/lease_loop.py): ask once the loaded version is
-  fresh (`is_fresh`) -> generate through workers/batching.py -> post through the spool. A
-  simulated latency ([simulation], benchmarks only) wraps a slot's generation step.
-- one swapper (free-running runs) learns of new versions (lease answers, or polling /info),
-  pulls them while generation goes on, then swaps with a soft pause (`Batcher.swapping`): a
-  generation interrupted at `swap_deadline_s` continues under the new version, its
-  `token_versions` saying which version sampled each token.
+  fresh -> generate through workers/batching.py -> post through the spool;
+- one swapper (free-running runs): learns of versions, pulls them while generation goes on, then
+  swaps with a soft pause (`Batcher.swapping`); a generation interrupted at `swap_deadline_s`
+  continues under the new version (`token_versions`).
 
-Deterministic runs (docs/reproducibility.md): no swapper; the slot that leads a generation round
-loads the version its leases name; samples are seeded per (run seed, prompt id, index, version)
-and generated in calls of one fixed shape. A hedged copy the orchestrator says lost
-(`LeaseResponse.superseded`) is abandoned: not generated further, not posted (`copies_abandoned`).
+Deterministic runs (docs/reproducibility.md): no swapper; the slot that leads a round loads the
+version its leases name; samples are seeded and generated in calls of one fixed shape. A hedged
+copy the orchestrator says lost (`LeaseResponse.superseded`) is abandoned: not generated further,
+not posted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -60,11 +57,8 @@ class SwapRecord:
 
 
 class Progress:
-    """A worker's own progress, one line every `interval_s` in its log (stderr of `decentrl worker`,
-    logs/worker-N.log under `decentrl run`), so a volunteer sees their contribution without the
-    orchestrator's dashboard: the newest version it generated with, rollouts accepted, completion
-    tokens a second, rejections by reason, and (hedged deterministic runs) the copies it abandoned
-    because another copy of their place won. `Worker._send` calls `posted` after each acknowledged post."""
+    """A worker's own progress, one line every `interval_s` in its log, so a volunteer sees their
+    contribution without the orchestrator's dashboard. Updated under `Worker._changed`."""
 
     def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s
@@ -73,7 +67,7 @@ class Progress:
         self.tokens = 0
         self.version = -1
         self.rejected: Counter[str] = Counter()
-        self.abandoned = 0  # hedging: leases not posted, another copy of their place filled it first
+        self.abandoned = 0  # hedging: leases not posted, another copy filled their place first
         self._mark = (clock(), 0)  # (time, tokens) at the last line
 
     def posted(self, batch: RolloutBatch, result: IngestResponse) -> None:
@@ -120,23 +114,21 @@ class Worker:
                 "single-turn tasks only (docs/reproducibility.md); set deterministic = false in the run's config"
             )
         self._codec: TextCodec | None = None  # episodes: the model's tokenizer, from the first version loaded
-        # store.url, when set, overrides the URL the orchestrator announces (a closer mirror);
-        # with a public key, versions signed for another run are refused (they name their run).
+        # store.url, when set, overrides the announced URL (a closer mirror); versions signed for
+        # another run are refused (they name their run).
         self.store = CheckpointStore.from_config(
             store.for_reader(store.url or self.info.store_url), run_name=self.info.run_name
         )
         self.spool = Spool(spool_dir or os.path.join(cache_dir, "spool", worker_id), self._send)
         self._stop = threading.Event()
-        # Guards what the threads share below; notified when the announced or loaded version, the
-        # refused versions, the store's state or the copies told lost change, and on stop.
+        # Guards what the threads share below; notified whenever any of it changes, and on stop.
         self._changed = threading.Condition()
         self.announced: int | None = self.info.policy_version
         self._seen_at: dict[int, float] = {}
         self._store_failing = False  # set by the swapper while pulls fail; slots then keep a fresh older version
         self.refused: dict[int, str] = {}  # version -> why it was not loaded; skipped for good
-        # Hedging (deterministic runs): the leases the slots hold, and those of them another copy
-        # filled first (told by the orchestrator), replaced whole; a slot's leases leave both when
-        # the slot is done with them.
+        # Hedging: the leases the slots hold, and those of them another copy filled first (replaced
+        # whole, so `_post` reads it without the lock); a slot's leases leave both when it is done.
         self._held: set[str] = set()
         self._lost: frozenset[str] = frozenset()
         latency = SimulatedLatency.of(simulation, worker_id)
@@ -156,7 +148,7 @@ class Worker:
         )
 
     def request_stop(self, *_: object) -> None:
-        """SIGTERM/SIGINT: every slot finishes the generation in flight, posts it, then exits."""
+        """SIGTERM: every slot finishes the generation in flight, posts it, then exits."""
         self._stop.set()
         with self._changed:
             self._changed.notify_all()
@@ -196,10 +188,9 @@ class Worker:
                 self._changed.notify_all()
 
     def _await_version(self, version: int | None) -> None:
-        """Before generating for leases granted under `version`, wait for the swapper to load
-        it: the orchestrator's lease budget assumes groups are sampled under the version they
-        were leased at, so an older one would mostly end up dropped as stale. Only while the
-        store is failing does generation go on with an older, still fresh, version."""
+        """Wait for the swapper to load `version`, the leases': the orchestrator's lease budget
+        assumes groups are sampled under the version they were leased at. Only while the store
+        is failing does generation go on with an older, still fresh, version."""
         with self._changed:
             while (
                 version is not None
@@ -218,10 +209,9 @@ class Worker:
         return self.announced is not None and self.announced != self.backend.version and self.announced not in self.refused
 
     def _swapper(self) -> None:
-        """The one place weights change: pull the newest announced version, then swap softly.
-        It never dies on what a version holds: a store that cannot be read is retried with
-        backoff; a version that fails verification or loading is refused and skipped, and
-        generation goes on with the weights last loaded (`_refuse`)."""
+        """The one place weights change (free-running runs). It never dies on what a version
+        holds: a failing store is retried with backoff, a version that fails verification or
+        loading is refused, and generation goes on with the weights last loaded."""
         failures = 0
         while not self._stop.is_set():
             with self._changed:
@@ -238,19 +228,16 @@ class Worker:
                 continue
             assert version is not None
             started = time.perf_counter()
-            try:
+            with contextlib.suppress(UnloadableVersion):  # refused: generation goes on with the weights loaded before
                 if (path := self._pull(version, failures)) is None:
                     failures += 1  # the loaded version is kept while it is fresh (slots check)
                     continue
                 failures = 0
                 self._swap(path, version, pull_s=time.perf_counter() - started)
-            except UnloadableVersion:  # refused: generation goes on with the weights loaded before
-                continue
 
     def _pull(self, version: int, failures: int) -> str | None:
-        """`version`'s verified local directory, or None when the store could not be read (after
-        a backoff; `_store_failing` says so meanwhile). A version that fails verification is
-        refused: UnloadableVersion."""
+        """`version`'s verified local directory, or None after a backoff when the store could not
+        be read. A version that fails verification is refused: UnloadableVersion."""
         try:
             path = self.store.pull(version, self.cache_dir)
         except VerificationError as exc:  # the store answered with something not to be trusted
@@ -267,7 +254,7 @@ class Worker:
         return path
 
     def _refuse(self, version: int, exc: Exception) -> UnloadableVersion:
-        """Skip `version` for good (slots waiting for it go on with the loaded version while fresh); the error to raise."""
+        """Skip `version` for good; the error to raise."""
         with self._changed:
             self.refused[version] = f"{type(exc).__name__}: {exc}"
             self._changed.notify_all()
@@ -284,9 +271,9 @@ class Worker:
             self._install(path, version, pull_s=pull_s, paused=paused)
 
     def _install(self, path: str, version: int, *, pull_s: float, paused: float) -> None:
-        """Load `version` into the backend (no generation runs) and record it. Any failure to
-        load a verified version is that version's, and refuses it: the backends check before
-        they copy (decentrl/store/weights.py `copy_into`), so the weights loaded before are whole."""
+        """Load `version` (no generation runs) and record it. Any failure to load a verified
+        version refuses it: the backends check before they copy (decentrl/store/weights.py
+        `copy_into`), so the weights loaded before are whole."""
         try:
             if self.episode_task is not None and self._codec is None:
                 self._codec = load_codec(path)
@@ -306,8 +293,7 @@ class Worker:
     # -- slots ----------------------------------------------------------------------------
 
     def _slot(self, index: int, max_iterations: int | None) -> None:
-        """One lease loop: ask (once the loaded version is fresh), generate, post; slot 0 also
-        resends what the spool holds after a failed send."""
+        """One lease loop: ask, generate, post; slot 0 also resends what a failed send left spooled."""
         request = LeaseRequest(worker_id=self.worker_id, max_groups=self.config.groups_per_request)
         asked = answers(lambda: self._ask(request), stop=self._stop, passing=(ConnectionError, InvalidAnswer))
         for iteration, response in enumerate(asked, start=1):
@@ -318,7 +304,8 @@ class Worker:
             else:
                 if not self.info.deterministic:
                     self._await_version(response.policy_version)
-                self._hold(response.leases)
+                with self._changed:
+                    self._held.update(lease.lease_id for lease in response.leases)
                 try:
                     if self._stop.is_set():
                         self._hand_back(response.leases)
@@ -338,7 +325,7 @@ class Worker:
 
     def _ask(self, request: LeaseRequest) -> LeaseResponse | None:
         """A lease answer, once the loaded version is fresh (a stale one would only produce
-        rejected rollouts); None: stopping. Every answer says the version and the copies lost."""
+        rejected rollouts); None: stopping."""
         with self._changed:
             while not self._stop.is_set() and not self.info.deterministic and not self._fresh():
                 self._changed.wait(timeout=1.0)
@@ -351,7 +338,7 @@ class Worker:
 
     def _generate_leases(self, leases: list[Lease], sampling: SamplingParams) -> list[Sample]:
         """One sample per member of every leased group: a completion, or an episode of a
-        multi-turn task. The slot's generation step (what a simulated latency wraps)."""
+        multi-turn task (what a simulated latency wraps)."""
         if self.episode_task is not None:
             assert self._codec is not None  # set with the first version, loaded before any generation
             owners = [lease for lease in leases for _ in range(lease.group_size)]
@@ -361,8 +348,7 @@ class Worker:
         return samples
 
     def _new_sample(self, lease: Lease, j: int, budget: int) -> Sample:
-        """Sample j of `lease`. Deterministic runs: seeded from (run seed, prompt id, j, the lease's
-        version) and generated under that version, in calls of a fixed shape."""
+        """Sample j of `lease`; in a deterministic run seeded and bound to the lease's version."""
         if not self.info.deterministic:
             return Sample(prompt=lease.prompt_token_ids, budget=budget)
         if (version := lease.policy_version) is None:
@@ -377,10 +363,8 @@ class Worker:
         return samples
 
     def _complete(self, samples: list[Sample], sampling: SamplingParams) -> None:
-        """Complete every sample up to its budget; a generation interrupted by a swap continues
-        under the new weights from where it stopped (prompt + tokens so far). The rows of all
-        slots waiting at once are generated together (workers/batching.py); in a deterministic
-        run one request per version the samples name, each generated under that version."""
+        """Complete every sample up to its budget, across weight swaps (an interrupted one goes on
+        from prompt + tokens so far). A deterministic run queues one request per version named."""
         while unfinished := [s for s in samples if s.finish_reason is None and not self._abandoned(s.group)]:
             wanted = sorted({s.version for s in unfinished}, key=lambda v: -1 if v is None else v)
             requests = [
@@ -402,9 +386,8 @@ class Worker:
                 request.raise_error()
 
     def _load(self, version: int) -> None:
-        """Deterministic runs (the lead, no round beside it): make `version` the loaded one,
-        pulling it first; a failing store is retried with backoff (the lease is renewed by nobody
-        meanwhile: if it expires, it is leased again under the same version, so the run stays the same)."""
+        """Deterministic runs (the lead, no round beside it): make `version` the loaded one. A
+        failing store is retried: a lease that expires meanwhile is leased again under the same version."""
         if self.backend.version == version:
             return
         if version in self.refused:
@@ -419,16 +402,10 @@ class Worker:
 
     # -- hedging: copies that lost (deterministic runs) -----------------------------------------
 
-    def _hold(self, leases: list[Lease]) -> None:
-        with self._changed:
-            self._held.update(lease.lease_id for lease in leases)
-
     def _note_lost(self, lease_ids: list[str]) -> None:
-        """A lease answer told of copies that lost: those this worker holds are abandoned (an id
-        it does not hold, finished or never its own, is ignored)."""
+        """Copies told lost that this worker holds are abandoned (other ids are ignored)."""
         with self._changed:
-            news = self._held.intersection(lease_ids)
-            if news:
+            if news := self._held.intersection(lease_ids):
                 self._lost = self._lost | news
                 self._changed.notify_all()  # a slot in its simulated delay may stop
 
@@ -437,20 +414,17 @@ class Worker:
         ids = {lease.lease_id for lease in leases}
         with self._changed:
             self._held -= ids
-            if not self._lost.isdisjoint(ids):
-                self._lost = self._lost - ids
+            self._lost = self._lost - ids
 
     def _abandoned(self, lease_id: str | None) -> bool:
         return lease_id in self._lost
 
     @property
     def rollouts_posted(self) -> int:
-        """Rollouts the orchestrator accepted from this worker."""
         return self.progress.accepted
 
     @property
     def copies_abandoned(self) -> int:
-        """Leases this worker did not post because another copy of their place filled it first."""
         return self.progress.abandoned
 
     def _hand_back(self, leases: list[Lease]) -> None:
@@ -467,8 +441,8 @@ class Worker:
     # -- posting --------------------------------------------------------------------------
 
     def _post(self, leases: list[Lease], samples: list[Sample], sampling: SamplingParams) -> None:
-        """Spool and send the samples of `leases`, less those of copies that lost (abandoned,
-        finished or not: their post would be a duplicate)."""
+        """Spool and send the samples of `leases`, less those of copies that lost (their post would
+        be a duplicate)."""
         lost = self._lost
         if abandoned := sum(lease.lease_id in lost for lease in leases):
             with self._changed:
@@ -486,15 +460,15 @@ class Worker:
         """The spool's send: post, then count what was acknowledged (a ConnectionError keeps it spooled)."""
         result = self.client.post_rollouts(batch)
         with self._changed:  # slots post at once: the counts are shared
-            self.progress.posted(batch, result)  # a line every 10 s (`Progress`)
+            self.progress.posted(batch, result)
         if result.rejected:
             reasons = Counter(rejection.reason for rejection in result.rejected)
             log.info("orchestrator rejected %d rollouts: %s", len(result.rejected), dict(reasons))
 
 
 class UnloadableVersion(Exception):
-    """A deterministic run's lease names a version this worker refused (it failed verification or
-    loading): the slot hands such leases back instead of generating under another version."""
+    """A version this worker refused: a deterministic run's slot hands its leases back instead of
+    generating under another version."""
 
     def __init__(self, version: int, why: str) -> None:
         super().__init__(f"version {version} cannot be loaded ({why})")

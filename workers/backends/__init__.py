@@ -1,13 +1,9 @@
-"""Inference backends. Each loads a pulled checkpoint directory, swaps weights in place, and
-samples completions with the per-token logprobs of the distribution actually sampled.
-
-Three implementations: `hf` (transformers, workers/backends/hf.py), `vllm` (an in-process vLLM
-engine, vllm_engine.py) and `openai` (any OpenAI-compatible server, openai.py). Called by the
-worker loop (workers/worker.py), and the hf one by `decentrl eval` (workers/evaluate.py).
-
-"The distribution actually sampled" means after temperature and top-k/top-p truncation: a kept
-token's logprob is renormalized over the kept set, and the kept set of every token is returned
-as the sampling mask, so the trainer can apply the same truncation to its own logits.
+"""Inference backends: `hf` (transformers, hf.py), `vllm` (an in-process engine, vllm_engine.py)
+and `openai` (any OpenAI-compatible server, openai.py). Each loads a pulled checkpoint directory,
+swaps weights in place, and samples completions with the per-token logprobs of the distribution
+actually sampled: after temperature and top-k/top-p, renormalized over the kept set, which is
+returned as the sampling mask so the trainer can truncate its own logits the same way. Called by
+the worker loop (workers/worker.py), and the hf one by `decentrl eval` (workers/evaluate.py).
 """
 
 from __future__ import annotations
@@ -36,8 +32,8 @@ class Completion:
 
 
 # `[worker] backend`s whose engine batches concurrent requests itself (a server's continuous
-# batching): the worker calls them from every slot at once instead of combining the slots' rows
-# (workers/batching.py); the in-process engines generate one call at a time.
+# batching): every slot calls it at once, the worker does not combine their rows again
+# (workers/batching.py). The in-process engines generate one call at a time.
 BATCHING_ITSELF = frozenset({"openai"})
 
 
@@ -68,10 +64,9 @@ def truncates(sampling: SamplingParams) -> bool:
 
 
 def extended(before: Completion, chunk: Completion, sampling: SamplingParams, text: Callable[[list[int]], str]) -> Completion:
-    """`before` continued by `chunk`, the next piece of a backend that generates in chunks (so
-    that a soft pause can interrupt it between them): "stop" at a stop string, which may span
-    the two (the engine saw only the chunk), "length" at the budget, else "interrupted" (more to
-    generate). The sampling mask is kept where both have one."""
+    """`before` continued by `chunk`: "stop" at a stop string, which may span the two (the engine
+    saw only the chunk), "length" at the budget, else "interrupted" (more to generate). The
+    sampling mask is kept where both have one."""
     ids, lps = before.token_ids + chunk.token_ids, before.logprobs + chunk.logprobs
     mask = None
     if before.sampling_mask is not None and chunk.sampling_mask is not None:

@@ -1,16 +1,12 @@
 """transformers backend: the CPU default (CUDA when the device says so).
 
 Decoding is a plain loop over the model's forward with a KV cache rather than `generate()`, so
-that the distribution sampled from is computed here, once: temperature, then top-k, then top-p
-(`sampling_distribution` of decentrl/model/sampling.py, which the orchestrator's verifier recomputes),
-and the logprob of each sampled token and the kept set (the sampling mask) come from exactly
-that distribution. The loop also checks `should_stop` between tokens, which is how a
-soft-pause deadline interrupts a generation for a weight swap.
+that the distribution sampled from is computed here, once (`sampling_distribution` of
+decentrl/model/sampling.py, which the orchestrator's verifier recomputes): each token's logprob
+and kept set come from exactly that distribution. `should_stop` is checked between tokens.
 
 With `seeds` (deterministic runs, docs/reproducibility.md) each row samples from its own
-generator, seeded for that sample alone, so a row's tokens do not depend on which other rows
-share the call; the worker calls it at one fixed shape (workers/batching.py), so the logits are
-computed at the same shapes whatever the worker count or slot timing.
+generator, so a row's tokens do not depend on which other rows share the call.
 """
 
 from __future__ import annotations
@@ -53,9 +49,8 @@ class HFBackend:
 
     def load(self, checkpoint_dir: str, version: int) -> None:
         """The first version builds the model; later ones are copied into it in place, all or
-        nothing (decentrl/store/weights.py): only the files the version's manifest lists are read, and
-        a version that cannot be read or does not fit raises (CheckpointError) and leaves the
-        loaded one in use. A LoRA adapter version arrives merged onto its base."""
+        nothing (decentrl/store/weights.py): a version that cannot be read or does not fit raises
+        (CheckpointError) and leaves the loaded one in use."""
         if self.model is None:
             model = load_pretrained(checkpoint_dir, as_published=True).to(self.device).eval()
             self.model, self.tokenizer = model, AutoTokenizer.from_pretrained(model_dir(checkpoint_dir))
@@ -107,11 +102,7 @@ class HFBackend:
             return self._decode(prompts, sampling, should_stop, recorder, generators)
 
     def _decode(
-        self,
-        prompts: list[list[int]],
-        sampling: SamplingParams,
-        should_stop: Callable[[], bool],
-        recorder: RouteRecorder,
+        self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool], recorder: RouteRecorder,
         generators: list[torch.Generator] | None,
     ) -> list[Completion]:
         eos_ids, pad = self._eos_and_pad()

@@ -1,18 +1,21 @@
 """What every scorer backend shares: the `Verdict` it answers per item, the `ScoreBackend` protocol,
-`BackendConfigError`, and the one POST to an OpenAI-compatible server that the judge and the
-server teacher make (`post`: what to ask again, what to give up on). Its own module so that the
-backends and the package's `build_scorer_backend`, which imports them, do not import each other."""
+`BackendConfigError`, and what the judge and the server teacher share: their headers, their tries
+and the one POST to an OpenAI-compatible server (`post`: what to ask again, what to give up on).
+Its own module so that the backends and the package's `build_scorer_backend` do not import each other."""
 
 from __future__ import annotations
 
 import http.client
+import os
+import random
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from decentrl.api.wire import ScoreItem
+from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.model.devices import available_gpus, device_problem, limit_gpu_memory
 
 RETRIED_STATUSES = (408, 429)
@@ -37,8 +40,8 @@ class Verdict:
 
 
 def take_device(device: str, gpu_memory: float | None, torch_threads: int) -> None:
-    """A backend that runs a model here (hf, teacher): its thread count, its device checked (a clear
-    error for a GPU that is not there), its share of the GPU's memory."""
+    """A backend that runs a model here (hf, teacher): its thread count, its device checked, its
+    share of the GPU's memory."""
     import torch  # only the backends that run a model load torch: `decentrl scorer --help` stays fast
 
     torch.set_num_threads(torch_threads)
@@ -46,6 +49,39 @@ def take_device(device: str, gpu_memory: float | None, torch_threads: int) -> No
     if problem:
         raise BackendConfigError(problem)
     limit_gpu_memory(torch.device(device), gpu_memory)
+
+
+def distilled(run: RunInfo) -> tuple[int, str]:
+    """The run's vocabulary size and digest, which a teacher's tokenizer must match; a run that does
+    not distill has none, and no use for a teacher."""
+    if run.vocab_size is None or run.vocab_digest is None:
+        raise BackendConfigError(
+            f"the run {run.run_name!r} does not distill (its /v1/info gives no vocab_digest): a teacher scorer serves "
+            "runs with [orchestrator.advantages.distill] only"
+        )
+    return run.vocab_size, run.vocab_digest
+
+
+def headers(api_key_env: str | None, section: str) -> dict[str, str]:
+    """A JSON POST's headers, with the bearer key read from the variable `api_key_env` names (the
+    key is never logged or put in an error)."""
+    found = {"Content-Type": "application/json"}
+    if api_key_env is not None:
+        key = os.environ.get(api_key_env)
+        if not key:
+            raise BackendConfigError(f"{section} api_key_env = {api_key_env!r}: that environment variable is not set")
+        found["Authorization"] = f"Bearer {key}"
+    return found
+
+
+def attempts(count: int, backoff_s: float) -> Iterator[int]:
+    """Try numbers 0..count-1, sleeping before each retry: `backoff_s`, doubling, with jitter."""
+    delay = backoff_s
+    for attempt in range(count):
+        if attempt:
+            time.sleep(delay * (0.5 + random.random()))
+            delay *= 2
+        yield attempt
 
 
 class Refused(Exception):

@@ -1,11 +1,10 @@
 """The `hf` scorer backend: a reward model, i.e. an AutoModelForSequenceClassification directory.
 
 Built by workers/scorers/__init__.py from `[scorer] type = "hf"`; called by the scorer loop
-(workers/scorer.py) in a thread. Its keys (chat or text input, truncation, label, transform) are
-in docs/rewards_backends.md. Step scores (process rewards) are the scores of the completion's
-prefixes ending at each step (`step_prefixes`): how an outcome reward model is read as a process
-reward model. Texts are deduplicated (the last prefix is usually the whole completion) and
-scored `batch_size` at a time, like lengths together.
+(workers/scorer.py) in a thread; its keys are in docs/rewards_backends.md. Step scores (process
+rewards) are the scores of the completion's prefixes ending at each step (`step_prefixes`): an
+outcome reward model read as a process reward model. Texts are deduplicated (the last prefix is
+usually the whole completion).
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ class HFScoreBackend:
         return None if cut is None else [self.text(item, prefix) for prefix in cut]
 
     def score_texts(self, texts: list[str]) -> list[float]:
-        """The score of each text, `batch_size` texts per forward pass, batched by length (the
-        prefixes of process rewards vary widely: like lengths together pad least)."""
+        """The score of each text, `batch_size` texts per forward pass, like lengths together (they
+        pad least: the prefixes of process rewards vary widely)."""
         import torch
 
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))

@@ -3,27 +3,21 @@
 Built by workers/scorers/__init__.py from `[scorer] type = "openai"`; called by the scorer loop
 (workers/scorer.py) in a thread, and asks the judge `concurrency` samples at a time. The prompt
 template, the verdict parsers and what each answer of the judge leads to are in
-docs/rewards_backends.md. Per sample, up to `max_attempts` tries: a reply that does not parse is
-asked again, then failed as a parse failure (never a silent 0); no reply (a timeout, 408, 429,
-5xx) is asked again, then `transient` (not posted: leased again); 400, 413 or 422 fails the
-sample at once; any other 4xx raises `JudgeError`, since nothing this scorer asks can succeed.
-The API key, read from the variable `api_key_env` names, is never logged or put in an error.
+docs/rewards_backends.md: a reply that does not parse is asked again, then failed as a parse
+failure (never a silent 0); no reply is asked again, then `transient` (not posted: leased again).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import random
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from decentrl.api.wire import ScoreItem
 from decentrl.config import JsonVerdictConfig, OpenAIScorerConfig, RegexVerdictConfig
-from workers.scorers.base import BackendConfigError, Refused, Unreachable, Verdict, post
+from workers.scorers.base import Refused, Unreachable, Verdict, attempts, headers, post
 
 log = logging.getLogger("decentrl.scorer.judge")
 PLACEHOLDER = re.compile(r"\{(prompt|completion|steps)\}")
@@ -92,12 +86,7 @@ class JudgeBackend:
     def __init__(self, config: OpenAIScorerConfig) -> None:
         self.config = config
         self.url = config.base_url.rstrip("/") + "/chat/completions"
-        self._headers = {"Content-Type": "application/json"}
-        if config.api_key_env is not None:
-            key = os.environ.get(config.api_key_env)
-            if not key:
-                raise BackendConfigError(f"[scorer] api_key_env = {config.api_key_env!r}: that environment variable is not set")
-            self._headers["Authorization"] = f"Bearer {key}"
+        self._headers = headers(config.api_key_env, "[scorer]")
         self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="judge")
 
     def score(self, items: list[ScoreItem]) -> list[Verdict]:
@@ -112,11 +101,8 @@ class JudgeBackend:
             "max_tokens": config.max_tokens,
         }).encode()
         steps = None if item.steps is None else len(item.steps)
-        delay, unparsed = config.backoff_s, 0
-        for attempt in range(config.max_attempts):
-            if attempt:
-                time.sleep(delay * (0.5 + random.random()))
-                delay *= 2
+        unparsed = 0
+        for attempt in attempts(config.max_attempts, config.backoff_s):
             try:
                 score, step_scores = parse_verdict(self._ask(body), config.verdict, steps)
                 return Verdict(score, step_scores, retries=unparsed)

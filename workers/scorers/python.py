@@ -1,9 +1,8 @@
 """The `python` scorer backend: an importable function scores, for tests and custom scorers.
 
 Built by workers/scorers/__init__.py from `[scorer] type = "python"`: `function =
-"package.module:name"` is imported once and called as `name(items, **options)` with the leased
-`ScoreItem`s (decentrl/api/wire.py), returning one `Verdict` (workers/scorers/__init__.py) per item,
-in order. It runs in the scorer loop's thread, so it may block (a remote call, a slow model).
+"package.module:name"` is imported once and called as `name(items, **options)`, returning one
+`Verdict` per item, in order. It runs in the scorer loop's thread, so it may block.
 """
 
 from __future__ import annotations

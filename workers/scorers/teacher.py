@@ -1,15 +1,13 @@
 """The `teacher` scorer backend: on-policy distillation's teacher, a causal LM scoring the student's
 own tokens.
 
-Built by workers/scorers/__init__.py from `[scorer] type = "teacher"` with the run's /v1/info (the
-orchestrator's tokenizer: `vocabulary_problem` refuses a teacher with another one before any
-sample is scored); called by the scorer loop (workers/scorer.py) in a thread. For each item (the
-orchestrator sends the prompt's and the completion's token ids when the run distills,
-`[orchestrator.advantages.distill]`) it runs the teacher over prompt + completion and answers
-the log-prob of every completion token given the ids before it (`token_logprobs`) and, as the
-item's score, exp(their mean). The orchestrator turns them into per-token advantages
-(decentrl/rl/advantages.py `distill_advantages`). Invariant: the teacher scores exactly the ids the
-student sampled; no text is decoded or encoded again on the way.
+Built by workers/scorers/__init__.py from `[scorer] type = "teacher"` with the run's /v1/info
+(`vocabulary_problem` refuses a teacher with another tokenizer before any sample is scored);
+called by the scorer loop (workers/scorer.py) in a thread. For each item it runs the teacher over
+prompt + completion token ids and answers the log-prob of every completion token
+(`token_logprobs`) and, as the score, exp(their mean); the orchestrator turns them into per-token
+advantages (decentrl/rl/advantages.py). Invariant: the teacher scores exactly the ids the student
+sampled; no text is decoded or encoded again on the way.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from typing import TYPE_CHECKING
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config import TeacherScorerConfig
 from decentrl.model.tokenizer import vocab_digest
-from workers.scorers.base import BackendConfigError, Verdict, take_device
+from workers.scorers.base import BackendConfigError, Verdict, distilled, take_device
 
 if TYPE_CHECKING:
     import torch
@@ -29,21 +27,17 @@ if TYPE_CHECKING:
 def vocabulary_problem(path: str, *, teacher_vocab: int, teacher_rows: int, teacher_digest: str, run: RunInfo) -> str | None:
     """Why a teacher cannot score this run's samples, or None: its tokenizer must be the run's (the
     same tokens under the same ids: `vocab_digest`), and its model must have a row for every id."""
-    if run.vocab_size is None or run.vocab_digest is None:
-        return (
-            f"the run {run.run_name!r} does not distill (its /v1/info gives no vocab_digest): a teacher scorer serves "
-            "runs with [orchestrator.advantages.distill] only"
-        )
-    if teacher_digest != run.vocab_digest:
-        same = " (the same size, but other tokens or ids)" if teacher_vocab == run.vocab_size else ""
+    vocab_size, digest = distilled(run)
+    if teacher_digest != digest:
+        same = " (the same size, but other tokens or ids)" if teacher_vocab == vocab_size else ""
         return (
             f"teacher {path} has another tokenizer than the run {run.run_name!r}: its vocabulary has {teacher_vocab} "
-            f"tokens, the run's (the student's) {run.vocab_size}{same}. On-policy distillation scores the student's "
+            f"tokens, the run's (the student's) {vocab_size}{same}. On-policy distillation scores the student's "
             "token ids as they are: use a teacher with the student's tokenizer"
         )
-    if teacher_rows < run.vocab_size:
+    if teacher_rows < vocab_size:
         return (
-            f"teacher {path} has {teacher_rows} rows in its embedding for a vocabulary of {run.vocab_size} tokens: "
+            f"teacher {path} has {teacher_rows} rows in its embedding for a vocabulary of {vocab_size} tokens: "
             "every id the student may sample needs one"
         )
     return None

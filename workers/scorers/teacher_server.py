@@ -2,36 +2,11 @@
 OpenAI-compatible completions server that returns the log-probs of a prompt's own tokens.
 
 Built by workers/scorers/__init__.py (the run's /v1/info given); called by the scorer loop
-(workers/scorer.py) in a thread, `concurrency` samples at a time. Per sample, one
-POST BASE_URL/completions whose `prompt` is the token ids as they are (prompt, then completion:
-no text is decoded or encoded again), `max_tokens` 1 at temperature 0 (the one generated token
-is not read), and either
-
-- `prompt_logprobs: 0` (vLLM's extension): `choices[0].prompt_logprobs` holds one entry per id
-  sent, the first null, each other `{"<id>": {"logprob": x, ...}}` (or `{"<id>": x}`) for the id at
-  that position - the id is checked to be the one sent; or
-- `echo: true, logprobs: 0` (the classic form): `choices[0].logprobs.token_logprobs` holds the
-  echoed prompt's log-probs (the first null), then the generated token's.
-
-The entries at the completion's positions are the teacher's `token_logprobs`; the score is
-exp(their mean), as with a directory's teacher (teacher.py). Both forms are the model's own
-log-probs, untempered (vLLM computes them from the raw logits under its default `--logprobs-mode
-raw_logprobs`; temperature 0 is greedy, with no scaling in any mode), hence `[scorer] temperature`
-must stay 1.0 with a server.
-
-What each answer leads to: an answer that does not hold one finite log-prob <= 0 per completion
-token (a missing field, another count, another id, NaN, a positive value) fails the sample at
-once (posted as a parse failure by the loop, counted: a server answers the same ids the same
-way); no answer (a timeout, a dropped connection, 408, 429, 5xx) is asked again after
-`backoff_s`, doubling, up to `max_attempts` tries, then `transient` (not posted: leased again);
-400, 413 or 422 fails the sample at once; any other 4xx raises `TeacherServerError` (a wrong key,
-model or URL: nothing this scorer asks can succeed). The API key, read from the variable
-`api_key_env` names, is never logged or put in an error.
-
-The tokenizer: the server cannot tell which one it has beyond its model's name, so at start-up
-the run must distill (/v1/info gives a vocab_digest), the server's /models must list `model` when
-it answers, and a warning, once, says that the tokenizer being the run's is the operator's to
-ensure (docs/rewards_backends.md).
+(workers/scorer.py) in a thread, `concurrency` samples at a time. Per sample, one POST of the
+token ids as they are (prompt, then completion: no text is decoded or encoded again), read back
+as vLLM's `prompt_logprobs` or the classic `echo` form; the score is exp(their mean), as with a
+directory's teacher (teacher.py). docs/rewards_backends.md has the request, what each answer
+leads to, and why the tokenizer is the operator's to ensure.
 """
 
 from __future__ import annotations
@@ -40,9 +15,6 @@ import http.client
 import json
 import logging
 import math
-import os
-import random
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +22,7 @@ from typing import Any
 
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config.scorer import TeacherScorerConfig, TeacherServerConfig
-from workers.scorers.base import BackendConfigError, Refused, Unreachable, Verdict, post
+from workers.scorers.base import BackendConfigError, Refused, Unreachable, Verdict, attempts, distilled, headers, post
 
 log = logging.getLogger("decentrl.scorer.teacher")
 
@@ -101,24 +73,13 @@ class TeacherServerBackend:
         assert config.server is not None
         self.config, self.server = config, config.server
         self.url = self.server.base_url.rstrip("/") + "/completions"
-        self._headers = {"Content-Type": "application/json"}
-        if self.server.api_key_env is not None:
-            key = os.environ.get(self.server.api_key_env)
-            if not key:
-                raise BackendConfigError(
-                    f"[scorer.server] api_key_env = {self.server.api_key_env!r}: that environment variable is not set"
-                )
-            self._headers["Authorization"] = f"Bearer {key}"
-        if run.vocab_size is None or run.vocab_digest is None:
-            raise BackendConfigError(
-                f"the run {run.run_name!r} does not distill (its /v1/info gives no vocab_digest): a teacher scorer serves "
-                "runs with [orchestrator.advantages.distill] only"
-            )
+        self._headers = headers(self.server.api_key_env, "[scorer.server]")
+        vocab_size, digest = distilled(run)
         self._check_model(self.server)
         log.warning(
             "teacher server %s (model %r): its tokenizer cannot be checked against the run's (%d tokens, digest %s...); "
             "it must be the student's, the same tokens under the same ids - that is the operator's to ensure",
-            self.server.base_url, self.server.model, run.vocab_size, run.vocab_digest[:12],
+            self.server.base_url, self.server.model, vocab_size, digest[:12],
         )
         self._pool = ThreadPoolExecutor(self.server.concurrency, thread_name_prefix="teacher")
 
@@ -163,11 +124,7 @@ class TeacherServerBackend:
         body: dict[str, Any] = {"model": server.model, "prompt": [*prompt, *completion], "max_tokens": 1, "temperature": 0.0}
         body.update({"prompt_logprobs": 0} if server.logprobs == "prompt_logprobs" else {"echo": True, "logprobs": 0})
         data = json.dumps(body).encode()
-        delay = server.backoff_s
-        for attempt in range(server.max_attempts):
-            if attempt:
-                time.sleep(delay * (0.5 + random.random()))
-                delay *= 2
+        for attempt in attempts(server.max_attempts, server.backoff_s):
             try:
                 logprobs = completion_logprobs(self._ask(data), server.logprobs, prompt, completion)
                 return Verdict(math.exp(sum(logprobs) / len(logprobs)), token_logprobs=logprobs)
