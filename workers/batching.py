@@ -165,26 +165,19 @@ class Batcher:
         with self._changed:
             self._drop_abandoned()
             if own is not None and not self.combine:
-                head = own if own in self._queue else None
+                queued = [own] if own in self._queue else []
             else:
-                head = next((r for r in self._queue if r.version is None or r.version == version), None)
-            if head is None:
-                self._rounds -= 1
-                self._changed.notify_all()
-                return
-            self._queue.remove(head)
-            taken, kept, rows = [head], deque[Request](), len(head.rows)
-            while self.combine and self._queue:
-                request = self._queue.popleft()
-                if request.version != head.version:
-                    kept.append(request)
-                elif rows + len(request.rows) <= self.max_rows:
-                    rows += len(request.rows)
-                    taken.append(request)
-                else:  # full: this request and all behind it wait for the next round, in order
-                    kept.append(request)
-                    break
-            self._queue = kept + self._queue
+                queued = [r for r in self._queue if r.version is None or r.version == version][: None if self.combine else 1]
+            taken: list[Request] = []  # none (the head was abandoned): the round ends at once
+            rows = 0
+            for request in queued:
+                if taken and request.version != taken[0].version:
+                    continue
+                if taken and rows + len(request.rows) > self.max_rows:
+                    break  # full: this request and all behind it wait for the next round, in order
+                taken.append(request)
+                rows += len(request.rows)
+            self._queue = deque(request for request in self._queue if request not in taken)
         try:
             for call in batches(taken, self.max_rows, self.fixed_rows):
                 budget = call.sampling.model_copy(update={"max_tokens": call.left})
