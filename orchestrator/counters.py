@@ -1,9 +1,8 @@
 """Where the run stands: the policy versions it knows and the counters it reports.
 
 RunState (orchestrator/state.py) makes one `Versions` and one `Counters` and hands the same
-objects to the parts that read or bump them (leases, checks, batches). Both are journaled in
-the journal's meta row (orchestrator/recovery.py writes and reads that row), so /v1/status and
-/metrics (orchestrator/metrics.py) agree across a restart.
+objects to the parts that read or bump them. Both are journaled in the journal's meta row
+(orchestrator/recovery.py), so /v1/status and /metrics agree across a restart.
 """
 
 from __future__ import annotations
@@ -49,10 +48,9 @@ class Counters:
     groups_served: int = 0
     groups_skipped: int = 0  # dynamic sampling: groups a step consumed and dropped (zero_signal, surplus)
     leases_expired: int = 0
-    # Hedging (deterministic runs, orchestrator/lease_policy.py): second leases granted for a lagging
-    # place; samples of a losing copy posted after the winner, answered as duplicates; and those
-    # of them that differ from the winner's sample of the same index (not bit for bit the same);
-    # losing copies their holders were told of in a lease answer, to stop generating them.
+    # Hedging (orchestrator/lease_policy.py): copies granted for a lagging place; samples of a
+    # losing copy posted after the winner (duplicates), and those that differ from the winner's
+    # sample of the same index; losing copies their holders were told of.
     hedged_leases: int = 0
     hedge_duplicates: int = 0
     hedge_mismatches: int = 0
@@ -66,3 +64,4 @@ class Counters:
         """Complete groups the steps so far took from the front of the line, trained or not: the
         next place a deterministic run serves, and what the lease budget counts as done."""
         return self.groups_served + self.groups_skipped
+

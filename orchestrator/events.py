@@ -2,35 +2,30 @@
 they make of what was committed.
 
 RunState (orchestrator/state.py) gives each part the run's journal as a `Journaling`; a part
-records an event where it changes what a restart must find (a lease granted, a group completed,
-a batch served ...) and knows nothing else of the journal. orchestrator/journal.py turns each
-event into its statements and commits them, in the order recorded, before the HTTP answer that
-follows; with journaling off a NullJournal drops them.
+records an event where it changes what a restart must find and knows nothing else of the
+journal. orchestrator/journal.py turns each event into its statements and commits them, in the
+order recorded, before the HTTP answer that follows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from decentrl.api.encoding import Packed
 from decentrl.api.wire import Lease, Rollout
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseGranted:
+class LeaseGranted(NamedTuple):
     lease: Lease
     holder: str
 
 
-@dataclass(frozen=True, slots=True)
-class RolloutAccepted:
+class RolloutAccepted(NamedTuple):
     rollout: Rollout
     packed: Packed
 
 
-@dataclass(frozen=True, slots=True)
-class GroupCompleted:
+class GroupCompleted(NamedTuple):
     lease_id: str
     ready_seq: int  # its place in line
     rewards: list[float]
@@ -38,42 +33,36 @@ class GroupCompleted:
     at: float
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseClosedAs:
+class LeaseClosedAs(NamedTuple):
     lease_id: str
     status: str
     at: float
     drop_samples: bool  # its samples' bodies can go (it will never be trained on)
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseRenewed:
+class LeaseRenewed(NamedTuple):
     lease_id: str
     deadline: float
 
 
-@dataclass(frozen=True, slots=True)
-class BatchServed:
+class BatchServed(NamedTuple):
     request_id: str
     at: float
     body: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class BatchForgotten:
+class BatchForgotten(NamedTuple):
     """An old batch can no longer be asked for again: its samples' bodies may go."""
 
     request_id: str
     lease_ids: list[str]
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseForgotten:
+class LeaseForgotten(NamedTuple):
     lease_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class ScoreTaken:
+class ScoreTaken(NamedTuple):
     rollout_id: str
     lease_id: str
     result: str  # the ScoreResult as JSON
@@ -95,8 +84,7 @@ class JournaledLease(NamedTuple):
     rollout_ids: list[str]
 
 
-@dataclass
-class IntegrityChanges:
+class IntegrityChanges(NamedTuple):
     """What orchestrator/integrity.py changed since the last commit, written with it."""
 
     forgotten: list[str]  # leases whose content hashes go (first, so a digest may be kept again)
@@ -109,8 +97,6 @@ class Journaling(Protocol):
 
     def record(self, event: Event) -> None: ...
 
-    def acknowledged(self, rollout_ids: list[str]) -> set[str]:
-        """Those of `rollout_ids` the journal holds (acknowledged and not yet forgotten)."""
-        ...
+    def acknowledged(self, rollout_ids: list[str]) -> set[str]: ...
 
     def closed_lease(self, lease_id: str) -> JournaledLease | None: ...

@@ -1,51 +1,39 @@
-"""The orchestrator's durable journal: SQLite in WAL mode under the run dir.
+"""The orchestrator's durable journal: SQLite in WAL mode under the run dir, one file format whose
+schema, writer and reader (`load`) are this module (a rollout's body: orchestrator/codec.py).
 
-What is journaled (the parts of RunState, orchestrator/state.py, `record` an event of
+What is journaled (RunState's parts, orchestrator/state.py, `record` the events of
 orchestrator/events.py as they change):
   meta      one row: versions, prompt cursor, prompts to lease again first, counters
-  leases    every lease not yet forgotten: prompt, holder, deadline, status
-            (open, complete, served, expired, released, dropped), rewards of a complete group
-  rollouts  every acknowledged rollout: its id (for idempotent resends) and, while it may
-            still be trained on or served again, its body
-  batches   the last `batches_kept` batches served, by request id, so a trainer resending a
-            request whose answer was lost gets the same batch and not a second one
-  workers   per worker token, what orchestrator/integrity.py knows of it (strikes, banned,
-            rollouts checked and passed, reward mismatches, rejections), rewritten when it changed
-  scores    every model score posted by a scorer (orchestrator/score_queue.py), by rollout id,
-            while its lease is remembered: a restart loses no score
-  content   the content hash of every sample kept (replay detection, orchestrator/integrity.py)
-            with the lease that kept it first and its claimed version; deleted with the lease's
-            when it closes without training
+  leases    every lease not yet forgotten: prompt, holder, deadline, status, rewards of a complete group
+  rollouts  every acknowledged rollout: its id (resends stay duplicates) and, while it may still be
+            trained on or served again, its body
+  batches   the last `batches_kept` batches served, by request id, so a re-asked request gets the same batch
+  workers   per worker token, what orchestrator/integrity.py knows of it, rewritten when it changed
+  scores    every model score posted (orchestrator/score_queue.py), while its lease is remembered
+  content   the content hash of every sample kept (replay detection) with the lease that kept it
+            first and its claimed version; deleted with the lease's when it closes without training
 
-Write path. Recording only appends a statement to a list in the event loop's thread. A
-handler then awaits `commit()`, which hands everything recorded so far to one writer thread;
-the writer runs all that is queued in one transaction (group commit: while one commit is on
-disk the next requests queue up behind it), commits (fsync with synchronous=FULL), and only
-then wakes the handlers, which answer their clients. Statements are queued in the order the
-state changed, so an answer that depends on an earlier change (a duplicate, a batch holding a
-just-completed group) is never sent before that change is on disk.
+Write path. `record` only appends statements to a list, in the order the state changed. A handler
+then awaits `commit()`, which hands everything recorded so far to one writer thread; it runs all
+that is queued in one transaction (group commit), commits (fsync with synchronous=FULL), and only
+then wakes the handlers, so an answer that depends on a change is never sent before that change
+is on disk.
 
-Read path. At startup `load` reads what recovery rebuilds in memory: the leases still in play
-(open, complete, in a kept batch), the open leases' samples and a (closed_at, lease_id) list of
-the other closed leases. Everything else (the rollout ids of closed leases, their rows, the
-bodies of buffered groups) stays on disk, and RunState's parts look it up from the event loop's
-thread through a second, read-only connection (`acknowledged`, `closed_lease`, `samples`):
-indexed queries of committed rows, which WAL lets run beside the writer.
+Read path. At startup `load` reads what recovery rebuilds in memory (orchestrator/recovery.py):
+the leases still in play, the open leases' samples and (closed_at, lease_id) of the other closed
+leases. The rest stays on disk, looked up from the event loop's thread through a second, read-only
+connection (`acknowledged`, `closed_lease`, `samples`), which WAL lets read beside the writer.
 
-A failed write is fatal: the state in memory is then ahead of the disk, so `failed` is set,
-every later commit raises JournalError and the service answers 503 until restarted, when
-recovery rebuilds the state from what was committed (orchestrator/recovery.py).
-
-With journaling off (`orchestrator.journal = false`) the state holds a `NullJournal`: the same
-methods, recording nothing, so the state's code has one path either way.
-
-The journal is one file format: its schema, its writer and its reader (`load`) are this module;
-a rollout's body in it is orchestrator/codec.py's (`encode_rollout`, `decode_rollout`).
+A failed write is fatal: memory is then ahead of the disk, so `failed` is set, every later commit
+raises JournalError and the service answers 503 until restarted, when recovery rebuilds the state
+from what was committed. With journaling off the state holds a `NullJournal`: the same methods,
+recording nothing, so the state's code has one path either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -138,8 +126,6 @@ SQL_FORGET_CONTENT = "DELETE FROM content WHERE lease_id = ?"
 SQL_SCORE = "INSERT OR IGNORE INTO scores(rollout_id, lease_id, result) VALUES (?, ?, ?)"
 SQL_FORGET_SCORES = "DELETE FROM scores WHERE lease_id = ?"
 
-
-
 class JournalError(RuntimeError):
     """The journal could not commit; the orchestrator must be restarted (it recovers)."""
 
@@ -150,19 +136,14 @@ class JournalMismatch(RuntimeError):
 
 @dataclass
 class Snapshot:
-    """What recovery needs of what was committed, as read at startup: the rows of the leases
-    still in play, and of the others only what forgetting them needs. The rollout ids and bodies
-    of closed leases stay on disk, looked up when asked for (`acknowledged`, `closed_lease`,
-    `samples`), so what is read here grows with the buffer and the open leases, not with the
-    rollouts journaled (docs/benchmarks.md, recovery)."""
+    """What recovery needs of what was committed, as read at startup: it grows with the buffer
+    and the open leases, not with the rollouts journaled."""
 
     meta: dict[str, Any]
     leases: list[sqlite3.Row]  # open and complete leases, and the leases of the batches kept
     rollouts: dict[str, list[tuple[str, bytes | None]]]  # of open leases: lease_id -> [(rollout_id, body)] in acceptance order
     batches: list[tuple[str, dict[str, Any]]]  # (request_id, body) oldest first
-    remembered: list[tuple[float, str]] = field(
-        default_factory=list
-    )  # (closed_at, lease_id) of closed leases not open nor complete, oldest first
+    remembered: list[tuple[float, str]] = field(default_factory=list)  # (closed_at, lease_id) of the other closed leases
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # token name -> integrity record
     content: list[tuple[bytes, str, int]] = field(default_factory=list)  # (digest, lease_id, version)
     scores: dict[str, str] = field(default_factory=dict)  # rollout id -> its ScoreResult as JSON
@@ -330,10 +311,8 @@ class Journal:
         if self._thread is None:
             return
         if self.failed is None:
-            try:
+            with contextlib.suppress(JournalError):
                 await self.commit()
-            except JournalError:
-                pass
         with self._cond:
             self._closing = True
             self._cond.notify()
@@ -467,8 +446,7 @@ def _rows_of(conn: sqlite3.Connection, sql: str, keys: list[str]) -> list[Any]:
 
 
 class NullJournal:
-    """The journal when journaling is off: `Journal`'s methods, recording nothing and committing
-    at once; `load()` finds nothing, so a state built on it starts from scratch."""
+    """The journal when journaling is off: `Journal`'s methods, recording nothing; `load()` finds nothing."""
 
     durable = False
     path = "(no journal)"

@@ -1,35 +1,24 @@
 """The lease policy, chosen once at start-up: free-running, or deterministic.
 
-RunState (orchestrator/state.py) asks its policy at four points and reads as if there were only
-one kind of run:
-- `copies(holder, count)`, when a worker asks for leases: extra leases of lagging places, before
-  any new place (hedging; none in a free-running run);
-- `due_in(holder)`, from the lease long-poll (orchestrator/handlers.py): how long an idle worker
-  may sleep before a copy falls due for it;
-- `lost(rollout, holder)`, at the dedupe stage of ingest: a sample of a copy that lost its place
-  (a duplicate, compared with the winner's);
-- `filled(winner)`, when a group completes: a place filled, its other copies closed as superseded.
+RunState (orchestrator/state.py) asks its policy at four points and reads as if there were one
+kind of run: `copies(holder, count)` when a worker asks for leases (hedges of lagging places,
+before any new place); `due_in(holder)` from the lease long-poll (how long an idle worker may
+sleep before a copy falls due for it); `lost(rollout, holder)` at the dedupe stage of ingest (a
+sample of a copy that lost its place: a duplicate, compared with the winner's); `filled(winner)`
+when a group completes (its other copies close as superseded).
 
-A free-running run leases prompts in any order and has none of this. A deterministic run
-(docs/reproducibility.md) leases numbered places of one consumption order, each sampled under the
-version its place requires; a place's prompt, version and per-sample seeds are fixed, so every copy
-of a place is the same group bit for bit. The copies are leases like any other (LeaseBook.copy,
-orchestrator/leases.py); the first copy of a place to complete fills it and the others are closed
-as `superseded` (LeaseBook.supersede), their holders told in their next lease answer so that they
-stop generating them (LeaseBook.tell). Both honest copies of a place are bit for bit the same on
-one machine type; a difference is counted (`hedge_mismatches`) and logged, not a strike: other
-hardware rounds differently.
+A free-running run has none of this. A deterministic run (docs/reproducibility.md) leases numbered
+places, each with a fixed prompt, version and per-sample seeds, so every copy of a place is the
+same group bit for bit on one machine type; a difference is counted (`hedge_mismatches`) and
+logged, not a strike: other hardware rounds differently. The copies are leases like any other
+(orchestrator/leases.py `copy`, `supersede`, `tell`).
 
 Hedging (`[orchestrator.hedging]`, decentrl/config/orchestrator.py):
-- only places of the next batch the trainer takes (places groups_consumed .. + places_per_step),
-  or of the next `batches` batches;
-- a place is due once its newest open lease has been out `wait` (`hedge_wait`): the shortest
-  time out after which the last RECENT complete groups that took at least that long went on, on
-  average, for `after` times their median lease time or more - a copy is then expected to gain
-  (no time rule before MIN_RECENT of them, nor while lease times have no such tail: a light tail
-  gains nothing from copies); or at once when it is the last place of that batch not yet complete;
-- at most `max_copies` open leases per place, each held by a different worker id: the copy is
-  meant for another machine, and a worker never gets a second copy of a place it holds.
+- only places of the next `batches` batches the trainer takes (from groups_consumed);
+- a place is due once its newest open lease has been out `wait` (`hedge_wait`, from the last
+  RECENT complete groups; none before MIN_RECENT of them, nor while lease times have no heavy
+  tail), or at once when it is the last place of the next batch not yet complete;
+- at most `max_copies` open leases per place, each held by a different worker id.
 """
 
 from __future__ import annotations
@@ -54,7 +43,7 @@ MIN_RECENT = 8  # fewer complete groups than this: no wait yet, only the last pl
 
 @dataclass(frozen=True)
 class Places:
-    """Where the run's places stand (from LeaseBook and the counters), as hedging reads them."""
+    """Where the run's places stand, as hedging reads them."""
 
     open: Mapping[int, list[str]]  # place -> its open leases (LeaseBook.places)
     leases: Mapping[str, OpenLease]  # lease id -> open lease (LeaseBook.open)
@@ -112,10 +101,9 @@ def hedge_wait(times: list[float], after: float) -> float | None:
     """The shortest of `times` (recent lease times, sorted) after which the leases that took longer
     still had, on average, at least `after` x the median of `times` to go; None when none had.
 
-    The mean residual life: a heavy tail (a log-normal's) grows it with the time out, so a lease
-    out that long is likely a straggler and a fresh copy is expected to finish first; a light
-    tail shrinks it, and copies would only take slots from new places. docs/benchmarks.md ("What the
-    scheduling rules allow") compares it with fixed multiples of the median over tails."""
+    The mean residual life: a heavy tail grows it with the time out, so a lease out that long is
+    likely a straggler and a fresh copy is expected to finish first; a light tail shrinks it, and
+    copies would only take slots from new places (docs/benchmarks.md, "What the scheduling rules allow")."""
     threshold = after * statistics.median(times)
     found, longer, total = None, 0, 0.0
     for time_out in reversed(times):
@@ -173,8 +161,7 @@ class Deterministic:
         )
 
     def filled(self, winner: OpenLease) -> None:
-        """The winner's place is complete; its other copies lose, their samples so far compared
-        with the winner's."""
+        """The winner's place is complete; its other copies lose, their samples compared with the winner's."""
         if self.hedges is not None:
             self.hedges.completed(self.clock() - winner.granted_at)
         index = winner.lease.index
@@ -189,8 +176,7 @@ class Deterministic:
         self.lease_book.supersede(index, hashes)
 
     def lost(self, rollout: Rollout, holder: str) -> bool:
-        """Whether `rollout` belongs to `holder`'s copy that lost its place: a duplicate, counted
-        and compared with the winner."""
+        """Whether `rollout` belongs to `holder`'s copy that lost its place (a duplicate, counted)."""
         if not self.lease_book.lost_copy(rollout.lease_id, holder):
             return False
         self.counters.hedge_duplicates += 1
@@ -198,9 +184,10 @@ class Deterministic:
         return True
 
     def _compare(self, sample: Rollout, winner: list[bytes] | None) -> None:
-        """A sample of a losing copy against the winner's sample of the same index."""
+        """A sample of a losing copy against the winner's sample of the same index (the winner is
+        forgotten after a restart)."""
         if winner is None or sample.sample_index is None or sample.sample_index >= len(winner):
-            return  # the winner is forgotten (a restart), or the sample names no valid index
+            return
         if content_hash(sample) != winner[sample.sample_index]:
             self.counters.hedge_mismatches += 1
             log.warning(

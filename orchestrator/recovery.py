@@ -1,15 +1,9 @@
 """Recovery: the journal's meta row, and the state rebuilt from what the journal committed.
 
 RunState (orchestrator/state.py) hands `meta_row` to the journal (written with the next commit
-after a change) and, when it starts on a journal that holds a run, calls `recover` with the
-journal's snapshot (orchestrator/journal.py) before it serves anything. Recovered: versions,
-counters, prompt order, open leases (deadlines, holders, partial samples), the closed leases
-still remembered (those of the buffer and the kept batches in memory; the others, and every
-closed lease's rollout ids, looked up in the journal, so resends stay duplicates), the buffer in
-its order with its rewards, the last batches served (so a re-ask gets the same batch), and what
-integrity knew.
-What a restart cannot know (which samples were picked for a logprob check) RunState redoes
-after `recover` returns.
+that changes it) and, starting on a journal that holds a run, calls `recover` with the journal's
+snapshot (orchestrator/journal.py) before it serves anything. What a restart cannot know (which
+samples were picked for a logprob check) RunState redoes after `recover` returns.
 """
 
 from __future__ import annotations
@@ -18,7 +12,7 @@ import functools
 import json
 import logging
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from decentrl.api.encoding import Packed, pack_sample
@@ -35,6 +29,12 @@ from orchestrator.leases import ClosedLease, LeaseBook, OpenLease
 
 log = logging.getLogger("decentrl.orchestrator.recovery")
 
+# The counters the meta row holds under their own names; one a journal of an older version lacks starts at 0.
+COUNTS = (
+    "rollouts_accepted", "tokens_accepted", "duplicates", "stale_dropped", "groups_served", "groups_skipped",
+    "leases_expired", "hedged_leases", "hedge_duplicates", "hedge_mismatches", "hedge_copies_told", "recoveries",
+)
+
 
 def meta_row(*, versions: Versions, counters: Counters, lease_book: LeaseBook, buffer: Buffer) -> dict[str, Any]:
     """The journal's meta row (key "state"): versions, prompt order position, counters."""
@@ -44,52 +44,18 @@ def meta_row(*, versions: Versions, counters: Counters, lease_book: LeaseBook, b
         "prompt_cursor": lease_book.prompts.cursor,
         "requeued": list(lease_book.prompts.requeued),
         "ready_seq": buffer.ready_seq,
-        "rollouts_accepted": counters.rollouts_accepted,
-        "tokens_accepted": counters.tokens_accepted,
-        "duplicates": counters.duplicates,
         "rejected": dict(counters.rejected),
         "dropped": dict(counters.dropped),
-        "stale_dropped": counters.stale_dropped,
-        "groups_served": counters.groups_served,
-        "groups_skipped": counters.groups_skipped,
-        "leases_expired": counters.leases_expired,
-        "hedged_leases": counters.hedged_leases,
-        "hedge_duplicates": counters.hedge_duplicates,
-        "hedge_mismatches": counters.hedge_mismatches,
-        "hedge_copies_told": counters.hedge_copies_told,
-        "recoveries": counters.recoveries,
+        **{name: getattr(counters, name) for name in COUNTS},
     }
-
-
-def _restore_meta(
-    meta: dict[str, Any], *, versions: Versions, counters: Counters, lease_book: LeaseBook, buffer: Buffer
-) -> None:
-    versions.published = meta["published_version"]
-    versions.trainer = meta["trainer_version"]
-    lease_book.prompts.cursor = meta["prompt_cursor"]
-    lease_book.prompts.requeued = deque(meta["requeued"])
-    buffer.ready_seq = meta["ready_seq"]
-    counters.rollouts_accepted = meta["rollouts_accepted"]
-    counters.tokens_accepted = meta.get("tokens_accepted", 0)  # absent from journals of older versions
-    counters.duplicates = meta["duplicates"]
-    counters.rejected = Counter(meta["rejected"])
-    counters.dropped = Counter(meta["dropped"])
-    counters.stale_dropped = meta["stale_dropped"]
-    counters.groups_served = meta["groups_served"]
-    counters.groups_skipped = meta.get("groups_skipped", 0)  # absent from journals of older versions
-    counters.leases_expired = meta["leases_expired"]
-    counters.hedged_leases = meta.get("hedged_leases", 0)  # absent from journals of older versions
-    counters.hedge_duplicates = meta.get("hedge_duplicates", 0)
-    counters.hedge_mismatches = meta.get("hedge_mismatches", 0)
-    counters.hedge_copies_told = meta.get("hedge_copies_told", 0)
-    counters.recoveries = meta["recoveries"] + 1
 
 
 def _with_place(lease: Lease, lease_book: LeaseBook, ready_seq: int | None, groups_consumed: int) -> Lease:
     """Deterministic runs: a recovered lease with its place and version again. The journal keeps a
     complete group's place (its ready_seq) and an open lease's prompt; a prompt occurs once in any
     num_prompts consecutive places, and an open lease's place lies between the groups consumed and
-    the cursor, so it is the last place before the cursor that holds its prompt."""
+    the cursor, so it is the last place before the cursor that holds its prompt (two open copies
+    of one place get the same place)."""
     queue = lease_book.prompts
     if ready_seq:
         index = ready_seq - 1
@@ -123,16 +89,24 @@ def recover(
 ) -> None:
     """Rebuild the state the journal committed (into freshly made, empty parts).
 
-    Held in memory again: open leases with their samples, the buffer's groups and the batches
-    kept (their samples read from the journal when served or asked for again: `Group.read`,
-    `ServedBatch.build`). Left on disk and looked up there (orchestrator/leases.py): the rollout
-    ids of every closed lease (resends stay duplicates) and the closed leases not in the buffer
-    nor in a kept batch, which are only remembered, oldest first, to be forgotten in time.
-    `restore_steps` gives a group in line or in a kept batch its process rewards again (its steps
-    split again, its step scores from the journal; the reward stage's, orchestrator/reward_stage.py, which reads nothing
-    in a run without step scores), so a batch asked for again carries the same token advantages.
+    Held in memory again: versions, counters, the prompt order, open leases with their samples,
+    the buffer's groups in order with their rewards, the batches kept (so a re-ask gets the same
+    batch; their samples read from the journal when served or asked for again: `Group.read`,
+    `ServedBatch.build`) and what integrity knew. Left on disk and looked up there
+    (orchestrator/leases.py): the rollout ids of every closed lease (resends stay duplicates) and
+    the closed leases not in the buffer nor in a kept batch, only remembered to be forgotten in
+    time. `restore_steps` (orchestrator/reward_stage.py) gives a group in line or in a kept batch
+    its process rewards again, so a batch asked for again carries the same token advantages.
     """
-    _restore_meta(snapshot.meta, versions=versions, counters=counters, lease_book=lease_book, buffer=buffer)
+    meta = snapshot.meta
+    versions.published, versions.trainer = meta["published_version"], meta["trainer_version"]
+    lease_book.prompts.cursor = meta["prompt_cursor"]
+    lease_book.prompts.requeued = deque(meta["requeued"])
+    buffer.ready_seq = meta["ready_seq"]
+    counters.rejected, counters.dropped = Counter(meta["rejected"]), Counter(meta["dropped"])
+    for name in COUNTS:
+        setattr(counters, name, meta.get(name, 0))
+    counters.recoveries += 1
     lease_book.journaled = True
     lease_book.remembered = deque(snapshot.remembered)
     ready: list[Group] = []
@@ -141,32 +115,21 @@ def recover(
         status = row["status"]
         if lease_book.prompts.deterministic and status in ("open", "complete"):
             lease = _with_place(lease, lease_book, row["ready_seq"], counters.groups_consumed)
-        if status != "open":  # in the buffer (complete) or in a batch kept (served): samples stay on disk
-            rewards = json.loads(row["rewards"])
-            lease_book.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], len(rewards))
-            lease_book.closed_order.append((row["closed_at"], lease.lease_id))
-            if status == "complete":
-                ready.append(Group(
-                    lease.lease_id, lease.prompt_id, rewards, row["oldest_version"], row["ready_seq"],
-                    read=functools.partial(_read_samples, journal, lease, run_name),
-                ))
-                restore_steps(ready[-1])
+        if status == "open":
+            entries = snapshot.rollouts.get(lease.lease_id, [])
+            for rollout_id, _ in entries:
+                lease_book.seen_rollout_ids[rollout_id] = lease.lease_id
+            samples, packed = _decoded(entries, lease, run_name)
+            lease_book.reopen(OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed))
             continue
-        entries = snapshot.rollouts.get(lease.lease_id, [])
-        ids = [rollout_id for rollout_id, _ in entries]
-        for rollout_id in ids:
-            lease_book.seen_rollout_ids[rollout_id] = lease.lease_id
-        samples = [
-            decode_rollout(
-                data, rollout_id=rollout_id, lease_id=lease.lease_id, run_name=run_name,
-                prompt_token_ids=lease.prompt_token_ids,
-            )
-            for rollout_id, data in entries
-            if data is not None
-        ]
-        packed = [pack_sample(sample.completion_token_ids, sample.logprobs) for sample in samples]
-        # Two open leases of one place (a hedge) get the same place: the same prompt, last before the cursor.
-        lease_book.reopen(OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed))
+        # In the buffer (complete) or in a batch kept (served): samples stay on disk.
+        rewards = json.loads(row["rewards"])
+        lease_book.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], len(rewards))
+        lease_book.closed_order.append((row["closed_at"], lease.lease_id))
+        if status == "complete":
+            read = functools.partial(_read_samples, journal, lease, run_name)
+            ready.append(Group(lease.lease_id, lease.prompt_id, rewards, row["oldest_version"], row["ready_seq"], read=read))
+            restore_steps(ready[-1])
     buffer.ready = deque(sorted(ready, key=lambda group: group.seq))
     for request_id, body in snapshot.batches:
         lease_ids = body["lease_ids"]
@@ -177,12 +140,11 @@ def recover(
         for lease_id, rewards in zip(lease_ids, body["rewards"], strict=True):
             lease = lease_book.closed[lease_id].lease
             # A served group's oldest version is not asked again (nothing judges it stale): 0 stands in.
-            groups.append(Group(
-                lease_id, lease.prompt_id, rewards, 0, read=functools.partial(_read_samples, journal, lease, run_name)
-            ))
+            read = functools.partial(_read_samples, journal, lease, run_name)
+            groups.append(Group(lease_id, lease.prompt_id, rewards, 0, read=read))
         build = functools.partial(
-            _build_kept, groups, restore_steps, advantages=advantages, trainer_version=body["trainer_version"], batch_id=body["batch_id"],
-            rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],
+            _build_kept, groups, restore_steps, advantages=advantages, trainer_version=body["trainer_version"],
+            batch_id=body["batch_id"], rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],
             stale_report=StaleReport.model_validate(body["stale_report"]) if body.get("stale_report") else None,
         )
         batches.keep(request_id, ServedBatch(body["batch_id"], groups, build))
@@ -198,9 +160,18 @@ def _build_kept(groups: list[Group], restore_steps: Callable[[Group], None], **o
 
 def _read_samples(journal: RunJournal, lease: Lease, run_name: str) -> tuple[list[Rollout], list[Packed]]:
     """A recovered group's samples, read from the journal when it is first served."""
+    return _decoded(journal.samples(lease.lease_id), lease, run_name)
+
+
+def _decoded(
+    entries: Iterable[tuple[str, bytes | None]], lease: Lease, run_name: str
+) -> tuple[list[Rollout], list[Packed]]:
+    """A lease's journaled (rollout id, body), decoded, with their arrays packed. A lease's bodies
+    are kept while it is open or in line (they go when it closes without training or its batch is
+    forgotten)."""
     samples = []
-    for rollout_id, data in journal.samples(lease.lease_id):
-        assert data is not None, f"lease {lease.lease_id}: a complete group's bodies are kept until it is served"
+    for rollout_id, data in entries:
+        assert data is not None, f"lease {lease.lease_id}: the bodies of an open or complete lease are kept"
         samples.append(decode_rollout(
             data, rollout_id=rollout_id, lease_id=lease.lease_id, run_name=run_name, prompt_token_ids=lease.prompt_token_ids,
         ))
