@@ -3,17 +3,12 @@
 The second stage of RunState.ingest (orchestrator/state.py), after the dedupe, run on each rollout
 with what the owner looked up for it: its open lease (or the status its lease closed with) and
 the versions. The part holds no other part. Before it, once per POST /v1/rollouts, the rollouts
-handler (orchestrator/handlers.py) holds the whole post to the size bounds that follow from the
-run's config (`oversized`, a 400: nothing of it is ingested, held or journaled). Cheap checks come
+handler (orchestrator/handlers.py, `oversized`) holds the whole post to the size bounds that follow
+from the run's config (a 400: nothing of it is ingested, held or journaled). Cheap checks come
 first (the lease, the prompt, the sampling params, the versions, the token ranges); an episode is
 replayed against its environment (decentrl/tasks/episodes.py); with verification on, a finish
 reason the tokens contradict is refused too. The reasons are the `reason` of a `Rejection` on the
 wire and are listed in docs/api.md.
-
-Size bounds. The wire models (decentrl/api/wire.py) hold bounds that hold whatever the config;
-the run adds its own: a top-k sampling mask keeps at most top_k ids a token, any mask at most the
-vocabulary. (A completion longer than sampling.max_tokens, a prompt not its lease's, ids outside
-the vocabulary: those are per-rollout rejections; each mask has one entry per completion token.)
 
 MoE routes (Keep Routing; docs/routing.md): the rules are decentrl/model/routing.py's
 `routing_problem`; this module resolves, once per model config, which layers of the run's model
@@ -24,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
 
 from decentrl.api.wire import Lease, Rollout, SamplingParams, value_range
@@ -119,8 +114,18 @@ class IngestChecks:
             return "token_out_of_vocabulary"
         if (problem := routing_problem_of(rollout, self.config.model)) is not None:
             return problem
-        if isinstance(self.task, EpisodeTask):  # the replay checks the ending too
-            assert self.episode_codec is not None
+        episode = isinstance(self.task, EpisodeTask)
+        if not episode and rollout.loss_mask is not None:
+            return "loss_mask_without_episodes"  # a single-turn task has no environment tokens
+        if not episode and self.config.orchestrator.verification.enabled and (
+            # "length" means exactly max_tokens tokens; "stop" means the last token is
+            # end-of-sequence or completes a stop string. (An episode's replay checks its ending.)
+            len(ids) != rollout.sampling.max_tokens if rollout.finish_reason == "length"
+            else not ends_generation(ids, eos_ids=self.end_ids, stops=rollout.sampling.stop, text_of=self.decode)
+        ):
+            return "bad_finish_reason"
+        if episode:
+            assert isinstance(self.task, EpisodeTask) and self.episode_codec is not None
             try:
                 replay_episode(
                     self.task, self.task.prompt(rollout.prompt_id), ids, rollout.loss_mask, rollout.finish_reason,
@@ -129,34 +134,7 @@ class IngestChecks:
             except EpisodeMismatch as exc:
                 log.info("rollout %s: %s", rollout.rollout_id, exc)
                 return "episode_mismatch"
-        elif rollout.loss_mask is not None:
-            return "loss_mask_without_episodes"  # a single-turn task has no environment tokens
-        elif self.config.orchestrator.verification.enabled and self._contradicts_finish_reason(rollout):
-            return "bad_finish_reason"
         return None
-
-    def _contradicts_finish_reason(self, rollout: Rollout) -> bool:
-        """"length" means exactly max_tokens tokens; "stop" means the last token is end-of-sequence
-        or completes a stop string."""
-        ids = rollout.completion_token_ids
-        if rollout.finish_reason == "length":
-            return len(ids) != rollout.sampling.max_tokens
-        return not ends_generation(ids, eos_ids=self.end_ids, stops=rollout.sampling.stop, text_of=self.decode)
-
-
-def oversized(rollouts: Sequence[Rollout], sampling: SamplingParams, vocab_size: int) -> str | None:
-    """What is too large in the first rollout that is (a message naming the field and the run's
-    limit), or None when every rollout fits the run."""
-    per_token = min(sampling.top_k, vocab_size) if sampling.top_k > 0 else vocab_size
-    for index, rollout in enumerate(rollouts):
-        if rollout.sampling_mask is not None:
-            widest = max((len(entry) for entry in rollout.sampling_mask), default=0)
-            if widest > per_token:
-                return (
-                    f"rollouts.{index}.sampling_mask keeps {widest} ids for one token; this run allows at most {per_token} "
-                    f"(sampling.top_k={sampling.top_k}, vocabulary {vocab_size})"
-                )
-    return None
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -23,8 +23,10 @@ from decentrl.api.wire import (
     Health,
     LeaseRequest,
     LeaseResponse,
+    Rollout,
     RolloutBatch,
     RunInfo,
+    SamplingParams,
     StatusResponse,
     TokenCreate,
     TokenCreated,
@@ -64,7 +66,7 @@ from orchestrator.body import (
     respond,
     wants_msgpack,
 )
-from orchestrator.checks import oversized, run_keeps_routing
+from orchestrator.checks import run_keeps_routing
 from orchestrator.codec import packed_arrays
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.metrics import METRICS
@@ -167,6 +169,24 @@ async def lease_release(request: web.Request) -> web.Response:
     answer = await _on_lease(request, RunState.release_lease)
     await notify_all(request.app[LEASES_FREED])
     return answer
+
+
+def oversized(rollouts: Sequence[Rollout], sampling: SamplingParams, vocab_size: int) -> str | None:
+    """What is too large in the first rollout that is (a message naming the field and the run's
+    limit), or None when every rollout fits the run. The wire models (decentrl/api/wire.py) hold
+    the bounds that hold whatever the config; the run adds its own: a top-k sampling mask keeps at
+    most top_k ids a token, any mask at most the vocabulary. (A completion longer than
+    sampling.max_tokens, ids outside the vocabulary: per-rollout rejections, orchestrator/checks.py.)"""
+    per_token = min(sampling.top_k, vocab_size) if sampling.top_k > 0 else vocab_size
+    for index, rollout in enumerate(rollouts):
+        if rollout.sampling_mask is not None:
+            widest = max((len(entry) for entry in rollout.sampling_mask), default=0)
+            if widest > per_token:
+                return (
+                    f"rollouts.{index}.sampling_mask keeps {widest} ids for one token; this run allows at most {per_token} "
+                    f"(sampling.top_k={sampling.top_k}, vocabulary {vocab_size})"
+                )
+    return None
 
 
 async def rollouts(request: web.Request) -> web.Response:

@@ -130,6 +130,23 @@ class Integrity:
             return len(ids) != rollout.sampling.max_tokens
         return not ends_generation(ids, eos_ids=self.eos_ids, stops=rollout.sampling.stop, text_of=self.decode)
 
+    def admit(self, rollout: Rollout, holder: str, reason: str | None) -> tuple[str | None, bool]:
+        """Verification's one word on a posted rollout, after the ingest checks gave `reason`
+        (None: they accept it): the reason it is refused (a banned holder, a replay of content
+        kept before, or the checks' reason, counted against its holder) or None, and whether its
+        logprobs are to be recomputed. An accepted rollout's content is kept."""
+        if self.is_banned(holder):
+            reason = "banned"
+        elif reason is None and self.config.enabled:
+            digest = self.replay_of(rollout)
+            if digest is not None:
+                self.kept(rollout.lease_id, digest, rollout.policy_version)
+                return None, self.wants_check(holder)
+            reason = "replay"
+        if reason is not None:
+            self.rejected(holder, reason)
+        return reason, False
+
     def replay_of(self, rollout: Rollout) -> bytes | None:
         """The rollout's content hash, or None when it replays content kept under another lease
         and another version."""

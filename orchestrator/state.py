@@ -31,9 +31,11 @@ none of which holds another, except the lease policy (it works on the lease tabl
 The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
   1. dedupe   a rollout id already acknowledged is a duplicate, counted once; so is a sample of a
               copy that lost its place (the lease policy compares it with the winner's)
-  2. check    checks.py gives a rejection reason (counted; a stale one drops its whole group)
-  3. record   the sample joins its open lease; integrity keeps its content hash and may pick it
-              for a logprob check; the journal records it
+  2. check    checks.py gives a rejection reason, then integrity its word (`admit`: a banned
+              holder, a replay; verification's one hook); a rejection is counted, and a stale one
+              drops its whole group; an accepted sample's content hash is kept, and it may be
+              picked for a logprob check
+  3. record   the sample joins its open lease; the journal records it
   4. complete when the group is full (and still fresh): the reward stage rewards it (the task's
               verifier) or queues it for scorers; the lease policy fills its place
   5. line up  the group joins the line for the trainer, or is held back in its place until its
@@ -289,19 +291,33 @@ class RunState(RunView):
         accepted, duplicates, rejected = 0, 0, []
         journaled = self.lease_book.journaled_ids([rollout.rollout_id for rollout in rollouts])
         for index, rollout in enumerate(rollouts):
-            if (  # 1. dedupe
-                rollout.rollout_id in self.lease_book.seen_rollout_ids or rollout.rollout_id in journaled
-                or self.lease_policy.lost(rollout, holder)
-            ):
+            rollout_id, lease_id = rollout.rollout_id, rollout.lease_id
+            # 1. dedupe
+            if rollout_id in self.lease_book.seen_rollout_ids or rollout_id in journaled or self.lease_policy.lost(rollout, holder):
                 duplicates += 1
                 continue
-            reason, digest = self._check(rollout, holder)  # 2. check
+            # 2. check, then verification's word (orchestrator/integrity.py `admit`)
+            open_lease = self.lease_book.open.get(lease_id)
+            closed = self.lease_book.closed_lease(lease_id) if open_lease is None else None
+            reason = self.checks.reason(
+                rollout, holder, lease=open_lease, closed=closed.status if closed is not None else None,
+                published=self.versions.published, trainer=self.versions.trainer,
+            )
+            reason, check = self.integrity.admit(rollout, holder, reason)
             if reason is not None:
-                self._reject(rollout, holder, reason)
-                rejected.append(Rejection(rollout_id=rollout.rollout_id, reason=reason))
+                rejected.append(Rejection(rollout_id=rollout_id, reason=reason))
+                self.counters.rejected[reason] += 1
+                if reason == "stale":  # the group can no longer train as a whole: free its place at once
+                    self._drop(lease_id, "stale_at_ingest", requeue="back")
+                    self.counters.stale_dropped += 1  # this sample; the close counted those it held
+                    self.counters.stale_since_batch.add([len(rollout.completion_token_ids)], None)
                 continue
-            arrays = packed[index] if packed is not None else None  # None: packed as it is kept
-            open_lease = self._record(rollout, holder, arrays, digest)  # 3. record
+            # 3. record (packed: None when the body was JSON, packed as it is kept)
+            open_lease = self.lease_book.add_sample(rollout, packed[index] if packed is not None else None)
+            if check:
+                open_lease.check.append(len(open_lease.samples) - 1)
+            self.journal.record(RolloutAccepted(rollout, open_lease.packed[-1]))
+            self.counters.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
             accepted += 1
             if len(open_lease.samples) == open_lease.lease.group_size:
                 self._complete(open_lease)  # 4. complete, 5. line up
@@ -309,42 +325,6 @@ class RunState(RunView):
         self.counters.duplicates += duplicates
         self._apply_bans()
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
-
-    def _check(self, rollout: Rollout, holder: str) -> tuple[str | None, bytes | None]:
-        """Why `rollout` is refused (None: accepted), and with verification on its content hash,
-        kept to refuse replays of it."""
-        if self.integrity.is_banned(holder):
-            return "banned", None
-        open_lease = self.lease_book.open.get(rollout.lease_id)
-        closed = self.lease_book.closed_lease(rollout.lease_id) if open_lease is None else None
-        reason = self.checks.reason(
-            rollout, holder, lease=open_lease, closed=closed.status if closed is not None else None,
-            published=self.versions.published, trainer=self.versions.trainer,
-        )
-        if reason is not None or not self.config.orchestrator.verification.enabled:
-            return reason, None
-        digest = self.integrity.replay_of(rollout)
-        return ("replay", None) if digest is None else (None, digest)
-
-    def _reject(self, rollout: Rollout, holder: str, reason: str) -> None:
-        self.counters.rejected[reason] += 1
-        self.integrity.rejected(holder, reason)
-        if reason == "stale":
-            # The group can no longer train as a whole: free its slot at once rather than hold
-            # it until the lease expires.
-            self._drop(rollout.lease_id, "stale_at_ingest", requeue="back")
-            self.counters.stale_dropped += 1  # this sample; the close counted those it held
-            self.counters.stale_since_batch.add([len(rollout.completion_token_ids)], None)
-
-    def _record(self, rollout: Rollout, holder: str, packed: Packed | None, digest: bytes | None) -> OpenLease:
-        open_lease = self.lease_book.add_sample(rollout, packed)
-        if digest is not None:  # verification enabled
-            self.integrity.kept(rollout.lease_id, digest, rollout.policy_version)
-            if self.integrity.wants_check(holder):
-                open_lease.check.append(len(open_lease.samples) - 1)
-        self.counters.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
-        self.journal.record(RolloutAccepted(rollout, open_lease.packed[-1]))
-        return open_lease
 
     def _complete(self, open_lease: OpenLease) -> None:
         """The group is full: reward it, fill its place, then put it in line or hold it back."""
