@@ -258,8 +258,12 @@ def _table(config: RunConfig, metrics: list[dict], status: dict | None, rollouts
 
 
 def summarize(metrics: list[dict[str, object]], window: int = 10) -> dict[str, float]:
+    """The mean reward of the first and of the last `window` steps; in a run of fewer than twice
+    `window` steps, of its first and last halves, which never overlap (a shared window hid a gain)."""
     rewards = [float(m["reward_mean"]) for m in metrics]
-    n = min(window, len(rewards))
+    if not rewards:
+        return {"steps": 0, "window": 0, "reward_first": 0.0, "reward_last": 0.0, "reward_gain": 0.0}
+    n = max(1, min(window, len(rewards) // 2))
     first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
     return {"steps": len(rewards), "window": n, "reward_first": first, "reward_last": last, "reward_gain": last - first}
 
@@ -351,8 +355,9 @@ def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token:
     summary = {**summarize(metrics), "wall_s": time.monotonic() - started}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(
-        f"done in {summary['wall_s']:.0f}s: mean reward of the first {min(10, len(metrics))} steps "
-        f"{summary['reward_first']:.3f}, of the last {summary['reward_last']:.3f} (gain {summary['reward_gain']:+.3f})"
+        f"done in {summary['wall_s']:.0f}s: mean reward of the first {summary['window']} steps "
+        f"{summary['reward_first']:.3f}, of the last {summary['window']} {summary['reward_last']:.3f} "
+        f"(gain {summary['reward_gain']:+.3f})"
     )
     console.print(f"run dir: {run_dir} (config.json, logs/, metrics.jsonl, checkpoints/, summary.json)")
     return 0

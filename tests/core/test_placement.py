@@ -1,6 +1,6 @@
 """[placement]: the config's checks, who goes on which GPU, the start-up checks against the
 machine's GPUs (given as a count, so all of it runs on CPU), and the commands and environments
-`decentrl run` builds from it - unchanged for a config without [placement]."""
+`decentrl run` builds from it - unchanged for a config without [placement]; and the summary it prints."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from decentrl.cli.launch import launch, role_starts
+from decentrl.cli.launch import launch, role_starts, summarize
 from decentrl.cli.main import app
 from decentrl.config import ConfigError, HFScorerConfig, Placed, RunConfig, load_config, parse_config
 from decentrl.model.devices import device_problem, gpus_problem, placement_problem
@@ -249,3 +249,17 @@ def test_the_gpu_configs_place_their_roles_and_need_the_gpus_they_name() -> None
     assert node.worker.backend == "vllm"
     assert placement_problem(node, 8) is None
     assert "names GPU 4" in (placement_problem(node, 4) or "")
+
+
+def test_the_run_summary_compares_windows_that_never_overlap() -> None:
+    def steps(*rewards: float) -> list[dict[str, object]]:
+        return [{"reward_mean": r} for r in rewards]
+
+    # Fewer than twice the window: the first and last halves (a shared window showed a gain of 0).
+    short = summarize(steps(0.0, 0.1, 0.5, 0.7, 0.9), window=10)
+    assert (short["window"], short["reward_first"], short["reward_last"]) == (2, pytest.approx(0.05), pytest.approx(0.8))
+    assert short["reward_gain"] == pytest.approx(0.75)
+    long = summarize(steps(*[0.0] * 10, *[1.0] * 10, *[0.5] * 10), window=10)
+    assert (long["window"], long["reward_first"], long["reward_last"], long["reward_gain"]) == (10, 0.0, 0.5, 0.5)
+    assert summarize(steps(0.4))["reward_gain"] == 0.0  # one step: nothing to compare
+    assert summarize([])["steps"] == 0
