@@ -79,14 +79,13 @@ class Scorer:
         try:
             # The next lease to score and `leases_ahead` beyond it, asked for (or answered) already.
             asked = deque(asking.submit(self._next_lease, max_leases) for _ in range(self.config.leases_ahead + 1))
-            posts: list[Future[None]] = []
+            posts: deque[Future[None]] = deque()  # in order: one post thread finishes them first to last
             while (lease := asked.popleft().result()) is not None:  # None: stopped, or max_leases reached
                 verdicts = self.backend.score(lease.items)
                 self._scored += 1
                 asked.append(asking.submit(self._next_lease, max_leases))
-                for future in [future for future in posts if future.done()]:
-                    future.result()  # a post that failed stops the scorer
-                posts = [future for future in posts if not future.done()]
+                while posts and posts[0].done():
+                    posts.popleft().result()  # a post that failed stops the scorer
                 posts.append(posting.submit(self.post, lease, verdicts))
             for future in posts:
                 future.result()

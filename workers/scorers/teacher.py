@@ -43,6 +43,18 @@ def vocabulary_problem(path: str, *, teacher_vocab: int, teacher_rows: int, teac
     return None
 
 
+def item_problem(item: ScoreItem, max_length: int) -> str | None:
+    """Why a teacher cannot score `item` (posted as a parse failure), or None."""
+    prompt, completion = item.prompt_token_ids, item.completion_token_ids
+    if prompt is None or completion is None:
+        return "the item has no token ids: is the run distilling?"
+    if not prompt or not completion:
+        return f"{len(prompt)} prompt and {len(completion)} completion tokens: both need one"
+    if len(prompt) + len(completion) > max_length:
+        return f"{len(prompt) + len(completion)} tokens, over [scorer] max_length = {max_length}"
+    return None
+
+
 class TeacherBackend:
     def __init__(self, config: TeacherScorerConfig, run: RunInfo) -> None:
         import torch
@@ -64,16 +76,9 @@ class TeacherBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked out anyway
 
     def score(self, items: list[ScoreItem]) -> list[Verdict]:
-        verdicts: list[Verdict | None] = [None] * len(items)
-        scorable = []
-        for i, item in enumerate(items):
-            if item.prompt_token_ids is None or item.completion_token_ids is None:
-                verdicts[i] = Verdict(None, error="the item has no token ids: is the run distilling?")
-            elif len(item.prompt_token_ids) + len(item.completion_token_ids) > self.config.max_length:
-                length = len(item.prompt_token_ids) + len(item.completion_token_ids)
-                verdicts[i] = Verdict(None, error=f"{length} tokens, over [scorer] max_length = {self.config.max_length}")
-            else:
-                scorable.append(i)
+        problems = [item_problem(item, self.config.max_length) for item in items]
+        verdicts = [None if problem is None else Verdict(None, error=problem) for problem in problems]
+        scorable = [i for i, problem in enumerate(problems) if problem is None]
         # Like lengths together pad least.
         scorable.sort(key=lambda i: len(items[i].prompt_token_ids or ()) + len(items[i].completion_token_ids or ()))
         for start in range(0, len(scorable), self.config.batch_size):

@@ -23,6 +23,7 @@ from typing import Any
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config.scorer import TeacherScorerConfig, TeacherServerConfig
 from workers.scorers.base import BackendConfigError, Refused, Unreachable, Verdict, attempts, distilled, headers, post
+from workers.scorers.teacher import item_problem
 
 log = logging.getLogger("decentrl.scorer.teacher")
 
@@ -113,14 +114,9 @@ class TeacherServerBackend:
 
     def teacher(self, item: ScoreItem) -> Verdict:
         server = self.server
-        prompt, completion = item.prompt_token_ids, item.completion_token_ids
-        if prompt is None or completion is None:
-            return Verdict(None, error="the item has no token ids: is the run distilling?")
-        if not prompt or not completion:
-            return Verdict(None, error=f"{len(prompt)} prompt and {len(completion)} completion tokens: both need one")
-        if len(prompt) + len(completion) > self.config.max_length:
-            return Verdict(None, error=f"{len(prompt) + len(completion)} tokens, over [scorer] max_length = "
-                                       f"{self.config.max_length}")
+        if (problem := item_problem(item, self.config.max_length)) is not None:
+            return Verdict(None, error=problem)
+        prompt, completion = item.prompt_token_ids or [], item.completion_token_ids or []
         body: dict[str, Any] = {"model": server.model, "prompt": [*prompt, *completion], "max_tokens": 1, "temperature": 0.0}
         body.update({"prompt_logprobs": 0} if server.logprobs == "prompt_logprobs" else {"echo": True, "logprobs": 0})
         data = json.dumps(body).encode()
