@@ -34,7 +34,6 @@ class OpenAIBackend:
         reload: Literal["weights", "lora"] = "weights",
         reload_route: str = "/update_weights_from_disk",
         chunk_tokens: int = 64,
-        api_key: str = "",
         timeout_s: float = 600.0,
     ) -> None:
         self.url = url.rstrip("/")
@@ -42,7 +41,6 @@ class OpenAIBackend:
         self.reload = reload
         self.reload_route = reload_route
         self.chunk_tokens = chunk_tokens
-        self.api_key = api_key
         self.timeout_s = timeout_s
         self.version: int | None = None
         self._served_model = model
@@ -50,9 +48,7 @@ class OpenAIBackend:
 
     def _post(self, route: str, body: dict[str, object]) -> dict:
         headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url + route, data=json.dumps(body).encode(), headers=headers, method="POST")
+        request = urllib.request.Request(self.url + route, data=json.dumps(body).encode(), headers=headers)
         with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
             text = response.read().decode()
         return json.loads(text) if text.strip() else {}
