@@ -1,11 +1,9 @@
 """The orchestrator's hot path over the msgpack encoding (decentrl/api/encoding.py): arrays packed once.
 
 A rollout's completion ids and logprobs are taken as the typed arrays they arrived in
-(`packed_arrays`, called by the rollouts handler) or packed once when it is accepted: the
-journal stores those bytes, and the batch answer to the trainer reuses them
-(`train_batch_msgpack`), so the big lists are never walked again in Python. The bytes are
-exactly what `encode_model` produces (int32 ids, float64 logprobs: exact), so any client decodes
-them. A rollout's journal body is encoded here too (`encode_rollout`, `decode_rollout`).
+(`packed_arrays`, from the rollouts handler) or packed once when it is accepted; the journal
+(`encode_rollout`) and the trainer's batch answer (`train_batch_msgpack`) reuse those bytes, which
+are exactly what `encode_model` produces, so the big lists are never walked again in Python.
 """
 
 from __future__ import annotations
@@ -33,11 +31,8 @@ _NOT_IN_BODY = {"rollout_id", "lease_id", "run_name", "prompt_token_ids"}
 
 
 def packed_arrays(raw: dict[str, Any]) -> list[Packed | None]:
-    """Per rollout of a decoded msgpack RolloutBatch: its completion ids and logprobs as the typed
-    arrays they came in, to be journaled and served as they are (None where they were not).
-
-    `raw` is the body as decoded, once it has validated as a RolloutBatch (so it is a dict whose
-    "rollouts" are dicts)."""
+    """Per rollout of a decoded msgpack body (validated as a RolloutBatch): its completion ids and
+    logprobs as the typed arrays they came in (None where they were not)."""
     found: list[Packed | None] = []
     for rollout in raw["rollouts"]:
         ids, logprobs = rollout.get("completion_token_ids"), rollout.get("logprobs")
@@ -50,10 +45,8 @@ def packed_arrays(raw: dict[str, Any]) -> list[Packed | None]:
 
 
 def train_batch_msgpack(batch: TrainBatch, packed: list[Packed], prompts: dict[str, msgpack.ExtType]) -> bytes:
-    """`encode_model(batch, MEDIA_MSGPACK)`, built from the arrays packed at ingest.
-
-    `packed[i]` belongs to `batch.samples[i]`; `prompts` maps a group id to its packed prompt.
-    """
+    """`encode_model(batch, MEDIA_MSGPACK)`, built from the arrays packed at ingest (`packed[i]`:
+    `batch.samples[i]`'s; `prompts`: group id -> its packed prompt)."""
     samples: list[dict[str, Any]] = []
     names = list(type(batch.samples[0]).model_fields) if batch.samples else []
     for sample, (ids, logprobs) in zip(batch.samples, packed, strict=True):
@@ -81,10 +74,7 @@ def routing_body(routing: ExpertRouting | None) -> dict[str, Any] | None:
 
 
 def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:
-    """A rollout's journal body: msgpack with typed arrays, without what its lease row holds.
-
-    `packed` holds its completion ids and logprobs already packed (decentrl/api/encoding.py `pack_sample`, or as they came).
-    """
+    """A rollout's journal body: msgpack with its `packed` arrays, without what its lease row holds."""
     body = {}
     for name in type(rollout).model_fields:
         if name not in _NOT_IN_BODY:
@@ -95,9 +85,7 @@ def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:
 
 
 def decode_rollout(data: bytes, *, rollout_id: str, lease_id: str, run_name: str, prompt_token_ids: list[int]) -> Rollout:
-    """A journaled rollout, built without validating it again: the journal only holds rollouts
-    that were validated and checked at ingest, written by `encode_rollout` (validation was about
-    a third of recovery's time; orchestrator/recovery.py)."""
+    """A journaled rollout, built without validating it again (it was validated at ingest)."""
     body = unpack_msgpack(data)
     body.update(rollout_id=rollout_id, lease_id=lease_id, run_name=run_name, prompt_token_ids=prompt_token_ids)
     body["sampling"] = SamplingParams.model_construct(**body["sampling"])

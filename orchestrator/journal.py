@@ -48,21 +48,8 @@ import msgpack
 
 from decentrl.api.encoding import unpack_msgpack
 from decentrl.api.wire import Lease
+from orchestrator import events
 from orchestrator.codec import encode_rollout, pack_ints
-from orchestrator.events import (
-    BatchForgotten,
-    BatchServed,
-    Event,
-    GroupCompleted,
-    IntegrityChanges,
-    JournaledLease,
-    LeaseClosedAs,
-    LeaseForgotten,
-    LeaseGranted,
-    LeaseRenewed,
-    RolloutAccepted,
-    ScoreTaken,
-)
 
 log = logging.getLogger("decentrl.orchestrator.journal")
 
@@ -126,6 +113,7 @@ SQL_FORGET_CONTENT = "DELETE FROM content WHERE lease_id = ?"
 SQL_SCORE = "INSERT OR IGNORE INTO scores(rollout_id, lease_id, result) VALUES (?, ?, ?)"
 SQL_FORGET_SCORES = "DELETE FROM scores WHERE lease_id = ?"
 
+
 class JournalError(RuntimeError):
     """The journal could not commit; the orchestrator must be restarted (it recovers)."""
 
@@ -187,7 +175,7 @@ class Journal:
             )
         self._pending: list[tuple[str, tuple[Any, ...]]] = []
         self._meta_source: Callable[[], dict[str, Any]] | None = None
-        self._integrity_source: Callable[[], IntegrityChanges] | None = None
+        self._integrity_source: Callable[[], events.IntegrityChanges] | None = None
         self._meta_written: str | None = None  # the meta row as last handed to the writer
         self._cond = threading.Condition()
         self._queue: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None] | None]] = []
@@ -197,9 +185,8 @@ class Journal:
         self._closing = False
         self.failed: BaseException | None = None
         self.on_commit: Callable[[float, int], None] | None = None  # (seconds, statements), loop thread
-        # Lookups from the event loop's thread, beside the writer: WAL lets this connection read
-        # what is committed while the writer commits. What is recorded and not yet committed is
-        # still in memory (RunState holds every change it makes), so reading committed rows is enough.
+        # Lookups from the event loop's thread, beside the writer: what is recorded and not yet
+        # committed is still in memory (RunState holds every change it makes).
         self._reader = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._reader.execute("PRAGMA query_only=1")
 
@@ -225,36 +212,36 @@ class Journal:
         from the row last written: no part has to remember that it changed a counter."""
         self._meta_source = source
 
-    def set_integrity_source(self, source: Callable[[], IntegrityChanges]) -> None:
+    def set_integrity_source(self, source: Callable[[], events.IntegrityChanges]) -> None:
         """`source()` hands over the integrity changes since its last call; asked at every commit,
         so a strike, a ban or a kept hash is on disk before the answer that follows it."""
         self._integrity_source = source
 
-    def record(self, event: Event) -> None:
+    def record(self, event: events.Event) -> None:
         """Queue `event`'s statements for the next commit, in the order the state changed."""
         pending = self._pending
         match event:
-            case LeaseGranted(lease, holder):
+            case events.LeaseGranted(lease, holder):
                 prompt = msgpack.packb(pack_ints(lease.prompt_token_ids))
                 pending.append((SQL_LEASE, (lease.lease_id, lease.prompt_id, holder, lease.deadline, prompt, lease.group_size)))
-            case RolloutAccepted(rollout, packed):
+            case events.RolloutAccepted(rollout, packed):
                 pending.append((SQL_ROLLOUT, (rollout.rollout_id, rollout.lease_id, encode_rollout(rollout, packed))))
-            case GroupCompleted(lease_id, ready_seq, rewards, oldest_version, at):
+            case events.GroupCompleted(lease_id, ready_seq, rewards, oldest_version, at):
                 pending.append((SQL_COMPLETE, (ready_seq, at, json.dumps(rewards), oldest_version, lease_id)))
-            case LeaseClosedAs(lease_id, status, at, drop_samples):
+            case events.LeaseClosedAs(lease_id, status, at, drop_samples):
                 pending.append((SQL_CLOSE, (status, at, lease_id)))
                 if drop_samples:
                     pending.append((SQL_DROP_DATA, (lease_id,)))
-            case LeaseRenewed(lease_id, deadline):
+            case events.LeaseRenewed(lease_id, deadline):
                 pending.append((SQL_RENEW, (deadline, lease_id)))
-            case BatchServed(request_id, at, body):
+            case events.BatchServed(request_id, at, body):
                 pending.append((SQL_BATCH, (request_id, at, json.dumps(body))))
-            case BatchForgotten(request_id, lease_ids):
+            case events.BatchForgotten(request_id, lease_ids):
                 pending.append((SQL_FORGET_BATCH, (request_id,)))
                 pending.extend((SQL_DROP_DATA, (lease_id,)) for lease_id in lease_ids)
-            case LeaseForgotten(lease_id):
+            case events.LeaseForgotten(lease_id):
                 pending += [(SQL_FORGET_ROLLOUTS, (lease_id,)), (SQL_FORGET_SCORES, (lease_id,)), (SQL_FORGET_LEASE, (lease_id,))]
-            case ScoreTaken(rollout_id, lease_id, result):
+            case events.ScoreTaken(rollout_id, lease_id, result):
                 pending.append((SQL_SCORE, (rollout_id, lease_id, result)))
 
     def _take_pending(self) -> list[tuple[str, tuple[Any, ...]]]:
@@ -333,10 +320,8 @@ class Journal:
                 work, self._queue = self._queue, []
             ops = [op for batch, _ in work for op in batch]
             started = time.perf_counter()
-            error: BaseException | None = None
-            if self.failed is not None:
-                error = self.failed
-            else:
+            error = self.failed
+            if error is None:
                 try:
                     self._execute(ops)
                 except BaseException as exc:  # noqa: BLE001 - any failure is fatal, reported to every waiter
@@ -403,8 +388,6 @@ class Journal:
             rollouts.setdefault(lease_id, []).append((rollout_id, data))
         workers = {name: json.loads(record) for name, record in conn.execute("SELECT name, record FROM workers")}
         content = [tuple(row) for row in conn.execute("SELECT digest, lease_id, version FROM content")]
-        # Scores of groups still waiting for their scorers, or scored and not yet forgotten
-        # (orchestrator/score_queue.py): a model-reward run only.
         scores = dict(conn.execute("SELECT rollout_id, result FROM scores").fetchall())
         return Snapshot(
             meta=meta, leases=leases, rollouts=rollouts, batches=batches, remembered=remembered, workers=workers,
@@ -417,7 +400,7 @@ class Journal:
         """Those of `rollout_ids` the journal holds (acknowledged and not yet forgotten)."""
         return {row[0] for row in _rows_of(self._reader, "SELECT rollout_id FROM rollouts WHERE rollout_id IN ({})", rollout_ids)}
 
-    def closed_lease(self, lease_id: str) -> JournaledLease | None:
+    def closed_lease(self, lease_id: str) -> events.JournaledLease | None:
         """A closed lease and its rollout ids, if the journal still holds it."""
         cursor = self._reader.cursor()
         cursor.row_factory = sqlite3.Row
@@ -427,7 +410,7 @@ class Journal:
         ids = [rollout_id for (rollout_id,) in self._reader.execute(
             "SELECT rollout_id FROM rollouts WHERE lease_id = ? ORDER BY rowid", (lease_id,)
         )]
-        return JournaledLease(lease_of(row), row["holder"], row["status"], row["closed_at"], ids)
+        return events.JournaledLease(lease_of(row), row["holder"], row["status"], row["closed_at"], ids)
 
     def samples(self, lease_id: str) -> list[tuple[str, bytes | None]]:
         """A lease's (rollout id, body) in acceptance order."""
@@ -450,18 +433,16 @@ class NullJournal:
 
     durable = False
     path = "(no journal)"
-
-    def __init__(self) -> None:
-        self.failed: BaseException | None = None  # never set: nothing is written
-        self.on_commit: Callable[[float, int], None] | None = None  # never called
+    failed: BaseException | None = None  # never set: nothing is written
+    on_commit: Callable[[float, int], None] | None = None  # never called
 
     def set_meta_source(self, source: Callable[[], dict[str, Any]]) -> None:
         pass
 
-    def set_integrity_source(self, source: Callable[[], IntegrityChanges]) -> None:
+    def set_integrity_source(self, source: Callable[[], events.IntegrityChanges]) -> None:
         pass
 
-    def record(self, event: Event) -> None:
+    def record(self, event: events.Event) -> None:
         pass
 
     def load(self) -> Snapshot:
@@ -470,7 +451,7 @@ class NullJournal:
     def acknowledged(self, rollout_ids: list[str]) -> set[str]:
         return set()
 
-    def closed_lease(self, lease_id: str) -> JournaledLease | None:
+    def closed_lease(self, lease_id: str) -> events.JournaledLease | None:
         return None
 
     def samples(self, lease_id: str) -> list[tuple[str, bytes | None]]:

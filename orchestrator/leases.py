@@ -30,9 +30,10 @@ a lease closed without training means for the counters and for integrity, the ow
 from __future__ import annotations
 
 import bisect
+import functools
 import random
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal
@@ -103,19 +104,19 @@ class PromptQueue:
     """The order prompts are leased in: a seeded shuffle of the task's pool, cycled, with the
     prompts of leases that closed unanswered going out first; and each prompt's token ids, as
     `render` makes them (decentrl/tasks/prompts.py). A deterministic run leases places of the
-    consumption order instead (`next_index`, `prompt_at`), and `requeued` holds places, lowest first."""
+    consumption order instead (`next_index`), and `requeued` holds places, lowest first."""
 
     def __init__(
         self, *, task: Task | EpisodeTask, render: PromptEncoder, seed: int, deterministic: bool = False
     ) -> None:
-        self.task = task
-        self.render = render
         self.deterministic = deterministic
         self.order = list(range(task.num_prompts))
         random.Random(seed).shuffle(self.order)
         self.cursor = 0
         self.requeued: deque[int] = deque()  # prompt ids; deterministic: places, ascending
-        self._cache: OrderedDict[int, list[int]] = OrderedDict()
+        self.token_ids: Callable[[int], list[int]] = functools.lru_cache(maxsize=PROMPT_CACHE)(
+            lambda prompt_id: render(task.prompt(prompt_id))
+        )
 
     def next_id(self) -> int:
         return self.requeued.popleft() if self.requeued else self.prompt_at(self.next_index())
@@ -138,15 +139,6 @@ class PromptQueue:
             self.requeued.appendleft(item)
         else:
             self.requeued.append(item)
-
-    def token_ids(self, prompt_id: int) -> list[int]:
-        ids = self._cache.pop(prompt_id, None)
-        if ids is None:
-            ids = self.render(self.task.prompt(prompt_id))
-        self._cache[prompt_id] = ids
-        if len(self._cache) > PROMPT_CACHE:
-            self._cache.popitem(last=False)
-        return ids
 
 
 class LeaseBook:
@@ -223,30 +215,27 @@ class LeaseBook:
                 index=index,
                 policy_version=version,
             )
-            self._open(OpenLease(lease=lease, holder=holder, granted_at=self.clock()), granted=True)
-            granted.append(lease)
+            granted.append(self._grant(lease, holder))
         return granted
 
     def copy(self, index: int, holder: str) -> Lease:
         """Deterministic runs: another lease of open place `index` for `holder` (a hedge): the
         same prompt and version, so the same group bit for bit."""
         first = self.open[self.places[index][0]].lease
-        lease = first.model_copy(update={"lease_id": uuid.uuid4().hex, "deadline": self.open.deadline()})
-        self._open(OpenLease(lease=lease, holder=holder, granted_at=self.clock()), granted=True)
+        return self._grant(first.model_copy(update={"lease_id": uuid.uuid4().hex, "deadline": self.open.deadline()}), holder)
+
+    def _grant(self, lease: Lease, holder: str) -> Lease:
+        self.hold(OpenLease(lease=lease, holder=holder))
+        self.journal.record(LeaseGranted(lease, holder))
         return lease
 
-    def reopen(self, open_lease: OpenLease) -> None:
-        """Recovery: an open lease the journal holds (its grant time, for hedging, is now)."""
+    def hold(self, open_lease: OpenLease) -> None:
+        """Hold an open lease: granted now, or (recovery) one the journal holds; either way its
+        grant time, for hedging, is now (the journal keeps only the deadline)."""
         open_lease.granted_at = self.clock()
-        self._open(open_lease, granted=False)
-
-    def _open(self, open_lease: OpenLease, *, granted: bool) -> None:
-        lease = open_lease.lease
-        self.open.add(lease.lease_id, open_lease)
-        if lease.index is not None:
-            self.places.setdefault(lease.index, []).append(lease.lease_id)
-        if granted:
-            self.journal.record(LeaseGranted(lease, open_lease.holder))
+        self.open.add(open_lease.lease.lease_id, open_lease)
+        if open_lease.lease.index is not None:
+            self.places.setdefault(open_lease.lease.index, []).append(open_lease.lease.lease_id)
 
     def expire(self) -> int:
         """Close overdue leases and lease their prompts again. Returns how many expired."""

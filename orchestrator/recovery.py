@@ -120,7 +120,7 @@ def recover(
             for rollout_id, _ in entries:
                 lease_book.seen_rollout_ids[rollout_id] = lease.lease_id
             samples, packed = _decoded(entries, lease, run_name)
-            lease_book.reopen(OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed))
+            lease_book.hold(OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed))
             continue
         # In the buffer (complete) or in a batch kept (served): samples stay on disk.
         rewards = json.loads(row["rewards"])
