@@ -1,5 +1,5 @@
 """What the run's parts hand to the journal: one event per durable change, and the two lookups
-they make of what was committed.
+they make of what was committed (a closed lease).
 
 RunState (orchestrator/state.py) gives each part the run's journal as a `Journaling`; a part
 records an event where it changes what a restart must find and knows nothing else of the
@@ -9,7 +9,8 @@ order recorded, before the HTTP answer that follows.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, Protocol
 
 from decentrl.api.encoding import Packed
 from decentrl.api.wire import Lease, Rollout
@@ -74,14 +75,20 @@ Event = (
 )
 
 
-class JournaledLease(NamedTuple):
-    """A closed lease as the journal holds it, for a lookup after a recovery."""
+ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded", "skipped"]
+
+
+@dataclass
+class ClosedLease:
+    """A closed lease, as the lease book (orchestrator/leases.py) remembers it and the journal returns it."""
 
     lease: Lease
     holder: str
-    status: str
+    status: ClosedStatus
     closed_at: float
-    rollout_ids: list[str]
+    samples: int  # samples it took
+    # Their ids, where memory holds them (a lease recovered as complete leaves them on disk).
+    rollout_ids: list[str] = field(default_factory=list)
 
 
 class IntegrityChanges(NamedTuple):
@@ -99,4 +106,4 @@ class Journaling(Protocol):
 
     def acknowledged(self, rollout_ids: list[str]) -> set[str]: ...
 
-    def closed_lease(self, lease_id: str) -> JournaledLease | None: ...
+    def closed_lease(self, lease_id: str) -> ClosedLease | None: ...

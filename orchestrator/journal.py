@@ -140,11 +140,8 @@ class Snapshot:
 def lease_of(row: sqlite3.Row) -> Lease:
     """A journaled lease, built without validating it again (it was validated when it was made)."""
     return Lease.model_construct(
-        lease_id=row["lease_id"],
-        prompt_id=row["prompt_id"],
         prompt_token_ids=unpack_msgpack(row["prompt_token_ids"]),
-        group_size=row["group_size"],
-        deadline=row["deadline"],
+        **{name: row[name] for name in ("lease_id", "prompt_id", "group_size", "deadline")},
     )
 
 
@@ -400,7 +397,7 @@ class Journal:
         """Those of `rollout_ids` the journal holds (acknowledged and not yet forgotten)."""
         return {row[0] for row in _rows_of(self._reader, "SELECT rollout_id FROM rollouts WHERE rollout_id IN ({})", rollout_ids)}
 
-    def closed_lease(self, lease_id: str) -> events.JournaledLease | None:
+    def closed_lease(self, lease_id: str) -> events.ClosedLease | None:
         """A closed lease and its rollout ids, if the journal still holds it."""
         cursor = self._reader.cursor()
         cursor.row_factory = sqlite3.Row
@@ -410,7 +407,7 @@ class Journal:
         ids = [rollout_id for (rollout_id,) in self._reader.execute(
             "SELECT rollout_id FROM rollouts WHERE lease_id = ? ORDER BY rowid", (lease_id,)
         )]
-        return events.JournaledLease(lease_of(row), row["holder"], row["status"], row["closed_at"], ids)
+        return events.ClosedLease(lease_of(row), row["holder"], row["status"], row["closed_at"], len(ids), ids)
 
     def samples(self, lease_id: str) -> list[tuple[str, bytes | None]]:
         """A lease's (rollout id, body) in acceptance order."""
@@ -451,7 +448,7 @@ class NullJournal:
     def acknowledged(self, rollout_ids: list[str]) -> set[str]:
         return set()
 
-    def closed_lease(self, lease_id: str) -> events.JournaledLease | None:
+    def closed_lease(self, lease_id: str) -> events.ClosedLease | None:
         return None
 
     def samples(self, lease_id: str) -> list[tuple[str, bytes | None]]:

@@ -46,11 +46,10 @@ from decentrl.rl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
 from decentrl.tasks.prompts import PromptEncoder
-from orchestrator.events import Journaling, LeaseClosedAs, LeaseForgotten, LeaseGranted, LeaseRenewed
+from orchestrator.events import ClosedLease, ClosedStatus, Journaling, LeaseClosedAs, LeaseForgotten, LeaseGranted, LeaseRenewed
 from orchestrator.lease_table import LeaseClosed, LeaseTable
 from orchestrator.lease_table import LeaseError as LeaseError  # re-exported: handlers answer it
 
-ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded", "skipped"]
 Requeue = Literal["back", "front"]
 
 # A lease closed with one of these did not train: its samples are dropped.
@@ -87,17 +86,6 @@ class OpenLease:
     @deadline.setter
     def deadline(self, deadline: float) -> None:
         self.lease = self.lease.model_copy(update={"deadline": deadline})
-
-
-@dataclass
-class ClosedLease:
-    lease: Lease
-    holder: str
-    status: ClosedStatus
-    closed_at: float
-    samples: int  # samples it took
-    # Their ids, where memory holds them (a lease recovered as complete leaves them on disk).
-    rollout_ids: list[str] = field(default_factory=list)
 
 
 class PromptQueue:
@@ -345,10 +333,7 @@ class LeaseBook:
         closed = self.closed.get(lease_id)
         if closed is not None or not self.journaled or lease_id in self.open:
             return closed
-        found = self.journal.closed_lease(lease_id)
-        if found is None:
-            return None
-        return ClosedLease(found.lease, found.holder, found.status, found.closed_at, len(found.rollout_ids), found.rollout_ids)
+        return self.journal.closed_lease(lease_id)
 
     def state_of(self, lease_id: str, holder: str) -> LeaseState:
         found = self.open.owned(lease_id, holder, self.closed_lease(lease_id))
