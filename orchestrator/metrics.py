@@ -47,76 +47,54 @@ class StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s, c = self.state, self.state.counters
-        yield CounterMetricFamily(
-            "decentrl_rollouts_accepted", "Rollouts acknowledged (journaled) since the run began.", value=c.rollouts_accepted
-        )
-        yield CounterMetricFamily(
-            "decentrl_ingest_tokens", "Prompt + completion tokens of acknowledged rollouts.", value=c.tokens_accepted
-        )
-        yield CounterMetricFamily(
-            "decentrl_rollouts_duplicate", "Resends of rollouts already acknowledged (counted once).", value=c.duplicates
-        )
-        rejected = CounterMetricFamily("decentrl_rollouts_rejected", "Rollouts rejected at ingest, by reason.", labels=["reason"])
-        for reason, count in sorted(c.rejected.items()):
-            rejected.add_metric([reason], count)
-        yield rejected
-        dropped = CounterMetricFamily(
-            "decentrl_samples_dropped", "Acknowledged samples dropped later, by reason.", labels=["reason"]
-        )
-        for reason, count in sorted(c.dropped.items()):
-            dropped.add_metric([reason], count)
-        yield dropped
-        yield CounterMetricFamily("decentrl_stale_dropped", "Samples dropped as stale (ingest or buffer).", value=c.stale_dropped)
-        yield CounterMetricFamily("decentrl_lease_expirations", "Leases that expired unanswered.", value=c.leases_expired)
-        yield CounterMetricFamily(
-            "decentrl_hedged_leases", "Deterministic runs: second leases of a lagging place of the next batch.",
-            value=c.hedged_leases,
-        )
-        yield CounterMetricFamily(
-            "decentrl_hedge_duplicates", "Samples of a hedge's losing copy posted after its place was filled.",
-            value=c.hedge_duplicates,
-        )
-        yield CounterMetricFamily(
-            "decentrl_hedge_mismatches", "Of those, samples not bit for bit the winner's.", value=c.hedge_mismatches
-        )
-        yield CounterMetricFamily(
-            "decentrl_hedge_copies_told", "Losing copies their holders were told of, to stop generating them.",
-            value=c.hedge_copies_told,
-        )
-        yield CounterMetricFamily("decentrl_groups_served", "Groups served to the trainer.", value=c.groups_served)
-        yield CounterMetricFamily(
-            "decentrl_groups_skipped", "Dynamic sampling: groups a step consumed and did not train (no signal, or surplus).",
-            value=c.groups_skipped,
-        )
-        yield GaugeMetricFamily("decentrl_buffer_groups", "Complete groups waiting for the trainer.", value=len(s.ready))
-        yield GaugeMetricFamily("decentrl_buffer_limit", "Depth bound: ready groups plus open leases.", value=s.buffer_limit)
-        yield GaugeMetricFamily("decentrl_leases_open", "Leases granted and not yet answered.", value=len(s.leases))
-        yield GaugeMetricFamily(
-            "decentrl_policy_version", "Newest published version (-1 before version 0).",
-            value=-1 if s.published_version is None else s.published_version,
-        )
-        yield GaugeMetricFamily("decentrl_trainer_version", "Version the trainer holds.", value=s.trainer_version)
-        yield GaugeMetricFamily("decentrl_recoveries", "Times this run's state was recovered from the journal.", value=c.recoveries)
+        for name, help_text, value in (
+            ("rollouts_accepted", "Rollouts acknowledged (journaled) since the run began.", c.rollouts_accepted),
+            ("ingest_tokens", "Prompt + completion tokens of acknowledged rollouts.", c.tokens_accepted),
+            ("rollouts_duplicate", "Resends of rollouts already acknowledged (counted once).", c.duplicates),
+            ("stale_dropped", "Samples dropped as stale (ingest or buffer).", c.stale_dropped),
+            ("lease_expirations", "Leases that expired unanswered.", c.leases_expired),
+            ("hedged_leases", "Deterministic runs: second leases of a lagging place of the next batch.", c.hedged_leases),
+            ("hedge_duplicates", "Samples of a hedge's losing copy posted after its place was filled.", c.hedge_duplicates),
+            ("hedge_mismatches", "Of those, samples not bit for bit the winner's.", c.hedge_mismatches),
+            ("hedge_copies_told", "Losing copies their holders were told of, to stop generating them.", c.hedge_copies_told),
+            ("groups_served", "Groups served to the trainer.", c.groups_served),
+            ("groups_skipped", "Dynamic sampling: groups a step consumed and did not train (no signal, or surplus).", c.groups_skipped),
+        ):
+            yield CounterMetricFamily(f"decentrl_{name}", help_text, value=value)
+        for name, help_text, label, counts in (
+            ("rollouts_rejected", "Rollouts rejected at ingest, by reason.", "reason", c.rejected),
+            ("samples_dropped", "Acknowledged samples dropped later, by reason.", "reason", c.dropped),
+            ("reward_failures", "Reward calls that failed and scored 0 (reward guard), by kind.", "kind", reward_failures(s.task)),
+        ):
+            family = CounterMetricFamily(f"decentrl_{name}", help_text, labels=[label])
+            for key, count in sorted(counts.items()):
+                family.add_metric([key], count)
+            yield family
+        gauges = [
+            ("buffer_groups", "Complete groups waiting for the trainer.", len(s.ready)),
+            ("buffer_limit", "Depth bound: ready groups plus open leases.", s.buffer_limit),
+            ("leases_open", "Leases granted and not yet answered.", len(s.leases)),
+            ("policy_version", "Newest published version (-1 before version 0).",
+             -1 if s.published_version is None else s.published_version),
+            ("trainer_version", "Version the trainer holds.", s.trainer_version),
+            ("recoveries", "Times this run's state was recovered from the journal.", c.recoveries),
+        ]
         if s.config.orchestrator.rewards.uses_model:  # model rewards: the scoring stage (orchestrator/score_queue.py)
-            scoring = s.scoring_summary()
-            yield GaugeMetricFamily("decentrl_scores_waiting", "Samples of complete groups not yet scored.", value=scoring["waiting"])
-            yield GaugeMetricFamily("decentrl_scores_leased", "Of those, samples leased to a scorer now.", value=scoring["leased"])
-            yield GaugeMetricFamily("decentrl_groups_scoring", "Complete groups held back for their scores.",
-                                    value=s.buffer.held_back_for("scores"))
+            scoring = s.score_queue.summary()
+            gauges += [
+                ("scores_waiting", "Samples of complete groups not yet scored.", scoring["waiting"]),
+                ("scores_leased", "Of those, samples leased to a scorer now.", scoring["leased"]),
+                ("groups_scoring", "Complete groups held back for their scores.", s.buffer.held_back_for("scores")),
+            ]
             for name in COUNTS:
                 yield CounterMetricFamily(f"decentrl_{name}", SCORING_HELP[name], value=scoring[name])
-        failures = CounterMetricFamily(
-            "decentrl_reward_failures", "Reward calls that failed and scored 0 (reward guard), by kind.", labels=["kind"]
-        )
-        for kind, count in sorted(reward_failures(s.task).items()):
-            failures.add_metric([kind], count)
-        yield failures
+        for name, help_text, value in gauges:
+            yield GaugeMetricFamily(f"decentrl_{name}", help_text, value=value)
 
 
 class Metrics:
     def __init__(self, state: RunState) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self.registry = r = CollectorRegistry(auto_describe=True)
         r.register(StateCollector(state))
         self.requests = Counter(
             "decentrl_http_requests", "HTTP requests answered, by route and status.", ["route", "method", "status"], registry=r
@@ -128,14 +106,10 @@ class Metrics:
             "decentrl_worker_rollouts", "Rollouts posted per token, by outcome.", ["token", "outcome"], registry=r
         )
         self.rate_limited = Counter("decentrl_rate_limited", "Requests answered 429, per token.", ["token"], registry=r)
-        self.backpressure = Counter(
-            "decentrl_backpressure", "Requests answered 503 to shed load, by reason.", ["reason"], registry=r
-        )
+        self.backpressure = Counter("decentrl_backpressure", "Requests answered 503 to shed load, by reason.", ["reason"], registry=r)
         self.staleness = Histogram(
-            "decentrl_served_staleness_versions",
-            "Staleness (trainer version - policy version) of every sample served to the trainer.",
-            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
-            registry=r,
+            "decentrl_served_staleness_versions", "Staleness (trainer version - policy version) of every sample served to the trainer.",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32), registry=r,
         )
         self.journal_commit = Histogram(
             "decentrl_journal_commit_seconds", "Time of one journal transaction (group commit, fsync included).",

@@ -1,10 +1,9 @@
 """RunView: the run's state read under the names other modules use, and the /v1/status answer.
 
 RunState (orchestrator/state.py) is a RunView: it builds the parts declared here and changes them;
-this class only reads them, under the names the handlers (orchestrator/handlers.py), the
-verification loop (orchestrator/verification.py), orchestrator/metrics.py, orchestrator/app.py,
-benchmarks and tests read, and builds `status()` (GET /v1/status, `decentrl status`). Its two
-setters replace a part's value whole (`sampling`: tests; `verify_queue`: verification.py).
+this class only reads them, for the handlers, the verification loop, the metrics, benchmarks and
+tests, and builds `status()` (GET /v1/status, `decentrl status`). Its two setters replace a part
+whole (`sampling`: tests; `verify_queue`: orchestrator/verification.py).
 """
 
 from __future__ import annotations
@@ -75,14 +74,10 @@ class RunView:
             recoveries=counters.recoveries,
             groups_verifying=self.buffer.held_back_for("check"),
             groups_scoring=self.buffer.held_back_for("scores"),
-            scoring=self.scoring_summary() if self.config.orchestrator.rewards.uses_model else None,
+            scoring=self.score_queue.summary() if self.config.orchestrator.rewards.uses_model else None,
             workers=self.integrity.summary(),
             reward_failures=reward_failures(self.task),
         )
-
-    def scoring_summary(self) -> dict[str, int]:
-        """The score queue's gauges and counts (/v1/status, /metrics)."""
-        return self.score_queue.summary()
 
     @property
     def sampling(self) -> SamplingParams:
@@ -143,11 +138,3 @@ class RunView:
     @property
     def leases_expired(self) -> int:
         return self.counters.leases_expired
-
-    @property
-    def _prompt_order(self) -> list[int]:  # tests/orchestrator/test_orchestrator_journal.py
-        return self.lease_book.prompts.order
-
-    @property
-    def _requeued(self) -> deque[int]:  # tests/orchestrator/test_orchestrator_journal.py
-        return self.lease_book.prompts.requeued

@@ -122,8 +122,8 @@ def test_prompts_continue_where_they_were(open_state: Callable[..., RunState], g
     state = restart(state, open_state)
     (third,) = state.grant_leases(HOLDER, 1)
     # As without a crash: the third prompt of the (seeded) shuffled pool, not the first again.
-    assert [lease.prompt_id for lease in first] == state._prompt_order[:2]
-    assert third.prompt_id == state._prompt_order[2]
+    assert [lease.prompt_id for lease in first] == state.lease_book.prompts.order[:2]
+    assert third.prompt_id == state.lease_book.prompts.order[2]
 
 
 def test_a_counter_changed_alone_is_committed_and_an_unchanged_meta_row_is_not_rewritten(
@@ -194,7 +194,7 @@ def test_evicted_and_released_groups_do_not_come_back(
     assert state.stale_dropped == GROUP and state.dropped == {"stale_in_buffer": GROUP}
     assert state.lease_state(old.lease_id, HOLDER).state == "dropped"
     assert state.lease_state(released.lease_id, HOLDER).state == "released"
-    assert state._requeued[0] == released.prompt_id  # a released prompt goes out first
+    assert state.lease_book.prompts.requeued[0] == released.prompt_id  # a released prompt goes out first
 
 
 def test_forgetting_closed_leases_bounds_memory_and_disk(
