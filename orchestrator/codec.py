@@ -55,22 +55,14 @@ def train_batch_msgpack(batch: TrainBatch, packed: list[Packed], prompts: dict[s
         fields["prompt_token_ids"] = prompt if prompt is not None else pack_ints(sample.prompt_token_ids)
         fields["completion_token_ids"] = ids
         fields["logprobs"] = logprobs
-        fields["expert_routing"] = routing_body(sample.expert_routing)
+        if (routing := sample.expert_routing) is not None:  # the expert ids as they came, else packed (uint8 or uint16)
+            experts = routing.experts.ext if type(routing.experts) is TypedList else pack_routes(routing.experts)
+            fields["expert_routing"] = {"layers": routing.layers, "top_k": routing.top_k, "experts": experts}
         samples.append(fields)
     body = {name: getattr(batch, name) for name in type(batch).model_fields}
     body.update((name, value.model_dump()) for name, value in body.items() if isinstance(value, BaseModel))
     body["samples"] = samples
     return msgpack.packb(body, use_bin_type=True)
-
-
-def routing_body(routing: ExpertRouting | None) -> dict[str, Any] | None:
-    """A sample's routes as `encode_model` sends them: the expert ids as the typed array they
-    arrived in, else packed (uint8 or uint16)."""
-    if routing is None:
-        return None
-    experts = routing.experts
-    packed = experts.ext if type(experts) is TypedList else pack_routes(experts)
-    return {"layers": routing.layers, "top_k": routing.top_k, "experts": packed}
 
 
 def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:

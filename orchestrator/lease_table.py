@@ -1,9 +1,9 @@
 """The one lease table: open leases by id, their deadlines, renewal, expiry and the owner check.
 
-Prompt leases (orchestrator/leases.py `LeaseBook.open`) and score leases
-(orchestrator/score_queue.py `ScoreQueue.leases`) are each one `LeaseTable`; what a lease holds
-and what its closing means stay with them. An entry's `deadline` is `timeout_s` after it was
-granted or last renewed; an overdue lease is handed out once by `overdue`, for its owner to close.
+Prompt leases (orchestrator/leases.py `LeaseBook.open`) and score leases (orchestrator/score_queue.py
+`ScoreQueue.leases`) are each one `LeaseTable`; what a lease holds and what closing it means stay
+with them. A lease's `deadline` is `timeout_s` after it was granted or last renewed; `overdue`
+hands each lease past it out once, for its owner to close.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class LeaseTable(dict[str, E]):
         return list(due)
 
     def owned(self, lease_id: str, holder: str, closed: C | None = None) -> E | C:
-        """The open lease `lease_id`, else `closed` (the owner's record of it closed), if `holder` holds it."""
+        """The open lease `lease_id`, else `closed` (the owner's record of it), if `holder` holds it."""
         found = self.get(lease_id) or closed
         if found is None:
             raise LeaseNotFound(f"no {self.what} {lease_id!r}: {self.missing}")

@@ -1,29 +1,27 @@
 """Prompt leases: which prompt goes out next, the open leases, the one way a lease closes, and the
 closed leases remembered for late samples and resends.
 
-RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its public methods. What
-a lease closed without training means for the counters and for integrity, the owner applies
-(`on_dropped`). Invariants:
+RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its public methods; what
+a lease closed without training means for the counters and for integrity, it applies (`on_dropped`).
+Invariants:
 - a lease is one group: `group_size` samples of one prompt, all answered by its holder; an
-  overdue lease (orchestrator/lease_table.py) expires, its prompt is leased again first and a
-  late sample gets `lease_expired`;
-- no more leases are open than can be consumed without going stale (`lease_budget`,
-  decentrl/rl/staleness.py), nor than the buffer bound allows (`orchestrator.max_buffer_groups`);
+  overdue lease expires, its prompt is leased again first and a late sample gets `lease_expired`;
+- no more leases are open than can be consumed without going stale (`lease_budget`), nor than
+  the buffer bound allows (`orchestrator.max_buffer_groups`);
 - every status change of a lease goes through `LeaseBook.close`: it journals the change and hands
-  a lease closed without training (`UNTRAINED`) to `on_dropped`, which counts its samples as
-  dropped and has integrity forget their content, so it may honestly come again;
+  a lease closed without training (`UNTRAINED`) to `on_dropped`, whose content may then honestly
+  come again;
 - a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample gets
   a precise reason and a resend is a duplicate; after a recovery those closed before it are
   looked up in the journal (`journaled_ids`, `closed_lease`), not held in memory;
 - deterministic runs (docs/reproducibility.md): a lease is a place in the consumption order
-  (`Lease.index`), which fixes its prompt (the seeded order, cycled) and the version it is sampled
-  under (decentrl/rl/determinism.py); a place closed without training is leased again, lowest
-  first, so no place is ever skipped;
+  (`Lease.index`), which fixes its prompt and the version it is sampled under; a place closed
+  without training is leased again, lowest first, so no place is ever skipped;
 - hedging (orchestrator/lease_policy.py): a place may have up to `hedging.max_copies` open leases
   (`places`), each the same group bit for bit; the budget counts places, not copies; the first
-  copy to complete fills the place and the others close as `superseded`; a place goes back in line
-  only when its last copy closes without training. Each losing copy is remembered for its holder
-  (`untold`) until its next lease answer tells it (`tell`): advisory and in memory only, at most
+  copy to complete fills the place and the others close as `superseded`; a place goes back in
+  line only when its last copy closes without training. A losing copy is remembered for its
+  holder (`untold`) until its next lease answer tells it (`tell`): in memory only, at most
   MAX_SUPERSEDED a holder, no longer than the closed lease itself.
 """
 
