@@ -163,8 +163,7 @@ class Journal:
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'run'").fetchone()
         if row is None:
             self._conn.execute(SQL_META, ("run", json.dumps({"run_name": run_name, "created_at": time.time()})))
-        elif json.loads(row[0])["run_name"] != run_name:
-            other = json.loads(row[0])["run_name"]
+        elif (other := json.loads(row[0])["run_name"]) != run_name:
             self._conn.close()
             raise JournalMismatch(
                 f"{path} holds the journal of run {other!r}, not {run_name!r}; use another --run-dir "

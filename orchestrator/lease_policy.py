@@ -71,9 +71,9 @@ class Hedges:
         worker holding none of its copies) could copy."""
         head, end = places.head, places.head + self.groups_per_step
         hedged = [index for index in places.open if head <= index < head + self.config.batches * self.groups_per_step]
-        head_open = [index for index in hedged if index < end]
-        last = (
-            len(head_open) == 1 and places.cursor >= end and not any(head <= index < end for index in places.requeued)
+        last = (  # one place of the next batch is still out, and none waits to be leased again
+            sum(index < end for index in hedged) == 1 and places.cursor >= end
+            and not any(head <= index < end for index in places.requeued)
         )
         due = []
         for index in hedged:
