@@ -1,73 +1,31 @@
 """The orchestrator service: its route table, its aiohttp app, and the process that serves it.
 
-Called by `decentrl orchestrator` (decentrl/cli/main.py, which only parses its arguments) through
-`serve`, and by tests and benchmarks, which build the app with `create_app` and serve it on
-loopback (OrchestratorRunner, orchestrator/protocol.py). Top down:
+Called by `decentrl orchestrator` (decentrl/cli/main.py) through `serve`, and by tests and
+benchmarks, which build the app with `create_app` and serve it on loopback (OrchestratorRunner,
+orchestrator/protocol.py). docs/api.md is the reference for clients.
 
-- the route table (ROUTES): every route, who may call it, its body and answers. The one table
-  registers the handlers (`add_routes`), tells the auth middleware each route's roles
-  (`route_roles`), and generates /openapi.json (`openapi_spec`, with orchestrator/openapi.py), so
-  the three cannot drift apart;
-- the app's background upkeep, `cleanup_ctx` entries: the journal's writer, lease expiry
-  (`journal_writer`, `lease_upkeep`);
-- `create_app`, which wires the parts together;
-- `serve`, the process: it builds everything the app needs from the run's config: the tokens
-  (RUN_DIR/tokens.json and env DECENTRL_TOKENS), the journal (RUN_DIR/journal.sqlite, from which
-  RunState recovers a crashed run), the task and tokenizer, the verifier when verification is
-  enabled, the store (an announced version must exist in it); then tunes the garbage collector
-  and runs the app on uvloop where it installs, until SIGINT or SIGTERM (stopped within 2 s). A
-  journal failure stops the process: a restart recovers what was committed.
+ROUTES is the one list of routes, who may call each, its body and answers: it registers the
+handlers, tells the auth middleware each route's roles and generates /openapi.json
+(orchestrator/openapi.py), so the three cannot drift apart. A request passes errors_middleware ->
+auth_middleware -> its handler (orchestrator/handlers.py, score_handlers.py, dashboard.py), and
+every change a handler makes is journaled and committed before it answers.
 
-The routes, in short (docs/api.md is the reference for clients):
-
-  GET    /v1/info                    any token  what a worker needs to join
-  GET    /v1/status                  any token  counters, for progress displays
-  POST   /v1/leases                  worker     lease prompt groups, learn the newest version
-  GET    /v1/leases/{lease_id}       worker     where one of my leases stands
-  POST   /v1/leases/{lease_id}/renew worker     push my lease's deadline out (slow generation)
-  DELETE /v1/leases/{lease_id}       worker     give my lease back (its prompt goes out again)
-  POST   /v1/rollouts                worker     post samples; per-rollout accept/reject
-  POST   /v1/score/leases            scorer     lease samples to score (model rewards, docs/rewards.md)
-  POST   /v1/score/leases/{lease_id}/renew  scorer  push my score lease's deadline out
-  POST   /v1/scores                  scorer     post scores; all taken, or none with a reason
-  GET    /v1/batch                   trainer    long-poll for the next fresh batch (204 if none in time)
-  POST   /v1/version                 trainer    announce a version complete in the store
-  POST   /v1/trainer/steps           trainer    one step's metrics, for the dashboard
-  GET    /v1/dashboard               any token (or none: metrics_public)  curves, workers, samples
-  GET    /v1/admin/tokens            admin      token names and roles
-  POST   /v1/admin/tokens            admin      create a token
-  DELETE /v1/admin/tokens/{name}     admin      revoke a token, at once
-  GET    /metrics                    trainer, admin (or none: metrics_public)  Prometheus text
-  GET    /openapi.json, /healthz, /  none       (/ is the dashboard page, which holds no data)
-
-Where the other parts live:
-
-  orchestrator/middlewares.py     JSON errors and request metrics, then auth and rate limits
-  orchestrator/handlers.py        one thin handler per route: validate, call RunState, commit, answer
-  orchestrator/score_handlers.py  the scorer role's handlers
-  orchestrator/body.py            request bodies (JSON, msgpack, gzip) and answers
-  orchestrator/appstate.py        the app's typed state (web.AppKey) and its wake-ups
-  orchestrator/verification.py    background: the logprob spot-check scheduler
-  orchestrator/dashboard.py       the live page at /, the JSON it polls; history.py its curves
-  orchestrator/state.py           the run itself (leases, ingest, groups, batches), no HTTP in it
-
-A request passes errors_middleware -> auth_middleware -> its handler; every change a handler
-makes is journaled and committed before it answers. Errors are JSON {"error": "..."} with the
-status saying which: 400 malformed (naming the field), 401/403 auth, 404/409 unknown or closed
-lease/token or another run, 413 too big, 415 unknown Content-Type, 429 over the token's rate
-(Retry-After), 503 overloaded or journal failed (Retry-After). docs/api.md has the details.
+`serve` builds what the app needs from the run's config: the tokens (RUN_DIR/tokens.json and env
+DECENTRL_TOKENS), the journal (RUN_DIR/journal.sqlite, from which RunState recovers a crashed
+run), the task and tokenizer, the verifier when verification is enabled, the store (an announced
+version must exist in it). It runs the app on uvloop where it installs, until SIGINT or SIGTERM.
+A journal failure stops the process: a restart recovers what was committed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -126,8 +84,8 @@ from orchestrator.appstate import (
     VERIFIER,
     IdleScorers,
     JournalFailed,
-    RouteRoles,
     commit,
+    in_background,
     stop_waiting,
 )
 from orchestrator.auth import ENV_VAR, TokenRegistry
@@ -138,7 +96,7 @@ from orchestrator.journal import Journal, JournalError, JournalMismatch
 from orchestrator.limits import InFlight, RateLimiter
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.metrics import METRICS, Metrics
-from orchestrator.middlewares import auth_middleware, errors_middleware
+from orchestrator.middlewares import Handler, auth_middleware, errors_middleware
 from orchestrator.openapi import Endpoint, Param, build_openapi
 from orchestrator.protocol import OrchestratorRunner
 from orchestrator.state import RunState
@@ -149,8 +107,6 @@ log = logging.getLogger("decentrl.orchestrator")
 
 # -- the route table ----------------------------------------------------------------------
 
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ANY = ("worker", "trainer", "scorer", "admin")
 P = API_PREFIX
@@ -234,11 +190,6 @@ def route_specs(*, metrics_public: bool = False) -> list[Endpoint]:
     return specs
 
 
-def route_roles(*, metrics_public: bool = False) -> RouteRoles:
-    """(method, route template) -> the roles that may call it (None: no token), for the auth middleware."""
-    return {(s.method, s.path): s.roles for s in route_specs(metrics_public=metrics_public)}
-
-
 def openapi_spec(*, metrics_public: bool = False) -> dict[str, Any]:
     """The OpenAPI document an app serves at /openapi.json."""
     return build_openapi(
@@ -249,11 +200,6 @@ def openapi_spec(*, metrics_public: bool = False) -> dict[str, Any]:
         "the trainer. Bodies: JSON or msgpack (typed arrays for token ids and logprobs), optionally gzip. "
         "See docs/api.md.",
     )
-
-
-def add_routes(app: web.Application) -> None:
-    for spec, handler in ROUTES:
-        app.router.add_route(spec.method, spec.path, handler)
 
 
 # -- background upkeep, cleanup_ctx entries of the app ------------------------------------
@@ -272,7 +218,10 @@ async def journal_writer(app: web.Application) -> AsyncIterator[None]:
     await journal.stop()
 
 
-async def _expire_and_forget(app: web.Application) -> None:
+async def lease_upkeep(app: web.Application) -> None:
+    """Every UPKEEP_INTERVAL_S, expire overdue leases (their prompts are leased again first) and
+    forget leases closed longer than `dedupe_window_s`, then commit. A journal failure here trips
+    JOURNAL_FAILED as a request's would."""
     state = app[STATE]
     while True:
         await asyncio.sleep(UPKEEP_INTERVAL_S)
@@ -286,17 +235,6 @@ async def _expire_and_forget(app: web.Application) -> None:
             return
         except Exception:  # a bug here must not stop lease expiry for good
             log.exception("lease upkeep failed; trying again")
-
-
-async def lease_upkeep(app: web.Application) -> AsyncIterator[None]:
-    """Every UPKEEP_INTERVAL_S, expire overdue leases (their prompts are leased again first) and
-    forget leases closed longer than `dedupe_window_s`, then commit. A journal failure here trips
-    JOURNAL_FAILED as a request's would. Set up after the journal's writer, so it stops first."""
-    task = asyncio.create_task(_expire_and_forget(app))
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 # -- the app ------------------------------------------------------------------------------
@@ -333,7 +271,7 @@ def create_app(
     app[INFLIGHT] = InFlight(options.max_inflight_requests, options.max_inflight_per_token)
     app[STORE] = store
     app[JOURNAL_FAILED] = JournalFailed(lambda: metrics.journal_failed.set(1), on_fatal)
-    app[ROUTE_ROLES] = route_roles(metrics_public=options.metrics_public)
+    app[ROUTE_ROLES] = {(s.method, s.path): s.roles for s in route_specs(metrics_public=options.metrics_public)}
     app[OPENAPI] = openapi_spec(metrics_public=options.metrics_public)
     app[BATCH_READY] = asyncio.Condition()
     app[LEASES_FREED] = asyncio.Condition()
@@ -346,13 +284,15 @@ def create_app(
         if verifier is None:
             raise ValueError("orchestrator.verification.enabled needs a Verifier (orchestrator/verify.py)")
         app[VERIFIER] = verifier
-    # Set up in this order when the app starts, torn down in reverse when it stops.
+    # Set up in this order when the app starts, torn down in reverse when it stops (the upkeep
+    # stops before the journal's writer).
     app.cleanup_ctx.append(journal_writer)
-    app.cleanup_ctx.append(lease_upkeep)
+    app.cleanup_ctx.append(in_background(lease_upkeep))
     app.cleanup_ctx.append(verification)
-    app.cleanup_ctx.append(dashboard.sampler)
+    app.cleanup_ctx.append(in_background(dashboard.sample))
     app.on_shutdown.append(stop_waiting)  # long-polls answer at once: SIGTERM stops in well under 2 s
-    add_routes(app)
+    for spec, handler in ROUTES:
+        app.router.add_route(spec.method, spec.path, handler)
     return app
 
 
@@ -371,9 +311,8 @@ def tune_gc() -> None:
     """Fewer cyclic garbage collections for a long-running service.
 
     The buffer holds many container objects (token lists) that are never part of a cycle, and
-    every full collection walks all of them: freeze what startup built and collect less often
-    (about a tenth less CPU per rollout under load; docs/api.md). Also called by
-    benchmarks/ingest.py, to measure what `serve` runs.
+    every full collection walks all of them: freeze what startup built and collect less often.
+    Also called by benchmarks/ingest.py, to measure what `serve` runs.
     """
     gc.collect()
     gc.freeze()
@@ -415,15 +354,6 @@ def build_verifier(config: RunConfig, run_dir: str) -> Verifier | None:
     )
 
 
-def _event_loop() -> asyncio.AbstractEventLoop | None:
-    """uvloop's event loop where it installs (Linux, macOS), else None: aiohttp's default."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop()
-
-
 async def _run(app: web.Application, host: str, port: int) -> None:
     """Serve `app` until SIGINT or SIGTERM, then stop within STOP_S: the long-polls answer at once
     (orchestrator/appstate.py, `stop_waiting`) and any other request still running after that is
@@ -463,7 +393,12 @@ def serve(config: RunConfig, *, run_dir: str, host: str | None = None, port: int
         verifier=build_verifier(config, run_dir), store=CheckpointStore.from_config(config.store),
     )
     where = (host or config.orchestrator.host, config.orchestrator.port if port is None else port)
-    loop = _event_loop() or asyncio.new_event_loop()
+    try:
+        import uvloop  # where it installs (Linux, macOS)
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(_run(app, *where))
     finally:

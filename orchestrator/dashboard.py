@@ -15,16 +15,14 @@ Tokens never appear: the page and the JSON name workers by token name (and worke
 page keeps the token the reader typed in the tab's sessionStorage, or takes it from the URL's
 fragment (`/#token=...`), which browsers never send to the server, so it is in no access log.
 
-`sampler` (a cleanup_ctx entry of create_app) records the run's counters once a second
+`sample` (run in the background by create_app) records the run's counters once a second
 (orchestrator/history.py keeps them in ring buffers).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-from collections.abc import AsyncIterator
 from importlib.resources import files
 from typing import Any
 
@@ -39,18 +37,11 @@ PAGE = files("orchestrator").joinpath("static", "dashboard.html").read_bytes()
 MAX_SINCE = 1e12  # a time stamp, in seconds
 
 
-async def sampler(app: web.Application) -> AsyncIterator[None]:
-    async def run() -> None:
-        history, state, inflight = app[HISTORY], app[STATE], app[INFLIGHT]
-        while True:
-            history.sample(state.status(), inflight.count)
-            await asyncio.sleep(SAMPLE_INTERVAL_S)
-
-    task = asyncio.create_task(run())
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+async def sample(app: web.Application) -> None:
+    history, state, inflight = app[HISTORY], app[STATE], app[INFLIGHT]
+    while True:
+        history.sample(state.status(), inflight.count)
+        await asyncio.sleep(SAMPLE_INTERVAL_S)
 
 
 async def page(request: web.Request) -> web.Response:

@@ -64,9 +64,11 @@ async def score_leases(request: web.Request) -> web.Response:
 
 
 async def score_renew(request: web.Request) -> web.Response:
-    holder = holder_of(request, query_scorer(request))
+    scorer_id = request.query.get("scorer_id", "")
+    if not re.fullmatch(WORKER_ID, scorer_id):
+        raise error(web.HTTPBadRequest, f"query parameter scorer_id is required and must match {WORKER_ID}")
     try:
-        answer = request.app[STATE].renew_scores(request.match_info["lease_id"], holder)
+        answer = request.app[STATE].renew_scores(request.match_info["lease_id"], holder_of(request, scorer_id))
     except (ScoreError, LeaseError) as exc:
         raise error(STATUS_ERRORS[exc.status], str(exc)) from None
     return respond(request, answer)
@@ -87,9 +89,3 @@ async def scores(request: web.Request) -> web.Response:
     await notify_all(app[LEASES_FREED])  # a group dropped (stale, a judge reply unparsed) frees its place
     return respond(request, ack)
 
-
-def query_scorer(request: web.Request) -> str:
-    scorer_id = request.query.get("scorer_id", "")
-    if not re.fullmatch(WORKER_ID, scorer_id):
-        raise error(web.HTTPBadRequest, f"query parameter scorer_id is required and must match {WORKER_ID}")
-    return scorer_id
