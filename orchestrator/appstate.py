@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -36,28 +37,27 @@ log = logging.getLogger("decentrl.orchestrator")
 RouteRoles = dict[tuple[str, str], tuple[str, ...] | None]
 
 
+@dataclass
 class IdleScorers:
     """Score lease requests from scorers with nothing in hand, long-polling now: a request asked
     `ahead` (its scorer still has samples to score) leases only while there are none, so waiting
     samples go first to a scorer that can start on them (orchestrator/score_handlers.py)."""
 
-    def __init__(self) -> None:
-        self.count = 0
+    count: int = 0
 
 
+@dataclass
 class JournalFailed:
-    """What happens when the journal fails (a request's commit or the upkeep's): the metric is
-    set each time, and the service's callback is called once (`decentrl orchestrator` then shuts
-    down, so that a restart recovers from the journal; orchestrator/app.py `serve`)."""
+    """What happens when the journal fails (a request's commit or the upkeep's): `mark()` sets the
+    metric each time, and the service's `callback(exc)` is called once (`decentrl orchestrator`
+    then shuts down, so that a restart recovers from the journal)."""
 
-    def __init__(self, mark: Callable[[], None], callback: Callable[[BaseException], Any] | None) -> None:
-        """`mark()` sets the metric; `callback(exc)` is the service's."""
-        self._mark = mark
-        self._callback = callback
+    mark: Callable[[], None]
+    callback: Callable[[BaseException], Any] | None
 
     def __call__(self, exc: BaseException) -> None:
-        self._mark()
-        callback, self._callback = self._callback, None
+        self.mark()
+        callback, self.callback = self.callback, None
         if callback is not None:
             callback(exc)
 

@@ -115,21 +115,25 @@ def _write_file(path: Path, entries: list[dict[str, str]]) -> None:
     os.replace(tmp, path)
 
 
-def add_token(path: str, *, name: str, role: Role) -> str:
-    """Append a new random token to the file (created with mode 0600) and return it."""
+def _new_entry(name: str, role: Role) -> dict[str, str]:
+    """A new random token called `name`."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if not NAME.fullmatch(name):
         raise ValueError(f"name {name!r} must match {NAME.pattern}")
+    return {"name": name, "role": role, "token": secrets.token_urlsafe(32)}
+
+
+def add_token(path: str, *, name: str, role: Role) -> str:
+    """Append a new random token to the file (created with mode 0600) and return it."""
+    entry = _new_entry(name, role)
     file = Path(path)
     with _locked(file):
         entries = _read_file(file)
-        if any(entry["name"] == name for entry in entries):
+        if any(existing["name"] == name for existing in entries):
             raise ValueError(f"{path}: a token named {name!r} already exists; pick another --name")
-        token = secrets.token_urlsafe(32)
-        entries.append({"name": name, "role": role, "token": token})
-        _write_file(file, entries)
-    return token
+        _write_file(file, [*entries, entry])
+    return entry["token"]
 
 
 def revoke_token(path: str, *, name: str) -> bool:
@@ -166,10 +170,7 @@ class TokenRegistry:
         self._file: list[dict[str, str]] = []
         self._file_key: tuple[int, int, int] | None = None
         self._by_digest: dict[bytes, tuple[bytes, Identity, str]] = {}
-        if self.path is not None:
-            self._reload(force=True)
-        else:
-            self._rebuild()
+        self._reload(force=True)
 
     @classmethod
     def from_file(cls, path: str, *, env: str | None = None) -> TokenRegistry:
@@ -182,16 +183,14 @@ class TokenRegistry:
             )
         return cls(path=path, env_entries=env_entries)
 
-    def _stat_key(self) -> tuple[int, int, int] | None:
-        assert self.path is not None
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
     def _reload(self, force: bool = False) -> None:
-        key = self._stat_key()
+        """Re-read the tokens file if its mtime, size or inode changed. A broken file keeps the
+        tokens read before; `force` (start-up, after a write) raises instead."""
+        key = None
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(self.path)
+                key = (st.st_mtime_ns, st.st_size, st.st_ino)
         if key == self._file_key and not force:
             return
         try:
@@ -221,8 +220,7 @@ class TokenRegistry:
         self._by_digest = table
 
     def identify(self, token: str) -> Identity | None:
-        if self.path is not None:
-            self._reload()
+        self._reload()
         if not token.isascii():  # header bytes that are not ASCII (aiohttp keeps them as surrogates): no token is
             return None
         presented = _digest(token)
@@ -234,37 +232,33 @@ class TokenRegistry:
 
     def entries(self) -> list[tuple[str, Role, str]]:
         """(name, role, source) of every token; never the tokens."""
-        if self.path is not None:
-            self._reload()
+        self._reload()
         return [(identity.name, identity.role, source) for _, identity, source in self._by_digest.values()]
 
     def create(self, name: str, role: Role) -> str:
         """A new token: written to the tokens file (kept in memory only without one)."""
         if any(existing == name for existing, _, _ in self.entries()):
             raise ValueError(f"a token named {name!r} already exists; pick another name")
-        if self.path is not None:
-            token = add_token(str(self.path), name=name, role=role)
-            self._reload(force=True)
-            return token
-        if role not in ROLES or not NAME.fullmatch(name):
-            raise ValueError(f"name must match {NAME.pattern} and role be one of {ROLES}")
-        token = secrets.token_urlsafe(32)
-        self._memory.append({"name": name, "role": role, "token": token})
-        self._rebuild()
+        if self.path is None:
+            entry = _new_entry(name, role)
+            self._memory.append(entry)
+            self._rebuild()
+            return entry["token"]
+        token = add_token(str(self.path), name=name, role=role)
+        self._reload(force=True)
         return token
 
     def revoke(self, name: str) -> bool:
         """Revoke at once; False if no such token. Environment tokens cannot be revoked here."""
-        sources = {n: source for n, _, source in self.entries()}
-        if name not in sources:
+        source = next((source for n, _, source in self.entries() if n == name), None)
+        if source is None:
             return False
-        if sources[name] == "env":
+        if source == "env":
             raise PermissionError(f"token {name!r} comes from {ENV_VAR}; remove it there and restart")
-        if sources[name] == "memory":
+        if source == "memory":
             self._memory = [entry for entry in self._memory if entry["name"] != name]
             self._rebuild()
             return True
-        assert self.path is not None
         removed = revoke_token(str(self.path), name=name)
         self._reload(force=True)
         return removed
