@@ -1,15 +1,11 @@
 """The orchestrator's live dashboard: the page at `/`, the JSON it polls, the trainer's step metrics.
 
-Routes (the route table, orchestrator/app.py):
-  GET  /                   none        the page (orchestrator/static/dashboard.html): static, holds
-                                       no data; its script asks for a token and polls the JSON
-  GET  /v1/dashboard       any token   (none with `metrics_public`) the run's history since `since`
-  POST /v1/trainer/steps   trainer     one step's metrics (decentrl/api/wire.py TrainerStep)
-
-The page is one hand-written HTML file with its own small canvas plotting script: no build
-step, no CDN, it works offline. It polls rather than streams (server-sent events) because a
-poll costs the orchestrator one short request every `POLL_S` whatever the number of open
-pages, and answers only what is new since the page's last poll (`since`).
+The page (orchestrator/static/dashboard.html) is static and holds no data, so it needs no token;
+its script asks for one and polls GET /v1/dashboard. It is one hand-written HTML file with its
+own small canvas plotting script: no build step, no CDN, it works offline. It polls rather than
+streams (server-sent events) because a poll costs the orchestrator one short request every
+POLL_MS whatever the number of open pages, and answers only what is new since the page's last
+poll (`since`). The trainer posts each step's metrics to POST /v1/trainer/steps.
 
 Tokens never appear: the page and the JSON name workers by token name (and worker id), and the
 page keeps the token the reader typed in the tab's sessionStorage, or takes it from the URL's
@@ -23,14 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import asdict
 from importlib.resources import files
 from typing import Any
 
 from aiohttp import web
 
 from decentrl.api.wire import TrainerStep
-from orchestrator.appstate import HISTORY, INFLIGHT, STATE, VERIFIER
+from orchestrator.appstate import HISTORY, INFLIGHT, STATE
 from orchestrator.body import error, parse_body
+from orchestrator.handlers import run_status
 from orchestrator.history import SAMPLE_INTERVAL_S, History
 
 PAGE = files("orchestrator").joinpath("static", "dashboard.html").read_bytes()
@@ -68,10 +66,6 @@ def _since(request: web.Request) -> float:
     return since
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None  # JSON has no NaN
-
-
 def workers_table(app: web.Application, history: History) -> list[dict[str, Any]]:
     """One row per worker token (its name, never the token): the posts seen since the
     orchestrator started (history), with strikes, bans and samples served from the integrity
@@ -98,19 +92,17 @@ def workers_table(app: web.Application, history: History) -> list[dict[str, Any]
 async def dashboard(request: web.Request) -> web.Response:
     since = _since(request)
     app, history = request.app, request.app[HISTORY]
-    status = app[STATE].status()
-    if VERIFIER in app:
-        status.verification = app[VERIFIER].summary()
+    status = run_status(app)
     tokenizer = app[STATE].tokenizer
-    points = [{k: _finite(v) for k, v in p.items()} for p in history.points_since(since)]
+    # JSON has no NaN
+    points = [{k: v if math.isfinite(v) else None for k, v in p.items()} for p in history.points if p["t"] > since]
     return web.json_response({
         "now": history.now(),
         "status": status.model_dump(exclude={"workers"}),
         "points": points,
-        "steps": history.steps_since(since),
+        "steps": [step for step in history.steps if step["t"] > since],
         "versions": [
-            {"version": e.version, "announced": e.announced, "first_rollout": e.first_rollout}
-            for e in history.versions if e.announced > since or e.first_rollout is None or e.first_rollout > since
+            asdict(e) for e in history.versions if e.announced > since or e.first_rollout is None or e.first_rollout > since
         ],
         "staleness": {str(lag): count for lag, count in sorted(history.staleness.items())},
         "workers": workers_table(app, history),

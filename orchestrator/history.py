@@ -1,21 +1,13 @@
 """Bounded history of a run for the dashboard: time series, trainer steps, versions, samples.
 
-The orchestrator already holds the run's counters (RunState) but only their current values; the
-dashboard (orchestrator/dashboard.py) draws curves, so something must remember them. `History`
-keeps, each in a ring buffer of fixed length (memory stays bounded however long the run):
+RunState holds the run's counters but only their current values; the dashboard
+(orchestrator/dashboard.py) draws curves, so `History` remembers them, each series in a ring
+buffer of fixed length: memory stays bounded however long the run, and `workers` is keyed by
+token name, never by a worker id a client picks, so it is bounded by the tokens file.
 
-- `points`: one sample of the run's counters a second (`sample`, called by the dashboard's
-  sampler task; rates are differences of consecutive counters, taken by the page);
-- `steps`: the trainer's per-step metrics, as the trainer posts them (POST /v1/trainer/steps);
-- `versions`: when each version was announced, and when its first rollout came back (the
-  workers' pull, swap and first generation, as the orchestrator sees it);
-- `samples`: a few recent completions served to the trainer, with their rewards (token ids, decoded
-  only when the page asks);
-- `workers`: per token name, completion tokens accepted, newest version posted, last seen (bounded
-  by the tokens file: entries are keyed by token name, never by a worker id a client picks).
-
-Fed by the handlers (orchestrator/handlers.py: rollouts, batch, version, trainer_steps), read by
-the dashboard's JSON endpoint. Nothing here is journaled: after a restart the curves start again.
+Fed by the handlers (orchestrator/handlers.py: rollouts, batch, version; dashboard.py:
+trainer_steps) and the dashboard's sampler, read by the dashboard's JSON endpoint. Nothing here
+is journaled: after a restart the curves start again.
 """
 
 from __future__ import annotations
@@ -71,11 +63,14 @@ class VersionEvent:
 @dataclass
 class History:
     clock: Callable[[], float] = time.time  # a field so that tests can pass a fake
+    # The run's counters, one point a second (rates are differences of consecutive points, taken by the page).
     points: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=POINTS_KEPT))
-    steps: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    steps: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))  # as the trainer posts them
+    # When each version was announced and when its first rollout came back (the workers' pull,
+    # swap and first generation, as the orchestrator sees it).
     versions: deque[VersionEvent] = field(default_factory=lambda: deque(maxlen=VERSIONS_KEPT))
-    samples: deque[ShownSample] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
-    workers: dict[str, WorkerActivity] = field(default_factory=dict)
+    samples: deque[ShownSample] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))  # a few served recently
+    workers: dict[str, WorkerActivity] = field(default_factory=dict)  # by token name
     staleness: Counter[int] = field(default_factory=Counter)  # samples served, by staleness
 
     def now(self) -> float:
@@ -120,10 +115,10 @@ class History:
         activity.newest_version = max(activity.newest_version, newest)
         # The first rollout of a version newer than any seen: the workers have it.
         for event in reversed(self.versions):
-            if event.version <= newest and event.first_rollout is None:
+            if event.version <= newest:
+                if event.first_rollout is not None:
+                    break
                 event.first_rollout = now
-            elif event.version <= newest:
-                break
 
     def served(self, batch: TrainBatch) -> None:
         """A batch went to the trainer: its staleness, and one completion of each of its first groups."""
@@ -147,10 +142,8 @@ class History:
         self.versions.append(VersionEvent(version, self.now()))
 
     def trainer_step(self, step: int, metrics: dict[str, float]) -> None:
-        if self.steps and self.steps[-1]["step"] >= step:
-            # A resumed trainer trains the steps after its checkpoint again: keep the new ones.
-            while self.steps and self.steps[-1]["step"] >= step:
-                self.steps.pop()
+        while self.steps and self.steps[-1]["step"] >= step:  # a resumed trainer trains steps again: keep the new ones
+            self.steps.pop()
         self.steps.append({"step": step, "t": self.now(), **metrics})
 
     # -- read by the dashboard ------------------------------------------------------------
@@ -162,9 +155,3 @@ class History:
             return None
         (t0, n0), (t1, n1) = activity.marks[0], activity.marks[-1]
         return (n1 - n0) / (t1 - t0) if t1 > t0 else None
-
-    def points_since(self, since: float) -> list[dict[str, float]]:
-        return [point for point in self.points if point["t"] > since]
-
-    def steps_since(self, since: float) -> list[dict[str, float]]:
-        return [step for step in self.steps if step["t"] > since]
