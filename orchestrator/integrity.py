@@ -31,7 +31,7 @@ import random
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from decentrl.api.wire import Rollout
 from decentrl.config import VerificationConfig
@@ -74,11 +74,7 @@ class WorkerRecord:
     banned: bool = False
 
     def summary(self) -> dict[str, object]:
-        return {
-            "rollouts": self.rollouts, "checked": self.checked, "passed": self.passed, "strikes": self.strikes,
-            "reward_mismatches": self.reward_mismatches, "served": self.served,
-            "rejections": dict(self.rejections), "banned": self.banned,
-        }
+        return {**asdict(self), "rejections": dict(self.rejections)}
 
     @classmethod
     def from_summary(cls, data: dict[str, object]) -> WorkerRecord:
@@ -109,16 +105,16 @@ class Integrity:
     def record(self, holder: str) -> WorkerRecord:
         """The token's record, to change (it is journaled with the next commit)."""
         name = token_of(holder)
-        found = self.workers.get(name)
-        if found is None:
-            found = self.workers[name] = WorkerRecord()
         if self.journaled:
             self._changed.add(name)
-        return found
+        return self.workers.setdefault(name, WorkerRecord())
+
+    def _known(self, holder: str) -> WorkerRecord:
+        """The token's record to read (a blank one for a token never seen): nothing is journaled."""
+        return self.workers.get(token_of(holder)) or WorkerRecord()
 
     def has_passed_check(self, holder: str) -> bool:
-        found = self.workers.get(token_of(holder))
-        return found is not None and found.passed > 0
+        return self._known(holder).passed > 0
 
     # -- checks at ingest (cheap) --------------------------------------------------------
 
@@ -224,8 +220,7 @@ class Integrity:
                 self._banned_queue.append(token_of(holder))
 
     def is_banned(self, holder: str) -> bool:
-        found = self.workers.get(token_of(holder))
-        return found is not None and found.banned
+        return self._known(holder).banned
 
     def newly_banned(self) -> list[str]:
         """Tokens banned since the last call (each handed out once), to be revoked."""

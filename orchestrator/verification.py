@@ -45,10 +45,11 @@ log = logging.getLogger("decentrl.orchestrator")
 
 
 def next_checks(state: RunState, limit: int) -> list[VerifyJob]:
-    """The held-back groups to check together, taken off `state.verify_queue`: whole groups, oldest
-    first, up to `limit` rollouts (at least one group). A token none of whose checks has passed yet
-    (a new worker, or a cheater) gets one group in per batch: its first verdict bans a cheater
-    before the rest of what it posted costs a forward (drop_banned then drops it unchecked)."""
+    """The held-back groups to check together, taken off `state.verify_queue` (which holds no dropped
+    group's: Buffer.release_held_back): whole groups, oldest first, up to `limit` rollouts (at least
+    one group). A token none of whose checks has passed yet (a new worker, or a cheater) gets one
+    group in per batch: its first verdict bans a cheater before the rest of what it posted costs a
+    forward (drop_banned then drops it unchecked)."""
     taken: list[VerifyJob] = []
     left: deque[VerifyJob] = deque()
     rollouts, unproven = 0, set()
@@ -116,9 +117,6 @@ async def _check_when_due(app: web.Application, executor: concurrent.futures.Exe
         jobs = next_checks(state, options.check_batch_rollouts)
         if not state.verify_queue:
             waiting_since = None  # else what is left waited as long: it goes next, at once
-        jobs = [job for job in jobs if job.lease_id in state.pending]  # not dropped meanwhile (a ban)
-        if not jobs:
-            continue
         try:
             await _judge(app, executor, jobs)
         except JournalError as exc:

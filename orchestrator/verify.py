@@ -8,17 +8,24 @@ startup, imports torch and transformers and builds the models (an orchestrator w
 verification off never loads them).
 
 The recomputation is the worker's own math (decentrl/model/sampling.py `sampling_distribution`, the
-distribution the HF worker backend samples from: temperature, then top-k, then top-p,
-renormalized over the kept set) on one full forward of prompt + completion under the version's
-weights. A version is loaded once: its weight files are read from the store into memory,
-checked against the (signed) manifest's sha256, and copied into a model built at startup, in
-place and all or nothing (decentrl/store/weights.py, which the worker's weight swap uses too); the
-last `models_cached` versions stay loaded. One load path: weights that cannot be read or do not
-fit the model, whatever the version holds, are an error the check reports (the rollouts are left
-`unverifiable`, nobody struck) and never end the verifier's thread. A completion that spanned a weight swap
-(`token_versions`) is checked token by token against the version of each token. A rollout
-fails when any token's |claimed - recomputed| exceeds `tolerance` (a claimed token outside the
-recomputed kept set differs by infinity). docs/security.md: the calibration and the costs.
+distribution the HF worker backend samples from) on one full forward of prompt + completion under
+the version's weights, in the dtype the version was published in. A version is loaded once: its
+weight files are read from the store into memory, checked against the (signed) manifest's sha256,
+and copied into a model built at startup, in place and all or nothing (decentrl/store/weights.py,
+which the worker's weight swap uses too); the last `models_cached` versions stay loaded. Weights
+that cannot be read or do not fit the model, whatever the version holds, leave the rollouts
+`unverifiable` (nobody struck) and never end the verifier's thread. A completion that spanned a
+weight swap (`token_versions`) is checked token by token against the version of each token.
+
+The rule (VerificationConfig; docs/security.md and docs/store.md: the calibration, what it leaves an
+attacker): a rollout fails when any token it sampled differs by more than the per-token bound, or
+the mean difference over those tokens exceeds the mean bound. fp32 versions: both are `tolerance`
+(the float noise is 1e-7, any edit shows at its token). bf16/fp16 versions: a worker's incremental
+decoding and the verifier's one forward round differently through every layer, up to ~1 at a token
+of a real model, so the per-token bound (`half_tolerance`) only catches a large edit, and the mean
+(`half_mean_tolerance`) catches a completion another model wrote. A claimed token outside the
+recomputed top-k/top-p kept set counts as infinitely far, unless it is kept once its own logit is
+the per-token bound higher: then rounding moved the boundary, and it is judged as if kept.
 
 Deterministic runs (`run_seed`, docs/reproducibility.md): every honest sample is recomputable, so
 the same forward also re-draws each token from the sample's own generator (seeded with
@@ -32,7 +39,7 @@ the worker's cached decoding changes it only at a near-tie.
 
 Cost accounting (`summary()`, /v1/status `verification`): `compute_s` is the wall time of the
 checks, loads included; `cpu_s` the checking thread's CPU time (plus, for a version pulled into
-the cache - a LoRA adapter and its base - the pull at its wall time: it hashes on the
+the cache - a LoRA adapter and its base, a delta - the pull at its wall time: it hashes on the
 store's own threads, which the thread clock does not see). The one-time imports and model builds
 at startup are `startup_s`, apart, as the trainer's compute time leaves out its own start-up.
 """
@@ -44,9 +51,10 @@ import math
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from decentrl.api.wire import Rollout
+from decentrl.api.wire import Rollout, SamplingParams
 from decentrl.config import VerificationConfig
 from decentrl.rl.determinism import sample_seed
 from decentrl.store.checkpoints import CheckpointStore, StoreError
@@ -58,18 +66,50 @@ if TYPE_CHECKING:
 log = logging.getLogger("decentrl.orchestrator.verify")
 
 
-def _sampled(rollout: Rollout, version: int) -> list[bool]:
-    """Per completion token, whether `version` sampled it: a completion spanning a weight swap has
-    `token_versions`; an environment token (loss_mask 0) was not sampled at all."""
+def _token_versions(rollout: Rollout) -> list[int | None]:
+    """Per completion token, the version that sampled it (`token_versions` when the completion
+    spanned a weight swap); None for an environment token (loss_mask 0), which nobody sampled."""
     count = len(rollout.completion_token_ids)
     versions = rollout.token_versions or [rollout.policy_version] * count
-    return [v == version and m != 0 for v, m in zip(versions, rollout.loss_mask or [1] * count, strict=True)]
+    return [v if m else None for v, m in zip(versions, rollout.loss_mask or [1] * count, strict=True)]
 
 
-def _versions(rollout: Rollout) -> set[int]:
-    """The versions that sampled some token of the rollout."""
-    versions = rollout.token_versions or [rollout.policy_version] * len(rollout.completion_token_ids)
-    return {v for v, m in zip(versions, rollout.loss_mask or [1] * len(versions), strict=True) if m}
+def _judged_at_the_boundary(
+    logits: torch.Tensor, targets: torch.Tensor, chosen: torch.Tensor, sampling: SamplingParams, slack: float
+) -> torch.Tensor:
+    """`chosen` (N,), where a target lies outside the kept set (-inf) but is kept once its own
+    tempered logit is `slack` higher, replaced by its logprob in the kept set widened by it: the
+    worker's rounding kept a token at the top-k/top-p boundary that the verifier's dropped.
+    `logits` (N, V) and `targets` (N, 1) of the same positions."""
+    import torch
+
+    from decentrl.model.sampling import sampling_distribution
+
+    outside = chosen == -math.inf  # (N,)
+    if not outside.any():
+        return chosen
+    rows, ids = logits[outside].float(), targets[outside]  # (M, V), (M, 1)
+    raised = rows.scatter_add(-1, ids, torch.full(ids.shape, slack * sampling.temperature))
+    near = sampling_distribution(raised, sampling).gather(-1, ids).squeeze(-1).isfinite()  # (M,)
+    kept = sampling_distribution(rows, sampling).isfinite().scatter(-1, ids, True)  # (M, V)
+    widened = torch.log_softmax((rows / sampling.temperature).masked_fill(~kept, -math.inf), dim=-1)
+    judged = torch.where(near, widened.gather(-1, ids).squeeze(-1), -math.inf)  # (M,)
+    return chosen.masked_scatter(outside, judged)
+
+
+@dataclass
+class Judged:
+    """One rollout's |claimed - recomputed| logprobs over the tokens it sampled, of every version."""
+
+    worst: float = 0.0  # inf: a token outside the kept set, or a claimed logprob that is not a number
+    total: float = 0.0
+    tokens: int = 0
+    reproduced: bool = True  # every token is its seed's draw (deterministic runs)
+    unverifiable: bool = False  # a version it needs cannot be loaded
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(self.tokens, 1)
 
 
 class Verifier:
@@ -79,7 +119,7 @@ class Verifier:
     ) -> None:
         """`build` makes a model of the run's architecture (decentrl.model.build.build_model): `warm_up`
         builds `models_cached` of them, and every version is then copied into one in place.
-        `cache_dir` receives the pulled versions of LoRA runs (an adapter and its base).
+        `cache_dir` receives the versions that are pulled (a LoRA adapter and its base, a delta).
         `run_seed`: a deterministic run's seed; its samples' tokens are re-drawn too."""
         self.config = config
         self.run_seed = run_seed
@@ -90,22 +130,26 @@ class Verifier:
         self._spare: list[torch.nn.Module] = []  # built, no version loaded yet
         self.compute_s = 0.0  # wall time of checks, loads included
         self.cpu_s = 0.0  # checking thread's CPU time + pulls' wall time (see the module docstring)
-        self.load_s = 0.0  # wall time of reading, verifying and copying in weights (part of compute_s)
-        self.load_cpu_s = 0.0  # the same in CPU time of this thread (part of cpu_s)
-        self.forward_s = 0.0  # wall time of forwards and distributions (part of compute_s)
-        self.forward_cpu_s = 0.0  # the same in CPU time (part of cpu_s)
-        self.draw_s = 0.0  # wall time of the seeded re-draws (deterministic runs; part of forward_s)
-        self.startup_s = 0.0  # wall time of the one-time imports and model builds (warm_up): not in compute_s
+        self.load_s = 0.0  # part of compute_s: reading, verifying and copying in weights
+        self.load_cpu_s = 0.0  # part of cpu_s
+        self.forward_s = 0.0  # part of compute_s: forwards and distributions
+        self.forward_cpu_s = 0.0  # part of cpu_s
+        self.draw_s = 0.0  # part of forward_s: the seeded re-draws (deterministic runs)
+        self.startup_s = 0.0  # warm_up's imports and model builds: not in compute_s
         self.checks = 0  # batches checked (one forward per version in each)
         self.loads = 0  # versions loaded
         self.rollouts_checked = 0
-        self.largest_passing_diff = 0.0  # the honest noise seen so far: watch it against the tolerance
+        # The honest noise seen so far, to watch against the bounds in force.
+        self.largest_passing_diff = 0.0
+        self.largest_passing_mean_diff = 0.0
+        # (per-token, mean) bounds of the dtype the versions are published in: one for the whole run
+        # (store.publish_dtype), known once a version is loaded.
+        self.tolerances = (config.tolerance, config.tolerance)
 
     def warm_up(self) -> None:
         """Import torch, transformers and the model code, and build the models, now rather than in
-        the first checks (seconds of CPU, once per process: the trainer's compute time does not
-        count its own start-up either). Errors propagate: the caller logs them, and the first
-        check then builds what it needs itself, the same way."""
+        the first checks. Errors propagate: the caller logs them, and the first check then builds
+        what it needs itself, the same way."""
         started = time.perf_counter()
         import torch
 
@@ -136,9 +180,8 @@ class Verifier:
 
     def _load(self, version: int) -> torch.nn.Module:
         """A model holding `version`'s weights: a spare, a new build (warm_up did not build them
-        all) or the least recently used one, overwritten in place, all or nothing
-        (decentrl/store/weights.py `copy_into`). Weights that cannot be read leave every loaded model
-        as it was."""
+        all) or the least recently used one, overwritten in place, all or nothing. Weights that
+        cannot be read leave every loaded model as it was."""
         import torch
 
         from decentrl.store.weights import adopt_dtype, copy_into
@@ -160,17 +203,14 @@ class Verifier:
         return model
 
     def _weights(self, version: int) -> dict[str, torch.Tensor]:
-        """`version`'s full weights. A full version's files are read from the store into memory,
-        each checked against the (signed) manifest's digest: no cache directory. A LoRA adapter
-        version is pulled with its base into the cache (verified once) and merged onto it, as the
-        HF worker does; a delta version is pulled into the cache, rebuilt from its base there. Only the manifest's
-        files are read, and whatever they hold, a failure is
-        a StoreError (the store, the manifest, a file's bytes) or a CheckpointError (weights that
-        do not read): the verifier's thread never dies of a version."""
+        """`version`'s full weights. A full version's files (only the manifest's) are read from the
+        store into memory, each checked against the (signed) manifest's digest. A LoRA adapter is
+        pulled with its base into the cache and merged onto it, as the HF worker does; a delta is
+        pulled and rebuilt from its base there. Any failure is a StoreError or a CheckpointError:
+        the verifier's thread never dies of a version."""
         from decentrl.store.weights import INDEX_NAME, CheckpointError, read_weights, weights_from_files
 
         try:
-            # A delta version's files are rebuilt from its base: pulled into the cache like an adapter's.
             if self.store.manifest(version).delta_base is None:
                 manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors") or name == INDEX_NAME)
                 if manifest.base_version is None:
@@ -191,21 +231,21 @@ class Verifier:
         finally:
             self.cpu_s += time.perf_counter() - started  # hashed on the store's threads: counted at wall time
 
-    def recompute(self, rollouts: list[Rollout], version: int) -> list[torch.Tensor]:
-        """Per rollout, the logprob (T,) of each completion token under `version`'s sampling
-        distribution. The rollouts share their sampling parameters (the run's)."""
-        lengths = [len(r.completion_token_ids) for r in rollouts]
-        return list(self._recompute(rollouts, version)[0].split(lengths))
-
-    def _recompute(self, rollouts: list[Rollout], version: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logprobs (N,) of every completion token of `rollouts`, concatenated, and in a
-        deterministic run whether each token is its sample's seeded draw (N,), else None."""
+    def recompute(self, rollouts: list[Rollout], version: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logprobs (N,) of every completion token of `rollouts`, concatenated, under `version`'s
+        sampling distribution (the rollouts share the run's sampling parameters), in one forward;
+        in a deterministic run whether each token is its sample's seeded draw (N,), else None."""
         import torch
 
         from decentrl.model.routers import batch_routes, replaying
         from decentrl.model.sampling import sampling_distribution
 
         model = self._model(version)
+        config = self.config
+        if next(model.parameters()).dtype in (torch.bfloat16, torch.float16):
+            self.tolerances = (config.half_tolerance, config.half_mean_tolerance)
+        else:
+            self.tolerances = (config.tolerance, config.tolerance)
         started, cpu_started = time.perf_counter(), time.thread_time()
         sequences = [r.prompt_token_ids + r.completion_token_ids for r in rollouts]
         width = max(len(s) for s in sequences)
@@ -218,13 +258,14 @@ class Verifier:
             len(r.prompt_token_ids) - 1 + i for r in rollouts for i in range(len(r.completion_token_ids))
         ])  # (N,)
         targets = torch.tensor([t for r in rollouts for t in r.completion_token_ids]).unsqueeze(-1)  # (N, 1)
+        sampling = rollouts[0].sampling
         with torch.inference_mode():
             # MoE: the worker's recorded experts, replayed as the trainer does (decentrl/model/routers.py).
             with replaying(model, batch_routes([r.expert_routing for r in rollouts], width)):
-                logits = model(input_ids=ids).logits  # (B, L, V)
-            # Every completion position of every rollout in one (N, V) block: one distribution call.
-            distribution = sampling_distribution(logits[rows, columns], rollouts[0].sampling)  # (N, V)
-            chosen = distribution.gather(-1, targets).squeeze(-1)
+                logits = model(input_ids=ids).logits[rows, columns]  # (N, V)
+            distribution = sampling_distribution(logits, sampling)  # (N, V)
+            chosen = distribution.gather(-1, targets).squeeze(-1)  # (N,)
+            chosen = _judged_at_the_boundary(logits, targets, chosen, sampling, self.tolerances[0])
             drawn = None if self.run_seed is None else self._redrawn(rollouts, distribution, version, targets.squeeze(-1))
         self.forward_s += time.perf_counter() - started
         self.forward_cpu_s += time.thread_time() - cpu_started
@@ -253,43 +294,43 @@ class Verifier:
         self.draw_s += time.perf_counter() - started
         return same
 
-    def differences(self, rollouts: list[Rollout]) -> list[float]:
-        """Per rollout, the largest |claimed - recomputed| logprob over the tokens it sampled
-        (infinite where a claimed token lies outside the recomputed kept set; NaN where a version
-        it needs cannot be loaded: deleted by retention, failing verification, or weights that do
-        not fit the model)."""
-        return self._judge(rollouts)[0]
-
-    def _judge(self, rollouts: list[Rollout]) -> tuple[list[float], list[bool]]:
-        """`differences`, and per rollout whether every token it sampled is its seeded draw
-        (deterministic runs; True elsewhere)."""
+    def judge(self, rollouts: list[Rollout]) -> list[Judged]:
+        """Per rollout, how far its claimed logprobs are from the recomputed ones, over the tokens
+        it sampled, with one forward per version they need."""
         import torch
 
         from decentrl.store.weights import CheckpointError
 
-        worst = torch.zeros(len(rollouts), dtype=torch.float64)
-        reproduced = torch.ones(len(rollouts), dtype=torch.float64)  # 1.0: every drawn token is its seed's
+        judged = [Judged() for _ in rollouts]
         by_version: dict[int, list[int]] = defaultdict(list)  # version -> indices of rollouts with tokens of it
         for index, rollout in enumerate(rollouts):
-            for version in _versions(rollout):
+            for version in {v for v in _token_versions(rollout) if v is not None}:
                 by_version[version].append(index)
         for version, indices in sorted(by_version.items()):
             batch = [rollouts[index] for index in indices]
             try:
-                recomputed, drawn = self._recompute(batch, version)  # (N,), (N,) or None
+                recomputed, drawn = self.recompute(batch, version)  # (N,), (N,) or None
             except (StoreError, CheckpointError) as exc:
                 log.error("version %d cannot be loaded (%s): %d rollouts left unjudged", version, exc, len(batch))
-                worst[indices] = math.nan
+                for index in indices:
+                    judged[index].unverifiable = True
                 continue
-            claimed = torch.tensor([lp for r in batch for lp in r.logprobs], dtype=torch.float32)  # (N,)
-            # Compared: the tokens this version sampled.
-            counted = torch.tensor([sampled for r in batch for sampled in _sampled(r, version)])  # (N,)
-            diff = torch.nan_to_num((claimed - recomputed).abs().double(), nan=math.inf).masked_fill(~counted, 0.0)
-            owner = torch.tensor([indices[b] for b, r in enumerate(batch) for _ in r.completion_token_ids])  # (N,)
-            worst.scatter_reduce_(0, owner, diff, reduce="amax")
-            if drawn is not None:
-                reproduced.scatter_reduce_(0, owner, (drawn | ~counted).double(), reduce="amin")
-        return worst.tolist(), [value == 1.0 for value in reproduced.tolist()]
+            lengths = [len(r.completion_token_ids) for r in batch]
+            claimed = torch.tensor([lp for r in batch for lp in r.logprobs], dtype=torch.float64)  # (N,)
+            # NaN (a claimed logprob that is no number, or -inf at a token outside the kept set) is as far as can be.
+            differences = (claimed - recomputed.double()).abs().nan_to_num(nan=math.inf, posinf=math.inf)
+            draws_of = drawn.split(lengths) if drawn is not None else [None] * len(batch)
+            for index, rollout, difference, draws in zip(indices, batch, differences.split(lengths), draws_of, strict=True):
+                counted = torch.tensor([v == version for v in _token_versions(rollout)], dtype=torch.bool)  # (T,)
+                found = judged[index]
+                found.worst = max(found.worst, float(difference[counted].max()))
+                found.total += float(difference[counted].sum())
+                found.tokens += int(counted.sum())
+                found.reproduced = found.reproduced and (draws is None or bool(draws[counted].all()))
+        return judged
+
+    def within(self, judged: Judged) -> bool:
+        return judged.worst <= self.tolerances[0] and judged.mean <= self.tolerances[1]
 
     def check(self, rollouts: list[Rollout]) -> dict[str, str]:
         """Rollout id -> rejection reason for each rollout that fails: `logprob_mismatch`,
@@ -297,23 +338,25 @@ class Verifier:
         when a version it needs can no longer be read (no strike for that)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         failed: dict[str, str] = {}
-        for rollout, diff, reproduced in zip(rollouts, *self._judge(rollouts), strict=True):
-            if math.isnan(diff):
+        for rollout, judged in zip(rollouts, self.judge(rollouts), strict=True):
+            if judged.unverifiable:
                 failed[rollout.rollout_id] = "unverifiable"
-            elif not reproduced:
+            elif not judged.reproduced:
                 failed[rollout.rollout_id] = "not_reproduced"
                 log.warning(
                     "rollout %s of %s: its tokens are not the draws of its seed (sample %s, version %d)",
                     rollout.rollout_id, rollout.worker_id, rollout.sample_index, rollout.policy_version,
                 )
-            elif diff > self.config.tolerance:
+            elif not self.within(judged):
                 failed[rollout.rollout_id] = "logprob_mismatch"
                 log.warning(
-                    "rollout %s of %s: logprobs differ by up to %.3g from version %d's (tolerance %g)",
-                    rollout.rollout_id, rollout.worker_id, diff, rollout.policy_version, self.config.tolerance,
+                    "rollout %s of %s: logprobs differ from version %d's by up to %.3g, %.3g on average "
+                    "(tolerance %g, mean %g)", rollout.rollout_id, rollout.worker_id, rollout.policy_version,
+                    judged.worst, judged.mean, *self.tolerances,
                 )
             else:
-                self.largest_passing_diff = max(self.largest_passing_diff, diff)
+                self.largest_passing_diff = max(self.largest_passing_diff, judged.worst)
+                self.largest_passing_mean_diff = max(self.largest_passing_mean_diff, judged.mean)
         self.checks += 1
         self.rollouts_checked += len(rollouts)
         self.compute_s += time.perf_counter() - started
@@ -334,5 +377,7 @@ class Verifier:
             "draw_s": self.draw_s,
             "startup_s": self.startup_s,
             "largest_passing_diff": self.largest_passing_diff,
-            "tolerance": self.config.tolerance,
+            "largest_passing_mean_diff": self.largest_passing_mean_diff,
+            "tolerance": self.tolerances[0],
+            "mean_tolerance": self.tolerances[1],
         }

