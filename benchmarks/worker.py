@@ -121,7 +121,7 @@ def bench_vllm(version_dir: str, next_dir: str, args: argparse.Namespace) -> dic
 def vllm_only(args: argparse.Namespace) -> None:
     from workers.backends.vllm_engine import VLLMBackend
 
-    backend = VLLMBackend(chunk_tokens=args.chunk_tokens, engine_args={"dtype": "float32", "max_model_len": 256})
+    backend = VLLMBackend(chunk_tokens=args.chunk_tokens, compile=False, engine_args={"dtype": "float32", "max_model_len": 256})
     backend.load(args.vllm_only, 0)
     rate = throughput(backend, args.prompts, args.max_tokens, args.rounds)
     # The engine part of a swap: in-place reload of the next version, then one token under it.

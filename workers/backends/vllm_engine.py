@@ -23,10 +23,12 @@ class VLLMBackend:
     # backend at start-up (docs/routing.md names the vLLM versions and flag that provide it).
     records_routes = False
 
-    def __init__(self, *, chunk_tokens: int = 256, mask_logprobs: int = 64, engine_args: dict | None = None) -> None:
+    def __init__(
+        self, *, chunk_tokens: int = 256, mask_logprobs: int = 64, compile: bool = True, engine_args: dict | None = None,
+    ) -> None:
         self.chunk_tokens = chunk_tokens
         self.mask_logprobs = mask_logprobs
-        self.engine_args = engine_args or {}
+        self.engine_args = {"enforce_eager": not compile, **(engine_args or {})}
         self.llm = None
         self.version: int | None = None
 
@@ -38,7 +40,6 @@ class VLLMBackend:
                 model=checkpoint_dir,
                 logprobs_mode="processed_logprobs",
                 max_logprobs=self.mask_logprobs,
-                enforce_eager=True,
                 **self.engine_args,
             )
         else:
