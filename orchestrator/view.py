@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
+from operator import attrgetter
+from typing import Any
 
 from decentrl.api.wire import SamplingParams, StatusResponse
 from decentrl.config import RunConfig
@@ -23,6 +25,16 @@ from orchestrator.integrity import Integrity
 from orchestrator.journal import RunJournal
 from orchestrator.leases import LeaseBook, OpenLease
 from orchestrator.score_queue import ScoreQueue
+
+
+def _alias(path: str, *, settable: bool = False) -> Any:
+    """A property reading `self.<path>`; `settable`: one that replaces the field whole."""
+    owner, name = path.rsplit(".", 1)
+
+    def replace(self: RunView, value: object) -> None:
+        setattr(attrgetter(owner)(self), name, value)
+
+    return property(attrgetter(path), replace if settable else None)
 
 
 class RunView:
@@ -40,9 +52,21 @@ class RunView:
     buffer: Buffer
     score_queue: ScoreQueue
 
-    @property
-    def buffer_limit(self) -> int:
-        return self.config.orchestrator.max_buffer_groups
+    # Parts' fields under the names callers use.
+    buffer_limit: int = _alias("config.orchestrator.max_buffer_groups")
+    sampling: SamplingParams = _alias("checks.sampling", settable=True)
+    published_version: int | None = _alias("versions.published")
+    trainer_version: int = _alias("versions.trainer")
+    leases: dict[str, OpenLease] = _alias("lease_book.open")
+    ready: deque[Group] = _alias("buffer.ready")
+    pending: dict[str, Group] = _alias("buffer.pending")
+    verify_queue: deque[VerifyJob] = _alias("buffer.verify_queue", settable=True)
+    rollouts_accepted: int = _alias("counters.rollouts_accepted")
+    rejected: Counter[str] = _alias("counters.rejected")
+    dropped: Counter[str] = _alias("counters.dropped")
+    stale_dropped: int = _alias("counters.stale_dropped")
+    groups_served: int = _alias("counters.groups_served")
+    leases_expired: int = _alias("counters.leases_expired")
 
     def buffer_full(self) -> bool:
         return len(self.buffer.ready) >= self.buffer_limit
@@ -78,63 +102,3 @@ class RunView:
             workers=self.integrity.summary(),
             reward_failures=reward_failures(self.task),
         )
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.checks.sampling
-
-    @sampling.setter
-    def sampling(self, value: SamplingParams) -> None:
-        self.checks.sampling = value
-
-    @property
-    def published_version(self) -> int | None:
-        return self.versions.published
-
-    @property
-    def trainer_version(self) -> int:
-        return self.versions.trainer
-
-    @property
-    def leases(self) -> dict[str, OpenLease]:
-        return self.lease_book.open
-
-    @property
-    def ready(self) -> deque[Group]:
-        return self.buffer.ready
-
-    @property
-    def pending(self) -> dict[str, Group]:
-        return self.buffer.pending
-
-    @property
-    def verify_queue(self) -> deque[VerifyJob]:
-        return self.buffer.verify_queue
-
-    @verify_queue.setter
-    def verify_queue(self, value: deque[VerifyJob]) -> None:
-        self.buffer.verify_queue = value
-
-    @property
-    def rollouts_accepted(self) -> int:
-        return self.counters.rollouts_accepted
-
-    @property
-    def rejected(self) -> Counter[str]:
-        return self.counters.rejected
-
-    @property
-    def dropped(self) -> Counter[str]:
-        return self.counters.dropped
-
-    @property
-    def stale_dropped(self) -> int:
-        return self.counters.stale_dropped
-
-    @property
-    def groups_served(self) -> int:
-        return self.counters.groups_served
-
-    @property
-    def leases_expired(self) -> int:
-        return self.counters.leases_expired
