@@ -39,6 +39,7 @@ class HFBackend:
         self.router_noise = router_noise  # [simulation] router_noise: benchmarks only (workers/simulation.py)
         self.model: PreTrainedModel | None = None
         self._last_only: dict[str, int] = {}  # the prefill's logits_to_keep, where the model takes it (load)
+        self._cache_arg = "past_key_values"  # the KV cache's keyword in the model's forward (load)
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.version: int | None = None
         self.generator = torch.Generator(device=self.device)
@@ -56,7 +57,10 @@ class HFBackend:
             self.model, self.tokenizer = model, AutoTokenizer.from_pretrained(model_dir(checkpoint_dir))
             # The prefill needs the last position's logits only: a (B, W, V) tensor is as large as the
             # model's weights at 64 rows of 256 tokens (transformers' generate keeps one position too).
-            self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+            takes = inspect.signature(model.forward).parameters
+            self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
+            # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40).
+            self._cache_arg = "cache" if "cache" in takes else "past_key_values"
         else:
             # Same architecture, new weights: copy in place instead of rebuilding the module.
             copy_into(self.model, read_weights(checkpoint_dir))
@@ -114,8 +118,8 @@ class HFBackend:
         cache = DynamicCache()
         moe = recorder.layers > 0
         logits = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True,
-            **self._last_only,
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+            **{self._cache_arg: cache}, **self._last_only,
         ).logits[:, -1]  # (B, V)
         # Routes: the prefill's (B, W, layers, K), then one (B, 1, layers, K) per fed token.
         fed = [recorder.take().view(*input_ids.shape, recorder.layers, -1)] if moe else []
@@ -146,7 +150,7 @@ class HFBackend:
             attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=-1)
             positions = positions[:, -1:] + 1
             logits = self.model(
-                input_ids=chosen, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+                input_ids=chosen, attention_mask=attention, position_ids=positions, use_cache=True, **{self._cache_arg: cache}
             ).logits[:, -1]
             if moe:
                 fed.append(recorder.take().view(rows, 1, recorder.layers, -1))
