@@ -1,16 +1,12 @@
 """The typed state of the orchestrator's app (`web.AppKey`s) and the small helpers that act on it.
 
-`create_app` (orchestrator/app.py) sets every key before the app starts; the handlers
-(orchestrator/handlers.py), the middlewares (orchestrator/middlewares.py) and the background
-tasks (the upkeep in orchestrator/app.py, orchestrator/verification.py) read them. The keys live
-here, not in app.py, so that those modules can import them without importing the app factory.
+`create_app` (orchestrator/app.py) sets every key before the app starts; the handlers, the
+middlewares and the background tasks read them. The keys live here, not in app.py, so that those
+modules can import them without importing the app factory.
 
-Wake-ups. Handlers and background tasks wake one another instead of polling: a handler that may
-have let a batch form notifies BATCH_READY (the trainer's long-poll waits on it), one that may
-have freed a place for a lease notifies LEASES_FREED (the workers' long-poll), one that may have
-queued samples for scoring notifies SCORES_WAITING (the scorers' long-poll), and one that may
-have held a group back for its check, or moved the line ahead of one, calls `wake_checks` (the
-verification scheduler waits on CHECKS_WANTED).
+Handlers and background tasks wake one another instead of polling: BATCH_READY wakes the
+trainer's long-poll, LEASES_FREED the workers', SCORES_WAITING the scorers', and `wake_checks`
+the verification scheduler (CHECKS_WANTED).
 """
 
 from __future__ import annotations
@@ -110,8 +106,8 @@ async def stop_waiting(app: web.Application) -> None:
 
 
 def wake_checks(app: web.Application) -> None:
-    """Groups wait for their logprob check: the verification scheduler looks at them again (it
-    checks them now or later: orchestrator/verification.py)."""
+    """A group may have been held back for its logprob check, or the line ahead of one moved: the
+    verification scheduler looks again (orchestrator/verification.py)."""
     if app[STATE].verify_queue:
         app[CHECKS_WANTED].set()
 

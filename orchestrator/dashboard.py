@@ -10,9 +10,6 @@ poll (`since`). The trainer posts each step's metrics to POST /v1/trainer/steps.
 Tokens never appear: the page and the JSON name workers by token name (and worker id), and the
 page keeps the token the reader typed in the tab's sessionStorage, or takes it from the URL's
 fragment (`/#token=...`), which browsers never send to the server, so it is in no access log.
-
-`sample` (run in the background by create_app) records the run's counters once a second
-(orchestrator/history.py keeps them in ring buffers).
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ MAX_SINCE = 1e12  # a time stamp, in seconds
 
 
 async def sample(app: web.Application) -> None:
+    """Record the run's counters in the history once a second (run in the background by create_app)."""
     history, state, inflight = app[HISTORY], app[STATE], app[INFLIGHT]
     while True:
         history.sample(state.status(), inflight.count)

@@ -1,12 +1,7 @@
 """Request limits of the orchestrator: a rate per token, and bounds on rollout posts in flight.
 
-Called by the auth middleware (RateLimiter, orchestrator/middlewares.py) and the rollouts
-handler (InFlight, orchestrator/handlers.py); created by create_app from [orchestrator].
-
-Rate. A token bucket per token name: a bucket holds at most `burst` requests and refills at
-`rate_per_s`; a request that finds it empty is answered 429 with Retry-After (whole seconds, at
-least 1) saying when the next request would pass. Buckets are kept per token name, so memory is
-bounded by the tokens file.
+Created by create_app from [orchestrator]; used by the auth middleware (RateLimiter) and the
+rollouts handler (InFlight).
 """
 
 from __future__ import annotations
@@ -18,24 +13,22 @@ from contextlib import contextmanager
 
 
 class RateLimiter:
+    """A token bucket per token name (so memory is bounded by the tokens file): a bucket holds at
+    most `burst` requests and refills at `rate_per_s`; a request that finds it empty is answered
+    429 with Retry-After saying when the next request would pass."""
+
     def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate_per_s = rate_per_s
         self.burst = float(burst)
         self.clock = clock
         self._buckets: dict[str, list[float]] = {}  # name -> [tokens left, last refill time]
 
-    @property
-    def enabled(self) -> bool:
-        return self.rate_per_s > 0
-
     def check(self, key: str) -> float:
         """0.0 if a request by `key` may pass now (and count it); else the seconds to wait."""
-        if not self.enabled:
+        if self.rate_per_s <= 0:  # no limit
             return 0.0
         now = self.clock()
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = [self.burst, now]
+        bucket = self._buckets.setdefault(key, [self.burst, now])
         tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate_per_s)
         bucket[1] = now
         if tokens >= 1.0:

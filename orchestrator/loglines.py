@@ -1,11 +1,10 @@
 """One log line per kind of client fault, at most a few a minute: never a traceback, never a header.
 
-Used by the middlewares (a client that went away mid-request: orchestrator/middlewares.py) and
-by the protocol handler (requests aiohttp's parser refused: orchestrator/protocol.py). Such
-faults are the client's, not the orchestrator's, and anyone who can open a connection can cause
-them, so they must not flood the log: each kind writes at most `burst` lines per `period_s`, and
-the next line that gets through says how many were left out. The line names the kind, the peer
-and the route, never a header value (a token) or the offending bytes.
+Used by the middlewares (a client gone mid-request) and orchestrator/protocol.py (requests
+aiohttp's parser refused). Anyone who can open a connection can cause such faults, so they must
+not flood the log: each kind writes at most `burst` lines per `period_s`, and the next line that
+gets through says how many were left out. Callers name the kind, the peer and the route, never a
+header value (a token) or the offending bytes.
 """
 
 from __future__ import annotations

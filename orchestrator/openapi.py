@@ -57,10 +57,7 @@ RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying."
 
 
 def _content(ref: dict[str, Any], msgpack: bool) -> dict[str, Any]:
-    content = {MEDIA_JSON: {"schema": ref}}
-    if msgpack:
-        content[MEDIA_MSGPACK] = {"schema": ref}
-    return content
+    return {media: {"schema": ref} for media in ((MEDIA_JSON, MEDIA_MSGPACK) if msgpack else (MEDIA_JSON,))}
 
 
 def build_openapi(routes: list[Endpoint], *, title: str, version: str, description: str) -> dict[str, Any]:
@@ -72,11 +69,7 @@ def build_openapi(routes: list[Endpoint], *, title: str, version: str, descripti
             if isinstance(answer, type):
                 models.add((answer, "serialization"))
     keys, top = models_json_schema(sorted(models, key=lambda m: (m[0].__name__, m[1])), ref_template=REF)
-    schemas = top.get("$defs", {})
-
-    def ref(model: type[BaseModel], mode: str) -> dict[str, Any]:
-        return keys[(model, mode)]  # type: ignore[index]
-
+    error_ref = keys[(ErrorBody, "serialization")]
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         operation: dict[str, Any] = {
@@ -84,12 +77,10 @@ def build_openapi(routes: list[Endpoint], *, title: str, version: str, descripti
             "operationId": f"{route.method.lower()}_{route.path.strip('/').replace('/', '_').replace('{', '').replace('}', '') or 'root'}",
             "tags": [route.tag],
             "responses": {},
+            "security": [{"bearer": []}] if route.roles is not None else [],
         }
         if route.roles is not None:
-            operation["security"] = [{"bearer": []}]
             operation["description"] = f"Roles: {', '.join(route.roles)}."
-        else:
-            operation["security"] = []
         if route.params:
             operation["parameters"] = [
                 {"name": p.name, "in": p.where, "required": p.required or p.where == "path",
@@ -97,11 +88,11 @@ def build_openapi(routes: list[Endpoint], *, title: str, version: str, descripti
                 for p in route.params
             ]
         if route.body is not None:
-            operation["requestBody"] = {"required": True, "content": _content(ref(route.body, "validation"), route.msgpack)}
+            operation["requestBody"] = {"required": True, "content": _content(keys[(route.body, "validation")], route.msgpack)}
         for status, answer in route.answers.items():
             if isinstance(answer, type):
                 response = {"description": answer.__doc__.strip().splitlines()[0] if answer.__doc__ else answer.__name__,
-                            "content": _content(ref(answer, "serialization"), route.msgpack)}
+                            "content": _content(keys[(answer, "serialization")], route.msgpack)}
             elif isinstance(answer, str):
                 body_schema = {"type": "object"} if answer == MEDIA_JSON else {"type": "string"}
                 response = {"description": answer.split(";")[0], "content": {answer: {"schema": body_schema}}}
@@ -114,7 +105,7 @@ def build_openapi(routes: list[Endpoint], *, title: str, version: str, descripti
         if route.params:
             errors.add(400)
         for status in sorted(errors):
-            response = {"description": ERROR_TEXT[status], "content": {MEDIA_JSON: {"schema": ref(ErrorBody, "serialization")}}}
+            response = {"description": ERROR_TEXT[status], "content": {MEDIA_JSON: {"schema": error_ref}}}
             if status in (429, 503):
                 response["headers"] = RETRY_AFTER
             operation["responses"][str(status)] = response
@@ -124,7 +115,7 @@ def build_openapi(routes: list[Endpoint], *, title: str, version: str, descripti
         "info": {"title": title, "version": version, "description": description},
         "paths": paths,
         "components": {
-            "schemas": schemas,
+            "schemas": top.get("$defs", {}),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "A token from the tokens file."}},
         },
     }

@@ -1,14 +1,12 @@
 """The orchestrator's HTTP connections: aiohttp's protocol, with its own parser errors made safe.
 
-Used by every place that serves the app: `serve` (orchestrator/app.py), the tests' loopback
-fixture (tests/conftest.py) and the benchmarks, through `OrchestratorRunner` instead of
-`web.AppRunner`. A request aiohttp's parser refuses (a header line with a control character, a
-line past 8190 bytes, a bad request line) never reaches the app's middlewares: aiohttp answers it
-itself, with the offending line in a text/plain body, and logs it at ERROR with a traceback that
-quotes the line again. That line may be `Authorization: Bearer <token>`. Here such a request gets
-a JSON 400 that names only the kind of fault, and one throttled WARNING line without the bytes
-(orchestrator/loglines.py). tests/orchestrator/test_orchestrator_hostile.py sends such requests
-over raw sockets and greps the answers and the captured log for the token.
+Every place that serves the app (`serve`, the tests' loopback fixture, the benchmarks) uses
+`OrchestratorRunner` instead of `web.AppRunner`. A request aiohttp's parser refuses (a control
+character in a header, a line past 8190 bytes, a bad request line) never reaches the middlewares:
+aiohttp answers it itself, quoting the offending line, and logs it at ERROR with a traceback that
+quotes it again, and that line may be `Authorization: Bearer <token>`. Here such a request gets a
+JSON 400 naming only the kind of fault, and one throttled WARNING line without the bytes
+(orchestrator/loglines.py); tests/orchestrator/test_orchestrator_hostile.py checks both.
 """
 
 from __future__ import annotations
