@@ -63,11 +63,9 @@ class LeaseTable(dict[str, E]):
         self[lease_id] = entry
         heapq.heappush(self._heap, (entry.deadline, lease_id))
 
-    def renew(self, lease_id: str) -> E:
-        entry = self[lease_id]
-        entry.deadline = self.deadline()
-        heapq.heappush(self._heap, (entry.deadline, lease_id))
-        return entry
+    def renew(self, lease_id: str) -> None:
+        self[lease_id].deadline = self.deadline()
+        self.add(lease_id, self[lease_id])
 
     def overdue(self) -> list[str]:
         """The open leases whose deadline passed, oldest first, each once."""
