@@ -29,8 +29,6 @@ from orchestrator.verify import Verifier
 
 log = logging.getLogger("decentrl.orchestrator")
 
-# (method, route template) -> the roles allowed to call it; None: no token needed.
-RouteRoles = dict[tuple[str, str], tuple[str, ...] | None]
 
 
 @dataclass
@@ -66,7 +64,8 @@ STOPPING = web.AppKey("stopping", asyncio.Event)  # set when the app shuts down:
 LIMITER = web.AppKey("limiter", RateLimiter)
 INFLIGHT = web.AppKey("inflight", InFlight)
 JOURNAL_FAILED = web.AppKey("journal_failed", JournalFailed)
-ROUTE_ROLES: web.AppKey[RouteRoles] = web.AppKey("route_roles")
+# (method, route template) -> the roles allowed to call it; None: no token needed.
+ROUTE_ROLES: web.AppKey[dict[tuple[str, str], tuple[str, ...] | None]] = web.AppKey("route_roles")
 OPENAPI: web.AppKey[dict[str, Any]] = web.AppKey("openapi")
 VERIFIER = web.AppKey("verifier", Verifier)  # present when orchestrator.verification.enabled
 BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)  # notified when a batch may have formed

@@ -17,7 +17,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decentrl.api.wire import IngestResponse, RolloutBatch, StatusResponse, TrainBatch
+from decentrl.api.wire import IngestResponse, RolloutBatch, StatusResponse, TrainBatch, TrainSample
 
 POINTS_KEPT = 3600  # one an hour at one a second
 STEPS_KEPT = 5000
@@ -107,11 +107,8 @@ class History:
         activity.accepted += result.accepted
         activity.rejections.update(rejection.reason for rejection in result.rejected)
         rejected_ids = {rejection.rollout_id for rejection in result.rejected}
-        newest = -1
-        for rollout in batch.rollouts:
-            newest = max(newest, rollout.policy_version)
-            if rollout.rollout_id not in rejected_ids:
-                activity.completion_tokens += len(rollout.completion_token_ids)
+        activity.completion_tokens += sum(len(r.completion_token_ids) for r in batch.rollouts if r.rollout_id not in rejected_ids)
+        newest = max((rollout.policy_version for rollout in batch.rollouts), default=-1)
         activity.newest_version = max(activity.newest_version, newest)
         # The first rollout of a version newer than any seen: the workers have it.
         for event in reversed(self.versions):
@@ -122,19 +119,16 @@ class History:
 
     def served(self, batch: TrainBatch) -> None:
         """A batch went to the trainer: its staleness, and one completion of each of its first groups."""
-        for lag, count in batch.staleness_histogram.items():
-            self.staleness[int(lag)] += count
-        now, seen = self.now(), set()
+        self.staleness.update({int(lag): count for lag, count in batch.staleness_histogram.items()})
+        firsts: dict[str | None, TrainSample] = {}  # each group's first sample, in the batch's order
         for sample in batch.samples:
-            if sample.group_id in seen:
-                continue
-            seen.add(sample.group_id)
+            firsts.setdefault(sample.group_id, sample)
+        now = self.now()
+        for sample in list(firsts.values())[:4]:  # a few per batch: the newest batches' samples are what a reader wants
             self.samples.append(ShownSample(
                 now, sample.policy_version, batch.trainer_version, sample.reward, sample.advantage,
                 list(sample.prompt_token_ids), list(sample.completion_token_ids),
             ))
-            if len(seen) >= 4:  # a few per batch: the newest batches' samples are what a reader wants
-                break
 
     def announced(self, version: int) -> None:
         if self.versions and self.versions[-1].version >= version:

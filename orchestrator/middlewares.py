@@ -31,14 +31,13 @@ log = logging.getLogger("decentrl.orchestrator")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _route_of(request: web.Request) -> tuple[str, tuple[str, ...] | None] | None:
-    """(route template, roles) of the matched route; None when nothing matched (404/405)."""
+def _template(request: web.Request) -> str | None:
+    """The matched route's template; None when nothing matched (404/405)."""
     info = request.match_info
     if info.http_exception is not None:
         return None
     resource = info.route.resource
-    template = resource.canonical if resource is not None else request.path
-    return template, request.app[ROUTE_ROLES].get((request.method, template))
+    return resource.canonical if resource is not None else request.path
 
 
 def _as_json(request: web.Request, exc: web.HTTPException) -> web.Response:
@@ -59,8 +58,7 @@ def _as_json(request: web.Request, exc: web.HTTPException) -> web.Response:
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """JSON errors for everything, one log line for a bug, and the request metrics."""
     started = time.perf_counter()
-    matched = _route_of(request)
-    route = matched[0] if matched is not None else "unmatched"
+    route = _template(request) or "unmatched"
     metrics = request.app[METRICS]
     status = 500
     try:
@@ -94,9 +92,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """401 without a known bearer token, 403 for a role the route does not allow, 429 over the
-    token's rate; routes whose roles are None (the status page, /healthz, /openapi.json) pass."""
-    matched = _route_of(request)
-    allowed = matched[1] if matched is not None else None
+    token's rate; routes whose roles are None (the dashboard page, /healthz, /openapi.json) pass."""
+    template = _template(request)
+    allowed = None if template is None else request.app[ROUTE_ROLES].get((request.method, template))
     if allowed is not None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         token = token.strip()
