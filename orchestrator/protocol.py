@@ -5,21 +5,57 @@ Every place that serves the app (`serve`, the tests' loopback fixture, the bench
 character in a header, a line past 8190 bytes, a bad request line) never reaches the middlewares:
 aiohttp answers it itself, quoting the offending line, and logs it at ERROR with a traceback that
 quotes it again, and that line may be `Authorization: Bearer <token>`. Here such a request gets a
-JSON 400 naming only the kind of fault, and one throttled WARNING line without the bytes
-(orchestrator/loglines.py); tests/orchestrator/test_orchestrator_hostile.py checks both.
+JSON 400 naming only the kind of fault, and one throttled WARNING line without the bytes;
+tests/orchestrator/test_orchestrator_hostile.py checks both.
+
+Client faults (those requests, and a client gone mid-request: orchestrator/middlewares.py) go to
+`client_faults`. Anyone who can open a connection can cause them, so they must not flood the
+log: each kind writes at most `burst` lines per `period_s`, and the next line that gets through
+says how many were left out. Callers name the kind, the peer and the route, never a header value
+(a token) or the offending bytes.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from decentrl.api.encoding import MEDIA_JSON
-from orchestrator.loglines import ThrottledLog
+
+
+class ThrottledLog:
+    """One WARNING line per client fault, at most `burst` a `period_s` for each kind."""
+
+    def __init__(
+        self, logger: logging.Logger, *, period_s: float = 60.0, burst: int = 5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.period_s = period_s
+        self.burst = burst
+        self.clock = clock
+        self._windows: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, lines, left out)
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        """Log `message % args` as one WARNING line, unless `kind` used up its lines this period."""
+        now = self.clock()
+        start, lines, left_out = self._windows.get(kind, (now, 0, 0))
+        if now - start >= self.period_s:
+            start, lines = now, 0
+        if lines >= self.burst:
+            self._windows[kind] = (start, lines, left_out + 1)
+            return
+        if left_out:
+            message += f" ({left_out} more like it not logged)"
+        self._windows[kind] = (start, lines + 1, 0)
+        self.logger.warning(message, *args)
+
 
 log = logging.getLogger("decentrl.orchestrator.http")
 client_faults = ThrottledLog(log)
