@@ -10,7 +10,7 @@ tests/orchestrator/test_orchestrator_hostile.py checks both.
 
 Client faults (those requests, and a client gone mid-request: orchestrator/middlewares.py) go to
 `client_faults`. Anyone who can open a connection can cause them, so they must not flood the
-log: each kind writes at most `burst` lines per `period_s`, and the next line that gets through
+log: each kind writes at most BURST lines per PERIOD_S, and the next line that gets through
 says how many were left out. Callers name the kind, the peer and the route, never a header value
 (a token) or the offending bytes.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -30,25 +29,22 @@ from decentrl.api.encoding import MEDIA_JSON
 
 
 class ThrottledLog:
-    """One WARNING line per client fault, at most `burst` a `period_s` for each kind."""
+    """One WARNING line per client fault, at most BURST a PERIOD_S for each kind."""
 
-    def __init__(
-        self, logger: logging.Logger, *, period_s: float = 60.0, burst: int = 5,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    PERIOD_S = 60.0
+    BURST = 5
+
+    def __init__(self, logger: logging.Logger) -> None:
         self.logger = logger
-        self.period_s = period_s
-        self.burst = burst
-        self.clock = clock
         self._windows: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, lines, left out)
 
     def warning(self, kind: str, message: str, *args: object) -> None:
         """Log `message % args` as one WARNING line, unless `kind` used up its lines this period."""
-        now = self.clock()
+        now = time.monotonic()
         start, lines, left_out = self._windows.get(kind, (now, 0, 0))
-        if now - start >= self.period_s:
+        if now - start >= self.PERIOD_S:
             start, lines = now, 0
-        if lines >= self.burst:
+        if lines >= self.BURST:
             self._windows[kind] = (start, lines, left_out + 1)
             return
         if left_out:
