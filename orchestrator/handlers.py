@@ -75,6 +75,8 @@ from orchestrator.state import LeaseError, RunState
 log = logging.getLogger("decentrl.orchestrator")
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
 def run_status(app: web.Application) -> StatusResponse:
     found = app[STATE].status()
     if VERIFIER in app:
