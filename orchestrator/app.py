@@ -278,12 +278,9 @@ class StartupError(Exception):
 
 
 def tune_gc() -> None:
-    """Fewer cyclic garbage collections for a long-running service.
-
-    The buffer holds many container objects (token lists) that are never part of a cycle, and
-    every full collection walks all of them: freeze what startup built and collect less often.
-    Also called by benchmarks/ingest.py, to measure what `serve` runs.
-    """
+    """Fewer cyclic garbage collections for a long-running service: the buffer holds many container
+    objects (token lists) that are never part of a cycle, and every full collection walks all of
+    them, so freeze what startup built and collect less often. Also called by benchmarks/ingest.py."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)

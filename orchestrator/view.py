@@ -2,8 +2,8 @@
 
 RunState (orchestrator/state.py) is a RunView: it builds the parts declared here and changes them;
 this class only reads them, for the handlers, the verification loop, the metrics, benchmarks and
-tests, and builds `status()` (GET /v1/status, `decentrl status`). Its two setters replace a part
-whole (`sampling`: tests; `verify_queue`: orchestrator/verification.py).
+tests, and builds `status()` (GET /v1/status, `decentrl status`). Two aliases are settable, to
+replace a field whole (`sampling`: tests; `verify_queue`: orchestrator/verification.py).
 """
 
 from __future__ import annotations
