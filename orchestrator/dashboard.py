@@ -70,7 +70,7 @@ def workers_table(app: web.Application, history: History) -> list[dict[str, Any]
     record it journals per token. tokens_per_s: completion tokens accepted a second over the last
     minute."""
     integrity = app[STATE].integrity.summary()
-    now, rows = history.now(), []
+    now, rows = history.clock(), []
     for token_name in sorted(set(integrity) | set(history.workers)):
         record, activity = integrity.get(token_name, {}), history.workers.get(token_name)
         rows.append({
@@ -95,7 +95,7 @@ async def dashboard(request: web.Request) -> web.Response:
     # JSON has no NaN
     points = [{k: v if math.isfinite(v) else None for k, v in p.items()} for p in history.points if p["t"] > since]
     return web.json_response({
-        "now": history.now(),
+        "now": history.clock(),
         "status": status.model_dump(exclude={"workers"}),
         "points": points,
         "steps": [step for step in history.steps if step["t"] > since],

@@ -73,15 +73,12 @@ class History:
     workers: dict[str, WorkerActivity] = field(default_factory=dict)  # by token name
     staleness: Counter[int] = field(default_factory=Counter)  # samples served, by staleness
 
-    def now(self) -> float:
-        return self.clock()
-
     # -- fed by the handlers --------------------------------------------------------------
 
     def sample(self, status: StatusResponse, inflight: int) -> None:
         """Record the run's counters now (rates and fractions are computed by the reader)."""
         self.points.append({
-            "t": self.now(),
+            "t": self.clock(),
             "rollouts_accepted": status.rollouts_accepted,
             "rejected": sum(status.rollouts_rejected.values()),
             "stale_dropped": status.stale_dropped,
@@ -99,7 +96,7 @@ class History:
 
     def posted(self, token_name: str, batch: RolloutBatch, result: IngestResponse) -> None:
         """A worker's post was answered: count what it got accepted, and rejected by reason."""
-        now = self.now()
+        now = self.clock()
         if (activity := self.workers.get(token_name)) is None:
             activity = self.workers[token_name] = WorkerActivity()
             activity.marks.append((now, 0))  # its rate counts from its first post
@@ -123,7 +120,7 @@ class History:
         firsts: dict[str | None, TrainSample] = {}  # each group's first sample, in the batch's order
         for sample in batch.samples:
             firsts.setdefault(sample.group_id, sample)
-        now = self.now()
+        now = self.clock()
         for sample in list(firsts.values())[:4]:  # a few per batch: the newest batches' samples are what a reader wants
             self.samples.append(ShownSample(
                 now, sample.policy_version, batch.trainer_version, sample.reward, sample.advantage,
@@ -133,12 +130,12 @@ class History:
     def announced(self, version: int) -> None:
         if self.versions and self.versions[-1].version >= version:
             return  # announced again (a trainer restart re-announces its newest version)
-        self.versions.append(VersionEvent(version, self.now()))
+        self.versions.append(VersionEvent(version, self.clock()))
 
     def trainer_step(self, step: int, metrics: dict[str, float]) -> None:
         while self.steps and self.steps[-1]["step"] >= step:  # a resumed trainer trains steps again: keep the new ones
             self.steps.pop()
-        self.steps.append({"step": step, "t": self.now(), **metrics})
+        self.steps.append({"step": step, "t": self.clock(), **metrics})
 
     # -- read by the dashboard ------------------------------------------------------------
 
