@@ -30,12 +30,11 @@ import json
 import random
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from decentrl.api.wire import Rollout
 from decentrl.config import VerificationConfig
-from decentrl.model.stopping import ends_generation
 from orchestrator.events import IntegrityChanges
 
 # Rejection reasons that only a faulty or dishonest worker produces: each is a strike.
@@ -84,13 +83,10 @@ class WorkerRecord:
 
 class Integrity:
     def __init__(
-        self, config: VerificationConfig, *, eos_ids: set[int], decode: Callable[[list[int]], str],
-        rng: random.Random | None = None, journaled: bool = False,
+        self, config: VerificationConfig, *, rng: random.Random | None = None, journaled: bool = False,
     ) -> None:
         """`journaled`: keep what changed for `journal_changes` (a durable journal asks for it)."""
         self.config = config
-        self.eos_ids = eos_ids
-        self.decode = decode
         self.rng = rng or random.Random()
         self.journaled = journaled
         self.workers: dict[str, WorkerRecord] = {}
@@ -116,15 +112,7 @@ class Integrity:
     def has_passed_check(self, holder: str) -> bool:
         return self._known(holder).passed > 0
 
-    # -- checks at ingest (cheap) --------------------------------------------------------
-
-    def finish_reason_problem(self, rollout: Rollout) -> bool:
-        """Whether finish_reason contradicts the tokens: "length" means exactly max_tokens
-        tokens; "stop" means the last token is end-of-sequence or completes a stop string."""
-        ids = rollout.completion_token_ids
-        if rollout.finish_reason == "length":
-            return len(ids) != rollout.sampling.max_tokens
-        return not ends_generation(ids, eos_ids=self.eos_ids, stops=rollout.sampling.stop, text_of=self.decode)
+    # -- at ingest ------------------------------------------------------------------------
 
     def admit(self, rollout: Rollout, holder: str, reason: str | None) -> tuple[str | None, bool]:
         """Verification's one word on a posted rollout, after the ingest checks gave `reason`

@@ -55,16 +55,6 @@ UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "supers
 # Deterministic runs: a place closed with one of these is leased again (a superseded place was
 # filled by another copy; a skipped one was consumed by a step).
 REFILLED: frozenset[str] = frozenset({"expired", "released", "dropped"})
-# Why a closed lease no longer takes samples -> the rejection reason of a late sample.
-CLOSED_REASON = {
-    "complete": "group_full",
-    "served": "group_full",
-    "expired": "lease_expired",
-    "released": "lease_released",
-    "dropped": "group_dropped",
-    "superseded": "hedge_lost",  # another copy of its place completed first
-    "skipped": "group_full",  # complete, and dropped by dynamic sampling when a step consumed it
-}
 PROMPT_CACHE = 4096  # prompts whose token ids are kept (prompts come back each epoch)
 
 

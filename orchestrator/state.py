@@ -156,9 +156,7 @@ class RunState(RunView):
 
         self.versions = Versions()
         self.counters = Counters()
-        self.integrity = Integrity(
-            options.verification, eos_ids=end_ids, decode=lambda ids: decode([ids])[0], journaled=self.journal.durable
-        )
+        self.integrity = Integrity(options.verification, journaled=self.journal.durable)
         self.lease_book = LeaseBook(
             config=config,
             prompts=PromptQueue(

@@ -208,7 +208,7 @@ def test_a_lagging_place_of_the_next_batch_is_due_a_copy_for_another_worker(cloc
 
 
 def test_strikes_ban_a_token_once_and_a_replay_under_another_version_is_caught(make_rollout: Any) -> None:
-    integrity = Integrity(VerificationConfig(enabled=True, max_strikes=2), eos_ids={0}, decode=lambda ids: "")
+    integrity = Integrity(VerificationConfig(enabled=True, max_strikes=2))
     integrity.rejected(HOLDER, "replay")
     assert not integrity.is_banned(HOLDER)
     integrity.rejected("alice/w1", "future_version")  # the same token, another worker id
