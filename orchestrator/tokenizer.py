@@ -1,20 +1,18 @@
 """The orchestrator's tokenizer fast paths: prompts encoded for leases, completions decoded for scoring.
 
 RunState (orchestrator/state.py) builds one encoder and one decoder at startup: the lease book
-encodes each prompt it leases (orchestrator/leases.py), the scorer decodes every accepted
-completion (orchestrator/rewards.py) and integrity decodes stop strings (orchestrator/integrity.py).
-Both give exactly what the Hugging Face tokenizer methods give; they only skip layers of Python
-where that cannot change the result.
+encodes each prompt it leases (orchestrator/leases.py), the rewards decode every accepted
+completion (orchestrator/rewards.py) and the ingest checks decode stop strings
+(orchestrator/checks.py). Both give exactly what the Hugging Face tokenizer methods give; they only
+skip layers of Python where that cannot change the result.
 
-The decoder joins per-token bytes where it can. Every accepted completion is decoded once, to score
-it with the task's verifier; with the Rust tokenizer that was the largest single cost of ingest
-(about 70 ns a token, 75 us for a 1,024-token completion). Tokenizers whose decoder only
-concatenates tokens (`decoders.Fuse`: the strings; `decoders.ByteLevel`, GPT-2 style BPE such as
-Qwen's and Llama 3's: the bytes each character stands for, then UTF-8 with replacement) decode to
-the join of a per-token table, about 3x faster in Python. `piece_table` builds the table only for
-those two decoders and only if it reproduces the tokenizer's own decode on every single token and
-on random sequences; otherwise the caller keeps the tokenizer (so the text scored is always the
-text `tokenizer.decode(ids, skip_special_tokens=True)` gives).
+Every accepted completion is decoded once, to score it, so the decoder joins per-token bytes where
+it can: tokenizers whose decoder only concatenates tokens (`decoders.Fuse`: the strings;
+`decoders.ByteLevel`, GPT-2 style BPE such as Qwen's and Llama 3's: the bytes each character
+stands for, then UTF-8 with replacement) decode to the join of a per-token table. `piece_table`
+builds the table only for those two decoders and only if it reproduces the tokenizer's own decode
+on every single token and on random sequences; otherwise the caller keeps the tokenizer (so the
+text scored is always the text `tokenizer.decode(ids, skip_special_tokens=True)` gives).
 """
 
 from __future__ import annotations
