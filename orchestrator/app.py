@@ -210,15 +210,8 @@ async def lease_upkeep(app: web.Application) -> None:
 # -- the app ------------------------------------------------------------------------------
 
 
-def create_app(
-    *,
-    state: RunState,
-    tokens: TokenRegistry,
-    store_url: str,
-    on_fatal: Callable[[BaseException], Any] | None = None,
-    verifier: Verifier | None = None,
-    store: CheckpointStore | None = None,
-) -> web.Application:
+def create_app(*, state: RunState, tokens: TokenRegistry, store_url: str, on_fatal: Callable[[BaseException], Any] | None = None,
+               verifier: Verifier | None = None, store: CheckpointStore | None = None) -> web.Application:
     """The orchestrator's app over `state` (its config is the run's). `on_fatal` is called (once)
     when the journal fails. `verifier` runs the logprob spot-checks; required when
     orchestrator.verification.enabled. `store`: the run's checkpoint store, in which every

@@ -155,13 +155,8 @@ def list_tokens(path: str) -> list[tuple[str, Role]]:
 class TokenRegistry:
     """Who may call what. `identify` is called once per request, on the event loop."""
 
-    def __init__(
-        self,
-        entries: list[dict[str, str]] | None = None,
-        *,
-        path: str | None = None,
-        env_entries: list[dict[str, str]] | None = None,
-    ) -> None:
+    def __init__(self, entries: list[dict[str, str]] | None = None, *, path: str | None = None,
+                 env_entries: list[dict[str, str]] | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self._memory = list(entries or [])
         for entry in self._memory:
