@@ -30,7 +30,6 @@ from orchestrator.verify import Verifier
 log = logging.getLogger("decentrl.orchestrator")
 
 
-
 @dataclass
 class IdleScorers:
     """Score lease requests from scorers with nothing in hand, long-polling now: a request asked
