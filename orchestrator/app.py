@@ -20,12 +20,13 @@ A journal failure stops the process: a restart recovers what was committed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -60,7 +61,6 @@ from orchestrator.appstate import (
     IdleScorers,
     JournalFailed,
     commit,
-    in_background,
     stop_waiting,
 )
 from orchestrator.auth import ENV_VAR, TokenRegistry
@@ -186,6 +186,19 @@ async def journal_writer(app: web.Application) -> AsyncIterator[None]:
     journal.start(asyncio.get_running_loop())
     yield
     await journal.stop()
+
+
+def in_background(run: Callable[[web.Application], Coroutine[Any, Any, None]]) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup_ctx entry that runs `run(app)` as a task while the app runs."""
+
+    async def entry(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(run(app))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return entry
 
 
 async def lease_upkeep(app: web.Application) -> None:

@@ -12,9 +12,8 @@ the verification scheduler (CHECKS_WANTED).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,16 +107,3 @@ def wake_checks(app: web.Application) -> None:
     verification scheduler looks again (orchestrator/verification.py)."""
     if app[STATE].verify_queue:
         app[CHECKS_WANTED].set()
-
-
-def in_background(run: Callable[[web.Application], Coroutine[Any, Any, None]]) -> Callable[[web.Application], AsyncIterator[None]]:
-    """A cleanup_ctx entry that runs `run(app)` as a task while the app runs."""
-
-    async def entry(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(run(app))
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    return entry
