@@ -1,6 +1,6 @@
 """The trainer's side: batches built with advantages, and batches kept for re-asks.
 
-RunState (orchestrator/state.py) takes the `places_per_step` groups at the front of the line
+RunState (orchestrator/state.py) takes the `places_per_step` groups at the front of the ready queue
 (orchestrator/buffer.py), picks the `groups_per_step` it trains (`pick_signal`: all of them,
 unless dynamic sampling consumes more), builds the batch here (`build_batch`) and keeps it
 (`KeptBatches`). Invariants:
@@ -179,7 +179,7 @@ class KeptBatches:
         self.leases: set[str] = set()  # leases of the batches in `served` (not to be forgotten yet)
         self._by_batch_id: dict[str, ServedBatch] = {}
 
-    def again(self, request_id: str) -> TrainBatch | None:
+    def retried(self, request_id: str) -> TrainBatch | None:
         """The batch already served for this request id, if it is still kept."""
         served = self.served.get(request_id)
         return served.batch if served is not None else None

@@ -1,14 +1,14 @@
-"""The buffer: complete, scored groups in line for the trainer, and groups held back.
+"""The buffer: complete, scored groups in the ready queue for the trainer, and pending groups.
 
 RunState (orchestrator/state.py) puts each complete group here; the batch builder
 (orchestrator/batches.py) takes them from the front. Invariants:
-- groups are in line in the order they completed (`seq`), in a deterministic run in the
-  consumption order (`seq` = the lease's place + 1, set before they get here); a group held back
+- groups are in the ready queue in the order they completed (`seq`), in a deterministic run in the
+  consumption order (`seq` = the lease's place + 1, set before they get here); a group pending
   (`awaiting`: its logprob check, orchestrator/verify.py, whose scheduler orchestrator/verification.py
-  takes `verify_queue`; and/or its model scores, orchestrator/score_queue.py) keeps its place,
-  and joins the line there once nothing holds it back, so no later group overtakes it towards staleness;
-- a group is journaled as complete (with its place and rewards) when it joins the line; a group
-  held back when the orchestrator stops is checked again after the restart (orchestrator/recovery.py).
+  takes `verify_queue`; and/or its model scores, orchestrator/score_queue.py) keeps its position,
+  and joins the ready queue there once nothing keeps it pending, so no later group overtakes it towards staleness;
+- a group is journaled as complete (with its place and rewards) when it joins the ready queue; a group
+  pending when the orchestrator stops is checked again after the restart (orchestrator/recovery.py).
 Closing the lease of a group taken out of the buffer (evicted, banned, failed) is the caller's,
 through LeaseBook.close (orchestrator/leases.py).
 """
@@ -41,10 +41,10 @@ class Group:
     prompt_id: int
     rewards: list[float]
     oldest_version: int  # the oldest policy version among its samples: staleness is judged by it
-    seq: int = 0  # place in line (completion order; ready_seq in the journal), set on joining the line or being held back
+    seq: int = 0  # position in the ready queue (completion order; ready_seq in the journal), set on joining it or becoming pending
     held: tuple[list[Rollout], list[Packed]] | None = None  # (rollouts, packed arrays), in sample order
     read: Callable[[], tuple[list[Rollout], list[Packed]]] | None = None  # where `held` is None
-    awaiting: set[Wait] = field(default_factory=set)  # what holds it back, while it is held back
+    awaiting: set[Wait] = field(default_factory=set)  # what keeps it pending, while it is pending
     verifier_rewards: list[float] | None = None  # while it waits for model scores: the task's rewards, if used
     # Process rewards: per sample, its steps' last token indices (decentrl/rl/steps.py) and their
     # scores (None for a sample scored without them: a judge reply that did not parse).
@@ -87,7 +87,7 @@ class Group:
 
 @dataclass
 class VerifyJob:
-    """A complete group held back until the logprobs of `rollouts` are recomputed (orchestrator/verify.py)."""
+    """A complete group pending until the logprobs of `rollouts` are recomputed (orchestrator/verify.py)."""
 
     lease_id: str
     rollouts: list[Rollout]
@@ -98,18 +98,18 @@ class Buffer:
     def __init__(self, *, journal: Journaling, clock: Callable[[], float]) -> None:
         self.journal = journal
         self.clock = clock
-        self.ready: deque[Group] = deque()  # in line, oldest first
-        self.pending: dict[str, Group] = {}  # lease id -> complete group held back (its check, its scores)
+        self.ready: deque[Group] = deque()  # the ready queue, oldest first
+        self.pending: dict[str, Group] = {}  # lease id -> complete group pending (its check, its scores)
         self.verify_queue: deque[VerifyJob] = deque()
-        self.ready_seq = 0  # the last place in line given
+        self.ready_seq = 0  # the last position in the ready queue given
 
     def waiting(self) -> int:
-        """Complete groups not yet served: in line or held back."""
+        """Complete groups not yet served: ready or pending."""
         return len(self.ready) + len(self.pending)
 
-    def hold_back(self, group: Group, *, check: VerifyJob | None = None, scores: bool = False) -> None:
+    def to_pending(self, group: Group, *, check: VerifyJob | None = None, scores: bool = False) -> None:
         """The trainer sees the group only once its sampled logprobs check out (`check`) and its
-        model scores are in (`scores`); it keeps its place in line meanwhile."""
+        model scores are in (`scores`); it keeps its position in the ready queue meanwhile."""
         if not group.seq:
             self.ready_seq += 1
             group.seq = self.ready_seq
@@ -119,9 +119,9 @@ class Buffer:
             self.verify_queue.append(check)
 
     def done_waiting(self, lease_id: str, what: Wait) -> Group | None:
-        """`what` is done for a held-back group. Returns the group, out of the buffer, once nothing
-        holds it back any more (the caller puts it in line or drops it); None while something
-        still does, or when it is no longer held back (dropped meanwhile)."""
+        """`what` is done for a pending group. Returns the group, out of the buffer, once nothing
+        keeps it pending any more (the caller queues it or drops it); None while something
+        still does, or when it is no longer pending (dropped meanwhile)."""
         group = self.pending.get(lease_id)
         if group is None:
             return None
@@ -135,7 +135,7 @@ class Buffer:
         group = self.pending.get(lease_id)
         return group is not None and what in group.awaiting
 
-    def held_back_for(self, what: Wait) -> int:
+    def pending_for(self, what: Wait) -> int:
         return sum(1 for group in self.pending.values() if what in group.awaiting)
 
     def to_ready(self, group: Group) -> None:
@@ -143,22 +143,22 @@ class Buffer:
             self.ready_seq += 1
             group.seq = self.ready_seq
             self.ready.append(group)
-        else:  # checked after being held back, or a deterministic run's group: to its place in line
+        else:  # checked after it was pending, or a deterministic run's group: to its position in the ready queue
             position = len(self.ready)
             while position and self.ready[position - 1].seq > group.seq:
                 position -= 1
             self.ready.insert(position, group)
         self.journal.record(GroupCompleted(group.lease_id, group.seq, group.rewards, group.oldest_version, self.clock()))
 
-    def held_back_ahead(self, count: int) -> bool:
-        """Whether a group held back for its check is among the first `count` complete groups in
+    def pending_ahead(self, count: int) -> bool:
+        """Whether a group pending for its check is among the first `count` complete groups in
         line. A batch taken now would skip it and it would train a batch later than its lease
         was budgeted for (maybe stale by then): the batch waits for the check instead."""
         if not self.pending:
             return False
         first = min(group.seq for group in self.pending.values())
         ahead = 0
-        for group in self.ready:  # in line order
+        for group in self.ready:  # in queue order
             if group.seq > first or ahead >= count:
                 break
             ahead += 1
@@ -168,7 +168,7 @@ class Buffer:
         return [self.ready.popleft() for _ in range(count)]
 
     def evict(self, leaves: Callable[[Group], bool]) -> list[Group]:
-        """Take the groups in line for which `leaves(group)` is true out of the line, in order."""
+        """Take the groups in the ready queue for which `leaves(group)` is true out of the ready queue, in order."""
         kept: deque[Group] = deque()
         gone: list[Group] = []
         for group in self.ready:
@@ -176,8 +176,8 @@ class Buffer:
         self.ready = kept
         return gone
 
-    def release_held_back(self, leaves: Callable[[Group], bool]) -> list[Group]:
-        """Take the held-back groups for which `leaves(group)` is true out of the buffer, and
+    def release_pending(self, leaves: Callable[[Group], bool]) -> list[Group]:
+        """Take the pending groups for which `leaves(group)` is true out of the buffer, and
         their checks off the queue (no check is wasted on them)."""
         gone = [group for group in self.pending.values() if leaves(group)]
         for group in gone:

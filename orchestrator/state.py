@@ -18,7 +18,7 @@ none of which holds another, except the lease policy (it works on the lease tabl
                                             awaited, chosen once at start-up
   score_queue  orchestrator/score_queue.py  samples waiting for model scores, leased to scorers
   integrity    orchestrator/integrity.py    strikes, bans, spot-check sampling, replays
-  buffer       orchestrator/buffer.py       complete groups in line, groups held back for their
+  buffer       orchestrator/buffer.py       complete groups in the ready queue, groups pending for their
                                             check or their model scores
   kept         orchestrator/batches.py      batches built with advantages, the last ones kept for re-asks
   journal      orchestrator/journal.py      every change, recorded by the parts as the events of
@@ -38,11 +38,11 @@ The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
   3. record   the sample joins its open lease; the journal records it
   4. complete when the group is full (and still fresh): the reward stage rewards it (the task's
               verifier) or queues it for scorers; the lease policy fills its place
-  5. line up  the group joins the line for the trainer, or is held back in its place until its
+  5. queue    the group joins the ready queue for the trainer, or is pending in its position until its
               logprob check (`verification_done`) and its model scores (`post_scores`) are in
-then `take_batch` serves the front of the line as a batch (batches.py).
+then `take_batch` serves the front of the ready queue as a batch (batches.py).
 
-Every group that leaves the buffer without training goes through `_drop`, and every held-back
+Every group that leaves the buffer without training goes through `_drop`, and every pending
 group through `_release`: one place each for what the checks, the scores, a ban and the
 trainer's version decide.
 
@@ -213,7 +213,7 @@ class RunState(RunView):
     def _redo_checks(self) -> None:
         """After recovery: which samples were chosen for a logprob check is not journaled, so
         with verification on every recovered sample of an open lease is checked. A lease already
-        full (a group held back for its check or its model scores when the orchestrator stopped)
+        full (a group pending for its check or its model scores when the orchestrator stopped)
         completes now: checked whole, and its samples queued for scoring again, less the scores
         already journaled. A banned token's groups were dropped with the ban."""
         for name, record in self.integrity.workers.items():
@@ -325,13 +325,13 @@ class RunState(RunView):
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
 
     def _complete(self, open_lease: OpenLease) -> None:
-        """The group is full: reward it, fill its place, then put it in line or hold it back."""
+        """The group is full: reward it, fill its place, then queue it or make it pending."""
         lease, samples = open_lease.lease, open_lease.samples
         if not self._fresh(min(r.policy_version for r in samples)):
             # Its first samples were fresh when they came, but the trainer moved on since.
             self._drop(lease.lease_id, "stale_in_buffer")
             return
-        # A deterministic run's groups take their place in line from the consumption order.
+        # A deterministic run's groups take their position in the ready queue from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
         group = Group.of(lease.lease_id, lease.prompt_id, samples, [0.0] * len(samples), open_lease.packed, seq)
         scored = self.reward_stage.start(group)  # rewarded now, or queued for scorers
@@ -343,12 +343,12 @@ class RunState(RunView):
         if check is None and scored:
             self.buffer.to_ready(group)
         else:
-            self.buffer.hold_back(group, check=check, scores=not scored)
+            self.buffer.to_pending(group, check=check, scores=not scored)
 
     def _fresh(self, version: int) -> bool:
         return is_fresh(self.versions.trainer, version, self.config.train_staleness)
 
-    # -- what leaves the buffer: the one path of a dropped group, and of a held-back one -----------
+    # -- what leaves the buffer: the one path of a dropped group, and of a pending one -----------
 
     def _dropped(self, closed: ClosedLease, reason: str, samples: int) -> None:
         """Every lease closed without training, as LeaseBook.close reports it: `samples` of its
@@ -374,7 +374,7 @@ class RunState(RunView):
         return self.lease_book.close(lease_id, "dropped", reason=reason, counted=counted, requeue=requeue)
 
     def _release(self, group: Group, what: Wait, *, stale_reason: str) -> None:
-        """`what` is done for a held-back group: once nothing else holds it back it joins the line
+        """`what` is done for a pending group: once nothing else keeps it pending it joins the ready queue
         in its place, or is dropped if the trainer moved on meanwhile."""
         if self.buffer.done_waiting(group.lease_id, what) is None:
             return  # it still waits for the other
@@ -396,7 +396,7 @@ class RunState(RunView):
 
     def post_scores(self, holder: str, body: ScorePost) -> ScoreAck:
         """Take a scorer's post (all or nothing: ScoreError, or a LeaseError for a lease it cannot
-        use); the groups it completes combine their rewards and join the line (or are dropped:
+        use); the groups it completes combine their rewards and join the ready queue (or are dropped:
         stale, or a judge reply that did not parse)."""
         ack, done = self.score_queue.post(holder, body)
         for group_id in done:
@@ -411,7 +411,7 @@ class RunState(RunView):
             self.score_queue.forget(group_id)  # dropped while its scores came in
             return
         if not self.reward_stage.finish(group):  # a judge reply that did not parse, on_parse_failure = drop
-            self.buffer.release_held_back(lambda g: g.lease_id == group_id)
+            self.buffer.release_pending(lambda g: g.lease_id == group_id)
             self._drop(group_id, "judge_parse_failure", counted=group.size)
             return
         self.integrity.rewards_claimed(self._holder(group), group.samples)
@@ -420,9 +420,9 @@ class RunState(RunView):
     # -- verdicts on workers (the app runs the verification loop: orchestrator/verification.py) ---
 
     def verification_done(self, verdicts: dict[str, dict[str, str]]) -> None:
-        """The checks of held-back groups are done: lease id -> its failed samples (rollout id ->
+        """The checks of pending groups are done: lease id -> its failed samples (rollout id ->
         rejection reason; `logprob_mismatch` strikes its worker, `unverifiable` does not). A group
-        with any failed sample is dropped whole; a clean one joins the line if it is still fresh.
+        with any failed sample is dropped whole; a clean one joins the ready queue if it is still fresh.
         The bans they cause apply once all are judged."""
         for lease_id, failed in verdicts.items():
             group = self.buffer.pending.get(lease_id)
@@ -433,16 +433,16 @@ class RunState(RunView):
                 self.integrity.record(holder).passed += 1
                 self._release(group, "check", stale_reason="stale_in_buffer")
                 continue
-            self.buffer.release_held_back(lambda g: g.lease_id == lease_id)
+            self.buffer.release_pending(lambda g: g.lease_id == lease_id)
             for reason in failed.values():
                 self.counters.rejected[reason] += 1
                 self.integrity.rejected(holder, reason)
             self._drop(lease_id, "failed_verification", counted=group.size - len(failed))
         self._apply_bans()
 
-    def held_back_ahead(self, count: int) -> bool:
-        """Whether the next `count` groups in line wait for a held-back group (buffer.py)."""
-        return self.buffer.held_back_ahead(count)
+    def pending_ahead(self, count: int) -> bool:
+        """Whether the next `count` groups in the ready queue wait for a pending group (buffer.py)."""
+        return self.buffer.pending_ahead(count)
 
     def _apply_bans(self) -> None:
         """The tokens integrity banned since the last call (where a strike can happen: ingest, a
@@ -455,7 +455,7 @@ class RunState(RunView):
                         self.integrity.workers[name].strikes, dropped)
 
     def drop_banned(self, token: str) -> int:
-        """A banned token's open leases, held-back and ready groups are dropped (its prompts are
+        """A banned token's open leases, pending and ready groups are dropped (its prompts are
         leased again): what it sent unchecked is no longer trusted. Returns the samples dropped."""
         dropped = 0
         for lease_id in [lease_id for lease_id, lease in self.lease_book.open.items() if token_of(lease.holder) == token]:
@@ -464,7 +464,7 @@ class RunState(RunView):
         def of_token(group: Group) -> bool:
             return token_of(self._holder(group)) == token
 
-        for group in self.buffer.release_held_back(of_token) + self.buffer.evict(of_token):
+        for group in self.buffer.release_pending(of_token) + self.buffer.evict(of_token):
             self._drop(group.lease_id, "banned_worker", counted=group.size)
             dropped += group.size
         return dropped
@@ -484,7 +484,7 @@ class RunState(RunView):
             self._drop(group.lease_id, "stale_in_buffer", counted=group.size, group=group)
         # A group still waiting for model scores that can no longer train goes now (a group held
         # back for its logprob check alone is judged when the check is done: `verification_done`).
-        for group in self.buffer.release_held_back(lambda group: "scores" in group.awaiting and stale(group)):
+        for group in self.buffer.release_pending(lambda group: "scores" in group.awaiting and stale(group)):
             self._drop(group.lease_id, "stale_waiting_scores", counted=group.size, group=group)
 
     def announce(self, version: int) -> None:
@@ -500,11 +500,11 @@ class RunState(RunView):
         With a `request_id` already answered (its answer was lost and the trainer asks again),
         the same batch again, as long as it is among the last `batches_kept`.
         """
-        if request_id is not None and (again := self.kept.again(request_id)) is not None:
+        if request_id is not None and (again := self.kept.retried(request_id)) is not None:
             return again
         self.advance(trainer_version)
         places = self.config.places_per_step  # groups_per_step, unless dynamic sampling consumes more
-        if len(self.buffer.ready) < places or self.buffer.held_back_ahead(places):
+        if len(self.buffer.ready) < places or self.buffer.pending_ahead(places):
             return None
         first = self.counters.groups_consumed + 1  # a deterministic run serves places in order (`seq`)
         if self.config.deterministic and any(self.buffer.ready[i].seq != first + i for i in range(places)):
@@ -539,7 +539,7 @@ class RunState(RunView):
 
     def served_batch(self, request_id: str) -> TrainBatch | None:
         """The batch already served for this request id, if it is still kept."""
-        return self.kept.again(request_id)
+        return self.kept.retried(request_id)
 
     def batch_msgpack(self, batch: TrainBatch) -> bytes | None:
         """A kept batch as msgpack, from the arrays packed at ingest (None if no longer kept)."""

@@ -46,7 +46,7 @@ log = logging.getLogger("decentrl.orchestrator")
 
 def next_checks(state: RunState, limit: int) -> list[VerifyJob]:
     """The held-back groups to check together, taken off `state.verify_queue` (which holds no dropped
-    group's: Buffer.release_held_back): whole groups, oldest first, up to `limit` rollouts (at least
+    group's: Buffer.release_pending): whole groups, oldest first, up to `limit` rollouts (at least
     one group). A token none of whose checks has passed yet (a new worker, or a cheater) gets one
     group in per batch: its first verdict bans a cheater before the rest of what it posted costs a
     forward (drop_banned then drops it unchecked)."""
@@ -68,12 +68,12 @@ def next_checks(state: RunState, limit: int) -> list[VerifyJob]:
 
 
 def checks_due(state: RunState) -> bool:
-    """Whether the trainer's next batch waits for a held-back group (RunState.held_back_ahead)
+    """Whether the trainer's next batch waits for a held-back group (RunState.pending_ahead)
     and a batch's worth of groups is complete: then check at once. Until then a check may wait
     for others to share its forward at no cost to the trainer, which could not take a batch
     sooner anyway."""
     wanted = state.config.places_per_step
-    return len(state.ready) + len(state.pending) >= wanted and state.held_back_ahead(wanted)
+    return len(state.ready) + len(state.pending) >= wanted and state.pending_ahead(wanted)
 
 
 async def _judge(app: web.Application, executor: concurrent.futures.Executor, jobs: list[VerifyJob]) -> None:

@@ -43,11 +43,11 @@ def test_a_pending_group_keeps_its_place_in_the_queue(make_rollout: Any, clock: 
     buffer = Buffer(journal=NullJournal(), clock=clock)
     first, second, third = (group(make_rollout, name, [1.0, 0.0]) for name in "abc")
     job = VerifyJob("a", first.rollouts, HOLDER)
-    buffer.hold_back(first, check=job, scores=True)
+    buffer.to_pending(first, check=job, scores=True)
     buffer.to_ready(second)
     buffer.to_ready(third)
     assert [g.lease_id for g in buffer.ready] == ["b", "c"] and list(buffer.verify_queue) == [job]
-    assert buffer.held_back_ahead(1)  # a batch of one would skip "a": it waits
+    assert buffer.pending_ahead(1)  # a batch of one would skip "a": it waits
     assert buffer.done_waiting("a", "check") is None  # still waits for its scores
     assert buffer.waits_for("a", "scores") and not buffer.waits_for("a", "check")
     released = buffer.done_waiting("a", "scores")
@@ -63,9 +63,9 @@ def test_evicted_and_released_groups_leave_with_their_checks(make_rollout: Any, 
     waiting = group(make_rollout, "waiting", [1.0], version=0)
     buffer.to_ready(old)
     buffer.to_ready(new)
-    buffer.hold_back(waiting, check=VerifyJob("waiting", waiting.rollouts, HOLDER))
+    buffer.to_pending(waiting, check=VerifyJob("waiting", waiting.rollouts, HOLDER))
     assert buffer.evict(lambda g: g.oldest_version < 2) == [old]
-    assert buffer.release_held_back(lambda g: g.oldest_version < 2) == [waiting]
+    assert buffer.release_pending(lambda g: g.oldest_version < 2) == [waiting]
     assert list(buffer.ready) == [new] and not buffer.verify_queue and not buffer.pending
 
 
@@ -100,8 +100,8 @@ def test_kept_batches_answer_a_re_ask_and_forget_the_oldest(make_rollout: Any, c
         )
         kept.served_now(f"r{index}", batch, groups)
         served.append(batch)
-    assert kept.again("r0") is None  # beyond batches_kept
-    assert kept.again("r2") is served[2] and kept.leases == {"g1", "g2"}
+    assert kept.retried("r0") is None  # beyond batches_kept
+    assert kept.retried("r2") is served[2] and kept.leases == {"g1", "g2"}
     assert kept.msgpack(served[2]) is not None and kept.msgpack(served[0]) is None
 
 
