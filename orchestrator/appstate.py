@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from decentrl.api.wire import StatusResponse
 from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import TokenRegistry
 from orchestrator.history import History
@@ -72,6 +73,14 @@ SCORES_WAITING = web.AppKey("scores_waiting", asyncio.Condition)  # notified whe
 IDLE_SCORERS = web.AppKey("idle_scorers", IdleScorers)
 CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when held-back groups may be due a check
 HISTORY = web.AppKey("history", History)  # bounded curves and samples for the dashboard
+
+
+def run_status(app: web.Application) -> StatusResponse:
+    """The /v1/status answer: the run's (RunState.status), with the verifier's summary when it runs."""
+    found = app[STATE].status()
+    if VERIFIER in app:
+        found.verification = app[VERIFIER].summary()
+    return found
 
 
 async def commit(app: web.Application) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from decentrl.api.wire import TrainerStep
-from orchestrator.appstate import HISTORY, INFLIGHT, STATE, VERIFIER
+from orchestrator.appstate import HISTORY, INFLIGHT, STATE, run_status
 from orchestrator.body import error, parse_body
 from orchestrator.history import SAMPLE_INTERVAL_S, History
 
@@ -89,9 +89,7 @@ def workers_table(app: web.Application, history: History) -> list[dict[str, Any]
 async def dashboard(request: web.Request) -> web.Response:
     since = _since(request)
     app, history = request.app, request.app[HISTORY]
-    status = app[STATE].status()
-    if VERIFIER in app:
-        status.verification = app[VERIFIER].summary()
+    status = run_status(app)
     tokenizer = app[STATE].tokenizer
     # JSON has no NaN
     points = [{k: v if math.isfinite(v) else None for k, v in p.items()} for p in history.points if p["t"] > since]

@@ -27,7 +27,6 @@ from decentrl.api.wire import (
     RolloutBatch,
     RunInfo,
     SamplingParams,
-    StatusResponse,
     TokenCreate,
     TokenCreated,
     TokenEntry,
@@ -49,9 +48,9 @@ from orchestrator.appstate import (
     STORE,
     STORE_URL,
     TOKENS,
-    VERIFIER,
     commit,
     notify_all,
+    run_status,
     wake_checks,
 )
 from orchestrator.auth import IDENTITY
@@ -75,13 +74,6 @@ from orchestrator.state import LeaseError, RunState
 log = logging.getLogger("decentrl.orchestrator")
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-
-def run_status(app: web.Application) -> StatusResponse:
-    found = app[STATE].status()
-    if VERIFIER in app:
-        found.verification = app[VERIFIER].summary()
-    return found
 
 
 # -- workers ------------------------------------------------------------------------------
