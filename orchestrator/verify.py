@@ -1,47 +1,39 @@
 """Logprob spot-checks: recompute a rollout's per-token sampling logprobs under its claimed version.
 
-Runs inside the orchestrator, on one worker thread of the verification scheduler
-(orchestrator/verification.py), so ingest latency does not depend on it; the orchestrator holds back a
-group containing a sampled rollout until its check is done (orchestrator/buffer.py), so an
-unverified sample never reaches the trainer. `warm_up`, which the app runs on that thread at
-startup, imports torch and transformers and builds the models (an orchestrator with
-verification off never loads them).
+Runs on one worker thread of the verification scheduler (orchestrator/verification.py), off the
+event loop; a group holding a sampled rollout is held back until its check is done
+(orchestrator/buffer.py), so an unverified sample never reaches the trainer. `warm_up`, which the
+app runs on that thread at startup, imports torch and transformers and builds the models (an
+orchestrator with verification off never loads them).
 
-The recomputation is the worker's own math (decentrl/model/sampling.py `sampling_distribution`, the
-distribution the HF worker backend samples from) on one full forward of prompt + completion under
-the version's weights, in the dtype the version was published in. A version is loaded once: its
-weight files are read from the store into memory, checked against the (signed) manifest's sha256,
-and copied into a model built at startup, in place and all or nothing (decentrl/store/weights.py,
-which the worker's weight swap uses too); the last `models_cached` versions stay loaded. Weights
-that cannot be read or do not fit the model, whatever the version holds, leave the rollouts
+The recomputation is the worker's own math (decentrl/model/sampling.py `sampling_distribution`) on
+one full forward of prompt + completion under the version's weights, in the dtype the version was
+published in. A version is loaded once: read from the store, checked against the (signed)
+manifest's digests and copied into a model built at startup, in place and all or nothing
+(decentrl/store/weights.py, as the worker's weight swap); the last `models_cached` stay loaded.
+Weights that cannot be read or do not fit, whatever the version holds, leave its rollouts
 `unverifiable` (nobody struck) and never end the verifier's thread. A completion that spanned a
-weight swap (`token_versions`) is checked token by token against the version of each token.
+weight swap (`token_versions`) is checked against the version of each token.
 
-The rule (VerificationConfig; docs/security.md and docs/store.md: the calibration, what it leaves an
-attacker): a rollout fails when any token it sampled differs by more than the per-token bound, or
-the mean difference over those tokens exceeds the mean bound. fp32 versions: both are `tolerance`
-(the float noise is 1e-7, any edit shows at its token). bf16/fp16 versions: a worker's incremental
-decoding and the verifier's one forward round differently through every layer, up to ~1 at a token
-of a real model, so the per-token bound (`half_tolerance`) only catches a large edit, and the mean
-(`half_mean_tolerance`) catches a completion another model wrote. A claimed token outside the
-recomputed top-k/top-p kept set counts as infinitely far, unless it is kept once its own logit is
-the per-token bound higher: then rounding moved the boundary, and it is judged as if kept.
+The rule (docs/security.md and docs/store.md: its calibration, what it leaves an attacker): a
+rollout fails when a token it sampled differs by more than the per-token bound, or the mean over
+those tokens (at least MEAN_TOKENS) by more than the mean bound. fp32 versions: both are `tolerance` (honest noise is
+1e-7; an edit shows at its token). bf16/fp16 versions: a worker's incremental decoding and the
+verifier's one forward round differently through every layer, up to ~1 at a token of a real
+model, so `half_tolerance` only catches a large edit and `half_mean_tolerance` the rest. A claimed
+token outside the recomputed top-k/top-p kept set is infinitely far, unless it is kept once its own
+logit is the per-token bound higher: rounding moved the boundary, and it is judged as kept.
 
-Deterministic runs (`run_seed`, docs/reproducibility.md): every honest sample is recomputable, so
-the same forward also re-draws each token from the sample's own generator (seeded with
-decentrl/rl/determinism.py `sample_seed` from its `sample_index`), one draw per position as the HF
-worker backend draws: a token that is not the seeded draw fails as `not_reproduced`. This checks
-what the logprob comparison cannot - which token was picked: a completion chosen rather than
-sampled (a forged answer, the best of several tries) passes with honest logprobs and fails here.
-A draw depends on the distribution only through comparisons (torch.multinomial consumes the
-generator the same way whatever the probabilities), so the float noise of a full forward against
-the worker's cached decoding changes it only at a near-tie.
+Deterministic runs (`run_seed`, docs/reproducibility.md): the same forward re-draws each token
+from its sample's own generator (decentrl/rl/determinism.py `sample_seed`), as the HF worker
+backend draws; a token that is not the seeded draw fails as `not_reproduced`. That catches what
+logprobs cannot - which token was picked (a forged answer, the best of several tries). A draw
+depends on the distribution only through comparisons, so float noise changes it only at a near-tie.
 
 Cost accounting (`summary()`, /v1/status `verification`): `compute_s` is the wall time of the
-checks, loads included; `cpu_s` the checking thread's CPU time (plus, for a version pulled into
-the cache - a LoRA adapter and its base, a delta - the pull at its wall time: it hashes on the
-store's own threads, which the thread clock does not see). The one-time imports and model builds
-at startup are `startup_s`, apart, as the trainer's compute time leaves out its own start-up.
+checks, loads included; `cpu_s` the checking thread's CPU time, plus the wall time of pulls into
+the cache (a LoRA adapter and its base, a delta), which hash on the store's threads. `startup_s`,
+warm_up's imports and builds, is apart, as the trainer's compute time leaves out its start-up.
 """
 
 from __future__ import annotations
@@ -64,6 +56,8 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("decentrl.orchestrator.verify")
+
+MEAN_TOKENS = 16  # the mean bound holds for a completion of at least this many tokens (Judged.mean)
 
 
 def _token_versions(rollout: Rollout) -> list[int | None]:
@@ -109,7 +103,9 @@ class Judged:
 
     @property
     def mean(self) -> float:
-        return self.total / max(self.tokens, 1)
+        """Over at least MEAN_TOKENS tokens (those a short completion lacks count as 0): a mean of a
+        few tokens is one token's noise, which the per-token bound judges already."""
+        return self.total / max(self.tokens, MEAN_TOKENS)
 
 
 class Verifier:
@@ -317,7 +313,7 @@ class Verifier:
                 continue
             lengths = [len(r.completion_token_ids) for r in batch]
             claimed = torch.tensor([lp for r in batch for lp in r.logprobs], dtype=torch.float64)  # (N,)
-            # NaN (a claimed logprob that is no number, or -inf at a token outside the kept set) is as far as can be.
+            # A token outside the kept set (inf) and a NaN count as far as can be.
             differences = (claimed - recomputed.double()).abs().nan_to_num(nan=math.inf, posinf=math.inf)
             draws_of = drawn.split(lengths) if drawn is not None else [None] * len(batch)
             for index, rollout, difference, draws in zip(indices, batch, differences.split(lengths), draws_of, strict=True):
@@ -364,20 +360,9 @@ class Verifier:
         return failed
 
     def summary(self) -> dict[str, float]:
-        return {
-            "rollouts_checked": self.rollouts_checked,
-            "checks": self.checks,
-            "loads": self.loads,
-            "compute_s": self.compute_s,
-            "cpu_s": self.cpu_s,
-            "load_s": self.load_s,
-            "load_cpu_s": self.load_cpu_s,
-            "forward_s": self.forward_s,
-            "forward_cpu_s": self.forward_cpu_s,
-            "draw_s": self.draw_s,
-            "startup_s": self.startup_s,
-            "largest_passing_diff": self.largest_passing_diff,
-            "largest_passing_mean_diff": self.largest_passing_mean_diff,
-            "tolerance": self.tolerances[0],
-            "mean_tolerance": self.tolerances[1],
-        }
+        counters = (
+            "rollouts_checked", "checks", "loads", "compute_s", "cpu_s", "load_s", "load_cpu_s", "forward_s",
+            "forward_cpu_s", "draw_s", "startup_s", "largest_passing_diff", "largest_passing_mean_diff",
+        )
+        summary = {name: getattr(self, name) for name in counters}
+        return {**summary, "tolerance": self.tolerances[0], "mean_tolerance": self.tolerances[1]}

@@ -64,7 +64,8 @@ class VerificationConfig(Section):
     half_mean_tolerance: float = Field(
         0.15, gt=0.0, le=20.0,
         description="Versions published in bf16 or fp16: largest accepted mean |claimed - recomputed| logprob over the "
-        "tokens a rollout sampled. Honest workers of a 30-layer model measured at most 0.074 (docs/store.md).",
+        "tokens a rollout sampled, at least 16 (a shorter completion's missing tokens count as 0). Honest workers of "
+        "a 30-layer model measured at most 0.074 (docs/store.md).",
     )
     max_strikes: int = Field(3, ge=1, description="Strikes (rejections for cheating) after which a token is revoked.")
     torch_threads: int = Field(1, ge=1, le=256, description="CPU threads of the verifier's forward passes.")

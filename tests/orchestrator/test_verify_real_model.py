@@ -8,7 +8,7 @@ verifier's one forward round differently through 30 layers (up to ~0.8 at a toke
 completions pass the bf16 bounds, and edited or forged ones still fail. Skips where the package is
 not installed (CI installs it).
 
-Run as a module, it measures what docs/store.md records (the bounds' calibration, ~15 minutes on
+Run as a module, it measures what docs/store.md records (the bounds' calibration, about 7 minutes on
 two cores): `.venv/bin/python -m tests.orchestrator.test_verify_real_model`.
 """
 
@@ -27,6 +27,7 @@ from decentrl.api.wire import Rollout, SamplingParams
 from decentrl.config import PretrainedModelConfig, VerificationConfig
 from decentrl.model.build import build_model, load_tokenizer
 from decentrl.model.importing import Dtype, import_model
+from decentrl.rl.determinism import sample_seed
 from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.verify import Verifier
 from workers.backends.hf import HFBackend
@@ -68,21 +69,27 @@ def real_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return published(tmp_path_factory.mktemp("real-bf16"), "bf16")
 
 
-def rollouts_of(backend: HFBackend, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+def rollouts_of(
+    backend: HFBackend, prompts: list[list[int]], sampling: SamplingParams, run_seed: int | None = None, sample_index: int = 0
+) -> list[Rollout]:
+    """One completion per prompt; with `run_seed`, each drawn from its own seeded generator as in a
+    deterministic run (docs/reproducibility.md)."""
+    seeds = None if run_seed is None else [sample_seed(run_seed, i, sample_index, 0) for i in range(len(prompts))]
     return [
         Rollout(
             rollout_id=uuid.uuid4().hex, run_name="real", lease_id="l0", prompt_id=i, worker_id="w0", policy_version=0,
             prompt_token_ids=prompt, completion_token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
-            sampling=sampling, sampling_mask=c.sampling_mask,
+            sampling=sampling, sampling_mask=c.sampling_mask, sample_index=sample_index,
         )
-        for i, (prompt, c) in enumerate(zip(prompts, backend.generate(prompts, sampling), strict=True))
+        for i, (prompt, c) in enumerate(zip(prompts, backend.generate(prompts, sampling, seeds=seeds), strict=True))
     ]
 
 
-def verifier_on(real: dict[str, Any], name: str) -> Verifier:
+def verifier_on(real: dict[str, Any], name: str, run_seed: int | None = None) -> Verifier:
     model = PretrainedModelConfig(path=str(real["model_dir"]))
     return Verifier(
-        VerificationConfig(enabled=True), store=real["store"], cache_dir=str(real["tmp"] / name), build=lambda: build_model(model),
+        VerificationConfig(enabled=True), store=real["store"], cache_dir=str(real["tmp"] / name),
+        build=lambda: build_model(model), run_seed=run_seed,
     )
 
 
@@ -153,7 +160,8 @@ MEASURED_SAMPLINGS = {
 def measure() -> dict[str, Any]:
     """Per publish dtype: the largest |claimed - recomputed| at a token and on average over a
     completion, honest (8 prompts x 2 worker seeds, batched, per sampling setting) and cheating
-    (other weights; edited logprobs), and how many of each fail under the default bounds."""
+    (other weights; edited logprobs), and how many of each fail under the default bounds; and in a
+    deterministic run, how many honest completions the seeded re-draw reproduces."""
     def figures(verifier: Verifier, rollouts: list[Rollout]) -> dict[str, Any]:
         judged = verifier.judge(rollouts)
         return {
@@ -161,6 +169,7 @@ def measure() -> dict[str, Any]:
             "largest": max(j.worst for j in judged), "largest_mean": max(j.mean for j in judged),
             "smallest": min(j.worst for j in judged), "smallest_mean": min(j.mean for j in judged),
             "failing": sum(not verifier.within(j) for j in judged),
+            "not_reproduced": sum(not j.reproduced for j in judged),
         }
 
     report: dict[str, Any] = {}
@@ -185,6 +194,10 @@ def measure() -> dict[str, Any]:
             for by, positions, label in [(0.5, range(3, 4), "one token +0.5"), (2.0, range(3, 4), "one token +2"),
                                          (0.1, None, "every token +0.1"), (0.3, None, "every token +0.3")]:
                 found[f"edited: {label}"] = figures(verifier, [edited(r, by, positions) for r in honest_plain])
+            redrawing = verifier_on(real, "cache-deterministic", run_seed=7)
+            for name in ("plain T=1.0", "truncated T=0.7 top-k 20 top-p 0.9"):
+                seeded = [r for index in (0, 1) for r in rollouts_of(real["worker"], real["prompts"], MEASURED_SAMPLINGS[name], 7, index)]
+                found[f"deterministic run, honest, {name}"] = figures(redrawing, seeded)
             report[dtype] = found
     return report
 
