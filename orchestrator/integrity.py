@@ -50,13 +50,8 @@ def token_of(holder: str) -> str:
 
 
 def content_hash(rollout: Rollout) -> bytes:
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(array("q", rollout.prompt_token_ids).tobytes())
-    digest.update(b"|")
-    digest.update(array("q", rollout.completion_token_ids).tobytes())
-    digest.update(b"|")
-    digest.update(array("d", rollout.logprobs).tobytes())
-    return digest.digest()
+    parts = array("q", rollout.prompt_token_ids), array("q", rollout.completion_token_ids), array("d", rollout.logprobs)
+    return hashlib.blake2b(b"|".join(part.tobytes() for part in parts), digest_size=16).digest()
 
 
 @dataclass

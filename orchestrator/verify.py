@@ -30,10 +30,7 @@ backend draws; a token that is not the seeded draw fails as `not_reproduced`. Th
 logprobs cannot - which token was picked (a forged answer, the best of several tries). A draw
 depends on the distribution only through comparisons, so float noise changes it only at a near-tie.
 
-Cost accounting (`summary()`, /v1/status `verification`): `compute_s` is the wall time of the
-checks, loads included; `cpu_s` the checking thread's CPU time, plus the wall time of pulls into
-the cache (a LoRA adapter and its base, a delta), which hash on the store's threads. `startup_s`,
-warm_up's imports and builds, is apart, as the trainer's compute time leaves out its start-up.
+Cost accounting (`summary()`, /v1/status `verification`): docs/security.md "What verification costs".
 """
 
 from __future__ import annotations
@@ -125,7 +122,7 @@ class Verifier:
         self._models: OrderedDict[int, torch.nn.Module] = OrderedDict()  # version -> model, most recent last
         self._spare: list[torch.nn.Module] = []  # built, no version loaded yet
         self.compute_s = 0.0  # wall time of checks, loads included
-        self.cpu_s = 0.0  # checking thread's CPU time + pulls' wall time (see the module docstring)
+        self.cpu_s = 0.0  # checking thread's CPU time + pulls' wall time (they hash on the store's threads)
         self.load_s = 0.0  # part of compute_s: reading, verifying and copying in weights
         self.load_cpu_s = 0.0  # part of cpu_s
         self.forward_s = 0.0  # part of compute_s: forwards and distributions
