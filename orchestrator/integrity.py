@@ -9,7 +9,8 @@ many worker ids, and a ban revokes the token. Pure Python, no torch.
 Invariants:
 - a strike is only given for something an honest worker never does (a replayed rollout, a
   finish_reason the tokens contradict, a future version, a prompt it was not leased, tokens
-  outside the vocabulary, logprobs beyond the tolerance of the recomputed ones);
+  outside the vocabulary, logprobs beyond the bounds of the recomputed ones, tokens that are not
+  their seed's draws);
 - a token with `max_strikes` strikes is banned once (`newly_banned` hands it out once to
   RunState, which drops everything of it still waiting for the trainer, `_apply_bans`);
 - a replay is a rollout whose content (prompt, completion, logprobs) equals one already kept
