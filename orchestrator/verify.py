@@ -204,11 +204,11 @@ class Verifier:
         from decentrl.store.weights import INDEX_NAME, CheckpointError, read_weights, weights_from_files
 
         try:
-            if self.store.manifest(version).delta_base is None:
-                manifest, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors") or name == INDEX_NAME)
-                if manifest.base_version is None:
-                    return weights_from_files(files)
-            return read_weights(self._pull(version))
+            manifest = self.store.manifest(version)
+            if manifest.delta_base is not None or manifest.base_version is not None:
+                return read_weights(self._pull(version))
+            _, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors") or name == INDEX_NAME)
+            return weights_from_files(files)
         except (StoreError, CheckpointError):
             raise
         # decentrl/store/weights.py turns the failures it knows of into CheckpointError; anything else
