@@ -17,10 +17,11 @@ weight swap (`token_versions`) is checked against the version of each token.
 
 The rule (docs/security.md and docs/store.md: its calibration, what it leaves an attacker): a
 rollout fails when a token it sampled differs by more than the per-token bound, or the mean over
-those tokens (at least MEAN_TOKENS) by more than the mean bound. fp32 versions: both are `tolerance` (honest noise is
-1e-7; an edit shows at its token). bf16/fp16 versions: a worker's incremental decoding and the
-verifier's one forward round differently through every layer, up to ~1 at a token of a real
-model, so `half_tolerance` only catches a large edit and `half_mean_tolerance` the rest. A claimed
+those tokens (at least MEAN_TOKENS) by more than the mean bound. fp32 versions: both are
+`tolerance` (honest noise is 1e-7 to 1e-4; an edit shows at its token). bf16/fp16 versions: a
+worker's incremental decoding and the verifier's one forward round differently through every
+layer, up to ~1 at a token of a real model, so `half_tolerance` only catches a large edit and
+`half_mean_tolerance` the rest. A claimed
 token outside the recomputed top-k/top-p kept set is infinitely far, unless it is kept once its own
 logit is the per-token bound higher: rounding moved the boundary, and it is judged as kept.
 
@@ -28,7 +29,8 @@ Deterministic runs (`run_seed`, docs/reproducibility.md): the same forward re-dr
 from its sample's own generator (decentrl/rl/determinism.py `sample_seed`), as the HF worker
 backend draws; a token that is not the seeded draw fails as `not_reproduced`. That catches what
 logprobs cannot - which token was picked (a forged answer, the best of several tries). A draw
-depends on the distribution only through comparisons, so float noise changes it only at a near-tie.
+depends on the distribution only through comparisons, so fp32 noise changes it only at a near-tie;
+bf16 rounding of a real model changes it often (docs/store.md: publish such runs in fp32).
 
 Cost accounting (`summary()`, /v1/status `verification`): docs/security.md "What verification costs".
 """
