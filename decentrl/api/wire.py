@@ -541,8 +541,8 @@ class StatusResponse(Wire):
     )
     verification: dict[str, float] | None = Field(
         None, description="Logprob spot-checks: rollouts_checked, checks, loads, compute_s, cpu_s, load_s, load_cpu_s, "
-        "forward_s, forward_cpu_s, startup_s, largest_passing_diff, tolerance (None when verification is off; "
-        "docs/security.md).",
+        "forward_s, forward_cpu_s, startup_s, largest_passing_diff, largest_passing_mean_diff, tolerance, "
+        "mean_tolerance (the bounds in force for the run's publish dtype; None when verification is off; docs/security.md).",
     )
     workers: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
