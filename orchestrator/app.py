@@ -36,7 +36,7 @@ from decentrl.api import wire
 from decentrl.api.encoding import MEDIA_JSON
 from decentrl.api.wire import API_PREFIX, MAX_VERSION, TOKEN_NAME, WORKER_ID
 from decentrl.config import RunConfig
-from decentrl.model.build import build_model, load_text_tokenizer
+from decentrl.model.build import build_model, load_text_tokenizer, publish_dtype_name
 from decentrl.store.checkpoints import CheckpointStore
 from decentrl.tasks import build_task
 from orchestrator import dashboard, handlers, score_handlers
@@ -320,6 +320,12 @@ def build_verifier(config: RunConfig, run_dir: str) -> Verifier | None:
     from the run's model config at startup (orchestrator/verify.py)."""
     if not config.orchestrator.verification.enabled:
         return None
+    if config.deterministic and (dtype := publish_dtype_name(config.store, config.model)) != "float32":
+        raise StartupError(
+            f"deterministic = true with orchestrator.verification re-draws every sampled token from its seed, which "
+            f"{dtype} versions do not reproduce (13 of 32 honest completions of a real model were struck, "
+            'docs/store.md): set store.publish_dtype = "fp32", or turn verification off'
+        )
     return Verifier(
         config.orchestrator.verification, store=CheckpointStore.from_config(config.store, run_name=config.run_name),
         cache_dir=os.path.join(run_dir, "verifier-cache"), build=lambda: build_model(config.model),
@@ -350,6 +356,7 @@ def serve(config: RunConfig, *, run_dir: str, host: str | None = None, port: int
           tokens_file: str | None = None) -> bool:
     """Serve the run until SIGINT or SIGTERM. Returns False when it stopped because the journal
     failed; raises StartupError when it cannot start. `config.store.url` must be resolved."""
+    verifier = build_verifier(config, run_dir)  # first: it refuses a setting before anything opens
     tokens = open_tokens(run_dir, tokens_file)
     state = open_state(config, run_dir)
     failed: list[BaseException] = []
@@ -363,7 +370,7 @@ def serve(config: RunConfig, *, run_dir: str, host: str | None = None, port: int
     tune_gc()
     app = create_app(
         state=state, tokens=tokens, store_url=config.store.url, on_fatal=on_fatal,
-        verifier=build_verifier(config, run_dir), store=CheckpointStore.from_config(config.store),
+        verifier=verifier, store=CheckpointStore.from_config(config.store),
     )
     where = (host or config.orchestrator.host, config.orchestrator.port if port is None else port)
     try:

@@ -8,6 +8,7 @@ the run's architecture to copy versions into).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -114,20 +115,25 @@ _PUBLISH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def publish_dtype(store: StoreConfig, config: TinyModelConfig | PretrainedModelConfig) -> torch.dtype:
-    """The dtype versions are published in: store.publish_dtype, else the model's own config dtype
-    (a pretrained model's config.json; float32 for the tiny model, built in float32)."""
+    """The dtype versions are published in (`publish_dtype_name`)."""
     import torch
-    from transformers import AutoConfig
 
+    return getattr(torch, publish_dtype_name(store, config))
+
+
+def publish_dtype_name(store: StoreConfig, config: TinyModelConfig | PretrainedModelConfig) -> str:
+    """"float32", "bfloat16" or "float16": store.publish_dtype, else the model's own config dtype
+    (a pretrained model's config.json, read without transformers; float32 for the tiny model,
+    built in float32)."""
     if store.publish_dtype is not None:
-        return getattr(torch, _PUBLISH_DTYPES[store.publish_dtype])
+        return _PUBLISH_DTYPES[store.publish_dtype]
     if isinstance(config, PretrainedModelConfig):
-        declared = AutoConfig.from_pretrained(config.path).dtype
-        if isinstance(declared, str):
-            declared = getattr(torch, declared)
-        if declared in (torch.float32, torch.bfloat16, torch.float16):
-            return declared
-    return torch.float32
+        with open(os.path.join(config.path, "config.json")) as file:
+            declared = json.load(file)
+        dtype = declared.get("dtype") or declared.get("torch_dtype")
+        if dtype in _PUBLISH_DTYPES.values():
+            return dtype
+    return "float32"
 
 
 def build_model(config: TinyModelConfig | PretrainedModelConfig) -> PreTrainedModel:

@@ -1,16 +1,21 @@
-"""The verifier's rule without a model: its bounds in the config, and a claimed token at the
-top-k/top-p boundary that rounding moved (orchestrator/verify.py `_judged_at_the_boundary`)."""
+"""The verifier's rule without a model: its bounds in the config, a claimed token at the top-k/top-p
+boundary that rounding moved (orchestrator/verify.py `_judged_at_the_boundary`), and the start-up
+refusal of half-precision versions in a deterministic run."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from decentrl.api.wire import SamplingParams
-from decentrl.config import ConfigError, load_config
+from decentrl.config import ConfigError, PretrainedModelConfig, load_config
+from decentrl.model.build import publish_dtype_name
 from decentrl.model.sampling import sampling_distribution
+from orchestrator.app import StartupError, build_verifier
 from orchestrator.verify import _judged_at_the_boundary
 
 PUBLIC = str(Path(__file__).resolve().parents[2] / "configs" / "public.toml")
@@ -56,3 +61,23 @@ def test_a_token_just_past_the_top_p_boundary_is_judged_as_kept() -> None:
     logits = [0.0, -2.25, -6.0, -6.0]  # p = 0.903, 0.095, 0.002, 0.002
     assert judged(logits, 1, sampling, slack=0.1) == pytest.approx(-2.25 - torch.tensor([0.0, -2.25]).logsumexp(0).item())
     assert judged(logits, 2, sampling, slack=0.1) == float("-inf")
+
+
+def test_a_deterministic_run_with_verification_refuses_half_precision_versions_at_start_up(
+    make_config: Any, tmp_path: Path, chat_dir: Path,
+) -> None:
+    """Its seeded re-draw does not reproduce bf16 sampling (docs/store.md): the orchestrator says
+    so before it opens anything, naming the setting; fp32 versions start."""
+    verification = {"verification": {"enabled": True}}
+    bf16 = make_config(deterministic=True, orchestrator=verification, store={"publish_dtype": "bf16"})
+    with pytest.raises(StartupError, match='store.publish_dtype = "fp32"'):
+        build_verifier(bf16, str(tmp_path))
+    assert build_verifier(make_config(deterministic=True, orchestrator=verification), str(tmp_path)) is not None
+    assert build_verifier(make_config(orchestrator=verification, store={"publish_dtype": "bf16"}), str(tmp_path)) is not None
+    # A pretrained model's own dtype counts when store.publish_dtype is not set (read from its config.json).
+    config = json.loads((chat_dir / "config.json").read_text())
+    model_dir = tmp_path / "bf16-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "torch_dtype": None}))
+    own = bf16.store.model_copy(update={"publish_dtype": None})
+    assert publish_dtype_name(own, PretrainedModelConfig(path=str(model_dir))) == "bfloat16"
