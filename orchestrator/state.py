@@ -65,6 +65,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -417,7 +418,36 @@ class RunState(RunView):
         self.integrity.rewards_claimed(self._holder(group), group.samples)
         self._release(group, "scores", stale_reason="stale_waiting_scores")
 
-    # -- verdicts on workers (the app runs the verification loop: orchestrator/verification.py) ---
+    # -- verification (the app runs its scheduler, orchestrator/verification.py: which checks, then their verdicts) --
+
+    def checks_due(self) -> bool:
+        """Whether the trainer's next batch waits for a pending group (`pending_ahead`) and a
+        batch's worth of groups is complete: then check at once. Until then a check may wait for
+        others to share its forward at no cost to the trainer, which could not take a batch sooner."""
+        wanted = self.config.places_per_step
+        return len(self.buffer.ready) + len(self.buffer.pending) >= wanted and self.buffer.pending_ahead(wanted)
+
+    def take_checks(self, limit: int) -> list[VerifyJob]:
+        """The pending groups to check together, taken off the verify queue (which holds no
+        dropped group's: Buffer.release_pending): whole groups, oldest first, up to `limit`
+        rollouts (at least one group). A token none of whose checks has passed yet (a new worker,
+        or a cheater) gets one group in per batch: its first verdict bans a cheater before the rest
+        of what it posted costs a forward (drop_banned then drops it unchecked)."""
+        taken: list[VerifyJob] = []
+        left: deque[VerifyJob] = deque()
+        rollouts, unproven = 0, set()
+        for job in self.buffer.verify_queue:
+            token = token_of(job.holder)
+            first = not self.integrity.has_passed_check(job.holder)
+            if (taken and rollouts + len(job.rollouts) > limit) or (first and token in unproven):
+                left.append(job)
+                continue
+            if first:
+                unproven.add(token)
+            taken.append(job)
+            rollouts += len(job.rollouts)
+        self.buffer.verify_queue = left
+        return taken
 
     def verification_done(self, verdicts: dict[str, dict[str, str]]) -> None:
         """The checks of pending groups are done: lease id -> its failed samples (rollout id ->

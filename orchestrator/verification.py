@@ -1,18 +1,18 @@
-"""The verification scheduler: when held-back groups get their logprob check, and what follows.
+"""The verification scheduler: when pending groups get their logprob check, and what follows.
 
-With `[orchestrator.verification] enabled`, ingest holds some complete groups back
+With `[orchestrator.verification] enabled`, ingest makes some complete groups pending
 (RunState.pending, their jobs in RunState.verify_queue) until the Verifier (orchestrator/
-verify.py) has recomputed their sampled logprobs. This module decides when to check which groups,
-runs the Verifier on one worker thread off the event loop, hands the verdicts back to RunState
-(which drops what a ban leaves; `commit` revokes the token), and wakes the long-polls a verdict may
-serve (a batch formed, a place for a lease freed).
+verify.py) has recomputed their sampled logprobs. This module decides when to check (RunState
+`checks_due`, or enough rollouts queued, or the oldest waited `check_wait_s`), takes the jobs
+from RunState (`take_checks`), runs the Verifier on one worker thread off the event loop, hands
+the verdicts back (`verification_done`, which drops what a ban leaves; `commit` revokes the
+token), and wakes the long-polls a verdict may serve (a batch formed, a place for a lease freed).
 
 It is a `cleanup_ctx` entry of create_app (orchestrator/app.py). It sleeps on CHECKS_WANTED
-(orchestrator/appstate.py), which handlers set through `wake_checks` when a group may have been
-held back (after ingest), when the line ahead of one moved (a batch served, a version
+(orchestrator/appstate.py), which handlers set through `wake_checks` when a group may have become
+pending (after ingest), when the ready queue ahead of one moved (a batch served, a version
 announced), and while the trainer waits for a batch; its first look at startup covers groups
-the journal recovered still held back. While groups wait without being due, it sleeps at most
-until the oldest has waited `check_wait_s`.
+the journal recovered still pending.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections import deque
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -36,44 +35,11 @@ from orchestrator.appstate import (
     commit,
     notify_all,
 )
-from orchestrator.integrity import token_of
 from orchestrator.journal import JournalError
-from orchestrator.state import RunState, VerifyJob
+from orchestrator.state import VerifyJob
 from orchestrator.verify import Verifier
 
 log = logging.getLogger("decentrl.orchestrator")
-
-
-def next_checks(state: RunState, limit: int) -> list[VerifyJob]:
-    """The held-back groups to check together, taken off `state.verify_queue` (which holds no dropped
-    group's: Buffer.release_pending): whole groups, oldest first, up to `limit` rollouts (at least
-    one group). A token none of whose checks has passed yet (a new worker, or a cheater) gets one
-    group in per batch: its first verdict bans a cheater before the rest of what it posted costs a
-    forward (drop_banned then drops it unchecked)."""
-    taken: list[VerifyJob] = []
-    left: deque[VerifyJob] = deque()
-    rollouts, unproven = 0, set()
-    for job in state.verify_queue:
-        token = token_of(job.holder)
-        first = not state.integrity.has_passed_check(job.holder)
-        if (taken and rollouts + len(job.rollouts) > limit) or (first and token in unproven):
-            left.append(job)
-            continue
-        if first:
-            unproven.add(token)
-        taken.append(job)
-        rollouts += len(job.rollouts)
-    state.verify_queue = left
-    return taken
-
-
-def checks_due(state: RunState) -> bool:
-    """Whether the trainer's next batch waits for a held-back group (RunState.pending_ahead)
-    and a batch's worth of groups is complete: then check at once. Until then a check may wait
-    for others to share its forward at no cost to the trainer, which could not take a batch
-    sooner anyway."""
-    wanted = state.config.places_per_step
-    return len(state.ready) + len(state.pending) >= wanted and state.pending_ahead(wanted)
 
 
 async def _judge(app: web.Application, executor: concurrent.futures.Executor, jobs: list[VerifyJob]) -> None:
@@ -110,11 +76,11 @@ async def _check_when_due(app: web.Application, executor: concurrent.futures.Exe
         waiting_since = now if waiting_since is None else waiting_since
         queued = sum(len(job.rollouts) for job in state.verify_queue)
         waited = now - waiting_since
-        if not checks_due(state) and queued < options.check_batch_rollouts and waited < options.check_wait_s:
+        if not state.checks_due() and queued < options.check_batch_rollouts and waited < options.check_wait_s:
             with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
                 await asyncio.wait_for(wanted.wait(), timeout=options.check_wait_s - waited)
             continue
-        jobs = next_checks(state, options.check_batch_rollouts)
+        jobs = state.take_checks(options.check_batch_rollouts)
         if not state.verify_queue:
             waiting_since = None  # else what is left waited as long: it goes next, at once
         try:

@@ -2,8 +2,8 @@
 
 RunState (orchestrator/state.py) is a RunView: it builds the parts declared here and changes them;
 this class only reads them, for the handlers, the verification loop, the metrics, benchmarks and
-tests, and builds `status()` (GET /v1/status, `decentrl status`). Two aliases are settable, to
-replace a field whole (`sampling`: tests; `verify_queue`: orchestrator/verification.py).
+tests, and builds `status()` (GET /v1/status, `decentrl status`). One alias is settable, to
+replace the field whole (`sampling`: tests).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class RunView:
     leases: dict[str, OpenLease] = _alias("lease_book.open")
     ready: deque[Group] = _alias("buffer.ready")
     pending: dict[str, Group] = _alias("buffer.pending")
-    verify_queue: deque[VerifyJob] = _alias("buffer.verify_queue", settable=True)
+    verify_queue: deque[VerifyJob] = _alias("buffer.verify_queue")
     rollouts_accepted: int = _alias("counters.rollouts_accepted")
     rejected: Counter[str] = _alias("counters.rejected")
     dropped: Counter[str] = _alias("counters.dropped")

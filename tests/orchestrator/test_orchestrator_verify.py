@@ -381,12 +381,11 @@ def test_a_lora_adapter_version_is_checked_merged_onto_its_base(setup: Any, tmp_
     assert sorted(os.listdir(cache)) == ["v000000", "v000001"]
 
 
-def test_next_checks_takes_one_group_of_a_token_without_a_passed_check(
+def test_take_checks_takes_one_group_of_a_token_without_a_passed_check(
     make_config: Any, tokenizer: PreTrainedTokenizerBase, make_rollout: Any
 ) -> None:
     """Batches are whole groups, oldest first, up to the rollout limit; a token whose checks have
     not passed yet gets one group in (a cheater is banned on it before the rest costs anything)."""
-    from orchestrator.verification import next_checks
 
     config = make_config(
         orchestrator={"verification": {"enabled": True, "new_worker_checks": 1000}}, trainer={"groups_per_step": 8}
@@ -397,11 +396,11 @@ def test_next_checks_takes_one_group_of_a_token_without_a_passed_check(
         lease = state.grant_leases(holder, 1)[0]
         state.ingest([make_rollout(lease, "1234", worker_id=holder.split("/")[1]) for _ in range(3)], holder)
     assert len(state.verify_queue) == 5
-    first = next_checks(state, limit=100)
+    first = state.take_checks(limit=100)
     assert [job.holder for job in first] == [CHEAT, HONEST] and len(state.verify_queue) == 3
     state.integrity.record(HONEST).passed = 1  # its first check passed: no longer held to one group
-    assert [job.holder for job in next_checks(state, limit=100)] == [CHEAT, HONEST]
-    assert [job.holder for job in next_checks(state, limit=1)] == [CHEAT]  # at least one group, even over the limit
+    assert [job.holder for job in state.take_checks(limit=100)] == [CHEAT, HONEST]
+    assert [job.holder for job in state.take_checks(limit=1)] == [CHEAT]  # at least one group, even over the limit
     assert not state.verify_queue
 
 
@@ -411,7 +410,6 @@ def test_a_batch_waits_for_a_held_back_group_ahead_of_it_which_keeps_its_place(
     """A group held back for its check keeps its place in line: a batch that would skip it waits
     for the check (checks_due says to check at once), and the checked group trains first, as its
     lease was budgeted for; groups behind a full batch may wait for others to share a forward."""
-    from orchestrator.verification import checks_due
 
     config = make_config(orchestrator={"verification": {"enabled": True, "new_worker_checks": 3, "spot_check_fraction": 0.0}})
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
@@ -420,13 +418,13 @@ def test_a_batch_waits_for_a_held_back_group_ahead_of_it_which_keeps_its_place(
     for lease in (first, second, third):
         assert state.ingest([make_rollout(lease, "1234") for _ in range(3)], HONEST).accepted == 3
     assert list(state.pending) == [first.lease_id] and [g.lease_id for g in state.ready] == [second.lease_id, third.lease_id]
-    assert state.pending_ahead(2) and checks_due(state)
+    assert state.pending_ahead(2) and state.checks_due()
     assert state.take_batch(0) is None  # would skip the held-back group
     state.verify_queue.clear()
     state.verification_done({first.lease_id: {}})
     batch = state.take_batch(0)
     assert batch is not None and [s.group_id for s in batch.samples][::3] == [first.lease_id, second.lease_id]
-    assert not state.pending_ahead(2) and not checks_due(state)
+    assert not state.pending_ahead(2) and not state.checks_due()
 
 
 # -- the scheduler (orchestrator/verification.py) in the real app ---------------------------
@@ -474,16 +472,14 @@ def test_the_scheduler_sleeps_until_a_batch_needs_a_check(
 ) -> None:
     """Held-back groups not yet needed wait (check_wait_s is long) without the scheduler polling
     them; the post that completes the trainer's batch wakes it, and the batch follows at once."""
-    import orchestrator.verification as verification
-
     looks: list[bool] = []
-    real_checks_due = verification.checks_due
+    real_checks_due = RunState.checks_due
 
     def counted(state: RunState) -> bool:
         looks.append(real_checks_due(state))
         return looks[-1]
 
-    monkeypatch.setattr(verification, "checks_due", counted)
+    monkeypatch.setattr(RunState, "checks_due", counted)
     config = make_config(orchestrator={"verification": PATIENT})
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     state.announce(0)
