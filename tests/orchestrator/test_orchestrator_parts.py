@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.encoding import pack_sample
 from decentrl.api.wire import Lease, Rollout, SamplingParams
@@ -17,6 +18,7 @@ from decentrl.config import AdvantageConfig, HedgingConfig, VerificationConfig
 from decentrl.tasks import build_task
 from orchestrator.batches import KeptBatches, build_batch
 from orchestrator.buffer import Buffer, Group, VerifyJob
+from orchestrator.checks import IngestChecks
 from orchestrator.handlers import oversized
 from orchestrator.integrity import Integrity
 from orchestrator.journal import NullJournal
@@ -231,3 +233,46 @@ def test_a_mask_wider_than_top_k_is_named_with_the_limit(make_rollout: Any) -> N
     problem = oversized([fine, wide], sampling, vocab_size=100)
     assert problem is not None and problem.startswith("rollouts.1.sampling_mask keeps 3 ids") and "top_k=2" in problem
 
+
+
+# -- the ingest checks and verification's hook, each alone --------------------------------------
+
+
+def test_the_checks_judge_a_rollout_from_what_the_owner_looked_up(
+    make_config: Any, make_rollout: Any, tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    config = make_config(orchestrator={"verification": {"enabled": True}})
+    sampling = SamplingParams(**config.sampling.model_dump())
+    checks = IngestChecks(
+        config=config, task=build_task(config.task), sampling=sampling, vocab_size=len(tokenizer),
+        end_ids={tokenizer.eos_token_id}, decode=lambda ids: tokenizer.decode(ids), episode_codec=None,
+    )
+    granted = lease("a", group_size=3)
+    held = OpenLease(lease=granted, holder=HOLDER)
+    sample: Rollout = make_rollout(granted, "1234", sampling=sampling, policy_version=1)
+
+    def reason(rollout: Rollout, *, lease: OpenLease | None = held, closed: str | None = None, published: int = 1,
+               trainer: int = 1, holder: str = HOLDER) -> str | None:
+        return checks.reason(rollout, holder, lease=lease, closed=closed, published=published, trainer=trainer)
+
+    assert reason(sample) is None
+    assert reason(sample, lease=None) == "unknown_or_expired_lease"
+    assert reason(sample, lease=None, closed="superseded") == "hedge_lost"
+    assert reason(sample, holder="bob/w0") == "not_lease_holder"
+    assert reason(sample, published=0) == "future_version"
+    assert reason(sample, trainer=3) == "stale"  # max_staleness 1
+    assert reason(sample.model_copy(update={"completion_token_ids": [len(tokenizer)] * 2})) == "token_out_of_vocabulary"
+    # "stop" needs the last token to end the generation (verification on): a cut completion does not.
+    assert reason(sample.model_copy(update={"completion_token_ids": sample.completion_token_ids[:-1]})) == "bad_finish_reason"
+
+
+def test_verification_admits_refuses_and_counts_at_one_hook(make_rollout: Any) -> None:
+    integrity = Integrity(VerificationConfig(enabled=True, max_strikes=2, new_worker_checks=1, spot_check_fraction=0.0))
+    first: Rollout = make_rollout(lease("a"), [5, 6], policy_version=1)
+    assert integrity.admit(first, HOLDER, None) == (None, True)  # kept; a new token's first rollout is checked
+    assert integrity.admit(make_rollout(lease("a"), [5, 7], policy_version=1), HOLDER, None) == (None, False)
+    replay: Rollout = make_rollout(lease("b"), [5, 6], policy_version=2)
+    assert integrity.admit(replay, HOLDER, None) == ("replay", False)  # a strike
+    assert integrity.admit(first, HOLDER, "future_version") == ("future_version", False)  # the second: banned
+    assert integrity.is_banned(HOLDER) and integrity.admit(first, "alice/w9", None) == ("banned", False)
+    assert integrity.summary()["alice"]["rejections"] == {"replay": 1, "future_version": 1, "banned": 1}
