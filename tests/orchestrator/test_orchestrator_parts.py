@@ -13,8 +13,8 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.encoding import pack_sample
-from decentrl.api.wire import Lease, Rollout, SamplingParams
-from decentrl.config import AdvantageConfig, HedgingConfig, VerificationConfig
+from decentrl.api.wire import Lease, Rollout, SamplingParams, ScoreItem, ScorePost, ScoreResult
+from decentrl.config import AdvantageConfig, HedgingConfig, RewardConfig, VerificationConfig
 from decentrl.tasks import build_task
 from orchestrator.batches import KeptBatches, build_batch
 from orchestrator.buffer import Buffer, Group, VerifyJob
@@ -23,8 +23,11 @@ from orchestrator.handlers import oversized
 from orchestrator.integrity import Integrity
 from orchestrator.journal import NullJournal
 from orchestrator.lease_policy import MIN_RECENT, Hedges, Places
-from orchestrator.lease_table import LeaseNotFound, LeaseTable, NotLeaseHolder
+from orchestrator.lease_table import LeaseClosed, LeaseNotFound, LeaseTable, NotLeaseHolder
 from orchestrator.leases import ClosedLease, LeaseBook, OpenLease, PromptQueue
+from orchestrator.reward_stage import ModelRewards, VerifierRewards
+from orchestrator.rewards import Rewards
+from orchestrator.score_queue import ScoreError, ScoreQueue
 
 HOLDER = "alice/w0"
 
@@ -276,3 +279,52 @@ def test_verification_admits_refuses_and_counts_at_one_hook(make_rollout: Any) -
     assert integrity.admit(first, HOLDER, "future_version") == ("future_version", False)  # the second: banned
     assert integrity.is_banned(HOLDER) and integrity.admit(first, "alice/w9", None) == ("banned", False)
     assert integrity.summary()["alice"]["rejections"] == {"replay": 1, "future_version": 1, "banned": 1}
+
+
+# -- the score queue and the reward stage, each alone -----------------------------------------
+
+
+def score_items(lease_id: str, n: int) -> list[ScoreItem]:
+    return [ScoreItem(rollout_id=f"{lease_id}-{i}", prompt_id=0, prompt="p", completion=f"c{i}") for i in range(n)]
+
+
+def test_the_score_queue_leases_reassigns_and_names_the_groups_a_post_completes(clock: Any) -> None:
+    alive = {"g1", "g2"}
+    queue = ScoreQueue(config=RewardConfig(type="model", lease_timeout_s=5.0), journal=NullJournal(), clock=clock,
+                       alive=alive.__contains__)
+    queue.add("g1", score_items("g1", 2), {})
+    queue.add("g2", score_items("g2", 1), {"g2-0": ScoreResult(rollout_id="g2-0", score=0.5)})  # taken before a restart
+    assert queue.complete("g2") and not queue.complete("g1")
+    slow = queue.lease("bob/s0", max_items=8)
+    assert slow is not None and slow.rollout_ids == ["g1-0", "g1-1"] and queue.lease("bob/s1", 8) is None
+    clock.advance(6.0)  # the lease expires: its items go to another scorer
+    fast = queue.lease("carol/s0", max_items=8)
+    assert fast is not None and fast.rollout_ids == ["g1-0", "g1-1"] and queue.summary()["scores_reassigned"] == 2
+    with pytest.raises(LeaseClosed):
+        queue.post("bob/s0", ScorePost(lease_id=slow.lease_id, scorer_id="s0", scores=[ScoreResult(rollout_id="g1-0", score=1.0)]))
+    with pytest.raises(ScoreError, match="outside score_range"):  # all or nothing: no score of it is taken
+        queue.post("carol/s0", ScorePost(lease_id=fast.lease_id, scorer_id="s0", scores=[
+            ScoreResult(rollout_id="g1-0", score=1.0), ScoreResult(rollout_id="g1-1", score=7.0)]))
+    ack, done = queue.post("carol/s0", ScorePost(lease_id=fast.lease_id, scorer_id="s0", scores=[
+        ScoreResult(rollout_id="g1-0", score=1.0), ScoreResult(rollout_id="g1-1", score=0.0)]))
+    assert (ack.accepted, ack.unscored, done) == (2, 0, ["g1"])
+    assert [r.score for r in queue.take("g1")] == [1.0, 0.0] and "g1" not in queue.groups
+
+
+def test_the_reward_stages_reward_at_once_or_wait_and_combine(
+    make_rollout: Any, make_config: Any, clock: Any, tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    config = make_config(orchestrator={"rewards": {"type": "sum", "verifier_weight": 1.0, "model_weight": 0.5}})
+    task = build_task(config.task)
+    rewards = Rewards(task=task, tokenizer=tokenizer, decode=lambda seqs: ["" for _ in seqs], end_ids=set(),
+                      rewards=config.orchestrator.rewards, prompt=config.prompt, steps=config.orchestrator.advantages.steps)
+    at_once = group(make_rollout, "v", [0.3, 0.3])
+    assert VerifierRewards(rewards).start(at_once) and at_once.rewards == [0.0, 0.0]  # empty answers are wrong
+    queue = ScoreQueue(config=config.orchestrator.rewards, journal=NullJournal(), clock=clock, alive=lambda _: True)
+    stage, waiting = ModelRewards(rewards, queue), group(make_rollout, "m", [0.0, 0.0])
+    assert not stage.start(waiting) and waiting.verifier_rewards == [0.0, 0.0] and len(queue.queue) == 2
+    entry = queue.lease("carol/s0", 8)
+    assert entry is not None
+    queue.post("carol/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=[
+        ScoreResult(rollout_id=r, score=s) for r, s in zip(entry.rollout_ids, [1.0, 0.0], strict=True)]))
+    assert stage.finish(waiting) and waiting.rewards == [0.5, 0.0]  # verifier + 0.5 x model
