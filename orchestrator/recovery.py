@@ -37,8 +37,10 @@ COUNTS = (
 
 
 def meta_row(*, versions: Versions, counters: Counters, lease_book: LeaseBook, buffer: Buffer) -> dict[str, Any]:
-    """The journal's meta row (key "state"): versions, prompt order position, counters."""
+    """The journal's meta row (key "state"): versions, prompt order position, counters, and the
+    places a step consumes (which pin a deterministic run's places to versions)."""
     return {
+        "places_per_step": lease_book.config.places_per_step,
         "published_version": versions.published,
         "trainer_version": versions.trainer,
         "prompt_cursor": lease_book.prompts.cursor,
@@ -99,6 +101,13 @@ def recover(
     its process rewards again, so a batch asked for again carries the same token advantages.
     """
     meta = snapshot.meta
+    pinned, places = meta.get("places_per_step"), lease_book.config.places_per_step  # absent before 2026-11-27
+    if lease_book.prompts.deterministic and pinned is not None and pinned != places:
+        raise ValueError(
+            f"this deterministic run's journal consumed {pinned} places a step, the config says {places} "
+            "(trainer.groups_per_step, times orchestrator.dynamic_sampling.oversample when it is on): a place's version "
+            "follows from it, so it cannot change between starts; restore the setting, or start a new run dir"
+        )
     versions.published, versions.trainer = meta["published_version"], meta["trainer_version"]
     lease_book.prompts.cursor = meta["prompt_cursor"]
     lease_book.prompts.requeued = deque(meta["requeued"])

@@ -186,3 +186,23 @@ def test_with_model_scores_the_signal_is_judged_on_the_scores_and_reported(make_
     assert state.status().groups_skipped == 2 and state.dropped == {"zero_signal": 6}
     metrics = Metrics(state).render().decode()
     assert "decentrl_groups_skipped_total 2.0" in metrics
+
+
+def test_a_deterministic_run_refuses_to_restart_with_another_oversample(make_state: Any, tmp_path: Path) -> None:
+    """The places a step consumes pin each place's version: changing them between starts would
+    sample places under other versions than the first start did (a free-running run may)."""
+    journal = str(tmp_path / "j.sqlite")
+    state = make_state(journal=journal, deterministic=True)
+    state.grant_leases(HOLDER, 2)
+    state.journal.flush()
+    state.journal.close()
+    other = {"orchestrator": {"dynamic_sampling": {"enabled": True, "oversample": 3.0}}}
+    with pytest.raises(ValueError, match="consumed 4 places a step, the config says 6"):
+        make_state(journal=journal, deterministic=True, **other)
+    make_state(journal=journal, deterministic=True).journal.close()  # the same setting starts
+    free = str(tmp_path / "free.sqlite")
+    state = make_state(journal=free)
+    state.grant_leases(HOLDER, 2)
+    state.journal.flush()
+    state.journal.close()
+    make_state(journal=free, **other).journal.close()
