@@ -129,19 +129,26 @@ Judge whether the answer is correct and complete. Reply with one line "Score: X"
 number from 0 (wrong) to 1 (fully correct)."""
 
 
-class OpenAIScorerConfig(ScorerBase):
-    """An LLM judge: any OpenAI-compatible chat completions endpoint, a prompt template and a verdict parser."""
+class OpenAIEndpoint(Section):
+    """An OpenAI-compatible server: where it is, the model asked for, and the key, for the judge
+    (BASE_URL/chat/completions) and the distillation teacher (BASE_URL/completions)."""
 
-    type: Literal["openai"] = "openai"
     base_url: str = Field(
         pattern=r"^https?://\S+$", description="The API's base URL, up to /v1: http://127.0.0.1:8000/v1, "
-        "https://api.openai.com/v1; requests go to BASE_URL/chat/completions."
+        "https://api.openai.com/v1; a judge's requests go to BASE_URL/chat/completions, a teacher's to "
+        "BASE_URL/completions (and BASE_URL/models once at start-up)."
     )
-    model: str = Field(min_length=1, max_length=200, description="The judge model's name at that endpoint.")
+    model: str = Field(min_length=1, max_length=200, description="The model's name at that server.")
     api_key_env: str | None = Field(
         None, pattern=ENV_NAME, description="Name of the environment variable holding the API key (sent as a bearer "
         "token, never logged); None: no Authorization header (a local server)."
     )
+
+
+class OpenAIScorerConfig(ScorerBase, OpenAIEndpoint):
+    """An LLM judge: any OpenAI-compatible chat completions endpoint, a prompt template and a verdict parser."""
+
+    type: Literal["openai"] = "openai"
     system_prompt: str = Field("", max_length=100_000, description="The system message; empty: none is sent.")
     prompt_template: str = Field(
         DEFAULT_JUDGE_PROMPT, min_length=1, max_length=100_000,
@@ -180,21 +187,12 @@ class PythonScorerConfig(ScorerBase):
     options: dict[str, object] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
 
 
-class TeacherServerConfig(Section):
+class TeacherServerConfig(OpenAIEndpoint):
     """A distillation teacher behind an OpenAI-compatible completions server that returns the log-probs
     of the prompt's own tokens (vLLM: `prompt_logprobs`; the classic form: `echo` with `logprobs`).
     Each sample is one POST BASE_URL/completions whose prompt is its token ids (prompt, then
     completion); the answer's log-probs at the completion's positions are the teacher's."""
 
-    base_url: str = Field(
-        pattern=r"^https?://\S+$", description="The API's base URL, up to /v1: http://127.0.0.1:8000/v1; requests go "
-        "to BASE_URL/completions (and BASE_URL/models once at start-up)."
-    )
-    model: str = Field(min_length=1, max_length=200, description="The teacher model's name at that server.")
-    api_key_env: str | None = Field(
-        None, pattern=ENV_NAME, description="Name of the environment variable holding the API key (sent as a bearer "
-        "token, never logged); None: no Authorization header (a local server)."
-    )
     logprobs: Literal["prompt_logprobs", "echo"] = Field(
         "prompt_logprobs", description="How the log-probs are asked for and read: prompt_logprobs (vLLM's extension: "
         "`prompt_logprobs: 0`, read from choices[0].prompt_logprobs, each position's token id checked against the id "
