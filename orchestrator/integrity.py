@@ -99,7 +99,10 @@ class Integrity:
         name = token_of(holder)
         if self.journaled:
             self._changed.add(name)
-        return self.workers.setdefault(name, WorkerRecord())
+        found = self.workers.get(name)
+        if found is None:  # not setdefault: that would build a record on every call (each accepted rollout)
+            found = self.workers[name] = WorkerRecord()
+        return found
 
     def _known(self, holder: str) -> WorkerRecord:
         """The token's record to read (a blank one for a token never seen): nothing is journaled."""
