@@ -106,10 +106,13 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
     return parsed
 
 
-async def parse_body_with_raw(request: web.Request, model: type[M]) -> tuple[M, Any]:
+async def parse_body_with_raw(
+    request: web.Request, model: type[M], context: dict[str, Any] | None = None
+) -> tuple[M, Any]:
     """`parse_body`, plus the decoded msgpack object (None for a JSON body): its typed arrays keep
     the bytes they came in, for the rollouts handler to journal and serve as they are
-    (orchestrator/codec.py, `packed_arrays`)."""
+    (orchestrator/codec.py, `packed_arrays`). `context`: the run's own bounds the model's
+    validators read (decentrl/api/wire.py `MASK_IDS`)."""
     media = request.content_type
     msgpack = media in MSGPACK_TYPES
     if not msgpack and media not in JSON_TYPES and not media.endswith("+json"):
@@ -122,8 +125,8 @@ async def parse_body_with_raw(request: web.Request, model: type[M]) -> tuple[M, 
     try:
         if msgpack:
             decoded = unpack_msgpack(body)
-            return model.model_validate(decoded), decoded
-        return model.model_validate_json(body), None
+            return model.model_validate(decoded, context=context), decoded
+        return model.model_validate_json(body, context=context), None
     except EncodingError as exc:
         raise error(web.HTTPBadRequest, f"invalid {model.__name__}: body: {exc}") from None
     except ValidationError as exc:

@@ -2,9 +2,9 @@
 
 The second stage of RunState.ingest (orchestrator/state.py), after the dedupe, run on each rollout
 with what the owner looked up for it: its open lease (or the status its lease closed with) and
-the versions. The part holds no other part. Before it, once per POST /v1/rollouts, the rollouts
-handler (orchestrator/handlers.py, `oversized`) holds the whole post to the size bounds that follow
-from the run's config (a 400: nothing of it is ingested, held or journaled). Cheap checks come
+the versions. The part holds no other part. Before it, once per POST /v1/rollouts, the body's
+validation holds the whole post to the size bounds that follow from the run's config
+(orchestrator/handlers.py `mask_bound`; a 400: nothing of it is ingested, held or journaled). Cheap checks come
 first (the lease, the prompt, the sampling params, the versions, the token ranges); an episode is
 replayed against its environment (decentrl/tasks/episodes.py); with verification on, a finish
 reason the tokens contradict is refused too. The reasons are the `reason` of a `Rejection` on the

@@ -13,17 +13,17 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK
 from decentrl.api.wire import (
+    MASK_IDS,
     Health,
     LeaseRequest,
     LeaseResponse,
-    Rollout,
     RolloutBatch,
     RunInfo,
     SamplingParams,
@@ -165,22 +165,14 @@ async def lease_release(request: web.Request) -> web.Response:
     return answer
 
 
-def oversized(rollouts: Sequence[Rollout], sampling: SamplingParams, vocab_size: int) -> str | None:
-    """What is too large in the first rollout that is (a message naming the field and the run's
-    limit), or None when every rollout fits the run. The wire models (decentrl/api/wire.py) hold
-    the bounds that hold whatever the config; the run adds its own: a top-k sampling mask keeps at
-    most top_k ids a token, any mask at most the vocabulary. (A completion longer than
-    sampling.max_tokens, ids outside the vocabulary: per-rollout rejections, orchestrator/checks.py.)"""
+def mask_bound(sampling: SamplingParams, vocab_size: int) -> tuple[int, str]:
+    """The ids one sampling-mask entry of this run may keep, and why: the run's own bound on a
+    posted rollout, checked as the body is validated (a 400 for the whole post, nothing of it kept).
+    The wire models hold the bounds that hold whatever the config (decentrl/api/wire.py); a
+    completion longer than sampling.max_tokens or ids outside the vocabulary are per-rollout
+    rejections (orchestrator/checks.py)."""
     per_token = min(sampling.top_k, vocab_size) if sampling.top_k > 0 else vocab_size
-    for index, rollout in enumerate(rollouts):
-        if rollout.sampling_mask is not None:
-            widest = max((len(entry) for entry in rollout.sampling_mask), default=0)
-            if widest > per_token:
-                return (
-                    f"rollouts.{index}.sampling_mask keeps {widest} ids for one token; this run allows at most {per_token} "
-                    f"(sampling.top_k={sampling.top_k}, vocabulary {vocab_size})"
-                )
-    return None
+    return per_token, f"sampling.top_k={sampling.top_k}, vocabulary {vocab_size}"
 
 
 async def rollouts(request: web.Request) -> web.Response:
@@ -199,9 +191,8 @@ async def rollouts(request: web.Request) -> web.Response:
             retry_after=2,
         )
     with inflight.held(name):
-        body, raw = await parse_body_with_raw(request, RolloutBatch)
-        if (problem := oversized(body.rollouts, state.sampling, state.vocab_size)) is not None:
-            raise error(web.HTTPBadRequest, f"invalid RolloutBatch: {problem}")
+        bound = mask_bound(state.sampling, state.vocab_size)
+        body, raw = await parse_body_with_raw(request, RolloutBatch, context={MASK_IDS: bound})
         first = body.rollouts[0]
         if any(r.worker_id != first.worker_id for r in body.rollouts):
             raise error(web.HTTPBadRequest, "all rollouts of one request must carry the same worker_id")

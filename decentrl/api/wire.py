@@ -18,8 +18,10 @@ from pydantic import (
     Field,
     Strict,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    field_validator,
     model_validator,
 )
 
@@ -43,6 +45,10 @@ MAX_LIST_IDS = 2**20  # ids of all the per-token lists of one rollout together
 MAX_STOP = 64  # stop strings, each at most MAX_TEXT characters
 MAX_TEXT = 1024
 MAX_SUPERSEDED = 1024  # lease ids one lease answer tells lost (orchestrator/leases.py keeps no more a holder)
+# The validation context key of a run's own bound on a sampling-mask entry, (ids, why), which the
+# orchestrator passes with a RolloutBatch (orchestrator/handlers.py): top-k keeps at most k ids a
+# token, any mask at most the vocabulary. Without it (a client validating), only MAX_VOCAB holds.
+MASK_IDS = "mask_ids"
 
 # An integer on the wire is an integer: `true` is not 1 (pydantic's lax mode would take it).
 Int = Annotated[int, Strict()]
@@ -219,6 +225,16 @@ class Rollout(Wire):
         None, max_length=MAX_SEQUENCE, description="Multi-turn episodes: per completion token 1 if the model sampled it, 0 if the "
         "environment inserted it (feedback, tool output; not trained, logprob unused). None: all 1."
     )
+
+    @field_validator("sampling_mask")
+    @classmethod
+    def _mask_within_run(cls, mask: list[list[int]] | None, info: ValidationInfo) -> list[list[int]] | None:
+        bound = (info.context or {}).get(MASK_IDS)
+        if mask is not None and bound is not None:
+            (limit, why), widest = bound, max(map(len, mask), default=0)
+            if widest > limit:
+                raise ValueError(f"keeps {widest} ids for one token; this run allows at most {limit} ({why})")
+        return mask
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> Rollout:

@@ -10,16 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.encoding import pack_sample
-from decentrl.api.wire import Lease, Rollout, SamplingParams, ScoreItem, ScorePost, ScoreResult
+from decentrl.api.wire import MASK_IDS, Lease, Rollout, RolloutBatch, SamplingParams, ScoreItem, ScorePost, ScoreResult, problems
 from decentrl.config import AdvantageConfig, HedgingConfig, RewardConfig, VerificationConfig
 from decentrl.tasks import build_task
 from orchestrator.batches import KeptBatches, build_batch
 from orchestrator.buffer import Buffer, Group, VerifyJob
 from orchestrator.checks import IngestChecks
-from orchestrator.handlers import oversized
+from orchestrator.handlers import mask_bound
 from orchestrator.integrity import Integrity
 from orchestrator.journal import NullJournal
 from orchestrator.lease_policy import MIN_RECENT, Hedges, Places
@@ -232,9 +233,13 @@ def test_a_mask_wider_than_top_k_is_named_with_the_limit(make_rollout: Any) -> N
     sampling = SamplingParams(temperature=1.0, max_tokens=8, top_k=2)
     fine: Rollout = make_rollout(lease("a"), [5, 6], sampling=sampling, sampling_mask=[[1, 2], [3]])
     wide: Rollout = make_rollout(lease("a"), [5, 6], sampling=sampling, sampling_mask=[[1, 2, 3], [3]])
-    assert oversized([fine], sampling, vocab_size=100) is None
-    problem = oversized([fine, wide], sampling, vocab_size=100)
-    assert problem is not None and problem.startswith("rollouts.1.sampling_mask keeps 3 ids") and "top_k=2" in problem
+    context = {MASK_IDS: mask_bound(sampling, vocab_size=100)}
+    RolloutBatch.model_validate({"rollouts": [fine.model_dump()]}, context=context)
+    with pytest.raises(ValidationError) as raised:
+        RolloutBatch.model_validate({"rollouts": [fine.model_dump(), wide.model_dump()]}, context=context)
+    problem = problems(raised.value)
+    assert problem.startswith("rollouts.1.sampling_mask: Value error, keeps 3 ids") and "top_k=2" in problem
+    assert mask_bound(SamplingParams(temperature=1.0, max_tokens=8), vocab_size=100)[0] == 100  # no top-k: the vocabulary
 
 
 
