@@ -13,7 +13,7 @@ Invariants:
   come again;
 - a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample gets
   a precise reason and a resend is a duplicate; after a recovery those closed before it are
-  looked up in the journal (`journaled_ids`, `closed_lease`), not held in memory;
+  looked up in the journal (`closed_lease`; their rollout ids: RunState.ingest), not held in memory;
 - deterministic runs (docs/reproducibility.md): a lease is a place in the consumption order
   (`Lease.index`), which fixes its prompt and the version it is sampled under; a place closed
   without training is leased again, lowest first, so no place is ever skipped;
@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
-from decentrl.api.encoding import Packed, pack_sample
+from decentrl.api.encoding import Packed
 from decentrl.api.wire import MAX_SUPERSEDED, Lease, LeaseState, Rollout
 from decentrl.config import RunConfig
 from decentrl.rl.determinism import required_version
@@ -220,17 +220,6 @@ class LeaseBook:
             self.close(lease_id, "expired", requeue="back", reason="lease_expired")
         return len(overdue)
 
-    def add_sample(self, rollout: Rollout, packed: Packed | None) -> OpenLease:
-        """Keep an accepted sample with its open lease, its completion ids and logprobs as typed
-        arrays: `packed` as they came, or packed now."""
-        self.seen_rollout_ids[rollout.rollout_id] = rollout.lease_id
-        open_lease = self.open[rollout.lease_id]
-        # Equal to the lease's prompt (checked): share that list instead of keeping a copy.
-        rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids
-        open_lease.samples.append(rollout)
-        open_lease.packed.append(packed or pack_sample(rollout.completion_token_ids, rollout.logprobs))
-        return open_lease
-
     # -- the one close path -----------------------------------------------------------------
 
     def close(
@@ -309,12 +298,6 @@ class LeaseBook:
         return True
 
     # -- a holder's requests ----------------------------------------------------------------
-
-    def journaled_ids(self, rollout_ids: list[str]) -> set[str]:
-        """Those of `rollout_ids` acknowledged before a recovery and not held in memory."""
-        if not self.journaled:
-            return set()
-        return self.journal.acknowledged([i for i in rollout_ids if i not in self.seen_rollout_ids])
 
     def closed_lease(self, lease_id: str) -> ClosedLease | None:
         """A closed lease still remembered: in memory, or (recovered) in the journal."""

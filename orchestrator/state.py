@@ -69,7 +69,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from decentrl.api.encoding import Packed
+from decentrl.api.encoding import Packed, pack_sample
 from decentrl.api.wire import (
     IngestResponse,
     Lease,
@@ -288,11 +288,15 @@ class RunState(RunView):
         """
         self.expire_leases()
         accepted, duplicates, rejected = 0, 0, []
-        journaled = self.lease_book.journaled_ids([rollout.rollout_id for rollout in rollouts])
+        seen = self.lease_book.seen_rollout_ids
+        journaled = (  # after a recovery: ids acknowledged before it, which memory does not hold
+            self.journal.acknowledged([r.rollout_id for r in rollouts if r.rollout_id not in seen])
+            if self.lease_book.journaled else set()
+        )
         for index, rollout in enumerate(rollouts):
             rollout_id, lease_id = rollout.rollout_id, rollout.lease_id
             # 1. dedupe
-            if rollout_id in self.lease_book.seen_rollout_ids or rollout_id in journaled or self.lease_policy.lost(rollout, holder):
+            if rollout_id in seen or rollout_id in journaled or self.lease_policy.lost(rollout, holder):
                 duplicates += 1
                 continue
             # 2. check, then verification's word (orchestrator/integrity.py `admit`)
@@ -311,8 +315,14 @@ class RunState(RunView):
                     self.counters.stale_dropped += 1  # this sample; the close counted those it held
                     self.counters.stale_since_batch.add([len(rollout.completion_token_ids)], None)
                 continue
-            # 3. record (packed: None when the body was JSON, packed as it is kept)
-            open_lease = self.lease_book.add_sample(rollout, packed[index] if packed is not None else None)
+            # 3. record: the sample joins its open lease, its completion ids and logprobs as typed
+            # arrays (as a msgpack body carried them, or packed now), and the journal records it
+            assert open_lease is not None  # the checks refuse a sample without one
+            seen[rollout_id] = lease_id
+            rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids  # equal (checked): shared
+            open_lease.samples.append(rollout)
+            came = packed[index] if packed is not None else None
+            open_lease.packed.append(came or pack_sample(rollout.completion_token_ids, rollout.logprobs))
             if check:
                 open_lease.check.append(len(open_lease.samples) - 1)
             self.journal.record(RolloutAccepted(rollout, open_lease.packed[-1]))

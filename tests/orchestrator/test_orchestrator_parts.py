@@ -141,7 +141,7 @@ def test_an_overdue_lease_expires_its_prompt_goes_out_first_and_its_drop_is_repo
 ) -> None:
     book, dropped = lease_table
     (first,) = book.grant(HOLDER, 1)
-    book.add_sample(make_rollout(first, [5, 6]), ([], []))  # type: ignore[arg-type]
+    book.open[first.lease_id].samples.append(make_rollout(first, [5, 6]))
     clock.advance(5.0)
     book.renew(first.lease_id, HOLDER)
     clock.advance(9.0)
