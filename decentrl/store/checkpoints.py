@@ -46,11 +46,13 @@ from decentrl.config import StoreConfig
 from decentrl.store import signing
 from decentrl.store.cache import (
     CHUNK,
+    NO_RANGE_COPY,
     NotRegularFile,
     VerifiedFiles,
     cached_manifest,
     check_cached_file,
     copy_hashing,
+    copy_range_hashing,
     dir_bytes,
     hash_regular,
     is_real_dir,
@@ -68,6 +70,7 @@ from decentrl.store.manifest import (  # noqa: F401 - re-exported
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     DeltaFile,
+    Hasher,
     Manifest,
     ManifestFile,
     SignatureError,
@@ -605,6 +608,12 @@ class CheckpointStore:
                         return have, digest.hexdigest(), os.fstat(f.fileno())
         except FileNotFoundError:
             pass
+        if isinstance(self.fs, LocalFileSystem) and hasattr(os, "copy_file_range"):
+            copied = self._copy_local(remote, local_path, digest, have, limit)
+            if copied is not None:
+                return copied
+            remove_path(local_path)  # the kernel cannot copy between these files: stream it all
+            digest, have = new_hasher(algorithm), 0
         with (
             self.fs.open(remote, "rb", block_size=_read_block(expected_size, have)) as src,
             open_regular(local_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as dst,
@@ -613,6 +622,27 @@ class CheckpointStore:
                 src.seek(have)
             size, hexdigest = copy_hashing(src, dst, digest, have, limit=limit)
             return size, hexdigest, os.fstat(dst.fileno())
+
+    def _copy_local(
+        self, remote: str, local_path: str, digest: Hasher, have: int, limit: int
+    ) -> tuple[int, str, os.stat_result] | None:
+        """A local store's file appended to `local_path` by the kernel, hashing what lands
+        (`copy_range_hashing`): (size, digest, stat), as `_fetch_resuming` returns them; None where
+        the store's file is not a regular file or the kernel cannot copy between the two."""
+        src = os.open(self.fs._strip_protocol(remote), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(src).st_mode):
+                return None
+            with open_regular(local_path, os.O_RDWR | os.O_CREAT) as dst:
+                try:
+                    size = copy_range_hashing(src, dst.fileno(), digest, have, limit)
+                except OSError as exc:
+                    if exc.errno in NO_RANGE_COPY:
+                        return None
+                    raise
+                return size, digest.hexdigest(), os.fstat(dst.fileno())
+        finally:
+            os.close(src)
 
     def evict(self, cache_dir: str, keep: int) -> list[int]:
         """Delete the oldest cached versions (never `keep`, nor the base version it is an adapter

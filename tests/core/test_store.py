@@ -165,7 +165,8 @@ def test_missing_file_fails_pull_and_verify(
 def test_pull_retries_a_transient_mismatch(
     store: CheckpointStore, make_ckpt: MakeCkpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store.link_local = False  # the rewrite is staged in fs.open, which a hard link does not call
+    store.link_local = False  # the rewrite is staged in fs.open, which a hard link does not call,
+    monkeypatch.delattr(os, "copy_file_range", raising=False)  # nor a local store's kernel copy
     src = make_ckpt("a")
     store.publish(1, str(src))
     good = store.fs.cat_file(remote(store, 1, "model.safetensors"))

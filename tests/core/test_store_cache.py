@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
 from typing import BinaryIO
 
+import blake3
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -23,10 +25,48 @@ def no_retry_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> CheckpointStore:
-    # Copying pulls, as from a remote store: the faults below are staged in fs.open, which the
-    # zero-copy pull of a local store (a hard link, tests/core/test_store.py) never calls.
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CheckpointStore:
+    # Streaming pulls, as from a remote store: the faults below are staged in fs.open, which a
+    # local store's pull never calls (a hard link, tests/core/test_store.py, or a kernel copy,
+    # below); without copy_file_range (as on macOS) a local store's copies stream too.
+    monkeypatch.delattr(os, "copy_file_range", raising=False)
     return CheckpointStore(str(tmp_path / "store"), link_local=False)
+
+
+def test_a_kernel_copy_resumes_where_the_copy_stopped_and_hashes_what_landed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cache_mod, "RANGE_CHUNK", 64 * 1024 + 3)  # many chunks, unaligned offsets
+    data = os.urandom(SIZE)
+    (tmp_path / "src").write_bytes(data)
+    have = 100_001  # a partial copy kept from an interrupted pull, already hashed
+    (tmp_path / "dst").write_bytes(data[:have])
+    digest = blake3.blake3()
+    digest.update(data[:have])
+    src, dst = os.open(tmp_path / "src", os.O_RDONLY), os.open(tmp_path / "dst", os.O_RDWR)
+    try:
+        size = cache_mod.copy_range_hashing(src, dst, digest, have, limit=SIZE + 1)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert size == SIZE and (tmp_path / "dst").read_bytes() == data
+    assert digest.hexdigest() == blake3.blake3(data).hexdigest()
+
+
+def test_a_local_store_the_kernel_cannot_copy_from_is_streamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = CheckpointStore(str(tmp_path / "store"), link_local=False)
+    src = make_ckpt(tmp_path, "a")
+    store.publish(1, str(src))
+    tried: list[int] = []
+
+    def across_filesystems(*args: object) -> int:
+        tried.append(1)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", across_filesystems)
+    out = Path(store.pull(1, str(tmp_path / "cache")))
+    assert tried  # it tried the kernel first
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
 
 def make_ckpt(root: Path, name: str, size: int = SIZE) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -191,20 +192,28 @@ def test_the_cache_never_follows_a_symlink_it_did_not_make(tmp_path: Path) -> No
     assert (foreign / "model.safetensors").read_bytes() == b"forged"
 
 
-def test_a_download_stops_at_the_declared_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("copy", ["kernel", "stream"])
+def test_a_download_stops_at_the_declared_size(copy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("decentrl.store.checkpoints._RETRY_DELAYS", (0.0, 0.0))
+    if copy == "stream":  # a local store where the kernel cannot copy streams through fs.open
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
     store = CheckpointStore(str(tmp_path / "store"), link_local=False)
     store.publish(1, str(make_ckpt(tmp_path, "a", size=4096)))
     (tmp_path / "store" / "v000001" / "model.safetensors").write_bytes(os.urandom(26 * 1024 * 1024))
     read: list[int] = []
-    real = cache_mod.copy_hashing
 
-    def counting(*args: object, **kwargs: object) -> tuple[int, str]:
-        size, digest = real(*args, **kwargs)  # type: ignore[arg-type]
-        read.append(size)
-        return size, digest
+    def counting(name: str) -> Callable[..., object]:
+        real = getattr(cache_mod, name)
 
-    monkeypatch.setattr("decentrl.store.checkpoints.copy_hashing", counting)
+        def count(*args: object, **kwargs: object) -> object:
+            result = real(*args, **kwargs)
+            read.append(result if isinstance(result, int) else result[0])
+            return result
+
+        return count
+
+    monkeypatch.setattr("decentrl.store.checkpoints.copy_hashing", counting("copy_hashing"))
+    monkeypatch.setattr("decentrl.store.checkpoints.copy_range_hashing", counting("copy_range_hashing"))
     with pytest.raises(VerificationError, match="size mismatch \\(expected 4096, got more than 4096\\)"):
         store.pull(1, str(tmp_path / "cache"))
     assert read and max(read) == 4097  # each of the 3 attempts read one byte past the declared size
