@@ -41,6 +41,9 @@ from orchestrator.auth import add_token
 
 console = Console(soft_wrap=True)
 PR_SET_PDEATHSIG = 1
+# The progress line's rollouts/s: accepted over the last minute. A worker of a real model posts
+# a request's groups at once, every 20 s or so on a CPU, so a short window mostly reads 0.
+RATE_WINDOW_S = 60.0
 
 
 @dataclass
@@ -328,7 +331,7 @@ def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token:
     """Poll roles, status and metrics once a second; a live table on a terminal, else a line a step."""
     started = time.monotonic()
     metrics_path = run_dir / "metrics.jsonl"
-    samples: list[tuple[float, int]] = []  # (time, rollouts accepted) for a moving rate
+    samples: list[tuple[float, int]] = []  # (time, rollouts accepted) over the last RATE_WINDOW_S
     trainer = next(role for role in roles if role.name == "trainer")
     live = Live(console=console, refresh_per_second=2) if console.is_terminal else None
     printed, exited = 0, set[str]()
@@ -338,7 +341,7 @@ def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token:
             status = _get_json(f"{url}/v1/status", token)
             now = time.monotonic()
             if status is not None:
-                samples = [s for s in samples if now - s[0] < 10] + [(now, int(status["rollouts_accepted"]))]
+                samples = [s for s in samples if now - s[0] < RATE_WINDOW_S] + [(now, int(status["rollouts_accepted"]))]
             rate = (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0]) if len(samples) > 1 else 0.0
             metrics = _read_metrics(metrics_path)
             if live is not None:
