@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from decentrl.api.wire import Lease, Rollout
 from decentrl.config import HedgingConfig, RunConfig
+from orchestrator.codec import content_hash
 from orchestrator.counters import Counters
-from orchestrator.integrity import content_hash
 from orchestrator.leases import LeaseBook, OpenLease
 
 log = logging.getLogger("decentrl.orchestrator.hedges")
