@@ -117,8 +117,7 @@ class Simulation:
     buffer: list[int] = field(default_factory=list)  # free-running: versions of complete groups, in order
     cursor: int = 0  # deterministic: places leased at least once
     filled: set[int] = field(default_factory=set)  # complete places not yet trained on
-    open_places: dict[int, list[str]] = field(default_factory=dict)  # place -> lease ids in flight
-    opened: dict[str, OpenLease] = field(default_factory=dict)  # lease id -> its OpenLease (for Hedges)
+    open_places: dict[int, dict[str, OpenLease]] = field(default_factory=dict)  # place -> its leases in flight (for Hedges)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -150,10 +149,7 @@ class Simulation:
         return lease_budget(self.published, s.max_staleness, s.groups_per_step, self.committed())
 
     def places(self) -> Places:
-        return Places(
-            open=self.open_places, leases=self.opened, head=self.served,
-            cursor=self.cursor, requeued=(),
-        )
+        return Places(open=self.open_places, head=self.served, cursor=self.cursor, requeued=())
 
     def start(self, slot: int, place: int | None, version: int) -> None:
         lease_id = f"l{next(self.ids)}"
@@ -161,9 +157,8 @@ class Simulation:
         copy = Copy(slot, self.holder(slot), place, version, self.now, lease_id)
         self.flight[lease_id] = copy
         if place is not None:
-            self.open_places.setdefault(place, []).append(lease_id)
             lease = Lease(lease_id=lease_id, prompt_id=place, prompt_token_ids=[0], group_size=1, deadline=0.0)
-            self.opened[lease_id] = OpenLease(lease=lease, holder=copy.holder, granted_at=self.now)
+            self.open_places.setdefault(place, {})[lease_id] = OpenLease(lease=lease, holder=copy.holder, granted_at=self.now)
         self.push(self.now + self.lease_time(), "done", lease_id)
 
     def dispatch(self) -> None:
@@ -173,7 +168,7 @@ class Simulation:
         self.free_slots = []
         for slot in waiting:
             if self.hedges is not None and (picked := self.hedges.pick(self.holder(slot), 1, self.places())):
-                self.start(slot, picked[0], self.flight[self.open_places[picked[0]][0]].version)
+                self.start(slot, picked[0], self.flight[next(iter(self.open_places[picked[0]]))].version)
             elif self.budget() > 0:
                 if self.deterministic:
                     place = self.cursor
@@ -199,13 +194,12 @@ class Simulation:
         if copy.place is None:
             self.buffer.append(copy.version)
             return
-        if lease_id not in self.opened:  # a loser that kept its slot to the end of its delay
+        if lease_id not in self.open_places.get(copy.place, {}):  # a loser that kept its slot to the end of its delay
             return
         self.filled.add(copy.place)
         if self.hedges is not None:
             self.hedges.completed(self.now - copy.granted_at)
         for other in self.open_places.pop(copy.place):  # this copy and the losers: superseded
-            self.opened.pop(other)
             if self.abandon and other != lease_id:
                 loser = self.flight.pop(other)
                 self.free_slots.append(loser.slot)

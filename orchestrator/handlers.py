@@ -112,11 +112,11 @@ async def leases(request: web.Request) -> web.Response:
     # groups, so a worker's slots start the moment the staleness budget allows and do not poll;
     # in a hedged deterministic run, at most until a lagging place falls due for a copy, or
     # until one of the worker's copies loses (told at once, so that it stops generating it).
-    freed, book = request.app[LEASES_FREED], state.lease_book
+    freed, policy = request.app[LEASES_FREED], state.lease_policy
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     async with freed:
-        while not (granted := state.grant_leases(holder, body.max_groups)) and holder not in book.untold:
+        while not (granted := state.grant_leases(holder, body.max_groups)) and holder not in policy.untold:
             remaining = deadline - loop.time()
             if remaining <= 0 or request.app[STOPPING].is_set():
                 break
@@ -202,7 +202,7 @@ async def rollouts(request: web.Request) -> web.Response:
                 f"this orchestrator serves run {state.config.run_name!r}; rollouts name run "
                 f"{next(r.run_name for r in body.rollouts if r.run_name != state.config.run_name)!r}",
             )
-        ready_before, superseded_before = len(state.ready), state.lease_book.superseded
+        ready_before, superseded_before = len(state.ready), state.lease_policy.superseded
         packed = packed_arrays(raw) if raw is not None else None
         result = state.ingest(body.rollouts, holder_of(request, first.worker_id), packed=packed)
         await commit(app)
@@ -217,7 +217,7 @@ async def rollouts(request: web.Request) -> web.Response:
     wake_checks(app)  # a completed group may be held back for its check
     if len(state.ready) > ready_before:
         await notify_all(app[BATCH_READY])
-    if result.rejected or state.lease_book.superseded > superseded_before:
+    if result.rejected or state.lease_policy.superseded > superseded_before:
         # A rejected sample may have dropped its group, freeing its place; a completed group's
         # losing copies are to be told to their holders' waiting long-polls.
         await notify_all(app[LEASES_FREED])

@@ -1,17 +1,19 @@
 """The lease policy, chosen once at start-up: free-running, or deterministic.
 
-RunState (orchestrator/state.py) asks its policy at four points and reads as if there were one
-kind of run: `copies(holder, count)` when a worker asks for leases (hedges of lagging places,
-before any new place); `due_in(holder)` from the lease long-poll (how long an idle worker may
-sleep before a copy falls due for it); `lost(rollout, holder)` at the dedupe stage of ingest (a
-sample of a copy that lost its place: a duplicate, compared with the winner's); `filled(winner)`
-when a group completes (its other copies close as superseded).
+The lease book (orchestrator/leases.py) asks it what a new lease is of and tells it of every
+lease held, closed and forgotten (`LeasePolicy`, its one seam). RunState (orchestrator/state.py)
+asks it for `copies` to grant first (hedges) and `due_in` (how long a lease long-poll may sleep),
+whether a posted sample is `lost` (of a copy that lost its place: a duplicate), which copies a
+`filled` place supersedes, and what to `tell` a holder; it applies the counts returned.
 
-A free-running run has none of this. A deterministic run (docs/reproducibility.md) leases numbered
-places, each with a fixed prompt, version and per-sample seeds, so every copy of a place is the
-same group bit for bit on one machine type; a difference is counted (`hedge_mismatches`) and
-logged, not a strike: other hardware rounds differently. The copies are leases like any other
-(orchestrator/leases.py `copy`, `supersede`, `tell`).
+A free-running run has none of this: prompts go out in the prompt queue's order, one lease each.
+A deterministic run (docs/reproducibility.md) leases numbered places (`Lease.index`), each with
+a fixed prompt, version and per-sample seeds, so every copy of a place is the same group bit for
+bit on one machine type; a difference is counted (`hedge_mismatches`) and logged, not a strike:
+other hardware rounds differently. A place closed without training goes back in line, lowest
+first, once its last copy closes, so no place is skipped; the lease budget counts places, not
+copies. A losing copy is remembered for its holder (`untold`) until its next lease answer tells
+it: in memory only, at most MAX_SUPERSEDED a holder, no longer than the closed lease itself.
 
 Hedging (`[orchestrator.hedging]`, decentrl/config/orchestrator.py):
 - only places of the next `batches` batches the trainer takes (from groups_consumed);
@@ -23,30 +25,33 @@ Hedging (`[orchestrator.hedging]`, decentrl/config/orchestrator.py):
 
 from __future__ import annotations
 
+import bisect
 import logging
 import statistics
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from decentrl.api.wire import Lease, Rollout
+from decentrl.api.wire import MAX_SUPERSEDED, Lease, Rollout
 from decentrl.config import HedgingConfig, RunConfig
+from decentrl.rl.determinism import required_version
 from orchestrator.codec import content_hash
-from orchestrator.counters import Counters
-from orchestrator.leases import LeaseBook, OpenLease
+from orchestrator.leases import ClosedLease, OpenLease, PromptQueue, Requeue
 
 log = logging.getLogger("decentrl.orchestrator.hedges")
 
 RECENT = 256  # complete groups whose lease times make the wait
 MIN_RECENT = 8  # fewer complete groups than this: no wait yet, only the last place is hedged
+# A place closed with one of these is leased again (a superseded place was filled by another
+# copy; a skipped one was consumed by a step).
+REFILLED: frozenset[str] = frozenset({"expired", "released", "dropped"})
 
 
 @dataclass(frozen=True)
 class Places:
     """Where the run's places stand, as hedging reads them."""
 
-    open: Mapping[int, list[str]]  # place -> its open leases (LeaseBook.places)
-    leases: Mapping[str, OpenLease]  # lease id -> open lease (LeaseBook.open)
+    open: Mapping[int, Mapping[str, OpenLease]]  # place -> its open leases (copies) by id
     head: int  # the next place the trainer takes (groups consumed)
     cursor: int  # places below it have been leased at least once
     requeued: Collection[int]  # places waiting to be leased again
@@ -77,7 +82,7 @@ class Hedges:
         )
         due = []
         for index in hedged:
-            copies = [places.leases[lease_id] for lease_id in places.open[index]]
+            copies = places.open[index].values()
             if len(copies) >= self.config.max_copies or any(copy.holder == holder for copy in copies):
                 continue
             if last and index < end:
@@ -114,83 +119,170 @@ def hedge_wait(times: list[float], after: float) -> float | None:
 
 
 class FreeRunning:
-    """Prompts leased in any order, one lease each: nothing to copy, nothing lost."""
+    """Prompts leased in the prompt queue's order, one lease each: nothing to copy, nothing lost."""
 
     hedges = None
+    superseded = 0
 
-    def copies(self, holder: str, count: int) -> list[Lease]:
+    def __init__(self, *, prompts: PromptQueue) -> None:
+        self.prompts = prompts
+        self.untold: dict[str, dict[str, None]] = {}  # never told anything
+
+    def next(self) -> tuple[int, None, None]:
+        return self.prompts.next_id(), None, None
+
+    def leased(self, open_leases: int) -> int:
+        return open_leases
+
+    def held(self, open_lease: OpenLease) -> None:
+        pass
+
+    def closed(self, closed: ClosedLease, requeue: Requeue | None) -> None:
+        if requeue is not None:
+            self.prompts.requeue(closed.lease.prompt_id, requeue)
+
+    def forgotten(self, closed: ClosedLease) -> None:
+        pass
+
+    def copies(self, holder: str, count: int, head: int) -> list[Lease]:
         return []
 
-    def due_in(self, holder: str | None) -> float | None:
+    def due_in(self, holder: str | None, head: int) -> float | None:
         return None
 
-    def lost(self, rollout: Rollout, holder: str) -> bool:
-        return False
+    def lost(self, rollout: Rollout, holder: str, closed_lease: Callable[[str], ClosedLease | None]) -> int | None:
+        return None
 
-    def filled(self, winner: OpenLease) -> None:
-        pass
+    def filled(self, winner: OpenLease) -> tuple[list[str], int]:
+        return [], 0
+
+    def tell(self, holder: str) -> list[str]:
+        return []
 
 
 class Deterministic:
     """Numbered places, each filled by the first of its copies to complete; hedged when enabled."""
 
-    def __init__(self, *, config: RunConfig, lease_book: LeaseBook, counters: Counters, clock: Callable[[], float]) -> None:
-        self.lease_book = lease_book
-        self.counters = counters
+    def __init__(self, *, config: RunConfig, prompts: PromptQueue, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.prompts = prompts  # its order numbers the places; `requeued` holds places, lowest first
         self.clock = clock
         hedging = config.orchestrator.hedging
         self.hedges = (
             Hedges(config=hedging, groups_per_step=config.places_per_step, clock=clock) if hedging.enabled else None
         )
+        self.places: dict[int, dict[str, OpenLease]] = {}  # place -> its open leases (copies) by id, oldest first
+        # A superseded lease -> the content hashes of the copy that filled its place, by sample
+        # index, for `hedge_mismatches` (not journaled).
+        self.winners: dict[str, list[bytes]] = {}
+        # Holder -> its superseded leases it has not been told of yet, oldest first (an ordered set).
+        self.untold: dict[str, dict[str, None]] = {}
+        self.superseded = 0  # copies closed as superseded since the start: the lease long-poll wakes on more
 
-    def copies(self, holder: str, count: int) -> list[Lease]:
+    # -- the lease book's seam (orchestrator/leases.py `LeasePolicy`) ----------------------------
+
+    def next(self) -> tuple[int, int, int]:
+        """The next place (the lowest to lease again first), its prompt and its version: the budget
+        guarantees that version is published, so a worker asking early is held back, not leased."""
+        queue = self.prompts
+        index = queue.requeued.popleft() if queue.requeued else queue.next_index()
+        version = required_version(index, groups_per_step=self.config.places_per_step, max_staleness=self.config.max_staleness)
+        return queue.prompt_at(index), index, version
+
+    def leased(self, open_leases: int) -> int:
+        return len(self.places)  # copies of a place count once
+
+    def held(self, open_lease: OpenLease) -> None:
+        self.places.setdefault(self._place(open_lease.lease), {})[open_lease.lease.lease_id] = open_lease
+
+    def closed(self, closed: ClosedLease, requeue: Requeue | None) -> None:
+        """A place goes back in line once its last open copy closes without training (whatever
+        the caller's `requeue`: places go out lowest first)."""
+        index = self._place(closed.lease)
+        copies = self.places.get(index, {})
+        copies.pop(closed.lease.lease_id, None)
+        if copies:
+            return
+        self.places.pop(index, None)
+        if closed.status in REFILLED:
+            bisect.insort(self.prompts.requeued, index)
+
+    def forgotten(self, closed: ClosedLease) -> None:
+        self.winners.pop(closed.lease.lease_id, None)
+        self._told_needless(closed.lease.lease_id, closed.holder)
+
+    @staticmethod
+    def _place(lease: Lease) -> int:
+        assert lease.index is not None, "a deterministic run's leases are numbered places"
+        return lease.index
+
+    # -- what RunState asks -------------------------------------------------------------------
+
+    def copies(self, holder: str, count: int, head: int) -> list[Lease]:
+        """Up to `count` places due a copy for `holder` (`head`: the groups consumed): the lease of
+        each to grant it again, the same group bit for bit."""
         if self.hedges is None:
             return []
-        copies = [self.lease_book.copy(index, holder) for index in self.hedges.pick(holder, count, self._places())]
-        self.counters.hedged_leases += len(copies)
-        return copies
+        return [next(iter(self.places[index].values())).lease for index in self.hedges.pick(holder, count, self._view(head))]
 
-    def due_in(self, holder: str | None) -> float | None:
-        return self.hedges.due_in(holder, self._places()) if self.hedges is not None else None
+    def due_in(self, holder: str | None, head: int) -> float | None:
+        return self.hedges.due_in(holder, self._view(head)) if self.hedges is not None else None
 
-    def _places(self) -> Places:
-        book = self.lease_book
-        return Places(
-            open=book.places, leases=book.open, head=self.counters.groups_consumed, cursor=book.prompts.cursor,
-            requeued=book.prompts.requeued,
-        )
+    def _view(self, head: int) -> Places:
+        return Places(open=self.places, head=head, cursor=self.prompts.cursor, requeued=self.prompts.requeued)
 
-    def filled(self, winner: OpenLease) -> None:
-        """The winner's place is complete; its other copies lose, their samples compared with the winner's."""
+    def filled(self, winner: OpenLease) -> tuple[list[str], int]:
+        """The winner's place is complete: its other open copies lose (for RunState to close as
+        superseded, their holders to be told), and how many of the samples they hold differ from
+        the winner's."""
         if self.hedges is not None:
             self.hedges.completed(self.clock() - winner.granted_at)
-        index = winner.lease.index
-        assert index is not None, "a deterministic run's leases are numbered places"
-        copies = self.lease_book.places.get(index)
-        if not copies:
-            return
+        losers = list(self.places.get(self._place(winner.lease), {}).values())
+        if not losers:
+            return [], 0
         hashes = [content_hash(sample) for sample in sorted(winner.samples, key=lambda sample: sample.sample_index or 0)]
-        for lease_id in copies:
-            for sample in self.lease_book.open[lease_id].samples:
-                self._compare(sample, hashes)
-        self.lease_book.supersede(index, hashes)
+        mismatches = sum(self._differs(sample, hashes) for loser in losers for sample in loser.samples)
+        for loser in losers:
+            lease_id = loser.lease.lease_id
+            self.winners[lease_id] = hashes
+            lost = self.untold.setdefault(loser.holder, {})
+            lost[lease_id] = None
+            if len(lost) > MAX_SUPERSEDED:  # a holder that never asks again: its oldest news goes
+                del lost[next(iter(lost))]
+        self.superseded += len(losers)
+        return [loser.lease.lease_id for loser in losers], mismatches
 
-    def lost(self, rollout: Rollout, holder: str) -> bool:
-        """Whether `rollout` belongs to `holder`'s copy that lost its place (a duplicate, counted)."""
-        if not self.lease_book.lost_copy(rollout.lease_id, holder):
-            return False
-        self.counters.hedge_duplicates += 1
-        self._compare(rollout, self.lease_book.winners.get(rollout.lease_id))
-        return True
+    def lost(self, rollout: Rollout, holder: str, closed_lease: Callable[[str], ClosedLease | None]) -> int | None:
+        """None unless `rollout` is of `holder`'s copy that lost its place (a duplicate, never a
+        strike; `closed_lease` looks its lease up); else 1 if it differs from the winner's sample of
+        its index, 0 if not. Posting it, its holder has finished it: it is not told of it."""
+        closed = closed_lease(rollout.lease_id)
+        if closed is None or closed.status != "superseded" or closed.holder != holder:
+            return None
+        self._told_needless(rollout.lease_id, holder)
+        return self._differs(rollout, self.winners.get(rollout.lease_id))
 
-    def _compare(self, sample: Rollout, winner: list[bytes] | None) -> None:
-        """A sample of a losing copy against the winner's sample of the same index (the winner is
-        forgotten after a restart)."""
+    def tell(self, holder: str) -> list[str]:
+        """The superseded leases of `holder` not told yet, for its lease answer (told once)."""
+        return list(self.untold.pop(holder, None) or ())
+
+    def _told_needless(self, lease_id: str, holder: str) -> None:
+        """`holder` no longer holds `lease_id` (it posted it, or the lease is forgotten)."""
+        lost = self.untold.get(holder)
+        if lost is not None:
+            lost.pop(lease_id, None)
+            if not lost:
+                del self.untold[holder]
+
+    def _differs(self, sample: Rollout, winner: list[bytes] | None) -> bool:
+        """Whether a sample of a losing copy differs from the winner's sample of the same index
+        (the winner is forgotten after a restart)."""
         if winner is None or sample.sample_index is None or sample.sample_index >= len(winner):
-            return
-        if content_hash(sample) != winner[sample.sample_index]:
-            self.counters.hedge_mismatches += 1
-            log.warning(
-                "hedge: sample %d of lease %s (%s) differs from the copy that filled its place",
-                sample.sample_index, sample.lease_id, sample.worker_id,
-            )
+            return False
+        if content_hash(sample) == winner[sample.sample_index]:
+            return False
+        log.warning(
+            "hedge: sample %d of lease %s (%s) differs from the copy that filled its place",
+            sample.sample_index, sample.lease_id, sample.worker_id,
+        )
+        return True

@@ -1,45 +1,37 @@
-"""Prompt leases: which prompt goes out next, the open leases, the one way a lease closes, and the
-closed leases remembered for late samples and resends.
+"""Prompt leases: the open leases, the one way a lease closes, and the closed leases remembered
+for late samples and resends.
 
 RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its public methods; what
 a lease closed without training means for the counters and for integrity, it applies (`on_dropped`).
+Which prompt a new lease is of, and what a lease held, closed or forgotten means for the order
+prompts go out in, the lease policy decides (orchestrator/lease_policy.py, chosen once at
+start-up): the book's one seam to it is `LeasePolicy`.
 Invariants:
 - a lease is one group: `group_size` samples of one prompt, all answered by its holder; an
   overdue lease expires, its prompt is leased again first and a late sample gets `lease_expired`;
-- no more leases are open than can be consumed without going stale (`lease_budget`), nor than
-  the buffer bound allows (`orchestrator.max_buffer_groups`);
-- every status change of a lease goes through `LeaseBook.close`: it journals the change and hands
-  a lease closed without training (`UNTRAINED`) to `on_dropped`, whose content may then honestly
-  come again;
+- no more leases are open than can be consumed without going stale (`lease_budget`, over what
+  the policy counts of them), nor than the buffer bound allows (`orchestrator.max_buffer_groups`);
+- every status change of a lease goes through `LeaseBook.close`: it journals the change, tells the
+  policy, and hands a lease closed without training (`UNTRAINED`) to `on_dropped`, whose content
+  may then honestly come again;
 - a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample gets
   a precise reason and a resend is a duplicate; after a recovery those closed before it are
-  looked up in the journal (`closed_lease`; their rollout ids: RunState.ingest), not held in memory;
-- deterministic runs (docs/reproducibility.md): a lease is a place in the consumption order
-  (`Lease.index`), which fixes its prompt and the version it is sampled under; a place closed
-  without training is leased again, lowest first, so no place is ever skipped;
-- hedging (orchestrator/lease_policy.py): a place may have up to `hedging.max_copies` open leases
-  (`places`), each the same group bit for bit; the budget counts places, not copies; the first
-  copy to complete fills the place and the others close as `superseded`; a place goes back in
-  line only when its last copy closes without training. A losing copy is remembered for its
-  holder (`untold`) until its next lease answer tells it (`tell`): in memory only, at most
-  MAX_SUPERSEDED a holder, no longer than the closed lease itself.
+  looked up in the journal (`closed_lease`; their rollout ids: RunState.ingest), not held in memory.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
 import random
 import uuid
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from decentrl.api.encoding import Packed
-from decentrl.api.wire import MAX_SUPERSEDED, Lease, LeaseState, Rollout
+from decentrl.api.wire import Lease, LeaseState, Rollout
 from decentrl.config import RunConfig
-from decentrl.rl.determinism import required_version
 from decentrl.rl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
@@ -52,9 +44,6 @@ Requeue = Literal["back", "front"]
 
 # A lease closed with one of these did not train: its samples are dropped.
 UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "superseded", "skipped"})
-# Deterministic runs: a place closed with one of these is leased again (a superseded place was
-# filled by another copy; a skipped one was consumed by a step).
-REFILLED: frozenset[str] = frozenset({"expired", "released", "dropped"})
 PROMPT_CACHE = 4096  # prompts whose token ids are kept (prompts come back each epoch)
 
 
@@ -62,7 +51,7 @@ PROMPT_CACHE = 4096  # prompts whose token ids are kept (prompts come back each 
 class OpenLease:
     lease: Lease
     holder: str  # token name + worker id: only the holder may answer
-    granted_at: float = 0.0  # when granted (a recovered lease: when recovered), for hedging
+    granted_at: float = 0.0  # when granted (a recovered lease: when recovered), for the lease policy
     samples: list[Rollout] = field(default_factory=list)
     packed: list[Packed] = field(default_factory=list)  # per sample: completion ids and logprobs, packed
     check: list[int] = field(default_factory=list)  # samples whose logprobs are to be recomputed
@@ -79,17 +68,14 @@ class OpenLease:
 class PromptQueue:
     """The order prompts are leased in: a seeded shuffle of the task's pool, cycled, with the
     prompts of leases that closed unanswered going out first; and each prompt's token ids, as
-    `render` makes them (decentrl/tasks/prompts.py). A deterministic run leases places of the
-    consumption order instead (`next_index`), and `requeued` holds places, lowest first."""
+    `render` makes them (decentrl/tasks/prompts.py). A deterministic run leases the positions of
+    this order (places) instead, and `requeued` holds places (orchestrator/lease_policy.py)."""
 
-    def __init__(
-        self, *, task: Task | EpisodeTask, render: PromptEncoder, seed: int, deterministic: bool = False
-    ) -> None:
-        self.deterministic = deterministic
+    def __init__(self, *, task: Task | EpisodeTask, render: PromptEncoder, seed: int) -> None:
         self.order = list(range(task.num_prompts))
         random.Random(seed).shuffle(self.order)
         self.cursor = 0
-        self.requeued: deque[int] = deque()  # prompt ids; deterministic: places, ascending
+        self.requeued: deque[int] = deque()  # prompt ids to lease again first
         self.token_ids: Callable[[int], list[int]] = functools.lru_cache(maxsize=PROMPT_CACHE)(
             lambda prompt_id: render(task.prompt(prompt_id))
         )
@@ -98,23 +84,31 @@ class PromptQueue:
         return self.requeued.popleft() if self.requeued else self.prompt_at(self.next_index())
 
     def next_index(self) -> int:
-        """Deterministic runs: the next place to lease, a requeued one first (the lowest)."""
-        if self.requeued:
-            return self.requeued.popleft()
+        """The next position of the order (the cursor moves on)."""
         self.cursor += 1
         return self.cursor - 1
 
     def prompt_at(self, index: int) -> int:
         return self.order[index % len(self.order)]
 
-    def requeue(self, item: int, where: Requeue) -> None:
-        """Lease `item` (a prompt id; deterministic: a place, kept in ascending order) again first."""
-        if self.deterministic:
-            bisect.insort(self.requeued, item)
-        elif where == "front":
-            self.requeued.appendleft(item)
+    def requeue(self, prompt_id: int, where: Requeue) -> None:
+        """Lease `prompt_id` again before the order goes on."""
+        if where == "front":
+            self.requeued.appendleft(prompt_id)
         else:
-            self.requeued.append(item)
+            self.requeued.append(prompt_id)
+
+
+class LeasePolicy(Protocol):
+    """The lease policy as the book sees it (orchestrator/lease_policy.py): what a new lease is of
+    (`next`: its prompt, and a deterministic run's place and version), what the lease budget counts
+    of the open leases, and every lease held, closed and forgotten."""
+
+    def next(self) -> tuple[int, int | None, int | None]: ...
+    def leased(self, open_leases: int) -> int: ...
+    def held(self, open_lease: OpenLease) -> None: ...
+    def closed(self, closed: ClosedLease, requeue: Requeue | None) -> None: ...
+    def forgotten(self, closed: ClosedLease) -> None: ...
 
 
 class LeaseBook:
@@ -126,6 +120,7 @@ class LeaseBook:
         journal: Journaling,
         clock: Callable[[], float],
         on_dropped: Callable[[ClosedLease, str, int], None],
+        policy: LeasePolicy,
     ) -> None:
         """`on_dropped(closed, reason, samples)`: a lease closed without training, `samples` of its
         samples to count as dropped for `reason`."""
@@ -134,18 +129,12 @@ class LeaseBook:
         self.journal = journal
         self.clock = clock
         self.on_dropped = on_dropped
+        self.policy = policy
         options = config.orchestrator
         self.open: LeaseTable[OpenLease] = LeaseTable(
             timeout_s=options.lease_timeout_s, clock=clock, what="lease", others="worker",
             missing=f"never granted, or closed more than {options.dedupe_window_s:.0f}s ago",
         )
-        self.places: dict[int, list[str]] = {}  # deterministic runs: place -> its open leases (copies), oldest first
-        # A superseded lease -> the content hashes of the copy that filled its place, by sample
-        # index, for `hedge_mismatches` (not journaled).
-        self.winners: dict[str, list[bytes]] = {}
-        # Holder -> its superseded leases it has not been told of yet, oldest first (an ordered set).
-        self.untold: dict[str, dict[str, None]] = {}
-        self.superseded = 0  # copies closed as superseded since the start: the lease long-poll wakes on more
         self.closed: dict[str, ClosedLease] = {}
         self.closed_order: deque[tuple[float, str]] = deque()  # (closed_at, lease_id), oldest first, for forgetting
         self.seen_rollout_ids: dict[str, str] = {}  # rollout id -> lease id, while its lease is remembered
@@ -161,27 +150,17 @@ class LeaseBook:
         `groups_consumed`: groups the steps so far took; `waiting`: complete groups not yet taken."""
         if published is None:
             return 0
-        leased = len(self.places) if self.prompts.deterministic else len(self.open)  # copies of a place count once
+        leased = self.policy.leased(len(self.open))
         committed = groups_consumed + waiting + leased
         budget = lease_budget(published, self.config.max_staleness, self.config.places_per_step, committed)
         room = self.config.orchestrator.max_buffer_groups - waiting - leased
         return max(0, min(budget, room))
 
     def grant(self, holder: str, count: int) -> list[Lease]:
-        """`count` leases (the caller checked `capacity`). In a deterministic run each is the next
-        place, sampled under the version that place requires; the budget guarantees that version
-        is published, so a worker asking early is held back by the budget, not given a lease."""
+        """`count` new leases (the caller checked `capacity`), each of the prompt the policy names next."""
         granted = []
         for _ in range(count):
-            index = version = None
-            if self.prompts.deterministic:
-                index = self.prompts.next_index()
-                prompt_id = self.prompts.prompt_at(index)
-                version = required_version(
-                    index, groups_per_step=self.config.places_per_step, max_staleness=self.config.max_staleness
-                )
-            else:
-                prompt_id = self.prompts.next_id()
+            prompt_id, index, version = self.policy.next()
             lease = Lease(
                 lease_id=uuid.uuid4().hex,
                 prompt_id=prompt_id,
@@ -194,11 +173,12 @@ class LeaseBook:
             granted.append(self._grant(lease, holder))
         return granted
 
-    def copy(self, index: int, holder: str) -> Lease:
-        """Deterministic runs: another lease of open place `index` for `holder` (a hedge): the
-        same prompt and version, so the same group bit for bit."""
-        first = self.open[self.places[index][0]].lease
-        return self._grant(first.model_copy(update={"lease_id": uuid.uuid4().hex, "deadline": self.open.deadline()}), holder)
+    def grant_copies(self, holder: str, leases: list[Lease]) -> list[Lease]:
+        """New leases for `holder`, each of the same group as one of `leases` (the policy's copies)."""
+        return [
+            self._grant(lease.model_copy(update={"lease_id": uuid.uuid4().hex, "deadline": self.open.deadline()}), holder)
+            for lease in leases
+        ]
 
     def _grant(self, lease: Lease, holder: str) -> Lease:
         self.hold(OpenLease(lease=lease, holder=holder))
@@ -207,11 +187,10 @@ class LeaseBook:
 
     def hold(self, open_lease: OpenLease) -> None:
         """Hold an open lease: granted now, or (recovery) one the journal holds; either way its
-        grant time, for hedging, is now (the journal keeps only the deadline)."""
+        grant time is now (the journal keeps only the deadline)."""
         open_lease.granted_at = self.clock()
         self.open.add(open_lease.lease.lease_id, open_lease)
-        if open_lease.lease.index is not None:
-            self.places.setdefault(open_lease.lease.index, []).append(open_lease.lease.lease_id)
+        self.policy.held(open_lease)
 
     def expire(self) -> int:
         """Close overdue leases and lease their prompts again. Returns how many expired."""
@@ -234,9 +213,9 @@ class LeaseBook:
         """Close an open lease, or move a closed one on (complete -> served, skipped or dropped).
 
         A lease closed without training needs the `reason` its samples are dropped for: `counted`
-        of them (default: all it holds) go to `on_dropped`. `requeue` puts an open lease's prompt
-        back in line; a deterministic run puts a `REFILLED` place back itself, once no other copy
-        of it is open. A complete group is journaled by the buffer (with its place and rewards).
+        of them (default: all it holds) go to `on_dropped`. `requeue` asks for an open lease's
+        prompt to go back in line (the policy applies it). A complete group is journaled by the
+        buffer (with its place and rewards).
         """
         now = self.clock()
         open_lease = self.open.pop(lease_id, None)
@@ -246,16 +225,7 @@ class LeaseBook:
         else:
             ids = [r.rollout_id for r in open_lease.samples]
             closed = self.closed[lease_id] = ClosedLease(open_lease.lease, open_lease.holder, status, now, len(ids), ids)
-            if closed.lease.index is not None:
-                self.places[closed.lease.index].remove(lease_id)
-                if not self.places[closed.lease.index]:
-                    del self.places[closed.lease.index]
-        index = closed.lease.index  # None unless the run is deterministic
-        if index is None:
-            if requeue is not None and open_lease is not None:
-                self.prompts.requeue(closed.lease.prompt_id, requeue)
-        elif status in REFILLED and index not in self.places:
-            self.prompts.requeue(index, "back")
+        self.policy.closed(closed, requeue)
         self.closed_order.append((now, lease_id))
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
@@ -263,39 +233,6 @@ class LeaseBook:
         if status in UNTRAINED or status == "served":
             self.journal.record(LeaseClosedAs(lease_id, status, now, drop_samples=status != "served" and closed.samples > 0))
         return closed
-
-    def supersede(self, index: int, winner: list[bytes]) -> None:
-        """Deterministic runs: a copy of place `index` completed; close its other copies (their
-        samples duplicate the winner's, `winner`: its content hashes by sample index)."""
-        for lease_id in list(self.places.get(index, ())):
-            closed = self.close(lease_id, "superseded", reason="hedge_lost")
-            self.winners[lease_id] = winner
-            self.superseded += 1
-            lost = self.untold.setdefault(closed.holder, {})
-            lost[lease_id] = None
-            if len(lost) > MAX_SUPERSEDED:  # a holder that never asks again: its oldest news goes
-                del lost[next(iter(lost))]
-
-    def tell(self, holder: str) -> list[str]:
-        """The superseded leases of `holder` not told yet, for its lease answer (told once)."""
-        return list(self.untold.pop(holder, None) or ())
-
-    def _told_needless(self, lease_id: str, holder: str) -> None:
-        """`holder` no longer holds `lease_id` (it posted it, or the lease is forgotten)."""
-        lost = self.untold.get(holder)
-        if lost is not None:
-            lost.pop(lease_id, None)
-            if not lost:
-                del self.untold[holder]
-
-    def lost_copy(self, lease_id: str, holder: str) -> bool:
-        """Whether `lease_id` is `holder`'s copy of a place another copy filled: its samples are
-        duplicates (never a strike). Posting it, its holder has finished it: it is not told of it."""
-        closed = self.closed_lease(lease_id)
-        if closed is None or closed.status != "superseded" or closed.holder != holder:
-            return False
-        self._told_needless(lease_id, holder)
-        return True
 
     # -- a holder's requests ----------------------------------------------------------------
 
@@ -352,8 +289,7 @@ class LeaseBook:
                 self.closed_order.append((closed.closed_at, lease_id))
                 continue
             del self.closed[lease_id]
-            self.winners.pop(lease_id, None)
-            self._told_needless(lease_id, closed.holder)
+            self.policy.forgotten(closed)
             for rollout_id in closed.rollout_ids:
                 self.seen_rollout_ids.pop(rollout_id, None)
             self.journal.record(LeaseForgotten(lease_id))

@@ -102,7 +102,7 @@ def recover(
     """
     meta = snapshot.meta
     pinned, places = meta.get("places_per_step"), lease_book.config.places_per_step  # absent before 2026-11-27
-    if lease_book.prompts.deterministic and pinned is not None and pinned != places:
+    if lease_book.config.deterministic and pinned is not None and pinned != places:
         raise ValueError(
             f"this deterministic run's journal consumed {pinned} places a step, the config says {places} "
             "(trainer.groups_per_step, times orchestrator.dynamic_sampling.oversample when it is on): a place's version "
@@ -122,7 +122,7 @@ def recover(
     for row in sorted(snapshot.leases, key=lambda r: (r["closed_at"] or 0.0, r["lease_id"])):
         lease = lease_of(row)
         status = row["status"]
-        if lease_book.prompts.deterministic and status in ("open", "complete"):
+        if lease_book.config.deterministic and status in ("open", "complete"):
             lease = _with_place(lease, lease_book, row["ready_seq"], counters.groups_consumed)
         if status == "open":
             entries = snapshot.rollouts.get(lease.lease_id, [])

@@ -5,12 +5,13 @@ Plain synchronous code with no HTTP in it; the handlers (orchestrator/handlers.p
 the event loop (one thread, so no locks), as do orchestrator/service.py (which builds it),
 orchestrator/verification.py, orchestrator/metrics.py and benchmarks/; what they read under the
 parts' names, and the /v1/status answer, is its base RunView (orchestrator/view.py). The parts,
-none of which holds another, except the lease policy (it works on the lease table):
+none of which holds another, except the lease book (it holds the lease policy, its one seam):
 
-  lease_book   orchestrator/leases.py       prompt order, open leases and deadlines, the lease
-                                            budget, the one lease-close path, closed leases remembered
+  lease_book   orchestrator/leases.py       open leases and deadlines, the lease budget, the one
+                                            lease-close path, closed leases remembered
   lease_policy orchestrator/lease_policy.py free-running, or deterministic (places, hedged copies,
-                                            losing copies), chosen once at start-up
+                                            losing copies), chosen once at start-up; with the
+                                            lease book it shares the prompt order (`PromptQueue`)
   checks       orchestrator/checks.py       why a posted rollout is refused
   rewards      orchestrator/rewards.py      rewards recomputed with the task's verifier, combined
                                             with model scores
@@ -37,7 +38,8 @@ The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
               picked for a logprob check
   3. record   the sample joins its open lease; the journal records it
   4. complete when the group is full (and still fresh): the reward stage rewards it (the task's
-              verifier) or queues it for scorers; the lease policy fills its place
+              verifier) or queues it for scorers; it fills its place (the lease policy names the
+              other copies of it, which close as superseded)
   5. queue    the group joins the ready queue for the trainer, or is pending in its position until its
               logprob check (`verification_done`) and its model scores (`post_scores`) are in
 then `take_batch` serves the front of the ready queue as a batch (batches.py).
@@ -158,16 +160,13 @@ class RunState(RunView):
         self.versions = Versions()
         self.counters = Counters()
         self.integrity = Integrity(options.verification, journaled=self.journal.durable)
-        self.lease_book = LeaseBook(
-            config=config,
-            prompts=PromptQueue(
-                task=task, render=render_prompt, seed=config.task.seed, deterministic=config.deterministic
-            ),
-            journal=self.journal, clock=clock, on_dropped=self._dropped,
-        )
+        prompts = PromptQueue(task=task, render=render_prompt, seed=config.task.seed)
         self.lease_policy: FreeRunning | Deterministic = (
-            Deterministic(config=config, lease_book=self.lease_book, counters=self.counters, clock=clock)
-            if config.deterministic else FreeRunning()
+            Deterministic(config=config, prompts=prompts, clock=clock) if config.deterministic else FreeRunning(prompts=prompts)
+        )
+        self.lease_book = LeaseBook(
+            config=config, prompts=prompts, journal=self.journal, clock=clock, on_dropped=self._dropped,
+            policy=self.lease_policy,
         )
         self.rewards = Rewards(
             task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt,
@@ -245,13 +244,14 @@ class RunState(RunView):
         """Copies of lagging places of the next batch first (a deterministic run's hedges: the
         trainer waits for that batch), then new places as the budget allows."""
         self.expire_leases()
-        copies = self.lease_policy.copies(holder, max_groups)
+        copies = self.lease_book.grant_copies(holder, self.lease_policy.copies(holder, max_groups, self.counters.groups_consumed))
+        self.counters.hedged_leases += len(copies)
         return copies + self.lease_book.grant(holder, min(max_groups - len(copies), self.lease_capacity()))
 
     def hedge_due_in(self, holder: str | None) -> float | None:
         """Seconds until a place falls due for a copy `holder` (None: any worker) may take (None:
         none will, or no hedging): how long a lease long-poll may sleep before asking again."""
-        return self.lease_policy.due_in(holder)
+        return self.lease_policy.due_in(holder, self.counters.groups_consumed)
 
     def expire_leases(self) -> int:
         """Close overdue leases and lease their prompts again; a late answer is rejected."""
@@ -261,7 +261,7 @@ class RunState(RunView):
 
     def tell(self, holder: str) -> list[str]:
         """The copies of `holder` that lost their places, not told yet (told once, in its lease answer)."""
-        lost = self.lease_book.tell(holder)
+        lost = self.lease_policy.tell(holder)
         self.counters.hedge_copies_told += len(lost)
         return lost
 
@@ -296,7 +296,7 @@ class RunState(RunView):
         for index, rollout in enumerate(rollouts):
             rollout_id, lease_id = rollout.rollout_id, rollout.lease_id
             # 1. dedupe
-            if rollout_id in seen or rollout_id in journaled or self.lease_policy.lost(rollout, holder):
+            if rollout_id in seen or rollout_id in journaled or self._lost(rollout, holder):
                 duplicates += 1
                 continue
             # 2. check, then verification's word (orchestrator/integrity.py `admit`)
@@ -335,6 +335,14 @@ class RunState(RunView):
         self._apply_bans()
         return IngestResponse(accepted=accepted, duplicates=duplicates, rejected=rejected)
 
+    def _lost(self, rollout: Rollout, holder: str) -> bool:
+        """Whether `rollout` is of `holder`'s copy that lost its place: a duplicate, compared with the winner's."""
+        mismatches = self.lease_policy.lost(rollout, holder, self.lease_book.closed_lease)
+        if mismatches is not None:
+            self.counters.hedge_duplicates += 1
+            self.counters.hedge_mismatches += mismatches
+        return mismatches is not None
+
     def _complete(self, open_lease: OpenLease) -> None:
         """The group is full: reward it, fill its place, then queue it or make it pending."""
         lease, samples = open_lease.lease, open_lease.samples
@@ -347,7 +355,10 @@ class RunState(RunView):
         group = Group.of(lease.lease_id, lease.prompt_id, samples, [0.0] * len(samples), open_lease.packed, seq)
         scored = self.reward_stage.start(group)  # rewarded now, or queued for scorers
         self.lease_book.close(lease.lease_id, "complete")
-        self.lease_policy.filled(open_lease)
+        losers, mismatches = self.lease_policy.filled(open_lease)
+        for lease_id in losers:
+            self.lease_book.close(lease_id, "superseded", reason="hedge_lost")
+        self.counters.hedge_mismatches += mismatches
         check = VerifyJob(lease.lease_id, [samples[i] for i in open_lease.check], open_lease.holder) if open_lease.check else None
         if scored:
             self.integrity.rewards_claimed(open_lease.holder, group.samples)

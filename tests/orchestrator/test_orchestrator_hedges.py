@@ -1,4 +1,4 @@
-"""Hedging in deterministic runs (orchestrator/lease_policy.py, LeaseBook.copy/supersede): a lagging
+"""Hedging in deterministic runs (orchestrator/lease_policy.py `Deterministic`): a lagging
 place of the next batch gets a second lease on another worker; the first copy to complete fills
 it, the other is closed and its posts answered as duplicates, never a strike; a place is never
 served twice nor skipped, across expiries and a restart on the journal."""
@@ -20,7 +20,7 @@ from decentrl.tasks import build_task
 from orchestrator import handlers
 from orchestrator.auth import TokenRegistry
 from orchestrator.journal import Journal
-from orchestrator.lease_policy import MIN_RECENT, hedge_wait
+from orchestrator.lease_policy import MIN_RECENT, Deterministic, hedge_wait
 from orchestrator.state import RunState
 
 ALICE, BOB, CAROL = "alice/w0", "bob/w1", "carol/w2"
@@ -70,6 +70,12 @@ def lagging(state: RunState, clock: Any) -> list[Lease]:
     for lease_s in TAILED:
         state.lease_policy.hedges.completed(lease_s)  # type: ignore[union-attr]
     return leases
+
+
+def copies_of(state: RunState) -> dict[int, list[str]]:
+    """Each open place's open leases (copies), oldest first."""
+    assert isinstance(state.lease_policy, Deterministic)
+    return {index: list(copies) for index, copies in state.lease_policy.places.items()}
 
 
 def hedged(state: RunState, clock: Any) -> tuple[list[Lease], Lease]:
@@ -161,7 +167,7 @@ def test_the_first_copy_fills_the_place_and_the_other_is_a_duplicate_never_a_str
     assert state.lease_state(leases[0].lease_id, ALICE).state == "superseded"
     record = state.integrity.workers["alice"]
     assert record.strikes == 0 and not record.rejections
-    assert 0 not in state.lease_book.places and list(state.lease_book.prompts.requeued) == []
+    assert 0 not in copies_of(state) and list(state.lease_book.prompts.requeued) == []
 
     state.ingest(group(state, leases[1], "w0"), ALICE)
     batch = state.take_batch(0)
@@ -192,7 +198,7 @@ def test_a_copy_that_expires_leaves_the_place_to_the_other(
     leases, copy = hedged(state, clock)
     clock.advance(state.config.orchestrator.lease_timeout_s - 1.0)  # alice's leases expire, bob's copy not
     state.expire_leases()
-    assert state.lease_book.places == {0: [copy.lease_id]}
+    assert copies_of(state) == {0: [copy.lease_id]}
     assert list(state.lease_book.prompts.requeued) == [1, 2, 3]  # place 0 is still out: not leased again
     state.ingest(group(state, copy, "w1"), BOB)
     assert [r.reason for r in state.ingest(group(state, leases[0], "w0"), ALICE).rejected] == ["lease_expired"] * 3
@@ -208,7 +214,7 @@ def test_both_copies_expiring_put_the_place_back_once(open_state: Callable[..., 
     state.grant_leases(BOB, 1)
     clock.advance(state.config.orchestrator.lease_timeout_s + 1.0)
     state.expire_leases()
-    assert list(state.lease_book.prompts.requeued) == [0, 1, 2, 3] and state.lease_book.places == {}
+    assert list(state.lease_book.prompts.requeued) == [0, 1, 2, 3] and copies_of(state) == {}
 
 
 def test_recovery_with_two_open_leases_of_one_place(
@@ -226,8 +232,8 @@ def test_recovery_with_two_open_leases_of_one_place(
 
     again = open_state()
     book = again.lease_book
-    assert sorted(book.places[0]) == sorted([leases[0].lease_id, copy_0.lease_id])
-    for lease_id in book.places[0]:
+    assert sorted(copies_of(again)[0]) == sorted([leases[0].lease_id, copy_0.lease_id])
+    for lease_id in copies_of(again)[0]:
         lease = book.open[lease_id].lease
         assert (lease.index, lease.prompt_id, lease.policy_version) == (0, leases[0].prompt_id, 0)
     assert [len(book.open[i].samples) for i in (leases[0].lease_id, copy_0.lease_id)] == [2, 1]
@@ -239,7 +245,7 @@ def test_recovery_with_two_open_leases_of_one_place(
 
     remaining = group(again, leases[0], "w0")[2:]
     assert again.ingest(remaining, ALICE).accepted == 1  # alice completes place 0
-    assert 0 not in book.places and book.closed[copy_0.lease_id].status == "superseded"
+    assert 0 not in copies_of(again) and book.closed[copy_0.lease_id].status == "superseded"
     batch = again.take_batch(0)
     assert batch is not None and [s.group_id for s in batch.samples[::3]] == [leases[0].lease_id, copy_1.lease_id]
     assert list(book.prompts.requeued) == []
@@ -369,7 +375,7 @@ def test_the_losing_copys_holder_is_told_once_in_its_next_lease_answer(
                 "POST", "/v1/leases", "alice-secret", json={"worker_id": "w0", "max_groups": 1}
             )
             assert status == 200 and raw["superseded"] == []
-            assert state.counters.hedge_copies_told == 1 and state.lease_book.untold == {}
+            assert state.counters.hedge_copies_told == 1 and state.lease_policy.untold == {}
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
 
@@ -380,9 +386,9 @@ def test_a_holder_is_not_told_of_a_copy_it_posted(
     state = open_state()
     leases, copy = hedged(state, clock)
     state.ingest(group(state, copy, "w1"), BOB)
-    assert state.lease_book.untold == {ALICE: {leases[0].lease_id: None}}
+    assert state.lease_policy.untold == {ALICE: {leases[0].lease_id: None}}
     assert state.ingest(group(state, leases[0], "w0"), ALICE).duplicates == 3  # it finished the copy anyway
-    assert state.lease_book.tell(ALICE) == [] and state.counters.hedge_copies_told == 0
+    assert state.tell(ALICE) == [] and state.counters.hedge_copies_told == 0
 
 
 def test_untold_copies_are_bounded_a_holder_and_forgotten_with_their_leases(
@@ -390,17 +396,17 @@ def test_untold_copies_are_bounded_a_holder_and_forgotten_with_their_leases(
 ) -> None:
     """A holder that never asks again: past MAX_SUPERSEDED its oldest news goes, and the rest
     goes when the closed leases themselves are forgotten (dedupe_window_s)."""
-    monkeypatch.setattr("orchestrator.leases.MAX_SUPERSEDED", 1)
+    monkeypatch.setattr("orchestrator.lease_policy.MAX_SUPERSEDED", 1)
     state = open_state()
     leases = lagging(state, clock)
     clock.advance(2.0)
     copies = state.grant_leases(BOB, 2)  # places 0 and 1
     for copy in copies:
         state.ingest(group(state, copy, "w1"), BOB)
-    assert state.lease_book.untold == {ALICE: {leases[1].lease_id: None}}  # the newer of two
+    assert state.lease_policy.untold == {ALICE: {leases[1].lease_id: None}}  # the newer of two
     clock.advance(state.config.orchestrator.dedupe_window_s + 1.0)
     state.forget_closed()
-    assert state.lease_book.untold == {} and state.lease_book.tell(ALICE) == []
+    assert state.lease_policy.untold == {} and state.tell(ALICE) == []
 
 
 def test_free_running_runs_never_tell_of_superseded_copies(
@@ -427,6 +433,6 @@ def test_free_running_runs_never_tell_of_superseded_copies(
             for client, worker_id in ((alice, "w0"), (bob, "w1"), (alice, "w0")):
                 answers.append(await asyncio.to_thread(client.lease, LeaseRequest(worker_id=worker_id, max_groups=2)))
             assert all(answer.superseded == [] for answer in answers)
-            assert state.counters.hedge_copies_told == 0 and state.lease_book.untold == {}
+            assert state.counters.hedge_copies_told == 0 and state.lease_policy.untold == {}
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))

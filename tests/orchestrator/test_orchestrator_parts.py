@@ -7,6 +7,8 @@ is tests/orchestrator/test_orchestrator_journal.py's).
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from typing import Any
 
 import pytest
@@ -16,14 +18,16 @@ from transformers import PreTrainedTokenizerBase
 from decentrl.api.encoding import pack_sample
 from decentrl.api.wire import MASK_IDS, Lease, Rollout, RolloutBatch, SamplingParams, ScoreItem, ScorePost, ScoreResult, problems
 from decentrl.config import AdvantageConfig, HedgingConfig, RewardConfig, VerificationConfig
+from decentrl.rl.determinism import required_version
 from decentrl.tasks import build_task
 from orchestrator.batches import KeptBatches, build_batch
 from orchestrator.buffer import Buffer, Group, VerifyJob
 from orchestrator.checks import IngestChecks
+from orchestrator.events import ClosedStatus
 from orchestrator.handlers import mask_bound
 from orchestrator.integrity import Integrity
 from orchestrator.journal import NullJournal
-from orchestrator.lease_policy import MIN_RECENT, Hedges, Places
+from orchestrator.lease_policy import MIN_RECENT, Deterministic, FreeRunning, Hedges, Places
 from orchestrator.lease_table import LeaseClosed, LeaseNotFound, LeaseTable, NotLeaseHolder
 from orchestrator.leases import ClosedLease, LeaseBook, OpenLease, PromptQueue
 from orchestrator.reward_stage import ModelRewards, VerifierRewards
@@ -119,10 +123,10 @@ def lease_table(make_config: Any, tokenizer: Any, clock: Any) -> tuple[LeaseBook
     config = make_config(orchestrator={"lease_timeout_s": 10.0})
     task = build_task(config.task)
     dropped: list[tuple[ClosedLease, str, int]] = []
+    prompts = PromptQueue(task=task, render=lambda prompt: tokenizer(prompt.text).input_ids, seed=0)
     book = LeaseBook(
-        config=config,
-        prompts=PromptQueue(task=task, render=lambda prompt: tokenizer(prompt.text).input_ids, seed=0),
-        journal=NullJournal(), clock=clock, on_dropped=lambda *args: dropped.append(args),
+        config=config, prompts=prompts, journal=NullJournal(), clock=clock, on_dropped=lambda *args: dropped.append(args),
+        policy=FreeRunning(prompts=prompts),
     )
     return book, dropped
 
@@ -201,13 +205,112 @@ def test_a_lagging_place_of_the_next_batch_is_due_a_copy_for_another_worker(cloc
         hedges.completed(lease_s)
     assert hedges.wait is not None
     leases = {name: OpenLease(lease=lease(name), holder=HOLDER, granted_at=clock()) for name in "xy"}
-    places = Places(open={0: ["x"], 1: ["y"]}, leases=leases, head=0, cursor=2, requeued=[])
+    places = Places(open={0: {"x": leases["x"]}, 1: {"y": leases["y"]}}, head=0, cursor=2, requeued=[])
     assert hedges.pick("bob/w1", 1, places) == [] and hedges.due_in("bob/w1", places) == pytest.approx(hedges.wait)
     clock.advance(hedges.wait + 0.1)
     assert hedges.pick("bob/w1", 1, places) == [0]
     assert hedges.pick(HOLDER, 2, places) == []  # never a second copy for the holder of the first
-    last = Places(open={1: ["y"]}, leases=leases, head=0, cursor=2, requeued=[])
+    last = Places(open={1: {"y": leases["y"]}}, head=0, cursor=2, requeued=[])
     assert Hedges(config=HedgingConfig(enabled=True), groups_per_step=2, clock=clock).pick("bob/w1", 1, last) == [1]
+
+
+# -- the lease policies (the lease book's seam, and what RunState asks) -----------------------
+
+
+@pytest.fixture
+def prompts(make_config: Any, tokenizer: Any) -> PromptQueue:
+    task = build_task(make_config().task)
+    return PromptQueue(task=task, render=lambda prompt: tokenizer(prompt.text).input_ids, seed=0)
+
+
+@pytest.fixture
+def deterministic(make_config: Any, prompts: PromptQueue, clock: Any) -> Deterministic:
+    """groups_per_step 2, max_staleness 1, hedging on (its defaults)."""
+    return Deterministic(config=make_config(deterministic=True), prompts=prompts, clock=clock)
+
+
+def held(policy: Deterministic, holder: str = HOLDER, *, copy_of: OpenLease | None = None) -> OpenLease:
+    """An open lease of the policy's next place, or another copy of `copy_of`'s, as the book holds it."""
+    if copy_of is None:
+        prompt_id, index, version = policy.next()
+        granted = Lease(lease_id="", prompt_id=prompt_id, prompt_token_ids=[1, 2], group_size=2, deadline=0.0,
+                        index=index, policy_version=version)
+    else:
+        granted = copy_of.lease
+    open_lease = OpenLease(lease=granted.model_copy(update={"lease_id": uuid.uuid4().hex}), holder=holder)
+    policy.held(open_lease)
+    return open_lease
+
+
+def closed_as(policy: Deterministic, open_lease: OpenLease, status: ClosedStatus) -> ClosedLease:
+    closed = ClosedLease(open_lease.lease, open_lease.holder, status, 0.0, len(open_lease.samples))
+    policy.closed(closed, "front")  # a caller's wish, which a deterministic run does not follow
+    return closed
+
+
+def test_places_go_out_in_order_and_back_in_line_lowest_first_once_their_last_copy_closes(
+    deterministic: Deterministic, prompts: PromptQueue
+) -> None:
+    policy = deterministic
+    first, second, third = (held(policy) for _ in range(3))
+    assert [(o.lease.index, o.lease.prompt_id, o.lease.policy_version) for o in (first, second, third)] == [
+        (i, prompts.order[i], required_version(i, groups_per_step=2, max_staleness=1)) for i in range(3)
+    ]
+    copy = held(policy, "bob/w1", copy_of=first)
+    assert policy.leased(4) == 3  # the budget counts places, not copies
+    closed_as(policy, first, "expired")
+    assert list(prompts.requeued) == []  # bob's copy of place 0 is still out
+    closed_as(policy, third, "released")
+    closed_as(policy, copy, "dropped")
+    assert list(prompts.requeued) == [0, 2] and policy.leased(1) == 1
+    complete = closed_as(policy, second, "complete")
+    policy.closed(dataclasses.replace(complete, status="skipped"), None)  # consumed by a step: never again
+    assert list(prompts.requeued) == [0, 2] and policy.places == {}
+    assert [policy.next()[1] for _ in range(3)] == [0, 2, 3]
+
+
+def test_the_first_copy_fills_its_place_and_the_losers_are_told_once_and_forgotten(
+    deterministic: Deterministic, make_rollout: Any
+) -> None:
+    policy = deterministic
+    slow = held(policy)
+    fast = held(policy, "bob/w1", copy_of=slow)
+    samples = [make_rollout(fast.lease, [5, 6], sample_index=j) for j in range(2)]
+    fast.samples = samples
+    slow.samples = [make_rollout(slow.lease, [5, 6], sample_index=0, logprob=-2.0)]  # not bit for bit bob's
+    closed = {fast.lease.lease_id: closed_as(policy, fast, "complete")}
+    assert policy.filled(fast) == ([slow.lease.lease_id], 1)  # to close as superseded; one sample differs
+    closed[slow.lease.lease_id] = closed_as(policy, slow, "superseded")
+    assert policy.superseded == 1 and policy.places == {} and policy.untold == {HOLDER: {slow.lease.lease_id: None}}
+
+    late = make_rollout(slow.lease, [5, 6], sample_index=1)
+    assert policy.lost(late, "bob/w1", closed.get) is None  # not bob's copy
+    assert policy.lost(make_rollout(fast.lease, [5, 6], sample_index=1), "bob/w1", closed.get) is None  # the winner
+    assert policy.lost(late, HOLDER, closed.get) == 0  # a duplicate, the same as the winner's sample 1
+    assert policy.untold == {} and policy.tell(HOLDER) == []  # posting it, alice finished it: nothing to tell
+
+    other = held(policy)
+    copy = held(policy, "bob/w1", copy_of=other)
+    copy.samples = [make_rollout(copy.lease, [5, 6], sample_index=j) for j in range(2)]
+    closed_as(policy, copy, "complete")
+    assert policy.filled(copy) == ([other.lease.lease_id], 0)
+    lost = closed_as(policy, other, "superseded")
+    assert policy.tell(HOLDER) == [other.lease.lease_id] and policy.tell(HOLDER) == []  # told once
+    policy.forgotten(lost)
+    policy.forgotten(closed[slow.lease.lease_id])
+    assert policy.winners == {} and policy.untold == {}
+
+
+def test_a_free_running_run_leases_the_prompt_queue_in_order_and_requeues_as_asked(prompts: PromptQueue) -> None:
+    policy = FreeRunning(prompts=prompts)
+    first, second = (Lease(lease_id=name, prompt_id=policy.next()[0], prompt_token_ids=[1], group_size=2, deadline=0.0)
+                     for name in "ab")
+    assert [first.prompt_id, second.prompt_id] == prompts.order[:2] and policy.next()[1:] == (None, None)
+    policy.closed(ClosedLease(first, HOLDER, "expired", 0.0, 0), "back")
+    policy.closed(ClosedLease(second, HOLDER, "released", 0.0, 0), "front")
+    policy.closed(ClosedLease(second, HOLDER, "dropped", 0.0, 0), None)  # not asked: not leased again
+    assert [policy.next()[0] for _ in range(3)] == [second.prompt_id, first.prompt_id, prompts.order[3]]
+    assert policy.leased(5) == 5 and policy.copies(HOLDER, 4, 0) == [] and policy.filled(OpenLease(first, HOLDER)) == ([], 0)
 
 
 # -- integrity and the size bounds ------------------------------------------------------------
