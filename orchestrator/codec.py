@@ -4,13 +4,10 @@ A rollout's completion ids and logprobs are taken as the typed arrays they arriv
 (`packed_arrays`, from the rollouts handler) or packed once when it is accepted; the journal
 (`encode_rollout`) and the trainer's batch answer (`train_batch_msgpack`) reuse those bytes, which
 are exactly what `encode_model` produces, so the big lists are never walked again in Python.
-A sample's content digest (`content_hash`) is taken over the same arrays.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from typing import Any
 
 import msgpack
@@ -87,10 +84,3 @@ def decode_rollout(data: bytes, *, rollout_id: str, lease_id: str, run_name: str
     if body.get("expert_routing") is not None:
         body["expert_routing"] = ExpertRouting.model_construct(**body["expert_routing"])
     return Rollout.model_construct(**body)
-
-
-def content_hash(rollout: Rollout) -> bytes:
-    """A digest of what a sample says (prompt, completion, logprobs): integrity compares it for
-    replays (orchestrator/integrity.py), a deterministic run for copies of one place."""
-    parts = array("q", rollout.prompt_token_ids), array("q", rollout.completion_token_ids), array("d", rollout.logprobs)
-    return hashlib.blake2b(b"|".join(part.tobytes() for part in parts), digest_size=16).digest()

@@ -202,7 +202,7 @@ async def rollouts(request: web.Request) -> web.Response:
                 f"this orchestrator serves run {state.config.run_name!r}; rollouts name run "
                 f"{next(r.run_name for r in body.rollouts if r.run_name != state.config.run_name)!r}",
             )
-        ready_before, superseded_before = len(state.ready), state.lease_policy.superseded
+        ready_before, leases_before = len(state.ready), state.leases_changed
         packed = packed_arrays(raw) if raw is not None else None
         result = state.ingest(body.rollouts, holder_of(request, first.worker_id), packed=packed)
         await commit(app)
@@ -217,11 +217,7 @@ async def rollouts(request: web.Request) -> web.Response:
     wake_checks(app)  # a completed group may be held back for its check
     if len(state.ready) > ready_before:
         await notify_all(app[BATCH_READY])
-    if result.rejected or state.lease_policy.superseded > superseded_before:
-        # A rejected sample may have dropped its group, freeing its place; a completed group's
-        # losing copies are to be told to their holders' waiting long-polls.
-        await notify_all(app[LEASES_FREED])
-    elif state.hedge_due_in(None) == 0.0:  # a completed group left the next batch one last place: hedge it now
+    if state.leases_changed > leases_before:  # a place or prompt freed, a losing copy to tell, a copy due
         await notify_all(app[LEASES_FREED])
     if state.score_queue.queue:  # a completed group's samples wait for scorers
         await notify_all(app[SCORES_WAITING])

@@ -26,15 +26,16 @@ and restored on recovery (`restore`), so a restart forgets neither a ban nor a r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+from array import array
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from decentrl.api.wire import Rollout
 from decentrl.config import VerificationConfig
-from orchestrator.codec import content_hash
 from orchestrator.events import IntegrityChanges
 
 # Rejection reasons that only a faulty or dishonest worker produces: each is a strike.
@@ -47,6 +48,13 @@ REWARD_MATCH = 1e-6  # a claimed reward this close to the recomputed one agrees
 
 def token_of(holder: str) -> str:
     return holder.split("/", 1)[0]
+
+
+def content_hash(rollout: Rollout) -> bytes:
+    """A digest of what a sample says (prompt, completion, logprobs): compared for replays here,
+    and by a deterministic run for the copies of one place (orchestrator/lease_policy.py)."""
+    parts = array("q", rollout.prompt_token_ids), array("q", rollout.completion_token_ids), array("d", rollout.logprobs)
+    return hashlib.blake2b(b"|".join(part.tobytes() for part in parts), digest_size=16).digest()
 
 
 @dataclass

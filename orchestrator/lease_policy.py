@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from decentrl.api.wire import MAX_SUPERSEDED, Lease, Rollout
 from decentrl.config import HedgingConfig, RunConfig
 from decentrl.rl.determinism import required_version
-from orchestrator.codec import content_hash
 from orchestrator.leases import ClosedLease, OpenLease, PromptQueue, Requeue
 
 log = logging.getLogger("decentrl.orchestrator.hedges")
@@ -122,7 +121,6 @@ class FreeRunning:
     """Prompts leased in the prompt queue's order, one lease each: nothing to copy, nothing lost."""
 
     hedges = None
-    superseded = 0
 
     def __init__(self, *, prompts: PromptQueue) -> None:
         self.prompts = prompts
@@ -163,8 +161,12 @@ class FreeRunning:
 class Deterministic:
     """Numbered places, each filled by the first of its copies to complete; hedged when enabled."""
 
-    def __init__(self, *, config: RunConfig, prompts: PromptQueue, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, *, config: RunConfig, prompts: PromptQueue, clock: Callable[[], float], digest: Callable[[Rollout], bytes]
+    ) -> None:
+        """`digest`: a sample's content hash (orchestrator/integrity.py `content_hash`, as replays are found)."""
         self.config = config
+        self.digest = digest
         self.prompts = prompts  # its order numbers the places; `requeued` holds places, lowest first
         self.clock = clock
         hedging = config.orchestrator.hedging
@@ -177,7 +179,6 @@ class Deterministic:
         self.winners: dict[str, list[bytes]] = {}
         # Holder -> its superseded leases it has not been told of yet, oldest first (an ordered set).
         self.untold: dict[str, dict[str, None]] = {}
-        self.superseded = 0  # copies closed as superseded since the start: the lease long-poll wakes on more
 
     # -- the lease book's seam (orchestrator/leases.py `LeasePolicy`) ----------------------------
 
@@ -240,7 +241,7 @@ class Deterministic:
         losers = list(self.places.get(self._place(winner.lease), {}).values())
         if not losers:
             return [], 0
-        hashes = [content_hash(sample) for sample in sorted(winner.samples, key=lambda sample: sample.sample_index or 0)]
+        hashes = [self.digest(sample) for sample in sorted(winner.samples, key=lambda sample: sample.sample_index or 0)]
         mismatches = sum(self._differs(sample, hashes) for loser in losers for sample in loser.samples)
         for loser in losers:
             lease_id = loser.lease.lease_id
@@ -249,7 +250,6 @@ class Deterministic:
             lost[lease_id] = None
             if len(lost) > MAX_SUPERSEDED:  # a holder that never asks again: its oldest news goes
                 del lost[next(iter(lost))]
-        self.superseded += len(losers)
         return [loser.lease.lease_id for loser in losers], mismatches
 
     def lost(self, rollout: Rollout, holder: str, closed_lease: Callable[[str], ClosedLease | None]) -> int | None:
@@ -279,7 +279,7 @@ class Deterministic:
         (the winner is forgotten after a restart)."""
         if winner is None or sample.sample_index is None or sample.sample_index >= len(winner):
             return False
-        if content_hash(sample) == winner[sample.sample_index]:
+        if self.digest(sample) == winner[sample.sample_index]:
             return False
         log.warning(
             "hedge: sample %d of lease %s (%s) differs from the copy that filled its place",

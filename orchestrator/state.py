@@ -96,7 +96,7 @@ from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
 from orchestrator.checks import IngestChecks
 from orchestrator.counters import Counters, Tally, Versions
 from orchestrator.events import RolloutAccepted
-from orchestrator.integrity import Integrity, token_of
+from orchestrator.integrity import Integrity, content_hash, token_of
 from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.lease_policy import Deterministic, FreeRunning
 from orchestrator.leases import ClosedLease, LeaseBook, LeaseError, OpenLease, PromptQueue, Requeue
@@ -159,10 +159,15 @@ class RunState(RunView):
 
         self.versions = Versions()
         self.counters = Counters()
+        # Changes a waiting lease request may be waiting for, since the start: a lease closed
+        # without training (its prompt or place free again; a losing copy to tell its holder), or a
+        # place due for a copy right away. The rollouts handler wakes the lease long-polls on more.
+        self.leases_changed = 0
         self.integrity = Integrity(options.verification, journaled=self.journal.durable)
         prompts = PromptQueue(task=task, render=render_prompt, seed=config.task.seed)
         self.lease_policy: FreeRunning | Deterministic = (
-            Deterministic(config=config, prompts=prompts, clock=clock) if config.deterministic else FreeRunning(prompts=prompts)
+            Deterministic(config=config, prompts=prompts, clock=clock, digest=content_hash)
+            if config.deterministic else FreeRunning(prompts=prompts)
         )
         self.lease_book = LeaseBook(
             config=config, prompts=prompts, journal=self.journal, clock=clock, on_dropped=self._dropped,
@@ -359,6 +364,8 @@ class RunState(RunView):
         for lease_id in losers:
             self.lease_book.close(lease_id, "superseded", reason="hedge_lost")
         self.counters.hedge_mismatches += mismatches
+        if self.hedge_due_in(None) == 0.0:  # it left the next batch one last place: hedge that now
+            self.leases_changed += 1
         check = VerifyJob(lease.lease_id, [samples[i] for i in open_lease.check], open_lease.holder) if open_lease.check else None
         if scored:
             self.integrity.rewards_claimed(open_lease.holder, group.samples)
@@ -376,6 +383,7 @@ class RunState(RunView):
         """Every lease closed without training, as LeaseBook.close reports it: `samples` of its
         samples counted as dropped for `reason`, and its content forgotten (it may honestly come again)."""
         self.integrity.forget_lease(closed.lease.lease_id)
+        self.leases_changed += 1
         if samples:
             self.counters.dropped[reason] += samples
             if reason in STALE_REASONS:
