@@ -145,7 +145,13 @@ def wait_for(predicate, timeout_s: float) -> None:
 def start_run(tmp_path: Path, steps: int) -> tuple[subprocess.Popen[str], Path]:
     text = pipeline_config(run_name="it", steps=steps, max_staleness=1, lr=3e-3)
     command, run_dir = decentrl_run_command(tmp_path, text)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), run_dir
+    # SIGINT at its default, as from a terminal: a shell's background job (a CI runner's, `cmd &`)
+    # starts with SIGINT ignored, and Python keeps it ignored, so Ctrl-C would never arrive.
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    return process, run_dir
 
 
 def test_run_stops_everything_when_a_role_crashes(tmp_path: Path) -> None:
