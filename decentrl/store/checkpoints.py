@@ -596,7 +596,7 @@ class CheckpointStore:
             if linked is not None:
                 return linked
             self.link_local = False  # another filesystem, or no hard links there: copy from now on
-        digest, have = new_hasher(algorithm), 0
+        digest, have = new_hasher(algorithm, parallel=False), 0  # beside copies, which use the other cores
         try:
             st = os.lstat(local_path)
             if st.st_size > expected_size or not stat.S_ISREG(st.st_mode):
@@ -613,7 +613,7 @@ class CheckpointStore:
             if copied is not None:
                 return copied
             remove_path(local_path)  # the kernel cannot copy between these files: stream it all
-            digest, have = new_hasher(algorithm), 0
+            digest, have = new_hasher(algorithm, parallel=False), 0
         with (
             self.fs.open(remote, "rb", block_size=_read_block(expected_size, have)) as src,
             open_regular(local_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as dst,

@@ -105,10 +105,11 @@ class Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
-def new_hasher(algorithm: str) -> Hasher:
-    """A fresh hasher for a manifest digest; BLAKE3 on as many threads as the machine has."""
+def new_hasher(algorithm: str, *, parallel: bool = True) -> Hasher:
+    """A fresh hasher for a manifest digest; BLAKE3 on as many threads as the machine has, or on one
+    (`parallel=False`) beside copies that keep the other cores busy (docs/real_model.md, the pull)."""
     if algorithm == "blake3":
-        return blake3.blake3(max_threads=blake3.blake3.AUTO)
+        return blake3.blake3(max_threads=blake3.blake3.AUTO if parallel else 1)
     if algorithm == "sha256":
         return hashlib.sha256()
     raise ValueError(f"unknown digest {algorithm!r}; use one of {DIGESTS}")
