@@ -225,7 +225,7 @@ class LeaseBook:
         else:
             ids = [r.rollout_id for r in open_lease.samples]
             closed = self.closed[lease_id] = ClosedLease(open_lease.lease, open_lease.holder, status, now, len(ids), ids)
-        self.policy.closed(closed, requeue)
+        self.policy.closed(closed, requeue if open_lease is not None else None)  # only an open lease goes back in line
         self.closed_order.append((now, lease_id))
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
