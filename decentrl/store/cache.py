@@ -139,7 +139,7 @@ def copy_range_hashing(src: int, dst: int, digest: Hasher, size: int, limit: int
     (copy_file_range: the bytes never pass through Python), until `limit` bytes or the end of
     `src`; returns the size reached. Each chunk is hashed as it landed in `dst`, read back through a
     mapping, on a second thread while the next chunk copies: `digest` covers exactly what the cache
-    holds, and the hash hides behind the copy (docs/benchmarks.md, `pull_vs_raw`)."""
+    holds, and the hash hides behind the copy (docs/real_model.md, `pull_vs_raw`)."""
 
     def hash_landed(offset: int, length: int) -> None:
         start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page boundary
