@@ -499,10 +499,6 @@ class RunState(RunView):
             self._drop(lease_id, "failed_verification", counted=group.size - len(failed))
         self._apply_bans()
 
-    def pending_ahead(self, count: int) -> bool:
-        """Whether the next `count` groups in the ready queue wait for a pending group (buffer.py)."""
-        return self.buffer.pending_ahead(count)
-
     def _apply_bans(self) -> None:
         """The tokens integrity banned since the last call (where a strike can happen: ingest, a
         check, a score): what each left waiting is dropped now, and it waits in `new_bans` for the

@@ -418,13 +418,13 @@ def test_a_batch_waits_for_a_held_back_group_ahead_of_it_which_keeps_its_place(
     for lease in (first, second, third):
         assert state.ingest([make_rollout(lease, "1234") for _ in range(3)], HONEST).accepted == 3
     assert list(state.pending) == [first.lease_id] and [g.lease_id for g in state.ready] == [second.lease_id, third.lease_id]
-    assert state.pending_ahead(2) and state.checks_due()
+    assert state.buffer.pending_ahead(2) and state.checks_due()
     assert state.take_batch(0) is None  # would skip the held-back group
     state.verify_queue.clear()
     state.verification_done({first.lease_id: {}})
     batch = state.take_batch(0)
     assert batch is not None and [s.group_id for s in batch.samples][::3] == [first.lease_id, second.lease_id]
-    assert not state.pending_ahead(2) and not state.checks_due()
+    assert not state.buffer.pending_ahead(2) and not state.checks_due()
 
 
 # -- the scheduler (orchestrator/verification.py) in the real app ---------------------------
