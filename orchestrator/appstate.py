@@ -71,7 +71,7 @@ BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)  # notified when a ba
 LEASES_FREED = web.AppKey("leases_freed", asyncio.Condition)  # notified when a lease may be grantable
 SCORES_WAITING = web.AppKey("scores_waiting", asyncio.Condition)  # notified when samples may wait for scorers
 IDLE_SCORERS = web.AppKey("idle_scorers", IdleScorers)
-CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when held-back groups may be due a check
+CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when pending groups may be due a check
 HISTORY = web.AppKey("history", History)  # bounded curves and samples for the dashboard
 
 
@@ -112,7 +112,7 @@ async def stop_waiting(app: web.Application) -> None:
 
 
 def wake_checks(app: web.Application) -> None:
-    """A group may have been held back for its logprob check, or the line ahead of one moved: the
+    """A group may have become pending for its logprob check, or the ready queue ahead of one moved: the
     verification scheduler looks again (orchestrator/verification.py)."""
     if app[STATE].verify_queue:
         app[CHECKS_WANTED].set()

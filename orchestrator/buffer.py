@@ -152,7 +152,7 @@ class Buffer:
 
     def pending_ahead(self, count: int) -> bool:
         """Whether a group pending for its check is among the first `count` complete groups in
-        line. A batch taken now would skip it and it would train a batch later than its lease
+        queue order. A batch taken now would skip it and it would train a batch later than its lease
         was budgeted for (maybe stale by then): the batch waits for the check instead."""
         if not self.pending:
             return False

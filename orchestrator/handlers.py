@@ -214,7 +214,7 @@ async def rollouts(request: web.Request) -> web.Response:
     if result.rejected:
         metrics.worker_rollouts.labels(name, "rejected").inc(len(result.rejected))
     app[HISTORY].posted(name, body, result)
-    wake_checks(app)  # a completed group may be held back for its check
+    wake_checks(app)  # a completed group may be pending for its check
     if len(state.ready) > ready_before:
         await notify_all(app[BATCH_READY])
     if state.leases_changed > leases_before:  # a place or prompt freed, a losing copy to tell, a copy due
@@ -243,14 +243,14 @@ async def batch(request: web.Request) -> web.StreamResponse:
             remaining = deadline - loop.time()
             if remaining <= 0 or request.app[STOPPING].is_set():
                 return web.Response(status=204)
-            # The trainer waits: if for a held-back group (take_batch may also have evicted stale
+            # The trainer waits: if for a pending group (take_batch may also have evicted stale
             # groups ahead of one), its check is due now.
             wake_checks(request.app)
             with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
                 await asyncio.wait_for(ready.wait(), timeout=min(remaining, 1.0))
     await commit(request.app)
     await notify_all(request.app[LEASES_FREED])  # the buffer has room again
-    wake_checks(request.app)  # a held-back group may now be in the next batch's way
+    wake_checks(request.app)  # a pending group may now be in the next batch's way
     histogram = request.app[METRICS].staleness
     for lag, count in served.staleness_histogram.items():
         for _ in range(count):
@@ -269,7 +269,7 @@ async def version(request: web.Request) -> web.Response:
     await commit(request.app)
     request.app[HISTORY].announced(body.version)
     await notify_all(request.app[LEASES_FREED])  # the staleness budget grows by a step's groups
-    wake_checks(request.app)  # stale groups left the line ahead of a held-back one
+    wake_checks(request.app)  # stale groups left the ready queue ahead of a pending one
     log.info("version %d published", body.version)
     return respond(request, run_status(request.app))
 

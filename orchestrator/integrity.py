@@ -63,7 +63,7 @@ class WorkerRecord:
 
     rollouts: int = 0  # accepted at ingest
     checked: int = 0  # rollouts chosen for a logprob check
-    passed: int = 0  # held-back groups whose check passed
+    passed: int = 0  # pending groups whose check passed
     strikes: int = 0
     reward_mismatches: int = 0  # claimed_reward disagreed with the recomputed reward (flagged, never used)
     served: int = 0  # samples that reached the trainer

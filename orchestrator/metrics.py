@@ -84,7 +84,7 @@ class StateCollector(Collector):
             gauges += [
                 ("scores_waiting", "Samples of complete groups not yet scored.", scoring["waiting"]),
                 ("scores_leased", "Of those, samples leased to a scorer now.", scoring["leased"]),
-                ("groups_scoring", "Complete groups held back for their scores.", s.buffer.pending_for("scores")),
+                ("groups_scoring", "Complete groups pending for their scores.", s.buffer.pending_for("scores")),
             ]
             for name in COUNTS:
                 yield CounterMetricFamily(f"decentrl_{name}", SCORING_HELP[name], value=scoring[name])

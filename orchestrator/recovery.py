@@ -97,7 +97,7 @@ def recover(
     `ServedBatch.build`) and what integrity knew. Left on disk and looked up there
     (orchestrator/leases.py): the rollout ids of every closed lease (resends stay duplicates) and
     the closed leases not in the buffer nor in a kept batch, only remembered to be forgotten in
-    time. `restore_steps` (orchestrator/reward_stage.py) gives a group in line or in a kept batch
+    time. `restore_steps` (orchestrator/reward_stage.py) gives a group in the ready queue or in a kept batch
     its process rewards again, so a batch asked for again carries the same token advantages.
     """
     meta = snapshot.meta
@@ -176,7 +176,7 @@ def _decoded(
     entries: Iterable[tuple[str, bytes | None]], lease: Lease, run_name: str
 ) -> tuple[list[Rollout], list[Packed]]:
     """A lease's journaled (rollout id, body), decoded, with their arrays packed. A lease's bodies
-    are kept while it is open or in line (they go when it closes without training or its batch is
+    are kept while it is open or in the ready queue (they go when it closes without training or its batch is
     forgotten)."""
     samples = []
     for rollout_id, data in entries:

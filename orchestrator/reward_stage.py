@@ -4,7 +4,7 @@ RunState (orchestrator/state.py) hands every complete group to `start`:
 - `VerifierRewards` (type = "verifier"): the task's verifier gives the rewards at once, final;
 - `ModelRewards` (type = "model" | "sum", docs/rewards.md): the group's samples (split into steps
   for process rewards) go to the score queue (orchestrator/score_queue.py) that scorers lease
-  from, and the group is held back in its place until the last score is in; then `finish`
+  from, and the group is pending in its position until the last score is in; then `finish`
   combines the scores with the verifier's rewards (orchestrator/rewards.py) and keeps a
   distillation teacher's per-token log-probs for the batch's advantages. The scores taken
   are journaled by the queue and read back at a restart (`recovered`), so none is lost.

@@ -55,7 +55,7 @@ async def _judge(app: web.Application, executor: concurrent.futures.Executor, jo
         {job.lease_id: {r.rollout_id: failed[r.rollout_id] for r in job.rollouts if r.rollout_id in failed} for job in jobs}
     )
     await commit(app)
-    # A batch may form now: groups joined the buffer, or a held-back group it waited for was
+    # A batch may form now: groups joined the buffer, or a pending group it waited for was
     # dropped (which also frees its place for a new lease).
     await notify_all(app[BATCH_READY])
     await notify_all(app[LEASES_FREED])

@@ -1,7 +1,7 @@
 """Logprob spot-checks: recompute a rollout's per-token sampling logprobs under its claimed version.
 
 Runs on one worker thread of the verification scheduler (orchestrator/verification.py), off the
-event loop; a group holding a sampled rollout is held back until its check is done
+event loop; a group holding a sampled rollout is pending until its check is done
 (orchestrator/buffer.py), so an unverified sample never reaches the trainer. `warm_up`, which the
 app runs on that thread at startup, imports torch and transformers and builds the models (an
 orchestrator with verification off never loads them).

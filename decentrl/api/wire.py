@@ -547,8 +547,8 @@ class StatusResponse(Wire):
         0, description="Dynamic sampling: complete groups a step consumed and did not train (dropped as zero_signal or "
         "surplus; their samples are in `dropped`)."
     )
-    groups_verifying: Int = Field(0, description="Complete groups held back until their logprob spot-check is done.")
-    groups_scoring: Int = Field(0, description="Complete groups held back until scorers have scored every sample.")
+    groups_verifying: Int = Field(0, description="Complete groups pending until their logprob spot-check is done.")
+    groups_scoring: Int = Field(0, description="Complete groups pending until scorers have scored every sample.")
     scoring: dict[str, Int] | None = Field(
         None, description="Model rewards (docs/rewards.md): samples waiting and leased, score leases open; since this "
         "orchestrator started: scores_posted, scores_duplicate, scores_reassigned, score_leases_expired, "
@@ -562,7 +562,7 @@ class StatusResponse(Wire):
     )
     workers: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description="Per token: rollouts, checked, passed (held-back groups whose check passed), strikes, "
+        description="Per token: rollouts, checked, passed (pending groups whose check passed), strikes, "
         "reward_mismatches (claimed reward disagreed; never used), served, rejections by reason, banned. "
         "See docs/security.md.",
     )

@@ -72,7 +72,7 @@ class VerificationConfig(Section):
     models_cached: int = Field(2, ge=1, le=16, description="Policy versions kept loaded by the verifier at once.")
     check_wait_s: float = Field(
         0.5, ge=0.0, le=60.0,
-        description="A held-back group waits up to this long for others to be checked with it in one forward "
+        description="A pending group waits up to this long for others to be checked with it in one forward "
         "(each check has a fixed cost), but never once the trainer's next batch needs it; 0 = check at once.",
     )
     check_batch_rollouts: int = Field(
