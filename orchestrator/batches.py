@@ -12,8 +12,8 @@ unless dynamic sampling consumes more), builds the batch here (`build_batch`) an
   groups); this is the one place that reads their setting; a group scored per step (process
   rewards, orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`),
   and so does a group a teacher scored token by token (on-policy distillation, `distill_advantages`);
-- the completion ids and logprobs of every sample were packed as typed arrays at ingest
-  (decentrl/api/encoding.py `pack_sample`), and a batch is encoded from them (orchestrator/codec.py), not packed again.
+- a batch is encoded with its samples' completion ids and logprobs as the typed arrays they came in
+  (orchestrator/codec.py), not packed again.
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ class ServedBatch:
         return [group.lease_id for group in self.groups]
 
     def msgpack(self) -> bytes:
-        packed = [packed for group in self.groups for packed in group.packed]  # per sample of the batch
         prompts = {group.lease_id: pack_ints(group.rollouts[0].prompt_token_ids) for group in self.groups if group.size}
-        return train_batch_msgpack(self.batch, packed, prompts)
+        return train_batch_msgpack(self.batch, prompts)
 
 
 def has_signal(group: Group) -> bool:
@@ -185,7 +184,7 @@ class KeptBatches:
         return served.batch if served is not None else None
 
     def msgpack(self, batch: TrainBatch) -> bytes | None:
-        """A kept batch as msgpack, from the arrays packed at ingest (None if no longer kept)."""
+        """A kept batch as msgpack (None if no longer kept)."""
         served = self._by_batch_id.get(batch.batch_id or "")
         return served.msgpack() if served is not None and served.batch is batch else None
 

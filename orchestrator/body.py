@@ -100,19 +100,9 @@ async def read_body(request: web.Request, *, limit: int, timeout_s: float) -> by
     return body
 
 
-async def parse_body(request: web.Request, model: type[M]) -> M:
-    """The body as `model`: 415 for an unknown Content-Type, 400 naming the fields that fail."""
-    parsed, _ = await parse_body_with_raw(request, model)
-    return parsed
-
-
-async def parse_body_with_raw(
-    request: web.Request, model: type[M], context: dict[str, Any] | None = None
-) -> tuple[M, Any]:
-    """`parse_body`, plus the decoded msgpack object (None for a JSON body): its typed arrays keep
-    the bytes they came in, for the rollouts handler to journal and serve as they are
-    (orchestrator/codec.py, `packed_arrays`). `context`: the run's own bounds the model's
-    validators read (decentrl/api/wire.py `MASK_IDS`)."""
+async def parse_body(request: web.Request, model: type[M], context: dict[str, Any] | None = None) -> M:
+    """The body as `model`: 415 for an unknown Content-Type, 400 naming the fields that fail.
+    `context`: the run's own bounds the model's validators read (decentrl/api/wire.py `MASK_IDS`)."""
     media = request.content_type
     msgpack = media in MSGPACK_TYPES
     if not msgpack and media not in JSON_TYPES and not media.endswith("+json"):
@@ -124,9 +114,8 @@ async def parse_body_with_raw(
     body = await read_body(request, limit=limits.max_request_bytes, timeout_s=limits.timeout_s)
     try:
         if msgpack:
-            decoded = unpack_msgpack(body)
-            return model.model_validate(decoded, context=context), decoded
-        return model.model_validate_json(body, context=context), None
+            return model.model_validate(unpack_msgpack(body), context=context)
+        return model.model_validate_json(body, context=context)
     except EncodingError as exc:
         raise error(web.HTTPBadRequest, f"invalid {model.__name__}: body: {exc}") from None
     except ValidationError as exc:

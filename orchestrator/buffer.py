@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from decentrl.api.encoding import Packed
 from decentrl.api.wire import Rollout
 from orchestrator.events import GroupCompleted, Journaling
 
@@ -31,7 +30,7 @@ Wait = Literal["check", "scores"]
 class Group:
     """A complete, scored group: what the buffer orders, evicts and serves.
 
-    Its samples (rollouts and their packed arrays) are held in memory, or, for a group recovered
+    Its samples are held in memory, or, for a group recovered
     from the journal, read from it the first time they are needed (`read`): the buffer is
     recovered from its lease rows alone (rewards, place, oldest version), so a restart does not
     decode thousands of buffered rollouts (orchestrator/recovery.py); they are decoded when served.
@@ -42,8 +41,8 @@ class Group:
     rewards: list[float]
     oldest_version: int  # the oldest policy version among its samples: staleness is judged by it
     seq: int = 0  # position in the ready queue (completion order; ready_seq in the journal), set on joining it or becoming pending
-    held: tuple[list[Rollout], list[Packed]] | None = None  # (rollouts, packed arrays), in sample order
-    read: Callable[[], tuple[list[Rollout], list[Packed]]] | None = None  # where `held` is None
+    held: list[Rollout] | None = None  # its samples, in sample order
+    read: Callable[[], list[Rollout]] | None = None  # where `held` is None
     awaiting: set[Wait] = field(default_factory=set)  # what keeps it pending, while it is pending
     verifier_rewards: list[float] | None = None  # while it waits for model scores: the task's rewards, if used
     # Process rewards: per sample, its steps' last token indices (decentrl/rl/steps.py) and their
@@ -55,25 +54,17 @@ class Group:
     teacher_logprobs: list[list[float] | None] | None = None
 
     @classmethod
-    def of(cls, lease_id: str, prompt_id: int, rollouts: list[Rollout], rewards: list[float], packed: list[Packed],
-           seq: int = 0) -> Group:
+    def of(cls, lease_id: str, prompt_id: int, rollouts: list[Rollout], rewards: list[float], seq: int = 0) -> Group:
         """A group of samples held in memory."""
         oldest = min(rollout.policy_version for rollout in rollouts)
-        return cls(lease_id, prompt_id, rewards, oldest, seq, held=(rollouts, packed))
+        return cls(lease_id, prompt_id, rewards, oldest, seq, held=rollouts)
 
-    def _samples(self) -> tuple[list[Rollout], list[Packed]]:
+    @property
+    def rollouts(self) -> list[Rollout]:
         if self.held is None:
             assert self.read is not None, "a group holds its samples or can read them"
             self.held, self.read = self.read(), None
         return self.held
-
-    @property
-    def rollouts(self) -> list[Rollout]:
-        return self._samples()[0]
-
-    @property
-    def packed(self) -> list[Packed]:
-        return self._samples()[1]
 
     @property
     def samples(self) -> list[tuple[Rollout, float]]:

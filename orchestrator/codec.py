@@ -1,9 +1,9 @@
-"""The orchestrator's hot path over the msgpack encoding (decentrl/api/encoding.py): arrays packed once.
+"""The orchestrator's hot path over the msgpack encoding (decentrl/api/encoding.py): arrays sent on as they came.
 
-A rollout's completion ids and logprobs are taken as the typed arrays they arrived in
-(`packed_arrays`, from the rollouts handler) or packed once when it is accepted; the journal
-(`encode_rollout`) and the trainer's batch answer (`train_batch_msgpack`) reuse those bytes, which
-are exactly what `encode_model` produces, so the big lists are never walked again in Python.
+A rollout's completion ids and logprobs keep the typed arrays a msgpack body carried them in
+(decentrl/api/encoding.py `pack_sample`); the journal (`encode_rollout`) and the trainer's batch
+answer (`train_batch_msgpack`) write those bytes as they are, which are exactly what `encode_model`
+produces, so the big lists are never walked again in Python. A JSON body's lists are packed there.
 """
 
 from __future__ import annotations
@@ -13,48 +13,23 @@ from typing import Any
 import msgpack
 from pydantic import BaseModel
 
-from decentrl.api.encoding import (
-    EXT_FLOAT32,
-    EXT_FLOAT64,
-    EXT_INT32,
-    EXT_INT64,
-    Packed,
-    TypedList,
-    pack_ints,
-    pack_routes,
-    unpack_msgpack,
-)
+from decentrl.api.encoding import TypedList, pack_ints, pack_routes, pack_sample, unpack_msgpack
 from decentrl.api.wire import ExpertRouting, Rollout, SamplingParams, TrainBatch
 
 # Rollout fields the lease row already holds (or that are the same for the whole run).
 _NOT_IN_BODY = {"rollout_id", "lease_id", "run_name", "prompt_token_ids"}
 
 
-def packed_arrays(raw: dict[str, Any]) -> list[Packed | None]:
-    """Per rollout of a decoded msgpack body (validated as a RolloutBatch): its completion ids and
-    logprobs as the typed arrays they came in (None where they were not)."""
-    found: list[Packed | None] = []
-    for rollout in raw["rollouts"]:
-        ids, logprobs = rollout.get("completion_token_ids"), rollout.get("logprobs")
-        typed = (
-            isinstance(ids, TypedList) and ids.ext.code in (EXT_INT32, EXT_INT64)
-            and isinstance(logprobs, TypedList) and logprobs.ext.code in (EXT_FLOAT32, EXT_FLOAT64)
-        )
-        found.append((ids.ext, logprobs.ext) if typed else None)
-    return found
-
-
-def train_batch_msgpack(batch: TrainBatch, packed: list[Packed], prompts: dict[str, msgpack.ExtType]) -> bytes:
-    """`encode_model(batch, MEDIA_MSGPACK)`, built from the arrays packed at ingest (`packed[i]`:
-    `batch.samples[i]`'s; `prompts`: group id -> its packed prompt)."""
+def train_batch_msgpack(batch: TrainBatch, prompts: dict[str, msgpack.ExtType]) -> bytes:
+    """`encode_model(batch, MEDIA_MSGPACK)`, built from the samples' arrays as they came (`prompts`:
+    group id -> its packed prompt)."""
     samples: list[dict[str, Any]] = []
     names = list(type(batch.samples[0]).model_fields) if batch.samples else []
-    for sample, (ids, logprobs) in zip(batch.samples, packed, strict=True):
+    for sample in batch.samples:
         fields = {name: getattr(sample, name) for name in names}
         prompt = prompts.get(sample.group_id) if sample.group_id is not None else None
         fields["prompt_token_ids"] = prompt if prompt is not None else pack_ints(sample.prompt_token_ids)
-        fields["completion_token_ids"] = ids
-        fields["logprobs"] = logprobs
+        fields["completion_token_ids"], fields["logprobs"] = pack_sample(sample.completion_token_ids, sample.logprobs)
         if (routing := sample.expert_routing) is not None:  # the expert ids as they came, else packed (uint8 or uint16)
             experts = routing.experts.ext if type(routing.experts) is TypedList else pack_routes(routing.experts)
             fields["expert_routing"] = {"layers": routing.layers, "top_k": routing.top_k, "experts": experts}
@@ -65,14 +40,14 @@ def train_batch_msgpack(batch: TrainBatch, packed: list[Packed], prompts: dict[s
     return msgpack.packb(body, use_bin_type=True)
 
 
-def encode_rollout(rollout: Rollout, packed: Packed) -> bytes:
-    """A rollout's journal body: msgpack with its `packed` arrays, without what its lease row holds."""
+def encode_rollout(rollout: Rollout) -> bytes:
+    """A rollout's journal body: msgpack with its typed arrays, without what its lease row holds."""
     body = {}
     for name in type(rollout).model_fields:
         if name not in _NOT_IN_BODY:
             value = getattr(rollout, name)
             body[name] = value.model_dump() if isinstance(value, BaseModel) else value
-    body["completion_token_ids"], body["logprobs"] = packed
+    body["completion_token_ids"], body["logprobs"] = pack_sample(rollout.completion_token_ids, rollout.logprobs)
     return msgpack.packb(body, use_bin_type=True)
 
 

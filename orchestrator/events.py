@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
-from decentrl.api.encoding import Packed
 from decentrl.api.wire import Lease, Rollout
 
 
@@ -23,7 +22,6 @@ class LeaseGranted(NamedTuple):
 
 class RolloutAccepted(NamedTuple):
     rollout: Rollout
-    packed: Packed
 
 
 class GroupCompleted(NamedTuple):

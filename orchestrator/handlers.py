@@ -59,14 +59,12 @@ from orchestrator.body import (
     error,
     holder_of,
     parse_body,
-    parse_body_with_raw,
     query_int,
     query_worker,
     respond,
     wants_msgpack,
 )
 from orchestrator.checks import run_keeps_routing
-from orchestrator.codec import packed_arrays
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.metrics import METRICS
 from orchestrator.state import LeaseError, RunState
@@ -192,7 +190,7 @@ async def rollouts(request: web.Request) -> web.Response:
         )
     with inflight.held(name):
         bound = mask_bound(state.sampling, state.vocab_size)
-        body, raw = await parse_body_with_raw(request, RolloutBatch, context={MASK_IDS: bound})
+        body = await parse_body(request, RolloutBatch, context={MASK_IDS: bound})
         first = body.rollouts[0]
         if any(r.worker_id != first.worker_id for r in body.rollouts):
             raise error(web.HTTPBadRequest, "all rollouts of one request must carry the same worker_id")
@@ -203,8 +201,7 @@ async def rollouts(request: web.Request) -> web.Response:
                 f"{next(r.run_name for r in body.rollouts if r.run_name != state.config.run_name)!r}",
             )
         ready_before, leases_before = len(state.ready), state.leases_changed
-        packed = packed_arrays(raw) if raw is not None else None
-        result = state.ingest(body.rollouts, holder_of(request, first.worker_id), packed=packed)
+        result = state.ingest(body.rollouts, holder_of(request, first.worker_id))
         await commit(app)
     metrics = app[METRICS]
     if result.accepted:

@@ -220,8 +220,8 @@ class Journal:
             case events.LeaseGranted(lease, holder):
                 prompt = msgpack.packb(pack_ints(lease.prompt_token_ids))
                 pending.append((SQL_LEASE, (lease.lease_id, lease.prompt_id, holder, lease.deadline, prompt, lease.group_size)))
-            case events.RolloutAccepted(rollout, packed):
-                pending.append((SQL_ROLLOUT, (rollout.rollout_id, rollout.lease_id, encode_rollout(rollout, packed))))
+            case events.RolloutAccepted(rollout):
+                pending.append((SQL_ROLLOUT, (rollout.rollout_id, rollout.lease_id, encode_rollout(rollout))))
             case events.GroupCompleted(lease_id, ready_seq, rewards, oldest_version, at):
                 pending.append((SQL_COMPLETE, (ready_seq, at, json.dumps(rewards), oldest_version, lease_id)))
             case events.LeaseClosedAs(lease_id, status, at, drop_samples):

@@ -29,7 +29,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from decentrl.api.encoding import Packed
 from decentrl.api.wire import Lease, LeaseState, Rollout
 from decentrl.config import RunConfig
 from decentrl.rl.staleness import lease_budget
@@ -53,7 +52,6 @@ class OpenLease:
     holder: str  # token name + worker id: only the holder may answer
     granted_at: float = 0.0  # when granted (a recovered lease: when recovered), for the lease policy
     samples: list[Rollout] = field(default_factory=list)
-    packed: list[Packed] = field(default_factory=list)  # per sample: completion ids and logprobs, packed
     check: list[int] = field(default_factory=list)  # samples whose logprobs are to be recomputed
 
     @property

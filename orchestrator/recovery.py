@@ -15,7 +15,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from decentrl.api.encoding import Packed, pack_sample
 from decentrl.api.wire import Lease, Rollout, StaleReport, TrainBatch
 from decentrl.config import AdvantageConfig
 from decentrl.rl.determinism import required_version
@@ -128,8 +127,7 @@ def recover(
             entries = snapshot.rollouts.get(lease.lease_id, [])
             for rollout_id, _ in entries:
                 lease_book.seen_rollout_ids[rollout_id] = lease.lease_id
-            samples, packed = _decoded(entries, lease, run_name)
-            lease_book.hold(OpenLease(lease=lease, holder=row["holder"], samples=samples, packed=packed))
+            lease_book.hold(OpenLease(lease=lease, holder=row["holder"], samples=_decoded(entries, lease, run_name)))
             continue
         # In the buffer (complete) or in a batch kept (served): samples stay on disk.
         rewards = json.loads(row["rewards"])
@@ -167,15 +165,13 @@ def _build_kept(groups: list[Group], restore_steps: Callable[[Group], None], **o
     return build_batch(groups, **options)
 
 
-def _read_samples(journal: RunJournal, lease: Lease, run_name: str) -> tuple[list[Rollout], list[Packed]]:
+def _read_samples(journal: RunJournal, lease: Lease, run_name: str) -> list[Rollout]:
     """A recovered group's samples, read from the journal when it is first served."""
     return _decoded(journal.samples(lease.lease_id), lease, run_name)
 
 
-def _decoded(
-    entries: Iterable[tuple[str, bytes | None]], lease: Lease, run_name: str
-) -> tuple[list[Rollout], list[Packed]]:
-    """A lease's journaled (rollout id, body), decoded, with their arrays packed. A lease's bodies
+def _decoded(entries: Iterable[tuple[str, bytes | None]], lease: Lease, run_name: str) -> list[Rollout]:
+    """A lease's journaled (rollout id, body), decoded (its arrays keep their bytes). A lease's bodies
     are kept while it is open or in the ready queue (they go when it closes without training or its batch is
     forgotten)."""
     samples = []
@@ -184,4 +180,4 @@ def _decoded(
         samples.append(decode_rollout(
             data, rollout_id=rollout_id, lease_id=lease.lease_id, run_name=run_name, prompt_token_ids=lease.prompt_token_ids,
         ))
-    return samples, [pack_sample(sample.completion_token_ids, sample.logprobs) for sample in samples]
+    return samples

@@ -71,7 +71,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from decentrl.api.encoding import Packed, pack_sample
 from decentrl.api.wire import (
     IngestResponse,
     Lease,
@@ -283,14 +282,8 @@ class RunState(RunView):
 
     # -- the pipeline of a posted rollout -------------------------------------------------------
 
-    def ingest(
-        self, rollouts: Sequence[Rollout], holder: str, packed: Sequence[Packed | None] | None = None
-    ) -> IngestResponse:
-        """Each rollout through the stages named in the module docstring.
-
-        `packed` (optional, aligned with `rollouts`): completion ids and logprobs already packed
-        as typed arrays (as a msgpack body carried them), kept instead of packing them again.
-        """
+    def ingest(self, rollouts: Sequence[Rollout], holder: str) -> IngestResponse:
+        """Each rollout through the stages named in the module docstring."""
         self.expire_leases()
         accepted, duplicates, rejected = 0, 0, []
         seen = self.lease_book.seen_rollout_ids
@@ -298,7 +291,7 @@ class RunState(RunView):
             self.journal.acknowledged([r.rollout_id for r in rollouts if r.rollout_id not in seen])
             if self.lease_book.journaled else set()
         )
-        for index, rollout in enumerate(rollouts):
+        for rollout in rollouts:
             rollout_id, lease_id = rollout.rollout_id, rollout.lease_id
             # 1. dedupe
             if rollout_id in seen or rollout_id in journaled or self._lost(rollout, holder):
@@ -320,17 +313,14 @@ class RunState(RunView):
                     self.counters.stale_dropped += 1  # this sample; the close counted those it held
                     self.counters.stale_since_batch.add([len(rollout.completion_token_ids)], None)
                 continue
-            # 3. record: the sample joins its open lease, its completion ids and logprobs as typed
-            # arrays (as a msgpack body carried them, or packed now), and the journal records it
+            # 3. record: the sample joins its open lease, and the journal records it
             assert open_lease is not None  # the checks refuse a sample without one
             seen[rollout_id] = lease_id
             rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids  # equal (checked): shared
             open_lease.samples.append(rollout)
-            came = packed[index] if packed is not None else None
-            open_lease.packed.append(came or pack_sample(rollout.completion_token_ids, rollout.logprobs))
             if check:
                 open_lease.check.append(len(open_lease.samples) - 1)
-            self.journal.record(RolloutAccepted(rollout, open_lease.packed[-1]))
+            self.journal.record(RolloutAccepted(rollout))
             self.counters.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
             accepted += 1
             if len(open_lease.samples) == open_lease.lease.group_size:
@@ -357,7 +347,7 @@ class RunState(RunView):
             return
         # A deterministic run's groups take their position in the ready queue from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
-        group = Group.of(lease.lease_id, lease.prompt_id, samples, [0.0] * len(samples), open_lease.packed, seq)
+        group = Group.of(lease.lease_id, lease.prompt_id, samples, [0.0] * len(samples), seq)
         scored = self.reward_stage.start(group)  # rewarded now, or queued for scorers
         self.lease_book.close(lease.lease_id, "complete")
         losers, mismatches = self.lease_policy.filled(open_lease)
@@ -597,7 +587,7 @@ class RunState(RunView):
         return self.kept.retried(request_id)
 
     def batch_msgpack(self, batch: TrainBatch) -> bytes | None:
-        """A kept batch as msgpack, from the arrays packed at ingest (None if no longer kept)."""
+        """A kept batch as msgpack (None if no longer kept)."""
         return self.kept.msgpack(batch)
 
     # -- upkeep ----------------------------------------------------------------------------------

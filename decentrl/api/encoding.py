@@ -73,8 +73,13 @@ def pack_ints(values: Sequence[int]) -> msgpack.ExtType:
 
 
 def pack_sample(completion_token_ids: Sequence[int], logprobs: Sequence[float]) -> Packed:
-    """A sample's completion ids and logprobs packed once, as the orchestrator keeps, journals and serves them."""
-    return pack_ints(completion_token_ids), pack_floats(logprobs)
+    """A sample's completion ids and logprobs as the orchestrator journals and serves them: the
+    typed arrays a msgpack body carried them in (a TypedList keeps its bytes), else packed now."""
+    ids, floats = completion_token_ids, logprobs
+    return (
+        ids.ext if type(ids) is TypedList and ids.ext.code in (EXT_INT32, EXT_INT64) else pack_ints(ids),
+        floats.ext if type(floats) is TypedList and floats.ext.code in (EXT_FLOAT32, EXT_FLOAT64) else pack_floats(floats),
+    )
 
 
 def pack_routes(values: Sequence[int]) -> msgpack.ExtType:

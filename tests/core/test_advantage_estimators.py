@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from decentrl.api.encoding import pack_sample
 from decentrl.api.wire import Lease
 from decentrl.config import AdvantageConfig, ConfigError, OverlongConfig, parse_config
 from decentrl.rl.advantages import (
@@ -98,7 +97,7 @@ def lease(lease_id: str) -> Lease:
 
 def group(make_rollout: Any, lease_id: str, rewards: list[float], lengths: list[int], finish: list[str]) -> Group:
     rollouts = [make_rollout(lease(lease_id), list(range(3, 3 + n)), finish_reason=f) for n, f in zip(lengths, finish, strict=True)]
-    return Group.of(lease_id, 0, rollouts, rewards, [pack_sample(r.completion_token_ids, r.logprobs) for r in rollouts])
+    return Group.of(lease_id, 0, rollouts, rewards)
 
 
 def test_batches_use_the_configured_estimator_and_shape_then_mask(make_rollout: Any) -> None:

@@ -27,9 +27,9 @@ from decentrl.api.encoding import (
     EncodingError,
     TypedList,
     encode_model,
-    pack_floats,
     pack_ints,
     pack_msgpack,
+    pack_sample,
     unpack_msgpack,
     value_range,
 )
@@ -104,10 +104,20 @@ def test_the_trainers_msgpack_batch_is_the_generic_encoding() -> None:
     ]
     batch = TrainBatch(trainer_version=4, samples=samples, staleness_histogram={"1": 3}, rollouts_accepted=9,
                        stale_dropped=1, batch_id="b1")
-    packed = [(pack_ints(s.completion_token_ids), pack_floats(s.logprobs)) for s in samples]
-    fast = train_batch_msgpack(batch, packed, {"g1": pack_ints([1, 9])})
+    fast = train_batch_msgpack(batch, {"g1": pack_ints([1, 9])})
     assert TrainBatch.model_validate(unpack_msgpack(fast)) == batch
     assert unpack_msgpack(fast) == unpack_msgpack(encode_model(batch, MEDIA_MSGPACK))
+
+
+def test_a_samples_arrays_go_on_as_a_msgpack_body_carried_them() -> None:
+    body = pack_msgpack({"completion_token_ids": [4, 2], "logprobs": [-0.5, -0.25]})  # float32: exact
+    decoded = unpack_msgpack(body)
+    ids, logprobs = pack_sample(decoded["completion_token_ids"], decoded["logprobs"])
+    assert (ids, logprobs) == (decoded["completion_token_ids"].ext, decoded["logprobs"].ext)
+    assert logprobs.code == EXT_FLOAT32  # as sent, not widened to float64
+    ids, logprobs = pack_sample([4, 2], [-0.5, -0.25])  # a JSON body's lists: packed now
+    assert (ids.code, logprobs.code) == (EXT_INT32, EXT_FLOAT64)
+    assert unpack_msgpack(msgpack.packb([ids, logprobs])) == [[4, 2], [-0.5, -0.25]]
 
 
 # -- fast paths that must agree with the slow ones ----------------------------------------

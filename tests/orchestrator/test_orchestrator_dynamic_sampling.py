@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from decentrl.api.encoding import pack_sample
 from decentrl.api.wire import Lease, ScorePost, ScoreResult
 from decentrl.config import ConfigError
 from decentrl.rl.determinism import required_version
@@ -57,7 +56,7 @@ def post(make_rollout: Any, sorted_answer: Callable[[str], str]) -> Callable[...
 def group(name: str, rewards: list[float], make_rollout: Any) -> Group:
     lease = Lease(lease_id=name, prompt_id=0, prompt_token_ids=[1, 2], group_size=len(rewards), deadline=0.0)
     rollouts = [make_rollout(lease, [4, 5]) for _ in rewards]
-    return Group.of(name, 0, rollouts, rewards, [pack_sample(r.completion_token_ids, r.logprobs) for r in rollouts])
+    return Group.of(name, 0, rollouts, rewards)
 
 
 def test_pick_signal_trains_the_first_groups_with_a_signal_in_order_and_names_what_it_drops(make_rollout: Any) -> None:

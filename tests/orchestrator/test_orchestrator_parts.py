@@ -15,7 +15,6 @@ import pytest
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.api.encoding import pack_sample
 from decentrl.api.wire import MASK_IDS, Lease, Rollout, RolloutBatch, SamplingParams, ScoreItem, ScorePost, ScoreResult, problems
 from decentrl.config import AdvantageConfig, HedgingConfig, RewardConfig, VerificationConfig
 from decentrl.rl.determinism import required_version
@@ -43,7 +42,7 @@ def lease(lease_id: str, prompt_id: int = 0, group_size: int = 2) -> Lease:
 
 def group(make_rollout: Any, lease_id: str, rewards: list[float], *, version: int = 0, seq: int = 0) -> Group:
     rollouts = [make_rollout(lease(lease_id), [5, 6], policy_version=version) for _ in rewards]
-    return Group.of(lease_id, 0, rollouts, rewards, [pack_sample(r.completion_token_ids, r.logprobs) for r in rollouts], seq)
+    return Group.of(lease_id, 0, rollouts, rewards, seq)
 
 
 # -- the buffer -------------------------------------------------------------------------------

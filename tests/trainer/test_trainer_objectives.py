@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from decentrl.api.encoding import pack_sample
 from decentrl.api.wire import Lease, TrainBatch
 from decentrl.config import AdvantageConfig, TinyModelConfig, TrainerConfig
 from decentrl.model.build import build_model
@@ -29,7 +28,7 @@ def on_policy_batch(model: torch.nn.Module, make_rollout: Any, advantages: Advan
     """One group of four, advantages by the orchestrator, sampling logprobs those of `model`."""
     lease = Lease(lease_id="g", prompt_id=0, prompt_token_ids=[1, 5, 7], group_size=4, deadline=0.0)
     rollouts = [make_rollout(lease, ids) for ids in COMPLETIONS]
-    group = Group.of("g", 0, rollouts, REWARDS, [pack_sample(r.completion_token_ids, r.logprobs) for r in rollouts])
+    group = Group.of("g", 0, rollouts, REWARDS)
     batch = build_batch([group], trainer_version=0, batch_id="b", advantages=advantages, rollouts_accepted=4, stale_dropped=0)
     with torch.no_grad():
         tensors = collate(batch.samples, 0)
