@@ -25,7 +25,6 @@ from typing import Protocol
 from decentrl.api.wire import Lease, Rollout, SamplingParams, value_range
 from decentrl.config import PretrainedModelConfig, RunConfig, TinyModelConfig
 from decentrl.model.routing import RouteSpec, keeps_routing, routing_problem, spec_of
-from decentrl.model.stopping import ends_generation
 from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, TextCodec, replay_episode
@@ -55,16 +54,15 @@ class OpenGroup(Protocol):
 class IngestChecks:
     def __init__(
         self, *, config: RunConfig, task: Task | EpisodeTask, sampling: SamplingParams, vocab_size: int,
-        end_ids: set[int], decode: Callable[[list[int]], str], episode_codec: TextCodec | None,
+        ends: Callable[[list[int]], bool], episode_codec: TextCodec | None,
     ) -> None:
-        """`end_ids`: what ends a generation (the ids the worker backends stop at); `decode`: one
-        completion's text, for stop strings; `episode_codec`: a multi-turn task's text codec."""
+        """`ends`: whether a completion's tokens end its generation (end-of-sequence or a stop
+        string, decentrl/model/stopping.py); `episode_codec`: a multi-turn task's text codec."""
         self.config = config
         self.task = task
         self.sampling = sampling  # every rollout must have been sampled with exactly these
         self.vocab_size = vocab_size
-        self.end_ids = end_ids
-        self.decode = decode
+        self.ends = ends
         self.episode_codec = episode_codec
 
     def reason(
@@ -121,7 +119,7 @@ class IngestChecks:
             # "length" means exactly max_tokens tokens; "stop" means the last token is
             # end-of-sequence or completes a stop string. (An episode's replay checks its ending.)
             len(ids) != rollout.sampling.max_tokens if rollout.finish_reason == "length"
-            else not ends_generation(ids, eos_ids=self.end_ids, stops=rollout.sampling.stop, text_of=self.decode)
+            else not self.ends(ids)
         ):
             return "bad_finish_reason"
         if episode:
@@ -129,7 +127,7 @@ class IngestChecks:
             try:
                 replay_episode(
                     self.task, self.task.prompt(rollout.prompt_id), ids, rollout.loss_mask, rollout.finish_reason,
-                    rollout.sampling, self.episode_codec, eos_ids=self.end_ids,
+                    rollout.sampling, self.episode_codec, ends=self.ends,
                 )
             except EpisodeMismatch as exc:
                 log.info("rollout %s: %s", rollout.rollout_id, exc)

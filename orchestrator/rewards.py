@@ -14,6 +14,7 @@ completion's token ids, which a teacher scores), and once scored the two rewards
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from decentrl.api.wire import ChatMessage, Rollout, ScoreItem, ScoreResult
@@ -33,14 +34,15 @@ if TYPE_CHECKING:
 class Rewards:
     def __init__(
         self, *, task: Task | EpisodeTask, tokenizer: PreTrainedTokenizerBase | RustTokenizer, decode: Decoder,
-        end_ids: set[int], rewards: RewardConfig, prompt: PromptConfig, steps: StepsConfig, token_ids: bool = False,
+        ends: Callable[[list[int]], bool], rewards: RewardConfig, prompt: PromptConfig, steps: StepsConfig,
+        token_ids: bool = False,
     ) -> None:
-        """`end_ids`: what ends a model turn (the ids the worker backends stop at); `steps`: how a
+        """`ends`: whether a model turn's tokens end its generation; `steps`: how a
         completion is split for step scores (used with `rewards.step_scores`); `token_ids`: items
         carry the samples' token ids, for a distillation teacher ([orchestrator.advantages.distill])."""
         self.task = task
         self.decode = decode
-        self.end_ids = end_ids
+        self.ends = ends
         self.config = rewards
         self.prompt_config = prompt
         self.steps_config = steps if rewards.step_scores else None
@@ -103,5 +105,5 @@ class Rewards:
         assert isinstance(self.task, EpisodeTask) and self._episode_codec is not None
         return replay_episode(
             self.task, self.task.prompt(rollout.prompt_id), rollout.completion_token_ids, rollout.loss_mask,
-            rollout.finish_reason, rollout.sampling, self._episode_codec, eos_ids=self.end_ids,
+            rollout.finish_reason, rollout.sampling, self._episode_codec, ends=self.ends,
         )

@@ -64,6 +64,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -86,6 +87,7 @@ from decentrl.api.wire import (
 )
 from decentrl.config import RunConfig
 from decentrl.model.build import end_of_sequence_ids
+from decentrl.model.stopping import ends_generation
 from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask, tokenizer_codec
@@ -152,9 +154,14 @@ class RunState(RunView):
         self.vocab_size = len(tokenizer)
         decode = self._decode = make_decoder(tokenizer)
         render_prompt = make_prompt_encoder(config.prompt, tokenizer, task, raw=make_encoder(tokenizer))
-        # What ends a generation for the finish-reason and turn-end checks: the ids the worker
-        # backends stop at (tokenizer and generation config) and, leniently, any special token.
-        end_ids = end_of_sequence_ids(config.model, tokenizer) | set(tokenizer.all_special_ids)
+        sampling = SamplingParams(**config.sampling.model_dump())
+        # What ends a generation, for the finish-reason and turn-end checks: the ids the worker
+        # backends stop at (tokenizer and generation config), leniently any special token, and
+        # the run's stop strings.
+        ends = functools.partial(
+            ends_generation, eos_ids=end_of_sequence_ids(config.model, tokenizer) | set(tokenizer.all_special_ids),
+            stops=sampling.stop, text_of=lambda ids: decode([ids])[0],
+        )
 
         self.versions = Versions()
         self.counters = Counters()
@@ -173,12 +180,11 @@ class RunState(RunView):
             policy=self.lease_policy,
         )
         self.rewards = Rewards(
-            task=task, tokenizer=tokenizer, decode=decode, end_ids=end_ids, rewards=options.rewards, prompt=config.prompt,
+            task=task, tokenizer=tokenizer, decode=decode, ends=ends, rewards=options.rewards, prompt=config.prompt,
             steps=options.advantages.steps, token_ids=options.advantages.distill is not None,
         )
         self.checks = IngestChecks(
-            config=config, task=task, sampling=SamplingParams(**config.sampling.model_dump()), vocab_size=self.vocab_size,
-            end_ids=end_ids, decode=lambda ids: decode([ids])[0],
+            config=config, task=task, sampling=sampling, vocab_size=self.vocab_size, ends=ends,
             episode_codec=tokenizer_codec(tokenizer) if isinstance(task, EpisodeTask) else None,
         )
         self.buffer = Buffer(journal=self.journal, clock=clock)

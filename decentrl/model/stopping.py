@@ -1,9 +1,10 @@
 """How a generation ends: at an end-of-sequence token, at a stop string, or at its token budget.
 
 One definition for every side that must agree on it: the worker backends (workers/backends/)
-cut a completion where `stop_cut` says; the orchestrator checks a single-turn rollout's
-finish_reason (orchestrator/integrity.py) and every model turn of an episode
-(decentrl/tasks/episodes.py `replay_episode`) with `ends_generation`. Pure Python, no torch.
+cut a completion where `stop_cut` says; the orchestrator binds `ends_generation` to the run's
+end-of-sequence ids, stop strings and decoder once (orchestrator/state.py) and checks with it a
+single-turn rollout's finish_reason (orchestrator/checks.py) and every model turn of an episode
+(decentrl/tasks/episodes.py `replay_episode`). Pure Python, no torch.
 """
 
 from __future__ import annotations

@@ -25,12 +25,11 @@ Turn and token limits, shared by both sides:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from decentrl.api.wire import SamplingParams
-from decentrl.model.stopping import ends_generation
 from decentrl.tasks.base import Prompt
 
 if TYPE_CHECKING:
@@ -126,11 +125,12 @@ def split_turns(token_ids: list[int], loss_mask: list[int] | None) -> list[tuple
 
 def replay_episode(
     task: EpisodeTask, prompt: Prompt, token_ids: list[int], loss_mask: list[int] | None, finish_reason: str,
-    sampling: SamplingParams, codec: TextCodec, *, eos_ids: Collection[int],
+    sampling: SamplingParams, codec: TextCodec, *, ends: Callable[[list[int]], bool],
 ) -> float:
     """The episode's reward, recomputed by replaying a fresh environment over the transcript;
     EpisodeMismatch if a model turn's end, the environment's tokens, the turn limits or the
-    episode's ending disagree. `eos_ids`: the ids a generation stops at (end-of-sequence)."""
+    episode's ending disagree. `ends`: whether a model turn's tokens end its generation (the run's
+    end-of-sequence ids and stop strings: decentrl/model/stopping.py `ends_generation`)."""
     runs = split_turns(token_ids, loss_mask)
     if not runs[0][0] or not runs[-1][0]:
         raise EpisodeMismatch("an episode starts and ends with a model turn")
@@ -144,9 +144,7 @@ def replay_episode(
         budget = turn_budget(task, used=used, max_tokens=max_tokens)
         if len(model_ids) > budget:
             raise EpisodeMismatch(f"model turn {turn} has {len(model_ids)} tokens, more than its budget of {budget}")
-        if len(model_ids) < budget and not ends_generation(
-            model_ids, eos_ids=eos_ids, stops=sampling.stop, text_of=codec.decode
-        ):
+        if len(model_ids) < budget and not ends(model_ids):
             raise EpisodeMismatch(
                 f"model turn {turn} ends after {len(model_ids)} of its {budget} tokens without end-of-sequence "
                 "or a stop string"

@@ -4,8 +4,9 @@ environments loaded by import path."""
 
 from __future__ import annotations
 
+import functools
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from decentrl.api.wire import Lease, SamplingParams
 from decentrl.config import GuessTaskConfig, ImportTaskConfig
 from decentrl.model.build import build_tiny_tokenizer
+from decentrl.model.stopping import ends_generation
 from decentrl.tasks import build_task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, TextCodec, replay_episode, split_turns, tokenizer_codec
 from decentrl.tasks.guess import GuessTask
@@ -55,12 +57,16 @@ def params(max_tokens: int, stop: list[str] | None = None) -> SamplingParams:
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, stop=stop or [])
 
 
+def ends(codec: TextCodec, stop: list[str] | None = None) -> Callable[[list[int]], bool]:
+    return functools.partial(ends_generation, eos_ids=EOS_IDS, stops=stop or [], text_of=codec.decode)
+
+
 def replay(
     sample: Sample, prompt_id: int, codec: TextCodec, max_tokens: int, task: EpisodeTask = TASK, stop: list[str] | None = None
 ) -> float:
     assert sample.finish_reason is not None
     return replay_episode(task, task.prompt(prompt_id), sample.token_ids, sample.loss_mask, sample.finish_reason,
-                          params(max_tokens, stop), codec, eos_ids=EOS_IDS)
+                          params(max_tokens, stop), codec, ends=ends(codec, stop))
 
 
 def test_guess_environment_says_higher_or_lower_and_scores_by_guesses() -> None:
@@ -100,12 +106,12 @@ def test_episode_transcript_masks_environment_tokens_and_replays_to_the_same_rew
     tampered = sample.token_ids.copy()
     tampered[len(model1) + 2 + len(model2)] = codec.encode("1")[0]
     with pytest.raises(EpisodeMismatch, match="environment turn 2 is not what the environment answers"):
-        replay_episode(TASK, TASK.prompt(0), tampered, sample.loss_mask, "stop", params(32), codec, eos_ids=EOS_IDS)
+        replay_episode(TASK, TASK.prompt(0), tampered, sample.loss_mask, "stop", params(32), codec, ends=ends(codec))
     # Model tokens passed off as environment tokens (never trained, so never checked) do not replay either.
     relabeled = sample.loss_mask.copy()
     relabeled[0] = 0
     with pytest.raises(EpisodeMismatch, match="starts and ends with a model turn"):
-        replay_episode(TASK, TASK.prompt(0), sample.token_ids, relabeled, "stop", params(32), codec, eos_ids=EOS_IDS)
+        replay_episode(TASK, TASK.prompt(0), sample.token_ids, relabeled, "stop", params(32), codec, ends=ends(codec))
 
 
 def test_episode_ends_at_the_token_budget_or_the_turn_limit(codec: TextCodec, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -119,7 +125,7 @@ def test_episode_ends_at_the_token_budget_or_the_turn_limit(codec: TextCodec, to
     assert sample.loss_mask is not None and sample.loss_mask[-1] == 1 and sample.claimed_reward == 0.0
     assert replay(sample, 1, codec, 9) == 0.0
     with pytest.raises(EpisodeMismatch, match="ends with length, not stop"):
-        replay_episode(TASK, TASK.prompt(1), sample.token_ids, sample.loss_mask, "stop", params(9), codec, eos_ids=EOS_IDS)
+        replay_episode(TASK, TASK.prompt(1), sample.token_ids, sample.loss_mask, "stop", params(9), codec, ends=ends(codec))
     # A budget mid-turn: the model's turn is cut (no end-of-sequence) and the episode ends there.
     (cut,) = run_episodes([lease(1, codec)], SamplingParams(temperature=1.0, max_tokens=2), task=TASK, codec=codec,
                           complete=scripted([["123"]], codec, tokenizer.eos_token_id))
@@ -138,7 +144,7 @@ def test_replay_rejects_transcripts_the_episode_loop_cannot_produce(codec: TextC
     feedback = codec.encode("2=" if (secret + 1) % 100 > secret else "1=")
 
     def check(ids: list[int], mask: list[int], finish: str = "stop", max_tokens: int = 64) -> float:
-        return replay_episode(TASK, TASK.prompt(2), ids, mask, finish, params(max_tokens), codec, eos_ids=EOS_IDS)
+        return replay_episode(TASK, TASK.prompt(2), ids, mask, finish, params(max_tokens), codec, ends=ends(codec))
 
     assert check(right, [1] * len(right)) == 1.0
     assert check(right, None) == 1.0  # type: ignore[arg-type] - no mask: one model turn
@@ -173,7 +179,7 @@ def test_replay_checks_how_each_model_turn_ended(codec: TextCodec, tokenizer: Pr
     assert replay(sample, 4, codec, 64) == pytest.approx(0.5)  # every turn ends at end-of-sequence
     ids, mask = without_eos(sample, 2, eos)
     with pytest.raises(EpisodeMismatch, match="model turn 2 ends after 1 of its 3 tokens without end-of-sequence or a stop string"):
-        replay_episode(TASK, TASK.prompt(4), ids, mask, "stop", params(64), codec, eos_ids=EOS_IDS)
+        replay_episode(TASK, TASK.prompt(4), ids, mask, "stop", params(64), codec, ends=ends(codec))
     # No end-of-sequence: "17" ends at the stop string "7" (its token kept), "123" at the budget.
     cut = scripted([["17"], ["123"]] * 2, codec, None)
     (stopped,) = run_episodes([lease(4, codec)], params(64, ["7"]), task=TASK, codec=codec, complete=cut)

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.wire import Lease, SamplingParams
 from decentrl.config import RunConfig, VerifiersTaskConfig, parse_config
+from decentrl.model.stopping import ends_generation
 from decentrl.tasks import build_task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, TextCodec, replay_episode, tokenizer_codec
 from orchestrator.state import RunState
@@ -144,7 +145,7 @@ def test_a_multi_turn_env_is_played_by_the_worker_and_replayed_by_the_orchestrat
 
     def replay(token_ids: list[int], prompt_id: int) -> float:
         return replay_episode(replayer, replayer.prompt(prompt_id), token_ids, played[prompt_id].loss_mask, "stop",
-                              sampling, codec, eos_ids={eos})
+                              sampling, codec, ends=lambda ids: ends_generation(ids, eos_ids={eos}, stops=[], text_of=codec.decode))
 
     assert [replay(sample.token_ids, i) for i, sample in enumerate(played)] == [0.75, 0.75]
     lied = list(played[0].token_ids)

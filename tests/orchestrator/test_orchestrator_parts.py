@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.wire import MASK_IDS, Lease, Rollout, RolloutBatch, SamplingParams, ScoreItem, ScorePost, ScoreResult, problems
 from decentrl.config import AdvantageConfig, HedgingConfig, RewardConfig, VerificationConfig
+from decentrl.model.stopping import ends_generation
 from decentrl.rl.determinism import required_version
 from decentrl.tasks import build_task
 from orchestrator.batches import KeptBatches, build_batch
@@ -355,7 +356,8 @@ def test_the_checks_judge_a_rollout_from_what_the_owner_looked_up(
     sampling = SamplingParams(**config.sampling.model_dump())
     checks = IngestChecks(
         config=config, task=build_task(config.task), sampling=sampling, vocab_size=len(tokenizer),
-        end_ids={tokenizer.eos_token_id}, decode=lambda ids: tokenizer.decode(ids), episode_codec=None,
+        ends=lambda ids: ends_generation(ids, eos_ids={tokenizer.eos_token_id}, stops=sampling.stop, text_of=tokenizer.decode),
+        episode_codec=None,
     )
     granted = lease("a", group_size=3)
     held = OpenLease(lease=granted, holder=HOLDER)
@@ -423,7 +425,7 @@ def test_the_reward_stages_reward_at_once_or_wait_and_combine(
 ) -> None:
     config = make_config(orchestrator={"rewards": {"type": "sum", "verifier_weight": 1.0, "model_weight": 0.5}})
     task = build_task(config.task)
-    rewards = Rewards(task=task, tokenizer=tokenizer, decode=lambda seqs: ["" for _ in seqs], end_ids=set(),
+    rewards = Rewards(task=task, tokenizer=tokenizer, decode=lambda seqs: ["" for _ in seqs], ends=lambda ids: False,
                       rewards=config.orchestrator.rewards, prompt=config.prompt, steps=config.orchestrator.advantages.steps)
     at_once = group(make_rollout, "v", [0.3, 0.3])
     assert VerifierRewards(rewards).start(at_once) and at_once.rewards == [0.0, 0.0]  # empty answers are wrong

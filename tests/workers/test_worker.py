@@ -28,6 +28,7 @@ from decentrl.api.client import OrchestratorClient
 from decentrl.api.wire import LeaseRequest
 from decentrl.config import GuessTaskConfig, RunConfig, TinyModelConfig, WorkerConfig, parse_config
 from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.model.stopping import ends_generation
 from decentrl.store.checkpoints import CheckpointStore
 from decentrl.store.weights import write_hf_dir
 from decentrl.tasks import build_task
@@ -177,7 +178,9 @@ def test_worker_plays_episodes_that_the_orchestrator_replays_and_scores(guess_se
         assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, mask) if not m)
         # The orchestrator's reward is the replay's (and the worker's claim agrees).
         replayed = replay_episode(task, task.prompt(rollout.prompt_id), rollout.completion_token_ids, mask,
-                                  rollout.finish_reason, rollout.sampling, codec, eos_ids={build_tiny_tokenizer().eos_token_id})
+                                  rollout.finish_reason, rollout.sampling, codec,
+                                  ends=lambda ids: ends_generation(ids, eos_ids={build_tiny_tokenizer().eos_token_id},
+                                                                   stops=rollout.sampling.stop, text_of=codec.decode))
         assert reward == replayed == rollout.claimed_reward
         # Each model token's logprob is v0's, given the prompt and every turn before it.
         ids = torch.tensor([rollout.prompt_token_ids + rollout.completion_token_ids])
