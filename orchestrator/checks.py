@@ -1,18 +1,11 @@
 """The ingest checks: why a posted rollout is refused, or None to accept it.
 
-The second stage of RunState.ingest (orchestrator/state.py), after the dedupe, run on each rollout
-with what the owner looked up for it: its open lease (or the status its lease closed with) and
-the versions. The part holds no other part. Before it, once per POST /v1/rollouts, the body's
-validation holds the whole post to the size bounds that follow from the run's config
-(orchestrator/handlers.py `mask_bound`; a 400: nothing of it is ingested, held or journaled). Cheap checks come
-first (the lease, the prompt, the sampling params, the versions, the token ranges); an episode is
-replayed against its environment (decentrl/tasks/episodes.py); with verification on, a finish
-reason the tokens contradict is refused too. The reasons are the `reason` of a `Rejection` on the
-wire and are listed in docs/api.md.
-
-MoE routes (Keep Routing; docs/routing.md): the rules are decentrl/model/routing.py's
-`routing_problem`; this module resolves, once per model config, which layers of the run's model
-are sparse and whether the run keeps routing.
+The second stage of RunState.ingest, run on each rollout with what the owner looked up for it
+(its open lease, or the status its lease closed with, and the versions); it holds no other part.
+Cheap checks come first; an episode is replayed against its environment; with verification on, a
+finish reason the tokens contradict is refused too. The reasons are a `Rejection`'s on the wire
+(docs/api.md). MoE routes are checked by decentrl/model/routing.py's rules, resolved here once
+per model config.
 """
 
 from __future__ import annotations

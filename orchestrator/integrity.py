@@ -1,27 +1,18 @@
-"""Bookkeeping of untrusted workers: strikes, bans, spot-check sampling, replays, finish reasons.
+"""Bookkeeping of untrusted workers: strikes, bans, spot-check sampling, replays.
 
-RunState (orchestrator/state.py) owns one `Integrity`: the ingest checks consult it
-(orchestrator/checks.py), and the verification scheduler (orchestrator/verification.py) reports the
-logprob checks of orchestrator/verify.py back to RunState (`verification_done`).
-Everything is keyed by token name (the part of a lease holder before "/"): a token may serve
-many worker ids, and a ban revokes the token. Pure Python, no torch.
+RunState owns one `Integrity` and calls it where verification has a word: `admit` at ingest, the
+claimed rewards once a group's rewards are final, the verdicts of the logprob checks. Keyed by
+token name (a holder's part before "/"): a token may serve many worker ids, and a ban revokes it.
 
 Invariants:
-- a strike is only given for something an honest worker never does (a replayed rollout, a
-  finish_reason the tokens contradict, a future version, a prompt it was not leased, tokens
-  outside the vocabulary, logprobs beyond the bounds of the recomputed ones, tokens that are not
-  their seed's draws);
-- a token with `max_strikes` strikes is banned once (`newly_banned` hands it out once to
-  RunState, which drops everything of it still waiting for the trainer, `_apply_bans`);
-- a replay is a rollout whose content (prompt, completion, logprobs) equals one already kept
-  under another lease *with another claimed version*: identical logprobs under different weights
-  do not happen honestly. The same content under the same version is an honest coincidence when
-  a prompt comes back within one version (a valid sample of that version either way), so it is
-  accepted. Content of leases that closed without training is forgotten: LeaseBook.close
-  (orchestrator/leases.py), the one way a lease closes, calls `forget_lease`.
-Journaled (orchestrator/journal.py, with RunState's journal): each token's record (strikes, ban,
-trust) and every kept content hash are handed to the journal at each commit (`journal_changes`)
-and restored on recovery (`restore`), so a restart forgets neither a ban nor a replay.
+- a strike is only given for something an honest worker never does (STRIKE_REASONS);
+- a token with `max_strikes` strikes is banned once (`newly_banned` hands it out once);
+- a replay is content (prompt, completion, logprobs) kept before under another lease *and another
+  claimed version*: identical logprobs under different weights do not happen honestly, while the
+  same content under the same version is an honest coincidence. Content of a lease closed
+  without training is forgotten (`forget_lease`, from the one lease-close path);
+- records and kept content hashes are journaled at each commit (`journal_changes`) and restored
+  on recovery, so a restart forgets neither a ban nor a replay.
 """
 
 from __future__ import annotations

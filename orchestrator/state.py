@@ -1,52 +1,13 @@
 """RunState: the one owner of the orchestrator's run. It holds the run's state, drives the
 stages, and applies what they decide.
 
-Plain synchronous code with no HTTP in it; the handlers (orchestrator/handlers.py) call it from
-the event loop (one thread, so no locks), as do orchestrator/service.py (which builds it),
-orchestrator/verification.py, orchestrator/metrics.py and benchmarks/; what they read under the
-parts' names, and the /v1/status answer, is its base RunView (orchestrator/view.py). The parts,
-none of which holds another, except the lease book (it holds the lease policy, its one seam):
-
-  lease_book   orchestrator/leases.py       open leases and deadlines, the lease budget, the one
-                                            lease-close path, closed leases remembered
-  lease_policy orchestrator/lease_policy.py free-running, or deterministic (places, hedged copies,
-                                            losing copies), chosen once at start-up; with the
-                                            lease book it shares the prompt order (`PromptQueue`)
-  checks       orchestrator/checks.py       why a posted rollout is refused
-  rewards      orchestrator/rewards.py      rewards recomputed with the task's verifier, combined
-                                            with model scores
-  reward_stage orchestrator/reward_stage.py the verifier's rewards at once, or model scores
-                                            awaited, chosen once at start-up
-  score_queue  orchestrator/score_queue.py  samples waiting for model scores, leased to scorers
-  integrity    orchestrator/integrity.py    strikes, bans, spot-check sampling, replays
-  buffer       orchestrator/buffer.py       complete groups in the ready queue, groups pending for their
-                                            check or their model scores
-  kept         orchestrator/batches.py      batches built with advantages, the last ones kept for re-asks
-  journal      orchestrator/journal.py      every change, recorded by the parts as the events of
-                                            orchestrator/events.py, committed before the HTTP answer (a
-                                            NullJournal when journaling is off); it compares the
-                                            meta row (versions, counters) itself at each commit;
-                                            recovery.py rebuilds the parts from it at startup
-  versions, counters  orchestrator/counters.py
-
-The pipeline of one POST /v1/rollouts (`ingest`), per rollout, in order:
-  1. dedupe   a rollout id already acknowledged is a duplicate, counted once; so is a sample of a
-              copy that lost its place (the lease policy compares it with the winner's)
-  2. check    checks.py gives a rejection reason, then integrity its word (`admit`: a banned
-              holder, a replay; verification's one hook); a rejection is counted, and a stale one
-              drops its whole group; an accepted sample's content hash is kept, and it may be
-              picked for a logprob check
-  3. record   the sample joins its open lease; the journal records it
-  4. complete when the group is full (and still fresh): the reward stage rewards it (the task's
-              verifier) or queues it for scorers; it fills its place (the lease policy names the
-              other copies of it, which close as superseded)
-  5. queue    the group joins the ready queue for the trainer, or is pending in its position until its
-              logprob check (`verification_done`) and its model scores (`post_scores`) are in
-then `take_batch` serves the front of the ready queue as a batch (batches.py).
-
-Every group that leaves the buffer without training goes through `_drop`, and every pending
-group through `_release`: one place each for what the checks, the scores, a ban and the
-trainer's version decide.
+Plain synchronous code with no HTTP in it, called from the event loop (one thread, no locks) by
+the handlers, the verification scheduler, metrics and benchmarks; what they read under the
+parts' names, and the /v1/status answer, is its base RunView (orchestrator/view.py). Its parts
+hold none of the others, except the lease book (it holds the lease policy, its one seam);
+docs/architecture.md lists them. The pipeline of one POST /v1/rollouts is `ingest`, its stages
+numbered in order; every group that leaves the buffer without training goes through `_drop`,
+every pending group through `_release`.
 
 Invariants:
 - a rollout is scored with the task's verifier and/or by scorers (rewards.py, score_queue.py), never
@@ -289,7 +250,7 @@ class RunState(RunView):
     # -- the pipeline of a posted rollout -------------------------------------------------------
 
     def ingest(self, rollouts: Sequence[Rollout], holder: str) -> IngestResponse:
-        """Each rollout through the stages named in the module docstring."""
+        """Each rollout through the stages, in order; the answer counts what each decided."""
         self.expire_leases()
         accepted, duplicates, rejected = 0, 0, []
         seen = self.lease_book.seen_rollout_ids
@@ -299,11 +260,11 @@ class RunState(RunView):
         )
         for rollout in rollouts:
             rollout_id, lease_id = rollout.rollout_id, rollout.lease_id
-            # 1. dedupe
+            # 1. dedupe: an id already acknowledged, or a sample of a copy that lost its place
             if rollout_id in seen or rollout_id in journaled or self._lost(rollout, holder):
                 duplicates += 1
                 continue
-            # 2. check, then verification's word (orchestrator/integrity.py `admit`)
+            # 2. check, then verification's one hook (a ban, a replay; whether to recompute its logprobs)
             open_lease = self.lease_book.open.get(lease_id)
             closed = self.lease_book.closed_lease(lease_id) if open_lease is None else None
             reason = self.checks.reason(
@@ -330,7 +291,7 @@ class RunState(RunView):
             self.counters.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
             accepted += 1
             if len(open_lease.samples) == open_lease.lease.group_size:
-                self._complete(open_lease)  # 4. complete, 5. line up
+                self._complete(open_lease)  # 4. complete: rewarded, then ready or pending
         self.counters.rollouts_accepted += accepted
         self.counters.duplicates += duplicates
         self._apply_bans()
