@@ -1,20 +1,9 @@
 """The orchestrator service: its route table, its aiohttp app, and the process that serves it.
 
-Called by `decentrl orchestrator` (decentrl/cli/main.py) through `serve`, and by tests and
-benchmarks, which build the app with `create_app` and serve it on loopback (OrchestratorRunner,
-orchestrator/protocol.py). docs/api.md is the reference for clients.
-
-ROUTES is the one list of routes, who may call each, its body and answers: it registers the
-handlers, tells the auth middleware each route's roles and generates /openapi.json
-(orchestrator/openapi.py), so the three cannot drift apart. A request passes errors_middleware ->
-auth_middleware -> its handler (orchestrator/handlers.py, score_handlers.py, dashboard.py), and
-every change a handler makes is journaled and committed before it answers.
-
-`serve` builds what the app needs from the run's config: the tokens (RUN_DIR/tokens.json and env
-DECENTRL_TOKENS), the journal (RUN_DIR/journal.sqlite, from which RunState recovers a crashed
-run), the task and tokenizer, the verifier when verification is enabled, the store (an announced
-version must exist in it). It runs the app on uvloop where it installs, until SIGINT or SIGTERM.
-A journal failure stops the process: a restart recovers what was committed.
+`decentrl orchestrator` runs `serve`; tests and benchmarks serve `create_app` with
+OrchestratorRunner. ROUTES is the one list of routes, who may call each, its body and answers: it
+registers the handlers, gives the auth middleware each route's roles and generates /openapi.json,
+so the three cannot drift apart. A journal failure stops the process; a restart recovers.
 """
 
 from __future__ import annotations
@@ -161,7 +150,6 @@ def route_specs(*, metrics_public: bool = False) -> list[Endpoint]:
 
 
 def openapi_spec(*, metrics_public: bool = False) -> dict[str, Any]:
-    """The OpenAPI document an app serves at /openapi.json."""
     return build_openapi(
         route_specs(metrics_public=metrics_public),
         title="decentrl orchestrator",
@@ -179,8 +167,6 @@ UPKEEP_INTERVAL_S = 0.5  # at most this late does an overdue lease expire
 
 
 async def journal_writer(app: web.Application) -> AsyncIterator[None]:
-    """The journal's writer thread (orchestrator/journal.py) runs while the app does; each
-    commit's duration goes to the metrics."""
     journal = app[STATE].journal
     journal.on_commit = app[METRICS].on_commit
     journal.start(asyncio.get_running_loop())
@@ -189,7 +175,6 @@ async def journal_writer(app: web.Application) -> AsyncIterator[None]:
 
 
 def in_background(run: Callable[[web.Application], Coroutine[Any, Any, None]]) -> Callable[[web.Application], AsyncIterator[None]]:
-    """A cleanup_ctx entry that runs `run(app)` as a task while the app runs."""
 
     async def entry(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(run(app))
@@ -202,9 +187,7 @@ def in_background(run: Callable[[web.Application], Coroutine[Any, Any, None]]) -
 
 
 async def lease_upkeep(app: web.Application) -> None:
-    """Every UPKEEP_INTERVAL_S, expire overdue leases (their prompts are leased again first) and
-    forget leases closed longer than `dedupe_window_s`, then commit. A journal failure here trips
-    JOURNAL_FAILED as a request's would."""
+    """Every UPKEEP_INTERVAL_S, expire overdue leases, forget old closed ones, and commit."""
     state = app[STATE]
     while True:
         await asyncio.sleep(UPKEEP_INTERVAL_S)
@@ -225,12 +208,9 @@ async def lease_upkeep(app: web.Application) -> None:
 
 def create_app(*, state: RunState, tokens: TokenRegistry, store_url: str, on_fatal: Callable[[BaseException], Any] | None = None,
                verifier: Verifier | None = None, store: CheckpointStore | None = None) -> web.Application:
-    """The orchestrator's app over `state` (its config is the run's). `on_fatal` is called (once)
-    when the journal fails. `verifier` runs the logprob spot-checks; required when
-    orchestrator.verification.enabled. `store`: the run's checkpoint store, in which every
-    announced version must exist (`serve` always passes it; without one, announcements are taken
-    on the trainer's word, as unit tests of other behaviour do). Serve the app with
-    OrchestratorRunner (orchestrator/protocol.py)."""
+    """The orchestrator's app over `state`. `on_fatal` is called once when the journal fails;
+    `verifier` is required with verification enabled; every announced version must exist in
+    `store` (without one, as in unit tests, an announcement is taken on the trainer's word)."""
     options = state.config.orchestrator
     run_keeps_routing(state.config.model)  # a keep_routing the model cannot honour fails here, at start-up
     app = web.Application(
@@ -260,8 +240,7 @@ def create_app(*, state: RunState, tokens: TokenRegistry, store_url: str, on_fat
         if verifier is None:
             raise ValueError("orchestrator.verification.enabled needs a Verifier (orchestrator/verify.py)")
         app[VERIFIER] = verifier
-    # Set up in this order when the app starts, torn down in reverse when it stops (the upkeep
-    # stops before the journal's writer).
+    # Set up in this order, torn down in reverse: the upkeep stops before the journal's writer.
     app.cleanup_ctx.append(journal_writer)
     app.cleanup_ctx.append(in_background(lease_upkeep))
     app.cleanup_ctx.append(verification)
@@ -279,21 +258,18 @@ STOP_S = 1.0  # the most a request may hold up a stop (SIGTERM ends the process 
 
 
 class StartupError(Exception):
-    """The run directory or config cannot be served (a broken tokens file, a journal of another
-    run); the message says what to fix."""
+    """The run directory or config cannot be served; the message says what to fix."""
 
 
 def tune_gc() -> None:
-    """Fewer cyclic garbage collections for a long-running service: the buffer holds many container
-    objects (token lists) that are never part of a cycle, and every full collection walks all of
-    them, so freeze what startup built and collect less often. Also called by benchmarks/ingest.py."""
+    """Fewer cyclic garbage collections for a long-running service: freeze what startup built and
+    collect less often (the buffer's many token lists are never part of a cycle)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
 
 
 def open_tokens(run_dir: str, tokens_file: str | None) -> TokenRegistry:
-    """The tokens file (default RUN_DIR/tokens.json) and the environment's tokens."""
     try:
         return TokenRegistry.from_file(tokens_file or os.path.join(run_dir, "tokens.json"), env=os.environ.get(ENV_VAR))
     except (FileNotFoundError, ValueError, KeyError) as exc:
@@ -301,7 +277,6 @@ def open_tokens(run_dir: str, tokens_file: str | None) -> TokenRegistry:
 
 
 def open_state(config: RunConfig, run_dir: str) -> RunState:
-    """The run's state, recovered from RUN_DIR/journal.sqlite when orchestrator.journal is on."""
     try:
         journal = None
         if config.orchestrator.journal:
@@ -316,8 +291,6 @@ def open_state(config: RunConfig, run_dir: str) -> RunState:
 
 
 def build_verifier(config: RunConfig, run_dir: str) -> Verifier | None:
-    """The logprob spot-checker, when orchestrator.verification is enabled; its models are built
-    from the run's model config at startup (orchestrator/verify.py)."""
     if not config.orchestrator.verification.enabled:
         return None
     if config.deterministic and (dtype := publish_dtype_name(config.store, config.model)) != "float32":
@@ -335,8 +308,7 @@ def build_verifier(config: RunConfig, run_dir: str) -> Verifier | None:
 
 async def _run(app: web.Application, host: str, port: int) -> None:
     """Serve `app` until SIGINT or SIGTERM, then stop within STOP_S: the long-polls answer at once
-    (orchestrator/appstate.py, `stop_waiting`) and any other request still running after that is
-    cancelled, so a supervisor's SIGTERM never waits for batch_wait_s."""
+    (`stop_waiting`) and any other request still running is cancelled."""
     runner = OrchestratorRunner(app, access_log=None, shutdown_timeout=STOP_S)
     await runner.setup()
     stop = asyncio.Event()
@@ -362,7 +334,6 @@ def serve(config: RunConfig, *, run_dir: str, host: str | None = None, port: int
     failed: list[BaseException] = []
 
     def on_fatal(exc: BaseException) -> None:
-        """The journal failed: stop serving; a restart recovers what was committed."""
         log.critical("journal failed (%s): shutting down so that a restart recovers from the journal", exc)
         failed.append(exc)
         os.kill(os.getpid(), signal.SIGTERM)

@@ -1,17 +1,9 @@
 """Bearer-token auth with roles (worker, trainer, scorer, admin), from a tokens file and the environment.
 
-File format: {"tokens": [{"name": "alice", "role": "worker", "token": "..."}]}, mode 0600.
-Environment: DECENTRL_TOKENS="name:role:token,name:role:token" (or the file's JSON), read once
-at startup; such tokens cannot be revoked over HTTP (remove them from the environment).
-
-Lookup is by the SHA-256 digest of the presented token, compared with `hmac.compare_digest`,
-so neither timing nor a log line reveals a token; only names are ever logged.
-
-Revocation takes effect at once: the registry re-reads the file whenever its mtime, size or
-inode changed (one stat per request), so `decentrl token revoke` on the orchestrator's host and
-`DELETE /v1/admin/tokens/{name}` (which writes the file and updates the registry) both apply to
-the very next request. Writers take an exclusive lock on `<file>.lock` and replace the file
-atomically, so the CLI and the HTTP route can write concurrently.
+File: {"tokens": [{"name": "alice", "role": "worker", "token": "..."}]}, mode 0600; DECENTRL_TOKENS
+is read once (docs/api.md). Tokens are looked up by SHA-256 digest and confirmed with
+`hmac.compare_digest`; only names are logged. The file is re-read whenever it changed, so a
+revocation applies to the next request; writers lock `<file>.lock` and replace it atomically.
 """
 
 from __future__ import annotations
@@ -93,7 +85,7 @@ def _locked(path: Path) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        os.close(fd)
 
 
 def _read_file(path: Path) -> list[dict[str, str]]:
@@ -116,7 +108,6 @@ def _write_file(path: Path, entries: list[dict[str, str]]) -> None:
 
 
 def _new_entry(name: str, role: Role) -> dict[str, str]:
-    """A new random token called `name`."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if not NAME.fullmatch(name):
@@ -179,8 +170,8 @@ class TokenRegistry:
         return cls(path=path, env_entries=env_entries)
 
     def _reload(self, force: bool = False) -> None:
-        """Re-read the tokens file if its mtime, size or inode changed. A broken file keeps the
-        tokens read before; `force` (start-up, after a write) raises instead."""
+        """Re-read the tokens file if it changed. A broken file keeps the tokens read before;
+        `force` (start-up, after a write) raises instead."""
         key = None
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):

@@ -1,19 +1,11 @@
 """The trainer's side: batches built with advantages, and batches kept for re-asks.
 
-RunState (orchestrator/state.py) takes the `places_per_step` groups at the front of the ready queue
-(orchestrator/buffer.py), picks the `groups_per_step` it trains (`pick_signal`: all of them,
-unless dynamic sampling consumes more), builds the batch here (`build_batch`) and keeps it
-(`KeptBatches`). Invariants:
-- a served batch is journaled before it is sent (its leases as served), and the last
-  `batches_kept` are kept by request id, so a trainer that lost an answer and asks again with
-  the same request id gets the same batch, never a second one;
-- advantages are computed (decentrl/rl/advantages.py) when the batch is built, from the rewards
-  after overlong shaping, by the estimator the config names (per group, or over the batch's
-  groups); this is the one place that reads their setting; a group scored per step (process
-  rewards, orchestrator/score_queue.py) also gets per-token advantages (`process_advantages`),
-  and so does a group a teacher scored token by token (on-policy distillation, `distill_advantages`);
-- a batch is encoded with its samples' completion ids and logprobs as the typed arrays they came in
-  (orchestrator/codec.py), not packed again.
+RunState takes the `places_per_step` groups at the front of the ready queue, picks those it trains
+(`pick_signal`), builds the batch (`build_batch`) and keeps it (`KeptBatches`). Invariants:
+- a served batch is journaled before it is sent, and the last `batches_kept` are kept by request
+  id, so a re-ask with the same request id gets the same batch, never a second one;
+- advantages are computed here, when the batch is built: the one place that reads their setting;
+- a batch is encoded with its samples' arrays as they came (orchestrator/codec.py), not packed again.
 """
 
 from __future__ import annotations
@@ -34,8 +26,7 @@ from orchestrator.events import BatchForgotten, BatchServed, Journaling
 
 @dataclass
 class ServedBatch:
-    """A batch kept for re-asks. One recovered from the journal is built again (its groups read
-    from the journal) only when it is asked for again (orchestrator/recovery.py)."""
+    """A batch kept for re-asks; one recovered from the journal is built only when asked again."""
 
     batch_id: str
     groups: list[Group]
@@ -68,10 +59,9 @@ def has_signal(group: Group) -> bool:
 
 def pick_signal(window: list[Group], wanted: int) -> tuple[list[Group], list[tuple[Group, str]]]:
     """DAPO's dynamic sampling over the groups one step consumes, in their order: the first
-    `wanted` with a signal, topped up in order with those without one when too few have one (a
-    step always trains `wanted` groups); the others, each with why it is dropped (`zero_signal`,
-    or `surplus`: a signal beyond the `wanted`). A pure function of the rewards, so a deterministic
-    run skips the same groups in every replay. Without oversampling it takes the whole window."""
+    `wanted` with a signal, topped up in order with those without one (a step always trains
+    `wanted` groups); the others, each with why it is dropped (`zero_signal` or `surplus`). A pure
+    function of the rewards, so a deterministic run skips the same groups in every replay."""
     signal = [has_signal(group) for group in window]
     chosen = [i for i, yes in enumerate(signal) if yes][:wanted]
     chosen += [i for i, yes in enumerate(signal) if not yes][:wanted - len(chosen)]
@@ -121,8 +111,7 @@ def build_batch(
 
 
 def shaped_rewards(group: Group, config: AdvantageConfig) -> list[float]:
-    """The group's rewards plus DAPO's overlong punishment of each completion's length, when
-    `[orchestrator.advantages.overlong]` is set (else the rewards as scored)."""
+    """The group's rewards, plus DAPO's overlong punishment when `advantages.overlong` is set."""
     if config.overlong is None:
         return group.rewards
     return [
@@ -133,11 +122,8 @@ def shaped_rewards(group: Group, config: AdvantageConfig) -> list[float]:
 
 def token_advantages(group: Group, outcome: list[float], config: AdvantageConfig) -> list[list[float] | None]:
     """Per-token advantages of the group's samples, or None for a sample that trains on its
-    outcome advantage alone. On-policy distillation (`[orchestrator.advantages.distill]`): every
-    sample's from the teacher's log-probs (decentrl/rl/advantages.py `distill_advantages`). Process
-    rewards: the samples scored per step (`process_advantages`, normalized over those samples'
-    steps); None for a sample without step scores (a judge reply that did not parse, scored by
-    default) and for every sample of a group scored without steps."""
+    outcome advantage alone: on-policy distillation gives every sample its teacher's; process
+    rewards give those scored per step theirs (normalized over those samples' steps)."""
     if config.distill is not None:
         teacher = group.teacher_logprobs or [None] * group.size
         rollouts = group.rollouts
@@ -167,8 +153,7 @@ def token_advantages(group: Group, outcome: list[float], config: AdvantageConfig
 
 
 class KeptBatches:
-    """The last `batches_kept` batches served, by request id, journaled: a trainer that lost an
-    answer and asks again with the same request id gets the same batch, never a second one."""
+    """The last `batches_kept` batches served, by request id, for re-asks."""
 
     def __init__(self, *, batches_kept: int, journal: Journaling, clock: Callable[[], float]) -> None:
         self.batches_kept = batches_kept
@@ -179,7 +164,6 @@ class KeptBatches:
         self._by_batch_id: dict[str, ServedBatch] = {}
 
     def retried(self, request_id: str) -> TrainBatch | None:
-        """The batch already served for this request id, if it is still kept."""
         served = self.served.get(request_id)
         return served.batch if served is not None else None
 
@@ -189,8 +173,7 @@ class KeptBatches:
         return served.msgpack() if served is not None and served.batch is batch else None
 
     def served_now(self, request_id: str, batch: TrainBatch, groups: list[Group]) -> None:
-        """Journal a batch as served under `request_id` and keep it; the oldest beyond
-        `batches_kept` can no longer be asked for again."""
+        """Journal a batch as served under `request_id` and keep it, forgetting the oldest."""
         assert batch.batch_id is not None
         self.journal.record(BatchServed(
             request_id,
@@ -213,7 +196,6 @@ class KeptBatches:
             self.journal.record(BatchForgotten(old_key, old.lease_ids))
 
     def keep(self, request_id: str, served: ServedBatch) -> None:
-        """Keep a batch for re-asks (one just served, or one recovered from the journal)."""
         self.served[request_id] = served
         self._by_batch_id[served.batch_id] = served
         self.leases.update(served.lease_ids)

@@ -1,16 +1,12 @@
 """The buffer: complete, scored groups in the ready queue for the trainer, and pending groups.
 
-RunState (orchestrator/state.py) puts each complete group here; the batch builder
-(orchestrator/batches.py) takes them from the front. Invariants:
-- groups are in the ready queue in the order they completed (`seq`), in a deterministic run in the
-  consumption order (`seq` = the lease's place + 1, set before they get here); a group pending
-  (`awaiting`: its logprob check, orchestrator/verify.py, whose scheduler orchestrator/verification.py
-  takes `verify_queue`; and/or its model scores, orchestrator/score_queue.py) keeps its position,
-  and joins the ready queue there once nothing keeps it pending, so no later group overtakes it towards staleness;
-- a group is journaled as complete (with its place and rewards) when it joins the ready queue; a group
-  pending when the orchestrator stops is checked again after the restart (orchestrator/recovery.py).
-Closing the lease of a group taken out of the buffer (evicted, banned, failed) is the caller's,
-through LeaseBook.close (orchestrator/leases.py).
+RunState puts complete groups here; orchestrator/batches.py takes them from the front. Invariants:
+- the ready queue is in completion order (`seq`; in a deterministic run, the lease's place + 1);
+  a pending group (`awaiting` its logprob check and/or its model scores) keeps its position and
+  joins the ready queue there, so no later group overtakes it towards staleness;
+- a group is journaled as complete when it joins the ready queue (one pending at a stop is
+  checked again after the restart).
+Closing the lease of a group taken out of the buffer is the caller's (LeaseBook.close).
 """
 
 from __future__ import annotations
@@ -28,34 +24,26 @@ Wait = Literal["check", "scores"]
 
 @dataclass
 class Group:
-    """A complete, scored group: what the buffer orders, evicts and serves.
-
-    Its samples are held in memory, or, for a group recovered
-    from the journal, read from it the first time they are needed (`read`): the buffer is
-    recovered from its lease rows alone (rewards, place, oldest version), so a restart does not
-    decode thousands of buffered rollouts (orchestrator/recovery.py); they are decoded when served.
-    """
+    """A complete, scored group: what the buffer orders, evicts and serves. A group recovered from
+    the journal reads its samples from it when first needed (`read`), so a restart decodes none."""
 
     lease_id: str
     prompt_id: int
     rewards: list[float]
     oldest_version: int  # the oldest policy version among its samples: staleness is judged by it
-    seq: int = 0  # position in the ready queue (completion order; ready_seq in the journal), set on joining it or becoming pending
+    seq: int = 0  # position in the ready queue (ready_seq in the journal), set on joining it or becoming pending
     held: list[Rollout] | None = None  # its samples, in sample order
     read: Callable[[], list[Rollout]] | None = None  # where `held` is None
     awaiting: set[Wait] = field(default_factory=set)  # what keeps it pending, while it is pending
     verifier_rewards: list[float] | None = None  # while it waits for model scores: the task's rewards, if used
-    # Process rewards: per sample, its steps' last token indices (decentrl/rl/steps.py) and their
-    # scores (None for a sample scored without them: a judge reply that did not parse).
+    # Process rewards, per sample: its steps' last token indices and their scores (None: unparsed).
     step_ends: list[list[int]] | None = None
     step_scores: list[list[float] | None] | None = None
-    # On-policy distillation: per sample, the teacher's log-prob of each completion token (None for
-    # a sample the teacher could not score), from the scorers (orchestrator/reward_stage.py).
+    # On-policy distillation, per sample: the teacher's log-prob of each completion token (or None).
     teacher_logprobs: list[list[float] | None] | None = None
 
     @classmethod
     def of(cls, lease_id: str, prompt_id: int, rollouts: list[Rollout], rewards: list[float], seq: int = 0) -> Group:
-        """A group of samples held in memory."""
         oldest = min(rollout.policy_version for rollout in rollouts)
         return cls(lease_id, prompt_id, rewards, oldest, seq, held=rollouts)
 
@@ -95,7 +83,6 @@ class Buffer:
         self.ready_seq = 0  # the last position in the ready queue given
 
     def waiting(self) -> int:
-        """Complete groups not yet served: ready or pending."""
         return len(self.ready) + len(self.pending)
 
     def to_pending(self, group: Group, *, check: VerifyJob | None = None, scores: bool = False) -> None:
@@ -110,9 +97,8 @@ class Buffer:
             self.verify_queue.append(check)
 
     def done_waiting(self, lease_id: str, what: Wait) -> Group | None:
-        """`what` is done for a pending group. Returns the group, out of the buffer, once nothing
-        keeps it pending any more (the caller queues it or drops it); None while something
-        still does, or when it is no longer pending (dropped meanwhile)."""
+        """`what` is done for a pending group: the group, out of the buffer, once nothing keeps it
+        pending (the caller queues or drops it); else None (also if it was dropped meanwhile)."""
         group = self.pending.get(lease_id)
         if group is None:
             return None
@@ -149,7 +135,7 @@ class Buffer:
             return False
         first = min(group.seq for group in self.pending.values())
         ahead = 0
-        for group in self.ready:  # in queue order
+        for group in self.ready:
             if group.seq > first or ahead >= count:
                 break
             ahead += 1
@@ -159,7 +145,7 @@ class Buffer:
         return [self.ready.popleft() for _ in range(count)]
 
     def evict(self, leaves: Callable[[Group], bool]) -> list[Group]:
-        """Take the groups in the ready queue for which `leaves(group)` is true out of the ready queue, in order."""
+        """Take the groups for which `leaves(group)` is true out of the ready queue, in order."""
         kept: deque[Group] = deque()
         gone: list[Group] = []
         for group in self.ready:
@@ -168,8 +154,7 @@ class Buffer:
         return gone
 
     def release_pending(self, leaves: Callable[[Group], bool]) -> list[Group]:
-        """Take the pending groups for which `leaves(group)` is true out of the buffer, and
-        their checks off the queue (no check is wasted on them)."""
+        """Take the pending groups for which `leaves(group)` is true (and their checks) out."""
         gone = [group for group in self.pending.values() if leaves(group)]
         for group in gone:
             del self.pending[group.lease_id]

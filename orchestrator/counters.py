@@ -1,8 +1,7 @@
 """Where the run stands: the policy versions it knows and the counters it reports.
 
-RunState (orchestrator/state.py) makes one `Versions` and one `Counters` and hands the same
-objects to the parts that read or bump them. Both are journaled in the journal's meta row
-(orchestrator/recovery.py), so /v1/status and /metrics agree across a restart.
+RunState makes one `Versions` and one `Counters` and hands the same objects to the parts that read
+or bump them. Both are journaled in the meta row, so /v1/status and /metrics agree across a restart.
 """
 
 from __future__ import annotations
@@ -48,9 +47,7 @@ class Counters:
     groups_served: int = 0
     groups_skipped: int = 0  # dynamic sampling: groups a step consumed and dropped (zero_signal, surplus)
     leases_expired: int = 0
-    # Hedging (orchestrator/lease_policy.py): copies granted for a lagging place; samples of a
-    # losing copy posted after the winner (duplicates), and those that differ from the winner's
-    # sample of the same index; losing copies their holders were told of.
+    # Hedging (orchestrator/lease_policy.py); the /metrics help says what each counts.
     hedged_leases: int = 0
     hedge_duplicates: int = 0
     hedge_mismatches: int = 0

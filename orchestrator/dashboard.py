@@ -1,15 +1,8 @@
 """The orchestrator's live dashboard: the page at `/`, the JSON it polls, the trainer's step metrics.
 
-The page (orchestrator/static/dashboard.html) is static and holds no data, so it needs no token;
-its script asks for one and polls GET /v1/dashboard. It is one hand-written HTML file with its
-own small canvas plotting script: no build step, no CDN, it works offline. It polls rather than
-streams (server-sent events) because a poll costs the orchestrator one short request every
-POLL_MS whatever the number of open pages, and answers only what is new since the page's last
-poll (`since`). The trainer posts each step's metrics to POST /v1/trainer/steps.
-
-Tokens never appear: the page and the JSON name workers by token name (and worker id), and the
-page keeps the token the reader typed in the tab's sessionStorage, or takes it from the URL's
-fragment (`/#token=...`), which browsers never send to the server, so it is in no access log.
+The page (orchestrator/static/dashboard.html) holds no data, so it needs no token; its script
+polls GET /v1/dashboard for what is new since its last poll (`since`). Tokens never appear: the
+page and the JSON name workers by token name. The reader's guide: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -32,7 +25,6 @@ MAX_SINCE = 1e12  # a time stamp, in seconds
 
 
 async def sample(app: web.Application) -> None:
-    """Record the run's counters in the history once a second (run in the background by create_app)."""
     history, state, inflight = app[HISTORY], app[STATE], app[INFLIGHT]
     while True:
         history.sample(state.status(), inflight.count)
@@ -64,10 +56,7 @@ def _since(request: web.Request) -> float:
 
 
 def workers_table(app: web.Application, history: History) -> list[dict[str, Any]]:
-    """One row per worker token (its name, never the token): the posts seen since the
-    orchestrator started (history), with strikes, bans and samples served from the integrity
-    record it journals per token. tokens_per_s: completion tokens accepted a second over the last
-    minute."""
+    """One row per worker token (its name, never the token): posts, strikes, bans, samples served."""
     integrity = app[STATE].integrity.summary()
     now, rows = history.clock(), []
     for token_name in sorted(set(integrity) | set(history.workers)):

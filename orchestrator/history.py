@@ -1,13 +1,8 @@
 """Bounded history of a run for the dashboard: time series, trainer steps, versions, samples.
 
-RunState holds the run's counters but only their current values; the dashboard
-(orchestrator/dashboard.py) draws curves, so `History` remembers them, each series in a ring
-buffer of fixed length: memory stays bounded however long the run, and `workers` is keyed by
-token name, never by a worker id a client picks, so it is bounded by the tokens file.
-
-Fed by the handlers (orchestrator/handlers.py: rollouts, batch, version; dashboard.py:
-trainer_steps) and the dashboard's sampler, read by the dashboard's JSON endpoint. Nothing here
-is journaled: after a restart the curves start again.
+RunState holds only the counters' current values; `History` keeps each series in a ring buffer of
+fixed length, and `workers` is keyed by token name, never by a worker id a client picks, so memory
+stays bounded however long the run. Not journaled: after a restart the curves start again.
 """
 
 from __future__ import annotations
@@ -36,13 +31,13 @@ class WorkerActivity:
     completion_tokens: int = 0
     newest_version: int = -1
     last_seen: float = 0.0
-    # (time, completion_tokens) at each of the last RATE_WINDOW samples: the token's rate.
+    # (time, completion_tokens) at each of the last RATE_WINDOW samples.
     marks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW + 1))
 
 
 @dataclass(frozen=True)
 class ShownSample:
-    """One completion served to the trainer; decoded lazily (orchestrator/dashboard.py)."""
+    """One completion served to the trainer; decoded only when a page asks."""
 
     time: float
     policy_version: int
@@ -66,11 +61,10 @@ class History:
     # The run's counters, one point a second (rates are differences of consecutive points, taken by the page).
     points: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=POINTS_KEPT))
     steps: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))  # as the trainer posts them
-    # When each version was announced and when its first rollout came back (the workers' pull,
-    # swap and first generation, as the orchestrator sees it).
+    # When each version was announced and when its first rollout came back.
     versions: deque[VersionEvent] = field(default_factory=lambda: deque(maxlen=VERSIONS_KEPT))
     samples: deque[ShownSample] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))  # a few served recently
-    workers: dict[str, WorkerActivity] = field(default_factory=dict)  # by token name
+    workers: dict[str, WorkerActivity] = field(default_factory=dict)
     staleness: Counter[int] = field(default_factory=Counter)  # samples served, by staleness
 
     # -- fed by the handlers --------------------------------------------------------------
@@ -95,7 +89,7 @@ class History:
             activity.marks.append((self.points[-1]["t"], activity.completion_tokens))
 
     def posted(self, token_name: str, batch: RolloutBatch, result: IngestResponse) -> None:
-        """A worker's post was answered: count what it got accepted, and rejected by reason."""
+        """A worker's post was answered: what it got accepted, and rejected by reason."""
         now = self.clock()
         if (activity := self.workers.get(token_name)) is None:
             activity = self.workers[token_name] = WorkerActivity()

@@ -1,33 +1,10 @@
-"""The orchestrator's durable journal: SQLite in WAL mode under the run dir, one file format whose
-schema, writer and reader (`load`) are this module (a rollout's body: orchestrator/codec.py).
+"""The orchestrator's durable journal: SQLite in WAL mode under the run dir; this module is its
+schema, writer and reader (a rollout's body: orchestrator/codec.py; the tables: docs/api.md).
 
-What is journaled (RunState's parts, orchestrator/state.py, `record` the events of
-orchestrator/events.py as they change):
-  meta      one row: versions, prompt cursor, prompts to lease again first, counters
-  leases    every lease not yet forgotten: prompt, holder, deadline, status, rewards of a complete group
-  rollouts  every acknowledged rollout: its id (resends stay duplicates) and, while it may still be
-            trained on or served again, its body
-  batches   the last `batches_kept` batches served, by request id, so a re-asked request gets the same batch
-  workers   per worker token, what orchestrator/integrity.py knows of it, rewritten when it changed
-  scores    every model score posted (orchestrator/score_queue.py), while its lease is remembered
-  content   the content hash of every sample kept (replay detection) with the lease that kept it
-            first and its claimed version; deleted with the lease's when it closes without training
-
-Write path. `record` only appends statements to a list, in the order the state changed. A handler
-then awaits `commit()`, which hands everything recorded so far to one writer thread; it runs all
-that is queued in one transaction (group commit), commits (fsync with synchronous=FULL), and only
-then wakes the handlers, so an answer that depends on a change is never sent before that change
-is on disk.
-
-Read path. At startup `load` reads what recovery rebuilds in memory (orchestrator/recovery.py):
-the leases still in play, the open leases' samples and (closed_at, lease_id) of the other closed
-leases. The rest stays on disk, looked up from the event loop's thread through a second, read-only
-connection (`acknowledged`, `closed_lease`, `samples`), which WAL lets read beside the writer.
-
-A failed write is fatal: memory is then ahead of the disk, so `failed` is set, every later commit
-raises JournalError and the service answers 503 until restarted, when recovery rebuilds the state
-from what was committed. With journaling off the state holds a `NullJournal`: the same methods,
-recording nothing, so the state's code has one path either way.
+RunState's parts `record` events; `await commit()` returns only once everything recorded before it
+is on disk (one writer thread, group commit), so no answer precedes the change it depends on. A
+failed write is fatal: every later commit raises JournalError until a restart recovers (`load`,
+orchestrator/recovery.py). `NullJournal` (journaling off) records nothing.
 """
 
 from __future__ import annotations
@@ -124,8 +101,7 @@ class JournalMismatch(RuntimeError):
 
 @dataclass
 class Snapshot:
-    """What recovery needs of what was committed, as read at startup: it grows with the buffer
-    and the open leases, not with the rollouts journaled."""
+    """What recovery needs of what was committed (it grows with the buffer, not the run)."""
 
     meta: dict[str, Any]
     leases: list[sqlite3.Row]  # open and complete leases, and the leases of the batches kept
@@ -257,7 +233,7 @@ class Journal:
     # -- committing -----------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Commit what is recorded, in this thread (tests, startup, shutdown: no writer running)."""
+        """Commit what is recorded, in this thread (no writer running)."""
         if self._thread is not None:
             raise RuntimeError("the writer thread is running: use `await commit()`")
         ops = self._take_pending()
@@ -290,7 +266,6 @@ class Journal:
         await asyncio.shield(future)  # a client hanging up does not unqueue what it wrote
 
     async def stop(self) -> None:
-        """Commit what is left and stop the writer thread."""
         if self._thread is None:
             return
         if self.failed is None:
@@ -371,7 +346,7 @@ class Journal:
         in_batches = list({lease_id for _, body in batches for lease_id in body["lease_ids"]})
         leases += _rows_of(conn, "SELECT * FROM leases WHERE status NOT IN ('open', 'complete') AND lease_id IN ({})",
                            in_batches)
-        # Plain tuples (the reader has no row factory): at 1M rollouts these are 62k rows.
+        # Plain tuples (the reader has no row factory): one per closed lease remembered.
         remembered = self._reader.execute(
             "SELECT closed_at, lease_id FROM leases WHERE status NOT IN ('open', 'complete') ORDER BY closed_at"
         ).fetchall()
@@ -416,7 +391,7 @@ class Journal:
 
 
 def _rows_of(conn: sqlite3.Connection, sql: str, keys: list[str]) -> list[Any]:
-    """`sql` (whose `IN ({})` takes the keys) run over `keys` in chunks within SQLite's parameter limit."""
+    """`sql` (whose `IN ({})` takes the keys) over `keys`, in chunks within SQLite's parameter limit."""
     rows: list[Any] = []
     for start in range(0, len(keys), 500):
         chunk = keys[start:start + 500]
@@ -429,8 +404,8 @@ class NullJournal:
 
     durable = False
     path = "(no journal)"
-    failed: BaseException | None = None  # never set: nothing is written
-    on_commit: Callable[[float, int], None] | None = None  # never called
+    failed: BaseException | None = None
+    on_commit: Callable[[float, int], None] | None = None
 
     def set_meta_source(self, source: Callable[[], dict[str, Any]]) -> None:
         pass

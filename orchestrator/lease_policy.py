@@ -1,26 +1,10 @@
 """The lease policy, chosen once at start-up: free-running, or deterministic.
 
-The lease book (orchestrator/leases.py) asks it what a new lease is of and tells it of every
-lease held, closed and forgotten (`LeasePolicy`, its one seam). RunState (orchestrator/state.py)
-asks it for `copies` to grant first (hedges) and `due_in` (how long a lease long-poll may sleep),
-whether a posted sample is `lost` (of a copy that lost its place: a duplicate), which copies a
-`filled` place supersedes, and what to `tell` a holder; it applies the counts returned.
-
-A free-running run has none of this: prompts go out in the prompt queue's order, one lease each.
-A deterministic run (docs/reproducibility.md) leases numbered places (`Lease.index`), each with
-a fixed prompt, version and per-sample seeds, so every copy of a place is the same group bit for
-bit on one machine type; a difference is counted (`hedge_mismatches`) and logged, not a strike:
-other hardware rounds differently. A place closed without training goes back in line, lowest
-first, once its last copy closes, so no place is skipped; the lease budget counts places, not
-copies. A losing copy is remembered for its holder (`untold`) until its next lease answer tells
-it: in memory only, at most MAX_SUPERSEDED a holder, no longer than the closed lease itself.
-
-Hedging (`[orchestrator.hedging]`, decentrl/config/orchestrator.py):
-- only places of the next `batches` batches the trainer takes (from groups_consumed);
-- a place is due once its newest open lease has been out `wait` (`hedge_wait`, from the last
-  RECENT complete groups; none before MIN_RECENT of them, nor while lease times have no heavy
-  tail), or at once when it is the last place of the next batch not yet complete;
-- at most `max_copies` open leases per place, each held by a different worker id.
+The lease book asks it what a new lease is of and tells it of every lease held, closed and
+forgotten (`LeasePolicy`); RunState asks it for hedged `copies`, `due_in`, `lost`, `filled` and
+`tell`. Invariants: a place goes back in line, lowest first, only once its last copy closes without
+training; the lease budget counts places, not copies; `untold` is in memory only, at most
+MAX_SUPERSEDED a holder. Places, copies and hedging: docs/reproducibility.md.
 """
 
 from __future__ import annotations
@@ -41,8 +25,7 @@ log = logging.getLogger("decentrl.orchestrator.hedges")
 
 RECENT = 256  # complete groups whose lease times make the wait
 MIN_RECENT = 8  # fewer complete groups than this: no wait yet, only the last place is hedged
-# A place closed with one of these is leased again (a superseded place was filled by another
-# copy; a skipped one was consumed by a step).
+# Closed with one of these, a place is leased again (superseded: filled; skipped: consumed).
 REFILLED: frozenset[str] = frozenset({"expired", "released", "dropped"})
 
 
@@ -103,11 +86,8 @@ class Hedges:
 
 def hedge_wait(times: list[float], after: float) -> float | None:
     """The shortest of `times` (recent lease times, sorted) after which the leases that took longer
-    still had, on average, at least `after` x the median of `times` to go; None when none had.
-
-    The mean residual life: a heavy tail grows it with the time out, so a lease out that long is
-    likely a straggler and a fresh copy is expected to finish first; a light tail shrinks it, and
-    copies would only take slots from new places (docs/benchmarks.md, "What the scheduling rules allow")."""
+    still had, on average, at least `after` x the median of `times` to go; None when none had: the
+    mean residual life, growing with the time out only under a heavy tail (docs/benchmarks.md)."""
     threshold = after * statistics.median(times)
     found, longer, total = None, 0, 0.0
     for time_out in reversed(times):
@@ -164,7 +144,7 @@ class Deterministic:
     def __init__(
         self, *, config: RunConfig, prompts: PromptQueue, clock: Callable[[], float], digest: Callable[[Rollout], bytes]
     ) -> None:
-        """`digest`: a sample's content hash (orchestrator/integrity.py `content_hash`, as replays are found)."""
+        """`digest`: a sample's content hash (orchestrator/integrity.py `content_hash`)."""
         self.config = config
         self.digest = digest
         self.prompts = prompts  # its order numbers the places; `requeued` holds places, lowest first
@@ -174,8 +154,7 @@ class Deterministic:
             Hedges(config=hedging, groups_per_step=config.places_per_step, clock=clock) if hedging.enabled else None
         )
         self.places: dict[int, dict[str, OpenLease]] = {}  # place -> its open leases (copies) by id, oldest first
-        # A superseded lease -> the content hashes of the copy that filled its place, by sample
-        # index, for `hedge_mismatches` (not journaled).
+        # A superseded lease -> the filling copy's content hashes by sample index (not journaled).
         self.winners: dict[str, list[bytes]] = {}
         # Holder -> its superseded leases it has not been told of yet, oldest first (an ordered set).
         self.untold: dict[str, dict[str, None]] = {}
@@ -183,8 +162,8 @@ class Deterministic:
     # -- the lease book's seam (orchestrator/leases.py `LeasePolicy`) ----------------------------
 
     def next(self) -> tuple[int, int, int]:
-        """The next place (the lowest to lease again first), its prompt and its version: the budget
-        guarantees that version is published, so a worker asking early is held back, not leased."""
+        """The next place (the lowest to lease again first), its prompt and its version (published:
+        the budget holds back a worker asking early)."""
         queue = self.prompts
         index = queue.requeued.popleft() if queue.requeued else queue.next_index()
         version = required_version(index, groups_per_step=self.config.places_per_step, max_staleness=self.config.max_staleness)
@@ -197,8 +176,7 @@ class Deterministic:
         self.places.setdefault(self._place(open_lease.lease), {})[open_lease.lease.lease_id] = open_lease
 
     def closed(self, closed: ClosedLease, requeue: Requeue | None) -> None:
-        """A place goes back in line once its last open copy closes without training (whatever
-        the caller's `requeue`: places go out lowest first)."""
+        """Its place goes back in line once its last copy closes untrained (whatever `requeue`)."""
         index = self._place(closed.lease)
         copies = self.places.get(index, {})
         copies.pop(closed.lease.lease_id, None)
@@ -233,9 +211,8 @@ class Deterministic:
         return Places(open=self.places, head=head, cursor=self.prompts.cursor, requeued=self.prompts.requeued)
 
     def filled(self, winner: OpenLease) -> tuple[list[str], int]:
-        """The winner's place is complete: its other open copies lose (for RunState to close as
-        superseded, their holders to be told), and how many of the samples they hold differ from
-        the winner's."""
+        """The winner's place is complete: the ids of its other open copies (for RunState to close
+        as superseded), and how many of their samples differ from the winner's."""
         if self.hedges is not None:
             self.hedges.completed(self.clock() - winner.granted_at)
         losers = list(self.places.get(self._place(winner.lease), {}).values())
@@ -275,8 +252,7 @@ class Deterministic:
                 del self.untold[holder]
 
     def _differs(self, sample: Rollout, winner: list[bytes] | None) -> bool:
-        """Whether a sample of a losing copy differs from the winner's sample of the same index
-        (the winner is forgotten after a restart)."""
+        """Whether a losing copy's sample differs from the winner's (unknown after a restart)."""
         if winner is None or sample.sample_index is None or sample.sample_index >= len(winner):
             return False
         if self.digest(sample) == winner[sample.sample_index]:

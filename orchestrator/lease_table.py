@@ -1,9 +1,8 @@
 """The one lease table: open leases by id, their deadlines, renewal, expiry and the owner check.
 
-Prompt leases (orchestrator/leases.py `LeaseBook.open`) and score leases (orchestrator/score_queue.py
-`ScoreQueue.leases`) are each one `LeaseTable`; what a lease holds and what closing it means stay
-with them. A lease's `deadline` is `timeout_s` after it was granted or last renewed; `overdue`
-hands each lease past it out once, for its owner to close.
+Prompt leases (LeaseBook.open) and score leases (ScoreQueue.leases) are each one `LeaseTable`;
+what a lease holds and what closing it means stay with them. `overdue` hands each lease past its
+deadline (`timeout_s` after its grant or last renewal) out once, for its owner to close.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ class LeaseTable(dict[str, E]):
         self._heap: list[tuple[float, str]] = []
 
     def deadline(self) -> float:
-        """The deadline of a lease granted or renewed now."""
         return self.clock() + self.timeout_s
 
     def add(self, lease_id: str, entry: E) -> None:

@@ -1,22 +1,13 @@
 """Prompt leases: the open leases, the one way a lease closes, and the closed leases remembered
 for late samples and resends.
 
-RunState (orchestrator/state.py) owns one `LeaseBook` and calls it from its public methods; what
-a lease closed without training means for the counters and for integrity, it applies (`on_dropped`).
-Which prompt a new lease is of, and what a lease held, closed or forgotten means for the order
-prompts go out in, the lease policy decides (orchestrator/lease_policy.py, chosen once at
-start-up): the book's one seam to it is `LeasePolicy`.
-Invariants:
-- a lease is one group: `group_size` samples of one prompt, all answered by its holder; an
-  overdue lease expires, its prompt is leased again first and a late sample gets `lease_expired`;
-- no more leases are open than can be consumed without going stale (`lease_budget`, over what
-  the policy counts of them), nor than the buffer bound allows (`orchestrator.max_buffer_groups`);
-- every status change of a lease goes through `LeaseBook.close`: it journals the change, tells the
-  policy, and hands a lease closed without training (`UNTRAINED`) to `on_dropped`, whose content
-  may then honestly come again;
-- a closed lease and its rollout ids are remembered for `dedupe_window_s`, so a late sample gets
-  a precise reason and a resend is a duplicate; after a recovery those closed before it are
-  looked up in the journal (`closed_lease`; their rollout ids: RunState.ingest), not held in memory.
+RunState owns one `LeaseBook`; the lease policy (orchestrator/lease_policy.py, `LeasePolicy`)
+decides which prompt a lease is of. Invariants:
+- a lease is one group: `group_size` samples of one prompt, all answered by its holder;
+- no more leases are open than can be consumed without going stale, nor than the buffer allows;
+- every status change goes through `LeaseBook.close` (journal, policy, `on_dropped`);
+- a closed lease and its rollout ids are remembered for `dedupe_window_s` (after a recovery, in
+  the journal), so a late sample gets a precise reason and a resend is a duplicate.
 """
 
 from __future__ import annotations
@@ -64,10 +55,8 @@ class OpenLease:
 
 
 class PromptQueue:
-    """The order prompts are leased in: a seeded shuffle of the task's pool, cycled, with the
-    prompts of leases that closed unanswered going out first; and each prompt's token ids, as
-    `render` makes them (decentrl/tasks/prompts.py). A deterministic run leases the positions of
-    this order (places) instead, and `requeued` holds places (orchestrator/lease_policy.py)."""
+    """The order prompts are leased in (a seeded shuffle of the task's pool, cycled; `requeued`
+    first) and each prompt's token ids. In a deterministic run `requeued` holds places."""
 
     def __init__(self, *, task: Task | EpisodeTask, render: PromptEncoder, seed: int) -> None:
         self.order = list(range(task.num_prompts))
@@ -82,7 +71,6 @@ class PromptQueue:
         return self.requeued.popleft() if self.requeued else self.prompt_at(self.next_index())
 
     def next_index(self) -> int:
-        """The next position of the order (the cursor moves on)."""
         self.cursor += 1
         return self.cursor - 1
 
@@ -90,7 +78,6 @@ class PromptQueue:
         return self.order[index % len(self.order)]
 
     def requeue(self, prompt_id: int, where: Requeue) -> None:
-        """Lease `prompt_id` again before the order goes on."""
         if where == "front":
             self.requeued.appendleft(prompt_id)
         else:
@@ -98,9 +85,7 @@ class PromptQueue:
 
 
 class LeasePolicy(Protocol):
-    """The lease policy as the book sees it (orchestrator/lease_policy.py): what a new lease is of
-    (`next`: its prompt, and a deterministic run's place and version), what the lease budget counts
-    of the open leases, and every lease held, closed and forgotten."""
+    """The lease policy as the book sees it (orchestrator/lease_policy.py)."""
 
     def next(self) -> tuple[int, int | None, int | None]: ...
     def leased(self, open_leases: int) -> int: ...
@@ -155,7 +140,7 @@ class LeaseBook:
         return max(0, min(budget, room))
 
     def grant(self, holder: str, count: int) -> list[Lease]:
-        """`count` new leases (the caller checked `capacity`), each of the prompt the policy names next."""
+        """`count` new leases (the caller checked `capacity`)."""
         granted = []
         for _ in range(count):
             prompt_id, index, version = self.policy.next()
@@ -184,14 +169,13 @@ class LeaseBook:
         return lease
 
     def hold(self, open_lease: OpenLease) -> None:
-        """Hold an open lease: granted now, or (recovery) one the journal holds; either way its
-        grant time is now (the journal keeps only the deadline)."""
+        """Hold an open lease, granted now or recovered; either way its grant time is now."""
         open_lease.granted_at = self.clock()
         self.open.add(open_lease.lease.lease_id, open_lease)
         self.policy.held(open_lease)
 
     def expire(self) -> int:
-        """Close overdue leases and lease their prompts again. Returns how many expired."""
+        """Close overdue leases and lease their prompts again; how many expired."""
         overdue = self.open.overdue()
         for lease_id in overdue:
             self.close(lease_id, "expired", requeue="back", reason="lease_expired")
@@ -208,13 +192,9 @@ class LeaseBook:
         counted: int | None = None,
         requeue: Requeue | None = None,
     ) -> ClosedLease:
-        """Close an open lease, or move a closed one on (complete -> served, skipped or dropped).
-
-        A lease closed without training needs the `reason` its samples are dropped for: `counted`
-        of them (default: all it holds) go to `on_dropped`. `requeue` asks for an open lease's
-        prompt to go back in line (the policy applies it). A complete group is journaled by the
-        buffer (with its place and rewards).
-        """
+        """Close an open lease, or move a closed one on (complete -> served, skipped or dropped). A
+        lease closed untrained needs the `reason` its samples are dropped for (`counted` of them, by
+        default all, go to `on_dropped`); `requeue` sends an open lease's prompt back in line."""
         now = self.clock()
         open_lease = self.open.pop(lease_id, None)
         if open_lease is None:
@@ -223,7 +203,7 @@ class LeaseBook:
         else:
             ids = [r.rollout_id for r in open_lease.samples]
             closed = self.closed[lease_id] = ClosedLease(open_lease.lease, open_lease.holder, status, now, len(ids), ids)
-        self.policy.closed(closed, requeue if open_lease is not None else None)  # only an open lease goes back in line
+        self.policy.closed(closed, requeue if open_lease is not None else None)
         self.closed_order.append((now, lease_id))
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
@@ -254,7 +234,6 @@ class LeaseBook:
         )
 
     def renew(self, lease_id: str, holder: str) -> Lease:
-        """Push an open lease's deadline to `lease_timeout_s` from now (a slow worker's heartbeat)."""
         found = self.open.owned(lease_id, holder, self.closed_lease(lease_id))
         if not isinstance(found, OpenLease):
             raise LeaseClosed(f"lease {lease_id!r} is {found.status}; it can no longer be renewed")

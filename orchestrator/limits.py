@@ -13,9 +13,8 @@ from contextlib import contextmanager
 
 
 class RateLimiter:
-    """A token bucket per token name (so memory is bounded by the tokens file): a bucket holds at
-    most `burst` requests and refills at `rate_per_s`; a request that finds it empty is answered
-    429 with Retry-After saying when the next request would pass."""
+    """A token bucket per token name: at most `burst` requests, refilled at `rate_per_s`; a request
+    that finds it empty is answered 429 with Retry-After saying when the next would pass."""
 
     def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate_per_s = rate_per_s
@@ -25,7 +24,7 @@ class RateLimiter:
 
     def check(self, key: str) -> float:
         """0.0 if a request by `key` may pass now (and count it); else the seconds to wait."""
-        if self.rate_per_s <= 0:  # no limit
+        if self.rate_per_s <= 0:
             return 0.0
         now = self.clock()
         bucket = self._buckets.setdefault(key, [self.burst, now])
@@ -44,11 +43,9 @@ def retry_after_header(seconds: float) -> str:
 
 
 class InFlight:
-    """Rollout posts being processed now (read, validated, ingested, journaled), in all and per
-    token. At `limit` in all, or `per_key` for the caller's token, a new post is refused at once
-    (503) instead of queueing behind the others, so that a client's retry, not the orchestrator's
-    memory, absorbs a burst (orchestrator.max_inflight_requests), and one token's slow or
-    flooding clients fill only their own places (orchestrator.max_inflight_per_token)."""
+    """Rollout posts being processed now, in all and per token. At `limit` in all, or `per_key` for
+    the caller's token, a new post is refused at once (503) rather than queued, so a client's retry,
+    not the orchestrator's memory, absorbs a burst, and one token fills only its own places."""
 
     def __init__(self, limit: int, per_key: int | None = None) -> None:
         self.limit = limit
@@ -66,7 +63,6 @@ class InFlight:
 
     @contextmanager
     def held(self, key: str) -> Iterator[None]:
-        """Counts one post by `key` in flight for the duration of the block."""
         self.count += 1
         self._by_key[key] = self._by_key.get(key, 0) + 1
         try:

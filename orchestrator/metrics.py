@@ -1,12 +1,8 @@
 """Prometheus metrics of one orchestrator app (GET /metrics, text format 0.0.4).
 
 Every app has its own CollectorRegistry (tests create many apps in one process). The run's
-counters (rollouts accepted, rejections and drops by reason, lease expirations, groups served;
-orchestrator/counters.py) are read from RunState at scrape time, so they agree with /v1/status
-and survive a restart (they are journaled); the rest is measured by the HTTP layer as requests pass.
-
-Per-worker counts are labelled by token name, never by the worker id a client picks, so the
-number of series is bounded by the tokens file.
+counters are read from RunState at scrape time, so they agree with /v1/status; per-worker series
+are labelled by token name, never a client-picked worker id, so the tokens file bounds them.
 """
 
 from __future__ import annotations
@@ -26,9 +22,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-# The score queue's counts (orchestrator/score_queue.py COUNTS), under decentrl_<name>_total.
-# Groups that went stale waiting for scores: decentrl_samples_dropped{reason="stale_waiting_scores"};
-# dropped for an unparsed judge reply: reason="judge_parse_failure".
+# The score queue's COUNTS, each exported as decentrl_<name>_total.
 SCORING_HELP = {
     "scores_posted": "Scores taken from scorers (duplicates not counted).",
     "scores_duplicate": "Scores posted again for samples already scored.",
@@ -79,7 +73,7 @@ class StateCollector(Collector):
             ("trainer_version", "Version the trainer holds.", s.trainer_version),
             ("recoveries", "Times this run's state was recovered from the journal.", c.recoveries),
         ]
-        if s.config.orchestrator.rewards.uses_model:  # model rewards: the scoring stage (orchestrator/score_queue.py)
+        if s.config.orchestrator.rewards.uses_model:
             scoring = s.score_queue.summary()
             gauges += [
                 ("scores_waiting", "Samples of complete groups not yet scored.", scoring["waiting"]),

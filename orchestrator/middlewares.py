@@ -1,11 +1,8 @@
 """The orchestrator's middlewares, outermost first: errors (and request metrics), then auth.
 
-Installed by create_app (orchestrator/app.py). Every request passes both before its handler:
-- `errors_middleware` turns every failure into a JSON error a client can act on (aiohttp's own
-  404/405/413 included), counts the request and its latency, and on a journal failure answers
-  503 and trips JOURNAL_FAILED (the service then stops; a restart recovers from the journal);
-- `auth_middleware` checks the bearer token against the route's roles (the route table,
-  orchestrator/app.py), then the token's rate limit, and records the caller's IDENTITY.
+`errors_middleware` turns every failure into a JSON error a client can act on and counts the
+request (a journal failure: 503, JOURNAL_FAILED tripped); `auth_middleware` checks the bearer
+token against the route's roles, then its rate limit, and records the caller's IDENTITY.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The orchestrator's HTTP connections: aiohttp's protocol, with its own parser errors made safe.
 
-Every place that serves the app (`serve`, the tests' loopback fixture, the benchmarks) uses
-`OrchestratorRunner` instead of `web.AppRunner`. A request aiohttp's parser refuses (a control
-character in a header, a line past 8190 bytes, a bad request line) never reaches the middlewares:
-aiohttp answers it itself, quoting the offending line, and logs it at ERROR with a traceback that
-quotes it again, and that line may be `Authorization: Bearer <token>`. Here such a request gets a
-JSON 400 naming only the kind of fault, and one throttled WARNING line without the bytes;
-tests/orchestrator/test_orchestrator_hostile.py checks both.
-
-Client faults (those requests, and a client gone mid-request: orchestrator/middlewares.py) go to
-`client_faults`. Anyone who can open a connection can cause them, so they must not flood the
-log: each kind writes at most BURST lines per PERIOD_S, and the next line that gets through
-says how many were left out. Callers name the kind, the peer and the route, never a header value
-(a token) or the offending bytes.
+Every place that serves the app uses `OrchestratorRunner`: a request aiohttp's parser refuses gets
+a JSON 400 naming only the kind of fault, not aiohttp's answer and traceback, which quote the
+offending line (maybe `Authorization: Bearer <token>`). Client faults, which anyone can cause, go
+to `client_faults`: at most BURST lines per PERIOD_S of each kind, never a header value or bytes.
 """
 
 from __future__ import annotations

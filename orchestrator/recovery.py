@@ -1,9 +1,7 @@
 """Recovery: the journal's meta row, and the state rebuilt from what the journal committed.
 
-RunState (orchestrator/state.py) hands `meta_row` to the journal (written with the next commit
-that changes it) and, starting on a journal that holds a run, calls `recover` with the journal's
-snapshot (orchestrator/journal.py) before it serves anything. What a restart cannot know (which
-samples were picked for a logprob check) RunState redoes after `recover` returns.
+RunState calls `recover` with the journal's snapshot before it serves anything, then redoes what a
+restart cannot know (which samples were picked for a logprob check).
 """
 
 from __future__ import annotations
@@ -52,11 +50,10 @@ def meta_row(*, versions: Versions, counters: Counters, lease_book: LeaseBook, b
 
 
 def _with_place(lease: Lease, lease_book: LeaseBook, ready_seq: int | None, groups_consumed: int) -> Lease:
-    """Deterministic runs: a recovered lease with its place and version again. The journal keeps a
-    complete group's place (its ready_seq) and an open lease's prompt; a prompt occurs once in any
-    num_prompts consecutive places, and an open lease's place lies between the groups consumed and
-    the cursor, so it is the last place before the cursor that holds its prompt (two open copies
-    of one place get the same place)."""
+    """Deterministic runs: a recovered lease with its place and version again. A complete group's
+    place is its ready_seq; an open lease's is the last place before the cursor that holds its
+    prompt (a prompt occurs once in any num_prompts consecutive places, and an open lease's place
+    lies between the groups consumed and the cursor)."""
     queue = lease_book.prompts
     if ready_seq:
         index = ready_seq - 1
@@ -88,19 +85,12 @@ def recover(
     integrity: Integrity,
     restore_steps: Callable[[Group], None],
 ) -> None:
-    """Rebuild the state the journal committed (into freshly made, empty parts).
-
-    Held in memory again: versions, counters, the prompt order, open leases with their samples,
-    the buffer's groups in order with their rewards, the batches kept (so a re-ask gets the same
-    batch; their samples read from the journal when served or asked for again: `Group.read`,
-    `ServedBatch.build`) and what integrity knew. Left on disk and looked up there
-    (orchestrator/leases.py): the rollout ids of every closed lease (resends stay duplicates) and
-    the closed leases not in the buffer nor in a kept batch, only remembered to be forgotten in
-    time. `restore_steps` (orchestrator/reward_stage.py) gives a group in the ready queue or in a kept batch
-    its process rewards again, so a batch asked for again carries the same token advantages.
-    """
+    """Rebuild the state the journal committed, into freshly made, empty parts. Samples of
+    buffered and kept groups are read from the journal when first needed; closed leases' rollout
+    ids stay on disk. `restore_steps` gives a group in the ready queue or in a kept batch its
+    process rewards again, so a batch asked for again carries the same token advantages."""
     meta = snapshot.meta
-    pinned, places = meta.get("places_per_step"), lease_book.config.places_per_step  # absent before 2026-11-27
+    pinned, places = meta.get("places_per_step"), lease_book.config.places_per_step  # absent in older journals
     if lease_book.config.deterministic and pinned is not None and pinned != places:
         raise ValueError(
             f"this deterministic run's journal consumed {pinned} places a step, the config says {places} "
@@ -159,21 +149,17 @@ def recover(
 
 
 def _build_kept(groups: list[Group], restore_steps: Callable[[Group], None], **options: Any) -> TrainBatch:
-    """A kept batch rebuilt when asked for again, with its groups' process rewards restored."""
     for group in groups:
         restore_steps(group)
     return build_batch(groups, **options)
 
 
 def _read_samples(journal: RunJournal, lease: Lease, run_name: str) -> list[Rollout]:
-    """A recovered group's samples, read from the journal when it is first served."""
     return _decoded(journal.samples(lease.lease_id), lease, run_name)
 
 
 def _decoded(entries: Iterable[tuple[str, bytes | None]], lease: Lease, run_name: str) -> list[Rollout]:
-    """A lease's journaled (rollout id, body), decoded (its arrays keep their bytes). A lease's bodies
-    are kept while it is open or in the ready queue (they go when it closes without training or its batch is
-    forgotten)."""
+    """A lease's journaled (rollout id, body), decoded (its arrays keep their bytes)."""
     samples = []
     for rollout_id, data in entries:
         assert data is not None, f"lease {lease.lease_id}: the bodies of an open or complete lease are kept"

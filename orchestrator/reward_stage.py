@@ -1,14 +1,8 @@
 """The reward stage of the pipeline, chosen once at start-up from `[orchestrator.rewards] type`.
 
-RunState (orchestrator/state.py) hands every complete group to `start`:
-- `VerifierRewards` (type = "verifier"): the task's verifier gives the rewards at once, final;
-- `ModelRewards` (type = "model" | "sum", docs/rewards.md): the group's samples (split into steps
-  for process rewards) go to the score queue (orchestrator/score_queue.py) that scorers lease
-  from, and the group is pending in its position until the last score is in; then `finish`
-  combines the scores with the verifier's rewards (orchestrator/rewards.py) and keeps a
-  distillation teacher's per-token log-probs for the batch's advantages. The scores taken
-  are journaled by the queue and read back at a restart (`recovered`), so none is lost.
-Either way the rewards are recomputed here, never the worker's claimed reward.
+RunState hands every complete group to `start`: `VerifierRewards` gives the task verifier's final
+rewards at once; `ModelRewards` (docs/rewards.md) queues the group's items for scorers, and
+`finish` combines their scores with the verifier's. Never the worker's claimed reward.
 """
 
 from __future__ import annotations
@@ -42,10 +36,9 @@ class ModelRewards:
         self.taken: dict[str, ScoreResult] = {}  # scores journaled before a restart, by rollout id
 
     def start(self, group: Group) -> bool:
-        """Queue `group`'s samples for scorers (less the scores taken before a restart); False:
-        it waits for them."""
+        """Queue `group`'s samples (less those scored before a restart); False: it waits."""
         rollouts = group.rollouts
-        group.verifier_rewards = self.rewards.verifier_rewards(rollouts)  # None for a model-only reward
+        group.verifier_rewards = self.rewards.verifier_rewards(rollouts)
         if group.verifier_rewards is not None:
             group.rewards = group.verifier_rewards  # final once scored (`finish`)
         steps = self.rewards.steps(rollouts)

@@ -1,15 +1,8 @@
 """Rewards, recomputed by the orchestrator: the task's verifier, never the worker's claimed reward.
 
-RunState (orchestrator/state.py) scores a group once it is full: a single-turn completion is
-decoded (orchestrator/tokenizer.py) and handed to the task's reward; a multi-turn episode is
-replayed against its environment (decentrl/tasks/episodes.py), which the ingest checks
-(orchestrator/checks.py) also do to refuse a transcript the environment would not have given.
-
-With a model reward (`[orchestrator.rewards]`, docs/rewards.md) the group's samples also become
-the items scorers score (`items`: the prompt, the decoded completion, and for process rewards
-its steps, split by decentrl/rl/steps.py; for on-policy distillation the prompt's and the
-completion's token ids, which a teacher scores), and once scored the two rewards combine here
-(`combine`): the one place that reads the reward's type and weights.
+A single-turn completion is decoded and handed to the task's reward; a multi-turn episode is
+replayed against its environment. With a model reward (docs/rewards.md) the samples also become
+the items scorers score, and `combine` is the one place that reads the reward's type and weights.
 """
 
 from __future__ import annotations
@@ -63,7 +56,6 @@ class Rewards:
         ]
 
     def items(self, rollouts: list[Rollout], steps: list[Steps] | None) -> list[ScoreItem]:
-        """What scorers are sent for each sample of a group waiting for its model scores."""
         texts = self.decode([rollout.completion_token_ids for rollout in rollouts])
         items = []
         for i, (rollout, text) in enumerate(zip(rollouts, texts, strict=True)):
@@ -100,8 +92,7 @@ class Rewards:
         return [task.reward(task.prompt(r.prompt_id), text) for r, text in zip(rollouts, texts, strict=True)]
 
     def episode_reward(self, rollout: Rollout) -> float:
-        """Replay the episode's environment over the transcript; raises EpisodeMismatch when the
-        transcript is not what the environment says."""
+        """Replay the episode's environment over the transcript; EpisodeMismatch if it differs."""
         assert isinstance(self.task, EpisodeTask) and self._episode_codec is not None
         return replay_episode(
             self.task, self.task.prompt(rollout.prompt_id), rollout.completion_token_ids, rollout.loss_mask,

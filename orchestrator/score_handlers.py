@@ -1,9 +1,7 @@
 """The scorer role's request handlers: lease samples to score, renew, post scores.
 
-Thin, as orchestrator/handlers.py: each validates, calls RunState (the scoring stage is
-orchestrator/score_queue.py), commits the journal and answers. Registered by the route table
-(orchestrator/app.py), which admits only `scorer` tokens; the client is workers/scorer.py
-(`decentrl scorer`), the protocol is docs/rewards.md.
+Thin, as orchestrator/handlers.py: validate, call RunState, commit the journal, answer. The client
+is workers/scorer.py; the protocol is docs/rewards.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The scoring queue: samples waiting for a model score, leased to scorers, and the scores posted.
 
-A pipeline stage for runs whose reward needs a model (`[orchestrator.rewards] type = model | sum`,
-docs/rewards.md). RunState (orchestrator/state.py) hands each complete group's items to `add`
-while the buffer holds the group back in its place; scorers (workers/scorer.py) lease items
-through the handlers, score them and `post` the scores; `post` names the groups whose last
-sample it scored, and RunState combines their rewards (orchestrator/rewards.py).
-
-Invariants:
-- an item is leased to one scorer at a time; an overdue score lease (orchestrator/lease_table.py)
-  expires and its unscored items go to the front of the queue (counted as reassigned); a post on
-  an expired lease is refused (409), so a dead or slow scorer never blocks a group;
-- a post is all or nothing: every score is checked (in range, the step count right, one teacher
-  log-prob per completion token, in the lease) before any is taken (ScoreError);
-- a score is taken once per sample (a resend is a duplicate) and journaled before the answer; a
-  restart re-adds the waiting groups with the scores already taken and leases the rest again.
-  Score leases themselves are not journaled (a scorer whose lease is unknown leases again);
-- a group dropped while waiting leaves its items here until they come up: `alive(group_id)` says
-  whether its group still waits, and dead items are skipped.
+The stage of a model reward (docs/rewards.md): RunState `add`s each complete group's items;
+scorers lease them and `post` scores, and `post` names the groups it completed. Invariants:
+- an item is leased to one scorer at a time; an overdue score lease expires, its unscored items
+  go to the front of the queue, and a post on it is refused (409);
+- a post is all or nothing: every score is checked before any is taken (ScoreError);
+- a score is taken once per sample and journaled before the answer (score leases are not);
+- a dropped group's items stay queued until they come up, and are then skipped (`alive`).
 """
 
 from __future__ import annotations
@@ -32,8 +22,7 @@ from decentrl.config import RewardConfig
 from orchestrator.events import Journaling, ScoreTaken
 from orchestrator.lease_table import LeaseClosed, LeaseTable
 
-# What the queue counts since this orchestrator started (not journaled); /metrics names each
-# decentrl_<name>_total (orchestrator/metrics.py).
+# Counted since this orchestrator started (not journaled).
 COUNTS = ("scores_posted", "scores_duplicate", "scores_reassigned", "score_leases_expired", "judge_parse_failures",
           "judge_parse_retries")
 CLOSED_KEPT = 4096  # closed score leases remembered, to answer a late post precisely (409, not 404)
@@ -47,8 +36,6 @@ class ScoreError(Exception):
 
 @dataclass
 class Waiting:
-    """One sample waiting for its score."""
-
     item: ScoreItem
     group_id: str
     result: ScoreResult | None = None
@@ -66,7 +53,7 @@ class ScoreLeaseEntry:
 
 def _check_score(result: ScoreResult, item: ScoreItem | None, low: float, high: float) -> None:
     """One score against its item (None: its group left): in range, one step score per step, and
-    for distillation one teacher log-prob per completion token (their values were checked on the wire)."""
+    for distillation one teacher log-prob per completion token."""
     rid = result.rollout_id
     if result.score is not None and not low <= result.score <= high:
         raise ScoreError(f"rollout {rid!r}: score {result.score} is outside score_range [{low}, {high}]")
@@ -113,7 +100,7 @@ class ScoreQueue:
             missing="never granted, or forgotten (lease again)",
         )
         self.closed: OrderedDict[str, ScoreLeaseEntry] = OrderedDict()  # the last CLOSED_KEPT closed ones
-        self.counts: Counter[str] = Counter()  # COUNTS
+        self.counts: Counter[str] = Counter()
 
     # -- groups in ------------------------------------------------------------------------
 
@@ -170,8 +157,7 @@ class ScoreQueue:
         return ScoreRenewal(lease_id=lease_id, deadline=entry.deadline, unscored=len(entry.unscored))
 
     def post(self, holder: str, body: ScorePost) -> tuple[ScoreAck, list[str]]:
-        """Take a post's scores (all, or none with a ScoreError). Returns the answer and the
-        groups whose last score this was."""
+        """Take a post's scores (all, or none: ScoreError): the answer, the groups it completed."""
         self.expire()
         entry = self._owned(body.lease_id, holder, posting=True)
         fresh = self._check(entry, body)
@@ -255,6 +241,6 @@ class ScoreQueue:
         return sum(len(entry.unscored) for entry in self.leases.values())
 
     def summary(self) -> dict[str, int]:
-        """The gauges and the counts (/v1/status `scoring`, /metrics)."""
+        """/v1/status `scoring`: the gauges and the counts."""
         counts = {name: self.counts[name] for name in COUNTS}
         return {"waiting": self.waiting(), "leased": self.leased(), "leases_open": len(self.leases), **counts}

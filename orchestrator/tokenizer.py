@@ -1,18 +1,9 @@
 """The orchestrator's tokenizer fast paths: prompts encoded for leases, completions decoded for scoring.
 
-RunState (orchestrator/state.py) builds one encoder and one decoder at startup: the lease book
-encodes each prompt it leases (orchestrator/leases.py), the rewards decode every accepted
-completion (orchestrator/rewards.py) and the ingest checks decode stop strings
-(orchestrator/checks.py). Both give exactly what the Hugging Face tokenizer methods give; they only
-skip layers of Python where that cannot change the result.
-
-Every accepted completion is decoded once, to score it, so the decoder joins per-token bytes where
-it can: tokenizers whose decoder only concatenates tokens (`decoders.Fuse`: the strings;
-`decoders.ByteLevel`, GPT-2 style BPE such as Qwen's and Llama 3's: the bytes each character
-stands for, then UTF-8 with replacement) decode to the join of a per-token table. `piece_table`
-builds the table only for those two decoders and only if it reproduces the tokenizer's own decode
-on every single token and on random sequences; otherwise the caller keeps the tokenizer (so the
-text scored is always the text `tokenizer.decode(ids, skip_special_tokens=True)` gives).
+Both give exactly what the Hugging Face tokenizer methods give; they only skip layers of Python
+where that cannot change the result. Where a tokenizer's decode only concatenates per-token pieces
+(`decoders.Fuse`, `decoders.ByteLevel`), the decoder joins a per-token table, used only if it
+reproduces the tokenizer's own decode on every token and on random sequences (`piece_table`).
 """
 
 from __future__ import annotations
@@ -36,7 +27,7 @@ Decoder = Callable[[list[list[int]]], list[str]]
 def _plain_fast_tokenizer(tokenizer: PreTrainedTokenizerBase | RustTokenizer, *methods: str) -> Any:
     """The Rust tokenizer behind `tokenizer` if calling it directly gives what the HF methods
     would (the methods are not overridden by a subclass), else None."""
-    if isinstance(tokenizer, RustTokenizer):  # decentrl/model/tokenizer.py: the Rust tokenizer itself
+    if isinstance(tokenizer, RustTokenizer):
         return tokenizer.backend_tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     try:
@@ -52,10 +43,8 @@ def _plain_fast_tokenizer(tokenizer: PreTrainedTokenizerBase | RustTokenizer, *m
 
 
 def make_decoder(tokenizer: PreTrainedTokenizerBase | RustTokenizer) -> Decoder:
-    """`tokenizer.batch_decode(ids, skip_special_tokens=True)`, calling the Rust tokenizer directly
-    when that gives the same text (a plain fast tokenizer without clean-up): half the cost; and
-    where its decode is a join of per-token pieces, joining them (`piece_table`): a
-    quarter of that again."""
+    """`tokenizer.batch_decode(ids, skip_special_tokens=True)`, from the Rust tokenizer directly
+    or a per-token table (`piece_table`) where either gives the same text."""
     backend = _plain_fast_tokenizer(tokenizer, "_decode", "decode", "batch_decode")
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         table = piece_table(backend)
@@ -67,7 +56,7 @@ def make_decoder(tokenizer: PreTrainedTokenizerBase | RustTokenizer) -> Decoder:
 
 def make_encoder(tokenizer: PreTrainedTokenizerBase | RustTokenizer) -> Encoder:
     """`tokenizer(text).input_ids`, calling the Rust tokenizer directly when that gives the same ids
-    (a plain fast tokenizer with no truncation or padding of its own): half the cost."""
+    (a plain fast tokenizer with no truncation or padding of its own)."""
     backend = _plain_fast_tokenizer(tokenizer, "__call__", "_encode_plus")
     if backend is not None and backend.truncation is None and backend.padding is None:
         return lambda text: backend.encode(text).ids

@@ -1,18 +1,9 @@
 """The verification scheduler: when pending groups get their logprob check, and what follows.
 
-With `[orchestrator.verification] enabled`, ingest makes some complete groups pending
-(RunState.pending, their jobs in RunState.verify_queue) until the Verifier (orchestrator/
-verify.py) has recomputed their sampled logprobs. This module decides when to check (RunState
-`checks_due`, or enough rollouts queued, or the oldest waited `check_wait_s`), takes the jobs
-from RunState (`take_checks`), runs the Verifier on one worker thread off the event loop, hands
-the verdicts back (`verification_done`, which drops what a ban leaves; `commit` revokes the
-token), and wakes the long-polls a verdict may serve (a batch formed, a place for a lease freed).
-
-It is a `cleanup_ctx` entry of create_app (orchestrator/app.py). It sleeps on CHECKS_WANTED
-(orchestrator/appstate.py), which handlers set through `wake_checks` when a group may have become
-pending (after ingest), when the ready queue ahead of one moved (a batch served, a version
-announced), and while the trainer waits for a batch; its first look at startup covers groups
-the journal recovered still pending.
+A `cleanup_ctx` entry of create_app. It sleeps on CHECKS_WANTED (set by handlers through
+`wake_checks`) until a check is due (RunState `checks_due`, a full forward queued, or
+`check_wait_s` waited), runs the Verifier on one thread off the event loop, hands the verdicts
+back (`verification_done`) and wakes the long-polls they may serve. Details: docs/security.md.
 """
 
 from __future__ import annotations
@@ -55,8 +46,7 @@ async def _judge(app: web.Application, executor: concurrent.futures.Executor, jo
         {job.lease_id: {r.rollout_id: failed[r.rollout_id] for r in job.rollouts if r.rollout_id in failed} for job in jobs}
     )
     await commit(app)
-    # A batch may form now: groups joined the buffer, or a pending group it waited for was
-    # dropped (which also frees its place for a new lease).
+    # A batch may form now, and a dropped group frees its place for a new lease.
     await notify_all(app[BATCH_READY])
     await notify_all(app[LEASES_FREED])
 
@@ -104,7 +94,7 @@ async def verification(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier")
-    executor.submit(_warm_up, app[VERIFIER])  # imports and model builds, before the first check needs them
+    executor.submit(_warm_up, app[VERIFIER])
     task = asyncio.create_task(_check_when_due(app, executor))
     yield
     task.cancel()

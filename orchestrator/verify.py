@@ -1,38 +1,9 @@
 """Logprob spot-checks: recompute a rollout's per-token sampling logprobs under its claimed version.
 
-Runs on one worker thread of the verification scheduler (orchestrator/verification.py), off the
-event loop; a group holding a sampled rollout is pending until its check is done
-(orchestrator/buffer.py), so an unverified sample never reaches the trainer. `warm_up`, which the
-app runs on that thread at startup, imports torch and transformers and builds the models (an
-orchestrator with verification off never loads them).
-
-The recomputation is the worker's own math (decentrl/model/sampling.py `sampling_distribution`) on
-one full forward of prompt + completion under the version's weights, in the dtype the version was
-published in. A version is loaded once: read from the store, checked against the (signed)
-manifest's digests and copied into a model built at startup, in place and all or nothing
-(decentrl/store/weights.py, as the worker's weight swap); the last `models_cached` stay loaded.
-Weights that cannot be read or do not fit, whatever the version holds, leave its rollouts
-`unverifiable` (nobody struck) and never end the verifier's thread. A completion that spanned a
-weight swap (`token_versions`) is checked against the version of each token.
-
-The rule (docs/security.md and docs/store.md: its calibration, what it leaves an attacker): a
-rollout fails when a token it sampled differs by more than the per-token bound, or the mean over
-those tokens (at least MEAN_TOKENS) by more than the mean bound. fp32 versions: both are
-`tolerance` (honest noise is 1e-7 to 1e-4; an edit shows at its token). bf16/fp16 versions: a
-worker's incremental decoding and the verifier's one forward round differently through every
-layer, up to ~1 at a token of a real model, so `half_tolerance` only catches a large edit and
-`half_mean_tolerance` the rest. A claimed
-token outside the recomputed top-k/top-p kept set is infinitely far, unless it is kept once its own
-logit is the per-token bound higher: rounding moved the boundary, and it is judged as kept.
-
-Deterministic runs (`run_seed`, docs/reproducibility.md): the same forward re-draws each token
-from its sample's own generator (decentrl/rl/determinism.py `sample_seed`), as the HF worker
-backend draws; a token that is not the seeded draw fails as `not_reproduced`. That catches what
-logprobs cannot - which token was picked (a forged answer, the best of several tries). A draw
-depends on the distribution only through comparisons, so fp32 noise changes it only at a near-tie;
-bf16 rounding of a real model changes it often (docs/store.md: publish such runs in fp32).
-
-Cost accounting (`summary()`, /v1/status `verification`): docs/security.md "What verification costs".
+Runs on the verification scheduler's one worker thread (orchestrator/verification.py), off the
+event loop. A version is loaded once into one of `models_cached` models, in the dtype it was
+published in; weights that cannot be loaded leave its rollouts `unverifiable` (nobody struck) and
+never end the thread. The rule, its calibration and its cost: docs/security.md and docs/store.md.
 """
 
 from __future__ import annotations
@@ -112,8 +83,7 @@ class Verifier:
         self, config: VerificationConfig, *, store: CheckpointStore, cache_dir: str,
         build: Callable[[], torch.nn.Module], run_seed: int | None = None,
     ) -> None:
-        """`build` makes a model of the run's architecture (decentrl.model.build.build_model): `warm_up`
-        builds `models_cached` of them, and every version is then copied into one in place.
+        """`build` makes a model of the run's architecture; versions are copied into one in place.
         `cache_dir` receives the versions that are pulled (a LoRA adapter and its base, a delta).
         `run_seed`: a deterministic run's seed; its samples' tokens are re-drawn too."""
         self.config = config
@@ -137,14 +107,12 @@ class Verifier:
         # The honest noise seen so far, to watch against the bounds in force.
         self.largest_passing_diff = 0.0
         self.largest_passing_mean_diff = 0.0
-        # (per-token, mean) bounds of the dtype the versions are published in: one for the whole run
-        # (store.publish_dtype), known once a version is loaded.
+        # (per-token, mean) bounds of the run's publish dtype, known once a version is loaded.
         self.tolerances = (config.tolerance, config.tolerance)
 
     def warm_up(self) -> None:
-        """Import torch, transformers and the model code, and build the models, now rather than in
-        the first checks. Errors propagate: the caller logs them, and the first check then builds
-        what it needs itself, the same way."""
+        """Import torch and the model code and build the models now, not in the first check. Errors
+        propagate: the caller logs them, and the first check builds what it needs itself."""
         started = time.perf_counter()
         import torch
 
@@ -174,9 +142,8 @@ class Verifier:
         return found
 
     def _load(self, version: int) -> torch.nn.Module:
-        """A model holding `version`'s weights: a spare, a new build (warm_up did not build them
-        all) or the least recently used one, overwritten in place, all or nothing. Weights that
-        cannot be read leave every loaded model as it was."""
+        """A model holding `version`'s weights: a spare, a new build or the least recently used one,
+        overwritten in place, all or nothing (weights that cannot be read change no model)."""
         import torch
 
         from decentrl.store.weights import adopt_dtype, copy_into
@@ -198,11 +165,8 @@ class Verifier:
         return model
 
     def _weights(self, version: int) -> dict[str, torch.Tensor]:
-        """`version`'s full weights. A full version's files (only the manifest's) are read from the
-        store into memory, each checked against the (signed) manifest's digest. A LoRA adapter is
-        pulled with its base into the cache and merged onto it, as the HF worker does; a delta is
-        pulled and rebuilt from its base there. Any failure is a StoreError or a CheckpointError:
-        the verifier's thread never dies of a version."""
+        """`version`'s full weights, checked against the (signed) manifest's digests. Any failure is
+        a StoreError or a CheckpointError: the verifier's thread never dies of a version."""
         from decentrl.store.weights import INDEX_NAME, CheckpointError, read_weights, weights_from_files
 
         try:
@@ -213,9 +177,8 @@ class Verifier:
             return weights_from_files(files)
         except (StoreError, CheckpointError):
             raise
-        # decentrl/store/weights.py turns the failures it knows of into CheckpointError; anything else
-        # a version's bytes provoke (a dtype safetensors reads but torch cannot copy, an oddity of
-        # a future format) is still the version's fault, never the verifier's.
+        # Anything else a version's bytes provoke (a dtype torch cannot copy) is still the
+        # version's fault, never the verifier's.
         except Exception as exc:  # noqa: BLE001 - see above
             raise CheckpointError(f"version {version} cannot be loaded ({type(exc).__name__}: {exc})") from exc
 
@@ -244,8 +207,7 @@ class Verifier:
         started, cpu_started = time.perf_counter(), time.thread_time()
         sequences = [r.prompt_token_ids + r.completion_token_ids for r in rollouts]
         width = max(len(s) for s in sequences)
-        # Right padding: under the causal mask no real token attends to the padded tail (and the
-        # positions are 0.. either way), so no attention mask is needed - a quarter less compute.
+        # Right padding needs no attention mask: under the causal mask no real token sees the tail.
         ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])  # (B, L)
         # The logits predicting each completion token: row b, positions P-1 .. P+T-2.
         rows = torch.tensor([b for b, r in enumerate(rollouts) for _ in r.completion_token_ids])  # (N,)
@@ -267,10 +229,9 @@ class Verifier:
         return chosen, drawn  # (N,), (N,) or None
 
     def _redrawn(self, rollouts: list[Rollout], distribution: torch.Tensor, version: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Per completion token (N,), whether it is the draw of its sample's seeded generator from
-        `distribution` (N, V): one torch.multinomial of one row per position, in order, as the
-        HF worker backend draws for a seeded row (workers/backends/hf.py). A rollout without a
-        `sample_index` (none in a deterministic run: ingest refuses it) is not re-drawn."""
+        """Per completion token (N,), whether it is its sample's seeded draw from `distribution`
+        (N, V), drawn as workers/backends/hf.py draws (one multinomial per position, in order); a
+        rollout without a `sample_index` is not re-drawn."""
         import torch
 
         assert self.run_seed is not None
@@ -290,8 +251,7 @@ class Verifier:
         return same
 
     def judge(self, rollouts: list[Rollout]) -> list[Judged]:
-        """Per rollout, how far its claimed logprobs are from the recomputed ones, over the tokens
-        it sampled, with one forward per version they need."""
+        """Per rollout, |claimed - recomputed| over its sampled tokens; one forward per version."""
         import torch
 
         from decentrl.store.weights import CheckpointError

@@ -1,9 +1,7 @@
 """RunView: the run's state read under the names other modules use, and the /v1/status answer.
 
-RunState (orchestrator/state.py) is a RunView: it builds the parts declared here and changes them;
-this class only reads them, for the handlers, the verification loop, the metrics, benchmarks and
-tests, and builds `status()` (GET /v1/status, `decentrl status`). One alias is settable, to
-replace the field whole (`sampling`: tests).
+RunState (orchestrator/state.py) is a RunView: it builds and changes the parts declared here; this
+class only reads them, and builds `status()` (GET /v1/status, `decentrl status`).
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ def _alias(path: str, *, settable: bool = False) -> Any:
 
 
 class RunView:
-    # The parts, built by RunState.__init__.
     config: RunConfig
     task: Task | EpisodeTask
     clock: Callable[[], float]
