@@ -1,12 +1,7 @@
-"""The `teacher` scorer backend with `[scorer.server]`: on-policy distillation's teacher behind an
-OpenAI-compatible completions server that returns the log-probs of a prompt's own tokens.
-
-Built by workers/scorers/__init__.py (the run's /v1/info given); called by the scorer loop
-(workers/scorer.py) in a thread, `concurrency` samples at a time. Per sample, one POST of the
-token ids as they are (prompt, then completion: no text is decoded or encoded again), read back
-as vLLM's `prompt_logprobs` or the classic `echo` form; the score is exp(their mean), as with a
-directory's teacher (teacher.py). docs/rewards_backends.md has the request, what each answer
-leads to, and why the tokenizer is the operator's to ensure.
+"""The `teacher` scorer backend with `[scorer.server]`: the teacher behind an OpenAI-compatible
+completions server, `concurrency` samples at a time. One POST per sample of its token ids as they
+are, read back as vLLM's `prompt_logprobs` or the classic `echo` form; the score as in teacher.py.
+docs/rewards_backends.md has what each answer leads to, and why the tokenizer is the operator's.
 """
 
 from __future__ import annotations
