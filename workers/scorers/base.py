@@ -19,6 +19,7 @@ from decentrl.model.devices import available_gpus, device_problem, limit_gpu_mem
 
 RETRIED_STATUSES = (408, 429)
 ITEM_REFUSED_STATUSES = (400, 413, 422)
+NO_ANSWER = (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError)
 
 
 class BackendConfigError(ValueError):
@@ -104,7 +105,7 @@ def post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, refus
         if exc.code in ITEM_REFUSED_STATUSES:
             raise Refused(f"{exc.code} {message}") from None
         raise refuses_all(f"{exc.code}: {message}") from None
-    except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+    except NO_ANSWER as exc:
         raise Unreachable(str(exc)) from None
 
 

@@ -6,7 +6,6 @@ docs/rewards_backends.md has what each answer leads to, and why the tokenizer is
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import math
@@ -17,7 +16,7 @@ from typing import Any
 
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config.scorer import TeacherScorerConfig, TeacherServerConfig
-from workers.scorers.base import BackendConfigError, Refused, Unreachable, Verdict, attempts, distilled, headers, post
+from workers.scorers.base import NO_ANSWER, BackendConfigError, Refused, Unreachable, Verdict, attempts, distilled, headers, post
 from workers.scorers.teacher import item_problem
 
 log = logging.getLogger("decentrl.scorer.teacher")
@@ -92,7 +91,7 @@ class TeacherServerBackend:
                                          f"check [scorer.server] api_key_env") from None
             log.warning("teacher server %s: GET /models answered %d; the model name is not checked", server.base_url, exc.code)
             return
-        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+        except NO_ANSWER as exc:
             log.warning("teacher server %s not reachable at start-up (%s); scoring will retry", server.base_url, exc)
             return
         except (ValueError, KeyError, TypeError, AttributeError):
