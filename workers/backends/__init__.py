@@ -70,3 +70,20 @@ def extended(before: Completion, chunk: Completion, sampling: SamplingParams, te
     if chunk.finish_reason == "stop":
         return Completion(ids, lps, "stop", mask)
     return Completion(ids, lps, "length" if len(ids) >= sampling.max_tokens else "interrupted", mask)
+
+
+def in_chunks(
+    prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool], *, chunk_tokens: int,
+    generate: Callable[[list[list[int]], SamplingParams, list[int]], list[Completion]], text: Callable[[list[int]], str],
+) -> list[Completion]:
+    """Completions generated `chunk_tokens` at a time, `generate(prompts, sampling, budgets)` called
+    for the rows still open, so that `should_stop` can interrupt them between chunks."""
+    done = [Completion([], [], "interrupted", [] if truncates(sampling) else None) for _ in prompts]
+    while open_rows := [i for i, c in enumerate(done) if c.finish_reason == "interrupted"]:
+        budgets = [min(chunk_tokens, sampling.max_tokens - len(done[i].token_ids)) for i in open_rows]
+        chunks = generate([prompts[i] + done[i].token_ids for i in open_rows], sampling, budgets)
+        for i, chunk in zip(open_rows, chunks, strict=True):
+            done[i] = extended(done[i], chunk, sampling, text)
+        if should_stop():
+            break
+    return done

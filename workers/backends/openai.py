@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from decentrl.api.wire import SamplingParams
-from workers.backends import Completion, extended, never, truncates
+from workers.backends import Completion, in_chunks, never, truncates
 
 
 class OpenAIBackend:
@@ -97,9 +97,7 @@ class OpenAIBackend:
 
     def _complete(self, prompt: list[int], sampling: SamplingParams, should_stop: Callable[[], bool]) -> Completion:
         assert self._decode is not None
-        done = Completion([], [], "interrupted", [] if truncates(sampling) else None)
-        while True:
-            budget = min(self.chunk_tokens, sampling.max_tokens - len(done.token_ids))
-            done = extended(done, self._request(prompt + done.token_ids, sampling, budget), sampling, self._decode)
-            if done.finish_reason != "interrupted" or should_stop():
-                return done
+        return in_chunks(
+            [prompt], sampling, should_stop, chunk_tokens=self.chunk_tokens, text=self._decode,
+            generate=lambda prompts, sampling, budgets: [self._request(prompts[0], sampling, budgets[0])],
+        )[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from decentrl.api.wire import SamplingParams
-from workers.backends import Completion, extended, never, truncates
+from workers.backends import Completion, in_chunks, never, truncates
 
 
 class VLLMBackend:
@@ -74,12 +74,4 @@ class VLLMBackend:
         self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
     ) -> list[Completion]:
         assert self.llm is not None, "load() a version before generate()"
-        state = [Completion([], [], "interrupted", [] if truncates(sampling) else None) for _ in prompts]
-        while open_rows := [i for i, c in enumerate(state) if c.finish_reason == "interrupted"]:
-            budgets = [min(self.chunk_tokens, sampling.max_tokens - len(state[i].token_ids)) for i in open_rows]
-            chunks = self._chunk([prompts[i] + state[i].token_ids for i in open_rows], sampling, budgets)
-            for i, chunk in zip(open_rows, chunks, strict=True):
-                state[i] = extended(state[i], chunk, sampling, self._text)
-            if should_stop():
-                break
-        return state
+        return in_chunks(prompts, sampling, should_stop, chunk_tokens=self.chunk_tokens, generate=self._chunk, text=self._text)
