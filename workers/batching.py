@@ -1,16 +1,10 @@
-"""The one door to a worker's backend: generation batched across its slots (flat combining,
-docs/workers.md "Slots and batched generation"), and the soft pause of a weight swap. Called by
-the worker loop (workers/worker.py).
+"""The one door to the worker's backend (workers/worker.py): generation batched across its slots
+(flat combining, docs/workers.md "Slots and batched generation") and the soft pause of a swap.
 
-Each slot queues its unfinished rows as a `Request`; one slot at a time leads a round (`lead`,
-`generate_next`) of the queued requests of every slot. A backend that batches concurrent requests
-itself (`combine=False`) is not batched again: every slot leads its own request, all at once.
-
-Invariants: rows in one call share their tokens left (no row exceeds its budget) and sampling;
-first come, first served; a backend error ends the requests of its batch, raised in each slot;
-generation and weight swaps never overlap. Deterministic runs: a round takes only requests of
-one version, and every call has `fixed_rows` rows (a CPU forward is row-independent only at a
-fixed shape); rows of an `abandoned` group (a hedge's losing copy) leave the queue before their round.
+Invariants: rows in one call share their tokens left and sampling; first come, first served; a
+backend error ends the requests of its batch, raised in each slot; generation and weight swaps
+never overlap. Deterministic runs: a round takes requests of one version only, every call has
+`fixed_rows` rows, and rows of an `abandoned` group leave the queue before their round.
 """
 
 from __future__ import annotations
@@ -76,7 +70,7 @@ class Batcher:
         # Deterministic runs: the rows of every call (whole groups + filler); None: a group per call.
         self.fixed_rows = fixed_rows
         self.abandoned = abandoned  # whether a group (a lease id) is no longer wanted
-        self.combine = combine
+        self.combine = combine  # False: the backend batches concurrent calls itself
         self._queue: deque[Request] = deque()
         # Guards the queue, every request's `done`, `_rounds` and `paused`; notified when any changes.
         self._changed = threading.Condition()
@@ -142,8 +136,7 @@ class Batcher:
             self._changed.notify_all()
 
     def fail_next(self, error: BaseException) -> None:
-        """The next round's version cannot be loaded: every queued request of that version ends
-        with `error`, and the lead passes on."""
+        """The next round's version cannot be loaded: its queued requests end with `error`."""
         with self._changed:
             version = self._queue[0].version
             failed = [request for request in self._queue if request.version == version]
@@ -156,12 +149,9 @@ class Batcher:
     def generate_next(
         self, backend: Backend, version: int, should_stop: Callable[[], bool] | None = None, own: Request | None = None
     ) -> None:
-        """The lead's round: take queued requests (whole, first come first served, at least one)
-        while they fit in `max_rows`, generate them under `version`, and mark them done. Only
-        requests of the head's version join, wherever queued (one round per version). If no
-        request of `version` is left (abandoned since the lead loaded it), the round ends at once:
-        rows are never generated under weights they do not name. Not combining, the round is the
-        lead's `own` request alone. `should_stop` (None: `pause_due`) interrupts it."""
+        """The lead's round: queued requests of the head's version (whole, first come first served, at
+        least one) while they fit in `max_rows`, generated under `version`; none left (all abandoned):
+        the round ends at once. Not combining, the round is the lead's `own` request alone."""
         with self._changed:
             self._drop_abandoned()
             if own is not None and not self.combine:

@@ -1,10 +1,7 @@
-"""Multi-turn episodes on the worker: the model acts, the environment answers, repeat.
-
-Called by the worker loop (workers/worker.py) when the orchestrator announces a multi-turn task.
-The episodes of one lease request advance together, one model turn each per round, so every
-round is one batched generation. The transcript is one completion: model tokens (loss_mask 1)
-and environment tokens (loss_mask 0, logprob 0). The limits are decentrl/tasks/episodes.py's,
-which the orchestrator's replay checks; the reward the worker computes is only a claim.
+"""Multi-turn episodes on the worker (workers/worker.py): the model acts, the environment answers,
+repeat; the episodes of one lease request advance together, one batched generation per turn. The
+transcript is one completion: model tokens (loss_mask 1), environment tokens (loss_mask 0). The
+limits are decentrl/tasks/episodes.py's, which the orchestrator's replay checks.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Evaluate one published version: sample completions, score them with the task's own reward.
-
-Called by `decentrl eval` and by benchmarks/async_vs_sync.py, which judges a run by its final
-policy rather than by the rewards of its last training batches (in an asynchronous run those
-were sampled by older policies).
-
-Prompts come from a held-out pool by default: a dataset task's eval split, else the task rebuilt
-with another seed, minus every prompt text of the training pool (a task whose seed only orders a
-fixed prompt set has none: evaluate it with split="train"). Prompts are rendered, sampled (the
-hf backend) and decoded as in a run. The figure is correctness only: a task's format credit
-shapes training, never eval. Besides the mean reward it reports pass@k (solved: reward 1.0).
+"""Evaluate one published version (`decentrl eval`, benchmarks/async_vs_sync.py): sample with the
+hf backend, rendering and decoding as in a run, and score with the task's correctness (format
+credit shapes training, never eval): mean reward and pass@k. Prompts are held out by default.
 """
 
 from __future__ import annotations

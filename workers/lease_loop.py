@@ -1,11 +1,6 @@
-"""The client side of a lease, shared by the worker (workers/worker.py) and the scorer (workers/scorer.py):
-
-    ask (`answers`, a backoff while requests fail) -> hold (`Renewals`) -> work -> post (`Spool`)
-
-Renewing at half the time left before the deadline leaves room for a clock skew below half the
-lease timeout. The scorer asks, holds and posts (unspooled: its posts die with their lease); the
-worker asks and posts, and does not renew, so no slow worker holds a group back for longer than
-the lease timeout.
+"""The client side of a lease, shared by the worker and the scorer: ask (`answers`), hold
+(`Renewals`, the scorer only: no slow worker holds a group past the lease timeout), post (`Spool`,
+the worker only: a scorer's posts die with their lease).
 """
 
 from __future__ import annotations
@@ -32,27 +27,24 @@ MIN_RENEW_S = 0.5
 
 
 def default_id() -> str:
-    """A worker's or scorer's id when none is given: this host and process."""
     return f"{os.uname().nodename}-{os.getpid()}"
 
 
 def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
-    """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2^failures)]."""
+    """Exponential backoff with full jitter."""
     return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(failures, 16)))
 
 
 def on_signals(handler: Callable[..., object], *signals: signal.Signals) -> None:
-    """Call `handler` on `signals`; only the main thread may install handlers, so elsewhere (a
-    test, a benchmark's thread) nothing is installed."""
+    """Call `handler` on `signals`; outside the main thread nothing is installed (Python forbids it)."""
     if threading.current_thread() is threading.main_thread():
         for number in signals:
             signal.signal(number, handler)
 
 
 def answers(ask: Callable[[], A], *, stop: threading.Event, passing: tuple[type[Exception], ...] = ()) -> Iterator[A]:
-    """The answers to `ask` until `stop` is set; an error in `passing` (the orchestrator unreachable
-    after the client's retries, an answer that does not validate) is logged and asked again after a
-    backoff (cut short by `stop`), any other propagates."""
+    """The answers to `ask` until `stop` is set; an error in `passing` is logged and asked again
+    after a backoff (cut short by `stop`), any other propagates."""
     failures = 0
     while not stop.is_set():
         try:
@@ -68,9 +60,8 @@ def answers(ask: Callable[[], A], *, stop: threading.Event, passing: tuple[type[
 
 
 class Renewals:
-    """The leases held, each renewed at half the time left before its deadline until let go, by
-    one thread (`run`). A lease gone (403/404/409) is let go: its post would be refused too and
-    its work is with another holder. Any other error ends `run`, kept in `error`, and calls `failed`."""
+    """The leases held, each renewed by one thread (`run`) at half the time left (room for clock
+    skew) until let go; a lease gone (403/404/409) is let go, any other error ends `run`, calls `failed`."""
 
     def __init__(
         self, renew: Callable[[str], float], *, failed: Callable[[], None], clock: Callable[[], float] = time.time
@@ -118,7 +109,6 @@ class Renewals:
             return min(self._due.values(), default=None)
 
     def run(self) -> None:
-        """The renewing thread's loop, until `close`."""
         while True:
             try:
                 self.renew_due()
@@ -182,6 +172,6 @@ class Spool:
             log.warning("orchestrator unreachable (%s); %d rollouts stay spooled", exc, len(batch.rollouts))
             self.unsent = True
             return False
-        with contextlib.suppress(FileNotFoundError):  # two threads may resend one file (duplicates): one removes it
+        with contextlib.suppress(FileNotFoundError):  # two threads may resend one file: one removes it
             os.remove(path)
         return True

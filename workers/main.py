@@ -1,8 +1,5 @@
-"""The `decentrl worker` process: from a run config to a running worker.
-
-Called by `decentrl worker` (decentrl/cli/main.py) with the config loaded and `--set` applied.
-Builds the backend, the orchestrator client and the `Worker` (workers/worker.py), then runs it
-until SIGTERM. torch and the backends are imported here, so `decentrl --help` stays fast.
+"""The `decentrl worker` process (decentrl/cli/main.py): from a run config to a running worker.
+torch and the backends are imported inside the functions, so `decentrl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ from workers.worker import Worker
 
 
 def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend:
-    """The inference backend of `config.backend` (docs/workers.md: what each one needs).
-    `router_noise`: [simulation] router_noise (RunConfig allows it with the hf backend only)."""
+    """The inference backend `config.backend` names; `router_noise` ([simulation]) is hf's only."""
     if config.backend == "vllm":
         from workers.backends.vllm_engine import VLLMBackend
 

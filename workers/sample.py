@@ -1,5 +1,4 @@
-"""One completion as the worker builds it (workers/worker.py, batching.py, episodes.py), and the
-wire Rollout it becomes (`to_rollout`)."""
+"""One completion as the worker builds it, and the wire Rollout it becomes (`to_rollout`)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class Sample:
     loss_mask: list[int] | None = None  # episodes: 1 model token, 0 environment token
     claimed_reward: float | None = None
     routes: ExpertRouting | None = None  # MoE: experts of every token fed (decentrl/model/routing.py)
-    # Deterministic runs: its seed, its place in its group, its group (never split across calls)
-    # and the version it must be sampled under (the lease's).
+    # Deterministic runs: seed, place in group, group (never split across calls), lease's version.
     seed: int | None = None
     index: int | None = None
     group: str | None = None
@@ -41,9 +39,8 @@ class Sample:
             self.masks = (self.masks or []) + masks
 
     def extend_routes(self, routes: ExpertRouting | None) -> None:
-        """Routes of a generation of prompt + the tokens before its `extend`. After a weight swap
-        the rows already recorded stay (they routed the old weights' tokens); the continuation
-        adds the rows past them."""
+        """Routes of a generation of prompt + the tokens before its `extend`. After a swap the rows
+        already recorded stay (they routed the old weights' tokens); the continuation adds the rest."""
         if routes is None or self.routes is None:
             self.routes = routes
             return

@@ -1,15 +1,8 @@
-"""The scorer loop: lease samples to score, score them with the backend, post the scores.
-
-Run by `decentrl scorer` (`run_scorer` below), by tests and benchmarks; the protocol is in
-docs/rewards.md, what the loop does with each verdict in docs/rewards_backends.md. Three threads
-beside the calling one, so that the backend never waits for HTTP:
-
-    lease (asking thread) -> score (calling thread) -> check and post (post thread)
-        renew every lease held until it is posted (renew thread: workers/lease_loop.py)
-
-A verdict that fails its check is posted as `failure = "parse"`, never a silent 0; a transient
-one is not posted, and its lease expires. A backend that raises, or an orchestrator that cannot
-be reached, stops the scorer; the leases it held expire.
+"""The scorer loop (`decentrl scorer`, `run_scorer`): lease samples, score them with the backend,
+post the scores (docs/rewards_backends.md). So that the backend never waits for HTTP, one thread
+leases ahead, one checks and posts, one renews every lease held. A verdict that fails its check is
+posted as `failure = "parse"`, never a silent 0; a transient one is not posted. A backend that
+raises, or an orchestrator that cannot be reached, stops the scorer; the leases it held expire.
 """
 
 from __future__ import annotations

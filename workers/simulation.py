@@ -1,18 +1,9 @@
 """Simulated generation latency and router noise ([simulation], benchmarks only; docs/workers.md).
 
-The toy task generates in milliseconds, real reasoning traces in seconds to minutes with a long
-tail. To measure scheduling with the real system, `Worker` wraps its generation step with
-`SimulatedLatency.around`: each lease request's samples wait an extra
-
-    extra = generation_s * (slowdown - 1) + slowdown * (median_s * exp(sigma * N(0, 1)) + per_token_s * tokens)
-
-The per-token part makes long completions late, as real ones are, so that dropping late groups
-can favour short ones (docs/trainer.md). The delay is a wait, costing no CPU, so slots overlap
-their delays as they would real requests; it ends early once every lease of the step lost to
-another copy, as a real engine would abort. Nothing else in the worker knows about simulation.
-
-`noisy_routers` ([simulation] router_noise) perturbs an MoE model's router logits in the hf
-backend, as a real engine's numerics do (docs/routing.md); benchmarks/routing_replay.py uses it too.
+`SimulatedLatency.around` wraps the worker's generation step with an extra wait (no CPU, so slots
+overlap their delays as real requests would) that ends early once every lease of the step lost to
+another copy. `noisy_routers` perturbs an MoE model's router logits in the hf backend, as a real
+engine's numerics do (docs/routing.md). Nothing else in the worker knows about simulation.
 """
 
 from __future__ import annotations
@@ -54,7 +45,6 @@ class SimulatedLatency:
         )
 
     def extra_delay(self, generation_s: float, tokens: int = 0) -> float:
-        """Seconds to wait after a generation of `generation_s` that produced `tokens` tokens."""
         tail = self.median_s * math.exp(self.sigma * self._rng.gauss(0.0, 1.0)) if self.median_s > 0 else 0.0
         return generation_s * (self.slowdown - 1.0) + self.slowdown * (tail + self.per_token_s * tokens)
 
@@ -78,11 +68,9 @@ class SimulatedLatency:
 
 @contextmanager
 def noisy_routers(model: torch.nn.Module, std: float, generator: torch.Generator) -> Iterator[None]:
-    """Within the block, every router of `model` chooses its top-k experts by its logits plus
-    N(0, std) noise; the chosen experts' gate weights come from the clean logits (softmax gathered,
-    renormalized where the architecture renormalizes). That is an engine whose near-tied routing
-    decisions flip under its own numerics: the mismatch replay removes. Hooked before a
-    RouteRecorder, the recorder sees the noisy choice. std 0: no hooks."""
+    """Within the block, every router of `model` picks its top-k experts by its logits plus N(0, std)
+    noise, with gate weights from the clean logits (renormalized where the architecture does).
+    Hooked before a RouteRecorder, the recorder sees the noisy choice. std 0: no hooks."""
     from decentrl.model.routers import routers
 
     def noisy(renormalize: bool) -> Callable[..., tuple[torch.Tensor, ...]]:

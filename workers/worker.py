@@ -1,20 +1,10 @@
 """The worker loop: lease prompts, generate with the loaded version, post; swap weights softly.
 
-Called by `decentrl worker` (through workers/main.py), by tests and by benchmarks/worker.py.
-Settings are `[worker]` and `[store]`; everything else about the run comes from the orchestrator.
-docs/workers.md tells the whole story (faults and SIGTERM included).
-
-Threads, sharing one condition (`_changed`: versions, copies told lost, counts):
-- `concurrency` slots, each a lease loop (workers/lease_loop.py): ask once the loaded version is
-  fresh -> generate through workers/batching.py -> post through the spool;
-- one swapper (free-running runs): learns of versions, pulls them while generation goes on, then
-  swaps with a soft pause (`Batcher.swapping`); a generation interrupted at `swap_deadline_s`
-  continues under the new version (`token_versions`).
-
-Deterministic runs (docs/reproducibility.md): no swapper; the slot that leads a round loads the
-version its leases name; samples are seeded and generated in calls of one fixed shape. A hedged
-copy the orchestrator says lost (`LeaseResponse.superseded`) is abandoned: not generated further,
-not posted.
+Run by `decentrl worker` (workers/main.py). Threads share one condition, `_changed`: the
+`concurrency` lease slots (workers/lease_loop.py, generating through workers/batching.py) and, in
+free-running runs, one swapper that pulls versions while generation goes on and swaps them in with
+a soft pause. Deterministic runs have no swapper: the slot leading a round loads the version its
+leases name. docs/workers.md tells the whole story.
 """
 
 from __future__ import annotations
@@ -57,8 +47,7 @@ class SwapRecord:
 
 
 class Progress:
-    """A worker's own progress, one line every `interval_s` in its log, so a volunteer sees their
-    contribution without the orchestrator's dashboard. Updated under `Worker._changed`."""
+    """A worker's own progress, one log line every `interval_s`; updated under `Worker._changed`."""
 
     def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s
@@ -98,7 +87,7 @@ class Worker:
         backend: Backend,
         store: StoreConfig = StoreConfig(),
         simulation: SimulationConfig = SimulationConfig(),
-        spool_dir: str | None = None,  # default <cache_dir>/spool/<worker_id>
+        spool_dir: str | None = None,
     ) -> None:
         self.config = config
         self.worker_id = worker_id
@@ -114,8 +103,6 @@ class Worker:
                 "single-turn tasks only (docs/reproducibility.md); set deterministic = false in the run's config"
             )
         self._codec: TextCodec | None = None  # episodes: the model's tokenizer, from the first version loaded
-        # store.url, when set, overrides the announced URL (a closer mirror); versions signed for
-        # another run are refused (they name their run).
         self.store = CheckpointStore.from_config(
             store.for_reader(store.url or self.info.store_url), run_name=self.info.run_name
         )
@@ -127,8 +114,8 @@ class Worker:
         self._seen_at: dict[int, float] = {}
         self._store_failing = False  # set by the swapper while pulls fail; slots then keep a fresh older version
         self.refused: dict[int, str] = {}  # version -> why it was not loaded; skipped for good
-        # Hedging: the leases the slots hold, and those of them another copy filled first (replaced
-        # whole, so `_post` reads it without the lock); a slot's leases leave both when it is done.
+        # Hedging: the leases the slots hold, and those another copy filled first (`_lost` is
+        # replaced whole, so `_post` reads it without the lock).
         self._held: set[str] = set()
         self._lost: frozenset[str] = frozenset()
         latency = SimulatedLatency.of(simulation, worker_id)
@@ -176,8 +163,6 @@ class Worker:
             f"; {left} batches stay spooled in {self.spool.directory} for the next start" if left else "",
         )
 
-    # -- versions -------------------------------------------------------------------------
-
     def _note_version(self, version: int | None) -> None:
         if version is None:
             return
@@ -188,9 +173,8 @@ class Worker:
                 self._changed.notify_all()
 
     def _await_version(self, version: int | None) -> None:
-        """Wait for the swapper to load `version`, the leases': the orchestrator's lease budget
-        assumes groups are sampled under the version they were leased at. Only while the store
-        is failing does generation go on with an older, still fresh, version."""
+        """Wait until `version` (the leases') is loaded: the lease budget assumes groups are sampled
+        under their lease's version. Only while the store is failing does an older fresh one serve."""
         with self._changed:
             while (
                 version is not None
@@ -209,9 +193,8 @@ class Worker:
         return self.announced is not None and self.announced != self.backend.version and self.announced not in self.refused
 
     def _swapper(self) -> None:
-        """The one place weights change (free-running runs). It never dies on what a version
-        holds: a failing store is retried with backoff, a version that fails verification or
-        loading is refused, and generation goes on with the weights last loaded."""
+        """The one place weights change (free-running runs). It never dies of a version: a failing
+        store is retried, a version that fails verification or loading is refused."""
         failures = 0
         while not self._stop.is_set():
             with self._changed:
@@ -271,9 +254,8 @@ class Worker:
             self._install(path, version, pull_s=pull_s, paused=paused)
 
     def _install(self, path: str, version: int, *, pull_s: float, paused: float) -> None:
-        """Load `version` (no generation runs) and record it. Any failure to load a verified
-        version refuses it: the backends check before they copy (decentrl/store/weights.py
-        `copy_into`), so the weights loaded before are whole."""
+        """Load `version` (no generation runs) and record it; any failure refuses it. The backends
+        check before they copy (`copy_into`), so the weights loaded before stay whole."""
         try:
             if self.episode_task is not None and self._codec is None:
                 self._codec = load_codec(path)
@@ -289,8 +271,6 @@ class Worker:
             "loaded version %d: pull %.2fs, pause %.2fs, %.2fs after it was announced",
             version, record.pull_s, record.pause_s, record.loaded_at - record.seen_at,
         )
-
-    # -- slots ----------------------------------------------------------------------------
 
     def _slot(self, index: int, max_iterations: int | None) -> None:
         """One lease loop: ask, generate, post; slot 0 also resends what a failed send left spooled."""
@@ -324,8 +304,7 @@ class Worker:
                 return
 
     def _ask(self, request: LeaseRequest) -> LeaseResponse | None:
-        """A lease answer, once the loaded version is fresh (a stale one would only produce
-        rejected rollouts); None: stopping."""
+        """A lease answer once the loaded version is fresh (no stale rollouts); None: stopping."""
         with self._changed:
             while not self._stop.is_set() and not self.info.deterministic and not self._fresh():
                 self._changed.wait(timeout=1.0)
@@ -337,8 +316,7 @@ class Worker:
         return response
 
     def _generate_leases(self, leases: list[Lease], sampling: SamplingParams) -> list[Sample]:
-        """One sample per member of every leased group: a completion, or an episode of a
-        multi-turn task (what a simulated latency wraps)."""
+        """One sample per member of every leased group (an episode, in a multi-turn task)."""
         if self.episode_task is not None:
             assert self._codec is not None  # set with the first version, loaded before any generation
             owners = [lease for lease in leases for _ in range(lease.group_size)]
@@ -400,8 +378,6 @@ class Worker:
         pulled = time.perf_counter()
         self._install(path, version, pull_s=pulled - started, paused=pulled)
 
-    # -- hedging: copies that lost (deterministic runs) -----------------------------------------
-
     def _note_lost(self, lease_ids: list[str]) -> None:
         """Copies told lost that this worker holds are abandoned (other ids are ignored)."""
         with self._changed:
@@ -410,7 +386,6 @@ class Worker:
                 self._changed.notify_all()  # a slot in its simulated delay may stop
 
     def _let_go(self, leases: list[Lease]) -> None:
-        """The slot is done with `leases` (posted, abandoned or handed back)."""
         ids = {lease.lease_id for lease in leases}
         with self._changed:
             self._held -= ids
@@ -438,11 +413,8 @@ class Worker:
             except OrchestratorError as exc:  # closed meanwhile: expired, or a copy that lost, not told yet
                 log.info("lease %s needs no handing back: %s", lease.lease_id, exc.message)
 
-    # -- posting --------------------------------------------------------------------------
-
     def _post(self, leases: list[Lease], samples: list[Sample], sampling: SamplingParams) -> None:
-        """Spool and send the samples of `leases`, less those of copies that lost (their post would
-        be a duplicate)."""
+        """Spool and send the samples of `leases`, less those of copies that lost."""
         lost = self._lost
         if abandoned := sum(lease.lease_id in lost for lease in leases):
             with self._changed:
@@ -467,8 +439,7 @@ class Worker:
 
 
 class UnloadableVersion(Exception):
-    """A version this worker refused: a deterministic run's slot hands its leases back instead of
-    generating under another version."""
+    """A version this worker refused; a deterministic run's slot hands its leases back."""
 
     def __init__(self, version: int, why: str) -> None:
         super().__init__(f"version {version} cannot be loaded ({why})")
@@ -489,7 +460,6 @@ def fixed_rows(info: RunInfo, config: WorkerConfig) -> int | None:
 
 
 def require_routes(info: RunInfo, backend: Backend) -> None:
-    """A keep_routing run needs every rollout's MoE routes: refuse a backend that cannot record them."""
     if info.keep_routing and not backend.records_routes:
         raise ValueError(
             f"run {info.run_name!r} keeps MoE routing (its trainer replays each token's experts) but the "

@@ -1,9 +1,6 @@
-"""Inference backends: `hf` (transformers, hf.py), `vllm` (an in-process engine, vllm_engine.py)
-and `openai` (any OpenAI-compatible server, openai.py). Each loads a pulled checkpoint directory,
-swaps weights in place, and samples completions with the per-token logprobs of the distribution
-actually sampled: after temperature and top-k/top-p, renormalized over the kept set, which is
-returned as the sampling mask so the trainer can truncate its own logits the same way. Called by
-the worker loop (workers/worker.py), and the hf one by `decentrl eval` (workers/evaluate.py).
+"""Inference backends (`[worker] backend`). Each loads a pulled checkpoint directory, swaps weights
+in place, and returns the logprobs of the distribution actually sampled (after temperature and
+top-k/top-p, renormalized over the kept set, which is returned as the sampling mask).
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ from typing import Literal, Protocol
 from decentrl.api.wire import ExpertRouting, SamplingParams
 from decentrl.model.stopping import stop_cut
 
-# "interrupted": generation stopped early because a weight swap was due (the worker continues
-# it under the new weights); never posted as such.
+# "interrupted": stopped for a weight swap, continued under the new weights; never posted as such.
 FinishReason = Literal["stop", "length", "interrupted"]
 
 
@@ -26,14 +22,12 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     sampling_mask: list[list[int]] | None = None  # per token, the kept vocabulary ids; None: no truncation
-    # MoE models (backends that record routes): the experts of every token fed, prompt first
-    # (decentrl/model/routing.py has the layout). None: a dense model or a backend that cannot record.
+    # MoE: the experts of every token fed, prompt first (decentrl/model/routing.py); None: not recorded.
     routes: ExpertRouting | None = None
 
 
-# `[worker] backend`s whose engine batches concurrent requests itself (a server's continuous
-# batching): every slot calls it at once, the worker does not combine their rows again
-# (workers/batching.py). The in-process engines generate one call at a time.
+# Backends whose engine batches concurrent requests itself (a server's continuous batching): every
+# slot calls it at once and the worker does not combine their rows (workers/batching.py).
 BATCHING_ITSELF = frozenset({"openai"})
 
 
@@ -52,9 +46,8 @@ class Backend(Protocol):
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
     ) -> list[Completion]:
-        """One completion per prompt. When `should_stop()` turns true, unfinished completions
-        end early as "interrupted" (checked between tokens or chunks of tokens). The hf backend
-        also takes `seeds=` (one per prompt) for deterministic runs (workers/backends/hf.py)."""
+        """One completion per prompt; once `should_stop()` is true, unfinished ones end "interrupted"
+        (checked between tokens or chunks). The hf backend also takes `seeds=` (deterministic runs)."""
         ...
 
 
@@ -77,3 +70,20 @@ def extended(before: Completion, chunk: Completion, sampling: SamplingParams, te
     if chunk.finish_reason == "stop":
         return Completion(ids, lps, "stop", mask)
     return Completion(ids, lps, "length" if len(ids) >= sampling.max_tokens else "interrupted", mask)
+
+
+def in_chunks(
+    prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool], *, chunk_tokens: int,
+    generate: Callable[[list[list[int]], SamplingParams, list[int]], list[Completion]], text: Callable[[list[int]], str],
+) -> list[Completion]:
+    """Completions generated `chunk_tokens` at a time, `generate(prompts, sampling, budgets)` called
+    for the rows still open, so that `should_stop` can interrupt them between chunks."""
+    done = [Completion([], [], "interrupted", [] if truncates(sampling) else None) for _ in prompts]
+    while open_rows := [i for i, c in enumerate(done) if c.finish_reason == "interrupted"]:
+        budgets = [min(chunk_tokens, sampling.max_tokens - len(done[i].token_ids)) for i in open_rows]
+        chunks = generate([prompts[i] + done[i].token_ids for i in open_rows], sampling, budgets)
+        for i, chunk in zip(open_rows, chunks, strict=True):
+            done[i] = extended(done[i], chunk, sampling, text)
+        if should_stop():
+            break
+    return done

@@ -1,12 +1,7 @@
-"""transformers backend: the CPU default (CUDA when the device says so).
-
-Decoding is a plain loop over the model's forward with a KV cache rather than `generate()`, so
-that the distribution sampled from is computed here, once (`sampling_distribution` of
-decentrl/model/sampling.py, which the orchestrator's verifier recomputes): each token's logprob
-and kept set come from exactly that distribution. `should_stop` is checked between tokens.
-
-With `seeds` (deterministic runs, docs/reproducibility.md) each row samples from its own
-generator, so a row's tokens do not depend on which other rows share the call.
+"""transformers backend, the CPU default. Its own decode loop with a KV cache, not `generate()`, so
+that each token's logprob and kept set come from the one distribution it was sampled from
+(`sampling_distribution`, which the orchestrator's verifier recomputes). With `seeds`
+(deterministic runs) each row has its own generator: its tokens do not depend on its neighbours.
 """
 
 from __future__ import annotations
@@ -49,20 +44,17 @@ class HFBackend:
             self.generator.seed()
 
     def load(self, checkpoint_dir: str, version: int) -> None:
-        """The first version builds the model; later ones are copied into it in place, all or
-        nothing (decentrl/store/weights.py): a version that cannot be read or does not fit raises
-        (CheckpointError) and leaves the loaded one in use."""
+        """The first version builds the model; later ones are copied in place, all or nothing: one
+        that cannot be read or does not fit raises (CheckpointError) and keeps the loaded one."""
         if self.model is None:
             model = load_pretrained(checkpoint_dir, as_published=True).to(self.device).eval()
             self.model, self.tokenizer = model, AutoTokenizer.from_pretrained(model_dir(checkpoint_dir))
-            # The prefill needs the last position's logits only: a (B, W, V) tensor is as large as the
-            # model's weights at 64 rows of 256 tokens (transformers' generate keeps one position too).
+            # The prefill keeps the last position's logits only: (B, W, V) ones can outweigh the model.
             takes = inspect.signature(model.forward).parameters
             self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
             # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40).
             self._cache_arg = "cache" if "cache" in takes else "past_key_values"
         else:
-            # Same architecture, new weights: copy in place instead of rebuilding the module.
             copy_into(self.model, read_weights(checkpoint_dir))
         self.version = version
 
@@ -93,8 +85,7 @@ class HFBackend:
         should_stop: Callable[[], bool] = never,
         seeds: list[int] | None = None,
     ) -> list[Completion]:
-        """One completion per prompt; with `seeds` (one per prompt), row i samples from a generator
-        seeded with seeds[i] instead of the backend's shared one."""
+        """`Backend.generate`; with `seeds`, row i samples from a generator seeded with seeds[i]."""
         assert self.model is not None, "load() a version before generate()"
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt")

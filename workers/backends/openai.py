@@ -1,14 +1,7 @@
-"""OpenAI-compatible server backend: `vllm serve`, SGLang, or anything speaking /v1/completions
-with token ids and logprobs.
-
-Requests send prompts as token ids and ask for `logprobs` (with `return_tokens_as_token_ids`,
-so each sampled token comes back as "token_id:N"); `top_logprobs` of each position give the
-sampling mask when truncation applies. The server must report the logprobs of the distribution
-it sampled from (vLLM: `--logprobs-mode processed_logprobs`). Generation goes in chunks of
-`chunk_tokens` so that a soft-pause deadline can interrupt it between chunks.
-
-New weights (`reload`, docs/workers.md "Backends"): the server loads the pulled directory itself,
-so it must see the worker's cache directory (same machine).
+"""OpenAI-compatible server backend (`vllm serve`, SGLang: /v1/completions with token ids and
+logprobs). The server must report the logprobs of the distribution it sampled (vLLM:
+`--logprobs-mode processed_logprobs`) and see the worker's cache directory, from which it loads
+new weights itself. Generation goes in chunks of `chunk_tokens` so that a soft pause can cut it.
 """
 
 from __future__ import annotations
@@ -20,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from decentrl.api.wire import SamplingParams
-from workers.backends import Completion, extended, never, truncates
+from workers.backends import Completion, in_chunks, never, truncates
 
 
 class OpenAIBackend:
@@ -104,9 +97,7 @@ class OpenAIBackend:
 
     def _complete(self, prompt: list[int], sampling: SamplingParams, should_stop: Callable[[], bool]) -> Completion:
         assert self._decode is not None
-        done = Completion([], [], "interrupted", [] if truncates(sampling) else None)
-        while True:
-            budget = min(self.chunk_tokens, sampling.max_tokens - len(done.token_ids))
-            done = extended(done, self._request(prompt + done.token_ids, sampling, budget), sampling, self._decode)
-            if done.finish_reason != "interrupted" or should_stop():
-                return done
+        return in_chunks(
+            [prompt], sampling, should_stop, chunk_tokens=self.chunk_tokens, text=self._decode,
+            generate=lambda prompts, sampling, budgets: [self._request(prompts[0], sampling, budgets[0])],
+        )[0]

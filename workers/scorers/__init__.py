@@ -1,12 +1,6 @@
-"""Scorer backends: what turns a sample (prompt, completion, steps) into a score.
-
-The scorer loop (workers/scorer.py) hands leased `ScoreItem`s to a `ScoreBackend`, which answers
-one `Verdict` per item, in order. `[scorer] type` chooses it (docs/rewards_backends.md): `hf`
-(hf.py, a reward model), `openai` (judge.py, an LLM judge), `python` (python.py, a function) or
-`teacher` (teacher.py, on-policy distillation's teacher; teacher_server.py behind a server).
-
-A backend reports what it got, not what the run allows: the loop checks every verdict against
-the lease's score range and the item's steps before anything is posted.
+"""Scorer backends (`[scorer] type`, docs/rewards_backends.md): a `ScoreBackend` answers one
+`Verdict` per leased `ScoreItem`, in order. A backend reports what it got, not what the run allows:
+the loop (workers/scorer.py) checks every verdict before anything is posted.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""What every scorer backend shares: the `Verdict` it answers per item, the `ScoreBackend` protocol,
-`BackendConfigError`, and what the judge and the server teacher share: their headers, their tries
-and the one POST to an OpenAI-compatible server (`post`: what to ask again, what to give up on).
-Its own module so that the backends and the package's `build_scorer_backend` do not import each other."""
+"""What the scorer backends share: `Verdict`, the `ScoreBackend` protocol, `BackendConfigError`, and
+the judge's and server teacher's POST (`post`), tries and headers. Its own module so that the
+backends and the package's `build_scorer_backend` do not import each other."""
 
 from __future__ import annotations
 
@@ -20,11 +19,11 @@ from decentrl.model.devices import available_gpus, device_problem, limit_gpu_mem
 
 RETRIED_STATUSES = (408, 429)
 ITEM_REFUSED_STATUSES = (400, 413, 422)
+NO_ANSWER = (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError)
 
 
 class BackendConfigError(ValueError):
-    """A backend cannot start as configured (a label the model lacks, an unset API key variable);
-    the message says which [scorer] key to change. `decentrl scorer` prints it and exits 2."""
+    """A backend cannot start as configured; the message says which [scorer] key to change (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +39,7 @@ class Verdict:
 
 
 def take_device(device: str, gpu_memory: float | None, torch_threads: int) -> None:
-    """A backend that runs a model here (hf, teacher): its thread count, its device checked, its
-    share of the GPU's memory."""
+    """Set up a backend that runs a model here: thread count, device checked, GPU memory share."""
     import torch  # only the backends that run a model load torch: `decentrl scorer --help` stays fast
 
     torch.set_num_threads(torch_threads)
@@ -107,7 +105,7 @@ def post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, refus
         if exc.code in ITEM_REFUSED_STATUSES:
             raise Refused(f"{exc.code} {message}") from None
         raise refuses_all(f"{exc.code}: {message}") from None
-    except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+    except NO_ANSWER as exc:
         raise Unreachable(str(exc)) from None
 
 

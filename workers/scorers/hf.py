@@ -1,10 +1,6 @@
-"""The `hf` scorer backend: a reward model, i.e. an AutoModelForSequenceClassification directory.
-
-Built by workers/scorers/__init__.py from `[scorer] type = "hf"`; called by the scorer loop
-(workers/scorer.py) in a thread; its keys are in docs/rewards_backends.md. Step scores (process
-rewards) are the scores of the completion's prefixes ending at each step (`step_prefixes`): an
-outcome reward model read as a process reward model. Texts are deduplicated (the last prefix is
-usually the whole completion).
+"""The `hf` scorer backend: a reward model (an AutoModelForSequenceClassification directory). Step
+scores are the scores of the completion's prefixes ending at each step (`step_prefixes`); each text
+is scored once (the last prefix is usually the whole completion).
 """
 
 from __future__ import annotations
@@ -59,8 +55,7 @@ class HFScoreBackend:
         return None if cut is None else [self.text(item, prefix) for prefix in cut]
 
     def score_texts(self, texts: list[str]) -> list[float]:
-        """The score of each text, `batch_size` texts per forward pass, like lengths together (they
-        pad least: the prefixes of process rewards vary widely)."""
+        """Each text's score, `batch_size` per forward pass, like lengths together (they pad least)."""
         import torch
 
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))

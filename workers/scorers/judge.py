@@ -1,10 +1,5 @@
-"""The `openai` scorer backend: an LLM judge behind any OpenAI-compatible chat completions API.
-
-Built by workers/scorers/__init__.py from `[scorer] type = "openai"`; called by the scorer loop
-(workers/scorer.py) in a thread, and asks the judge `concurrency` samples at a time. The prompt
-template, the verdict parsers and what each answer of the judge leads to are in
-docs/rewards_backends.md: a reply that does not parse is asked again, then failed as a parse
-failure (never a silent 0); no reply is asked again, then `transient` (not posted: leased again).
+"""The `openai` scorer backend: an LLM judge behind an OpenAI-compatible chat completions API,
+asked `concurrency` samples at a time; what each answer leads to is in docs/rewards_backends.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The `python` scorer backend: an importable function scores, for tests and custom scorers.
-
-Built by workers/scorers/__init__.py from `[scorer] type = "python"`: `function =
-"package.module:name"` is imported once and called as `name(items, **options)`, returning one
-`Verdict` per item, in order. It runs in the scorer loop's thread, so it may block.
-"""
+"""The `python` scorer backend: `function = "package.module:name"`, imported once and called as
+`name(items, **options)`, returns one `Verdict` per item, in order; it may block."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The `teacher` scorer backend: on-policy distillation's teacher, a causal LM scoring the student's
-own tokens.
-
-Built by workers/scorers/__init__.py from `[scorer] type = "teacher"` with the run's /v1/info
-(`vocabulary_problem` refuses a teacher with another tokenizer before any sample is scored);
-called by the scorer loop (workers/scorer.py) in a thread. For each item it runs the teacher over
-prompt + completion token ids and answers the log-prob of every completion token
-(`token_logprobs`) and, as the score, exp(their mean); the orchestrator turns them into per-token
-advantages (decentrl/rl/advantages.py). Invariant: the teacher scores exactly the ids the student
-sampled; no text is decoded or encoded again on the way.
+"""The `teacher` scorer backend: on-policy distillation's teacher, a causal LM directory that
+answers the log-prob of every completion token (`token_logprobs`) and, as the score, exp(their
+mean). Invariant: it scores exactly the ids the student sampled (no text is decoded or encoded
+again), and only under the run's tokenizer (`vocabulary_problem`, checked at start-up).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""The `teacher` scorer backend with `[scorer.server]`: on-policy distillation's teacher behind an
-OpenAI-compatible completions server that returns the log-probs of a prompt's own tokens.
-
-Built by workers/scorers/__init__.py (the run's /v1/info given); called by the scorer loop
-(workers/scorer.py) in a thread, `concurrency` samples at a time. Per sample, one POST of the
-token ids as they are (prompt, then completion: no text is decoded or encoded again), read back
-as vLLM's `prompt_logprobs` or the classic `echo` form; the score is exp(their mean), as with a
-directory's teacher (teacher.py). docs/rewards_backends.md has the request, what each answer
-leads to, and why the tokenizer is the operator's to ensure.
+"""The `teacher` scorer backend with `[scorer.server]`: the teacher behind an OpenAI-compatible
+completions server, `concurrency` samples at a time. One POST per sample of its token ids as they
+are, read back as vLLM's `prompt_logprobs` or the classic `echo` form; the score as in teacher.py.
+docs/rewards_backends.md has what each answer leads to, and why the tokenizer is the operator's.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import math
@@ -22,7 +16,7 @@ from typing import Any
 
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config.scorer import TeacherScorerConfig, TeacherServerConfig
-from workers.scorers.base import BackendConfigError, Refused, Unreachable, Verdict, attempts, distilled, headers, post
+from workers.scorers.base import NO_ANSWER, BackendConfigError, Refused, Unreachable, Verdict, attempts, distilled, headers, post
 from workers.scorers.teacher import item_problem
 
 log = logging.getLogger("decentrl.scorer.teacher")
@@ -97,7 +91,7 @@ class TeacherServerBackend:
                                          f"check [scorer.server] api_key_env") from None
             log.warning("teacher server %s: GET /models answered %d; the model name is not checked", server.base_url, exc.code)
             return
-        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+        except NO_ANSWER as exc:
             log.warning("teacher server %s not reachable at start-up (%s); scoring will retry", server.base_url, exc)
             return
         except (ValueError, KeyError, TypeError, AttributeError):
