@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-vllm}
-export LD_PRELOAD="$PWD/$VENV/lib/libiomp5.so" HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
+export LD_PRELOAD="$(realpath "$VENV")/lib/libiomp5.so" HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
 exec "$VENV/bin/python" -m pytest -m vllm -p no:cacheprovider -q tests/workers/test_worker_vllm.py "$@"
