@@ -35,3 +35,9 @@ if [ "${CI:-}" = "true" ] && ! command -v chromium >/dev/null 2>&1 && command -v
     echo "setup: could not install chromium; the browser test will be skipped" >&2
   fi
 fi
+# vLLM in its own virtualenv (.venv-vllm), in CI only: tests/workers/test_vllm_env.py runs its
+# tests from the main suite, so the vllm path cannot rot unnoticed (about 2.5 min, measured
+# 2026-11-27: 143 s to install, 24 s to test). A failure here fails CI: that is the point.
+if [ "${CI:-}" = "true" ]; then
+  bash .ci/setup-vllm.sh
+fi
