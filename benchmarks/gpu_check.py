@@ -151,15 +151,15 @@ def bare_step(model, optimizer, samples, budget: int, device, autocast: bool, al
         ids = torch.tensor([s.prompt_token_ids + s.completion_token_ids for s in rows], device=device)
         p = len(rows[0].prompt_token_ids)
         advantages = torch.tensor([s.advantage for s in rows], device=device)[:, None]  # (B, 1)
+        first = 0 if all_positions else p - 1
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=ids).logits[:, :-1] if all_positions else model(input_ids=ids).logits[:, p - 1 : -1]
-        if all_positions:  # (B, L-1, V)
-            logits = logits.float()
+            logits = model(input_ids=ids).logits[:, first:-1].float()  # (B, L-1 or C, V)
+        if all_positions:
             with torch.no_grad():
-                entropy(logits)
+                entropy(logits)  # the trainer's statistic, its cost only
             logprobs = (logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1))[:, p - 1 :]  # (B, C)
-        else:  # (B, C, V): the completion's predictions
-            logprobs = logits.float().log_softmax(-1).gather(-1, ids[:, p:, None]).squeeze(-1)  # (B, C)
+        else:
+            logprobs = logits.log_softmax(-1).gather(-1, ids[:, p:, None]).squeeze(-1)  # (B, C)
         loss = -(advantages * logprobs).sum() / total
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
