@@ -135,13 +135,10 @@ def timed(step, warmup: int, steps: int, sync) -> list[float]:  # noqa: ANN001
     return times
 
 
-def bare_step(model, optimizer, samples, budget: int, device, autocast: bool, all_positions: bool = False) -> None:  # noqa: ANN001
-    """A plain policy-gradient step over the same samples and micro-batches: what a hand-written loop does.
-    `all_positions`: the vocabulary-wide work at every position of prompt + completion, as the trainer
-    does it (logits, logsumexp, the entropy statistic), not at the completion's alone."""
+def bare_step(model, optimizer, samples, budget: int, device, autocast: bool) -> None:  # noqa: ANN001
+    """A plain policy-gradient step over the same samples and micro-batches: what a hand-written
+    loop does (logits at the completion positions only, as TRL's `logits_to_keep`)."""
     import torch
-
-    from decentrl.trainer.step import entropy
 
     total = sum(len(s.completion_token_ids) for s in samples)
     order = sorted(samples, key=lambda s: -(len(s.prompt_token_ids) + len(s.completion_token_ids)))
@@ -151,15 +148,9 @@ def bare_step(model, optimizer, samples, budget: int, device, autocast: bool, al
         ids = torch.tensor([s.prompt_token_ids + s.completion_token_ids for s in rows], device=device)
         p = len(rows[0].prompt_token_ids)
         advantages = torch.tensor([s.advantage for s in rows], device=device)[:, None]  # (B, 1)
-        first = 0 if all_positions else p - 1
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=ids).logits[:, first:-1].float()  # (B, L-1 or C, V)
-        if all_positions:
-            with torch.no_grad():
-                entropy(logits)  # the trainer's statistic, its cost only
-            logprobs = (logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1))[:, p - 1 :]  # (B, C)
-        else:
-            logprobs = logits.log_softmax(-1).gather(-1, ids[:, p:, None]).squeeze(-1)  # (B, C)
+            logits = model(input_ids=ids, logits_to_keep=ids.shape[1] - p + 1).logits[:, :-1].float()  # (B, C, V)
+        logprobs = logits.log_softmax(-1).gather(-1, ids[:, p:, None]).squeeze(-1)  # (B, C)
         loss = -(advantages * logprobs).sum() / total
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

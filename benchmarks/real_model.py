@@ -396,11 +396,6 @@ def trainer_part(args: argparse.Namespace) -> dict[str, Any]:
     runs = {
         "ours": lambda: timed_step(ours),
         "bare": lambda: timed_step(lambda: bare_step(bare_model, optimizer, batch.samples, cfg.micro_batch_tokens, device, autocast)),
-        # The bare loop doing the trainer's vocabulary-wide work at every prompt position too: what
-        # the gap between the two comes from (docs/real_model.md).
-        "bare_all_positions": lambda: timed_step(
-            lambda: bare_step(bare_model, optimizer, batch.samples, cfg.micro_batch_tokens, device, autocast, all_positions=True)
-        ),
     }
     warm = alternate(runs, 1)
     times = alternate(runs, args.rounds)
@@ -413,8 +408,6 @@ def trainer_part(args: argparse.Namespace) -> dict[str, Any]:
         "micro_batch_tokens": cfg.micro_batch_tokens,
         "step_s": ours_s, "bare_step_s": bare_s, "tokens_per_s": tokens / ours_s, "bare_tokens_per_s": tokens / bare_s,
         "trainer_vs_bare": bare_s / ours_s, "step_s_all": times["ours"], "bare_step_s_all": times["bare"], "first_step": warm,
-        "bare_all_positions_step_s": median(times["bare_all_positions"]),
-        "trainer_vs_bare_all_positions": median(times["bare_all_positions"]) / ours_s,
         "publish": publish,
     }
 
@@ -718,7 +711,6 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "worker_vllm_vs_hf": ours_vllm / hf if hf and ours_vllm else None,
         "vllm_null_reason": vllm.get("skipped") or vllm.get("error"),
         "trainer_vs_bare": trainer.get("trainer_vs_bare"),
-        "trainer_vs_bare_all_positions": trainer.get("trainer_vs_bare_all_positions"),
         "trainer_2ranks_vs_1rank": (trainer["step_s"] / result["trainer_2ranks"]["step_s"])
         if "step_s" in trainer and "step_s" in result.get("trainer_2ranks", {}) else None,
         "pull_vs_raw": pull.get("pull_vs_raw"),

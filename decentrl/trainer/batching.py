@@ -20,19 +20,31 @@ from decentrl.rl.losses import BatchTotals
 
 @dataclass
 class Tensors:
+    """A micro-batch. The per-token tensors are aligned with `targets`: the next tokens from the
+    first position any row's completion is predicted at (`start`) on, so the vocabulary-wide work
+    skips the prompt positions before it. T = L - 1 - start."""
+
     input_ids: torch.Tensor  # (B, L) prompt + completion, right-padded
     attention_mask: torch.Tensor  # (B, L)
-    completion_mask: torch.Tensor  # (B, L-1) 1 where target position t+1 is a completion token
-    sampler_logprobs: torch.Tensor  # (B, L-1) aligned with the targets
-    # (B, L-1) aligned with the targets: each completion position holds its token's advantage (the
-    # sample's `advantage`, or its `token_advantages` for process rewards); 0 elsewhere.
+    completion_mask: torch.Tensor  # (B, T) 1 where the target is a trained completion token
+    sampler_logprobs: torch.Tensor  # (B, T)
+    # (B, T) each completion position holds its token's advantage (the sample's `advantage`, or
+    # its `token_advantages` for process rewards); 0 elsewhere.
     advantages: torch.Tensor
-    # (B, L-1, K) the vocabulary ids the worker's top-k/top-p kept at each target position,
-    # padded with -1; a row of -1 means no truncation there. None when no sample is truncated.
+    # (B, T, K) the vocabulary ids the worker's top-k/top-p kept at each target, padded with -1;
+    # a row of -1 means no truncation there. None when no sample is truncated.
     kept_ids: torch.Tensor | None = None
     # (B, L, sparse layers, top_k) MoE expert ids the worker's routers chose for each input
     # position, -1 where none was recorded (decentrl/model/routers.py replays them). None: no routes.
     routes: torch.Tensor | None = None
+
+    @property
+    def start(self) -> int:
+        return self.input_ids.shape[1] - 1 - self.completion_mask.shape[1]
+
+    @property
+    def targets(self) -> torch.Tensor:  # (B, T)
+        return self.input_ids[:, self.start + 1 :]
 
     def to(self, device: torch.device) -> Tensors:
         return Tensors(*(None if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)))
@@ -41,36 +53,38 @@ class Tensors:
 def collate(samples: list[TrainSample], pad_id: int) -> Tensors:
     """Right-pad prompt+completion; targets are shifted by one, as in next-token prediction."""
     width = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples)
+    start = min(len(s.prompt_token_ids) for s in samples) - 1
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(samples), width), dtype=torch.long)
-    mask = torch.zeros((len(samples), width - 1))
-    sampler = torch.zeros((len(samples), width - 1))
-    advantages = torch.zeros((len(samples), width - 1))
+    mask = torch.zeros((len(samples), width - 1 - start))
+    sampler = torch.zeros_like(mask)
+    advantages = torch.zeros_like(mask)
     for row, sample in enumerate(samples):
         p, c = len(sample.prompt_token_ids), len(sample.completion_token_ids)
         ids[row, : p + c] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
         attention[row, : p + c] = 1
         # Completion token j sits at position p + j and is predicted from position p + j - 1.
         # Environment tokens of a multi-turn episode (loss_mask 0) are context, not trained.
-        mask[row, p - 1 : p - 1 + c] = 1.0 if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32)
-        sampler[row, p - 1 : p - 1 + c] = torch.tensor(sample.logprobs)
+        at = slice(p - 1 - start, p - 1 - start + c)
+        mask[row, at] = 1.0 if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32)
+        sampler[row, at] = torch.tensor(sample.logprobs)
         tokens = sample.token_advantages
-        advantages[row, p - 1 : p - 1 + c] = sample.advantage if tokens is None else torch.tensor(tokens, dtype=torch.float32)
+        advantages[row, at] = sample.advantage if tokens is None else torch.tensor(tokens, dtype=torch.float32)
     return Tensors(
-        ids, attention, mask, sampler, advantages, kept_ids(samples, width), batch_routes([s.expert_routing for s in samples], width)
+        ids, attention, mask, sampler, advantages, kept_ids(samples, width, start), batch_routes([s.expert_routing for s in samples], width)
     )
 
 
-def kept_ids(samples: list[TrainSample], width: int) -> torch.Tensor | None:
+def kept_ids(samples: list[TrainSample], width: int, start: int) -> torch.Tensor | None:
     """The samples' sampling masks aligned with the targets (see Tensors.kept_ids)."""
     truncated = [s for s in samples if s.sampling_mask is not None]
     if not truncated:
         return None
     k = max(len(kept) for s in truncated for kept in s.sampling_mask or [])
-    kept = torch.full((len(samples), width - 1, k), -1, dtype=torch.long)
+    kept = torch.full((len(samples), width - 1 - start, k), -1, dtype=torch.long)
     for row, sample in enumerate(samples):
         if sample.sampling_mask is not None:
-            p = len(sample.prompt_token_ids)
+            p = len(sample.prompt_token_ids) - start
             padded = [ids + [-1] * (k - len(ids)) for ids in sample.sampling_mask]
             kept[row, p - 1 : p - 1 + len(padded)] = torch.tensor(padded, dtype=torch.long).view(len(padded), k)
     return kept

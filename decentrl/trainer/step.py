@@ -19,8 +19,10 @@ from decentrl.trainer.batching import Tensors
 
 
 def next_token_logits(model: torch.nn.Module, batch: Tensors, temperature: float) -> torch.Tensor:
-    """Tempered logits predicting each next token, in float32.  # (B, L-1, V)"""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    """Tempered logits predicting `batch.targets`, in float32; the model's output layer skips the
+    prompt positions before `batch.start`.  # (B, T, V)"""
+    keep = batch.input_ids.shape[1] - batch.start
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits[:, :-1]
     return logits.float() / temperature
 
 
@@ -48,9 +50,9 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(model: torch.nn.Module, batch: Tensors, temperature: float) -> torch.Tensor:
     """Logprob of each next token under the tempered policy the workers sample from, with the
-    workers' MoE routes replayed when the batch carries them.  # (B, L-1)"""
+    workers' MoE routes replayed when the batch carries them.  # (B, T)"""
     with replaying(model, batch.routes):
-        return sampled_logprobs(next_token_logits(model, batch, temperature), batch.input_ids[:, 1:], batch.kept_ids)
+        return sampled_logprobs(next_token_logits(model, batch, temperature), batch.targets, batch.kept_ids)
 
 
 def accumulate_gradients(
@@ -88,7 +90,7 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's forward and loss (see policy_loss)."""
     logits = next_token_logits(model, batch, temperature)  # (B, T, V)
-    targets = batch.input_ids[:, 1:]  # (B, T)
+    targets = batch.targets  # (B, T)
     with torch.set_grad_enabled(config.entropy_coef > 0):
         entropies = entropy(logits)  # (B, T)
     ref_logprobs = None

@@ -41,7 +41,7 @@ def test_real_model_quick_runs_every_part(tmp_path: Path) -> None:
         assert len(result[part]["load_avg"]) == 2  # before and after
 
     summary = result["summary"]
-    for key in ("worker_hf_vs_bare", "trainer_vs_bare", "trainer_vs_bare_all_positions", "trainer_2ranks_vs_1rank", "pull_vs_raw",
+    for key in ("worker_hf_vs_bare", "trainer_vs_bare", "trainer_2ranks_vs_1rank", "pull_vs_raw",
                 "pull_and_swap_vs_raw", "publish_vs_raw", "publish_blocking_s", "publish_total_s"):
         assert summary[key] > 0, (key, summary)
     assert summary["worker_vllm_vs_bare"] is None

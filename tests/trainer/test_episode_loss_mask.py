@@ -57,7 +57,7 @@ def gradients(samples: list[TrainSample]) -> list[torch.Tensor]:
 def test_trainer_trains_only_model_tokens() -> None:
     sample = train_sample(0.0, [9, 9, 4])
     batch = collate([sample], pad_id=0)
-    assert batch.completion_mask[0, 1:8].tolist() == [1, 1, 0, 0, 0, 1, 1]
+    assert batch.start == 1 and batch.completion_mask[0].tolist() == [1, 1, 0, 0, 0, 1, 1]
     assert batch_totals([sample], 8).tokens == 4
     # Environment tokens' logprobs are not used: 0.0 or anything else gives the same gradient.
     same = gradients([train_sample(-7.0, [9, 9, 4])])

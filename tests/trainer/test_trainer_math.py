@@ -66,16 +66,16 @@ def test_collate_places_completion_at_shifted_positions() -> None:
 
     assert batch.input_ids.tolist() == [[1, 7, 3, 5, 2, 0, 0, 0, 0], [1, 7, 5, 8, 3, 4, 4, 6, 2]]
     assert batch.attention_mask.tolist() == [[1] * 5 + [0] * 4, [1] * 9]
-    # Completion token j sits at p + j and is predicted at p - 1 + j.
-    assert batch.completion_mask.tolist() == [[0, 0, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1]]
-    assert batch.sampler_logprobs.tolist() == [
-        [0, 0, -0.5, -0.25, 0, 0, 0, 0],
-        [0, 0, 0, 0, -1.0, -2.0, -3.0, -4.0],
-    ]
+    # Completion token j sits at p + j and is predicted at p - 1 + j; the per-token tensors begin
+    # at the first position any row predicts a completion token from (the shorter prompt's p - 1).
+    assert batch.start == 2
+    assert batch.completion_mask.tolist() == [[1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch.sampler_logprobs.tolist() == [[-0.5, -0.25, 0, 0, 0, 0], [0, 0, -1.0, -2.0, -3.0, -4.0]]
     # Each completion position carries its sample's advantage (per token: process rewards may differ).
-    assert batch.advantages.tolist() == [[0, 0, 1.5, 1.5, 0, 0, 0, 0], [0, 0, 0, 0, -0.5, -0.5, -0.5, -0.5]]
+    assert batch.advantages.tolist() == [[1.5, 1.5, 0, 0, 0, 0], [0, 0, -0.5, -0.5, -0.5, -0.5]]
     # The targets under the mask are exactly the completion tokens.
-    targets = batch.input_ids[:, 1:]
+    targets = batch.targets
+    assert targets.tolist() == batch.input_ids[:, 3:].tolist()
     assert targets[0][batch.completion_mask[0].bool()].tolist() == [5, 2]
     assert targets[1][batch.completion_mask[1].bool()].tolist() == [4, 4, 6, 2]
 
@@ -86,7 +86,7 @@ def test_collate_places_token_advantages_at_the_shifted_completion_positions() -
     batch = collate([process, outcome], pad_id=0)
     # Token advantages replace the sample's advantage; a sample without them carries its scalar
     # advantage at each of its completion positions.
-    assert batch.advantages.tolist() == [[0, 0, 0.25, -0.5, 0, 0], [0, 0, 0, -0.75, -0.75, -0.75]]
+    assert batch.advantages.tolist() == [[0.25, -0.5, 0, 0], [0, -0.75, -0.75, -0.75]]
     assert batch.advantages.shape == batch.completion_mask.shape
 
 
@@ -97,6 +97,7 @@ def test_collate_shapes_and_dtypes() -> None:
     assert batch.input_ids.dtype == torch.long
     assert batch.completion_mask.dtype == batch.sampler_logprobs.dtype == batch.advantages.dtype == torch.float32
     assert batch.completion_mask.sum().item() == 4
+    assert batch.start == 0  # a one-token prompt predicts its first completion token from position 0
 
 
 # -- token_logprobs -----------------------------------------------------------------------
@@ -115,7 +116,7 @@ def test_token_logprobs_equal_hand_computed_log_softmax(model: PreTrainedModel, 
     p = len(prompt)
     for j, token in enumerate(completion):
         expected = torch.log_softmax(logits[p - 1 + j].double() / temperature, dim=-1)[token]
-        assert got[0, p - 1 + j].item() == pytest.approx(expected.item(), abs=1e-5)
+        assert got[0, p - 1 + j - batch.start].item() == pytest.approx(expected.item(), abs=1e-5)
     assert torch.all(got <= 0)
 
 
