@@ -22,18 +22,23 @@ def next_token_logits(model: torch.nn.Module, batch: Tensors, temperature: float
     """Tempered logits predicting `batch.targets`, in float32; the model's output layer skips the
     prompt positions before `batch.start`.  # (B, T, V)"""
     keep = batch.input_ids.shape[1] - batch.start
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits[:, :-1]
-    return logits.float() / temperature
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits[:, :-1].float()
+    # Each pass over (B, T, V) costs memory bandwidth on a GPU: none for temperature 1.
+    return logits if temperature == 1.0 else logits / temperature
 
 
-def sampled_logprobs(logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None = None) -> torch.Tensor:
+def sampled_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None = None, normalizer: torch.Tensor | None = None
+) -> torch.Tensor:
     """log softmax(logits)[target], without materializing the (B, T, V) log-softmax.  # (B, T)
 
     With `kept_ids` (B, T, K), positions the worker truncated normalize over the kept ids only:
     the logprob under the distribution it sampled from (logits outside the set at -inf), so the
     importance ratio compares like with like. Gathering K logits avoids a (B, T, V) mask.
+    `normalizer`: `logits.logsumexp(-1)` where the caller has it already.
     """
-    normalizer = logits.logsumexp(dim=-1)  # (B, T)
+    if normalizer is None:
+        normalizer = logits.logsumexp(dim=-1)  # (B, T)
     if kept_ids is not None:
         truncated = kept_ids[..., :1] >= 0  # (B, T, 1)
         # Padding is -inf only at truncated positions: an all -inf row would give a NaN
@@ -43,9 +48,10 @@ def sampled_logprobs(logits: torch.Tensor, targets: torch.Tensor, kept_ids: torc
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
 
 
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each next-token distribution: logsumexp(z) - sum softmax(z) z.  # (B, T)"""
-    return logits.logsumexp(dim=-1) - (logits.softmax(dim=-1) * logits).sum(dim=-1)
+def entropy(logits: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+    """Entropy of each next-token distribution: logsumexp(z) - sum softmax(z) z, with
+    `normalizer` = logsumexp(z).  # (B, T)"""
+    return normalizer - ((logits - normalizer.unsqueeze(-1)).exp() * logits).sum(dim=-1)
 
 
 def token_logprobs(model: torch.nn.Module, batch: Tensors, temperature: float) -> torch.Tensor:
@@ -91,14 +97,15 @@ def micro_batch_loss(
     """One micro-batch's forward and loss (see policy_loss)."""
     logits = next_token_logits(model, batch, temperature)  # (B, T, V)
     targets = batch.targets  # (B, T)
+    normalizer = logits.logsumexp(dim=-1)  # (B, T)
     with torch.set_grad_enabled(config.entropy_coef > 0):
-        entropies = entropy(logits)  # (B, T)
+        entropies = entropy(logits, normalizer)  # (B, T)
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
             ref_logprobs = sampled_logprobs(next_token_logits(reference, batch, temperature), targets, batch.kept_ids)
     loss, stats = policy_loss(
-        sampled_logprobs(logits, targets, batch.kept_ids),
+        sampled_logprobs(logits, targets, batch.kept_ids, normalizer),
         batch.sampler_logprobs,
         batch.advantages,
         batch.completion_mask,

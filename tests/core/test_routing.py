@@ -134,7 +134,7 @@ def test_replay_forces_the_recorded_experts_and_the_router_still_gets_gradient(m
     model = build_model(MOE).train()
     with replaying(model, batch.routes) as drift:
         logits = next_token_logits(model, batch, temperature=1.0)
-        logprobs = sampled_logprobs(logits, batch.input_ids[:, 1:])
+        logprobs = sampled_logprobs(logits, batch.targets)
         logprobs.sum().backward()
     rows = len(forced.experts) // 4
     assert drift[0] == 2 * rows  # every fed row of both sparse layers replayed
