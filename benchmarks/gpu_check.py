@@ -341,6 +341,19 @@ def run_worker(reduced: bool) -> dict[str, object]:
             else:
                 warm[name].append(tokens / seconds)
             peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30) if cuda else None
+        # Then once each with cuDNN's attention off (SDPA picks flash or memory-efficient kernels,
+        # which build no plan per sequence length): what a worker seeing new lengths would pay.
+        no_cudnn: dict[str, float] = {}
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        try:
+            for name, run in (("hf", hf), ("bare", bare)):
+                sync()
+                started = time.perf_counter()
+                tokens = run()
+                sync()
+                no_cudnn[name] = tokens / (time.perf_counter() - started)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(True)
     ours_rate, bare_rate = statistics.median(warm["hf"]), statistics.median(warm["bare"])
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).removeprefix("torch."),
@@ -348,6 +361,8 @@ def run_worker(reduced: bool) -> dict[str, object]:
         "hf_tokens_per_s": ours_rate, "bare_tokens_per_s": bare_rate, "worker_hf_vs_bare": ours_rate / bare_rate,
         "hf_tokens_per_s_all": warm["hf"], "bare_tokens_per_s_all": warm["bare"],
         "hf_cold_s": cold["hf"], "bare_cold_s": cold["bare"],  # bare's first pass follows hf's: shared plan caches
+        "hf_tokens_per_s_no_cudnn_sdp": no_cudnn["hf"], "bare_tokens_per_s_no_cudnn_sdp": no_cudnn["bare"],
+        "worker_hf_vs_bare_no_cudnn_sdp": no_cudnn["hf"] / no_cudnn["bare"],
         "peak_memory_gb": peaks["hf"], "bare_peak_memory_gb": peaks["bare"],
     }
 

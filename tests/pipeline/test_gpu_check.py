@@ -43,7 +43,7 @@ def test_gpu_check_reduced_runs_every_section(tmp_path: Path) -> None:
         trainer = result["trainer"][shape]
         assert trainer["tokens_per_s"] > 0 and trainer["trainer_vs_bare"] > 0, trainer
 
-    assert result["worker"]["worker_hf_vs_bare"] > 0
+    assert result["worker"]["worker_hf_vs_bare"] > 0 and result["worker"]["worker_hf_vs_bare_no_cudnn_sdp"] > 0
 
     e2e = result["e2e"]
     assert e2e["exit_code"] == 0, e2e
