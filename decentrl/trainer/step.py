@@ -11,6 +11,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from decentrl.config import TrainerConfig
 from decentrl.model.routers import replaying
@@ -18,13 +19,48 @@ from decentrl.rl.losses import STAT_KEYS, BatchTotals, policy_loss
 from decentrl.trainer.batching import Tensors
 
 
-def next_token_logits(model: torch.nn.Module, batch: Tensors, temperature: float) -> torch.Tensor:
-    """Tempered logits predicting `batch.targets`, in float32; the model's output layer skips the
-    prompt positions before `batch.start`.  # (B, T, V)"""
+def model_logits(model: torch.nn.Module, batch: Tensors) -> torch.Tensor:
+    """The model's logits predicting `batch.targets`, in its compute dtype; the output layer skips
+    the prompt positions before `batch.start`.  # (B, T, V)"""
     keep = batch.input_ids.shape[1] - batch.start
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits[:, :-1].float()
-    # Each pass over (B, T, V) costs memory bandwidth on a GPU: none for temperature 1.
-    return logits if temperature == 1.0 else logits / temperature
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits[:, :-1]
+
+
+def token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None, temperature: float, *,
+    entropy_grad: bool = False, chunk_mb: float = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each target's logprob under the tempered, float32 `logits` and each position's entropy (with
+    a gradient only if `entropy_grad`).  # (B, T) x 2
+
+    With `chunk_mb` ([trainer] loss_chunk_mb) and more float32 logits than that, over chunks of
+    positions, each recomputed in the backward: at long completions and large vocabularies the
+    whole's float32 copies, not the model, set a step's peak memory (16k positions x 152k ids:
+    10 GB a copy)."""
+    rows, positions, vocab = logits.shape
+    per_chunk = max(1, int(chunk_mb * 2**18) // (rows * vocab))  # 4 bytes an element
+    if not chunk_mb or per_chunk >= positions:
+        return _token_stats(logits, targets, kept_ids, temperature, entropy_grad)
+    kept = kept_ids.split(per_chunk, dim=1) if kept_ids is not None else [None] * -(-positions // per_chunk)
+    chunks = [
+        checkpoint(_token_stats, *args, temperature, entropy_grad, use_reentrant=False)
+        for args in zip(logits.split(per_chunk, dim=1), targets.split(per_chunk, dim=1), kept, strict=True)
+    ]
+    return torch.cat([lp for lp, _ in chunks], dim=1), torch.cat([h for _, h in chunks], dim=1)
+
+
+def _token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None, temperature: float, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.float()
+    if temperature != 1.0:  # each pass over (B, T, V) costs memory bandwidth: none for temperature 1
+        logits = logits / temperature
+    normalizer = logits.logsumexp(dim=-1)  # (B, T)
+    logprobs = sampled_logprobs(logits, targets, kept_ids, normalizer)
+    # Last: the backward's recomputation of a chunk stops once it has what the gradient needs,
+    # so an entropy without gradient is not computed again.
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logprobs, entropy(logits, normalizer)
 
 
 def sampled_logprobs(
@@ -58,7 +94,7 @@ def token_logprobs(model: torch.nn.Module, batch: Tensors, temperature: float) -
     """Logprob of each next token under the tempered policy the workers sample from, with the
     workers' MoE routes replayed when the batch carries them.  # (B, T)"""
     with replaying(model, batch.routes):
-        return sampled_logprobs(next_token_logits(model, batch, temperature), batch.targets, batch.kept_ids)
+        return token_stats(model_logits(model, batch), batch.targets, batch.kept_ids, temperature)[0]
 
 
 def accumulate_gradients(
@@ -95,17 +131,18 @@ def micro_batch_loss(
     temperature: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's forward and loss (see policy_loss)."""
-    logits = next_token_logits(model, batch, temperature)  # (B, T, V)
-    targets = batch.targets  # (B, T)
-    normalizer = logits.logsumexp(dim=-1)  # (B, T)
-    with torch.set_grad_enabled(config.entropy_coef > 0):
-        entropies = entropy(logits, normalizer)  # (B, T)
+    logprobs, entropies = token_stats(
+        model_logits(model, batch), batch.targets, batch.kept_ids, temperature,
+        entropy_grad=config.entropy_coef > 0, chunk_mb=config.loss_chunk_mb,
+    )
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
-            ref_logprobs = sampled_logprobs(next_token_logits(reference, batch, temperature), targets, batch.kept_ids)
+            ref_logprobs = token_stats(
+                model_logits(reference, batch), batch.targets, batch.kept_ids, temperature, chunk_mb=config.loss_chunk_mb
+            )[0]
     loss, stats = policy_loss(
-        sampled_logprobs(logits, targets, batch.kept_ids, normalizer),
+        logprobs,
         batch.sampler_logprobs,
         batch.advantages,
         batch.completion_mask,

@@ -59,6 +59,8 @@ def test_empty_file_gives_all_defaults(tmp_path: Path) -> None:
     [
         ("[trainer]\nlr = -1\n", ["trainer.lr"]),
         ("[trainer]\nlrr = 0.001\n", ["trainer.lrr"]),  # typo: unknown keys are errors
+        ("[trainer]\nloss_chunk_mb = -1\n", ["trainer.loss_chunk_mb"]),
+        ('[trainer]\nloss_chunk_mb = "1GB"\n', ["trainer.loss_chunk_mb"]),
         ("group_size = 1\n", ["group_size"]),
         ("max_staleness = -1\n", ["max_staleness"]),
         ("[sampling]\ntemperature = 0\n", ["sampling.temperature"]),
@@ -69,7 +71,8 @@ def test_empty_file_gives_all_defaults(tmp_path: Path) -> None:
             ["trainer_ranks", "trainer.groups_per_step", "group_size"],
         ),
     ],
-    ids=["negative-lr", "typo-key", "group-size-1", "negative-staleness", "zero-temperature", "run-name",
+    ids=["negative-lr", "typo-key", "negative-loss-chunk", "loss-chunk-not-a-number", "group-size-1", "negative-staleness",
+         "zero-temperature", "run-name",
          "heads-divide", "batch-divides-ranks"],
 )
 def test_bad_value_names_field_and_file(tmp_path: Path, text: str, fields: list[str]) -> None:

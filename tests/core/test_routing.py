@@ -16,7 +16,7 @@ from decentrl.model.build import build_model, build_tiny_tokenizer
 from decentrl.model.routers import replaying, routers
 from decentrl.model.routing import RouteSpec, keeps_routing, routing_problem, spec_of, spec_of_hf_config
 from decentrl.trainer.batching import collate
-from decentrl.trainer.step import next_token_logits, sampled_logprobs, token_logprobs
+from decentrl.trainer.step import model_logits, token_logprobs, token_stats
 from workers.backends.hf import HFBackend
 from workers.backends.openai import OpenAIBackend
 from workers.worker import require_routes
@@ -133,8 +133,7 @@ def test_replay_forces_the_recorded_experts_and_the_router_still_gets_gradient(m
     batch = collate([samples[0].model_copy(update={"expert_routing": forced})], pad_id=0)
     model = build_model(MOE).train()
     with replaying(model, batch.routes) as drift:
-        logits = next_token_logits(model, batch, temperature=1.0)
-        logprobs = sampled_logprobs(logits, batch.targets)
+        logprobs, _ = token_stats(model_logits(model, batch), batch.targets, None, 1.0)
         logprobs.sum().backward()
     rows = len(forced.experts) // 4
     assert drift[0] == 2 * rows  # every fed row of both sparse layers replayed
