@@ -83,7 +83,8 @@ def main() -> None:
         result[mode] = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     result["load_avg"].append(os.getloadavg())  # type: ignore[attr-defined]
     whole, chunked = result["whole"], result["chunked"]
-    result["chunked_vs_whole_peak"] = chunked["peak_over_inputs_gb"] / whole["peak_over_inputs_gb"]  # type: ignore[index]
+    grown = whole["peak_over_inputs_gb"]  # type: ignore[index]
+    result["chunked_vs_whole_peak"] = chunked["peak_over_inputs_gb"] / grown if grown > 0 else None  # type: ignore[index]
     result["chunked_vs_whole_time"] = chunked["seconds"] / whole["seconds"]  # type: ignore[index]
     print(json.dumps(result))
 

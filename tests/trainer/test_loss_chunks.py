@@ -6,6 +6,10 @@ one piece, truncated sampling sets, temperature, the entropy bonus and the KL re
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +111,13 @@ def test_a_step_in_chunks_gives_the_whole_steps_loss_stats_and_gradients(monkeyp
         torch.testing.assert_close(sums_chunked[key], sums[key], rtol=0, atol=1e-5)
     for got, want in zip(grads_chunked, grads, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_the_loss_memory_benchmark_prints_its_ratios() -> None:
+    """benchmarks/loss_memory.py at a tiny shape: the same code paths, figures that mean nothing."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, str(root / "benchmarks" / "loss_memory.py"), "--rows", "2", "--positions", "64",
+               "--vocab", "1000", "--chunk-mb", str(mb(2 * 16 * 1000)), "--rounds", "1", "--threads", "1"]
+    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, timeout=300).stdout.splitlines()[-1])
+    assert result["chunked_vs_whole_time"] > 0 and "chunked_vs_whole_peak" in result  # None where the whole grew nothing
+    assert result["whole"]["seconds"] > 0 and result["chunked"]["peak_over_inputs_gb"] >= 0
