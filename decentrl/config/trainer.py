@@ -182,7 +182,7 @@ class TrainerConfig(Section):
         "Gradients accumulate over micro-batches; every sample (prompt + completion) must fit in one.",
     )
     loss_chunk_mb: float = Field(
-        4096,
+        8192,
         ge=0,
         description="MiB of float32 logits (rows x positions x vocabulary x 4 bytes) the loss works on at once: a "
         "micro-batch's above it are taken in chunks of positions, each recomputed in backward, so the loss needs "
