@@ -28,10 +28,10 @@ def model_logits(model: torch.nn.Module, batch: Tensors) -> torch.Tensor:
 
 def token_stats(
     logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None, temperature: float, *,
-    entropy_grad: bool = False, chunk_mb: float = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each target's logprob under the tempered, float32 `logits` and each position's entropy (with
-    a gradient only if `entropy_grad`).  # (B, T) x 2
+    entropies: bool = True, entropy_grad: bool = False, chunk_mb: float = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each target's logprob under the tempered, float32 `logits` and, with `entropies`, each
+    position's entropy (with a gradient only if `entropy_grad`).  # (B, T), (B, T) or None
 
     With `chunk_mb` ([trainer] loss_chunk_mb) and more float32 logits than that, over chunks of
     positions, each recomputed in the backward: at long completions and large vocabularies the
@@ -40,23 +40,26 @@ def token_stats(
     rows, positions, vocab = logits.shape
     per_chunk = max(1, int(chunk_mb * 2**18) // (rows * vocab))  # 4 bytes an element
     if not chunk_mb or per_chunk >= positions:
-        return _token_stats(logits, targets, kept_ids, temperature, entropy_grad)
+        return _token_stats(logits, targets, kept_ids, temperature, entropies, entropy_grad)
     kept = kept_ids.split(per_chunk, dim=1) if kept_ids is not None else [None] * -(-positions // per_chunk)
     chunks = [
-        checkpoint(_token_stats, *args, temperature, entropy_grad, use_reentrant=False)
+        checkpoint(_token_stats, *args, temperature, entropies, entropy_grad, use_reentrant=False)
         for args in zip(logits.split(per_chunk, dim=1), targets.split(per_chunk, dim=1), kept, strict=True)
     ]
-    return torch.cat([lp for lp, _ in chunks], dim=1), torch.cat([h for _, h in chunks], dim=1)
+    return torch.cat([lp for lp, _ in chunks], dim=1), torch.cat([h for _, h in chunks], dim=1) if entropies else None
 
 
 def _token_stats(
-    logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None, temperature: float, entropy_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None, temperature: float, entropies: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = logits.float()
     if temperature != 1.0:  # each pass over (B, T, V) costs memory bandwidth: none for temperature 1
         logits = logits / temperature
     normalizer = logits.logsumexp(dim=-1)  # (B, T)
     logprobs = sampled_logprobs(logits, targets, kept_ids, normalizer)
+    if not entropies:
+        return logprobs, None
     # Last: the backward's recomputation of a chunk stops once it has what the gradient needs,
     # so an entropy without gradient is not computed again.
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -64,17 +67,15 @@ def _token_stats(
 
 
 def sampled_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None = None, normalizer: torch.Tensor | None = None
+    logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None, normalizer: torch.Tensor
 ) -> torch.Tensor:
     """log softmax(logits)[target], without materializing the (B, T, V) log-softmax.  # (B, T)
 
     With `kept_ids` (B, T, K), positions the worker truncated normalize over the kept ids only:
     the logprob under the distribution it sampled from (logits outside the set at -inf), so the
     importance ratio compares like with like. Gathering K logits avoids a (B, T, V) mask.
-    `normalizer`: `logits.logsumexp(-1)` where the caller has it already.
+    `normalizer`: logits.logsumexp(-1).
     """
-    if normalizer is None:
-        normalizer = logits.logsumexp(dim=-1)  # (B, T)
     if kept_ids is not None:
         truncated = kept_ids[..., :1] >= 0  # (B, T, 1)
         # Padding is -inf only at truncated positions: an all -inf row would give a NaN
@@ -94,7 +95,7 @@ def token_logprobs(model: torch.nn.Module, batch: Tensors, temperature: float) -
     """Logprob of each next token under the tempered policy the workers sample from, with the
     workers' MoE routes replayed when the batch carries them.  # (B, T)"""
     with replaying(model, batch.routes):
-        return token_stats(model_logits(model, batch), batch.targets, batch.kept_ids, temperature)[0]
+        return token_stats(model_logits(model, batch), batch.targets, batch.kept_ids, temperature, entropies=False)[0]
 
 
 def accumulate_gradients(
@@ -139,7 +140,8 @@ def micro_batch_loss(
     if reference is not None:
         with torch.no_grad():
             ref_logprobs = token_stats(
-                model_logits(reference, batch), batch.targets, batch.kept_ids, temperature, chunk_mb=config.loss_chunk_mb
+                model_logits(reference, batch), batch.targets, batch.kept_ids, temperature,
+                entropies=False, chunk_mb=config.loss_chunk_mb,
             )[0]
     loss, stats = policy_loss(
         logprobs,
