@@ -84,9 +84,9 @@ def kept_ids(samples: list[TrainSample], width: int, start: int) -> torch.Tensor
     kept = torch.full((len(samples), width - 1 - start, k), -1, dtype=torch.long)
     for row, sample in enumerate(samples):
         if sample.sampling_mask is not None:
-            p = len(sample.prompt_token_ids) - start
+            at = len(sample.prompt_token_ids) - 1 - start  # as in collate
             padded = [ids + [-1] * (k - len(ids)) for ids in sample.sampling_mask]
-            kept[row, p - 1 : p - 1 + len(padded)] = torch.tensor(padded, dtype=torch.long).view(len(padded), k)
+            kept[row, at : at + len(padded)] = torch.tensor(padded, dtype=torch.long).view(len(padded), k)
     return kept
 
 
