@@ -17,6 +17,7 @@ from decentrl.config import TrainerConfig
 from decentrl.model.routers import replaying
 from decentrl.rl.losses import STAT_KEYS, BatchTotals, policy_loss
 from decentrl.trainer.batching import Tensors
+from decentrl.trainer.distributed import reduce_gradients_after
 
 
 def model_logits(model: torch.nn.Module, batch: Tensors) -> torch.Tensor:
@@ -110,7 +111,8 @@ def accumulate_gradients(
     """Forward and backward every micro-batch; returns this rank's loss and token sums (see policy_loss)."""
     loss_sum = torch.zeros(())
     sums = {key: torch.zeros(()) for key in STAT_KEYS}
-    for batch in micro_batches:
+    for index, batch in enumerate(micro_batches):
+        reduce_gradients_after(model, last=index == len(micro_batches) - 1)
         # Routes replayed from the forward through the backward: activation checkpointing's
         # recomputation must route as the forward did (decentrl/model/routers.py).
         replay_reference = replaying(reference, batch.routes) if reference is not None else nullcontext()
