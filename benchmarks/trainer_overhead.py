@@ -1,19 +1,27 @@
-"""The trainer's host overhead: one full step of the training loop's code against a bare loop, on a
-model so small that the step is all launching (deep, narrow, a few tokens), the regime where an
-H100 step of a small model is bound too (docs/benchmarks.md, "The GPU path").
+"""The trainer's overhead on one rank: one full step of the training loop's code against a bare loop,
+with the ways FSDP2 can be laid over one rank side by side.
 
-One FSDP2 rank (gloo on the CPU, NCCL on a GPU). Three loops over the same batch and micro-batches,
-timed in turns (round-robin, so a change of load hits each alike):
+One FSDP2 rank (gloo on the CPU, NCCL on a GPU), 4 micro-batches a step. Four loops over the same
+batch and micro-batches, timed in turns (round-robin, so a change of load hits each alike):
 
-  ours        `training_step` of benchmarks/gpu_check.py on `shard_model` as the trainer calls it
-  per_block   the same with every block its own FSDP2 unit, as several ranks shard it
+  ours        `training_step` of benchmarks/gpu_check.py on `shard_model` as the trainer calls it:
+              each block its own FSDP2 unit, the step's gradients reduced once, after its last
+              micro-batch (`reduce_gradients_after`)
+  each_micro  the same with the gradients reduced after every micro-batch (FSDP2's default; the
+              trainer's before 2026-11-27)
+  one_unit    ours with the whole model one FSDP2 unit (`shard_model(one_unit=True)`)
   bare        gpu_check's bare policy-gradient loop on the unsharded model
 
-    .venv/bin/python benchmarks/trainer_overhead.py [--layers 28] [--rounds 15] [--bf16]
+Two regimes (--shape): `launch` (default), the Qwen3 architecture at 28 blocks of width 32 and 8
+rows of 32 tokens, a step that is all launching ops (as an H100 step of a small model partly is,
+docs/benchmarks.md "The GPU path"); `smollm2-135m`, that shape at 8 rows of 128 tokens, a step
+that is all arithmetic on the CPU.
 
-The last stdout line is one JSON object: `step_s`, `per_block_step_s`, `bare_step_s` (medians),
-`trainer_vs_bare` and `per_block_vs_bare` (bare step time / the other's) and
-`one_unit_vs_per_block` (per-block step time / ours).
+    .venv/bin/python benchmarks/trainer_overhead.py [--shape launch|smollm2-135m] [--rounds 15] [--bf16]
+
+The last stdout line is one JSON object: `step_s`, `each_micro_step_s`, `one_unit_step_s`,
+`bare_step_s` (medians), `trainer_vs_bare` (bare step time / ours), `once_vs_each_micro` (each_micro
+step time / ours) and `one_unit_vs_per_block` (our step time / one_unit's).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -32,11 +41,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpu_check  # noqa: E402  (the step, the bare loop and the batch the GPU check times)
 
+# shape -> (shape_config overrides, rows, prompt tokens, completion tokens, torch threads)
+SHAPES = {
+    "launch": (dict(num_hidden_layers=28, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=16, vocab_size=256), 8, 8, 24, 1),
+    "smollm2-135m": ({}, 8, 32, 96, 2),
+}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=28, help="Transformer blocks (Qwen3-0.6B has 28).")
-    parser.add_argument("--rounds", type=int, default=15, help="Timed steps of each loop, after 3 warm-up steps.")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="launch")
+    parser.add_argument("--rounds", type=int, default=15, help="Timed steps of each loop, after 2 warm-up steps.")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute (FSDP2's mixed precision; autocast in the bare loop).")
     args = parser.parse_args()
 
@@ -47,47 +63,55 @@ def main() -> None:
     from decentrl.model.chat_model import shape_config
     from decentrl.trainer.distributed import init_distributed, shard_model
 
-    torch.set_num_threads(1)
+    overrides, rows, prompt_len, completion_len, threads = SHAPES[args.shape]
+    torch.set_num_threads(threads)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(gpu_check.free_port()))
     _, _, device = init_distributed()
-    config = shape_config(
-        "qwen3-0.6b", num_hidden_layers=args.layers, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, vocab_size=256,
-    )
+    config = shape_config("qwen3-0.6b" if args.shape == "launch" else args.shape, **overrides)
     mixed_precision = "bf16" if args.bf16 else "fp32"
-    trainer = TrainerConfig(micro_batch_tokens=64, mixed_precision=mixed_precision, lr=1e-6)
-    batch = gpu_check.synthetic_batch(8, 8, 24, config.vocab_size, seed=0)  # 4 micro-batches of 2 rows
+    # 2 rows a micro-batch: 4 micro-batches a step.
+    trainer = TrainerConfig(micro_batch_tokens=2 * (prompt_len + completion_len), mixed_precision=mixed_precision, lr=1e-6)
+    batch = gpu_check.synthetic_batch(rows, prompt_len, completion_len, config.vocab_size, seed=0)
 
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
 
-    plain = model()
+    def step_of(**options: bool):  # noqa: ANN202
+        return gpu_check.training_step(shard_model(model(), mixed_precision=mixed_precision, **options), trainer, batch, device)
+
+    ours, each, plain = step_of(), step_of(), model()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-6, fused=device.type == "cuda")
+
+    def each_micro() -> None:
+        with mock.patch("decentrl.trainer.step.reduce_gradients_after", lambda model, last: None):
+            each()
+
     steps = {
-        "ours": gpu_check.training_step(shard_model(model(), mixed_precision=mixed_precision), trainer, batch, device),
-        "per_block": gpu_check.training_step(
-            shard_model(model(), mixed_precision=mixed_precision, per_block=True), trainer, batch, device
-        ),
+        "ours": ours,
+        "each_micro": each_micro,
+        "one_unit": step_of(one_unit=True),
         "bare": lambda: gpu_check.bare_step(plain, optimizer, batch.samples, trainer.micro_batch_tokens, device, args.bf16),
     }
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for round_ in range(3 + args.rounds):
+    for round_ in range(2 + args.rounds):
         for name, step in steps.items():
             sync()
             started = time.perf_counter()
             step()
             sync()
-            if round_ >= 3:
+            if round_ >= 2:
                 times[name].append(time.perf_counter() - started)
     dist.destroy_process_group()
-    ours, per_block, bare = (statistics.median(times[name]) for name in ("ours", "per_block", "bare"))
+    median = {name: statistics.median(values) for name, values in times.items()}
     print(json.dumps({
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers": args.layers,
-        "mixed_precision": mixed_precision, "rounds": args.rounds,
-        "step_s": ours, "per_block_step_s": per_block, "bare_step_s": bare,
-        "trainer_vs_bare": bare / ours, "per_block_vs_bare": bare / per_block, "one_unit_vs_per_block": per_block / ours,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "shape": args.shape,
+        "mixed_precision": mixed_precision, "rounds": args.rounds, "torch_threads": threads,
+        "step_s": median["ours"], "each_micro_step_s": median["each_micro"], "one_unit_step_s": median["one_unit"],
+        "bare_step_s": median["bare"], "trainer_vs_bare": median["bare"] / median["ours"],
+        "once_vs_each_micro": median["each_micro"] / median["ours"],
+        "one_unit_vs_per_block": median["ours"] / median["one_unit"],
     }))
 
 

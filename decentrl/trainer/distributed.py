@@ -34,12 +34,11 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 def shard_model(
     model: PreTrainedModel, *, mixed_precision: str = "fp32", activation_checkpointing: bool = False,
-    per_block: bool | None = None,
+    one_unit: bool = False,
 ) -> PreTrainedModel:
-    """FSDP2. With several ranks each transformer block is its own unit (all-gathered just before
-    use, freed after), then the rest; one rank holds every parameter anyway, so there the whole
-    model is one unit: the same parameters, gradients and state dict without each block's hooks
-    (benchmarks/trainer_overhead.py times both). `per_block` overrides the choice."""
+    """FSDP2: each transformer block is its own unit (all-gathered just before use), then the rest.
+    `one_unit`: the whole model one unit, no hooks per block (for one rank, where it saves no memory
+    to free a block: benchmarks/trainer_overhead.py and gpu_check.py time it against the blocks)."""
     if activation_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks: the recompute in backward
         # all-gathers the block's parameters again like the forward did.
@@ -49,14 +48,13 @@ def shard_model(
         if mixed_precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    several = (dist.get_world_size() if dist.is_initialized() else 1) > 1
-    if per_block is None:
-        per_block = several
-    if per_block:
+    # One rank holds every parameter anyway: keeping the gathered (bf16) block after its forward
+    # saves gathering it again in backward; with several ranks each block is freed (less memory).
+    reshard = dist.get_world_size() > 1 if dist.is_initialized() else True
+    if not one_unit:
         for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy, reshard_after_forward=several)
-    # One rank keeps what it gathered from the forward through the backward: nothing to gather again.
-    fully_shard(model, mp_policy=policy, reshard_after_forward=several)
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     # Each rank's loss is its share of a sum normalized by whole-batch counts (decentrl.rl.losses),
     # so the ranks' gradients must be summed, not averaged as FSDP does by default.
     for module in model.modules():
@@ -67,10 +65,11 @@ def shard_model(
 
 
 def reduce_gradients_after(model: torch.nn.Module, *, last: bool) -> None:
-    """Before each micro-batch's backward. One rank accumulates the step's gradients unsharded and
-    reduces them into its (whole) shard after the last micro-batch, keeping the parameters gathered
-    until then: one reduction and one gather a step instead of one a micro-batch. Several ranks
-    reduce after each micro-batch, which keeps a rank's gradient memory at its shard."""
+    """Before each micro-batch's backward. One rank accumulates the step's gradients unsharded (in
+    float32 under bf16 compute) and reduces them into its shard, which is the whole, after the last
+    micro-batch, keeping the parameters gathered until then: one reduction and one gather a step
+    instead of one a micro-batch. Several ranks reduce after each micro-batch, which keeps a rank's
+    gradient memory at its shard."""
     if isinstance(model, FSDPModule) and dist.get_world_size() == 1:
         model.set_requires_gradient_sync(last)
         model.set_reshard_after_backward(last)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).parents[2]
 SUMMARY = {
-    "trainer_vs_bare_135m", "trainer_vs_bare_0_6b", "trainer_mfu_0_6b", "trainer_tokens_per_s_0_6b",
+    "trainer_vs_bare_135m", "trainer_vs_bare_0_6b", "one_unit_vs_per_block_135m", "one_unit_vs_per_block_0_6b",
+    "trainer_mfu_0_6b", "trainer_tokens_per_s_0_6b",
     "worker_hf_vs_bare", "gpu_tests_passed", "gpu_tests_failed", "total_s",
 }
 
@@ -41,7 +42,7 @@ def test_gpu_check_reduced_runs_every_section(tmp_path: Path) -> None:
 
     for shape in ("smollm2_135m", "qwen3_0_6b"):
         trainer = result["trainer"][shape]
-        assert trainer["tokens_per_s"] > 0 and trainer["trainer_vs_bare"] > 0, trainer
+        assert trainer["tokens_per_s"] > 0 and trainer["trainer_vs_bare"] > 0 and trainer["one_unit_vs_per_block"] > 0, trainer
 
     assert result["worker"]["worker_hf_vs_bare"] > 0 and result["worker"]["worker_hf_vs_bare_no_cudnn_sdp"] > 0
 

@@ -1,11 +1,11 @@
 """How `shard_model` cuts the model into FSDP2 units, and what one rank does with its gradients.
 
-Several ranks: each transformer block is its own unit, resharded after forward and backward. One
-rank: the whole model is one unit, and a step's gradients accumulate unsharded over its
-micro-batches and are reduced once, after the last (`reduce_gradients_after`). The loss and
-gradients of that must be those of per-block units reduced after every micro-batch, in bf16 mixed
-precision too (the reduction is in float32 either way). Real gloo processes; the fp32 gradients
-against a plain model are test_trainer_parity's."""
+Each transformer block is its own unit, or with `one_unit` the whole model is one. On one rank a
+step's gradients accumulate unsharded over its micro-batches and are reduced once, after the last
+(`reduce_gradients_after`). The loss and gradients of that, with either cut, must be those of
+FSDP2's default, a reduction after every micro-batch, in bf16 mixed precision too (the reduction is
+in float32 either way). Real gloo processes; the fp32 gradients against a plain model are
+test_trainer_parity's."""
 
 from __future__ import annotations
 
@@ -35,46 +35,47 @@ def units(model: torch.nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
 
 
-def on_ranks(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: parameter.grad.full_tensor() for name, parameter in model.named_parameters()}
+
+
+def one_rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.set_num_threads(1)
     _, _, device = init_distributed()
-    saved: dict[str, object] = {"units": units(shard_model(build_model(TINY).train()))}
-    if world == 1:
-        config = TrainerConfig(micro_batch_tokens=24, mixed_precision="bf16", entropy_coef=0.01)
-        _, totals, micro_batches = rank_share(
-            make_batch(), rank=0, world=1, config=config, max_tokens=MAX_TOKENS, pad_id=0, device=device
-        )
-        one_unit = shard_model(build_model(TINY).train(), mixed_precision="bf16")
-        loss, _ = accumulate_gradients(one_unit, None, micro_batches, totals=totals, config=config, temperature=1.0)
-        per_block = shard_model(build_model(TINY).train(), mixed_precision="bf16", per_block=True)
-        reference = torch.zeros(())
-        for batch in micro_batches:  # reduced after every micro-batch, FSDP2's default
-            part, _ = micro_batch_loss(per_block, None, batch, totals=totals, config=config, temperature=1.0)
-            part.backward()
-            reference = reference + part.detach()
-        saved.update(
-            micro_batches=len(micro_batches), loss=loss.item(), reference_loss=reference.item(),
-            grads={n: p.grad.full_tensor() for n, p in one_unit.named_parameters()},
-            reference_grads={n: p.grad.full_tensor() for n, p in per_block.named_parameters()},
-        )
-    if rank == 0:
-        torch.save(saved, out)
+    saved: dict[str, object] = {
+        "units": units(shard_model(build_model(TINY).train())),
+        "one_unit": units(shard_model(build_model(TINY).train(), one_unit=True)),
+    }
+    config = TrainerConfig(micro_batch_tokens=24, mixed_precision="bf16", entropy_coef=0.01)
+    _, totals, micro_batches = rank_share(make_batch(), rank=0, world=1, config=config, max_tokens=MAX_TOKENS, pad_id=0, device=device)
+    each_micro = shard_model(build_model(TINY).train(), mixed_precision="bf16")
+    reference = torch.zeros(())
+    for batch in micro_batches:  # reduced after every micro-batch, FSDP2's default
+        part, _ = micro_batch_loss(each_micro, None, batch, totals=totals, config=config, temperature=1.0)
+        part.backward()
+        reference = reference + part.detach()
+    saved.update(micro_batches=len(micro_batches), reference_loss=reference.item(), reference_grads=grads_of(each_micro))
+    for name, one_unit in (("blocks", False), ("whole", True)):
+        model = shard_model(build_model(TINY).train(), mixed_precision="bf16", one_unit=one_unit)
+        loss, _ = accumulate_gradients(model, None, micro_batches, totals=totals, config=config, temperature=1.0)
+        saved[name] = (loss.item(), grads_of(model))
+    torch.save(saved, out)
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_units_and_one_ranks_gradients(world: int, tmp_path: Path) -> None:
+def test_units_and_one_ranks_gradients(tmp_path: Path) -> None:
     out = str(tmp_path / "saved.pt")
-    mp.spawn(on_ranks, args=(world, free_port(), out), nprocs=world, join=True)
+    mp.spawn(one_rank, args=(free_port(), out), nprocs=1, join=True)
     saved = torch.load(out, weights_only=False)
-    blocks = [f"model.layers.{i}" for i in range(TINY.num_layers)]
-    assert saved["units"] == ([""] if world == 1 else ["", *blocks])
-    if world == 1:
-        assert saved["micro_batches"] >= 3
-        assert saved["loss"] == pytest.approx(saved["reference_loss"], rel=1e-6)
-        assert set(saved["grads"]) == set(saved["reference_grads"])
-        for name, grad in saved["grads"].items():
+    assert saved["units"] == ["", *(f"model.layers.{i}" for i in range(TINY.num_layers))]
+    assert saved["one_unit"] == [""]
+    assert saved["micro_batches"] >= 3
+    for cut in ("blocks", "whole"):
+        loss, grads = saved[cut]
+        assert loss == pytest.approx(saved["reference_loss"], rel=1e-6), cut
+        assert set(grads) == set(saved["reference_grads"])
+        for name, grad in grads.items():
             assert grad.dtype == torch.float32, name
-            torch.testing.assert_close(grad, saved["reference_grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+            torch.testing.assert_close(grad, saved["reference_grads"][name], rtol=1e-5, atol=1e-7, msg=f"{cut} {name}")
             assert grad.abs().sum() > 0, name
