@@ -65,7 +65,7 @@ def shard_model(
 
 
 def reduce_gradients_after(model: torch.nn.Module, *, last: bool) -> None:
-    """Before each micro-batch's backward. One rank accumulates the step's gradients unsharded (in
+    """Called before each micro-batch. One rank accumulates the step's gradients unsharded (in
     float32 under bf16 compute) and reduces them into its shard, which is the whole, after the last
     micro-batch, keeping the parameters gathered until then: one reduction and one gather a step
     instead of one a micro-batch. Several ranks reduce after each micro-batch, which keeps a rank's
