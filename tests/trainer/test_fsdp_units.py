@@ -5,11 +5,15 @@ step's gradients accumulate unsharded over its micro-batches and are reduced onc
 (`reduce_gradients_after`). The loss and gradients of that, with either cut, must be those of
 FSDP2's default, a reduction after every micro-batch, in bf16 mixed precision too (the reduction is
 in float32 either way). Real gloo processes; the fp32 gradients against a plain model are
-test_trainer_parity's."""
+test_trainer_parity's. The benchmark that times these choices, benchmarks/trainer_overhead.py,
+runs once here too."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +83,18 @@ def test_units_and_one_ranks_gradients(tmp_path: Path) -> None:
             assert grad.dtype == torch.float32, name
             torch.testing.assert_close(grad, saved["reference_grads"][name], rtol=1e-5, atol=1e-7, msg=f"{cut} {name}")
             assert grad.abs().sum() > 0, name
+
+
+def test_trainer_overhead_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/trainer_overhead.py, one timed round: its four loops run and its keys are there."""
+    root = Path(__file__).parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "trainer_overhead.py"), "--rounds", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("step_s", "each_micro_step_s", "one_unit_step_s", "bare_step_s", "trainer_vs_bare", "once_vs_each_micro",
+                "one_unit_vs_per_block"):
+        assert result[key] > 0, key
+    assert (result["shape"], result["mixed_precision"], result["rounds"]) == ("launch", "fp32", 1)
