@@ -31,7 +31,7 @@ import json
 import os
 import statistics
 import sys
-import time
+from collections.abc import Callable
 from unittest import mock
 
 import torch
@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpu_check  # noqa: E402  (the step, the bare loop and the batch the GPU check times)
+from real_model import alternate, timed_step  # noqa: E402  (its round-robin timing)
 
 # shape -> (shape_config overrides, rows, prompt tokens, completion tokens, torch threads)
 SHAPES = {
@@ -94,15 +95,13 @@ def main() -> None:
         "bare": lambda: gpu_check.bare_step(plain, optimizer, batch.samples, trainer.micro_batch_tokens, device, args.bf16),
     }
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for round_ in range(2 + args.rounds):
-        for name, step in steps.items():
-            sync()
-            started = time.perf_counter()
-            step()
-            sync()
-            if round_ >= 2:
-                times[name].append(time.perf_counter() - started)
+
+    def timed(step: Callable[[], None]) -> Callable[[], float]:
+        return lambda: timed_step(lambda: (step(), sync()))
+
+    runs = {name: timed(step) for name, step in steps.items()}
+    alternate(runs, 2)  # warm-up
+    times = alternate(runs, args.rounds)
     dist.destroy_process_group()
     median = {name: statistics.median(values) for name, values in times.items()}
     print(json.dumps({
