@@ -53,7 +53,7 @@ from orchestrator.appstate import (
     stop_waiting,
 )
 from orchestrator.auth import ENV_VAR, TokenRegistry
-from orchestrator.body import BODY_LIMITS, BodyLimits
+from orchestrator.body import OPTIONS
 from orchestrator.checks import run_keeps_routing
 from orchestrator.history import History
 from orchestrator.journal import Journal, JournalError, JournalMismatch
@@ -219,7 +219,7 @@ def create_app(*, state: RunState, tokens: TokenRegistry, store_url: str, on_fat
         handler_args={"auto_decompress": False},
     )
     app[STATE] = state
-    app[BODY_LIMITS] = BodyLimits(options.max_request_bytes, options.body_timeout_s)
+    app[OPTIONS] = options
     app[TOKENS] = tokens
     app[STORE_URL] = store_url
     app[METRICS] = metrics = Metrics(state)

@@ -19,13 +19,14 @@ import asyncio
 import json
 import re
 import zlib
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, EncodingError, encode_model, unpack_msgpack
 from decentrl.api.wire import MAX_VERSION, WORKER_ID, problems
+from decentrl.config.orchestrator import OrchestratorConfig
 from orchestrator.auth import IDENTITY
 from orchestrator.limits import retry_after_header
 
@@ -36,14 +37,8 @@ JSON_TYPES = frozenset({MEDIA_JSON, "text/plain", "application/octet-stream", ""
 # Content-Encoding -> zlib's wbits: gzip (with its header and trailer), deflate (RFC 9110: the
 # zlib format; raw deflate is not accepted).
 ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-class BodyLimits(NamedTuple):
-    max_request_bytes: int  # decompressed
-    timeout_s: float  # for the whole body to arrive
-
-
-BODY_LIMITS = web.AppKey("body_limits", BodyLimits)  # set by create_app from [orchestrator]
+# [orchestrator], set by create_app: its max_request_bytes and body_timeout_s bound every body.
+OPTIONS = web.AppKey("options", OrchestratorConfig)
 
 
 def error(
@@ -110,8 +105,8 @@ async def parse_body(request: web.Request, model: type[M], context: dict[str, An
             web.HTTPUnsupportedMediaType,
             f"Content-Type {media!r} is not supported; send {MEDIA_JSON} or {MEDIA_MSGPACK} (optionally gzip-encoded)",
         )
-    limits = request.app[BODY_LIMITS]
-    body = await read_body(request, limit=limits.max_request_bytes, timeout_s=limits.timeout_s)
+    options = request.app[OPTIONS]
+    body = await read_body(request, limit=options.max_request_bytes, timeout_s=options.body_timeout_s)
     try:
         if msgpack:
             return model.model_validate(unpack_msgpack(body), context=context)
@@ -123,12 +118,6 @@ async def parse_body(request: web.Request, model: type[M], context: dict[str, An
 
 
 # -- query parameters and the caller ------------------------------------------------------
-
-# The answer for a refused lease or score operation, by its error's `status`.
-STATUS_ERRORS: dict[int, type[web.HTTPException]] = {
-    400: web.HTTPBadRequest, 403: web.HTTPForbidden, 404: web.HTTPNotFound, 409: web.HTTPConflict,
-}
-
 
 def query_int(request: web.Request, name: str, *, low: int = 0, high: int = MAX_VERSION) -> int:
     try:
@@ -145,8 +134,9 @@ def holder_of(request: web.Request, worker_id: str) -> str:
     return f"{request[IDENTITY].name}/{worker_id}"
 
 
-def query_worker(request: web.Request) -> str:
-    worker_id = request.query.get("worker_id", "")
+def query_id(request: web.Request, name: str) -> str:
+    """The lease holder named by query parameter `name` (worker_id, scorer_id) and the caller's token."""
+    worker_id = request.query.get(name, "")
     if not re.fullmatch(WORKER_ID, worker_id):
-        raise error(web.HTTPBadRequest, f"query parameter worker_id is required and must match {WORKER_ID}")
+        raise error(web.HTTPBadRequest, f"query parameter {name} is required and must match {WORKER_ID}")
     return holder_of(request, worker_id)

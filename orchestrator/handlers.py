@@ -18,7 +18,7 @@ from collections.abc import Callable
 from aiohttp import web
 from pydantic import BaseModel
 
-from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK
+from decentrl.api.encoding import MEDIA_MSGPACK
 from decentrl.api.wire import (
     MASK_IDS,
     Health,
@@ -54,20 +54,11 @@ from orchestrator.appstate import (
     wake_checks,
 )
 from orchestrator.auth import IDENTITY
-from orchestrator.body import (
-    STATUS_ERRORS,
-    error,
-    holder_of,
-    parse_body,
-    query_int,
-    query_worker,
-    respond,
-    wants_msgpack,
-)
+from orchestrator.body import error, holder_of, parse_body, query_id, query_int, respond, wants_msgpack
 from orchestrator.checks import run_keeps_routing
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.metrics import METRICS
-from orchestrator.state import LeaseError, RunState
+from orchestrator.state import RunState
 
 log = logging.getLogger("decentrl.orchestrator")
 
@@ -139,12 +130,7 @@ async def leases(request: web.Request) -> web.Response:
 async def _on_lease(request: web.Request, operation: Callable[[RunState, str, str], BaseModel]) -> web.Response:
     """`operation(state, lease_id, holder)` on the route's lease; what it changed is committed
     before the answer (a read commits nothing, and answers with only committed state)."""
-    holder = query_worker(request)
-    state = request.app[STATE]
-    try:
-        answer = operation(state, request.match_info["lease_id"], holder)
-    except LeaseError as exc:
-        raise error(STATUS_ERRORS[exc.status], str(exc)) from None
+    answer = operation(request.app[STATE], request.match_info["lease_id"], query_id(request, "worker_id"))
     await commit(request.app)
     return respond(request, answer)
 
@@ -203,13 +189,9 @@ async def rollouts(request: web.Request) -> web.Response:
         ready_before, leases_before = len(state.ready), state.leases_changed
         result = state.ingest(body.rollouts, holder_of(request, first.worker_id))
         await commit(app)
-    metrics = app[METRICS]
-    if result.accepted:
-        metrics.worker_rollouts.labels(name, "accepted").inc(result.accepted)
-    if result.duplicates:
-        metrics.worker_rollouts.labels(name, "duplicate").inc(result.duplicates)
-    if result.rejected:
-        metrics.worker_rollouts.labels(name, "rejected").inc(len(result.rejected))
+    for outcome, count in (("accepted", result.accepted), ("duplicate", result.duplicates), ("rejected", len(result.rejected))):
+        if count:
+            app[METRICS].worker_rollouts.labels(name, outcome).inc(count)
     app[HISTORY].posted(name, body, result)
     wake_checks(app)  # a completed group may be pending for its check
     if len(state.ready) > ready_before:
@@ -317,15 +299,15 @@ async def tokens_revoke(request: web.Request) -> web.Response:
     if name == request[IDENTITY].name:
         raise error(web.HTTPConflict, "an admin token cannot revoke itself; use another admin token")
     registry = request.app[TOKENS]
-    entry = next(((n, r, s) for n, r, s in registry.entries() if n == name), None)
+    entry = next((TokenEntry(name=n, role=r, source=s) for n, r, s in registry.entries() if n == name), None)  # type: ignore[arg-type]
     try:
-        removed = registry.revoke(name)
+        removed = entry is not None and registry.revoke(name)
     except PermissionError as exc:
         raise error(web.HTTPConflict, str(exc)) from None
-    if not removed or entry is None:
+    if not removed:
         raise error(web.HTTPNotFound, f"no token named {name!r}")
     log.info("token %r revoked by %r", name, request[IDENTITY].name)
-    return respond(request, TokenEntry(name=entry[0], role=entry[1], source=entry[2]))  # type: ignore[arg-type]
+    return respond(request, entry)
 
 
 # -- operations ---------------------------------------------------------------------------
@@ -342,7 +324,4 @@ async def openapi(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     journal = request.app[STATE].journal
     ok = journal.failed is None
-    return web.Response(
-        text=Health(ok=ok, journal=journal.durable).model_dump_json(), status=200 if ok else 503,
-        content_type=MEDIA_JSON,
-    )
+    return web.json_response(Health(ok=ok, journal=journal.durable).model_dump(), status=200 if ok else 503)

@@ -47,9 +47,9 @@ class InFlight:
     the caller's token, a new post is refused at once (503) rather than queued, so a client's retry,
     not the orchestrator's memory, absorbs a burst, and one token fills only its own places."""
 
-    def __init__(self, limit: int, per_key: int | None = None) -> None:
+    def __init__(self, limit: int, per_key: int) -> None:
         self.limit = limit
-        self.per_key = limit if per_key is None else per_key
+        self.per_key = per_key
         self.count = 0
         self._by_key: dict[str, int] = {}  # keys with posts in flight only: bounded by `limit`
 

@@ -1,7 +1,8 @@
 """The orchestrator's middlewares, outermost first: errors (and request metrics), then auth.
 
 `errors_middleware` turns every failure into a JSON error a client can act on and counts the
-request (a journal failure: 503, JOURNAL_FAILED tripped); `auth_middleware` checks the bearer
+request (a refused lease or score operation: its error's `status`; a journal failure: 503,
+JOURNAL_FAILED tripped); `auth_middleware` checks the bearer
 token against the route's roles, then its rate limit, and records the caller's IDENTITY.
 """
 
@@ -20,8 +21,10 @@ from orchestrator.appstate import JOURNAL_FAILED, LIMITER, ROUTE_ROLES, TOKENS
 from orchestrator.auth import IDENTITY
 from orchestrator.body import error
 from orchestrator.journal import JournalError
+from orchestrator.leases import LeaseError
 from orchestrator.metrics import METRICS
 from orchestrator.protocol import client_faults
+from orchestrator.score_queue import ScoreError
 
 log = logging.getLogger("decentrl.orchestrator")
 
@@ -67,6 +70,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if exc.status < 400 or exc.content_type == MEDIA_JSON:
             raise
         return _as_json(request, exc)
+    except (LeaseError, ScoreError) as exc:
+        status = exc.status
+        return web.Response(status=status, text=json.dumps({"error": str(exc)}), content_type=MEDIA_JSON)
     except JournalError as exc:
         status = 503
         request.app[JOURNAL_FAILED](exc)

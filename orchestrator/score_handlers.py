@@ -1,6 +1,7 @@
 """The scorer role's request handlers: lease samples to score, renew, post scores.
 
-Thin, as orchestrator/handlers.py: validate, call RunState, commit the journal, answer. The client
+Thin, as orchestrator/handlers.py: validate, call RunState, commit the journal, answer (a refused
+lease or score post raises, and the errors middleware answers with its status). The client
 is workers/scorer.py; the protocol is docs/rewards.md.
 """
 
@@ -8,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 
 from aiohttp import web
 
-from decentrl.api.wire import WORKER_ID, ScoreLease, ScoreLeaseRequest, ScorePost
+from decentrl.api.wire import ScoreLease, ScoreLeaseRequest, ScorePost
 from orchestrator.appstate import (
     BATCH_READY,
     IDLE_SCORERS,
@@ -24,9 +24,7 @@ from orchestrator.appstate import (
     notify_all,
     wake_checks,
 )
-from orchestrator.body import STATUS_ERRORS, error, holder_of, parse_body, respond
-from orchestrator.leases import LeaseError
-from orchestrator.score_queue import ScoreError
+from orchestrator.body import holder_of, parse_body, query_id, respond
 
 
 async def score_leases(request: web.Request) -> web.Response:
@@ -62,24 +60,14 @@ async def score_leases(request: web.Request) -> web.Response:
 
 
 async def score_renew(request: web.Request) -> web.Response:
-    scorer_id = request.query.get("scorer_id", "")
-    if not re.fullmatch(WORKER_ID, scorer_id):
-        raise error(web.HTTPBadRequest, f"query parameter scorer_id is required and must match {WORKER_ID}")
-    try:
-        answer = request.app[STATE].renew_scores(request.match_info["lease_id"], holder_of(request, scorer_id))
-    except (ScoreError, LeaseError) as exc:
-        raise error(STATUS_ERRORS[exc.status], str(exc)) from None
-    return respond(request, answer)
+    return respond(request, request.app[STATE].renew_scores(request.match_info["lease_id"], query_id(request, "scorer_id")))
 
 
 async def scores(request: web.Request) -> web.Response:
     body = await parse_body(request, ScorePost)
     app, state = request.app, request.app[STATE]
     ready_before = len(state.ready)
-    try:
-        ack = state.post_scores(holder_of(request, body.scorer_id), body)
-    except (ScoreError, LeaseError) as exc:
-        raise error(STATUS_ERRORS[exc.status], str(exc)) from None
+    ack = state.post_scores(holder_of(request, body.scorer_id), body)
     await commit(app)
     wake_checks(app)  # a scored group may still wait for its check, now due
     if len(state.ready) > ready_before:

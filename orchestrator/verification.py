@@ -93,11 +93,10 @@ async def verification(app: web.Application) -> AsyncIterator[None]:
     if VERIFIER not in app:
         yield
         return
-    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier")
-    executor.submit(_warm_up, app[VERIFIER])
-    task = asyncio.create_task(_check_when_due(app, executor))
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    executor.shutdown(wait=True)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verifier") as executor:
+        executor.submit(_warm_up, app[VERIFIER])
+        task = asyncio.create_task(_check_when_due(app, executor))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
