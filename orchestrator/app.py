@@ -76,6 +76,8 @@ ANY = ("worker", "trainer", "scorer", "admin")
 P = API_PREFIX
 LEASE_ID = Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/leases.")
 WORKER_Q = Param("worker_id", "query", {"type": "string", "pattern": WORKER_ID}, "The worker id that leased it.")
+SCORE_LEASE_ID = Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/score/leases.")
+SCORER_Q = Param("scorer_id", "query", {"type": "string", "pattern": WORKER_ID}, "The scorer id that leased it.")
 ROUTES: list[tuple[Endpoint, Handler]] = [
     (Endpoint("GET", f"{P}/info", "What a worker needs to join: run, store URL, newest version.", ANY,
               answers={200: wire.RunInfo}, msgpack=True), handlers.info),
@@ -97,10 +99,8 @@ ROUTES: list[tuple[Endpoint, Handler]] = [
               ("scorer",), body=wire.ScoreLeaseRequest, answers={200: wire.ScoreLease}, msgpack=True, tag="scorer"),
      score_handlers.score_leases),
     (Endpoint("POST", f"{P}/score/leases/{{lease_id}}/renew", "Push my score lease's deadline rewards.lease_timeout_s from now.",
-              ("scorer",), params=(
-                  Param("lease_id", "path", {"type": "string", "maxLength": 128}, "A lease id from POST /v1/score/leases."),
-                  Param("scorer_id", "query", {"type": "string", "pattern": WORKER_ID}, "The scorer id that leased it."),
-              ), answers={200: wire.ScoreRenewal}, errors=(403, 404, 409), msgpack=True, tag="scorer"), score_handlers.score_renew),
+              ("scorer",), params=(SCORE_LEASE_ID, SCORER_Q), answers={200: wire.ScoreRenewal}, errors=(403, 404, 409), msgpack=True,
+              tag="scorer"), score_handlers.score_renew),
     (Endpoint("POST", f"{P}/scores",
               "Post scores for items of my score lease: all taken (a resend counted as duplicate), or none with a reason.", ("scorer",),
               body=wire.ScorePost, answers={200: wire.ScoreAck}, errors=(403, 404, 409), msgpack=True, tag="scorer"),
@@ -143,10 +143,7 @@ PUBLIC_WITH_METRICS = ("/metrics", f"{P}/dashboard")
 
 def route_specs(*, metrics_public: bool = False) -> list[Endpoint]:
     """The routes as served: with `metrics_public`, /metrics and /v1/dashboard need no token."""
-    specs = [spec for spec, _ in ROUTES]
-    if metrics_public:
-        specs = [dataclasses.replace(s, roles=None) if s.path in PUBLIC_WITH_METRICS else s for s in specs]
-    return specs
+    return [dataclasses.replace(s, roles=None) if metrics_public and s.path in PUBLIC_WITH_METRICS else s for s, _ in ROUTES]
 
 
 def openapi_spec(*, metrics_public: bool = False) -> dict[str, Any]:
@@ -175,7 +172,6 @@ async def journal_writer(app: web.Application) -> AsyncIterator[None]:
 
 
 def in_background(run: Callable[[web.Application], Coroutine[Any, Any, None]]) -> Callable[[web.Application], AsyncIterator[None]]:
-
     async def entry(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(run(app))
         yield
@@ -344,12 +340,9 @@ def serve(config: RunConfig, *, run_dir: str, host: str | None = None, port: int
         verifier=verifier, store=CheckpointStore.from_config(config.store),
     )
     where = (host or config.orchestrator.host, config.orchestrator.port if port is None else port)
-    try:
-        import uvloop  # where it installs (Linux, macOS)
+    import uvloop  # a dependency wherever this runs: not on Windows, where auth.py's fcntl is missing too
 
-        loop = uvloop.new_event_loop()
-    except ImportError:
-        loop = asyncio.new_event_loop()
+    loop = uvloop.new_event_loop()
     try:
         loop.run_until_complete(_run(app, *where))
     finally:

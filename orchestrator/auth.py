@@ -108,11 +108,9 @@ def _write_file(path: Path, entries: list[dict[str, str]]) -> None:
 
 
 def _new_entry(name: str, role: Role) -> dict[str, str]:
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    if not NAME.fullmatch(name):
-        raise ValueError(f"name {name!r} must match {NAME.pattern}")
-    return {"name": name, "role": role, "token": secrets.token_urlsafe(32)}
+    entry = {"name": name, "role": role, "token": secrets.token_urlsafe(32)}
+    _check_entry(entry, "new token")
+    return entry
 
 
 def add_token(path: str, *, name: str, role: Role) -> str:

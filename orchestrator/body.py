@@ -25,7 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from decentrl.api.encoding import MEDIA_JSON, MEDIA_MSGPACK, MSGPACK_TYPES, EncodingError, encode_model, unpack_msgpack
-from decentrl.api.wire import MAX_VERSION, WORKER_ID, problems
+from decentrl.api.wire import WORKER_ID, problems
 from decentrl.config.orchestrator import OrchestratorConfig
 from orchestrator.auth import IDENTITY
 from orchestrator.limits import retry_after_header
@@ -61,9 +61,8 @@ def respond(request: web.Request, model: BaseModel, status: int = 200) -> web.Re
 
 
 async def read_body(request: web.Request, *, limit: int, timeout_s: float) -> bytes:
-    """The request's body, decompressed by its Content-Encoding: 408 if it takes longer than
-    `timeout_s` to arrive, 413 above `limit` bytes (compressed or not), 415 for an encoding other
-    than gzip or deflate, 400 if it does not decompress or ends early."""
+    """The request's body, decompressed by its Content-Encoding, within `timeout_s` and `limit` bytes
+    (compressed or not); how it fails is the module's docstring."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ENCODINGS and encoding not in ("identity", ""):
         raise error(
@@ -72,7 +71,7 @@ async def read_body(request: web.Request, *, limit: int, timeout_s: float) -> by
         )
     try:
         raw = await asyncio.wait_for(request.read(), timeout=timeout_s)  # 413 above client_max_size
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise error(
             web.HTTPRequestTimeout,
             f"the body did not arrive within {timeout_s:g} s (orchestrator.body_timeout_s); send it faster or smaller",
@@ -119,13 +118,13 @@ async def parse_body(request: web.Request, model: type[M], context: dict[str, An
 
 # -- query parameters and the caller ------------------------------------------------------
 
-def query_int(request: web.Request, name: str, *, low: int = 0, high: int = MAX_VERSION) -> int:
+def query_int(request: web.Request, name: str, *, high: int) -> int:
     try:
         value = int(request.query[name])
     except (KeyError, ValueError):
-        raise error(web.HTTPBadRequest, f"query parameter {name} (an integer >= {low}) is required") from None
-    if not low <= value <= high:
-        raise error(web.HTTPBadRequest, f"query parameter {name} must be between {low} and {high}, got {value}")
+        raise error(web.HTTPBadRequest, f"query parameter {name} (an integer >= 0) is required") from None
+    if not 0 <= value <= high:
+        raise error(web.HTTPBadRequest, f"query parameter {name} must be between 0 and {high}, got {value}")
     return value
 
 

@@ -78,13 +78,12 @@ def workers_table(app: web.Application, history: History) -> list[dict[str, Any]
 async def dashboard(request: web.Request) -> web.Response:
     since = _since(request)
     app, history = request.app, request.app[HISTORY]
-    status = run_status(app)
     tokenizer = app[STATE].tokenizer
     # JSON has no NaN
     points = [{k: v if math.isfinite(v) else None for k, v in p.items()} for p in history.points if p["t"] > since]
     return web.json_response({
         "now": history.clock(),
-        "status": status.model_dump(exclude={"workers"}),
+        "status": run_status(app).model_dump(exclude={"workers"}),
         "points": points,
         "steps": [step for step in history.steps if step["t"] > since],
         "versions": [

@@ -112,7 +112,7 @@ async def leases(request: web.Request) -> web.Response:
             timeout = min(remaining, LEASE_RECHECK_S)  # leases expire unannounced
             if (hedge := state.hedge_due_in(holder)) is not None:
                 timeout = min(timeout, hedge + 0.001)
-            with contextlib.suppress(asyncio.TimeoutError):
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(freed.wait(), timeout=timeout)
     await commit(request.app)
     return respond(
@@ -180,12 +180,8 @@ async def rollouts(request: web.Request) -> web.Response:
         first = body.rollouts[0]
         if any(r.worker_id != first.worker_id for r in body.rollouts):
             raise error(web.HTTPBadRequest, "all rollouts of one request must carry the same worker_id")
-        if any(r.run_name != state.config.run_name for r in body.rollouts):
-            raise error(
-                web.HTTPConflict,
-                f"this orchestrator serves run {state.config.run_name!r}; rollouts name run "
-                f"{next(r.run_name for r in body.rollouts if r.run_name != state.config.run_name)!r}",
-            )
+        if (other := next((r.run_name for r in body.rollouts if r.run_name != state.config.run_name), None)) is not None:
+            raise error(web.HTTPConflict, f"this orchestrator serves run {state.config.run_name!r}; rollouts name run {other!r}")
         ready_before, leases_before = len(state.ready), state.leases_changed
         result = state.ingest(body.rollouts, holder_of(request, first.worker_id))
         await commit(app)
@@ -225,7 +221,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
             # The trainer waits: if for a pending group (take_batch may also have evicted stale
             # groups ahead of one), its check is due now.
             wake_checks(request.app)
-            with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ready.wait(), timeout=min(remaining, 1.0))
     await commit(request.app)
     await notify_all(request.app[LEASES_FREED])  # the buffer has room again

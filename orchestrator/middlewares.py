@@ -34,10 +34,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def _template(request: web.Request) -> str | None:
     """The matched route's template; None when nothing matched (404/405)."""
     info = request.match_info
-    if info.http_exception is not None:
-        return None
-    resource = info.route.resource
-    return resource.canonical if resource is not None else request.path
+    return None if info.http_exception is not None else info.route.resource.canonical  # type: ignore[union-attr]
 
 
 def _as_json(request: web.Request, exc: web.HTTPException) -> web.Response:

@@ -45,7 +45,7 @@ async def score_leases(request: web.Request) -> web.Response:
                 remaining = deadline - loop.time()
                 if remaining <= 0 or request.app[STOPPING].is_set():
                     break
-                with contextlib.suppress(asyncio.TimeoutError):  # every 0.5 s at least: leases expire unannounced
+                with contextlib.suppress(TimeoutError):  # every 0.5 s at least: leases expire unannounced
                     await asyncio.wait_for(waiting.wait(), timeout=min(remaining, 0.5))
         finally:
             if not body.ahead:

@@ -67,7 +67,7 @@ async def _check_when_due(app: web.Application, executor: concurrent.futures.Exe
         queued = sum(len(job.rollouts) for job in state.verify_queue)
         waited = now - waiting_since
         if not state.checks_due() and queued < options.check_batch_rollouts and waited < options.check_wait_s:
-            with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before Python 3.11
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wanted.wait(), timeout=options.check_wait_s - waited)
             continue
         jobs = state.take_checks(options.check_batch_rollouts)
