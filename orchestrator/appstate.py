@@ -12,6 +12,7 @@ the verification scheduler (CHECKS_WANTED).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,6 +101,17 @@ async def commit(app: web.Application) -> None:
 async def notify_all(condition: asyncio.Condition) -> None:
     async with condition:
         condition.notify_all()
+
+
+async def wait_awhile(app: web.Application, condition: asyncio.Condition, deadline: float, most_s: float) -> bool:
+    """One wait of a long-poll that holds `condition`: until notified, `most_s` or `deadline` (loop
+    time). False at once when the deadline has passed or the app is stopping: the long-poll answers."""
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0 or app[STOPPING].is_set():
+        return False
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(condition.wait(), timeout=min(remaining, most_s))
+    return True
 
 
 async def stop_waiting(app: web.Application) -> None:

@@ -10,7 +10,6 @@ wakes whoever may now proceed (orchestrator/appstate.py, "Wake-ups").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 from collections.abc import Callable
@@ -44,13 +43,13 @@ from orchestrator.appstate import (
     OPENAPI,
     SCORES_WAITING,
     STATE,
-    STOPPING,
     STORE,
     STORE_URL,
     TOKENS,
     commit,
     notify_all,
     run_status,
+    wait_awhile,
     wake_checks,
 )
 from orchestrator.auth import IDENTITY
@@ -102,18 +101,13 @@ async def leases(request: web.Request) -> web.Response:
     # in a hedged deterministic run, at most until a lagging place falls due for a copy, or
     # until one of the worker's copies loses (told at once, so that it stops generating it).
     freed, policy = request.app[LEASES_FREED], state.lease_policy
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
+    deadline = asyncio.get_running_loop().time() + wait_s
     async with freed:
         while not (granted := state.grant_leases(holder, body.max_groups)) and holder not in policy.untold:
-            remaining = deadline - loop.time()
-            if remaining <= 0 or request.app[STOPPING].is_set():
+            hedge = state.hedge_due_in(holder)
+            most_s = LEASE_RECHECK_S if hedge is None else min(LEASE_RECHECK_S, hedge + 0.001)
+            if not await wait_awhile(request.app, freed, deadline, most_s):
                 break
-            timeout = min(remaining, LEASE_RECHECK_S)  # leases expire unannounced
-            if (hedge := state.hedge_due_in(holder)) is not None:
-                timeout = min(timeout, hedge + 0.001)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(freed.wait(), timeout=timeout)
     await commit(request.app)
     return respond(
         request,
@@ -211,18 +205,14 @@ async def batch(request: web.Request) -> web.StreamResponse:
         raise error(web.HTTPBadRequest, f"query parameter request_id must match {REQUEST_ID.pattern}")
     state = request.app[STATE]
     ready = request.app[BATCH_READY]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + state.config.orchestrator.batch_wait_s
+    deadline = asyncio.get_running_loop().time() + state.config.orchestrator.batch_wait_s
     async with ready:
         while (served := state.take_batch(trainer_version, request_id)) is None:
-            remaining = deadline - loop.time()
-            if remaining <= 0 or request.app[STOPPING].is_set():
-                return web.Response(status=204)
             # The trainer waits: if for a pending group (take_batch may also have evicted stale
             # groups ahead of one), its check is due now.
             wake_checks(request.app)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ready.wait(), timeout=min(remaining, 1.0))
+            if not await wait_awhile(request.app, ready, deadline, 1.0):
+                return web.Response(status=204)
     await commit(request.app)
     await notify_all(request.app[LEASES_FREED])  # the buffer has room again
     wake_checks(request.app)  # a pending group may now be in the next batch's way

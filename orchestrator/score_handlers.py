@@ -8,7 +8,6 @@ is workers/scorer.py; the protocol is docs/rewards.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from aiohttp import web
 
@@ -19,9 +18,9 @@ from orchestrator.appstate import (
     LEASES_FREED,
     SCORES_WAITING,
     STATE,
-    STOPPING,
     commit,
     notify_all,
+    wait_awhile,
     wake_checks,
 )
 from orchestrator.body import holder_of, parse_body, query_id, respond
@@ -35,18 +34,14 @@ async def score_leases(request: web.Request) -> web.Response:
     # Long-poll as workers' leases do: a scorer starts the moment a group completes. A request
     # asked ahead (its scorer is still busy) yields to scorers with nothing in hand.
     waiting, idle = request.app[SCORES_WAITING], request.app[IDLE_SCORERS]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
+    deadline = asyncio.get_running_loop().time() + wait_s
     async with waiting:
         if not body.ahead:
             idle.count += 1
         try:
             while (entry := None if body.ahead and idle.count else state.lease_scores(holder, body.max_items)) is None:
-                remaining = deadline - loop.time()
-                if remaining <= 0 or request.app[STOPPING].is_set():
+                if not await wait_awhile(request.app, waiting, deadline, 0.5):  # every 0.5 s at least: leases expire unannounced
                     break
-                with contextlib.suppress(TimeoutError):  # every 0.5 s at least: leases expire unannounced
-                    await asyncio.wait_for(waiting.wait(), timeout=min(remaining, 0.5))
         finally:
             if not body.ahead:
                 idle.count -= 1
