@@ -169,8 +169,7 @@ async def rollouts(request: web.Request) -> web.Response:
             retry_after=2,
         )
     with inflight.held(name):
-        bound = mask_bound(state.sampling, state.vocab_size)
-        body = await parse_body(request, RolloutBatch, context={MASK_IDS: bound})
+        body = await parse_body(request, RolloutBatch, context={MASK_IDS: mask_bound(state.sampling, state.vocab_size)})
         first = body.rollouts[0]
         if any(r.worker_id != first.worker_id for r in body.rollouts):
             raise error(web.HTTPBadRequest, "all rollouts of one request must carry the same worker_id")
@@ -228,9 +227,8 @@ async def batch(request: web.Request) -> web.StreamResponse:
 
 async def version(request: web.Request) -> web.Response:
     body = await parse_body(request, VersionAnnouncement)
-    state = request.app[STATE]
     await check_in_store(request.app, body.version)
-    state.announce(body.version)
+    request.app[STATE].announce(body.version)
     await commit(request.app)
     request.app[HISTORY].announced(body.version)
     await notify_all(request.app[LEASES_FREED])  # the staleness budget grows by a step's groups

@@ -105,8 +105,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if identity.role not in allowed:
             raise error(web.HTTPForbidden, f"role {identity.role!r} may not call {request.path}; needs {allowed}")
         limiter = request.app[LIMITER]
-        wait = limiter.check(identity.name)
-        if wait > 0:
+        if (wait := limiter.check(identity.name)) > 0:
             request.app[METRICS].rate_limited.labels(identity.name).inc()
             raise error(
                 web.HTTPTooManyRequests,
