@@ -1,25 +1,18 @@
-"""RunState: the one owner of the orchestrator's run. It holds the run's state, drives the
-stages, and applies what they decide.
-
-Plain synchronous code with no HTTP in it, called from the event loop (one thread, no locks) by
-the handlers, the verification scheduler, metrics and benchmarks; what they read under the
-parts' names, and the /v1/status answer, is its base RunView (orchestrator/view.py). Its parts
-hold none of the others, except the lease book (it holds the lease policy, its one seam);
-docs/architecture.md lists them. The pipeline of one POST /v1/rollouts is `ingest`, its stages
-numbered in order; every group that leaves the buffer without training goes through `_drop`,
-every pending group through `_release`.
+"""RunState: the one owner of the orchestrator's run: it holds the run's state, drives the stages
+and applies what they decide. Plain synchronous code without HTTP, called from the event loop (one
+thread, no locks) by the handlers, the verification scheduler, metrics and benchmarks; its base
+RunView (view.py) reads it under the parts' names. Its parts (docs/architecture.md) hold none of the
+others, except the lease book (the lease policy, its one seam). `ingest` is the pipeline of one POST
+/v1/rollouts; a group leaves the buffer untrained only through `_drop`, a pending one through `_release`.
 
 Invariants:
-- a rollout is scored with the task's verifier and/or by scorers (rewards.py, score_queue.py), never
-  with the worker's claimed reward; a group waiting for scores counts toward the staleness budget
-  and is dropped (`stale_waiting_scores`) if it goes stale waiting;
-- a group is served to the trainer at most once, and only if every sample is fresh for the
-  trainer's version: groups that can no longer train are evicted when the version moves on;
-- a deterministic run's batch s is taken from exactly the groups at places s*places_per_step
-  onwards of the consumption order (places_per_step = groups_per_step unless dynamic sampling
-  consumes more, `pick_signal`), in that order, whatever order they completed in;
-- no more groups are leased than can be consumed without going stale (`lease_budget`), nor
-  than the buffer bound allows (`orchestrator.max_buffer_groups`, ready groups + open leases);
+- rewards come from the task's verifier and/or scorers, never the worker's claim; a group waiting
+  for scores counts toward the staleness budget and is dropped (`stale_waiting_scores`) if it goes stale;
+- a group is served at most once, and only if every sample is fresh for the trainer's version;
+- a deterministic run's batch s is the groups at places s*places_per_step onwards of the
+  consumption order (`pick_signal` with dynamic sampling), in that order, whatever order they completed in;
+- no more groups are leased than can train before going stale (`lease_budget`), nor than
+  `orchestrator.max_buffer_groups` allows (ready groups + open leases);
 - every lease closes through `LeaseBook.close` (journaled; drops counted; content forgotten).
 """
 
@@ -160,10 +153,10 @@ class RunState(RunView):
 
         self.new_bans: list[str] = []  # banned, their leftovers dropped, not yet revoked (`_apply_bans`)
 
-        self.journal.set_meta_source(
-            lambda: meta_row(versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer)
+        self.journal.meta_source = lambda: meta_row(
+            versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer
         )
-        self.journal.set_integrity_source(self.integrity.journal_changes)
+        self.journal.integrity_source = self.integrity.journal_changes
         snapshot = self.journal.load()
         if snapshot.meta:
             self.reward_stage.recovered(snapshot.scores)
@@ -526,8 +519,9 @@ class RunState(RunView):
             self.lease_book.close(group.lease_id, "skipped", reason=reason, counted=group.size)
         self.counters.groups_skipped += len(skipped)
         self.counters.groups_served += len(groups)
+        batch_id = uuid.uuid4().hex
         batch = build_batch(
-            groups, trainer_version=self.versions.trainer, batch_id=uuid.uuid4().hex,
+            groups, trainer_version=self.versions.trainer, batch_id=batch_id,
             advantages=self.config.orchestrator.advantages,
             rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
             stale_report=self._stale_report(),
@@ -536,8 +530,7 @@ class RunState(RunView):
             self.counters.recent_rewards.extend(group.rewards)
             closed = self.lease_book.close(group.lease_id, "served")
             self.integrity.record(closed.holder).served += group.size
-        assert batch.batch_id is not None
-        self.kept.served_now(request_id or batch.batch_id, batch, groups)
+        self.kept.served_now(request_id or batch_id, batch, groups)
         return batch
 
     def _stale_report(self) -> StaleReport:
