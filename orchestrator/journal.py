@@ -153,7 +153,7 @@ class Journal:
         self.integrity_source: Callable[[], events.IntegrityChanges] | None = None
         self._meta_written: str | None = None  # the meta row as last handed to the writer
         self._cond = threading.Condition()
-        self._queue: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None] | None]] = []
+        self._queue: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None]]] = []
         self._inflight = 0  # commits handed to the writer and not yet resolved (loop thread only)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -293,7 +293,7 @@ class Journal:
                     self.failed = error = exc
             elapsed = time.perf_counter() - started
             assert self._loop is not None
-            futures = [future for _, future in work if future is not None]
+            futures = [future for _, future in work]
             try:
                 self._loop.call_soon_threadsafe(self._resolve, futures, error, elapsed, len(ops))
             except RuntimeError:  # the loop is closed: nobody is waiting any more
