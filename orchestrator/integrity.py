@@ -71,12 +71,10 @@ class WorkerRecord:
 
 
 class Integrity:
-    def __init__(
-        self, config: VerificationConfig, *, rng: random.Random | None = None, journaled: bool = False,
-    ) -> None:
+    def __init__(self, config: VerificationConfig, *, journaled: bool = False) -> None:
         """`journaled`: keep what changed for `journal_changes` (a durable journal asks for it)."""
         self.config = config
-        self.rng = rng or random.Random()
+        self.rng = random.Random()
         self.journaled = journaled
         self.workers: dict[str, WorkerRecord] = {}
         self._content: dict[bytes, tuple[str, int]] = {}  # content hash -> (lease id, claimed version)
