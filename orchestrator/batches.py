@@ -10,6 +10,7 @@ RunState takes the `places_per_step` groups at the front of the ready queue, pic
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,13 +32,10 @@ class ServedBatch:
     batch_id: str
     groups: list[Group]
     build: Callable[[], TrainBatch]
-    built: TrainBatch | None = None
 
-    @property
+    @functools.cached_property
     def batch(self) -> TrainBatch:
-        if self.built is None:
-            self.built = self.build()
-        return self.built
+        return self.build()
 
     @property
     def lease_ids(self) -> list[str]:
@@ -188,7 +186,7 @@ class KeptBatches:
                 "stale_report": batch.stale_report.model_dump() if batch.stale_report is not None else None,
             },
         ))
-        self.keep(request_id, ServedBatch(batch.batch_id, groups, lambda: batch, batch))
+        self.keep(request_id, ServedBatch(batch.batch_id, groups, lambda: batch))
         while len(self.served) > self.batches_kept:
             old_key, old = self.served.popitem(last=False)
             self.leases.difference_update(old.lease_ids)

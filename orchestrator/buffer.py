@@ -88,9 +88,7 @@ class Buffer:
     def to_pending(self, group: Group, *, check: VerifyJob | None = None, scores: bool = False) -> None:
         """The trainer sees the group only once its sampled logprobs check out (`check`) and its
         model scores are in (`scores`); it keeps its position in the ready queue meanwhile."""
-        if not group.seq:
-            self.ready_seq += 1
-            group.seq = self.ready_seq
+        self._place(group)
         group.awaiting = ({"check"} if check is not None else set()) | ({"scores"} if scores else set())
         self.pending[group.lease_id] = group
         if check is not None:
@@ -115,16 +113,19 @@ class Buffer:
     def pending_for(self, what: Wait) -> int:
         return sum(1 for group in self.pending.values() if what in group.awaiting)
 
-    def to_ready(self, group: Group) -> None:
+    def _place(self, group: Group) -> None:
+        """A free-running run's group takes the next position on completion (a deterministic run's has its place's)."""
         if not group.seq:
             self.ready_seq += 1
             group.seq = self.ready_seq
-            self.ready.append(group)
-        else:  # checked after it was pending, or a deterministic run's group: to its position in the ready queue
-            position = len(self.ready)
-            while position and self.ready[position - 1].seq > group.seq:
-                position -= 1
-            self.ready.insert(position, group)
+
+    def to_ready(self, group: Group) -> None:
+        """To its position in the ready queue: the end, unless it was pending or is a deterministic run's."""
+        self._place(group)
+        position = len(self.ready)
+        while position and self.ready[position - 1].seq > group.seq:
+            position -= 1
+        self.ready.insert(position, group)
         self.journal.record(GroupCompleted(group.lease_id, group.seq, group.rewards, group.oldest_version, self.clock()))
 
     def pending_ahead(self, count: int) -> bool:

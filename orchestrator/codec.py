@@ -1,9 +1,8 @@
-"""The orchestrator's hot path over the msgpack encoding (decentrl/api/encoding.py): arrays sent on as they came.
-
-A rollout's completion ids and logprobs keep the typed arrays a msgpack body carried them in
-(decentrl/api/encoding.py `pack_sample`); the journal (`encode_rollout`) and the trainer's batch
-answer (`train_batch_msgpack`) write those bytes as they are, which are exactly what `encode_model`
-produces, so the big lists are never walked again in Python. A JSON body's lists are packed there.
+"""The orchestrator's hot path over the msgpack encoding (decentrl/api/encoding.py): a rollout's
+completion ids and logprobs keep the typed arrays a msgpack body carried them in (`pack_sample`; a
+JSON body's lists are packed there), and the journal (`encode_rollout`) and the batch answer
+(`train_batch_msgpack`) write those bytes as they are, exactly what `encode_model` produces, so
+the big lists are never walked again in Python.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the run's parts hand to the journal: one event per durable change, and the two lookups
+"""What the run's parts hand to the journal: one event per durable change, and the one lookup
 they make of what was committed (a closed lease).
 
 RunState (orchestrator/state.py) gives each part the run's journal as a `Journaling`; a part
@@ -101,7 +101,5 @@ class Journaling(Protocol):
     """The journal as a part sees it (orchestrator/journal.py `Journal` or `NullJournal`)."""
 
     def record(self, event: Event) -> None: ...
-
-    def acknowledged(self, rollout_ids: list[str]) -> set[str]: ...
 
     def closed_lease(self, lease_id: str) -> ClosedLease | None: ...

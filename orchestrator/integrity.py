@@ -71,12 +71,10 @@ class WorkerRecord:
 
 
 class Integrity:
-    def __init__(
-        self, config: VerificationConfig, *, rng: random.Random | None = None, journaled: bool = False,
-    ) -> None:
+    def __init__(self, config: VerificationConfig, *, journaled: bool = False) -> None:
         """`journaled`: keep what changed for `journal_changes` (a durable journal asks for it)."""
         self.config = config
-        self.rng = rng or random.Random()
+        self.rng = random.Random()
         self.journaled = journaled
         self.workers: dict[str, WorkerRecord] = {}
         self._content: dict[bytes, tuple[str, int]] = {}  # content hash -> (lease id, claimed version)
@@ -190,11 +188,11 @@ class Integrity:
             if rollout.claimed_reward is not None and abs(rollout.claimed_reward - reward) > REWARD_MATCH:
                 self.record(holder).reward_mismatches += 1
 
-    def rejected(self, holder: str, reason: str, count: int = 1) -> None:
+    def rejected(self, holder: str, reason: str) -> None:
         record = self.record(holder)
-        record.rejections[reason] += count
+        record.rejections[reason] += 1
         if reason in STRIKE_REASONS and self.config.enabled:
-            record.strikes += count
+            record.strikes += 1
             if record.strikes >= self.config.max_strikes and not record.banned:
                 record.banned = True
                 self._banned_queue.append(token_of(holder))

@@ -146,11 +146,14 @@ class Journal:
                 "(or delete the file to start this run from scratch)"
             )
         self._pending: list[tuple[str, tuple[Any, ...]]] = []
-        self._meta_source: Callable[[], dict[str, Any]] | None = None
-        self._integrity_source: Callable[[], events.IntegrityChanges] | None = None
+        # Asked at every commit (RunState sets both): the meta row, written when it differs from the
+        # row last written, and the integrity changes since the last call, so no part has to
+        # remember that it changed a counter, and a strike or a ban is on disk before the answer.
+        self.meta_source: Callable[[], dict[str, Any]] | None = None
+        self.integrity_source: Callable[[], events.IntegrityChanges] | None = None
         self._meta_written: str | None = None  # the meta row as last handed to the writer
         self._cond = threading.Condition()
-        self._queue: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None] | None]] = []
+        self._queue: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None]]] = []
         self._inflight = 0  # commits handed to the writer and not yet resolved (loop thread only)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -178,16 +181,6 @@ class Journal:
         conn.execute("COMMIT")
 
     # -- recording (event loop thread) ---------------------------------------------------
-
-    def set_meta_source(self, source: Callable[[], dict[str, Any]]) -> None:
-        """`source()` gives the meta row. It is asked at every commit and written when it differs
-        from the row last written: no part has to remember that it changed a counter."""
-        self._meta_source = source
-
-    def set_integrity_source(self, source: Callable[[], events.IntegrityChanges]) -> None:
-        """`source()` hands over the integrity changes since its last call; asked at every commit,
-        so a strike, a ban or a kept hash is on disk before the answer that follows it."""
-        self._integrity_source = source
 
     def record(self, event: events.Event) -> None:
         """Queue `event`'s statements for the next commit, in the order the state changed."""
@@ -217,13 +210,13 @@ class Journal:
                 pending.append((SQL_SCORE, (rollout_id, lease_id, result)))
 
     def _take_pending(self) -> list[tuple[str, tuple[Any, ...]]]:
-        if self._integrity_source is not None:
-            changes = self._integrity_source()
+        if self.integrity_source is not None:
+            changes = self.integrity_source()
             self._pending.extend((SQL_FORGET_CONTENT, (lease_id,)) for lease_id in changes.forgotten)
             self._pending.extend((SQL_CONTENT, row) for row in changes.kept)
             self._pending.extend((SQL_WORKER, row) for row in changes.workers)
-        if self._meta_source is not None:
-            meta = json.dumps(self._meta_source())
+        if self.meta_source is not None:
+            meta = json.dumps(self.meta_source())
             if meta != self._meta_written:
                 self._pending.append((SQL_META, ("state", meta)))
                 self._meta_written = meta
@@ -300,7 +293,7 @@ class Journal:
                     self.failed = error = exc
             elapsed = time.perf_counter() - started
             assert self._loop is not None
-            futures = [future for _, future in work if future is not None]
+            futures = [future for _, future in work]
             try:
                 self._loop.call_soon_threadsafe(self._resolve, futures, error, elapsed, len(ops))
             except RuntimeError:  # the loop is closed: nobody is waiting any more
@@ -406,12 +399,8 @@ class NullJournal:
     path = "(no journal)"
     failed: BaseException | None = None
     on_commit: Callable[[float, int], None] | None = None
-
-    def set_meta_source(self, source: Callable[[], dict[str, Any]]) -> None:
-        pass
-
-    def set_integrity_source(self, source: Callable[[], events.IntegrityChanges]) -> None:
-        pass
+    meta_source: Callable[[], dict[str, Any]] | None = None
+    integrity_source: Callable[[], events.IntegrityChanges] | None = None
 
     def record(self, event: events.Event) -> None:
         pass

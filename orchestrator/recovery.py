@@ -107,6 +107,9 @@ def recover(
     counters.recoveries += 1
     lease_book.journaled = True
     lease_book.remembered = deque(snapshot.remembered)
+    def reader(lease: Lease) -> Callable[[], list[Rollout]]:
+        return lambda: _decoded(journal.samples(lease.lease_id), lease, run_name)
+
     ready: list[Group] = []
     for row in sorted(snapshot.leases, key=lambda r: (r["closed_at"] or 0.0, r["lease_id"])):
         lease = lease_of(row)
@@ -124,8 +127,7 @@ def recover(
         lease_book.closed[lease.lease_id] = ClosedLease(lease, row["holder"], status, row["closed_at"], len(rewards))
         lease_book.closed_order.append((row["closed_at"], lease.lease_id))
         if status == "complete":
-            read = functools.partial(_read_samples, journal, lease, run_name)
-            ready.append(Group(lease.lease_id, lease.prompt_id, rewards, row["oldest_version"], row["ready_seq"], read=read))
+            ready.append(Group(lease.lease_id, lease.prompt_id, rewards, row["oldest_version"], row["ready_seq"], read=reader(lease)))
             restore_steps(ready[-1])
     buffer.ready = deque(sorted(ready, key=lambda group: group.seq))
     for request_id, body in snapshot.batches:
@@ -137,8 +139,7 @@ def recover(
         for lease_id, rewards in zip(lease_ids, body["rewards"], strict=True):
             lease = lease_book.closed[lease_id].lease
             # A served group's oldest version is not asked again (nothing judges it stale): 0 stands in.
-            read = functools.partial(_read_samples, journal, lease, run_name)
-            groups.append(Group(lease_id, lease.prompt_id, rewards, 0, read=read))
+            groups.append(Group(lease_id, lease.prompt_id, rewards, 0, read=reader(lease)))
         build = functools.partial(
             _build_kept, groups, restore_steps, advantages=advantages, trainer_version=body["trainer_version"],
             batch_id=body["batch_id"], rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],
@@ -152,10 +153,6 @@ def _build_kept(groups: list[Group], restore_steps: Callable[[Group], None], **o
     for group in groups:
         restore_steps(group)
     return build_batch(groups, **options)
-
-
-def _read_samples(journal: RunJournal, lease: Lease, run_name: str) -> list[Rollout]:
-    return _decoded(journal.samples(lease.lease_id), lease, run_name)
 
 
 def _decoded(entries: Iterable[tuple[str, bytes | None]], lease: Lease, run_name: str) -> list[Rollout]:

@@ -1,25 +1,19 @@
-"""RunState: the one owner of the orchestrator's run. It holds the run's state, drives the
-stages, and applies what they decide.
-
-Plain synchronous code with no HTTP in it, called from the event loop (one thread, no locks) by
-the handlers, the verification scheduler, metrics and benchmarks; what they read under the
-parts' names, and the /v1/status answer, is its base RunView (orchestrator/view.py). Its parts
-hold none of the others, except the lease book (it holds the lease policy, its one seam);
-docs/architecture.md lists them. The pipeline of one POST /v1/rollouts is `ingest`, its stages
-numbered in order; every group that leaves the buffer without training goes through `_drop`,
-every pending group through `_release`.
+"""RunState: the one owner of the orchestrator's run: it holds the run's state, drives the stages
+and applies what they decide. Plain synchronous code without HTTP, called from the event loop (one
+thread, no locks) by the handlers, the verification scheduler, metrics and benchmarks, which read
+the parts under the names declared at its top; it builds the /v1/status answer. Its parts
+(docs/architecture.md) hold none of the others, except the lease book (the lease policy, its one
+seam). `ingest` is the pipeline of one POST /v1/rollouts; a group leaves the buffer untrained only
+through `_drop`, a pending one through `_release`.
 
 Invariants:
-- a rollout is scored with the task's verifier and/or by scorers (rewards.py, score_queue.py), never
-  with the worker's claimed reward; a group waiting for scores counts toward the staleness budget
-  and is dropped (`stale_waiting_scores`) if it goes stale waiting;
-- a group is served to the trainer at most once, and only if every sample is fresh for the
-  trainer's version: groups that can no longer train are evicted when the version moves on;
-- a deterministic run's batch s is taken from exactly the groups at places s*places_per_step
-  onwards of the consumption order (places_per_step = groups_per_step unless dynamic sampling
-  consumes more, `pick_signal`), in that order, whatever order they completed in;
-- no more groups are leased than can be consumed without going stale (`lease_budget`), nor
-  than the buffer bound allows (`orchestrator.max_buffer_groups`, ready groups + open leases);
+- rewards come from the task's verifier and/or scorers, never the worker's claim; a group waiting
+  for scores counts toward the staleness budget and is dropped (`stale_waiting_scores`) if it goes stale;
+- a group is served at most once, and only if every sample is fresh for the trainer's version;
+- a deterministic run's batch s is the groups at places s*places_per_step onwards of the
+  consumption order (`pick_signal` with dynamic sampling), in that order, whatever order they completed in;
+- no more groups are leased than can train before going stale (`lease_budget`), nor than
+  `orchestrator.max_buffer_groups` allows (ready groups + open leases);
 - every lease closes through `LeaseBook.close` (journaled; drops counted; content forgotten).
 """
 
@@ -29,9 +23,10 @@ import functools
 import logging
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
 from decentrl.api.wire import (
     IngestResponse,
@@ -44,6 +39,7 @@ from decentrl.api.wire import (
     ScorePost,
     ScoreRenewal,
     StaleReport,
+    StatusResponse,
     TrainBatch,
 )
 from decentrl.config import RunConfig
@@ -52,6 +48,7 @@ from decentrl.model.stopping import ends_generation
 from decentrl.rl.staleness import is_fresh
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask, tokenizer_codec
+from decentrl.tasks.guard import reward_failures
 from decentrl.tasks.prompts import make_prompt_encoder
 from orchestrator.batches import KeptBatches, build_batch, pick_signal
 from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
@@ -67,7 +64,6 @@ from orchestrator.reward_stage import ModelRewards, VerifierRewards
 from orchestrator.rewards import Rewards
 from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
 from orchestrator.tokenizer import make_decoder, make_encoder
-from orchestrator.view import RunView
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -83,7 +79,33 @@ log = logging.getLogger("decentrl.orchestrator.state")
 STALE_REASONS = frozenset({"stale_in_buffer", "stale_at_ingest", "stale_waiting_scores"})
 
 
-class RunState(RunView):
+def _alias(path: str, *, settable: bool = False) -> Any:
+    """A property reading `self.<path>`; `settable`: one that replaces the field whole."""
+    owner, name = path.rsplit(".", 1)
+
+    def replace(self: RunState, value: object) -> None:
+        setattr(attrgetter(owner)(self), name, value)
+
+    return property(attrgetter(path), replace if settable else None)
+
+
+class RunState:
+    # Parts' fields under the names handlers, metrics and tests use.
+    buffer_limit: int = _alias("config.orchestrator.max_buffer_groups")
+    sampling: SamplingParams = _alias("checks.sampling", settable=True)
+    published_version: int | None = _alias("versions.published")
+    trainer_version: int = _alias("versions.trainer")
+    leases: dict[str, OpenLease] = _alias("lease_book.open")
+    ready: deque[Group] = _alias("buffer.ready")
+    pending: dict[str, Group] = _alias("buffer.pending")
+    verify_queue: deque[VerifyJob] = _alias("buffer.verify_queue")
+    rollouts_accepted: int = _alias("counters.rollouts_accepted")
+    rejected: Counter[str] = _alias("counters.rejected")
+    dropped: Counter[str] = _alias("counters.dropped")
+    stale_dropped: int = _alias("counters.stale_dropped")
+    groups_served: int = _alias("counters.groups_served")
+    leases_expired: int = _alias("counters.leases_expired")
+
     def __init__(
         self,
         *,
@@ -160,10 +182,10 @@ class RunState(RunView):
 
         self.new_bans: list[str] = []  # banned, their leftovers dropped, not yet revoked (`_apply_bans`)
 
-        self.journal.set_meta_source(
-            lambda: meta_row(versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer)
+        self.journal.meta_source = lambda: meta_row(
+            versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer
         )
-        self.journal.set_integrity_source(self.integrity.journal_changes)
+        self.journal.integrity_source = self.integrity.journal_changes
         snapshot = self.journal.load()
         if snapshot.meta:
             self.reward_stage.recovered(snapshot.scores)
@@ -526,8 +548,9 @@ class RunState(RunView):
             self.lease_book.close(group.lease_id, "skipped", reason=reason, counted=group.size)
         self.counters.groups_skipped += len(skipped)
         self.counters.groups_served += len(groups)
+        batch_id = uuid.uuid4().hex
         batch = build_batch(
-            groups, trainer_version=self.versions.trainer, batch_id=uuid.uuid4().hex,
+            groups, trainer_version=self.versions.trainer, batch_id=batch_id,
             advantages=self.config.orchestrator.advantages,
             rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
             stale_report=self._stale_report(),
@@ -536,8 +559,7 @@ class RunState(RunView):
             self.counters.recent_rewards.extend(group.rewards)
             closed = self.lease_book.close(group.lease_id, "served")
             self.integrity.record(closed.holder).served += group.size
-        assert batch.batch_id is not None
-        self.kept.served_now(request_id or batch.batch_id, batch, groups)
+        self.kept.served_now(request_id or batch_id, batch, groups)
         return batch
 
     def _stale_report(self) -> StaleReport:
@@ -562,3 +584,40 @@ class RunState(RunView):
     def forget_closed(self, limit: int = 10_000) -> int:
         """Forget leases closed more than `dedupe_window_s` ago (and their rollout ids)."""
         return self.lease_book.forget_closed(in_batches=self.kept.leases, limit=limit)
+
+    # -- what handlers and metrics read ---------------------------------------------------------
+
+    def buffer_full(self) -> bool:
+        return len(self.buffer.ready) >= self.buffer_limit
+
+    def status(self) -> StatusResponse:
+        counters, rewards = self.counters, list(self.counters.recent_rewards)
+        return StatusResponse(
+            run_name=self.config.run_name,
+            policy_version=self.versions.published,
+            trainer_version=self.versions.trainer,
+            rollouts_accepted=counters.rollouts_accepted,
+            rollouts_rejected=dict(counters.rejected),
+            stale_dropped=counters.stale_dropped,
+            groups_ready=len(self.buffer.ready),
+            groups_served=counters.groups_served,
+            groups_skipped=counters.groups_skipped,
+            leases_active=len(self.lease_book.open),
+            leases_expired=counters.leases_expired,
+            hedged_leases=counters.hedged_leases,
+            hedge_duplicates=counters.hedge_duplicates,
+            hedge_mismatches=counters.hedge_mismatches,
+            hedge_copies_told=counters.hedge_copies_told,
+            reward_mean_recent=sum(rewards) / len(rewards) if rewards else None,
+            uptime_s=self.clock() - self.started_at,
+            rollouts_duplicate=counters.duplicates,
+            dropped=dict(counters.dropped),
+            buffer_limit=self.buffer_limit,
+            journal=self.journal.durable,
+            recoveries=counters.recoveries,
+            groups_verifying=self.buffer.pending_for("check"),
+            groups_scoring=self.buffer.pending_for("scores"),
+            scoring=self.score_queue.summary() if self.config.orchestrator.rewards.uses_model else None,
+            workers=self.integrity.summary(),
+            reward_failures=reward_failures(self.task),
+        )
