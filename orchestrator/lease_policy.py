@@ -107,7 +107,9 @@ class FreeRunning:
         self.untold: dict[str, dict[str, None]] = {}  # never told anything
 
     def next(self) -> tuple[int, None, None]:
-        return self.prompts.next_id(), None, None
+        queue = self.prompts
+        prompt_id = queue.requeued.popleft() if queue.requeued else queue.prompt_at(queue.next_index())
+        return prompt_id, None, None
 
     def leased(self, open_leases: int) -> int:
         return open_leases
@@ -116,8 +118,10 @@ class FreeRunning:
         pass
 
     def closed(self, closed: ClosedLease, requeue: Requeue | None) -> None:
-        if requeue is not None:
-            self.prompts.requeue(closed.lease.prompt_id, requeue)
+        if requeue == "front":
+            self.prompts.requeued.appendleft(closed.lease.prompt_id)
+        elif requeue == "back":
+            self.prompts.requeued.append(closed.lease.prompt_id)
 
     def forgotten(self, closed: ClosedLease) -> None:
         pass

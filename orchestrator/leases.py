@@ -55,8 +55,9 @@ class OpenLease:
 
 
 class PromptQueue:
-    """The order prompts are leased in (a seeded shuffle of the task's pool, cycled; `requeued`
-    first) and each prompt's token ids. In a deterministic run `requeued` holds places."""
+    """The order prompts are leased in (a seeded shuffle of the task's pool, cycled; the lease
+    policy takes `requeued` first) and each prompt's token ids. In a deterministic run `requeued`
+    holds places."""
 
     def __init__(self, *, task: Task | EpisodeTask, render: PromptEncoder, seed: int) -> None:
         self.order = list(range(task.num_prompts))
@@ -67,21 +68,12 @@ class PromptQueue:
             lambda prompt_id: render(task.prompt(prompt_id))
         )
 
-    def next_id(self) -> int:
-        return self.requeued.popleft() if self.requeued else self.prompt_at(self.next_index())
-
     def next_index(self) -> int:
         self.cursor += 1
         return self.cursor - 1
 
     def prompt_at(self, index: int) -> int:
         return self.order[index % len(self.order)]
-
-    def requeue(self, prompt_id: int, where: Requeue) -> None:
-        if where == "front":
-            self.requeued.appendleft(prompt_id)
-        else:
-            self.requeued.append(prompt_id)
 
 
 class LeasePolicy(Protocol):

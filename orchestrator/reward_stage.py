@@ -62,19 +62,14 @@ class ModelRewards:
 
     def restore_steps(self, group: Group) -> None:
         """A group recovered in line or in a kept batch: its steps split again, its step scores
-        and a teacher's log-probs from the journal (nothing is read in a run without either)."""
-        if self.rewards.steps_config is None and not self.rewards.token_ids:
-            return
-        rollouts = group.rollouts
-        results = [self.taken.get(rollout.rollout_id) for rollout in rollouts]
+        and a teacher's log-probs from the journal (nothing is set in a run without either)."""
+        results = [self.taken.get(rollout.rollout_id) for rollout in group.rollouts]
         if self.rewards.token_ids:
             group.teacher_logprobs = [result.token_logprobs if result is not None else None for result in results]
-        if self.rewards.steps_config is None:
-            return
-        steps = self.rewards.steps(rollouts)
-        assert steps is not None
-        group.step_ends = [s.ends for s in steps]
-        group.step_scores = [result.step_scores if result is not None else None for result in results]
+        steps = self.rewards.steps(group.rollouts)
+        if steps is not None:
+            group.step_ends = [s.ends for s in steps]
+            group.step_scores = [result.step_scores if result is not None else None for result in results]
 
     def recovered(self, scores: dict[str, str]) -> None:
         """The scores the journal holds (rollout id -> ScoreResult as JSON), read at a restart."""

@@ -69,16 +69,11 @@ SELF_CHECK_SEQUENCES = 512  # random sequences (1-64 tokens) compared with the t
 
 
 def _byte_level_chars() -> dict[str, int]:
-    """GPT-2's reversible byte -> printable character map, inverted (character -> byte)."""
+    """GPT-2's reversible byte -> printable character map, inverted (character -> byte): a printable
+    byte stands for itself, each other byte for 256, 257, ... in byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+    others = [byte for byte in range(256) if byte not in printable]
+    return {chr(byte): byte for byte in printable} | {chr(256 + i): byte for i, byte in enumerate(others)}
 
 
 def _piece_bytes(decoder_kind: str, piece: str, byte_of: dict[str, int]) -> bytes:
@@ -111,19 +106,16 @@ def piece_table(backend: Any) -> list[bytes] | None:
         # Skipped (special) tokens decode to nothing on their own, and so in any sequence.
         table.append(b"" if piece is None or text == "" else _piece_bytes(kind, piece, byte_of))
     rng = random.Random(0)
-    sequences = [[rng.randrange(size) for _ in range(rng.randrange(1, 65))] for _ in range(SELF_CHECK_SEQUENCES)]
-    expected = singles + backend.decode_batch(sequences, skip_special_tokens=True)
-    for ids, text in zip([[i] for i in range(size)] + sequences, expected, strict=True):
-        if join_pieces(table, ids) != text:
+    sequences = [[i] for i in range(size)]
+    sequences += [[rng.randrange(size) for _ in range(rng.randrange(1, 65))] for _ in range(SELF_CHECK_SEQUENCES)]
+    expected = singles + backend.decode_batch(sequences[size:], skip_special_tokens=True)
+    for ids, joined, text in zip(sequences, table_decoder(table)(sequences), expected, strict=True):
+        if joined != text:
             log.info("tokenizer decode is not a plain join of its tokens (ids %s); scoring uses the tokenizer", ids[:8])
             return None
     return table
 
 
-def join_pieces(table: list[bytes], ids: list[int]) -> str:
-    return b"".join(map(table.__getitem__, ids)).decode("utf-8", "replace")
-
-
-def table_decoder(table: list[bytes]) -> Callable[[list[list[int]]], list[str]]:
+def table_decoder(table: list[bytes]) -> Decoder:
     """Batch decode through `table` (ids must be in range: ingest rejects the others first)."""
-    return lambda sequences: [join_pieces(table, ids) for ids in sequences]
+    return lambda sequences: [b"".join(map(table.__getitem__, ids)).decode("utf-8", "replace") for ids in sequences]

@@ -200,10 +200,8 @@ class Verifier:
 
         model = self._model(version)
         config = self.config
-        if next(model.parameters()).dtype in (torch.bfloat16, torch.float16):
-            self.tolerances = (config.half_tolerance, config.half_mean_tolerance)
-        else:
-            self.tolerances = (config.tolerance, config.tolerance)
+        half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        self.tolerances = (config.half_tolerance, config.half_mean_tolerance) if half else (config.tolerance, config.tolerance)
         started, cpu_started = time.perf_counter(), time.thread_time()
         sequences = [r.prompt_token_ids + r.completion_token_ids for r in rollouts]
         width = max(len(s) for s in sequences)
