@@ -171,13 +171,8 @@ class Batcher:
         try:
             for call in batches(taken, self.max_rows, self.fixed_rows):
                 budget = call.sampling.model_copy(update={"max_tokens": call.left})
-                seeds = call.seeds()
-                stop = should_stop or self.pause_due
-                completions = (
-                    backend.generate(call.prompts(), budget, stop)
-                    if None in seeds
-                    else backend.generate(call.prompts(), budget, stop, seeds=seeds)  # type: ignore[call-arg]
-                )
+                seeded = {} if None in (seeds := call.seeds()) else {"seeds": seeds}  # only the hf backend takes seeds
+                completions = backend.generate(call.prompts(), budget, should_stop or self.pause_due, **seeded)
                 for sample, completion in zip(call.rows, completions[: len(call.rows)], strict=True):
                     sample.extend_routes(completion.routes)
                     sample.extend(

@@ -132,5 +132,5 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def pass_at_k_table(rewards: list[float], samples: int) -> dict[str, float]:
     """pass@k averaged over prompts for k = 1, 2, 4, ... up to the samples per prompt."""
     solved = [sum(r == 1.0 for r in rewards[i : i + samples]) for i in range(0, len(rewards), samples)]
-    ks = sorted({2**i for i in range(samples.bit_length()) if 2**i <= samples} | {samples})
+    ks = sorted({2**i for i in range(samples.bit_length())} | {samples})
     return {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in solved) / len(solved) for k in ks}

@@ -168,16 +168,13 @@ def verdict_problem(item: ScoreItem, verdict: Verdict, low: float, high: float) 
     if item.completion_token_ids is not None:
         logprobs = verdict.token_logprobs
         if logprobs is None or len(logprobs) != len(item.completion_token_ids):
-            got = "none" if logprobs is None else len(logprobs)
-            return f"{len(item.completion_token_ids)} completion tokens but {got} token log-probs"
+            return f"{len(item.completion_token_ids)} completion tokens but {'none' if logprobs is None else len(logprobs)} token log-probs"
         if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v <= 0 for v in logprobs):
             return "a token log-prob is not a finite number <= 0"
-    wanted = item.steps is not None
-    if wanted and (verdict.step_scores is None or len(verdict.step_scores) != len(item.steps or ())):
-        got = "none" if verdict.step_scores is None else len(verdict.step_scores)
-        return f"{len(item.steps or ())} steps but {got} step scores"
-    values = [verdict.score, *(verdict.step_scores or ())] if wanted else [verdict.score]
-    for value in values:
+    steps = verdict.step_scores if item.steps is not None else []
+    if steps is None or len(steps) != len(item.steps or ()):
+        return f"{len(item.steps or ())} steps but {'none' if steps is None else len(steps)} step scores"
+    for value in [verdict.score, *steps]:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return f"a score is not a number ({value!r})"
         if not (math.isfinite(value) and low <= value <= high):

@@ -61,9 +61,7 @@ def extended(before: Completion, chunk: Completion, sampling: SamplingParams, te
     saw only the chunk), "length" at the budget, else "interrupted" (more to generate). The
     sampling mask is kept where both have one."""
     ids, lps = before.token_ids + chunk.token_ids, before.logprobs + chunk.logprobs
-    mask = None
-    if before.sampling_mask is not None and chunk.sampling_mask is not None:
-        mask = before.sampling_mask + chunk.sampling_mask
+    mask = None if before.sampling_mask is None or chunk.sampling_mask is None else before.sampling_mask + chunk.sampling_mask
     cut = stop_cut(text, ids, sampling.stop, start=len(before.token_ids))
     if cut is not None:
         return Completion(ids[:cut], lps[:cut], "stop", None if mask is None else mask[:cut])

@@ -89,9 +89,7 @@ class HFBackend:
         assert self.model is not None, "load() a version before generate()"
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt")
-        generators = None
-        if seeds is not None:  # manual_seed returns the generator it seeds
-            generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
+        generators = None if seeds is None else [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
         # The noise hooks first: the recorder records the routes the (noisy) model really ran.
         with noisy_routers(self.model, self.router_noise, self.generator), RouteRecorder(self.model) as recorder:
             return self._decode(prompts, sampling, should_stop, recorder, generators)

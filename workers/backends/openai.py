@@ -78,12 +78,10 @@ class OpenAIBackend:
         choice = self._post("/v1/completions", body)["choices"][0]
         logprobs = choice["logprobs"]
         token_ids = [int(token.removeprefix("token_id:")) for token in logprobs["tokens"]]
-        mask = None
-        if masked:
-            mask = [
-                sorted(int(t.removeprefix("token_id:")) for t, lp in top.items() if lp > float("-inf"))
-                for top in logprobs["top_logprobs"]
-            ]
+        mask = [
+            sorted(int(t.removeprefix("token_id:")) for t, lp in top.items() if lp > float("-inf"))
+            for top in logprobs["top_logprobs"]
+        ] if masked else None
         finish = "stop" if choice["finish_reason"] == "stop" else "length"
         return Completion(token_ids, [float(lp) for lp in logprobs["token_logprobs"]], finish, mask)
 

@@ -7,15 +7,11 @@ again), and only under the run's tokenizer (`vocabulary_problem`, checked at sta
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config import TeacherScorerConfig
 from decentrl.model.tokenizer import vocab_digest
 from workers.scorers.base import BackendConfigError, Verdict, distilled, take_device
-
-if TYPE_CHECKING:
-    import torch
 
 
 def vocabulary_problem(path: str, *, teacher_vocab: int, teacher_rows: int, teacher_digest: str, run: RunInfo) -> str | None:
@@ -101,12 +97,7 @@ class TeacherBackend:
             prompt, completion = len(item.prompt_token_ids or ()), item.completion_token_ids or []
             # Completion token t sits at position prompt + t and is predicted by the logits before it.
             predicting = logits[row, prompt - 1 : prompt + len(completion) - 1].float() / self.config.temperature  # (C, V)
-            chosen = _gathered(predicting.log_softmax(-1), completion)
+            targets = torch.tensor(completion, device=predicting.device).unsqueeze(-1)  # (C, 1)
+            chosen = predicting.log_softmax(-1).gather(-1, targets).squeeze(-1)  # (C,)
             result.append([min(value, 0.0) for value in chosen.tolist()])  # rounding never makes a log-prob > 0
         return result
-
-
-def _gathered(logprobs: torch.Tensor, ids: list[int]) -> torch.Tensor:
-    import torch
-
-    return logprobs.gather(-1, torch.tensor(ids, device=logprobs.device).unsqueeze(-1)).squeeze(-1)  # (C,)
