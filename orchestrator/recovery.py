@@ -107,6 +107,7 @@ def recover(
     counters.recoveries += 1
     lease_book.journaled = True
     lease_book.remembered = deque(snapshot.remembered)
+
     def reader(lease: Lease) -> Callable[[], list[Rollout]]:
         return lambda: _decoded(journal.samples(lease.lease_id), lease, run_name)
 
