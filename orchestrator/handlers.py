@@ -169,7 +169,8 @@ async def rollouts(request: web.Request) -> web.Response:
             retry_after=2,
         )
     with inflight.held(name):
-        body = await parse_body(request, RolloutBatch, context={MASK_IDS: mask_bound(state.sampling, state.vocab_size)})
+        bound = mask_bound(state.sampling, state.vocab_size)
+        body = await parse_body(request, RolloutBatch, context={MASK_IDS: bound})
         first = body.rollouts[0]
         if any(r.worker_id != first.worker_id for r in body.rollouts):
             raise error(web.HTTPBadRequest, "all rollouts of one request must carry the same worker_id")
