@@ -62,7 +62,10 @@ class ModelRewards:
 
     def restore_steps(self, group: Group) -> None:
         """A group recovered in line or in a kept batch: its steps split again, its step scores
-        and a teacher's log-probs from the journal (nothing is set in a run without either)."""
+        and a teacher's log-probs from the journal. In a run without either nothing is read: a
+        recovered group's samples stay in the journal until it is served."""
+        if self.rewards.steps_config is None and not self.rewards.token_ids:
+            return
         results = [self.taken.get(rollout.rollout_id) for rollout in group.rollouts]
         if self.rewards.token_ids:
             group.teacher_logprobs = [result.token_logprobs if result is not None else None for result in results]

@@ -469,6 +469,7 @@ def test_a_restart_loses_no_score_and_no_waiting_sample(
     assert group.lease_id == lease.lease_id and sorted(r for _, r in group.samples) == [0.25, 0.75, 0.75]
     again.journal.close()
     third = make_state(path)
+    assert third.ready[0].held is None  # without step scores or teacher log-probs no sample is read at recovery
     assert sorted(r for _, r in third.ready[0].samples) == [0.25, 0.75, 0.75]
     third.journal.close()
 
