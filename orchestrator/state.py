@@ -58,7 +58,7 @@ from orchestrator.events import RolloutAccepted
 from orchestrator.integrity import Integrity, content_hash, token_of
 from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.lease_policy import Deterministic, FreeRunning
-from orchestrator.leases import ClosedLease, LeaseBook, LeaseError, OpenLease, PromptQueue, Requeue
+from orchestrator.leases import ClosedLease, LeaseBook, OpenLease, PromptQueue, Requeue
 from orchestrator.recovery import meta_row, recover
 from orchestrator.reward_stage import ModelRewards, VerifierRewards
 from orchestrator.rewards import Rewards
@@ -70,8 +70,8 @@ if TYPE_CHECKING:
 
     from decentrl.model.tokenizer import RustTokenizer
 
-# Re-exported: orchestrator/handlers.py answers lease errors, orchestrator/verification.py runs jobs.
-__all__ = ["LeaseError", "RunState", "VerifyJob"]
+# Re-exported: orchestrator/verification.py runs the jobs.
+__all__ = ["RunState", "VerifyJob"]
 
 log = logging.getLogger("decentrl.orchestrator.state")
 
