@@ -15,6 +15,9 @@ Sections, each in its own process (its own CUDA context, so peak memory is its o
   e2e      `decentrl run configs/gpu1.toml` (trainer rank and hf worker sharing GPU 0) for a fixed
            number of steps: trainer busy fraction, seconds per step, publish / pull / swap seconds
            per version, peak GPU memory per role (nvidia-smi, sampled twice a second)
+  compile  the trainer's step with `[trainer] compile` (compiled blocks and loss) against the same
+           step eager, both shapes: the first step (the compilation), then its steps warm. Last,
+           with what is left of the 8 minutes: its figures are worth less than the others'
 
 MFU counts 6 x (parameters in matmuls, the output projection included, the input embedding not)
 + 6 x layers x heads x head_dim x sequence length (causal attention) FLOPs per token against the
@@ -49,9 +52,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SECTIONS = ("tests", "trainer", "worker", "e2e")
-# Seconds each section may take before it is stopped (its result then says so): 8 minutes in all.
-BUDGET_S = {"tests": 70, "trainer": 120, "worker": 120, "e2e": 160}
+SECTIONS = ("tests", "trainer", "worker", "e2e", "compile")
+# Seconds each section may take before it is stopped (its result then says so, with what it had
+# printed): 8 minutes in all; `compile` gets what the others left of them, at most its own.
+TOTAL_S = 480
+BUDGET_S = {"tests": 70, "trainer": 120, "worker": 120, "e2e": 160, "compile": 200}
 # Dense bf16 matmul peaks (TFLOP/s) by the card's name, for MFU.
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
 REDUCED = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -149,7 +154,7 @@ def bare_step(model, optimizer, samples, budget: int, device, autocast: bool) ->
         p = len(rows[0].prompt_token_ids)
         advantages = torch.tensor([s.advantage for s in rows], device=device)[:, None]  # (B, 1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=ids, logits_to_keep=ids.shape[1] - p + 1).logits[:, :-1].float()  # (B, C, V)
+            logits = model(input_ids=ids, logits_to_keep=ids.shape[1] - p + 1, use_cache=False).logits[:, :-1].float()  # (B, C, V)
         logprobs = logits.log_softmax(-1).gather(-1, ids[:, p:, None]).squeeze(-1)  # (B, C)
         loss = -(advantages * logprobs).sum() / total
         loss.backward()
@@ -160,18 +165,20 @@ def bare_step(model, optimizer, samples, budget: int, device, autocast: bool) ->
 
 def decentrl_step(config, trainer, batch, device, one_unit: bool = False):  # noqa: ANN001, ANN201 - a transformers config; returns the step
     """A fresh FSDP2 model of `config` (seed 0) with the trainer's optimizer, and one full step over
-    `batch` as the training loop runs it (`training_step`). The model lives as long as the returned
-    function. `one_unit`: the whole model one FSDP2 unit instead of one a block."""
+    `batch` as the training loop runs it (`training_step`), its blocks compiled first where
+    `trainer.compile` (as `load_policy` does). The model lives as long as the returned function.
+    `one_unit`: the whole model one FSDP2 unit instead of one a block."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from decentrl.trainer.distributed import shard_model
+    from decentrl.trainer.step import compile_blocks
 
     torch.manual_seed(0)
-    model = shard_model(
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train(), mixed_precision=trainer.mixed_precision,
-        one_unit=one_unit,
-    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
+    if trainer.compile:
+        compile_blocks(model)
+    model = shard_model(model, mixed_precision=trainer.mixed_precision, one_unit=one_unit)
     return training_step(model, trainer, batch, device)
 
 
@@ -234,38 +241,49 @@ def timed_with_peak(step, warmup: int, steps: int, cuda: bool) -> tuple[list[flo
     return times, (torch.cuda.max_memory_allocated() if cuda else None)
 
 
-def run_trainer(reduced: bool) -> dict[str, object]:
-    import torch
-
+def trainer_cases(reduced: bool, cuda: bool):  # noqa: ANN201 - yields (key, transformers config, TrainerConfig, batch)
+    """The two model shapes the trainer sections time, each with its trainer settings and batch."""
     from decentrl.config import TrainerConfig
     from decentrl.model.chat_model import shape_config
-    from decentrl.trainer.distributed import init_distributed
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    _, _, device = init_distributed()
-    cuda = device.type == "cuda"
     prompt_len, completion_len = (256, 1792) if not reduced else (16, 48)
     rows = 16 if not reduced else 4
-    warmup, steps = (2, 5) if not reduced else (1, 2)
-    peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None
-    out: dict[str, object] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "peak_tflops": peak}
     for shape, budget in (("smollm2-135m", 16384), ("qwen3-0.6b", 8192)):
         config = shape_config(shape, **shape_overrides(reduced, shape))
         trainer = TrainerConfig(
             micro_batch_tokens=budget if not reduced else 256, mixed_precision="bf16" if cuda else "fp32", lr=1e-6
         )
         batch = synthetic_batch(rows, prompt_len, completion_len, config.vocab_size, seed=0)
-        tokens = rows * (prompt_len + completion_len)
-        flops = matmul_flops_per_token(config, prompt_len + completion_len) * tokens
+        yield shape.replace("-", "_").replace(".", "_"), config, trainer, batch
+
+
+def one_rank(reduced: bool) -> tuple[object, bool, int, int]:
+    """A process group of one rank; (device, cuda, warm-up steps, timed steps)."""
+    from decentrl.trainer.distributed import init_distributed
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    _, _, device = init_distributed()
+    return device, device.type == "cuda", *((2, 5) if not reduced else (1, 2))
+
+
+def run_trainer(reduced: bool) -> dict[str, object]:
+    import torch
+
+    device, cuda, warmup, steps = one_rank(reduced)
+    peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None
+    out: dict[str, object] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "peak_tflops": peak}
+    for key, config, trainer, batch in trainer_cases(reduced, cuda):
+        seq_len = len(batch.samples[0].prompt_token_ids) + len(batch.samples[0].completion_token_ids)
+        tokens = len(batch.samples) * seq_len
+        flops = matmul_flops_per_token(config, seq_len) * tokens
 
         ours, ours_peak = time_decentrl_step(config, trainer, batch, device, warmup, steps)
         bare, bare_peak = time_bare_step(config, trainer, batch, device, warmup, steps)
         # One FSDP2 unit for the whole model (no hooks per block): measured, not yet the trainer's.
         one_unit, _ = time_decentrl_step(config, trainer, batch, device, warmup, steps, one_unit=True)
         ours_s, bare_s, one_unit_s = statistics.median(ours), statistics.median(bare), statistics.median(one_unit)
-        key = shape.replace("-", "_").replace(".", "_")
         out[key] = {
-            "tokens_per_step": tokens, "seq_len": prompt_len + completion_len, "step_s": ours_s, "bare_step_s": bare_s,
+            "tokens_per_step": tokens, "seq_len": seq_len, "step_s": ours_s, "bare_step_s": bare_s,
             "step_s_all": ours, "bare_step_s_all": bare,
             "tokens_per_s": tokens / ours_s, "bare_tokens_per_s": tokens / bare_s,
             "mfu": flops / ours_s / (peak * 1e12) if peak else None,
@@ -275,9 +293,33 @@ def run_trainer(reduced: bool) -> dict[str, object]:
             "peak_memory_gb": ours_peak / 2**30 if ours_peak else None,
             "bare_peak_memory_gb": bare_peak / 2**30 if bare_peak else None,
         }
-        print(json.dumps({shape: out[key]}), flush=True)
+        print(json.dumps({key: out[key]}), flush=True)
     import torch.distributed as dist
 
+    dist.destroy_process_group()
+    return out
+
+
+def run_compile(reduced: bool) -> dict[str, object]:
+    """`[trainer] compile` against the same step eager, on a model of its own each, eager first."""
+    import torch
+    import torch.distributed as dist
+
+    device, cuda, warmup, steps = one_rank(reduced)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out: dict[str, object] = {}
+    for key, config, trainer, batch in trainer_cases(reduced, cuda):
+        eager, _ = time_decentrl_step(config, trainer, batch, device, warmup, steps)
+        step = decentrl_step(config, trainer.model_copy(update={"compile": True}), batch, device)
+        first = timed(step, 0, 1, sync)[0]  # the compilation, and the step
+        compiled, peak = timed_with_peak(step, warmup - 1, steps, cuda)
+        eager_s, compiled_s = statistics.median(eager), statistics.median(compiled)
+        out[key] = {
+            "eager_step_s": eager_s, "compiled_step_s": compiled_s, "compiled_vs_eager": eager_s / compiled_s,
+            "compiled_first_step_s": first, "compiled_step_s_all": compiled,
+            "compiled_peak_memory_gb": peak / 2**30 if peak else None,
+        }
+        print(json.dumps({key: out[key]}), flush=True)
     dist.destroy_process_group()
     return out
 
@@ -513,8 +555,22 @@ def run_e2e(reduced: bool, timeout_s: float) -> dict[str, object]:
 
 def child(section: str, reduced: bool) -> None:
     """One section in this process; its result is the last stdout line."""
-    result = run_trainer(reduced) if section == "trainer" else run_worker(reduced)
+    result = {"trainer": run_trainer, "worker": run_worker, "compile": run_compile}[section](reduced)
     print(json.dumps(result), flush=True)
+
+
+def printed_so_far(stdout: str | bytes | None) -> dict[str, object]:
+    """The JSON objects a section stopped early had printed (one a shape), merged: the later wins."""
+    text = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout or ""
+    merged: dict[str, object] = {}
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            merged.update(value)
+    return merged
 
 
 def in_child(section: str, reduced: bool, timeout_s: float) -> dict[str, object]:
@@ -522,7 +578,8 @@ def in_child(section: str, reduced: bool, timeout_s: float) -> dict[str, object]
     try:
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        return {"error": f"timed out after {timeout_s:.0f}s", "output_tail": str(exc.stdout or "")[-1500:] + str(exc.stderr or "")[-1500:]}
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return {**printed_so_far(exc.stdout), "error": f"timed out after {timeout_s:.0f}s", "output_tail": stderr[-1500:]}
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         return {"error": f"exit code {done.returncode}", "output_tail": (done.stdout + done.stderr)[-2500:]}
@@ -534,7 +591,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check", help="Directory for gpu_check.json.")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="Comma-separated, from: " + ", ".join(SECTIONS))
     parser.add_argument("--reduced", action="store_true", help="Small shapes (the default without CUDA).")
-    parser.add_argument("--child", choices=("trainer", "worker"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("trainer", "worker", "compile"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
 
@@ -556,6 +613,11 @@ def main() -> None:
     for section in sections:
         began = time.perf_counter()
         budget = BUDGET_S[section] * (3 if reduced else 1)  # 2 CPU cores are slower than the GPU
+        if section == "compile" and not reduced:
+            budget = min(budget, TOTAL_S - (began - started))
+            if budget < 30:
+                result[section] = {"error": f"skipped: {budget:.0f}s left of the {TOTAL_S}s"}
+                continue
         if section == "tests":
             result[section] = run_tests(budget)
         elif section == "e2e":
@@ -565,7 +627,7 @@ def main() -> None:
         result[section]["section_s"] = time.perf_counter() - began  # type: ignore[index]
         print(f"{section}: {json.dumps(result[section])}", file=sys.stderr, flush=True)
         (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2))
-    trainer, worker = result.get("trainer", {}), result.get("worker", {})
+    trainer, worker, compiled = result.get("trainer", {}), result.get("worker", {}), result.get("compile", {})
     result["summary"] = {
         "trainer_vs_bare_135m": trainer.get("smollm2_135m", {}).get("trainer_vs_bare"),
         "trainer_vs_bare_0_6b": trainer.get("qwen3_0_6b", {}).get("trainer_vs_bare"),
@@ -573,6 +635,8 @@ def main() -> None:
         "one_unit_vs_per_block_0_6b": trainer.get("qwen3_0_6b", {}).get("one_unit_vs_per_block"),
         "trainer_mfu_0_6b": trainer.get("qwen3_0_6b", {}).get("mfu"),
         "trainer_tokens_per_s_0_6b": trainer.get("qwen3_0_6b", {}).get("tokens_per_s"),
+        "compiled_vs_eager_135m": compiled.get("smollm2_135m", {}).get("compiled_vs_eager"),
+        "compiled_vs_eager_0_6b": compiled.get("qwen3_0_6b", {}).get("compiled_vs_eager"),
         "worker_hf_vs_bare": worker.get("worker_hf_vs_bare"),
         "gpu_tests_passed": result.get("tests", {}).get("passed"),
         "gpu_tests_failed": result.get("tests", {}).get("failed"),

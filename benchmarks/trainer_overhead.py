@@ -10,6 +10,8 @@ batch and micro-batches, timed in turns (round-robin, so a change of load hits e
   each_micro  the same with the gradients reduced after every micro-batch (FSDP2's default; the
               trainer's before 2026-11-27)
   one_unit    ours with the whole model one FSDP2 unit (`shard_model(one_unit=True)`)
+  compiled    ours with `[trainer] compile` (each block's forward and the loss's statistics
+              compiled; its compilation is in the warm-up steps)
   bare        gpu_check's bare policy-gradient loop on the unsharded model
 
 Two regimes (--shape): `launch` (default), the Qwen3 architecture at 28 blocks of width 32 and 8
@@ -20,8 +22,10 @@ that is all arithmetic on the CPU.
     .venv/bin/python benchmarks/trainer_overhead.py [--shape launch|smollm2-135m] [--rounds 15] [--bf16]
 
 The last stdout line is one JSON object: `step_s`, `each_micro_step_s`, `one_unit_step_s`,
-`bare_step_s` (medians), `trainer_vs_bare` (bare step time / ours), `once_vs_each_micro` (each_micro
-step time / ours) and `one_unit_vs_per_block` (our step time / one_unit's).
+`compiled_step_s`, `bare_step_s` (medians), `trainer_vs_bare` (bare step time / ours),
+`once_vs_each_micro` (each_micro step time / ours), `one_unit_vs_per_block` (our step time /
+one_unit's), `compiled_vs_eager` (our step time / compiled's) and `compiled_vs_bare` (bare step
+time / compiled's).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def main() -> None:
     from decentrl.config import TrainerConfig
     from decentrl.model.chat_model import shape_config
     from decentrl.trainer.distributed import init_distributed, shard_model
+    from decentrl.trainer.step import compile_blocks
 
     overrides, rows, prompt_len, completion_len, threads = SHAPES[args.shape]
     torch.set_num_threads(threads)
@@ -78,8 +83,12 @@ def main() -> None:
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
 
-    def step_of(**options: bool):  # noqa: ANN202
-        return gpu_check.training_step(shard_model(model(), mixed_precision=mixed_precision, **options), trainer, batch, device)
+    def step_of(compiled: bool = False, **options: bool):  # noqa: ANN202
+        policy = model()
+        if compiled:
+            compile_blocks(policy)
+        config = trainer.model_copy(update={"compile": compiled})
+        return gpu_check.training_step(shard_model(policy, mixed_precision=mixed_precision, **options), config, batch, device)
 
     ours, each, plain = step_of(), step_of(), model()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-6, fused=device.type == "cuda")
@@ -92,6 +101,7 @@ def main() -> None:
         "ours": ours,
         "each_micro": each_micro,
         "one_unit": step_of(one_unit=True),
+        "compiled": step_of(compiled=True),
         "bare": lambda: gpu_check.bare_step(plain, optimizer, batch.samples, trainer.micro_batch_tokens, device, args.bf16),
     }
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -108,9 +118,11 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "shape": args.shape,
         "mixed_precision": mixed_precision, "rounds": args.rounds, "torch_threads": threads,
         "step_s": median["ours"], "each_micro_step_s": median["each_micro"], "one_unit_step_s": median["one_unit"],
+        "compiled_step_s": median["compiled"],
         "bare_step_s": median["bare"], "trainer_vs_bare": median["bare"] / median["ours"],
         "once_vs_each_micro": median["each_micro"] / median["ours"],
         "one_unit_vs_per_block": median["ours"] / median["one_unit"],
+        "compiled_vs_eager": median["ours"] / median["compiled"], "compiled_vs_bare": median["bare"] / median["compiled"],
     }))
 
 

@@ -217,7 +217,7 @@ class Verifier:
         with torch.inference_mode():
             # MoE: the worker's recorded experts, replayed as the trainer does (decentrl/model/routers.py).
             with replaying(model, batch_routes([r.expert_routing for r in rollouts], width)):
-                logits = model(input_ids=ids).logits[rows, columns]  # (N, V)
+                logits = model(input_ids=ids, use_cache=False).logits[rows, columns]  # (N, V)
             distribution = sampling_distribution(logits, sampling)  # (N, V)
             chosen = distribution.gather(-1, targets).squeeze(-1)  # (N,)
             chosen = _judged_at_the_boundary(logits, targets, chosen, sampling, self.tolerances[0])

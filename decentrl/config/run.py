@@ -129,6 +129,15 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _compile_dense(self) -> RunConfig:
+        if self.trainer.compile and getattr(self.model, "moe", None) is not None:
+            raise ValueError(
+                "trainer.compile = true needs a dense model: [model.moe] routes are replayed with hooks a compiled "
+                "block would not follow; set trainer.compile = false, or drop [model.moe]"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _deterministic_backend(self) -> RunConfig:
         if self.deterministic and self.worker.backend != "hf":
             raise ValueError(

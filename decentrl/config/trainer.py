@@ -191,6 +191,13 @@ class TrainerConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="Recompute each transformer block's activations in backward (less memory, ~30% more compute)."
     )
+    compile: bool = Field(
+        False,
+        strict=True,
+        description="torch.compile each transformer block's forward and the loss's per-token statistics: fewer, fused "
+        "kernels where a step is bound by launching them (one rank on a GPU) or by passes over the logits. The first "
+        "step, and the first micro-batch of a new length, wait seconds for a compilation. Dense models only.",
+    )
     mixed_precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: FSDP2 computes in bf16, reduces gradients and keeps weights in fp32 (GPU)."
     )

@@ -7,6 +7,7 @@ is exactly the gradient of the whole batch in one piece. Called by the training 
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from decentrl.config import TrainerConfig
-from decentrl.model.routers import replaying
+from decentrl.model.routers import replaying, routers
 from decentrl.rl.losses import STAT_KEYS, BatchTotals, policy_loss
 from decentrl.trainer.batching import Tensors
 from decentrl.trainer.distributed import reduce_gradients_after
@@ -24,12 +25,26 @@ def model_logits(model: torch.nn.Module, batch: Tensors) -> torch.Tensor:
     """The model's logits predicting `batch.targets`, in its compute dtype; the output layer skips
     the prompt positions before `batch.start`.  # (B, T, V)"""
     keep = batch.input_ids.shape[1] - batch.start
-    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits[:, :-1]
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep, use_cache=False).logits[:, :-1]
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """`[trainer] compile`: each transformer block's forward compiled in place, before sharding, so
+    FSDP2's hooks stay outside the compiled code and the state dict keeps its names. The blocks
+    share their code, so one compilation serves them all (and one more, with dynamic shapes, the
+    first micro-batch of another length)."""
+    if routers(model):
+        raise ValueError(
+            "trainer.compile = true: this model has MoE routers, whose routes the trainer replays with hooks that a "
+            "compiled block would not follow; set trainer.compile = false"
+        )
+    for block in model.model.layers:
+        block.forward = torch.compile(block.forward)
 
 
 def token_stats(
     logits: torch.Tensor, targets: torch.Tensor, kept_ids: torch.Tensor | None, temperature: float, *,
-    entropies: bool = True, entropy_grad: bool = False, chunk_mb: float = 0,
+    entropies: bool = True, entropy_grad: bool = False, chunk_mb: float = 0, compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each target's logprob under the tempered, float32 `logits` and, with `entropies`, each
     position's entropy (with a gradient only if `entropy_grad`).  # (B, T), (B, T) or None
@@ -37,14 +52,16 @@ def token_stats(
     With `chunk_mb` ([trainer] loss_chunk_mb) and more float32 logits than that, over chunks of
     positions, each recomputed in the backward: at long completions and large vocabularies the
     whole's float32 copies, not the model, set a step's peak memory (16k positions x 152k ids:
-    10 GB a copy)."""
+    10 GB a copy). `compiled` ([trainer] compile): the float32 copy, the logsumexp, the gathers
+    and the entropy fused into fewer passes over the logits."""
+    stats = _compiled_token_stats() if compiled else _token_stats
     rows, positions, vocab = logits.shape
     per_chunk = max(1, int(chunk_mb * 2**18) // (rows * vocab))  # 4 bytes an element
     if not chunk_mb or per_chunk >= positions:
-        return _token_stats(logits, targets, kept_ids, temperature, entropies, entropy_grad)
+        return stats(logits, targets, kept_ids, temperature, entropies, entropy_grad)
     kept = kept_ids.split(per_chunk, dim=1) if kept_ids is not None else [None] * -(-positions // per_chunk)
     chunks = [
-        checkpoint(_token_stats, *args, temperature, entropies, entropy_grad, use_reentrant=False)
+        checkpoint(stats, *args, temperature, entropies, entropy_grad, use_reentrant=False)
         for args in zip(logits.split(per_chunk, dim=1), targets.split(per_chunk, dim=1), kept, strict=True)
     ]
     return torch.cat([lp for lp, _ in chunks], dim=1), torch.cat([h for _, h in chunks], dim=1) if entropies else None
@@ -65,6 +82,11 @@ def _token_stats(
     # so an entropy without gradient is not computed again.
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         return logprobs, entropy(logits, normalizer)
+
+
+@functools.cache
+def _compiled_token_stats():  # noqa: ANN202 - torch.compile's wrapper of _token_stats
+    return torch.compile(_token_stats)
 
 
 def sampled_logprobs(
@@ -136,14 +158,14 @@ def micro_batch_loss(
     """One micro-batch's forward and loss (see policy_loss)."""
     logprobs, entropies = token_stats(
         model_logits(model, batch), batch.targets, batch.kept_ids, temperature,
-        entropy_grad=config.entropy_coef > 0, chunk_mb=config.loss_chunk_mb,
+        entropy_grad=config.entropy_coef > 0, chunk_mb=config.loss_chunk_mb, compiled=config.compile,
     )
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
             ref_logprobs = token_stats(
                 model_logits(reference, batch), batch.targets, batch.kept_ids, temperature,
-                entropies=False, chunk_mb=config.loss_chunk_mb,
+                entropies=False, chunk_mb=config.loss_chunk_mb, compiled=config.compile,
             )[0]
     loss, stats = policy_loss(
         logprobs,

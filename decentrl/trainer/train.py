@@ -38,7 +38,7 @@ from decentrl.trainer.lora import adapter_state, add_adapters, is_adapter_weight
 from decentrl.trainer.metrics import MetricsLog, StepTimes, step_record
 from decentrl.trainer.prefetch import BatchPrefetcher
 from decentrl.trainer.publisher import Publisher
-from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks, token_logprobs
+from decentrl.trainer.step import accumulate_gradients, compile_blocks, reduce_over_ranks, token_logprobs
 from decentrl.trainer.trackers import Trackers
 
 __all__ = ["TrainerOptions", "collate", "token_logprobs", "train"]  # collate, token_logprobs: tests/trainer/test_trainer_math.py
@@ -82,6 +82,8 @@ def load_policy(directory: str, config: TrainerConfig, device: torch.device, *, 
         if config.lora is not None:  # before sharding: FSDP2 shards the adapters with their blocks
             add_adapters(model, config.lora)
         model.train()
+    if config.compile:
+        compile_blocks(model)
     return shard_model(
         model, mixed_precision=config.mixed_precision, activation_checkpointing=config.activation_checkpointing and not frozen
     )

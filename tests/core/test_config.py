@@ -61,6 +61,8 @@ def test_empty_file_gives_all_defaults(tmp_path: Path) -> None:
         ("[trainer]\nlrr = 0.001\n", ["trainer.lrr"]),  # typo: unknown keys are errors
         ("[trainer]\nloss_chunk_mb = -1\n", ["trainer.loss_chunk_mb"]),
         ('[trainer]\nloss_chunk_mb = "1GB"\n', ["trainer.loss_chunk_mb"]),
+        ('[trainer]\ncompile = "yes"\n', ["trainer.compile"]),
+        ("[trainer]\ncompile = true\n[model.moe]\nnum_experts = 4\ntop_k = 2\n", ["trainer.compile", "dense", "[model.moe]"]),
         ("group_size = 1\n", ["group_size"]),
         ("max_staleness = -1\n", ["max_staleness"]),
         ("[sampling]\ntemperature = 0\n", ["sampling.temperature"]),
@@ -71,7 +73,8 @@ def test_empty_file_gives_all_defaults(tmp_path: Path) -> None:
             ["trainer_ranks", "trainer.groups_per_step", "group_size"],
         ),
     ],
-    ids=["negative-lr", "typo-key", "negative-loss-chunk", "loss-chunk-not-a-number", "group-size-1", "negative-staleness",
+    ids=["negative-lr", "typo-key", "negative-loss-chunk", "loss-chunk-not-a-number", "compile-not-a-bool",
+         "compile-moe", "group-size-1", "negative-staleness",
          "zero-temperature", "run-name",
          "heads-divide", "batch-divides-ranks"],
 )

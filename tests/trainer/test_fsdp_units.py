@@ -86,7 +86,7 @@ def test_units_and_one_ranks_gradients(tmp_path: Path) -> None:
 
 
 def test_trainer_overhead_benchmark_runs(tmp_path: Path) -> None:
-    """benchmarks/trainer_overhead.py, one timed round: its four loops run and its keys are there."""
+    """benchmarks/trainer_overhead.py, one timed round: its five loops run and its keys are there."""
     root = Path(__file__).parents[2]
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "trainer_overhead.py"), "--rounds", "1"],
@@ -95,6 +95,6 @@ def test_trainer_overhead_benchmark_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     for key in ("step_s", "each_micro_step_s", "one_unit_step_s", "bare_step_s", "trainer_vs_bare", "once_vs_each_micro",
-                "one_unit_vs_per_block"):
+                "one_unit_vs_per_block", "compiled_step_s", "compiled_vs_eager", "compiled_vs_bare"):
         assert result[key] > 0, key
     assert (result["shape"], result["mixed_precision"], result["rounds"]) == ("launch", "fp32", 1)

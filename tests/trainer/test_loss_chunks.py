@@ -72,6 +72,22 @@ def test_chunks_give_the_whole_logprobs_entropies_and_gradients(monkeypatch: pyt
     torch.testing.assert_close(grad_chunked, grad, rtol=0, atol=1e-6)
 
 
+def test_the_compiled_statistics_in_chunks_give_the_eager_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[trainer] compile: the compiled statistics, each chunk recomputed in the backward, with truncated
+    sampling sets, a temperature and the entropy's gradient, against the eager whole."""
+    base, targets, kept = logits_and_targets()
+    chunks = counted_chunks(monkeypatch)
+    results = []
+    for compiled, chunk_mb in ((False, WHOLE), (True, mb(3 * 3 * 50))):
+        logits = base.clone().requires_grad_(True)
+        logprobs, entropies = token_stats(logits, targets, kept, 0.7, entropy_grad=True, chunk_mb=chunk_mb, compiled=compiled)
+        (logprobs.sum() + 0.1 * entropies.sum()).backward()
+        results.append((logprobs.detach(), entropies.detach(), logits.grad))
+    assert chunks == [3, 3, 3, 1]
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 def test_chunks_of_bf16_logits_are_computed_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     base, targets, _ = logits_and_targets()
     chunks = counted_chunks(monkeypatch)

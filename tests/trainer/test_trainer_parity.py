@@ -22,7 +22,7 @@ from decentrl.rl.losses import summarize
 from decentrl.trainer.batching import batch_totals, collate, rank_share, select_samples
 from decentrl.trainer.distributed import full_state_dict, init_distributed, shard_model
 from decentrl.trainer.gather import WeightGather
-from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
+from decentrl.trainer.step import accumulate_gradients, compile_blocks, reduce_over_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -59,17 +59,22 @@ def make_batch() -> TrainBatch:
     return TrainBatch(trainer_version=0, samples=samples, staleness_histogram={"0": 12}, rollouts_accepted=12, stale_dropped=0)
 
 
-def one_step(rank: int, world: int, port: int, out: str, activation_checkpointing: bool) -> None:
-    """In each spawned rank: one training step exactly as the loop runs it; rank 0 saves what it saw."""
+def one_step(rank: int, world: int, port: int, out: str, activation_checkpointing: bool, compiled: bool) -> None:
+    """In each spawned rank: one training step exactly as the loop runs it (`load_policy`'s order:
+    compile, then shard); rank 0 saves what it saw."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     _, _, device = init_distributed()
-    config = TrainerConfig(**TRAINER, activation_checkpointing=activation_checkpointing)
+    config = TrainerConfig(**TRAINER, activation_checkpointing=activation_checkpointing, compile=compiled)
     model = build_model(TINY).to(device).train()
     before = {name: p.detach().clone().cpu() for name, p in model.named_parameters()}
+    reference = build_model(REFERENCE).to(device).requires_grad_(False).eval()  # for the k3 KL
+    if compiled:
+        compile_blocks(model)
+        compile_blocks(reference)
     model = shard_model(model, activation_checkpointing=activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    reference = shard_model(build_model(REFERENCE).to(device).requires_grad_(False).eval())  # for the k3 KL
+    reference = shard_model(reference)
     gathered: dict[int, dict[str, torch.Tensor]] = {}
     gather = WeightGather(model, deliver=lambda version, state: gathered.update({version: state}))
 
@@ -91,9 +96,9 @@ def one_step(rank: int, world: int, port: int, out: str, activation_checkpointin
     dist.destroy_process_group()
 
 
-def run_ranks(world: int, tmp_path: Path, activation_checkpointing: bool = False) -> dict:
-    out = str(tmp_path / f"world{world}-ac{int(activation_checkpointing)}.pt")
-    mp.spawn(one_step, args=(world, free_port(), out, activation_checkpointing), nprocs=world, join=True)
+def run_ranks(world: int, tmp_path: Path, activation_checkpointing: bool = False, compiled: bool = False) -> dict:
+    out = str(tmp_path / f"world{world}-ac{int(activation_checkpointing)}-compiled{int(compiled)}.pt")
+    mp.spawn(one_step, args=(world, free_port(), out, activation_checkpointing, compiled), nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 
@@ -112,14 +117,19 @@ def plain_reference() -> tuple[float, dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("parity")
-    return {"1": run_ranks(1, tmp), "2": run_ranks(2, tmp), "2-ac": run_ranks(2, tmp, activation_checkpointing=True)}
+    return {
+        "1": run_ranks(1, tmp), "2": run_ranks(2, tmp), "2-ac": run_ranks(2, tmp, activation_checkpointing=True),
+        # [trainer] compile: compiled blocks under FSDP2 and activation checkpointing, micro-batches of
+        # several lengths (a recompilation with dynamic shapes), the compiled loss with its entropy and KL.
+        "1-ac-compiled": run_ranks(1, tmp, activation_checkpointing=True, compiled=True),
+    }
 
 
 def test_parity_of_loss_and_gradients_on_one_and_two_ranks(results: dict[str, dict]) -> None:
     expected_loss, expected_grads = plain_reference()
     assert results["1"]["samples"] == results["2"]["samples"] == 9, "4 groups of 3, one dropped: an odd split"
     assert results["2"]["micro_batches"] >= 2, "each rank accumulates over several micro-batches"
-    for name in ("1", "2", "2-ac"):
+    for name in ("1", "2", "2-ac", "1-ac-compiled"):
         run = results[name]
         assert run["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7), name
         for param, grad in expected_grads.items():

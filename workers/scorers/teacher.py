@@ -91,7 +91,7 @@ class TeacherBackend:
             ids[row, : len(sequence)] = torch.tensor(sequence)
             mask[row, : len(sequence)] = 1
         with torch.inference_mode():
-            logits = self.model(input_ids=ids.to(self.config.device), attention_mask=mask.to(self.config.device)).logits
+            logits = self.model(input_ids=ids.to(self.config.device), attention_mask=mask.to(self.config.device), use_cache=False).logits
         result = []
         for row, item in enumerate(items):
             prompt, completion = len(item.prompt_token_ids or ()), item.completion_token_ids or []
