@@ -8,6 +8,8 @@ is exactly the gradient of the whole batch in one piece. Called by the training 
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 from contextlib import nullcontext
 
 import torch
@@ -38,8 +40,21 @@ def compile_blocks(model: torch.nn.Module) -> None:
             "trainer.compile = true: this model has MoE routers, whose routes the trainer replays with hooks that a "
             "compiled block would not follow; set trainer.compile = false"
         )
+    if missing := compiler_missing(next(model.parameters()).device):
+        raise ValueError(f"trainer.compile = true needs {missing} to build its kernels; or set trainer.compile = false")
     for block in model.model.layers:
         block.forward = torch.compile(block.forward)
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """What torch.compile's inductor lacks to build kernels on `device`, or None: at start-up, not
+    at the first step."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "triton (installed with CUDA torch wheels: pip install triton)"
+    compiler = os.environ.get("CXX", "c++")  # inductor's C++ compiler on Linux
+    return None if shutil.which(compiler) else f"a C++ compiler ({compiler!r} is not on PATH: install g++, or set CXX)"
 
 
 def token_stats(

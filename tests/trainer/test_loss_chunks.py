@@ -137,3 +137,4 @@ def test_the_loss_memory_benchmark_prints_its_ratios() -> None:
     result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, timeout=300).stdout.splitlines()[-1])
     assert result["chunked_vs_whole_time"] > 0 and "chunked_vs_whole_peak" in result  # None where the whole grew nothing
     assert result["whole"]["seconds"] > 0 and result["chunked"]["peak_over_inputs_gb"] >= 0
+    assert result["compiled_vs_whole_time"] > 0 and result["compiled"]["compile_s"] > 0 and "compiled_vs_whole_peak" in result

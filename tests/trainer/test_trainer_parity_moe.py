@@ -20,7 +20,7 @@ from decentrl.config import TinyModelConfig, TrainerConfig
 from decentrl.model.build import build_model
 from decentrl.trainer.batching import batch_totals, collate, rank_share, select_samples
 from decentrl.trainer.distributed import init_distributed, shard_model
-from decentrl.trainer.step import accumulate_gradients, compile_blocks, reduce_over_ranks
+from decentrl.trainer.step import accumulate_gradients, reduce_over_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -82,10 +82,3 @@ def test_moe_with_replayed_routes_trains_the_same_on_one_and_two_ranks(tmp_path:
         assert result["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
         for name, grad in want.items():
             assert torch.allclose(result["grads"][name], grad, rtol=1e-4, atol=1e-6), name
-
-
-def test_compiling_a_moe_model_is_refused_saying_what_to_set() -> None:
-    """[trainer] compile: a compiled block would not follow the replay hooks on its routers; a
-    pretrained MoE model (which the config cannot see) is refused when the trainer loads it."""
-    with pytest.raises(ValueError, match=r"trainer\.compile = false"):
-        compile_blocks(build_model(MOE))
