@@ -33,8 +33,8 @@ def model_logits(model: torch.nn.Module, batch: Tensors) -> torch.Tensor:
 def compile_blocks(model: torch.nn.Module) -> None:
     """`[trainer] compile`: each transformer block's forward compiled in place, before sharding, so
     FSDP2's hooks stay outside the compiled code and the state dict keeps its names. The blocks
-    share their code, so one compilation serves them all (and one more, with dynamic shapes, the
-    first micro-batch of another length)."""
+    share their code, so one compilation serves them all, and a few more the first micro-batches
+    whose length or row count differs (each varying dimension is then compiled dynamic)."""
     if routers(model):
         raise ValueError(
             "trainer.compile = true: this model has MoE routers, whose routes the trainer replays with hooks that a "
