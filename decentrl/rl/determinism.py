@@ -34,9 +34,16 @@ def sample_seed(run_seed: int, prompt_id: int, sample_index: int, version: int) 
 def use_deterministic_torch(threads: int) -> None:
     """Deterministic kernels for this process: a fixed intra-op thread count (CPU reductions split
     by thread count sum in a different order), `torch.use_deterministic_algorithms` (an op with no
-    deterministic kernel raises instead of running a nondeterministic one) and, for CUDA, the
-    cuBLAS workspace setting and cuDNN flags PyTorch documents for reproducibility. Call it before
-    the first CUDA op (CUBLAS_WORKSPACE_CONFIG is read when cuBLAS initializes)."""
+    deterministic kernel raises instead of running a nondeterministic one), attention without the
+    fused flash kernel, and, for CUDA, the cuBLAS workspace setting and cuDNN flags PyTorch
+    documents for reproducibility. Call it before the first CUDA op (CUBLAS_WORKSPACE_CONFIG is
+    read when cuBLAS initializes).
+
+    The flash kernel is run-to-run deterministic, but on the CPU with more than one thread a row's
+    attention depends on its place in the call (torch 2.13 on an AVX-512 EPYC, 2 threads: decode
+    steps over 8 or more cached positions differ in the last bits), which breaks the fixed-shape
+    calls' promise that the groups beside a group do not change it (workers/batching.py). The
+    other SDPA kernels keep every row's result its own at any place (tests/workers/test_worker_batching.py)."""
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -46,3 +53,4 @@ def use_deterministic_torch(threads: int) -> None:
     torch.backends.cudnn.deterministic = True
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.enable_flash_sdp(False)  # the flag also governs the CPU's flash kernel
