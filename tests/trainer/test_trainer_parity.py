@@ -93,6 +93,7 @@ def one_step(rank: int, world: int, port: int, out: str, activation_checkpointin
              "gathered": gathered[1], "micro_batches": len(micro), "samples": len(samples)},
             out,
         )
+    dist.barrier()  # as the trainer ends: no rank tears gloo down while another still uses it
     dist.destroy_process_group()
 
 

@@ -60,6 +60,7 @@ def one_step(rank: int, world: int, port: int, out: str, activation_checkpointin
     grads = {name: p.grad.full_tensor().cpu() for name, p in model.named_parameters()}  # collective
     if rank == 0:
         torch.save({"loss": loss_total, "grads": grads}, out)
+    dist.barrier()  # as the trainer ends: no rank tears gloo down while another still uses it
     dist.destroy_process_group()
 
 
