@@ -66,8 +66,7 @@ def main() -> None:
 
     from decentrl.config import TrainerConfig
     from decentrl.model.chat_model import shape_config
-    from decentrl.trainer.distributed import init_distributed, shard_model
-    from decentrl.trainer.step import compile_blocks
+    from decentrl.trainer.distributed import init_distributed
 
     overrides, rows, prompt_len, completion_len, threads = SHAPES[args.shape]
     torch.set_num_threads(threads)
@@ -83,12 +82,8 @@ def main() -> None:
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
 
-    def step_of(compiled: bool = False, **options: bool):  # noqa: ANN202
-        policy = model()
-        if compiled:
-            compile_blocks(policy)
-        config = trainer.model_copy(update={"compile": compiled})
-        return gpu_check.training_step(shard_model(policy, mixed_precision=mixed_precision, **options), config, batch, device)
+    def step_of(compiled: bool = False, one_unit: bool = False):  # noqa: ANN202
+        return gpu_check.decentrl_step(config, trainer.model_copy(update={"compile": compiled}), batch, device, one_unit)
 
     ours, each, plain = step_of(), step_of(), model()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-6, fused=device.type == "cuda")
