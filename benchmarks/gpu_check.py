@@ -12,12 +12,12 @@ Sections, each in its own process (its own CUDA context, so peak memory is its o
   worker   the hf backend (workers/backends/hf.py) against transformers' own `generate`, same
            model (SmolLM2-135M shape, bf16, pulled from a store like a worker does), prompts, batch
            and lengths: completion tokens/s and `worker_hf_vs_bare` (goal >= 0.9)
+  compile  the trainer's step with `[trainer] compile` (compiled blocks and loss) against the same
+           step eager, both shapes: the first step (the compilation), then its steps warm
   e2e      `decentrl run configs/gpu1.toml` (trainer rank and hf worker sharing GPU 0) for a fixed
            number of steps: trainer busy fraction, seconds per step, publish / pull / swap seconds
-           per version, peak GPU memory per role (nvidia-smi, sampled twice a second)
-  compile  the trainer's step with `[trainer] compile` (compiled blocks and loss) against the same
-           step eager, both shapes: the first step (the compilation), then its steps warm. Last,
-           with what is left of the 8 minutes: its figures are worth less than the others'
+           per version, peak GPU memory per role (nvidia-smi, sampled twice a second). Last, with
+           what is left of the 8 minutes: a run stopped in its shutdown still reports its steps
 
 MFU counts 6 x (parameters in matmuls, the output projection included, the input embedding not)
 + 6 x layers x heads x head_dim x sequence length (causal attention) FLOPs per token against the
@@ -29,15 +29,17 @@ architectures, short sequences, gloo and the CPU, so the script cannot rot; its 
 Every section's result is written to OUT/gpu_check.json as it finishes; the last stdout line is
 the whole JSON object (keys in docs/benchmarks.md).
 
-    python benchmarks/gpu_check.py [--out DIR] [--sections tests,trainer,worker,e2e] [--reduced]
+    python benchmarks/gpu_check.py [--out DIR] [--sections tests,trainer,worker,compile,e2e] [--reduced]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -52,11 +54,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SECTIONS = ("tests", "trainer", "worker", "e2e", "compile")
+SECTIONS = ("tests", "trainer", "worker", "compile", "e2e")
 # Seconds each section may take before it is stopped (its result then says so, with what it had
-# printed): 8 minutes in all; `compile` gets what the others left of them, at most its own.
+# printed): 8 minutes in all; `e2e` gets what the others left of them, at most its own (its
+# metrics are read from the run's files, so a run stopped while shutting down still reports).
 TOTAL_S = 480
-BUDGET_S = {"tests": 70, "trainer": 120, "worker": 120, "e2e": 160, "compile": 200}
+BUDGET_S = {"tests": 70, "trainer": 120, "worker": 120, "compile": 150, "e2e": 160}
+LAST_MIN_S = 60  # `e2e` is skipped with less left
 # Dense bf16 matmul peaks (TFLOP/s) by the card's name, for MFU.
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
 REDUCED = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -444,6 +448,7 @@ class GpuMemorySampler(threading.Thread):
     def __init__(self, run_dir: str) -> None:
         super().__init__(daemon=True)
         self.run_dir, self.peaks, self.total_peak = run_dir, {}, 0
+        self.roles: dict[int, str] = {}  # a pid's role, named while it lives: an exiting one has no cmdline
         self.stopping = threading.Event()
 
     @staticmethod
@@ -458,6 +463,13 @@ class GpuMemorySampler(threading.Thread):
             if role in argv:
                 return role
         return f"pid-{pid}"
+
+    def named(self, pid: int) -> str:
+        """`role_of`, remembered from the first time it names one: an exiting process has no cmdline."""
+        role = self.roles.get(pid) or self.role_of(pid)
+        if not role.startswith("pid-"):
+            self.roles[pid] = role
+        return role
 
     def run(self) -> None:
         while not self.stopping.wait(0.5):
@@ -474,7 +486,7 @@ class GpuMemorySampler(threading.Thread):
             for line in apps.splitlines():
                 fields = [x.strip() for x in line.split(",")]
                 if len(fields) == 2 and all(x.isdigit() for x in fields):  # "[N/A]" where the driver hides it
-                    role = self.role_of(int(fields[0]))
+                    role = self.named(int(fields[0]))
                     self.peaks[role] = max(self.peaks.get(role, 0), int(fields[1]))
             self.total_peak = max([self.total_peak] + [int(x) for x in used.split() if x.isdigit()])
 
@@ -505,11 +517,21 @@ def run_e2e(reduced: bool, timeout_s: float) -> dict[str, object]:
         if sampler:
             sampler.start()
         started = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-            code, tail = done.returncode, (done.stdout + done.stderr)[-1500:]
-        except subprocess.TimeoutExpired as exc:
-            code, tail = None, f"timed out after {timeout_s:.0f}s\n" + str(exc.stdout or "")[-1500:]
+            out, _ = proc.communicate(timeout=timeout_s)
+            code, tail = proc.returncode, out[-1500:]
+        except subprocess.TimeoutExpired:
+            # Out of time: interrupted as at a terminal, the run stops every role it started (each
+            # in a session of its own) and waits for them, so none is left holding the GPU.
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, _ = proc.communicate(timeout=45)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):  # (the roles follow it: PR_SET_PDEATHSIG)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+            code, tail = None, f"timed out after {timeout_s:.0f}s\n" + out[-1500:]
         wall = time.perf_counter() - started
         if sampler:
             sampler.stopping.set()
@@ -586,6 +608,11 @@ def in_child(section: str, reduced: bool, timeout_s: float) -> dict[str, object]
     return json.loads(lines[-1])
 
 
+def compiled_vs_bare(trainer: dict, compiled: dict, shape: str) -> float | None:
+    bare, ours = trainer.get(shape, {}).get("bare_step_s"), compiled.get(shape, {}).get("compiled_step_s")
+    return bare / ours if bare and ours else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check", help="Directory for gpu_check.json.")
@@ -613,9 +640,9 @@ def main() -> None:
     for section in sections:
         began = time.perf_counter()
         budget = BUDGET_S[section] * (3 if reduced else 1)  # 2 CPU cores are slower than the GPU
-        if section == "compile" and not reduced:
+        if section == "e2e" and not reduced:
             budget = min(budget, TOTAL_S - (began - started))
-            if budget < 30:
+            if budget < LAST_MIN_S:
                 result[section] = {"error": f"skipped: {budget:.0f}s left of the {TOTAL_S}s"}
                 continue
         if section == "tests":
@@ -637,6 +664,9 @@ def main() -> None:
         "trainer_tokens_per_s_0_6b": trainer.get("qwen3_0_6b", {}).get("tokens_per_s"),
         "compiled_vs_eager_135m": compiled.get("smollm2_135m", {}).get("compiled_vs_eager"),
         "compiled_vs_eager_0_6b": compiled.get("qwen3_0_6b", {}).get("compiled_vs_eager"),
+        # The compiled step against the trainer section's bare loop: two processes, one card.
+        "compiled_vs_bare_135m": compiled_vs_bare(trainer, compiled, "smollm2_135m"),
+        "compiled_vs_bare_0_6b": compiled_vs_bare(trainer, compiled, "qwen3_0_6b"),
         "worker_hf_vs_bare": worker.get("worker_hf_vs_bare"),
         "gpu_tests_passed": result.get("tests", {}).get("passed"),
         "gpu_tests_failed": result.get("tests", {}).get("failed"),
