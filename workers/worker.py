@@ -432,10 +432,18 @@ class Worker:
         """The spool's send: post, then count what was acknowledged (a ConnectionError keeps it spooled)."""
         result = self.client.post_rollouts(batch)
         with self._changed:  # slots post at once: the counts are shared
+            expired_before = self.progress.rejected["lease_expired"]
             self.progress.posted(batch, result)
         if result.rejected:
             reasons = Counter(rejection.reason for rejection in result.rejected)
             log.info("orchestrator rejected %d rollouts: %s", len(result.rejected), dict(reasons))
+            if reasons["lease_expired"] and not expired_before:  # once a run: a request too long stays too long
+                log.warning(
+                    "%d rollouts came back lease_expired: their request took longer than the orchestrator's lease "
+                    "timeout (rollout workers do not renew leases), so every request this long is thrown away; "
+                    "raise [orchestrator] lease_timeout_s, or lower [worker] groups_per_request or [sampling] max_tokens",
+                    reasons["lease_expired"],
+                )
 
 
 class UnloadableVersion(Exception):

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from decentrl.api.client import OrchestratorClient
 from decentrl.api.wire import LeaseRequest
-from decentrl.config import GuessTaskConfig, RunConfig, TinyModelConfig, WorkerConfig, parse_config
+from decentrl.config import GuessTaskConfig, RunConfig, SimulationConfig, TinyModelConfig, WorkerConfig, parse_config
 from decentrl.model.build import build_model, build_tiny_tokenizer
 from decentrl.model.stopping import ends_generation
 from decentrl.store.checkpoints import CheckpointStore
@@ -49,7 +49,7 @@ TOKENS = [{"name": "vol", "role": "worker", "token": WORKER}, {"name": "trainer"
 TINY = {"type": "tiny", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 
 
-def run_config(task: dict[str, Any] | None = None, **sampling: Any) -> RunConfig:
+def run_config(task: dict[str, Any] | None = None, orchestrator: dict[str, Any] | None = None, **sampling: Any) -> RunConfig:
     return parse_config(
         {
             "run_name": "worker-test",
@@ -60,7 +60,7 @@ def run_config(task: dict[str, Any] | None = None, **sampling: Any) -> RunConfig
             "model": TINY,
             "task": task or {"type": "sorting", "num_prompts": 64},
             "sampling": {"temperature": 1.0, "max_tokens": 6, **sampling},
-            "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "batch_wait_s": 0.2},
+            "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "batch_wait_s": 0.2, **(orchestrator or {})},
             "trainer": {"groups_per_step": 2, "steps": 3},
         }
     )
@@ -123,16 +123,18 @@ class Setup:
         self.orchestrator.client(TRAINER).announce(version)
         self.models[version] = model.eval()
 
-    def worker(self, **settings: Any) -> Worker:
+    def worker(self, simulation: SimulationConfig = SimulationConfig(), **settings: Any) -> Worker:
         return Worker(
             WorkerConfig(**{"groups_per_request": 2, **settings}), worker_id="w0", cache_dir=os.path.join(self.tmp, "cache"),
-            client=self.orchestrator.client(WORKER, max_wait_s=1.0), backend=HFBackend(seed=0),
+            client=self.orchestrator.client(WORKER, max_wait_s=1.0), backend=HFBackend(seed=0), simulation=simulation,
         )
 
 
-def make_setup(tmp_path: Any, task: dict[str, Any] | None = None, **sampling: Any) -> Iterator[Setup]:
+def make_setup(
+    tmp_path: Any, task: dict[str, Any] | None = None, orchestrator_options: dict[str, Any] | None = None, **sampling: Any
+) -> Iterator[Setup]:
     store_dir = str(tmp_path / "store")
-    orchestrator = Orchestrator(run_config(task, **sampling), f"file://{store_dir}")
+    orchestrator = Orchestrator(run_config(task, orchestrator_options, **sampling), f"file://{store_dir}")
     orchestrator.start()
     try:
         yield Setup(orchestrator, CheckpointStore(f"file://{store_dir}"), store_dir, str(tmp_path), {})
