@@ -395,7 +395,8 @@ def run_worker(reduced: bool) -> dict[str, object]:
                 warm[name].append(tokens / seconds)
             peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30) if cuda else None
         # Then once each with cuDNN's attention off (SDPA picks flash or memory-efficient kernels,
-        # which build no plan per sequence length): what a worker seeing new lengths would pay.
+        # which build no plan per sequence length). The hf backend decodes so anyway (since
+        # 2026-11-27: `without_cudnn_attention`); here `generate` does too.
         no_cudnn: dict[str, float] = {}
         torch.backends.cuda.enable_cudnn_sdp(False)
         try:

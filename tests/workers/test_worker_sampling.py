@@ -17,7 +17,7 @@ from decentrl.config import TinyModelConfig
 from decentrl.model.build import build_model, build_tiny_tokenizer
 from decentrl.model.stopping import stop_cut
 from decentrl.store.weights import write_hf_dir
-from workers.backends.hf import HFBackend, sampling_distribution
+from workers.backends.hf import HFBackend, sampling_distribution, without_cudnn_attention
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=3)
 
@@ -176,3 +176,34 @@ def test_the_gpu_sampler_draws_from_the_distribution() -> None:
     seeded = [torch.Generator(device="cuda").manual_seed(s) for s in (1, 2)]
     again = [torch.Generator(device="cuda").manual_seed(s) for s in (1, 2)]
     assert torch.equal(backend._sample(dist[:2], seeded), backend._sample(dist[:2], again))
+
+
+def test_the_decode_leaves_cudnn_attention_off_on_cuda_only_and_puts_it_back() -> None:
+    """cuDNN's SDPA builds a plan per sequence length (a decode meets a new one every token): the
+    hf backend decodes without it on CUDA, and leaves the process's setting as it found it."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        with without_cudnn_attention(torch.device("cpu")):
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+        with pytest.raises(RuntimeError, match="mid-decode"), without_cudnn_attention(torch.device("cuda", 0)):
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            raise RuntimeError("mid-decode")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(False)  # a process that had turned it off keeps it off
+        with without_cudnn_attention(torch.device("cuda")):
+            pass
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.gpu
+def test_the_gpu_decode_runs_without_cudnn_attention(tmp_path) -> None:  # noqa: ANN001
+    hf = HFBackend(device="cuda", seed=0)
+    hf.load(write_version(str(tmp_path), build_model(TINY)), 0)
+    seen: list[bool] = []
+    hf.model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    hf.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=4))
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

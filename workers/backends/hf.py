@@ -7,7 +7,8 @@ that each token's logprob and kept set come from the one distribution it was sam
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -20,6 +21,24 @@ from decentrl.model.stopping import eos_id_set, stop_cut
 from decentrl.store.weights import copy_into, load_pretrained, model_dir, read_weights
 from workers.backends import Completion, never, truncates
 from workers.simulation import noisy_routers
+
+
+@contextmanager
+def without_cudnn_attention(device: torch.device) -> Iterator[None]:
+    """On CUDA, SDPA without cuDNN's kernel (flash or memory-efficient attention instead), put back
+    after. cuDNN's attention builds a plan for every new sequence length, and a decode meets a new
+    one at every token and every prompt width: on an H100 (2026-11-27, benchmarks/gpu_check.py)
+    the first 64 x 256-token decode took 24 s against ~7 s warm, and warm without it was not
+    slower (2,564 tokens/s against 2,225-2,436 with it)."""
+    if device.type != "cuda":
+        yield
+        return
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 class HFBackend:
@@ -91,7 +110,10 @@ class HFBackend:
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt")
         generators = None if seeds is None else [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
         # The noise hooks first: the recorder records the routes the (noisy) model really ran.
-        with noisy_routers(self.model, self.router_noise, self.generator), RouteRecorder(self.model) as recorder:
+        with (
+            noisy_routers(self.model, self.router_noise, self.generator), RouteRecorder(self.model) as recorder,
+            without_cudnn_attention(self.device),
+        ):
             return self._decode(prompts, sampling, should_stop, recorder, generators)
 
     def _decode(
