@@ -167,11 +167,11 @@ def bare_step(model, optimizer, samples, budget: int, device, autocast: bool) ->
     optimizer.zero_grad(set_to_none=True)
 
 
-def decentrl_step(config, trainer, batch, device, one_unit: bool = False):  # noqa: ANN001, ANN201 - a transformers config; returns the step
+def decentrl_step(config, trainer, batch, device, one_unit: bool | None = None):  # noqa: ANN001, ANN201 - a transformers config; returns the step
     """A fresh FSDP2 model of `config` (seed 0) with the trainer's optimizer, and one full step over
     `batch` as the training loop runs it (`training_step`), its blocks compiled first where
     `trainer.compile` (as `load_policy` does). The model lives as long as the returned function.
-    `one_unit`: the whole model one FSDP2 unit instead of one a block."""
+    `one_unit`: the whole model one FSDP2 unit or one a block; None: as the trainer (`one_unit_here`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -215,7 +215,7 @@ def training_step(model, trainer, batch, device):  # noqa: ANN001, ANN201 - an F
 
 
 def time_decentrl_step(
-    config, trainer, batch, device, warmup: int, steps: int, one_unit: bool = False,  # noqa: ANN001
+    config, trainer, batch, device, warmup: int, steps: int, one_unit: bool | None = None,  # noqa: ANN001
 ) -> tuple[list[float], int | None]:
     """Seconds of each of `steps` steps of `decentrl_step`, and its peak CUDA memory (None on the CPU)."""
     return timed_with_peak(decentrl_step(config, trainer, batch, device, one_unit), warmup, steps, device.type == "cuda")
@@ -273,6 +273,8 @@ def one_rank(reduced: bool) -> tuple[object, bool, int, int]:
 def run_trainer(reduced: bool) -> dict[str, object]:
     import torch
 
+    from decentrl.trainer.distributed import one_unit_here
+
     device, cuda, warmup, steps = one_rank(reduced)
     peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None
     out: dict[str, object] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "peak_tflops": peak}
@@ -283,9 +285,12 @@ def run_trainer(reduced: bool) -> dict[str, object]:
 
         ours, ours_peak = time_decentrl_step(config, trainer, batch, device, warmup, steps)
         bare, bare_peak = time_bare_step(config, trainer, batch, device, warmup, steps)
-        # One FSDP2 unit for the whole model (no hooks per block): measured, not yet the trainer's.
-        one_unit, _ = time_decentrl_step(config, trainer, batch, device, warmup, steps, one_unit=True)
-        ours_s, bare_s, one_unit_s = statistics.median(ours), statistics.median(bare), statistics.median(one_unit)
+        # The other cut of the model into FSDP2 units than the trainer's here (`one_unit_here`: one
+        # unit on one CUDA rank, one a block on the CPU), so both are timed either way.
+        trainers_cut = one_unit_here(1, device.type)
+        other, _ = time_decentrl_step(config, trainer, batch, device, warmup, steps, one_unit=not trainers_cut)
+        ours_s, bare_s, other_s = statistics.median(ours), statistics.median(bare), statistics.median(other)
+        one_unit_s, per_block_s = (ours_s, other_s) if trainers_cut else (other_s, ours_s)
         out[key] = {
             "tokens_per_step": tokens, "seq_len": seq_len, "step_s": ours_s, "bare_step_s": bare_s,
             "step_s_all": ours, "bare_step_s_all": bare,
@@ -293,7 +298,8 @@ def run_trainer(reduced: bool) -> dict[str, object]:
             "mfu": flops / ours_s / (peak * 1e12) if peak else None,
             "bare_mfu": flops / bare_s / (peak * 1e12) if peak else None,
             "trainer_vs_bare": bare_s / ours_s,
-            "one_unit_step_s": one_unit_s, "one_unit_vs_per_block": ours_s / one_unit_s,
+            "one_unit": trainers_cut, "one_unit_step_s": one_unit_s, "per_block_step_s": per_block_s,
+            "one_unit_vs_per_block": per_block_s / one_unit_s,
             "peak_memory_gb": ours_peak / 2**30 if ours_peak else None,
             "bare_peak_memory_gb": bare_peak / 2**30 if bare_peak else None,
         }

@@ -4,9 +4,10 @@ with the ways FSDP2 can be laid over one rank side by side.
 One FSDP2 rank (gloo on the CPU, NCCL on a GPU), 4 micro-batches a step. Four loops over the same
 batch and micro-batches, timed in turns (round-robin, so a change of load hits each alike):
 
-  ours        `training_step` of benchmarks/gpu_check.py on `shard_model` as the trainer calls it:
-              each block its own FSDP2 unit, the step's gradients reduced once, after its last
-              micro-batch (`reduce_gradients_after`)
+  ours        `training_step` of benchmarks/gpu_check.py on `shard_model` as the trainer calls it
+              on the CPU: each block its own FSDP2 unit (on one CUDA rank the trainer takes
+              one_unit's cut since 2026-11-27: `one_unit_here`), the step's gradients reduced
+              once, after its last micro-batch (`reduce_gradients_after`)
   each_micro  the same with the gradients reduced after every micro-batch (FSDP2's default; the
               trainer's before 2026-11-27)
   one_unit    ours with the whole model one FSDP2 unit (`shard_model(one_unit=True)`)

@@ -32,13 +32,22 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def one_unit_here(world_size: int, device_type: str) -> bool:
+    """Whether `shard_model` makes the whole model one FSDP2 unit when not told: on one CUDA rank.
+    One rank keeps every block gathered through a step anyway (below), so a unit a block frees
+    nothing and costs hooks a block: on an H100 (2026-11-27, gpu_check.py) one unit was 1.25x a
+    step of the SmolLM2-135M shape and 1.04x of Qwen3-0.6B's. On the CPU it is not: glibc maps the
+    whole model's buffers fresh each step (0.90x there, docs/benchmarks.md "The trainer on one rank")."""
+    return world_size == 1 and device_type == "cuda"
+
+
 def shard_model(
     model: PreTrainedModel, *, mixed_precision: str = "fp32", activation_checkpointing: bool = False,
-    one_unit: bool = False,
+    one_unit: bool | None = None,
 ) -> PreTrainedModel:
     """FSDP2: each transformer block is its own unit (all-gathered just before use), then the rest.
-    `one_unit`: the whole model one unit, no hooks per block (for one rank, where it saves no memory
-    to free a block: benchmarks/trainer_overhead.py and gpu_check.py time it against the blocks)."""
+    `one_unit`: the whole model one unit, no hooks per block; None: where `one_unit_here` says
+    (benchmarks/trainer_overhead.py and gpu_check.py time both)."""
     if activation_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks: the recompute in backward
         # all-gathers the block's parameters again like the forward did.
@@ -50,7 +59,10 @@ def shard_model(
     )
     # One rank holds every parameter anyway: keeping the gathered (bf16) block after its forward
     # saves gathering it again in backward; with several ranks each block is freed (less memory).
-    reshard = dist.get_world_size() > 1 if dist.is_initialized() else True
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    reshard = world_size > 1 if dist.is_initialized() else True
+    if one_unit is None:
+        one_unit = one_unit_here(world_size, next(model.parameters()).device.type)
     if not one_unit:
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)

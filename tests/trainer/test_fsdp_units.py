@@ -26,7 +26,7 @@ from decentrl.cli.launch import free_port
 from decentrl.config import TinyModelConfig, TrainerConfig
 from decentrl.model.build import build_model
 from decentrl.trainer.batching import rank_share
-from decentrl.trainer.distributed import init_distributed, shard_model
+from decentrl.trainer.distributed import init_distributed, one_unit_here, shard_model
 from decentrl.trainer.step import accumulate_gradients, micro_batch_loss
 from tests.trainer.test_trainer_parity import MAX_TOKENS, make_batch
 
@@ -48,8 +48,9 @@ def one_rank(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     _, _, device = init_distributed()
     saved: dict[str, object] = {
-        "units": units(shard_model(build_model(TINY).train())),
+        "units": units(shard_model(build_model(TINY).train())),  # one CPU rank: a unit a block
         "one_unit": units(shard_model(build_model(TINY).train(), one_unit=True)),
+        "per_block": units(shard_model(build_model(TINY).train(), one_unit=False)),
     }
     config = TrainerConfig(micro_batch_tokens=24, mixed_precision="bf16", entropy_coef=0.01)
     _, totals, micro_batches = rank_share(make_batch(), rank=0, world=1, config=config, max_tokens=MAX_TOKENS, pad_id=0, device=device)
@@ -73,7 +74,7 @@ def test_units_and_one_ranks_gradients(tmp_path: Path) -> None:
     mp.spawn(one_rank, args=(free_port(), out), nprocs=1, join=True)
     saved = torch.load(out, weights_only=False)
     assert saved["units"] == ["", *(f"model.layers.{i}" for i in range(TINY.num_layers))]
-    assert saved["one_unit"] == [""]
+    assert saved["one_unit"] == [""] and saved["per_block"] == saved["units"]
     assert saved["micro_batches"] >= 3
     for cut in ("blocks", "whole"):
         loss, grads = saved[cut]
@@ -98,3 +99,10 @@ def test_trainer_overhead_benchmark_runs(tmp_path: Path) -> None:
                 "one_unit_vs_per_block", "compiled_step_s", "compiled_vs_eager", "compiled_vs_bare"):
         assert result[key] > 0, key
     assert (result["shape"], result["mixed_precision"], result["rounds"]) == ("launch", "fp32", 1)
+
+
+def test_one_cuda_rank_takes_the_whole_model_as_one_unit() -> None:
+    """Measured on an H100 (2026-11-27): one unit was 1.25x a 1-rank step of the 135M shape; on
+    the CPU a unit a block stays (glibc maps the whole model's buffers fresh each step)."""
+    assert one_unit_here(1, "cuda")
+    assert not one_unit_here(1, "cpu") and not one_unit_here(2, "cuda") and not one_unit_here(4, "cpu")

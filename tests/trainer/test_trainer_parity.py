@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
 
 from decentrl.api.wire import TrainBatch, TrainSample
 from decentrl.cli.launch import free_port
@@ -159,12 +160,13 @@ def test_background_gather_delivers_exactly_the_weights_after_the_step(results: 
 
 @pytest.mark.gpu
 def test_cuda_nccl_bf16_step_matches_fp32_on_cpu(tmp_path: Path) -> None:
-    """One GPU rank (NCCL) with bf16 mixed precision: the loss agrees with fp32 to bf16 precision."""
+    """One GPU rank (NCCL) with bf16 mixed precision, the whole model one FSDP2 unit (the trainer's
+    cut on one CUDA rank): the loss agrees with fp32 to bf16 precision."""
     out = str(tmp_path / "gpu.pt")
     mp.spawn(gpu_step, args=(free_port(), out), nprocs=1, join=True)
     run = torch.load(out, weights_only=False)
     expected_loss, expected_grads = plain_reference()
-    assert run["device"].startswith("cuda")
+    assert run["device"].startswith("cuda") and run["units"] == [""]
     assert run["loss"] == pytest.approx(expected_loss, rel=5e-2, abs=1e-3)
     cosine = torch.nn.functional.cosine_similarity(
         torch.cat([g.flatten() for g in run["grads"].values()]),
@@ -184,5 +186,6 @@ def gpu_step(rank: int, port: int, out: str) -> None:
         model, reference, [collate(samples, 0).to(device)], totals=batch_totals(samples, MAX_TOKENS), config=config, temperature=TEMPERATURE
     )
     grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
-    torch.save({"loss": loss.item(), "grads": grads, "device": str(device)}, out)
+    units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    torch.save({"loss": loss.item(), "grads": grads, "device": str(device), "units": units}, out)
     dist.destroy_process_group()
