@@ -29,7 +29,8 @@ def without_cudnn_attention(device: torch.device) -> Iterator[None]:
     after. cuDNN's attention builds a plan for every new sequence length, and a decode meets a new
     one at every token and every prompt width: on an H100 (2026-11-27, benchmarks/gpu_check.py)
     the first 64 x 256-token decode took 24 s against ~7 s warm, and warm without it was not
-    slower (2,564 tokens/s against 2,225-2,436 with it)."""
+    slower (2,564 tokens/s against 2,225-2,436 with it). The setting is the process's: a worker
+    runs one hf decode at a time (workers/batching.py combines its slots into one round)."""
     if device.type != "cuda":
         yield
         return
