@@ -1,6 +1,7 @@
 """How `shard_model` cuts the model into FSDP2 units, and what one rank does with its gradients.
 
-Each transformer block is its own unit, or with `one_unit` the whole model is one. On one rank a
+Each transformer block is its own unit, or with `one_unit` the whole model is one (one CUDA rank's
+cut, `one_unit_here`; LoRA's frozen base and adapters in one unit get the blocks' gradients). On one rank a
 step's gradients accumulate unsharded over its micro-batches and are reduced once, after the last
 (`reduce_gradients_after`). The loss and gradients of that, with either cut, must be those of
 FSDP2's default, a reduction after every micro-batch, in bf16 mixed precision too (the reduction is
@@ -23,10 +24,11 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule
 
 from decentrl.cli.launch import free_port
-from decentrl.config import TinyModelConfig, TrainerConfig
+from decentrl.config import LoRAConfig, TinyModelConfig, TrainerConfig
 from decentrl.model.build import build_model
 from decentrl.trainer.batching import rank_share
 from decentrl.trainer.distributed import init_distributed, one_unit_here, shard_model
+from decentrl.trainer.lora import add_adapters
 from decentrl.trainer.step import accumulate_gradients, micro_batch_loss
 from tests.trainer.test_trainer_parity import MAX_TOKENS, make_batch
 
@@ -65,6 +67,16 @@ def one_rank(rank: int, port: int, out: str) -> None:
         model = shard_model(build_model(TINY).train(), mixed_precision="bf16", one_unit=one_unit)
         loss, _ = accumulate_gradients(model, None, micro_batches, totals=totals, config=config, temperature=1.0)
         saved[name] = (loss.item(), grads_of(model))
+    for name, one_unit in (("lora_blocks", False), ("lora_whole", True)):  # frozen base and adapters in one unit
+        torch.manual_seed(0)
+        model = add_adapters(build_model(TINY), LoRAConfig(rank=4)).train()
+        with torch.no_grad():  # B starts at zero: move it, so every adapter gets a gradient
+            for parameter_name, parameter in model.named_parameters():
+                if "lora_B" in parameter_name:
+                    parameter.normal_(0, 0.1)
+        model = shard_model(model, mixed_precision="bf16", one_unit=one_unit)
+        loss, _ = accumulate_gradients(model, None, micro_batches, totals=totals, config=config, temperature=1.0)
+        saved[name] = (loss.item(), {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad})
     torch.save(saved, out)
     dist.destroy_process_group()
 
@@ -84,6 +96,12 @@ def test_units_and_one_ranks_gradients(tmp_path: Path) -> None:
             assert grad.dtype == torch.float32, name
             torch.testing.assert_close(grad, saved["reference_grads"][name], rtol=1e-5, atol=1e-7, msg=f"{cut} {name}")
             assert grad.abs().sum() > 0, name
+    (blocks_loss, blocks), (whole_loss, whole) = saved["lora_blocks"], saved["lora_whole"]
+    assert whole_loss == pytest.approx(blocks_loss, rel=1e-6)
+    assert blocks and set(whole) == set(blocks) and all("lora_" in name for name in blocks)
+    for name, grad in blocks.items():
+        torch.testing.assert_close(whole[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert grad.abs().sum() > 0, name
 
 
 def test_trainer_overhead_benchmark_runs(tmp_path: Path) -> None:
