@@ -498,6 +498,29 @@ class GpuMemorySampler(threading.Thread):
             self.total_peak = max([self.total_peak] + [int(x) for x in used.split() if x.isdigit()])
 
 
+def start_run(argv: list[str]) -> subprocess.Popen[str]:
+    """`decentrl run` (`argv`) in a session of its own, its output piped: for `finish_run`."""
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish_run(process: subprocess.Popen[str], timeout_s: float) -> tuple[int | None, str]:
+    """Wait for a `start_run` process: (its exit code, its output). Out of time, (None, its output):
+    interrupted as at a terminal, the run stops every role it started (each in a session of its
+    own) and waits for them, so none is left running (holding a GPU) after it."""
+    try:
+        out, _ = process.communicate(timeout=timeout_s)
+        return process.returncode, out
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)
+        try:
+            out, _ = process.communicate(timeout=45)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # (the roles follow it: PR_SET_PDEATHSIG)
+                os.killpg(process.pid, signal.SIGKILL)
+            out, _ = process.communicate()
+        return None, out
+
+
 def run_e2e(reduced: bool, timeout_s: float) -> dict[str, object]:
     import shutil
 
@@ -524,21 +547,8 @@ def run_e2e(reduced: bool, timeout_s: float) -> dict[str, object]:
         if sampler:
             sampler.start()
         started = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-            code, tail = proc.returncode, out[-1500:]
-        except subprocess.TimeoutExpired:
-            # Out of time: interrupted as at a terminal, the run stops every role it started (each
-            # in a session of its own) and waits for them, so none is left holding the GPU.
-            proc.send_signal(signal.SIGINT)
-            try:
-                out, _ = proc.communicate(timeout=45)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):  # (the roles follow it: PR_SET_PDEATHSIG)
-                    os.killpg(proc.pid, signal.SIGKILL)
-                out, _ = proc.communicate()
-            code, tail = None, f"timed out after {timeout_s:.0f}s\n" + out[-1500:]
+        code, out = finish_run(start_run(argv), timeout_s)
+        tail = out[-1500:] if code is not None else f"timed out after {timeout_s:.0f}s\n" + out[-1500:]
         wall = time.perf_counter() - started
         if sampler:
             sampler.stopping.set()

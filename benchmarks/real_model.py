@@ -609,16 +609,19 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
         argv = [sys.executable, "-m", "decentrl", "run", str(CONFIG), "--run-dir", run_dir]
         for item in overrides:
             argv += ["--set", item]
+        from gpu_check import finish_run, start_run
+
         started = time.perf_counter()
-        process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = start_run(argv)
         sampler = RssSampler(process.pid)
         sampler.start()
-        output, _ = process.communicate(timeout=args.run_timeout_s)
+        code, output = finish_run(process, args.run_timeout_s)  # out of time: every role stopped
         wall = time.perf_counter() - started
         sampler.stopping.set()
         sampler.join()
-        if process.returncode != 0:
-            return {"error": f"decentrl run exited {process.returncode}", "output_tail": output[-2500:]}
+        if code != 0:
+            ended = f"exited {code}" if code is not None else f"did not end within {args.run_timeout_s}s"
+            return {"error": f"decentrl run {ended}", "output_tail": output[-2500:]}
         metrics = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
         store = CheckpointStore(f"file://{run_dir}/checkpoints", link_local=False)  # pulls copy, as a remote worker's
         versions = []
