@@ -59,8 +59,9 @@ def shard_model(
     )
     # One rank holds every parameter anyway: keeping the gathered (bf16) block after its forward
     # saves gathering it again in backward; with several ranks each block is freed (less memory).
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    reshard = world_size > 1 if dist.is_initialized() else True
+    initialized = dist.is_initialized()
+    world_size = dist.get_world_size() if initialized else 1
+    reshard = world_size > 1 or not initialized
     if one_unit is None:
         one_unit = one_unit_here(world_size, next(model.parameters()).device.type)
     if not one_unit:
