@@ -378,7 +378,7 @@ def trainer_part(args: argparse.Namespace) -> dict[str, Any]:
 
     from decentrl.store.weights import load_pretrained
     from decentrl.trainer.distributed import init_distributed
-    from decentrl.trainer.train import load_policy
+    from decentrl.trainer.train import load_policy, mixed_precision
 
     config = run_config(args.model_dir, args.overrides)
     cfg = config.trainer
@@ -388,11 +388,12 @@ def trainer_part(args: argparse.Namespace) -> dict[str, Any]:
     rows = config.trainer.groups_per_step * config.group_size
     batch = train_batch(config, rows, args.quick)
     tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in batch.samples)
-    model = load_policy(args.model_dir, cfg, device)  # as the trainer loads it: fp32 master weights, FSDP2
+    precision = mixed_precision(config, device)
+    model = load_policy(args.model_dir, cfg, device, precision=precision)  # as the trainer loads it: fp32 master weights, FSDP2
     ours = training_step(model, cfg, batch, device)
     bare_model = load_pretrained(args.model_dir).to(device).train()
     optimizer = torch.optim.AdamW(bare_model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    autocast = cfg.mixed_precision == "bf16"
+    autocast = precision == "bf16"
     runs = {
         "ours": lambda: timed_step(ours),
         "bare": lambda: timed_step(lambda: bare_step(bare_model, optimizer, batch.samples, cfg.micro_batch_tokens, device, autocast)),
@@ -404,7 +405,7 @@ def trainer_part(args: argparse.Namespace) -> dict[str, Any]:
     ours_s, bare_s = median(times["ours"]), median(times["bare"])
     return {
         "rows": rows, "seq_len": len(batch.samples[0].prompt_token_ids) + len(batch.samples[0].completion_token_ids),
-        "tokens_per_step": tokens, "mixed_precision": cfg.mixed_precision, "torch_threads": cfg.torch_threads,
+        "tokens_per_step": tokens, "mixed_precision": precision, "torch_threads": cfg.torch_threads,
         "micro_batch_tokens": cfg.micro_batch_tokens,
         "step_s": ours_s, "bare_step_s": bare_s, "tokens_per_s": tokens / ours_s, "bare_tokens_per_s": tokens / bare_s,
         "trainer_vs_bare": bare_s / ours_s, "step_s_all": times["ours"], "bare_step_s_all": times["bare"], "first_step": warm,
@@ -482,14 +483,15 @@ def two_ranks_rank(rank: int, port: int, args: argparse.Namespace, out: str) -> 
     from gpu_check import training_step
 
     from decentrl.trainer.distributed import init_distributed
-    from decentrl.trainer.train import load_policy
+    from decentrl.trainer.train import load_policy, mixed_precision
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     config = run_config(args.model_dir, args.overrides)
     _, _, device = init_distributed()
     torch.set_num_threads(1)
     batch = train_batch(config, config.trainer.groups_per_step * config.group_size, args.quick)
-    step = training_step(load_policy(args.model_dir, config.trainer, device), config.trainer, batch, device)
+    model = load_policy(args.model_dir, config.trainer, device, precision=mixed_precision(config, device))
+    step = training_step(model, config.trainer, batch, device)
     first = timed_step(step)
     times = [timed_step(step) for _ in range(args.rounds)]
     peaks = [None, None]

@@ -77,10 +77,13 @@ HISTORY = web.AppKey("history", History)  # bounded curves and samples for the d
 
 
 def run_status(app: web.Application) -> StatusResponse:
-    """The /v1/status answer: the run's (RunState.status), with the verifier's summary when it runs."""
+    """The /v1/status answer: the run's (RunState.status), with the verifier's summary when it runs
+    and what each worker token's worker computes on."""
     found = app[STATE].status()
     if VERIFIER in app:
         found.verification = app[VERIFIER].summary()
+    for name, machine in app[HISTORY].machines.items():
+        found.workers.setdefault(name, {})["machine"] = machine.model_dump()
     return found
 
 

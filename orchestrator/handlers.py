@@ -95,6 +95,7 @@ async def leases(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.integrity.is_banned(request[IDENTITY].name):  # a token from DECENTRL_TOKENS outlives its ban
         raise error(web.HTTPForbidden, f"token {request[IDENTITY].name!r} is banned (docs/security.md)")
+    request.app[HISTORY].asked(request[IDENTITY].name, body.machine)
     holder, wait_s = holder_of(request, body.worker_id), state.config.orchestrator.lease_wait_s
     # Long-poll: with nothing to grant, wait for a version, a served batch or a release to free
     # groups, so a worker's slots start the moment the staleness budget allows and do not poll;

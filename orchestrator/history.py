@@ -12,7 +12,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from decentrl.api.wire import IngestResponse, RolloutBatch, StatusResponse, TrainBatch, TrainSample
+from decentrl.api.wire import IngestResponse, RolloutBatch, StatusResponse, TrainBatch, TrainSample, WorkerMachine
 
 POINTS_KEPT = 3600  # one an hour at one a second
 STEPS_KEPT = 5000
@@ -65,6 +65,7 @@ class History:
     versions: deque[VersionEvent] = field(default_factory=lambda: deque(maxlen=VERSIONS_KEPT))
     samples: deque[ShownSample] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))  # a few served recently
     workers: dict[str, WorkerActivity] = field(default_factory=dict)
+    machines: dict[str, WorkerMachine] = field(default_factory=dict)  # token name -> its worker's last account
     staleness: Counter[int] = field(default_factory=Counter)  # samples served, by staleness
 
     # -- fed by the handlers --------------------------------------------------------------
@@ -107,6 +108,11 @@ class History:
                 if event.first_rollout is not None:
                     break
                 event.first_rollout = now
+
+    def asked(self, token_name: str, machine: WorkerMachine | None) -> None:
+        """A worker's lease request said what it computes on (/v1/status shows it per token)."""
+        if machine is not None:
+            self.machines[token_name] = machine
 
     def served(self, batch: TrainBatch) -> None:
         """A batch went to the trainer: its staleness, and one completion of each of its first groups."""

@@ -1,9 +1,10 @@
 """Logprob spot-checks: recompute a rollout's per-token sampling logprobs under its claimed version.
 
 Runs on the verification scheduler's one worker thread (orchestrator/verification.py), off the
-event loop. A version is loaded once into one of `models_cached` models, in the dtype it was
-published in; weights that cannot be loaded leave its rollouts `unverifiable` (nobody struck) and
-never end the thread. The rule, its calibration and its cost: docs/security.md and docs/store.md.
+event loop. A version is loaded once into one of `models_cached` models, computing in the dtype it
+was published in where this CPU computes it natively, else in fp32 (`compute_dtype`); weights that
+cannot be loaded leave its rollouts `unverifiable` (nobody struck) and never end the thread. The
+rule, its calibration and its cost: docs/security.md and docs/store.md.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class Verifier:
         self.largest_passing_mean_diff = 0.0
         # (per-token, mean) bounds of the run's publish dtype, known once a version is loaded.
         self.tolerances = (config.tolerance, config.tolerance)
+        self.dtype: torch.dtype | None = None  # the models compute in it, known once a version is loaded
 
     def warm_up(self) -> None:
         """Import torch and the model code and build the models now, not in the first check. Errors
@@ -146,7 +148,8 @@ class Verifier:
         overwritten in place, all or nothing (weights that cannot be read change no model)."""
         import torch
 
-        from decentrl.store.weights import adopt_dtype, copy_into
+        from decentrl.model.devices import compute_dtype, machine
+        from decentrl.store.weights import copy_into, published_dtype
 
         torch.set_num_threads(self.config.torch_threads)
         weights = self._weights(version)
@@ -157,8 +160,17 @@ class Verifier:
         else:
             model = self._build()
         try:
-            adopt_dtype(model, weights)  # sample as the workers do: in the dtype the version was published in
-            copy_into(model, weights)
+            published = published_dtype(weights)
+            dtype = compute_dtype(self.config.compute_dtype, torch.device("cpu"), published)
+            if dtype != self.dtype:
+                log.info("verifier: %s (versions published in %s)", machine().line(str(dtype)[6:]), str(published)[6:])
+            self.dtype = dtype
+            # The bounds are the published dtype's: honest workers may compute in it or in fp32.
+            half = published in (torch.bfloat16, torch.float16)
+            config = self.config
+            self.tolerances = (config.half_tolerance, config.half_mean_tolerance) if half else (config.tolerance, config.tolerance)
+            model.to(dtype)
+            copy_into(model, weights, published=published)
         except BaseException:
             self._spare.append(model)  # no longer counted as holding its version: as good as a fresh build
             raise
@@ -199,9 +211,6 @@ class Verifier:
         from decentrl.model.sampling import sampling_distribution
 
         model = self._model(version)
-        config = self.config
-        half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        self.tolerances = (config.half_tolerance, config.half_mean_tolerance) if half else (config.tolerance, config.tolerance)
         started, cpu_started = time.perf_counter(), time.thread_time()
         sequences = [r.prompt_token_ids + r.completion_token_ids for r in rollouts]
         width = max(len(s) for s in sequences)

@@ -12,6 +12,7 @@ from typing import Literal
 
 from decentrl.api.wire import SamplingParams
 from decentrl.config import RunConfig
+from decentrl.model.devices import ComputeDtype
 from decentrl.tasks import Prompt, Task, build_task
 from decentrl.tasks.answers import FormatCredited
 from decentrl.tasks.episodes import EpisodeTask
@@ -84,11 +85,12 @@ def evaluate(
     greedy: bool = False,
     seed: int = 0,
     device: str = "cpu",
+    compute: ComputeDtype = "auto",
     batch_rows: int = 512,
 ) -> EvalResult:
     """Mean reward of `version` (a verified local checkpoint directory) over `prompts` x `samples_per_prompt`."""
     task, chosen = eval_prompts(config, split, prompts, seed)
-    backend = HFBackend(device=device, seed=seed)
+    backend = HFBackend(device=device, seed=seed, compute=compute)  # as the run's workers compute ([worker] compute_dtype)
     backend.load(checkpoint_dir, version)
     assert backend.tokenizer is not None
     sampling = SamplingParams(**config.sampling.model_dump())

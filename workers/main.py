@@ -4,13 +4,17 @@ torch and the backends are imported inside the functions, so `decentrl --help` s
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from decentrl.api.client import OrchestratorClient
+from decentrl.api.wire import WorkerMachine
 from decentrl.config import RunConfig, WorkerConfig
-from decentrl.model.devices import available_gpus, device_problem
+from decentrl.model.devices import available_gpus, device_problem, machine
 from workers.backends import Backend
 from workers.worker import Worker
+
+log = logging.getLogger("decentrl.worker")
 
 
 def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend:
@@ -33,7 +37,9 @@ def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend
     if problem:  # a GPU this machine lacks: a setting to change, not a crash (one line, no traceback)
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)
-    return HFBackend(device=config.device, router_noise=router_noise, gpu_memory=config.gpu_memory)
+    return HFBackend(
+        device=config.device, router_noise=router_noise, gpu_memory=config.gpu_memory, compute=config.compute_dtype
+    )
 
 
 def run_worker(
@@ -43,15 +49,23 @@ def run_worker(
     import torch
 
     torch.set_num_threads(config.worker.torch_threads)
+    here = machine(config.worker.device if config.worker.backend == "hf" else "cpu")
+    log.info("worker %s: %s", worker_id, here.line(f"[worker] compute_dtype {config.worker.compute_dtype!r}, resolved "
+                                                   "against the first version's dtype"))
+    backend = build_backend(config.worker, router_noise=config.simulation.router_noise)
     worker = Worker(
         config.worker,
         worker_id=worker_id,
         cache_dir=cache_dir,
         spool_dir=spool_dir,
         client=OrchestratorClient(orchestrator_url, token),
-        backend=build_backend(config.worker, router_noise=config.simulation.router_noise),
+        backend=backend,
         store=config.store,
         simulation=config.simulation,
+        machine=lambda: WorkerMachine(
+            backend=config.worker.backend, device=here.device[:64], isa=here.isa, threads=here.threads,
+            compute_dtype=backend.compute_dtype,  # type: ignore[arg-type] - a backend names a torch dtype
+        ),
     )
     if worker.info.deterministic:  # the run decides (RunInfo), whatever this worker's config says
         from decentrl.rl.determinism import use_deterministic_torch

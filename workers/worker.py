@@ -20,7 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentrl.api.client import InvalidAnswer, OrchestratorClient, OrchestratorError
-from decentrl.api.wire import IngestResponse, Lease, LeaseRequest, LeaseResponse, RolloutBatch, RunInfo, SamplingParams
+from decentrl.api.wire import (
+    IngestResponse,
+    Lease,
+    LeaseRequest,
+    LeaseResponse,
+    RolloutBatch,
+    RunInfo,
+    SamplingParams,
+    WorkerMachine,
+)
 from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
 from decentrl.rl.determinism import sample_seed
 from decentrl.rl.staleness import is_fresh
@@ -88,8 +97,11 @@ class Worker:
         store: StoreConfig = StoreConfig(),
         simulation: SimulationConfig = SimulationConfig(),
         spool_dir: str | None = None,
+        machine: Callable[[], WorkerMachine] | None = None,
     ) -> None:
+        """`machine`: what this worker computes on, sent with every lease request (/v1/status shows it)."""
         self.config = config
+        self._machine = machine
         self.worker_id = worker_id
         self.cache_dir = cache_dir
         self.client = client
@@ -310,6 +322,8 @@ class Worker:
                 self._changed.wait(timeout=1.0)
         if self._stop.is_set():
             return None
+        if self._machine is not None:
+            request = request.model_copy(update={"machine": self._machine()})
         response = self.client.lease(request)
         self._note_version(response.policy_version)
         self._note_lost(response.superseded)

@@ -132,9 +132,24 @@ class RunInfo(Wire):
     )
 
 
+class WorkerMachine(Wire):
+    """What a worker computes on (decentrl/model/devices.py `Machine`), shown per worker token in
+    /v1/status: a volunteer's own account, for the operator's eyes, never trusted for anything."""
+
+    backend: Literal["hf", "vllm", "openai"]
+    device: str = Field(max_length=64, pattern=r"^[A-Za-z0-9 ._:()@+-]*$", description="cpu, or the GPU's name.")
+    isa: str = Field(max_length=16, pattern=r"^[a-z0-9_]*$", description="amx, avx512, avx2, arm, default.")
+    threads: Int = Field(ge=1, le=4096, description="torch's intra-op threads.")
+    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="The dtype the backend computes in; None before its first version is loaded (or an "
+        "engine that does not say: vllm, openai)."
+    )
+
+
 class LeaseRequest(Wire):
     worker_id: str = Field(pattern=WORKER_ID, description="Stable name of the worker.")
     max_groups: Int = Field(ge=1, le=1024, description="Most prompt groups wanted.")
+    machine: WorkerMachine | None = Field(None, description="What the worker computes on, for /v1/status.")
 
 
 class Lease(Wire):
@@ -563,8 +578,9 @@ class StatusResponse(Wire):
     workers: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="Per token: rollouts, checked, passed (pending groups whose check passed), strikes, "
-        "reward_mismatches (claimed reward disagreed; never used), served, rejections by reason, banned. "
-        "See docs/security.md.",
+        "reward_mismatches (claimed reward disagreed; never used), served, rejections by reason, banned "
+        "(docs/security.md); and `machine`, what its worker said it computes on in its last lease request "
+        "(backend, device, isa, threads, compute_dtype: WorkerMachine).",
     )
     reward_failures: dict[str, int] = Field(
         default_factory=dict,

@@ -36,7 +36,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from decentrl.config import Placed, RunConfig
-from decentrl.model.devices import available_gpus, needs_cuda, placement_problem
+from decentrl.model.devices import available_gpus, needs_cuda, placement_problem, roles_line
 from orchestrator.auth import add_token
 
 console = Console(soft_wrap=True)
@@ -297,6 +297,7 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
     url = f"http://127.0.0.1:{port}"
     roles: list[Role] = []
     console.print(f"run dir: {run_dir}\norchestrator: {url}  store: {config.store.url}")
+    console.print(roles_line(config), markup=False)
     console.print(f"dashboard: {url}/  (asks for a token: any in {tokens_path})", markup=False)
     try:
         roles.append(_start("orchestrator", orchestrator_command(config_path, run_dir), run_dir, {}))

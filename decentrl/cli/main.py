@@ -236,7 +236,8 @@ def evaluate(
     """Score a published version on held-out prompts with the task's reward; prints one JSON line.
 
     Reads the config's task, sampling and store sections (store.public_key: refuse unsigned
-    versions) and generates on worker.device; e.g. --set worker.device=cuda --set store.public_key=trainer.pub.
+    versions) and generates on worker.device in worker.compute_dtype; e.g. --set worker.device=cuda --set
+    store.public_key=trainer.pub.
     """
     import json
 
@@ -264,7 +265,7 @@ def evaluate(
         local = store.pull(chosen, os.path.expanduser(cache_dir))
         result = run_eval(
             loaded, local, chosen, prompts=prompts, samples_per_prompt=samples, split=split,  # type: ignore[arg-type]
-            greedy=greedy, seed=seed, device=loaded.worker.device,
+            greedy=greedy, seed=seed, device=loaded.worker.device, compute=loaded.worker.compute_dtype,
         )
     except (StoreError, EvalError, PromptError) as exc:
         typer.echo(f"error: {exc}", err=True)

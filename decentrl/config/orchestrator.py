@@ -69,6 +69,11 @@ class VerificationConfig(Section):
     )
     max_strikes: int = Field(3, ge=1, description="Strikes (rejections for cheating) after which a token is revoked.")
     torch_threads: int = Field(1, ge=1, le=256, description="CPU threads of the verifier's forward passes.")
+    compute_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="The verifier's compute dtype. auto: the versions' published dtype where this CPU computes "
+        "it natively, else fp32 from the same weights. The bounds follow the published dtype either way (bf16 "
+        "versions: half_tolerance, which holds for workers computing in fp32 or bf16: docs/store.md).",
+    )
     models_cached: int = Field(2, ge=1, le=16, description="Policy versions kept loaded by the verifier at once.")
     check_wait_s: float = Field(
         0.5, ge=0.0, le=60.0,

@@ -50,7 +50,10 @@ class HFScorerConfig(ScorerBase):
         "(torch.cuda.set_per_process_memory_fraction); None: no limit. `decentrl run` sets it from "
         "[placement] scorers.memory.",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype on the device.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The dtype the model computes in. auto: its weights' own dtype where the device computes it "
+        "natively, else float32 (decentrl/model/devices.py compute_dtype)."
+    )
     batch_size: int = Field(8, ge=1, le=1024, description="Texts per forward pass (whole samples and step prefixes).")
     max_length: int = Field(
         2048, ge=8, le=2**20, description="Tokens per text at most; longer texts are cut on `truncation_side`."
@@ -230,7 +233,10 @@ class TeacherScorerConfig(ScorerBase):
         None, gt=0, le=1, description="Share of its GPU's memory this scorer may take on CUDA; None: no limit. "
         "`decentrl run` sets it from [placement] scorers.memory.",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype on the device.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The dtype the model computes in. auto: its weights' own dtype where the device computes it "
+        "natively, else float32 (decentrl/model/devices.py compute_dtype)."
+    )
     batch_size: int = Field(16, ge=1, le=1024, description="Samples per forward pass (padded to the longest).")
     max_length: int = Field(
         32768, ge=2, le=2**20, description="Most prompt + completion tokens of one sample; a longer one is posted as "

@@ -198,8 +198,10 @@ class TrainerConfig(Section):
         "kernels where a step is bound by launching them (one rank on a GPU) or by passes over the logits. The first "
         "step, and the first micro-batch of a new length, wait seconds for a compilation. Dense models only.",
     )
-    mixed_precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="bf16: FSDP2 computes in bf16, reduces gradients and keeps weights in fp32 (GPU)."
+    mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16: FSDP2 computes in bf16, reduces gradients and keeps weights in fp32. auto: bf16 where "
+        "the run's versions are bf16 (store.publish_dtype) and the device computes bf16 natively (CUDA, a CPU with "
+        "AVX-512 bf16 or AMX), else fp32 (an AVX2 CPU emulates bf16 4-5x slower; decentrl/model/devices.py).",
     )
     checkpoint_every: int = Field(
         25, ge=1, description="Steps between resumable checkpoints under <run_dir>/trainer; the last step saves one too."

@@ -61,6 +61,11 @@ class WorkerConfig(Section):
         4, ge=1, le=1024, description="Prompts (groups) leased and generated together."
     )
     torch_threads: int = Field(1, ge=1, description="Intra-op CPU threads.")
+    compute_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="The hf backend's (and `decentrl eval`'s) compute dtype. auto: the versions' published dtype "
+        "where the device computes it natively, else fp32 from the same weights (bf16 versions on an AVX2 CPU: "
+        "4x faster in fp32). bf16 needs bf16 versions: the verifier holds fp32 versions to fp32 bounds.",
+    )
     concurrency: int = Field(
         1, ge=1, le=256, description="Lease slots in flight per worker (concurrent requests to the backend)."
     )

@@ -295,9 +295,9 @@ def load_pretrained(directory: str, *, as_published: bool = False) -> PreTrained
 # -- into a built model -----------------------------------------------------------------------
 
 
-def mismatches(expected: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor]) -> list[str]:
+def mismatches(expected: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor], *, dtypes: bool = True) -> list[str]:
     """What keeps `given` from replacing `expected` tensor for tensor: missing and unexpected
-    keys, and keys whose shape or dtype differs. Empty when it fits."""
+    keys, and keys whose shape (or, with `dtypes`, dtype) differs. Empty when it fits."""
     problems = []
     if missing := sorted(expected.keys() - given.keys()):
         problems.append(f"missing {_listed(missing)}")
@@ -306,7 +306,7 @@ def mismatches(expected: Mapping[str, torch.Tensor], given: Mapping[str, torch.T
     wrong = [
         f"{name} {tuple(given[name].shape)} {given[name].dtype} (model: {tuple(tensor.shape)} {tensor.dtype})"
         for name, tensor in expected.items()
-        if name in given and (given[name].shape != tensor.shape or given[name].dtype != tensor.dtype)
+        if name in given and (given[name].shape != tensor.shape or (dtypes and given[name].dtype != tensor.dtype))
     ]
     if wrong:
         problems.append(f"wrong shape or dtype {_listed(wrong)}")
@@ -328,17 +328,22 @@ def adopt_dtype(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> No
     model.to(published_dtype(state))
 
 
-def copy_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+def copy_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, published: torch.dtype | None = None) -> None:
     """Overwrite every parameter and buffer of `model` with `state`'s tensor of the same name, in
     place (on the model's device), all or nothing: keys, shapes and dtypes are all checked before
     the first copy, so weights that do not fit raise CheckpointError and leave the model holding
-    its old weights (a worker keeps generating with its loaded version)."""
+    its old weights (a worker keeps generating with its loaded version). With `published`, the
+    state must be in that dtype and the model may compute in another (a role computing in fp32
+    from bf16 versions, decentrl/model/devices.py `compute_dtype`): the copy upcasts exactly."""
     targets = model.state_dict()  # tensors aliasing the model's own storage
     # A tied weight (lm_head.weight is embed_tokens.weight in SmolLM2, Qwen3 and most small models)
     # is saved once by save_pretrained: copying its twin fills it, so its absence is no gap.
     aliases = tied_aliases(targets)
     targets = {name: t for name, t in targets.items() if name in state or name not in aliases}
-    if problems := mismatches(targets, state):
+    if published is not None and (found := published_dtype(state)) != published:
+        raise CheckpointError(f"the weights are {found}, the run's versions {published}: every version of a run "
+                              "is published in one dtype (store.publish_dtype)")
+    if problems := mismatches(targets, state, dtypes=published is None):
         raise CheckpointError("the weights do not fit the model: " + "; ".join(problems))
     with torch.no_grad():
         for name, tensor in state.items():

@@ -47,7 +47,10 @@ def shard_model(
 ) -> PreTrainedModel:
     """FSDP2: each transformer block is its own unit (all-gathered just before use), then the rest.
     `one_unit`: the whole model one unit, no hooks per block; None: where `one_unit_here` says
-    (benchmarks/trainer_overhead.py and gpu_check.py time both)."""
+    (benchmarks/trainer_overhead.py and gpu_check.py time both). `mixed_precision`: "bf16" or "fp32",
+    trainer.mixed_precision resolved (decentrl/trainer/train.py `mixed_precision`)."""
+    if mixed_precision not in ("fp32", "bf16"):
+        raise ValueError(f"mixed_precision {mixed_precision!r}: resolve 'auto' first (trainer.train.mixed_precision)")
     if activation_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks: the recompute in backward
         # all-gathers the block's parameters again like the forward did.

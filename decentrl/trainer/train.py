@@ -25,7 +25,7 @@ from decentrl.api.client import OrchestratorClient
 from decentrl.api.wire import TrainBatch
 from decentrl.config import RunConfig, TrainerConfig
 from decentrl.model.build import build_model, load_tokenizer, publish_dtype
-from decentrl.model.devices import limit_gpu_memory
+from decentrl.model.devices import compute_dtype, limit_gpu_memory, machine
 from decentrl.rl.determinism import use_deterministic_torch
 from decentrl.rl.losses import summarize
 from decentrl.store.checkpoints import CheckpointStore
@@ -74,7 +74,17 @@ def prepare_store(
     return plan
 
 
-def load_policy(directory: str, config: TrainerConfig, device: torch.device, *, frozen: bool = False) -> PreTrainedModel:
+def mixed_precision(config: RunConfig, device: torch.device) -> str:
+    """trainer.mixed_precision with "auto" resolved: "bf16" where the run's versions are bf16 and
+    `device` computes bf16 natively (decentrl/model/devices.py `compute_dtype`), else "fp32"."""
+    dtype = compute_dtype(config.trainer.mixed_precision, device, publish_dtype(config.store, config.model))
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+def load_policy(
+    directory: str, config: TrainerConfig, device: torch.device, *, precision: str, frozen: bool = False
+) -> PreTrainedModel:
+    """`precision`: "bf16" or "fp32" (`mixed_precision`)."""
     model = load_pretrained(directory).to(device)
     if frozen:  # the KL reference: version 0, never trained
         model.requires_grad_(False).eval()
@@ -85,7 +95,7 @@ def load_policy(directory: str, config: TrainerConfig, device: torch.device, *, 
     if config.compile:
         compile_blocks(model)
     return shard_model(
-        model, mixed_precision=config.mixed_precision, activation_checkpointing=config.activation_checkpointing and not frozen
+        model, mixed_precision=precision, activation_checkpointing=config.activation_checkpointing and not frozen
     )
 
 
@@ -151,8 +161,11 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
     plan = broadcast_object(prepare_store(config, store, client, checkpoints, journal) if journal else None, rank)
     cache_dir = os.path.join(options.cache_dir, f"rank{rank}")
     initial_dir = store.pull(0, cache_dir)
-    model = load_policy(initial_dir, cfg, device)
-    reference = load_policy(initial_dir, cfg, device, frozen=True) if cfg.kl_coef > 0 else None
+    precision = mixed_precision(config, device)
+    if rank == 0:
+        log.info("trainer: %s (mixed_precision %s; fp32 master weights)", machine(str(device)).line(precision), cfg.mixed_precision)
+    model = load_policy(initial_dir, cfg, device, precision=precision)
+    reference = load_policy(initial_dir, cfg, device, precision=precision, frozen=True) if cfg.kl_coef > 0 else None
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA: the adapters
     optimizer = build_optimizer(trainable, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(cfg.lr_warmup_steps))

@@ -38,6 +38,7 @@ def never() -> bool:
 class Backend(Protocol):
     version: int | None
     records_routes: bool  # whether `generate` returns MoE routes (a keep_routing run needs them)
+    compute_dtype: str | None  # "float32", "bfloat16": what it computes in, once known (None: not said)
 
     def load(self, checkpoint_dir: str, version: int) -> None:
         """Make `version` (a verified local checkpoint directory) the weights used from now on."""

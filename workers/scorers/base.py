@@ -5,6 +5,7 @@ backends and the package's `build_scorer_backend` do not import each other."""
 from __future__ import annotations
 
 import http.client
+import logging
 import os
 import random
 import time
@@ -12,11 +13,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from decentrl.api.wire import RunInfo, ScoreItem
-from decentrl.model.devices import available_gpus, device_problem, limit_gpu_memory
+from decentrl.model.devices import available_gpus, compute_dtype, device_problem, limit_gpu_memory, machine
 
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("decentrl.scorer")
 RETRIED_STATUSES = (408, 429)
 ITEM_REFUSED_STATUSES = (400, 413, 422)
 NO_ANSWER = (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError)
@@ -47,6 +52,21 @@ def take_device(device: str, gpu_memory: float | None, torch_threads: int) -> No
     if problem:
         raise BackendConfigError(problem)
     limit_gpu_memory(torch.device(device), gpu_memory)
+
+
+def model_dtype(setting: str, device: str, path: str) -> torch.dtype:
+    """The dtype a scorer's model (the directory `path`) computes in: [scorer] dtype, or with "auto"
+    its weights' own dtype where `device` computes it natively, else float32 (`compute_dtype`)."""
+    import torch
+    from transformers import AutoConfig
+
+    if setting == "auto":
+        declared = AutoConfig.from_pretrained(path).dtype or torch.float32
+        dtype = compute_dtype("auto", torch.device(device), getattr(torch, declared) if isinstance(declared, str) else declared)
+    else:
+        dtype = getattr(torch, setting)
+    log.info("scorer: %s ([scorer] dtype %s)", machine(device).line(str(dtype)[6:]), setting)
+    return dtype
 
 
 def distilled(run: RunInfo) -> tuple[int, str]:

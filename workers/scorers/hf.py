@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from decentrl.api.wire import ScoreItem
 from decentrl.config import HFScorerConfig
-from workers.scorers.base import BackendConfigError, Verdict, take_device
+from workers.scorers.base import BackendConfigError, Verdict, model_dtype, take_device
 
 
 class HFScoreBackend:
     def __init__(self, config: HFScorerConfig) -> None:
-        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         take_device(config.device, config.gpu_memory, config.torch_threads)
@@ -20,7 +19,9 @@ class HFScoreBackend:
         self.tokenizer = AutoTokenizer.from_pretrained(config.path)
         self.tokenizer.truncation_side = config.truncation_side
         self.tokenizer.padding_side = "right"
-        model = AutoModelForSequenceClassification.from_pretrained(config.path, torch_dtype=getattr(torch, config.dtype))
+        model = AutoModelForSequenceClassification.from_pretrained(
+            config.path, dtype=model_dtype(config.dtype, config.device, config.path)
+        )
         self.model = model.to(config.device).eval()
         labels = model.config.num_labels
         if labels == 1 and (config.label or 0) != 0:

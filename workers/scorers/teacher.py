@@ -11,7 +11,7 @@ import math
 from decentrl.api.wire import RunInfo, ScoreItem
 from decentrl.config import TeacherScorerConfig
 from decentrl.model.tokenizer import vocab_digest
-from workers.scorers.base import BackendConfigError, Verdict, distilled, take_device
+from workers.scorers.base import BackendConfigError, Verdict, distilled, model_dtype, take_device
 
 
 def vocabulary_problem(path: str, *, teacher_vocab: int, teacher_rows: int, teacher_digest: str, run: RunInfo) -> str | None:
@@ -47,7 +47,6 @@ def item_problem(item: ScoreItem, max_length: int) -> str | None:
 
 class TeacherBackend:
     def __init__(self, config: TeacherScorerConfig, run: RunInfo) -> None:
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         assert config.path is not None, "a teacher with [scorer.server] is teacher_server.py's"
@@ -55,7 +54,7 @@ class TeacherBackend:
         take_device(config.device, config.gpu_memory, config.torch_threads)
         self.config = config
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=model_dtype(config.dtype, config.device, path))
         rows = model.get_input_embeddings().num_embeddings
         problem = vocabulary_problem(
             path, teacher_vocab=len(tokenizer), teacher_rows=rows, teacher_digest=vocab_digest(tokenizer), run=run
