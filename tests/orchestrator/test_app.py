@@ -410,3 +410,53 @@ def test_non_finite_logprobs_cannot_break_the_trainers_batch(
             await asyncio.to_thread(trainer.batch, 0)
 
     run(scenario())
+
+
+# -- what a worker computes on ---------------------------------------------------------------
+
+MACHINE = {"backend": "hf", "device": "cpu", "isa": "avx2", "threads": 1, "compute_dtype": "float32"}
+
+
+def test_status_shows_what_each_workers_machine_computes_in(serve: ServeFn) -> None:
+    async def scenario() -> None:
+        async with serve(orchestrator={"lease_wait_s": 0.0}) as server:
+            worker = server.client(WORKER)
+            before = await asyncio.to_thread(worker.status)
+            assert "alice" not in before.workers
+            request = LeaseRequest.model_validate({"worker_id": "w0", "max_groups": 1, "machine": MACHINE})
+            await asyncio.to_thread(worker.lease, request)
+            status = await asyncio.to_thread(worker.status)
+            assert status.workers["alice"]["machine"] == MACHINE
+            await asyncio.to_thread(worker.lease, LeaseRequest(worker_id="w0", max_groups=1))  # says nothing: kept
+            assert (await asyncio.to_thread(worker.status)).workers["alice"]["machine"] == MACHINE
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("machine", "field"),
+    [
+        ({**MACHINE, "threads": "1"}, "machine.threads"),  # strict: no strings for numbers
+        ({**MACHINE, "threads": 0}, "machine.threads"),
+        ({**MACHINE, "threads": 10**9}, "machine.threads"),
+        ({**MACHINE, "isa": "avx2<script>"}, "machine.isa"),
+        ({**MACHINE, "isa": "a" * 17}, "machine.isa"),
+        ({**MACHINE, "device": "x" * 65}, "machine.device"),
+        ({**MACHINE, "device": "cpu\n[fake] log line"}, "machine.device"),
+        ({**MACHINE, "compute_dtype": "float8"}, "machine.compute_dtype"),
+        ({**MACHINE, "backend": "llama.cpp"}, "machine.backend"),
+        ({**MACHINE, "flops": 1e18}, "machine.flops"),
+        ("cpu", "machine"),
+    ],
+)
+def test_a_malformed_machine_is_400_naming_the_field(serve: ServeFn, machine: object, field: str) -> None:
+    async def scenario() -> None:
+        async with serve() as server:
+            body = json.dumps({"worker_id": "w0", "max_groups": 1, "machine": machine})
+            async with server.http.post(server.url + "/v1/leases", data=body, headers=bearer(WORKER)) as response:
+                assert response.status == 400
+                assert field in (await response.json())["error"]
+            status = await asyncio.to_thread(server.client(WORKER).status)
+            assert "alice" not in status.workers  # nothing of a refused request is kept
+
+    run(scenario())

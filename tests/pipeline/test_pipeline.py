@@ -133,6 +133,10 @@ def test_pipeline_trains_publishes_and_respects_staleness(tmp_path: Path, max_st
 
     assert "done in" in result.stdout
     assert processes_mentioning(str(run_dir)) == []
+    # Each role says what it computes on and in (the tiny model's versions are fp32: fp32 everywhere).
+    assert "versions in fp32; computing: trainer fp32 x 2 ranks" in result.stdout
+    assert "computes in float32 (versions published in float32)" in (run_dir / "logs" / "worker-0.log").read_text()
+    assert "computes in fp32 (mixed_precision auto" in (run_dir / "logs" / "trainer.log").read_text()
 
 
 def wait_for(predicate, timeout_s: float) -> None:
