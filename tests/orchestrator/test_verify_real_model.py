@@ -5,11 +5,15 @@ the worker claims, with the bounds of the dtype the version was published in. Pu
 honest completions of the real model match to 1e-4 and a completion whose logprobs were edited, or
 that another model wrote, fails. Published in bf16, a worker's incremental decoding and the
 verifier's one forward round differently through 30 layers (up to ~0.8 at a token): honest
-completions pass the bf16 bounds, and edited or forged ones still fail. Skips where the package is
+completions pass the bf16 bounds, and edited or forged ones still fail - also where one side computes
+the bf16 versions in fp32, as every role does on a CPU without native bf16 (`compute_dtype` auto,
+decentrl/model/devices.py). The bf16 tests pin both sides' compute dtype, so that they mean the same
+on an AVX2 CPU as on one with AMX. Skips where the package is
 not installed (CI installs it).
 
 Run as a module, it measures what docs/store.md records (the bounds' calibration, about 7 minutes on
-two cores): `.venv/bin/python -m tests.orchestrator.test_verify_real_model`.
+two cores): `.venv/bin/python -m tests.orchestrator.test_verify_real_model`; with `--compute`, the
+bf16 bounds per worker and verifier compute dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import pytest
 from decentrl.api.wire import Rollout, SamplingParams
 from decentrl.config import PretrainedModelConfig, VerificationConfig
 from decentrl.model.build import build_model, load_tokenizer
+from decentrl.model.devices import ComputeDtype
 from decentrl.model.importing import Dtype, import_model
 from decentrl.rl.determinism import sample_seed
 from decentrl.store.checkpoints import CheckpointStore
@@ -44,14 +49,16 @@ def gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def published(tmp: Path, source: Path, dtype: Dtype, questions: list[str] = QUESTIONS) -> dict[str, Any]:
+def published(
+    tmp: Path, source: Path, dtype: Dtype, questions: list[str] = QUESTIONS, compute: ComputeDtype = "auto"
+) -> dict[str, Any]:
     """The real model imported in `dtype` from `source` (its GGUF file: about 30 s; the session's fp32
-    directory: about 1 s), published as version 0, and an hf worker on it."""
+    directory: about 1 s), published as version 0, and an hf worker on it computing in `compute`."""
     model_dir = tmp / "smollm2"
     import_model(str(source), str(model_dir), dtype)
     store = CheckpointStore(f"file://{tmp}/store")
     store.publish(0, str(model_dir))
-    worker = HFBackend(seed=0)
+    worker = HFBackend(seed=0, compute=compute)
     worker.load(store.pull(0, str(tmp / "worker-cache")), 0)
     tokenizer = load_tokenizer(PretrainedModelConfig(path=str(model_dir)))
     prompts = [
@@ -70,7 +77,7 @@ def real(tmp_path_factory: pytest.TempPathFactory, smollm2_fp32: Path) -> dict[s
 
 @pytest.fixture(scope="module")
 def real_bf16(tmp_path_factory: pytest.TempPathFactory, smollm2_fp32: Path) -> dict[str, Any]:
-    return published(tmp_path_factory.mktemp("real-bf16"), smollm2_fp32, "bf16")
+    return published(tmp_path_factory.mktemp("real-bf16"), smollm2_fp32, "bf16", compute="bf16")
 
 
 def rollouts_of(
@@ -89,10 +96,10 @@ def rollouts_of(
     ]
 
 
-def verifier_on(real: dict[str, Any], name: str, run_seed: int | None = None) -> Verifier:
+def verifier_on(real: dict[str, Any], name: str, run_seed: int | None = None, compute: ComputeDtype = "auto") -> Verifier:
     model = PretrainedModelConfig(path=str(real["model_dir"]))
     return Verifier(
-        VerificationConfig(enabled=True), store=real["store"], cache_dir=str(real["tmp"] / name),
+        VerificationConfig(enabled=True, compute_dtype=compute), store=real["store"], cache_dir=str(real["tmp"] / name),
         build=lambda: build_model(model), run_seed=run_seed,
     )
 
@@ -105,7 +112,8 @@ def edited(rollout: Rollout, by: float, positions: range | None = None) -> Rollo
 
 
 def forger(real: dict[str, Any], scale: float) -> HFBackend:
-    """A worker sampling from other weights: the real model with one layer's weights scaled."""
+    """A worker sampling from other weights: the real model with one layer's weights scaled (in fp32:
+    the model directory, not a pulled version)."""
     import torch
 
     other = HFBackend(seed=1)
@@ -141,13 +149,31 @@ def test_in_bf16_honest_completions_pass_and_edited_or_forged_ones_fail(
     of 30 layers passes; one token edited by 2, every token by 0.3, or another model's completion
     fails."""
     honest = rollouts_of(real_bf16["worker"], real_bf16["prompts"], sampling)
-    verifier = verifier_on(real_bf16, "cache")
+    verifier = verifier_on(real_bf16, "cache", compute="bf16")
     assert verifier.check(honest) == {}
     assert 0.01 < verifier.largest_passing_diff < 1.0 and verifier.largest_passing_mean_diff < 0.1
     assert verifier.summary()["tolerance"] == verifier.config.half_tolerance
     cheats = [edited(honest[0], 2.0, range(1, 2)), edited(honest[1], -2.0, range(0, 1)), edited(honest[2], 0.3)]
     cheats += rollouts_of(forger(real_bf16, 3.0), real_bf16["prompts"], sampling)
     assert verifier.check(cheats) == {r.rollout_id: "logprob_mismatch" for r in cheats}
+
+
+@pytest.mark.parametrize(("worker", "verifier"), [("fp32", "bf16"), ("bf16", "fp32")])
+def test_bf16_versions_computed_in_fp32_on_one_side_keep_the_bf16_bounds(
+    real_bf16: dict[str, Any], worker: ComputeDtype, verifier: ComputeDtype
+) -> None:
+    """A worker on an AVX2 CPU computes bf16 versions in fp32 (exactly upcast weights), a verifier on
+    an AMX CPU in bf16, or the other way round: only one side rounds to bf16, so honest completions
+    differ less than two bf16 sides do, and still pass; cheats still fail."""
+    backend = HFBackend(seed=0, compute=worker)
+    backend.load(real_bf16["store"].pull(0, str(real_bf16["tmp"] / f"cache-{worker}")), 0)
+    honest = rollouts_of(backend, real_bf16["prompts"], PLAIN)
+    checking = verifier_on(real_bf16, f"cache-verifier-{verifier}", compute=verifier)
+    assert checking.check(honest) == {}
+    assert checking.largest_passing_diff < 1.0 and checking.largest_passing_mean_diff < 0.1
+    cheats = [edited(honest[0], 2.0, range(1, 2)), edited(honest[2], 0.3)]
+    cheats += rollouts_of(forger(real_bf16, 3.0), real_bf16["prompts"][:2], PLAIN)
+    assert checking.check(cheats) == {r.rollout_id: "logprob_mismatch" for r in cheats}
 
 
 MEASURED_QUESTIONS = QUESTIONS + [
@@ -206,5 +232,42 @@ def measure() -> dict[str, Any]:
     return report
 
 
+def measure_compute() -> dict[str, Any]:
+    """bf16 versions, per (worker, verifier) compute dtype: the honest largest |claimed - recomputed|
+    at a token and on average (8 prompts x 2 worker seeds, per sampling setting), and the cheats
+    nearest to honest (another model within bf16 rounding: layer 0 down_proj x 1.1; every token
+    edited by +0.3), each with how many fail under the default bounds."""
+    report: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        real = published(Path(tmp), gguf(), "bf16", MEASURED_QUESTIONS)
+        for worker, verifier in (("bf16", "bf16"), ("fp32", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
+            backend = HFBackend(seed=0, compute=worker)
+            backend.load(real["store"].pull(0, f"{tmp}/cache-{worker}"), 0)
+            checking = verifier_on(real, f"cache-verifier-{verifier}", compute=verifier)
+            found: dict[str, Any] = {}
+            for name in ("plain T=1.0", "truncated T=0.7 top-k 20 top-p 0.9"):
+                honest: list[Rollout] = []
+                for seed in (0, 1):
+                    backend.generator.manual_seed(seed)
+                    honest += rollouts_of(backend, real["prompts"], MEASURED_SAMPLINGS[name])
+                found[f"honest, {name}"] = _figures(checking, honest)
+                if name.startswith("plain"):
+                    found["edited: every token +0.3"] = _figures(checking, [edited(r, 0.3) for r in honest])
+            forged = rollouts_of(forger(real, 1.1), real["prompts"], MEASURED_SAMPLINGS["plain T=1.0"])
+            found["another model (layer 0 down_proj x 1.1, fp32), plain T=1.0"] = _figures(checking, forged)
+            report[f"worker {worker}, verifier {verifier}"] = found
+    return report
+
+
+def _figures(verifier: Verifier, rollouts: list[Rollout]) -> dict[str, Any]:
+    judged = verifier.judge(rollouts)
+    return {
+        "completions": len(judged), "largest": round(max(j.worst for j in judged), 4),
+        "largest_mean": round(max(j.mean for j in judged), 4), "failing": sum(not verifier.within(j) for j in judged),
+    }
+
+
 if __name__ == "__main__":
-    print(json.dumps(measure(), indent=1))
+    import sys
+
+    print(json.dumps(measure_compute() if "--compute" in sys.argv else measure(), indent=1))
