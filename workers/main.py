@@ -24,7 +24,7 @@ def build_backend(config: WorkerConfig, *, router_noise: float = 0.0) -> Backend
 
         # vLLM takes its GPU from CUDA_VISIBLE_DEVICES (`decentrl run` sets it from [placement]).
         memory = {} if config.gpu_memory is None else {"gpu_memory_utilization": config.gpu_memory}
-        return VLLMBackend(compile=config.vllm_compile, engine_args=memory)
+        return VLLMBackend(compile=config.vllm_compile, engine_args=memory, compute=config.compute_dtype)
     if config.backend == "openai":
         from workers.backends.openai import OpenAIBackend
 

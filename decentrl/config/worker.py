@@ -62,7 +62,7 @@ class WorkerConfig(Section):
     )
     torch_threads: int = Field(1, ge=1, description="Intra-op CPU threads.")
     compute_dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="The hf backend's (and `decentrl eval`'s) compute dtype. auto: the versions' published dtype "
+        "auto", description="The hf and vllm backends' (and `decentrl eval`'s) compute dtype. auto: the versions' published dtype "
         "where the device computes it natively, else fp32 from the same weights (bf16 versions on an AVX2 CPU: "
         "4x faster in fp32). bf16 needs bf16 versions: the verifier holds fp32 versions to fp32 bounds.",
     )
