@@ -77,6 +77,7 @@ async def info(request: web.Request) -> web.Response:
             policy_version=state.published_version,
             max_staleness=state.config.max_staleness,
             group_size=state.config.group_size,
+            lease_timeout_s=state.config.orchestrator.lease_timeout_s,
             keep_routing=run_keeps_routing(state.config.model),
             episode_task=state.config.task.model_dump() if isinstance(state.task, EpisodeTask) else None,
             deterministic=state.config.deterministic,

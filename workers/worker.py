@@ -4,7 +4,10 @@ Run by `decentrl worker` (workers/main.py). Threads share one condition, `_chang
 `concurrency` lease slots (workers/lease_loop.py, generating through workers/batching.py) and, in
 free-running runs, one swapper that pulls versions while generation goes on and swaps them in with
 a soft pause. Deterministic runs have no swapper: the slot leading a round loads the version its
-leases name. docs/workers.md tells the whole story.
+leases name. One more thread renews every lease a slot holds until its samples are posted
+(`Renewals`), and the slots ask for as many groups as the worker generates in half the lease
+timeout (`RequestSize`). A thread that fails stops the worker, and `run` raises its error.
+docs/workers.md tells the whole story.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from decentrl.tasks.episodes import TextCodec
 from workers.backends import BATCHING_ITSELF, Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
-from workers.lease_loop import Spool, answers, backoff, on_signals
+from workers.lease_loop import REQUEST_SHARE, Renewals, RequestSize, Spool, answers, backoff, on_signals
 from workers.sample import Sample, to_rollout
 from workers.simulation import SimulatedLatency
 
@@ -66,6 +69,7 @@ class Progress:
         self.version = -1
         self.rejected: Counter[str] = Counter()
         self.abandoned = 0  # hedging: leases not posted, another copy filled their place first
+        self.gone = 0  # leases not posted: a renewal found them closed (expired, or a copy that lost)
         self._mark = (clock(), 0)  # (time, tokens) at the last line
 
     def posted(self, batch: RolloutBatch, result: IngestResponse) -> None:
@@ -82,7 +86,11 @@ class Progress:
         rate = (self.tokens - self._mark[1]) / max(now - self._mark[0], 1e-9)
         rejected = ", ".join(f"{reason} {count}" for reason, count in sorted(self.rejected.items())) or "none"
         abandoned = f"  lost copies abandoned {self.abandoned}" if self.abandoned else ""
-        return f"progress: v{self.version}  rollouts accepted {self.accepted}  {rate:.0f} tokens/s  rejected: {rejected}{abandoned}"
+        gone = f"  leases gone {self.gone}" if self.gone else ""
+        return (
+            f"progress: v{self.version}  rollouts accepted {self.accepted}  {rate:.0f} tokens/s  rejected: {rejected}"
+            f"{abandoned}{gone}"
+        )
 
 
 class Worker:
@@ -130,6 +138,18 @@ class Worker:
         # replaced whole, so `_post` reads it without the lock).
         self._held: set[str] = set()
         self._lost: frozenset[str] = frozenset()
+        # Renewals: every lease held is renewed until let go (posted, handed back, or found closed:
+        # then `_gone`, abandoned like a lost copy). `_posting`: leases whose samples are being posted.
+        self._renewals = Renewals(
+            self._renew, failed=self._renewals_failed, gone=self._lease_gone, passing=(ConnectionError, InvalidAnswer)
+        )
+        self._gone: set[str] = set()
+        self._posting: set[str] = set()
+        timeout = self.info.lease_timeout_s
+        self.request_size = RequestSize(
+            most=config.groups_per_request, target_s=None if timeout is None else REQUEST_SHARE * timeout
+        )
+        self._errors: list[Exception] = []  # what ended a thread (a slot, the swapper, the renewals): `run` raises the first
         latency = SimulatedLatency.of(simulation, worker_id)
         self._samples_for: Callable[[list[Lease], SamplingParams], list[Sample]] = (
             self._generate_leases if latency is None
@@ -153,12 +173,17 @@ class Worker:
             self._changed.notify_all()
 
     def run(self, max_iterations: int | None = None) -> None:
+        """Generate until stopped (SIGTERM, `request_stop`) or every slot made `max_iterations` requests.
+        A thread that fails (a slot, the swapper, the renewals) stops the worker as SIGTERM does, and
+        its error is raised here once the other slots have posted what they generated."""
         on_signals(self.request_stop, signal.SIGTERM)
         self.spool.resend()  # work finished but not acknowledged before a previous exit
+        renewer = threading.Thread(target=self._renewals.run, name="renewals", daemon=True)
+        renewer.start()
         if not self.info.deterministic:  # a deterministic run's slots load the versions their leases name
-            threading.Thread(target=self._swapper, name="swapper", daemon=True).start()
+            threading.Thread(target=self._guarded, args=(self._swapper,), name="swapper", daemon=True).start()
         slots = [
-            threading.Thread(target=self._slot, args=(i, max_iterations), name=f"slot-{i}", daemon=True)
+            threading.Thread(target=self._guarded, args=(self._slot, i, max_iterations), name=f"slot-{i}", daemon=True)
             for i in range(self.config.concurrency)
         ]
         for slot in slots:
@@ -167,13 +192,34 @@ class Worker:
             for slot in slots:
                 slot.join(timeout=0.5)  # short joins keep the main thread responsive to signals
         self.request_stop()
+        self._renewals.close()  # every lease is let go by now: its thread ends after the renewal in flight
+        while renewer.is_alive():
+            renewer.join(timeout=0.5)
         self.spool.resend()
         left = len(self.spool.pending())
         log.info(
-            "worker %s stopping after %d rollouts, %d versions refused, %d lost copies abandoned%s", self.worker_id,
-            self.rollouts_posted, len(self.refused), self.copies_abandoned,
+            "worker %s stopping after %d rollouts, %d versions refused, %d lost copies abandoned, %d leases gone%s",
+            self.worker_id, self.rollouts_posted, len(self.refused), self.copies_abandoned, self.progress.gone,
             f"; {left} batches stay spooled in {self.spool.directory} for the next start" if left else "",
         )
+        if self._errors:
+            raise self._errors[0]
+
+    def _guarded(self, target: Callable[..., None], *args: object) -> None:
+        """A thread's body: an error stops the worker (as SIGTERM does) and `run` raises it."""
+        try:
+            target(*args)
+        except Exception as exc:  # noqa: BLE001 - kept for `run` to raise; the thread never dies unnoticed
+            self._failed(exc, threading.current_thread().name)
+
+    def _failed(self, error: Exception, what: str) -> None:
+        log.error(
+            "%s failed (%s: %s); the worker stops: generations in flight are finished and posted, leases not "
+            "started are handed back", what, type(error).__name__, error,
+        )
+        with self._changed:
+            self._errors.append(error)
+        self.request_stop()
 
     def _note_version(self, version: int | None) -> None:
         if version is None:
@@ -285,24 +331,30 @@ class Worker:
         )
 
     def _slot(self, index: int, max_iterations: int | None) -> None:
-        """One lease loop: ask, generate, post; slot 0 also resends what a failed send left spooled."""
-        request = LeaseRequest(worker_id=self.worker_id, max_groups=self.config.groups_per_request)
-        asked = answers(lambda: self._ask(request), stop=self._stop, passing=(ConnectionError, InvalidAnswer))
+        """One lease loop: ask (for `request_size` groups), hold the leases (renewed from the answer
+        until posted, handed back or found closed), generate, post; slot 0 also resends what a
+        failed send left spooled."""
+        asked = answers(
+            lambda: self._ask(LeaseRequest(worker_id=self.worker_id, max_groups=self.request_size.groups())),
+            stop=self._stop, passing=(ConnectionError, InvalidAnswer),
+        )
         for iteration, response in enumerate(asked, start=1):
             if response is None:
                 return
             if not response.leases:
                 self._stop.wait(response.retry_after_s)
             else:
-                if not self.info.deterministic:
-                    self._await_version(response.policy_version)
-                with self._changed:
-                    self._held.update(lease.lease_id for lease in response.leases)
+                self._hold(response.leases)
                 try:
+                    if not self.info.deterministic:
+                        self._await_version(response.policy_version)
                     if self._stop.is_set():
                         self._hand_back(response.leases)
                         return
+                    started = time.monotonic()
                     samples = self._samples_for(response.leases, response.sampling)
+                    if not any(self._abandoned(lease.lease_id) for lease in response.leases):  # a whole request's time
+                        self.request_size.finished(len(response.leases), time.monotonic() - started)
                     self._post(response.leases, samples, response.sampling)
                 except UnloadableVersion as exc:  # deterministic runs: the leases' version cannot be loaded
                     log.error("%s; handing its leases back", exc)
@@ -392,18 +444,65 @@ class Worker:
         pulled = time.perf_counter()
         self._install(path, version, pull_s=pulled - started, paused=pulled)
 
+    def _hold(self, leases: list[Lease]) -> None:
+        """Leases answered: held (hedging reads `_held`) and renewed from now until let go. Their
+        deadline is this machine's receipt time + the run's lease timeout (a little later than the
+        orchestrator's: the answer's transit), so that a skewed clock does not move renewals."""
+        received, timeout = time.time(), self.info.lease_timeout_s
+        with self._changed:
+            self._held.update(lease.lease_id for lease in leases)
+        for lease in leases:
+            self._renewals.hold(lease.lease_id, lease.deadline if timeout is None else received + timeout)
+
+    def _renew(self, lease_id: str) -> float | None:
+        """The renewals' call: the lease's new deadline by this machine's clock (as in `_hold`). A
+        deterministic run's slot that waits for a failing store makes no progress: its leases are
+        not renewed then (None) and run out as a dead worker's would, so that their places are
+        leased again (docs/reproducibility.md)."""
+        if self.info.deterministic and self._store_failing:
+            return None
+        sent = time.time()
+        deadline = self.client.renew_lease(lease_id, self.worker_id).deadline
+        return deadline if self.info.lease_timeout_s is None else sent + self.info.lease_timeout_s
+
+    def _renewals_failed(self) -> None:
+        """The renewals ended on an error other than a lease gone or an unreachable orchestrator
+        (a revoked token, a bug): no lease would be renewed any more, so the worker stops."""
+        assert self._renewals.error is not None
+        self._failed(self._renewals.error, "renewing leases")
+
+    def _lease_gone(self, lease_id: str, error: OrchestratorError) -> None:
+        """A renewal found `lease_id` closed (it expired while renewals could not get through, or it
+        was a copy that lost): abandoned as a lost copy is (rows not generated yet are dropped in a
+        deterministic run; nothing of it is posted). A lease whose samples are being posted is no
+        news: it completed."""
+        with self._changed:
+            if lease_id not in self._held or lease_id in self._posting or lease_id in self._lost:
+                return
+            self._gone.add(lease_id)
+            self._lost = self._lost | {lease_id}
+            self._changed.notify_all()  # a slot in its simulated delay may stop
+        log.warning("lease %s was closed while this worker held it (%s); its samples are not posted", lease_id, error.message)
+
     def _note_lost(self, lease_ids: list[str]) -> None:
-        """Copies told lost that this worker holds are abandoned (other ids are ignored)."""
+        """Copies told lost that this worker holds are abandoned (other ids are ignored), and no
+        longer renewed."""
         with self._changed:
             if news := self._held.intersection(lease_ids):
                 self._lost = self._lost | news
                 self._changed.notify_all()  # a slot in its simulated delay may stop
+        for lease_id in news:
+            self._renewals.let_go(lease_id)
 
     def _let_go(self, leases: list[Lease]) -> None:
         ids = {lease.lease_id for lease in leases}
+        for lease_id in ids:
+            self._renewals.let_go(lease_id)
         with self._changed:
             self._held -= ids
             self._lost = self._lost - ids
+            self._gone -= ids
+            self._posting -= ids
 
     def _abandoned(self, lease_id: str | None) -> bool:
         return lease_id in self._lost
@@ -418,6 +517,7 @@ class Worker:
 
     def _hand_back(self, leases: list[Lease]) -> None:
         for lease in leases:
+            self._renewals.let_go(lease.lease_id)  # no renewal races the hand-back
             if self._abandoned(lease.lease_id):
                 continue  # closed already: nothing to give back
             try:
@@ -428,11 +528,13 @@ class Worker:
                 log.info("lease %s needs no handing back: %s", lease.lease_id, exc.message)
 
     def _post(self, leases: list[Lease], samples: list[Sample], sampling: SamplingParams) -> None:
-        """Spool and send the samples of `leases`, less those of copies that lost."""
-        lost = self._lost
-        if abandoned := sum(lease.lease_id in lost for lease in leases):
-            with self._changed:
-                self.progress.abandoned += abandoned
+        """Spool and send the samples of `leases`, less those of copies that lost and of leases
+        found closed; the others stay renewed until the post is answered."""
+        with self._changed:
+            lost = self._lost
+            self.progress.gone += sum(lease.lease_id in self._gone for lease in leases)
+            self.progress.abandoned += sum(lease.lease_id in lost and lease.lease_id not in self._gone for lease in leases)
+            self._posting.update(lease.lease_id for lease in leases if lease.lease_id not in lost)
         owners = [lease for lease in leases for _ in range(lease.group_size)]
         rollouts = [
             to_rollout(self.info.run_name, self.worker_id, lease, sample, sampling, keep_routing=self.info.keep_routing)
@@ -451,11 +553,12 @@ class Worker:
         if result.rejected:
             reasons = Counter(rejection.reason for rejection in result.rejected)
             log.info("orchestrator rejected %d rollouts: %s", len(result.rejected), dict(reasons))
-            if reasons["lease_expired"] and not expired_before:  # once a run: a request too long stays too long
+            if reasons["lease_expired"] and not expired_before:  # once a run
                 log.warning(
-                    "%d rollouts came back lease_expired: their request took longer than the orchestrator's lease "
-                    "timeout (rollout workers do not renew leases), so every request this long is thrown away; "
-                    "raise [orchestrator] lease_timeout_s, or lower [worker] groups_per_request or [sampling] max_tokens",
+                    "%d rollouts came back lease_expired: their leases ran out before the post, because no renewal "
+                    "reached the orchestrator within its lease timeout (it was unreachable, or this machine was "
+                    "suspended or stalled, for that long; see the warnings before this) or they were sent from the "
+                    "spool after a restart; if it recurs, raise [orchestrator] lease_timeout_s",
                     reasons["lease_expired"],
                 )
 

@@ -110,6 +110,11 @@ class RunInfo(Wire):
     policy_version: Int | None = Field(description="Newest published version; None before v0 exists.")
     max_staleness: Int = Field(ge=0)
     group_size: Int = Field(ge=1)
+    lease_timeout_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False, strict=True, description="[orchestrator] lease_timeout_s: a lease not "
+        "renewed within this expires. Workers renew theirs at half the time left and size their requests to it "
+        "(docs/workers.md); None: not said (an older orchestrator)."
+    )
     keep_routing: bool = Field(
         False, description="MoE runs: every rollout carries its expert routes (docs/routing.md); workers "
         "whose backend cannot record them refuse to start."

@@ -249,8 +249,9 @@ def test_the_gpu_configs_place_their_roles_and_need_the_gpus_they_name() -> None
     assert node.worker.backend == "vllm"
     assert placement_problem(node, 8) is None
     assert "names GPU 4" in (placement_problem(node, 4) or "")
-    # Measured on an H100 (2026-11-27): compile won 1.72x on this shape; and workers do not renew
-    # leases, so each config's lease outlasts its requests (the default 30 s did not, at 384 tokens).
+    # Measured on an H100 (2026-11-27): compile won 1.72x on this shape; and each config's lease
+    # outlasts its requests (the default 30 s did not, at 384 tokens): workers renew, but size
+    # their requests to half the lease, so a shorter one would cut them.
     assert node.trainer.compile and not one.trainer.compile
     assert one.orchestrator.lease_timeout_s >= 120 and node.orchestrator.lease_timeout_s >= 300
 

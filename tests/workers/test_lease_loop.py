@@ -1,6 +1,7 @@
 """The client side of a lease (workers/lease_loop.py) on its own: renewals at half the time left
-(a fake clock, a scripted orchestrator), asking again after a backoff while requests fail, and
-the spool that keeps unsent batches on disk until acknowledged (also across a restart).
+(a fake clock, a scripted orchestrator; retried, or ending the thread and telling its owner, on
+errors), the request size a worker asks for, asking again after a backoff while requests fail,
+and the spool that keeps unsent batches on disk until acknowledged (also across a restart).
 The worker and the scorer use them against the real orchestrator (test_worker.py,
 test_scorer_loop.py)."""
 
@@ -15,7 +16,7 @@ import pytest
 
 from decentrl.api.client import InvalidAnswer, OrchestratorError
 from decentrl.api.wire import Rollout, RolloutBatch, SamplingParams
-from workers.lease_loop import Renewals, Spool, answers, backoff
+from workers.lease_loop import Renewals, RequestSize, Spool, answers, backoff
 
 
 class Clock:
@@ -201,3 +202,102 @@ def test_a_send_that_fails_otherwise_raises_and_keeps_the_batch(tmp_path: Path) 
     with pytest.raises(OrchestratorError):
         spool.post(batch("r1"))
     assert len(spool.pending()) == 1
+
+
+def test_an_error_the_owner_passes_is_retried_and_the_leases_stay_held() -> None:
+    orchestrator = Orchestrator(Clock())
+    orchestrator.error = ConnectionError("orchestrator at http://x unreachable for 120s")
+    renewals = Renewals(orchestrator.renew, failed=never_fails, passing=(ConnectionError,))
+    thread = threading.Thread(target=renewals.run, daemon=True)
+    thread.start()
+    renewals.hold("a", deadline=time.time())  # due at once (MIN_RENEW_S)
+    time.sleep(1.0)  # tried at least once, failed, backing off (at most 1 s after one failure)
+    orchestrator.error = None
+    deadline = time.monotonic() + 10
+    while not orchestrator.renewed:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.01)
+    assert renewals.error is None
+    renewals.close()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("error", [InvalidAnswer("not a Lease"), RuntimeError("a bug"), OrchestratorError(401, "revoked")])
+def test_any_other_error_ends_the_thread_and_tells_the_owner(error: Exception) -> None:
+    orchestrator = Orchestrator(Clock())
+    orchestrator.error = error
+    failed = threading.Event()
+    renewals = Renewals(orchestrator.renew, failed=failed.set, passing=(ConnectionError,))
+    thread = threading.Thread(target=renewals.run, daemon=True)
+    thread.start()
+    renewals.hold("a", deadline=time.time())
+    assert failed.wait(10)
+    thread.join(10)
+    assert not thread.is_alive() and renewals.error is error
+
+
+def test_a_lease_gone_is_told_once_and_a_lease_not_renewed_now_is_asked_again_soon() -> None:
+    clock = Clock()
+    orchestrator = Orchestrator(clock)
+    told: list[tuple[str, int]] = []
+    stalled = {"b"}
+
+    def renew(lease_id: str) -> float | None:
+        return None if lease_id in stalled else orchestrator.renew(lease_id)
+
+    renewals = Renewals(renew, failed=never_fails, gone=lambda lease, exc: told.append((lease, exc.status)), clock=clock)
+    renewals.hold("a", deadline=clock.now + 2)
+    renewals.hold("b", deadline=clock.now + 2)
+    orchestrator.gone.add("a")
+    clock.now += 1
+    assert renewals.renew_due() == pytest.approx(clock.now + 0.5)  # b: not renewed, asked again in MIN_RENEW_S
+    assert told == [("a", 409)] and orchestrator.renewed == []
+    stalled.clear()
+    clock.now += 0.5
+    assert renewals.renew_due() == pytest.approx(clock.now + 5.0)  # b renewed (deadline +10); a let go: never told again
+    assert told == [("a", 409)] and orchestrator.renewed == [("b", clock.now)]
+
+
+def test_leases_due_together_are_renewed_at_once() -> None:
+    # Eight renewals that each wait for all eight: done one after another they never would.
+    clock = Clock()
+    together = threading.Barrier(8, timeout=10)
+
+    def renew(lease_id: str) -> float:
+        together.wait()
+        return clock.now + 10
+
+    renewals = Renewals(renew, failed=never_fails, clock=clock)
+    for i in range(8):
+        renewals.hold(f"l{i}", deadline=clock.now)
+    clock.now += 1
+    assert renewals.renew_due() == pytest.approx(clock.now + 5.0)
+
+
+def test_the_request_size_holds_each_group_s_share_to_the_target() -> None:
+    # A CPU: every group adds 7.5 s, nothing is fixed; the target is 15 s (half a 30 s lease).
+    size = RequestSize(most=8, target_s=15.0)
+    size.finished(8, 200.0)  # the cold first request: not counted
+    assert size.groups() == 8 and size.per_group_s() is None
+    size.finished(8, 60.0)
+    assert size.groups() == 4  # 7.5 s a group as if nothing were fixed: 2 fit, but one size seen halves at most
+    size.finished(4, 30.0)
+    assert size.per_group_s() == pytest.approx(7.5) and size.groups() == 2
+    size.finished(2, 15.0)
+    assert size.groups() == 2
+    # A GPU decoding long completions: 120 s whatever the rows; fewer groups would not be faster.
+    size = RequestSize(most=8, target_s=15.0)
+    for groups, seconds in [(8, 30.0), (8, 120.0), (4, 118.0)]:
+        size.finished(groups, seconds)
+    assert size.per_group_s() == pytest.approx(0.5) and size.groups() == 8
+    # One group takes longer than the target: one a request, never none.
+    size = RequestSize(most=8, target_s=15.0)
+    for groups, seconds in [(1, 1.0), (1, 40.0), (2, 80.0)]:
+        size.finished(groups, seconds)
+    assert size.groups() == 1
+    # An orchestrator that does not say its lease timeout: the configured size.
+    size = RequestSize(most=4, target_s=None)
+    for seconds in (1.0, 100.0, 100.0):
+        size.finished(4, seconds)
+    assert size.groups() == 4
