@@ -49,10 +49,11 @@ def run_worker(
     import torch
 
     torch.set_num_threads(config.worker.torch_threads)
-    here = machine(config.worker.device if config.worker.backend == "hf" else "cpu")
+    backend = build_backend(config.worker, router_noise=config.simulation.router_noise)  # checks the device first
+    device = {"hf": config.worker.device, "vllm": "cuda" if available_gpus() else "cpu"}.get(config.worker.backend, "cpu")
+    here = machine(device)  # an openai backend's server computes elsewhere: this process's own
     log.info("worker %s: %s", worker_id, here.line(f"[worker] compute_dtype {config.worker.compute_dtype!r}, resolved "
                                                    "against the first version's dtype"))
-    backend = build_backend(config.worker, router_noise=config.simulation.router_noise)
     worker = Worker(
         config.worker,
         worker_id=worker_id,
