@@ -171,6 +171,7 @@ def test_inputs_exercise_every_threshold(inputs: dict[str, torch.Tensor]) -> Non
 
 
 @pytest.mark.parametrize("norm, correction", list(itertools.product(LOSSES, CORRECTIONS)))
+@pytest.mark.kernels
 def test_loss_matches_float64_reference(inputs: dict[str, torch.Tensor], norm: str, correction: str) -> None:
     clip = {"eps_low": 0.2, "eps_high": 0.28}
     loss, grad, _, _ = run_loss(inputs, norm, correction, **clip)
@@ -184,6 +185,7 @@ def test_loss_matches_float64_reference(inputs: dict[str, torch.Tensor], norm: s
 
 
 @pytest.mark.parametrize("norm", list(LOSSES))
+@pytest.mark.kernels
 def test_loss_with_k3_kl_and_entropy_bonus_matches_reference(inputs: dict[str, torch.Tensor], norm: str) -> None:
     loss, grad, entropy_grad, sums = run_loss(inputs, norm, "tis", kl_coef=0.3, entropy_coef=0.05)
     expected, expected_grad, expected_entropy_grad = reference_of(inputs, norm, "tis", kl_coef=0.3, entropy_coef=0.05)
@@ -198,6 +200,7 @@ def test_loss_with_k3_kl_and_entropy_bonus_matches_reference(inputs: dict[str, t
 
 
 @pytest.mark.parametrize("norm", list(LOSSES))
+@pytest.mark.kernels
 def test_ppo_clip_gradient_equals_autograd_of_textbook_surrogate(inputs: dict[str, torch.Tensor], norm: str) -> None:
     # With no IS truncation or masking (icepop over (0, inf)), the loss's gradient must be the
     # gradient of -sum n_bt min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = pi / pi_sampler.
@@ -225,6 +228,7 @@ def test_ppo_clip_gradient_equals_autograd_of_textbook_surrogate(inputs: dict[st
 
 
 @pytest.mark.parametrize("norm, correction", list(itertools.product(LOSSES, CORRECTIONS)))
+@pytest.mark.kernels
 def test_loss_of_micro_batches_sums_to_loss_of_whole_batch(inputs: dict[str, torch.Tensor], norm: str, correction: str) -> None:
     whole, whole_grad, _, whole_sums = run_loss(inputs, norm, correction, eps_low=0.2, eps_high=0.28)
     parts, grads = [], []

@@ -130,6 +130,7 @@ def test_inputs_clip_some_samples_and_tokens_and_not_others(inputs: dict[str, to
 
 
 @pytest.mark.parametrize("norm, name", list(itertools.product(LOSSES, OBJECTIVES)))
+@pytest.mark.kernels
 def test_objective_matches_float64_reference_from_the_paper(inputs: dict[str, torch.Tensor], norm: str, name: str) -> None:
     objective = OBJECTIVES[name]
     loss, grad, _ = run(inputs, norm, objective)
@@ -142,6 +143,7 @@ def test_objective_matches_float64_reference_from_the_paper(inputs: dict[str, to
     assert torch.all(grad[inputs["mask"] == 0] == 0), "padding never gets gradient"
 
 
+@pytest.mark.kernels
 def test_gspo_gradient_equals_autograd_of_the_sequence_level_objective(inputs: dict[str, torch.Tensor]) -> None:
     # GSPO eq. 5: J = 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i), s_i with
     # gradient through every token of y_i. With grpo normalization the loss's gradient is -grad J.
@@ -154,6 +156,7 @@ def test_gspo_gradient_equals_autograd_of_the_sequence_level_objective(inputs: d
     torch.testing.assert_close(grad.double(), lp.grad, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.kernels
 def test_gspo_token_gradient_equals_autograd_with_per_token_advantages(inputs: dict[str, torch.Tensor]) -> None:
     # GSPO-token (eq. 13-14): s_it = sg[s_i] * pi_it / sg[pi_it], clipped per token by the sign of A_it.
     adv = inputs["token_advantages"]
@@ -200,6 +203,7 @@ def test_cispo_keeps_the_gradient_of_tokens_that_ppo_clips(inputs: dict[str, tor
 
 
 @pytest.mark.parametrize("norm, name, correction", list(itertools.product(LOSSES, OBJECTIVES, CORRECTIONS)))
+@pytest.mark.kernels
 def test_micro_batches_sum_to_the_whole_batch(inputs: dict[str, torch.Tensor], norm: str, name: str, correction: str) -> None:
     whole, whole_grad, _ = run(inputs, norm, OBJECTIVES[name], off_policy=CORRECTIONS[correction])
     parts = 0.0
@@ -211,6 +215,7 @@ def test_micro_batches_sum_to_the_whole_batch(inputs: dict[str, torch.Tensor], n
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVES))
+@pytest.mark.kernels
 def test_gspo_and_cispo_take_only_the_mask_of_the_off_policy_correction(inputs: dict[str, torch.Tensor], name: str) -> None:
     # Their own ratio is the importance weight: TIS (a weight, no mask) changes nothing; IcePop's mask applies.
     plain, plain_grad, _ = run(inputs, "token", OBJECTIVES[name], off_policy=NO_MASK)
@@ -317,6 +322,7 @@ def trl_formulation(inputs: dict[str, torch.Tensor], norm: str, kind: str, eps_l
 
 
 @pytest.mark.parametrize(("kind", "norm"), [("gspo", "grpo"), ("gspo", "token"), ("cispo", "grpo"), ("cispo", "token")])
+@pytest.mark.kernels
 def test_gspo_and_cispo_equal_trls_formulation_on_the_same_tensors(inputs: dict[str, torch.Tensor], kind: str, norm: str) -> None:
     """The gradient equals TRL's (`importance_sampling_level = "sequence"`, `loss_type = "cispo"`)
     with sequence-level advantages, the case TRL covers (decentrl's GSPO-token form also takes

@@ -100,6 +100,7 @@ def test_inputs_clip_tokens_of_both_signs_within_one_sample(inputs: dict[str, to
 
 
 @pytest.mark.parametrize("norm, correction", list(itertools.product(NORMS, CORRECTIONS)))
+@pytest.mark.kernels
 def test_per_token_loss_and_gradient_match_float64_reference(inputs: dict[str, torch.Tensor], norm: str, correction: str) -> None:
     loss, grad, _ = run(inputs, inputs["advantages"], norm, correction)
     expected, expected_grad = reference(
@@ -111,6 +112,7 @@ def test_per_token_loss_and_gradient_match_float64_reference(inputs: dict[str, t
 
 
 @pytest.mark.parametrize("norm, correction", list(itertools.product(NORMS, CORRECTIONS)))
+@pytest.mark.kernels
 def test_per_token_advantages_equal_to_the_samples_advantage_are_the_scalar_path(
     inputs: dict[str, torch.Tensor], norm: str, correction: str
 ) -> None:

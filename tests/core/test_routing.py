@@ -108,6 +108,7 @@ def generated(moe_dir: str, prompts: list[list[int]], max_tokens: int = 5) -> tu
     return backend, samples
 
 
+@pytest.mark.kernels
 def test_hf_backend_records_every_fed_token_and_replay_reproduces_its_logprobs(moe_dir: str) -> None:
     prompts = [[1, 4, 5], [1, 6, 7, 8, 9, 3]]  # unequal: the shorter is left-padded by the worker
     backend, samples = generated(moe_dir, prompts)

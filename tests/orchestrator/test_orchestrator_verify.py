@@ -120,6 +120,7 @@ def verify_all(state: RunState, verifier: Verifier) -> dict[str, str]:
     return failures
 
 
+@pytest.mark.kernels
 def test_honest_rollouts_pass_within_the_calibrated_tolerance(setup: Any, world: dict[str, Any]) -> None:
     """Honest fp32 CPU rollouts, plain and truncated sampling: the recomputed logprobs agree far
     inside the default tolerance (docs/security.md records the calibration)."""
@@ -359,6 +360,7 @@ def test_one_load_path_whose_failures_reach_the_caller(setup: Any, world: dict[s
     assert set(wider.check(rollouts).values()) == {"unverifiable"} and wider.loads == 0
 
 
+@pytest.mark.kernels
 def test_a_lora_adapter_version_is_checked_merged_onto_its_base(setup: Any, tmp_path: Any) -> None:
     """In LoRA runs a version is an adapter on version 0: the verifier pulls both and merges them,
     as the HF worker does (decentrl/store/weights.py). The adapted worker's rollouts pass; the base

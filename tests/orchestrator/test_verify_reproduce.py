@@ -72,6 +72,7 @@ def sampled(worker: HFBackend, state: RunState, lease: Lease, seed_offset: int =
     ]
 
 
+@pytest.mark.kernels
 def test_honest_seeded_samples_reproduce(run: Any, backend: Any) -> None:
     state, verifier = run()
     for lease in state.grant_leases(HONEST, 4):
@@ -81,6 +82,7 @@ def test_honest_seeded_samples_reproduce(run: Any, backend: Any) -> None:
     assert state.integrity.workers["honest"].strikes == 0 and len(state.ready) == 4
 
 
+@pytest.mark.kernels
 def test_chosen_samples_with_honest_logprobs_are_struck(run: Any, backend: Any) -> None:
     # Without the re-draw (as a run that is not deterministic checks) the chosen samples pass:
     # their logprobs are the policy's own.
@@ -101,6 +103,7 @@ def test_chosen_samples_with_honest_logprobs_are_struck(run: Any, backend: Any) 
     assert state.new_bans == ["mallory"]
 
 
+@pytest.mark.kernels
 def test_a_single_forged_token_is_enough(run: Any, backend: Any) -> None:
     """One token changed to another the policy could have drawn there, its logprob recomputed by
     the verifier itself (so the logprob check agrees): not the seed's draw, struck."""

@@ -72,6 +72,7 @@ def generated(backend: HFBackend, lease: Lease, sampling: SamplingParams) -> lis
     ]
 
 
+@pytest.mark.kernels
 def test_honest_moe_rollouts_pass_and_lies_about_routes_or_logprobs_fail(setup: tuple[RunState, Verifier], world: dict[str, Any]) -> None:
     state, verifier = setup
     honest = [r for lease in state.grant_leases(HOLDER, 2) for r in generated(world["backend"], lease, state.sampling)]

@@ -78,6 +78,7 @@ def gradients_of(
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "token", "dr_grpo"])
+@pytest.mark.kernels
 def test_micro_batched_loss_and_gradients_equal_the_whole_batch(loss_type: str) -> None:
     torch.manual_seed(0)
     model = build_model(TINY).train()
@@ -100,6 +101,7 @@ def with_token_advantages(samples: list[TrainSample], seed: int) -> list[TrainSa
     return [s.model_copy(update={"token_advantages": [rng.uniform(-1, 1) for _ in s.completion_token_ids]}) for s in samples]
 
 
+@pytest.mark.kernels
 def test_token_advantages_micro_batch_like_the_whole_batch() -> None:
     torch.manual_seed(0)
     model = build_model(TINY).train()
@@ -113,6 +115,7 @@ def test_token_advantages_micro_batch_like_the_whole_batch() -> None:
         torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.kernels
 def test_token_advantages_equal_to_the_samples_advantage_train_exactly_like_it() -> None:
     torch.manual_seed(0)
     model = build_model(TINY).train()

@@ -60,6 +60,7 @@ def test_published_adapter_loads_in_peft_with_the_same_logits(tmp_path: Path, id
     torch.testing.assert_close(log_softmax(loaded, ids), log_softmax(model, ids), rtol=0, atol=1e-6)
 
 
+@pytest.mark.kernels
 def test_worker_merges_the_adapter_onto_its_pulled_base(tmp_path: Path, ids: torch.Tensor) -> None:
     base = build_model(MODEL)
     v0, v1 = tmp_path / "v0", tmp_path / "v1"

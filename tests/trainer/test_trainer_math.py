@@ -104,6 +104,7 @@ def test_collate_shapes_and_dtypes() -> None:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.kernels
 def test_token_logprobs_equal_hand_computed_log_softmax(model: PreTrainedModel, temperature: float) -> None:
     prompt, completion = [1, 7, 5, 8, 5, 3], [5, 5, 7, 8, 2]
     # A shorter second row makes the first one carry no padding and the second one some.
@@ -138,6 +139,7 @@ def generate(backend: HFBackend, prompts: list[list[int]], sampling: SamplingPar
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.kernels
 def test_hf_backend_logprobs_match_trainer_recompute(
     backend: HFBackend, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, temperature: float
 ) -> None:

@@ -46,6 +46,7 @@ def train_samples(backend: HFBackend, sampling: SamplingParams, *, with_mask: bo
     [SamplingParams(temperature=0.8, max_tokens=8, top_k=3), SamplingParams(temperature=1.2, max_tokens=8, top_p=0.6)],
     ids=["top_k", "top_p"],
 )
+@pytest.mark.kernels
 def test_trainer_logprobs_with_the_mask_equal_the_workers(
     model_and_backend: tuple[PreTrainedModel, HFBackend], sampling: SamplingParams
 ) -> None:

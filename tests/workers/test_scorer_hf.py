@@ -54,6 +54,7 @@ def chat_text(path: Path, prompt: str, completion: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False)
 
 
+@pytest.mark.kernels
 def test_scores_match_the_model_run_alone_whatever_the_batch(rm_dir: Path) -> None:
     completions = ["0123", "3210", "0", "01230123012301230123"]  # lengths differ: batches are padded
     backend = build_scorer_backend(HFScorerConfig(path=str(rm_dir), batch_size=3))

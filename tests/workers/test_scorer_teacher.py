@@ -68,6 +68,7 @@ def reference_logprobs(path: Path, prompt: list[int], completion: list[int], tem
     return [logprobs[len(prompt) + t - 1, token].item() for t, token in enumerate(completion)]
 
 
+@pytest.mark.kernels
 def test_token_logprobs_equal_a_direct_forward_whatever_the_batch(teacher_dir: Path) -> None:
     cases = [([1, 5, 6, 7, 3], [4, 5, 2]), ([1, 9, 3], [12, 4, 13, 6, 5, 2]), ([1, 4, 4, 4, 4, 3], [2]),
              ([1, 8, 3], [8, 8, 8, 8])]  # prompts and completions of different lengths: rows are padded

@@ -134,6 +134,7 @@ def run_slots(batcher: Batcher, backend: Recording | Gated, requests: list[Reque
     assert all(request.done and request.error is None for request in requests)
 
 
+@pytest.mark.kernels
 def test_queued_slots_share_one_call_and_get_what_each_would_alone(
     backend: Recording, model: tuple[torch.nn.Module, str]
 ) -> None:
@@ -305,6 +306,7 @@ def deterministic_torch() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("deterministic_torch")
+@pytest.mark.kernels
 def test_a_group_is_bitwise_the_same_alone_or_beside_other_groups_at_the_fixed_shape(demo_model: str) -> None:
     """Deterministic runs: a group's tokens and logprobs are bitwise equal whether it is
     generated alone (the call filled with repeats of its rows), beside other groups, or in
@@ -351,6 +353,7 @@ def shape_changes_logits(hf: HFBackend, rows: list[list[int]]) -> bool:
 
 
 @pytest.mark.usefixtures("deterministic_torch")
+@pytest.mark.kernels
 def test_rows_of_an_abandoned_group_are_dropped_before_their_round_and_the_rest_stay_bitwise(demo_model: str) -> None:
     """A hedge's losing copy (its lease told lost) queued beside other groups: its rows leave the
     queue before the round and are never generated; the call keeps its fixed shape (filler
