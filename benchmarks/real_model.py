@@ -6,22 +6,27 @@ records os.getloadavg() before and after (the cores may be shared) and times the
 engine interleaved, repeated, reporting medians:
 
   worker   the hf backend driven as the worker drives it (Worker._generate against the real
-           orchestrator app on loopback: workers/batching.py, then workers/backends/hf.py) vs a
-           bare transformers `generate` on the same bf16 weights, prompts (the task's, through the
-           model's chat template: groups_per_request groups of group_size), batch and lengths, at
-           the worker's torch_threads: completion tokens/s, `worker_hf_vs_bare`
+           orchestrator app on loopback: workers/batching.py, then workers/backends/hf.py, at
+           [worker] compute_dtype) vs the faster of two bare transformers `generate`s, one in bf16
+           (the published weights) and one in fp32 upcast from them, on the same prompts (the
+           task's, through the model's chat template: groups_per_request groups of group_size),
+           batch and lengths, at the worker's torch_threads: completion tokens/s,
+           `worker_hf_vs_bare` (against the best bare engine on this CPU) and whether `auto` picks
+           the faster dtype
   vllm     in .venv-vllm (.ci/setup-vllm.sh; skipped with the reason where it is missing): the vllm
            backend driven the same way vs vLLM's own `LLM.generate` (a default engine) on the same
            prompts, and one in-place weight swap (`reload_weights`) checked to change the weights:
            `worker_vllm_vs_bare`, `worker_vllm_vs_hf` (the worker part's hf figure)
   trainer  one full step of the training loop's code (benchmarks/gpu_check.py `training_step`:
            rank_share -> accumulate_gradients -> clip -> fused AdamW -> the loss all-reduce) on the
-           model as the trainer loads it (FSDP2, 1 rank, trainer.mixed_precision, torch_threads) vs
-           gpu_check's `bare_step` (the same model unsharded, autocast, log-softmax policy gradient,
-           AdamW) on the same batch: `trainer_vs_bare`; then 2 ranks of FSDP2 over gloo (1 thread
-           each) beside it; then publishing as the loop does (WeightGather.submit: the step's
-           blocking part; Publisher: bf16 safetensors + verified publish of a full version) vs a raw
-           copy of the same files
+           model as the trainer loads it (FSDP2, 1 rank, trainer.mixed_precision as the trainer
+           resolves it, torch_threads) vs gpu_check's `bare_step` (the same model unsharded,
+           autocast where that is bf16, log-softmax policy gradient, AdamW) on the same batch:
+           `trainer_vs_bare`; beside them, alternating, the same step in the other mixed precision
+           (bf16 or fp32): which is faster on this CPU and whether `auto` picks it; then 2 ranks of
+           FSDP2 over gloo (1 thread each) beside it; then publishing as the loop does
+           (WeightGather.submit: the step's blocking part; Publisher: bf16 safetensors + verified
+           publish of a full version) vs a raw copy of the same files
   pull     the imported directory as a version in a file:// store: benchmarks/checkpoint_io.py
            `measure` (raw fsspec copies vs CheckpointStore publish and verified pull, copying and
            linking), and the swap (HFBackend.load of a new version in place) vs a raw read of its
@@ -39,7 +44,10 @@ engine interleaved, repeated, reporting medians:
 chat template (no GGUF dequantization), at tiny batches and lengths, in well under a minute: the
 same code paths, figures that mean nothing (tests/pipeline/test_real_model_bench.py runs it).
 The imported model is cached in --model-dir (default runs/real_model/smollm2). The last stdout line
-is one JSON object (keys in docs/real_model.md, "How close each role comes to its engine").
+is one JSON object (keys in docs/real_model.md, "How close each role comes to its engine"); its
+`machine` says what the figures were measured on: the ISA torch's kernels use and the CPU's own,
+bf16 native or not, the CPU's vector flags, and ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA /
+MKL_ENABLE_INSTRUCTIONS where set (an emulated AVX2 machine: docs/reproducibility.md).
 
     .venv/bin/python benchmarks/real_model.py [--parts worker,vllm,trainer,pull,run] [--quick]
 """
@@ -93,6 +101,32 @@ def alternate(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, li
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # lower what torch, oneDNN, MKL use
+
+
+def machine_report() -> dict[str, Any]:
+    """What this machine computes on (decentrl/model/devices.py `machine`, as every role logs it):
+    the ISA torch's kernels use and the CPU's own (they differ on an emulated AVX2 machine,
+    docs/reproducibility.md), whether bf16 is native, the CPU's vector flags as lscpu lists them,
+    and the settings that lower the ISA where set. Every part's process inherits this environment."""
+    import platform
+
+    from decentrl.model.devices import machine
+
+    here = machine("cpu")
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    # x86 lists "flags", ARM "Features"; every core the same: the first such line.
+    line = next((row for row in info.splitlines() if row.startswith(("flags", "Features"))), ":")
+    flags = line.split(":", 1)[1].split()
+    model = next((row.split(":", 1)[1].strip() for row in info.splitlines() if row.startswith("model name")), platform.processor())
+    return {
+        "isa": here.isa, "cpu_isa": here.cpu_isa, "emulated": here.isa != here.cpu_isa, "bf16_native": here.bf16_native,
+        "cores": os.cpu_count(), "threads": here.threads, "cpu": model,
+        "flags": sorted(f for f in flags if f.startswith(("avx", "amx", "sve", "bf16")) or f in ("fma", "f16c", "asimd")),
+        "isa_settings": {name: os.environ[name] for name in ISA_SETTINGS if name in os.environ},
+    }
 
 
 # -- the model -----------------------------------------------------------------------------------
@@ -224,6 +258,7 @@ def worker_part(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from decentrl.api.wire import SamplingParams
+    from decentrl.model.devices import compute_dtype
     from workers.backends.hf import HFBackend
 
     config = run_config(args.model_dir, args.overrides)
@@ -231,23 +266,45 @@ def worker_part(args: argparse.Namespace) -> dict[str, Any]:
     prompts = worker_prompts(config)
     sampling = SamplingParams(temperature=config.sampling.temperature, max_tokens=config.sampling.max_tokens)
     with tempfile.TemporaryDirectory(prefix="decentrl-real-worker-") as work:
-        harness = WorkerHarness(config, HFBackend(seed=0), work)
+        # The worker's backend as workers/main.py builds it: [worker] compute_dtype (auto by default).
+        backend = HFBackend(seed=0, compute=config.worker.compute_dtype)
+        harness = WorkerHarness(config, backend, work)
         try:
-            bare_model = AutoModelForCausalLM.from_pretrained(harness.version_dir, dtype=torch.bfloat16).eval()
+            # The best bare engine on this CPU: bf16 as published, or fp32 upcast from the same bf16
+            # weights (exact), whichever is faster here (bf16 is emulated, slower, on an AVX2 CPU).
+            bare_models = {
+                name: AutoModelForCausalLM.from_pretrained(harness.version_dir, dtype=dtype).eval()
+                for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+            }
+
+            def bare(name: str) -> Callable[[], float]:
+                model = bare_models[name]
+                return lambda: rate(lambda: bare_generate(model, prompts, sampling.max_tokens, sampling.temperature))
+
             runs = {
                 "hf": lambda: rate(lambda: harness.generate(prompts, sampling)),
-                "bare": lambda: rate(lambda: bare_generate(bare_model, prompts, sampling.max_tokens, sampling.temperature)),
+                "bare_bf16": bare("bf16"), "bare_fp32": bare("fp32"),
             }
             warm = alternate(runs, 1)  # the first pass of each pays one-time costs
             figures = alternate(runs, args.rounds)
         finally:
             harness.close()
-    hf, bare = median(figures["hf"]), median(figures["bare"])
+    hf = median(figures["hf"])
+    bare_rates = {name: median(figures[f"bare_{name}"]) for name in ("bf16", "fp32")}
+    best = max(bare_rates, key=bare_rates.__getitem__)
+    short = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+    auto = short[compute_dtype("auto", backend.device, backend.published)]  # what `auto` picks here (the setting may differ)
     return {
         "rows": len(prompts), "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
         "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "torch_threads": torch.get_num_threads(),
-        "dtype": "bfloat16", "hf_tokens_per_s": hf, "bare_tokens_per_s": bare, "worker_hf_vs_bare": hf / bare,
-        "hf_tokens_per_s_all": figures["hf"], "bare_tokens_per_s_all": figures["bare"], "first_pass": warm,
+        "compute_dtype_setting": config.worker.compute_dtype, "compute_dtype": backend.compute_dtype,
+        "published_dtype": str(backend.published).removeprefix("torch."),
+        "hf_tokens_per_s": hf, "bare_bf16_tokens_per_s": bare_rates["bf16"], "bare_fp32_tokens_per_s": bare_rates["fp32"],
+        "bare_best": best, "bare_tokens_per_s": bare_rates[best], "worker_hf_vs_bare": hf / bare_rates[best],
+        "bare_fp32_vs_bf16": bare_rates["fp32"] / bare_rates["bf16"],
+        "auto_dtype": auto, "auto_picks_faster": auto == best,
+        "hf_tokens_per_s_all": figures["hf"], "bare_bf16_tokens_per_s_all": figures["bare_bf16"],
+        "bare_fp32_tokens_per_s_all": figures["bare_fp32"], "first_pass": warm,
     }
 
 
@@ -388,28 +445,44 @@ def trainer_part(args: argparse.Namespace) -> dict[str, Any]:
     rows = config.trainer.groups_per_step * config.group_size
     batch = train_batch(config, rows, args.quick)
     tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in batch.samples)
-    precision = mixed_precision(config, device)
-    model = load_policy(args.model_dir, cfg, device, precision=precision)  # as the trainer loads it: fp32 master weights, FSDP2
-    ours = training_step(model, cfg, batch, device)
+    precision = mixed_precision(config, device)  # trainer.mixed_precision as the trainer resolves it
+    auto = mixed_precision(config.model_copy(update={"trainer": cfg.model_copy(update={"mixed_precision": "auto"})}), device)
+    other = "fp32" if precision == "bf16" else "bf16"
+    # As the trainer loads it (fp32 master weights, FSDP2), once per mixed precision: the step in
+    # each on the same batch, alternating, tells whether `auto` picks the faster one on this CPU.
+    models = {p: load_policy(args.model_dir, cfg, device, precision=p) for p in (precision, other)}
+    steps = {p: training_step(model, cfg, batch, device) for p, model in models.items()}
     bare_model = load_pretrained(args.model_dir).to(device).train()
     optimizer = torch.optim.AdamW(bare_model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     autocast = precision == "bf16"
     runs = {
-        "ours": lambda: timed_step(ours),
+        "ours": lambda: timed_step(steps[precision]),
         "bare": lambda: timed_step(lambda: bare_step(bare_model, optimizer, batch.samples, cfg.micro_batch_tokens, device, autocast)),
+        f"ours_{other}": lambda: timed_step(steps[other]),
     }
     warm = alternate(runs, 1)
     times = alternate(runs, args.rounds)
-    publish = publish_figures(model, config, args)
+    del steps[other], models[other]  # its optimizer state goes with the step: publishing gets the memory
+    publish = publish_figures(models[precision], config, args)
     dist.destroy_process_group()
     ours_s, bare_s = median(times["ours"]), median(times["bare"])
+    by_precision = {precision: times["ours"], other: times[f"ours_{other}"]}
+    # Which precision is faster: the median of the rounds' fp32 / bf16 ratios. Each round times both
+    # within a minute, so a round's ratio cancels the load that moves between rounds on shared cores
+    # (a ratio of the two medians can pair a busy minute of one with a quiet one of the other).
+    fp32_vs_bf16 = [fp32 / bf16 for fp32, bf16 in zip(by_precision["fp32"], by_precision["bf16"], strict=True)]
+    faster = "bf16" if median(fp32_vs_bf16) >= 1 else "fp32"
     return {
         "rows": rows, "seq_len": len(batch.samples[0].prompt_token_ids) + len(batch.samples[0].completion_token_ids),
-        "tokens_per_step": tokens, "mixed_precision": precision, "torch_threads": cfg.torch_threads,
-        "micro_batch_tokens": cfg.micro_batch_tokens,
+        "tokens_per_step": tokens, "mixed_precision_setting": cfg.mixed_precision, "mixed_precision": precision,
+        "torch_threads": cfg.torch_threads, "micro_batch_tokens": cfg.micro_batch_tokens,
         "step_s": ours_s, "bare_step_s": bare_s, "tokens_per_s": tokens / ours_s, "bare_tokens_per_s": tokens / bare_s,
-        "trainer_vs_bare": bare_s / ours_s, "step_s_all": times["ours"], "bare_step_s_all": times["bare"], "first_step": warm,
-        "publish": publish,
+        "trainer_vs_bare": bare_s / ours_s,
+        "bf16_step_s": median(by_precision["bf16"]), "fp32_step_s": median(by_precision["fp32"]),
+        "fp32_vs_bf16_step": median(fp32_vs_bf16), "fp32_vs_bf16_step_all": fp32_vs_bf16,
+        "faster": faster, "auto": auto, "auto_picks_faster": auto == faster,
+        "step_s_all": times["ours"], "bare_step_s_all": times["bare"], f"{other}_step_s_all": times[f"ours_{other}"],
+        "first_step": warm, "publish": publish,
     }
 
 
@@ -693,7 +766,10 @@ def child_argv(args: argparse.Namespace) -> list[str]:
 def in_child(part: str, args: argparse.Namespace, *, python: str = sys.executable, env: dict[str, str] | None = None) -> dict[str, Any]:
     """One part in its own process (its memory, threads and imports its own); its last stdout line."""
     argv = [python, __file__, "--child", part, *child_argv(args)]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=args.part_timeout_s)
+    try:
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=args.part_timeout_s)
+    except subprocess.TimeoutExpired:  # the part's error, as the run part reports its own: the other parts still run
+        return {"error": f"did not end within {args.part_timeout_s:.0f} s (--part-timeout-s)"}
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         return {"error": f"exit code {done.returncode}", "output_tail": (done.stdout + done.stderr)[-2500:]}
@@ -712,10 +788,16 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     hf, ours_vllm = worker.get("hf_tokens_per_s"), vllm.get("vllm_tokens_per_s")
     return {
         "worker_hf_vs_bare": worker.get("worker_hf_vs_bare"),
+        "worker_compute_dtype": worker.get("compute_dtype"),
+        "worker_bare_best": worker.get("bare_best"),
+        "worker_auto_picks_faster": worker.get("auto_picks_faster"),
         "worker_vllm_vs_bare": vllm.get("worker_vllm_vs_bare"),
         "worker_vllm_vs_hf": ours_vllm / hf if hf and ours_vllm else None,
         "vllm_null_reason": vllm.get("skipped") or vllm.get("error"),
         "trainer_vs_bare": trainer.get("trainer_vs_bare"),
+        "trainer_mixed_precision": trainer.get("mixed_precision"),
+        "trainer_fp32_vs_bf16_step": trainer.get("fp32_vs_bf16_step"),
+        "trainer_auto_picks_faster": trainer.get("auto_picks_faster"),
         "trainer_2ranks_vs_1rank": (trainer["step_s"] / result["trainer_2ranks"]["step_s"])
         if "step_s" in trainer and "step_s" in result.get("trainer_2ranks", {}) else None,
         "pull_vs_raw": pull.get("pull_vs_raw"),
@@ -740,7 +822,8 @@ def main() -> None:
     parser.add_argument("--vllm-threads-bind", default="0",
                         help="VLLM_CPU_OMP_THREADS_BIND for both vLLM engines (default '0': one core, as the hf worker's torch_threads 1).")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="A config override, as decentrl run takes.")
-    parser.add_argument("--part-timeout-s", type=float, default=900.0)
+    parser.add_argument("--part-timeout-s", type=float, default=1800.0,
+                        help="A part's limit, s: a guard against a hang (the trainer part takes many minutes on 2 busy cores).")
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", help="Also write the JSON object to this file.")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -761,7 +844,7 @@ def main() -> None:
     load_before = loads()
     args.model_dir = prepare_model(args.model_dir, args.quick)
     result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick, "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick, "machine": machine_report(),
         "model_dir": args.model_dir, "model_bytes": weight_bytes(args.model_dir), "overrides": args.overrides,
         "rounds": args.rounds, "prepare_model_s": time.perf_counter() - started, "load_avg_prepare": [load_before, loads()],
     }

@@ -1,9 +1,11 @@
-"""benchmarks/real_model.py --quick: every part that runs without vLLM (the hf worker and the trainer
-against their bare loops, 2 FSDP2 ranks, publishing, the verified pull and swap, a short
-`decentrl run` of configs/smollm2.toml with its memory and bytes per version) runs through to a
-result on a 2-layer model with the real model's tokenizer and chat template, so the benchmark cannot
-rot between full runs. The figures mean nothing here; only that each is there and sane. The vllm
-part needs .venv-vllm (.ci/vllm-tests.sh checks that path); it is left out to keep this test short."""
+"""benchmarks/real_model.py --quick: every part that runs without vLLM (the hf worker against bare
+`generate`s in bf16 and fp32, the trainer against its bare loop and in both mixed precisions, 2
+FSDP2 ranks, publishing, the verified pull and swap, a short `decentrl run` of configs/smollm2.toml
+with its memory and bytes per version) runs through to a result on a 2-layer model with the real
+model's tokenizer and chat template, so the benchmark cannot rot between full runs. The figures mean
+nothing here; only that each is there and sane, and that the machine the report names is the one
+whose dtypes the roles chose. The vllm part needs .venv-vllm (.ci/vllm-tests.sh checks that path);
+it is left out to keep this test short."""
 
 from __future__ import annotations
 
@@ -41,10 +43,21 @@ def test_real_model_quick_runs_every_part(tmp_path: Path) -> None:
         assert len(result[part]["load_avg"]) == 2  # before and after
 
     summary = result["summary"]
-    for key in ("worker_hf_vs_bare", "trainer_vs_bare", "trainer_2ranks_vs_1rank", "pull_vs_raw",
+    for key in ("worker_hf_vs_bare", "trainer_vs_bare", "trainer_fp32_vs_bf16_step", "trainer_2ranks_vs_1rank", "pull_vs_raw",
                 "pull_and_swap_vs_raw", "publish_vs_raw", "publish_blocking_s", "publish_total_s"):
         assert summary[key] > 0, (key, summary)
     assert summary["worker_vllm_vs_bare"] is None
+
+    # The config's dtypes are `auto`: bf16 exactly where the machine the report names computes it natively.
+    machine, worker, trainer = result["machine"], result["worker"], result["trainer"]
+    assert machine["isa"] in ("amx", "avx512", "avx2", "arm", "default") and machine["cores"] >= 1
+    assert machine["emulated"] == (machine["isa"] != machine["cpu_isa"])
+    assert worker["compute_dtype"] == ("bfloat16" if machine["bf16_native"] else "float32") == summary["worker_compute_dtype"]
+    assert trainer["mixed_precision"] == trainer["auto"] == ("bf16" if machine["bf16_native"] else "fp32")
+    best = max(worker["bare_bf16_tokens_per_s"], worker["bare_fp32_tokens_per_s"])
+    assert worker["worker_hf_vs_bare"] == worker["hf_tokens_per_s"] / best  # against the faster bare engine here
+    assert trainer["bf16_step_s"] > 0 and trainer["fp32_step_s"] > 0
+    assert isinstance(summary["worker_auto_picks_faster"], bool) and isinstance(summary["trainer_auto_picks_faster"], bool)
 
     run = result["run"]
     assert run["steps"] == 2
