@@ -8,8 +8,10 @@ its cache by ISA, and kernels compiled for one ISA crash a process running under
 Two kernel sets, because no setting on an Intel CPU reproduces an AMD one's: MKL picks its
 kernels by vendor as well as by ISA. `avx2` holds PyTorch, oneDNN and MKL to AVX2 (an Intel AVX2
 CPU); `avx2-mkl-own` leaves MKL its own choice, and with it the EPYC's seeded-rows failure
-reproduced here (2026-11-28), which `avx2` did not. On a CPU whose kernels are not AVX-512 the
-test skips: the main run already runs these tests on them."""
+reproduced here (2026-11-28), which `avx2` did not. CI runs `avx2-mkl-own` (both failures of
+issue 44 reproduce under it); `avx2` runs with DECENTRL_LONG_TESTS=1 (95-120 s with a cold inductor
+cache, which a clean clone always has). On a CPU whose kernels are not AVX-512 the test skips: the
+main run already runs these tests on them."""
 
 from __future__ import annotations
 
@@ -47,7 +49,14 @@ def marked_files() -> list[str]:
     return sorted(str(path) for path in (ROOT / "tests").rglob("test_*.py") if "@pytest.mark.kernels" in path.read_text())
 
 
-@pytest.mark.parametrize("name", list(KERNEL_SETS))
+LONG = pytest.mark.skipif(
+    os.environ.get("DECENTRL_LONG_TESTS") != "1",
+    reason="the all-AVX2 kernel set (MKL held to AVX2 too): 95-120 s cold, beyond CI's budget; avx2-mkl-own "
+    "reproduces both of issue 44's failures; run with DECENTRL_LONG_TESTS=1",
+)
+
+
+@pytest.mark.parametrize("name", [pytest.param("avx2", marks=LONG), "avx2-mkl-own"])
 def test_the_kernel_sensitive_tests_pass_on_an_emulated_avx2_cpu(name: str) -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
