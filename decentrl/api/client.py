@@ -20,6 +20,7 @@ import gzip
 import json
 import logging
 import random
+import ssl
 import time
 import urllib.error
 import urllib.parse
@@ -139,6 +140,12 @@ class OrchestratorClient:
                 sleep = min(sleep, 30.0, max(0.05, self.max_wait_s - waited))
                 log.warning("orchestrator answered %d (%s); retrying in %.1fs", exc.code, message, sleep)
             except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, ssl.SSLCertVerificationError):
+                    # Not a blip: no retry makes the certificate trusted.
+                    raise ConnectionError(
+                        f"orchestrator at {self.url}: its TLS certificate is not trusted ({exc.reason.verify_message}: "
+                        f"{exc.reason}); point SSL_CERT_FILE at the CA that signed it (docs/deploy.md)"
+                    ) from None
                 if waited >= self.max_wait_s:
                     raise ConnectionError(f"orchestrator at {self.url} unreachable for {waited:.0f}s: {exc}") from None
                 sleep = delay * (0.5 + random.random())

@@ -1,0 +1,339 @@
+"""The spread testbed's services on loopback (benchmarks/spread_services.py): the orchestrator behind
+its nginx TLS front, and decentrl's checkpoint store behind the S3 fault front.
+
+TLS: a real `decentrl orchestrator` behind nginx (configs/deploy/nginx-orchestrator.conf.template, a
+throwaway CA). A client that trusts the CA through SSL_CERT_FILE gets through; one that does not
+fails at once on the certificate; a long-poll outlasts a read timeout set below it only when the
+front's timeout is above it, and what the front cuts or cannot reach is answered 503 with
+Retry-After, which decentrl's client retries.
+
+S3: moto's server in its own process, the fault front before it, a CheckpointStore publishing and
+pulling through the front: 503 SlowDown bursts, a cut and a stalled download, a cut and a stalled
+upload. The figures (bytes served against the object, seconds until a stall is seen) are those
+decentrl's store gives today; docs/store.md tells how to bound a stall.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from decentrl.api.client import OrchestratorClient, OrchestratorError
+from decentrl.cli.launch import free_port
+from decentrl.config import OrchestratorConfig, StoreConfig
+from decentrl.store.checkpoints import CheckpointStore, StoreError
+from orchestrator.auth import add_token
+from tests.pipeline.test_pipeline import TINY_MODEL
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("nginx") is None, reason="needs nginx: apt-get install nginx-light"),
+]
+
+ROOT = Path(__file__).parents[2]
+
+
+def _services() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("spread_services", ROOT / "benchmarks" / "spread_services.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pydantic resolves the module's annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+ss = _services()
+
+
+# -- the TLS front ---------------------------------------------------------------------------------
+
+BATCH_WAIT_S = 3.0  # the long-poll: a trainer's batch request with nothing to train answers 204 after this
+CONFIG = f"""
+run_name = "spread-tls"
+trainer_ranks = 1
+{TINY_MODEL}
+[orchestrator]
+batch_wait_s = {BATCH_WAIT_S}
+"""
+
+
+@pytest.fixture(scope="module")
+def orchestrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A real orchestrator on 127.0.0.1 (plain HTTP): its host:port and a trainer token."""
+    run_dir = tmp_path_factory.mktemp("orchestrator")
+    (run_dir / "run.toml").write_text(CONFIG)
+    token = add_token(str(run_dir / "tokens.json"), name="trainer", role="trainer")
+    port = free_port()
+    with open(run_dir / "orchestrator.log", "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "decentrl", "orchestrator", str(run_dir / "run.toml"), "--run-dir", str(run_dir),
+             "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
+                    break
+            except OSError:
+                assert process.poll() is None, (run_dir / "orchestrator.log").read_text()
+                assert time.monotonic() < deadline, "orchestrator did not start"
+                time.sleep(0.2)
+        yield f"127.0.0.1:{port}", token
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> object:
+    return ss.make_certificates(str(tmp_path_factory.mktemp("certs")), ["localhost", "127.0.0.1"])
+
+
+def front(prefix: Path, upstream: str, certs: object, *, read_timeout_s: int, max_body_bytes: int = 16 * 2**20) -> object:
+    return ss.start_tls_front(
+        str(prefix), host="127.0.0.1", port=free_port(), server_name="localhost", certs=certs, upstream=upstream,
+        read_timeout_s=read_timeout_s, max_body_bytes=max_body_bytes,
+    )
+
+
+def test_front_limits_follow_the_orchestrator_config() -> None:
+    assert ss.tls_front_limits(OrchestratorConfig()) == (80, 16 * 2**20)  # batch_wait_s 20 s + a minute
+    assert ss.tls_front_limits(OrchestratorConfig(batch_wait_s=300, max_request_bytes=2**20)) == (360, 2**20)
+
+
+def test_rendered_config_fills_every_name_and_keeps_nginx_variables(certs: object) -> None:
+    text = ss.render_tls_front(
+        listen="10.0.0.1:443", server_name="orchestrator.test", certs=certs, upstream="10.0.0.1:8740",
+        read_timeout_s=90, max_body_bytes=16777216,
+    )
+    body = [line.split("#")[0].strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not any("DECENTRL_" in line for line in body)
+    for directive in ("listen 10.0.0.1:443 ssl;", "server 10.0.0.1:8740;", "proxy_read_timeout 90s;",
+                      "client_max_body_size 16777216;", "proxy_buffering off;", "proxy_http_version 1.1;",
+                      'proxy_set_header Connection "";', "proxy_set_header Host $host;"):
+        assert directive in body, directive
+
+
+def test_orchestrator_over_tls(
+    orchestrator: tuple[str, str], certs: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upstream, token = orchestrator
+    # Its read timeout above the long-poll, as tls_front_limits makes it, though below nginx's 60 s default.
+    tls = front(tmp_path / "nginx", upstream, certs, read_timeout_s=int(BATCH_WAIT_S) + 3)
+    try:
+        # Trusted through the usual variable, as a worker's or the trainer's environment sets it.
+        monkeypatch.setenv("SSL_CERT_FILE", certs.ca)
+        client = OrchestratorClient(tls.url, token, timeout_s=30, max_wait_s=0.5)
+        assert client.info().run_name == "spread-tls"
+        started = time.monotonic()
+        assert client.batch(0) is None  # the whole long-poll, answered 204 through the front
+        assert BATCH_WAIT_S <= time.monotonic() - started < BATCH_WAIT_S + 2
+
+        # Without the CA (the system's bundle only): refused on the certificate at once, not retried.
+        monkeypatch.setenv("SSL_CERT_FILE", "/etc/ssl/certs/ca-certificates.crt")
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="CERTIFICATE_VERIFY_FAILED.*SSL_CERT_FILE"):
+            OrchestratorClient(tls.url, token, timeout_s=30, max_wait_s=60).info()
+        assert time.monotonic() - started < 5
+    finally:
+        tls.stop()
+    assert tls.process.returncode == 0
+    assert sorted(os.listdir(tmp_path / "nginx")) == ["access.log", "decentrl.conf", "error.log", "nginx.conf", "temp"]
+    assert "[emerg]" not in (tmp_path / "nginx" / "error.log").read_text()
+
+
+def test_front_cuts_a_long_poll_past_its_read_timeout_into_a_retried_503(
+    orchestrator: tuple[str, str], certs: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upstream, token = orchestrator
+    monkeypatch.setenv("SSL_CERT_FILE", certs.ca)
+    tls = front(tmp_path / "nginx", upstream, certs, read_timeout_s=1, max_body_bytes=64 * 1024)
+    try:
+        request = urllib.request.Request(
+            f"{tls.url}/v1/batch?trainer_version=0&request_id={uuid.uuid4().hex}", headers={"Authorization": f"Bearer {token}"}
+        )
+        started = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as cut:
+            urllib.request.urlopen(request, timeout=30)
+        assert 1 <= time.monotonic() - started < BATCH_WAIT_S  # cut at the front's timeout, not the long-poll's end
+        assert cut.value.code == 503 and cut.value.headers["Retry-After"] == "1"
+        assert "not answering" in json.loads(cut.value.read())["error"]
+
+        # A body above the orchestrator's limit: 413 from the front, with a message.
+        big = urllib.request.Request(
+            f"{tls.url}/v1/rollouts", data=b"x" * (65 * 1024), method="POST", headers={"Authorization": f"Bearer {token}"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(big, timeout=30)
+        assert refused.value.code == 413
+    finally:
+        tls.stop()
+
+
+def test_front_answers_503_while_the_orchestrator_is_down(certs: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SSL_CERT_FILE", certs.ca)
+    tls = front(tmp_path / "nginx", f"127.0.0.1:{free_port()}", certs, read_timeout_s=5)  # nothing listens there
+    try:
+        with pytest.raises(OrchestratorError) as down:
+            OrchestratorClient(tls.url, "token", timeout_s=10, max_wait_s=1.0).info()  # retried for max_wait_s, then raised
+        assert down.value.status == 503 and "not answering" in down.value.message
+    finally:
+        tls.stop()
+
+
+# -- the S3 store behind the fault front ----------------------------------------------------------
+
+SMALL = 4_000_000  # a weight file of one part or less ([store] part_mb, 8 MiB): one stream
+OBJECT = "/spread/run/v000000/model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object]]:
+    """moto and the fault front before it, each in its own process: the front's URL and its control."""
+    # The control socket's path must fit a sockaddr_un (108 bytes): not under pytest's long tmp_path.
+    run_dir = tempfile.mkdtemp(prefix="spread-s3-")
+    moto = ss.start_moto(run_dir, host="127.0.0.1", port=0)
+    s3_front, control = ss.start_s3_front(run_dir, host="127.0.0.1", port=0, upstream=moto.url)
+    try:
+        import boto3
+
+        boto3.client(
+            "s3", endpoint_url=moto.url, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        ).create_bucket(Bucket="spread")
+        yield s3_front.url, control
+    finally:
+        assert s3_front.stop() == 0
+        moto.stop()
+        assert "Traceback" not in Path(s3_front.log_path).read_text()
+        leftovers = sorted(os.listdir(run_dir))
+        shutil.rmtree(run_dir)
+    assert leftovers == ["moto.log", "s3-front.log"]  # ready files and the control socket removed
+
+
+@pytest.fixture
+def control(s3: tuple[str, object]) -> Iterator[object]:
+    """The front's control, counts reset; the store's run prefix emptied after the test."""
+    endpoint, control = s3
+    control.clear()
+    control.reset()
+    yield control
+    control.clear()
+    store = make_store(endpoint)
+    for version in store.versions():
+        store.delete(version)
+
+
+def make_store(endpoint: str, **storage_options: object) -> CheckpointStore:
+    """decentrl's store through the front, configured as a worker's or the trainer's [store] section."""
+    return CheckpointStore.from_config(StoreConfig(
+        url="s3://spread/run", endpoint=endpoint, region="us-east-1", access_key_id="testing",
+        secret_access_key="testing", storage_options=storage_options,
+    ))
+
+
+def make_version(tmp_path: Path, size: int) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(os.urandom(size))
+    (src / "config.json").write_text("{}")
+    return src
+
+
+@pytest.fixture
+def version_dir(tmp_path: Path) -> Path:
+    return make_version(tmp_path, SMALL)
+
+
+def pull_and_check(store: CheckpointStore, src: Path, cache: Path) -> None:
+    out = Path(store.pull(0, str(cache)))
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+def test_slowdown_bursts_publish_and_pull_retry_and_complete(
+    s3: tuple[str, object], control: object, version_dir: Path, tmp_path: Path
+) -> None:
+    store = make_store(s3[0])
+    control.set("slowdown", count=3)  # the publish's first three requests
+    store.publish(0, str(version_dir))
+    assert control.stats()["hits"] == {"slowdown": 3}
+    control.set("slowdown", share=0.5, seconds=5.0, seed=1)  # half the pull's requests, for 5 s
+    pull_and_check(make_store(s3[0]), version_dir, tmp_path / "cache")
+    stats = control.stats()
+    assert stats["hits"]["slowdown"] >= 2
+    assert stats["served"]["by_object"][OBJECT] == SMALL  # a 503 costs no object bytes
+
+
+def test_slowdown_past_botocores_retries_fails_a_publish(s3: tuple[str, object], control: object, version_dir: Path) -> None:
+    """A sustained SlowDown: the publish gives up once botocore's attempts of its first request are
+    spent (5 by default, some 10 s; here 1 + 2 retries) - a HEAD, whose 503 has no body in which
+    s3fs would see "SlowDown" and retry again - and raises an OSError, which the trainer's
+    publisher surfaces. More retries are a storage option (config_kwargs.retries, docs/store.md)."""
+    control.set("slowdown")
+    started = time.monotonic()
+    with pytest.raises(OSError, match="Service Unavailable"):
+        make_store(s3[0], config_kwargs={"retries": {"mode": "standard", "max_attempts": 2}}).publish(0, str(version_dir))
+    assert time.monotonic() - started < 10
+    assert control.stats()["hits"] == {"slowdown": 3}
+
+
+def test_cut_small_download_is_fetched_again_whole(s3: tuple[str, object], control: object, tmp_path: Path) -> None:
+    """A file of one part or less streams whole: on a cut, s3fs sees the short body
+    (ClientPayloadError) and fetches it again from its start at once; verified, at 1.5x its bytes."""
+    src = make_version(tmp_path, SMALL)
+    make_store(s3[0]).publish(0, str(src))
+    control.reset()
+    control.set("cut", count=1, match=".safetensors")
+    started = time.monotonic()
+    pull_and_check(make_store(s3[0]), src, tmp_path / "cache")
+    assert time.monotonic() - started < 5
+    stats = control.stats()
+    assert stats["hits"] == {"cut": 1}
+    assert stats["served"]["by_object"][OBJECT] == SMALL + SMALL // 2
+    assert stats["served"]["by_client"] == {"127.0.0.1": stats["served"]["total"]}
+
+
+def test_stalled_small_download_is_seen_after_the_read_timeout(s3: tuple[str, object], control: object, tmp_path: Path) -> None:
+    """A whole-file stream's stall is bounded by botocore's read timeout: s3fs sets 15 s unless the
+    store's storage_options set config_kwargs.read_timeout; then the file is fetched again from its start."""
+    src = make_version(tmp_path, SMALL)
+    make_store(s3[0]).publish(0, str(src))
+    control.reset()
+    control.set("stall", count=1, match=".safetensors")  # the headers and half the object, then silence
+    started = time.monotonic()
+    pull_and_check(make_store(s3[0], config_kwargs={"read_timeout": 2}), src, tmp_path / "cache")
+    assert 2 <= time.monotonic() - started < 6
+    stats = control.stats()
+    assert stats["hits"] == {"stall": 1} and stats["stalled_now"] == 0  # the client closed the stalled connection
+    assert stats["served"]["by_object"][OBJECT] == SMALL + SMALL // 2
+
+
+def test_cut_and_stalled_uploads_are_retried(s3: tuple[str, object], control: object, version_dir: Path, tmp_path: Path) -> None:
+    control.set("cut", count=1, match=".safetensors", methods=["PUT"])  # half the upload, then the connection closed
+    make_store(s3[0]).publish(0, str(version_dir))
+    assert control.stats()["hits"] == {"cut": 1}
+    assert control.stats()["received"]["by_object"][OBJECT] == SMALL + SMALL // 2
+    control.set("stall", count=1, match=".safetensors", methods=["PUT"])  # half the upload, then no reading
+    control.reset()
+    started = time.monotonic()
+    make_store(s3[0], config_kwargs={"read_timeout": 2}).publish(1, str(version_dir))
+    assert 2 <= time.monotonic() - started < 6
+    assert control.stats()["hits"] == {"stall": 1}
+    pull_and_check(make_store(s3[0]), version_dir, tmp_path / "cache")
+    with pytest.raises(StoreError, match="already published"):
+        make_store(s3[0]).publish(1, str(version_dir))
