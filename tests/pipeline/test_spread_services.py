@@ -182,6 +182,7 @@ def test_front_cuts_a_long_poll_past_its_read_timeout_into_a_retried_503(
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(big, timeout=30)
         assert refused.value.code == 413
+        assert json.loads(refused.value.read())["error"].endswith("(client_max_body_size 65536 bytes)")
     finally:
         tls.stop()
 
