@@ -36,15 +36,17 @@ if [ "${CI:-}" = "true" ] && ! command -v chromium >/dev/null 2>&1 && command -v
   fi
 fi
 # The spread testbed's network (benchmarks/spreadnet.py, tests/pipeline/test_spreadnet.py): network
-# namespaces shaped with tc, iptables for loss and partitions, ethtool, and gcc for its delayer, in
-# CI only and only where apt-get can install them; a failure never fails setup: those tests then
-# skip and say why.
+# namespaces shaped with tc, iptables for loss and partitions, ethtool, and gcc for its delayer; and
+# nginx, the orchestrator's TLS front (benchmarks/spread_services.py, which runs its own: a system
+# service the package starts is stopped). In CI only and only where apt-get can install them; a
+# failure never fails setup: those tests then skip and say why.
 if [ "${CI:-}" = "true" ] && command -v apt-get >/dev/null 2>&1 \
-    && ! { command -v iptables && command -v ethtool && command -v tc && command -v gcc; } >/dev/null 2>&1; then
+    && ! { command -v iptables && command -v ethtool && command -v tc && command -v gcc && command -v nginx; } >/dev/null 2>&1; then
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-  if ! timeout 300 sh -c "$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq iproute2 iptables ethtool gcc libc6-dev" >/dev/null 2>&1; then
-    echo "setup: could not install iproute2/iptables/ethtool/gcc; the spread testbed's tests will be skipped" >&2
+  if ! timeout 300 sh -c "$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq iproute2 iptables ethtool gcc libc6-dev nginx" >/dev/null 2>&1; then
+    echo "setup: could not install iproute2/iptables/ethtool/gcc/nginx; the spread testbed's tests will be skipped" >&2
   fi
+  $SUDO systemctl disable --now nginx >/dev/null 2>&1 || true
 fi
 # vLLM in its own virtualenv (.venv-vllm), in CI only: tests/workers/test_vllm_env.py runs its
 # tests from the main suite, so the vllm path cannot rot unnoticed. Built in the background

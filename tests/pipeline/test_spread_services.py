@@ -41,7 +41,7 @@ from tests.pipeline.test_pipeline import TINY_MODEL
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(shutil.which("nginx") is None, reason="needs nginx: apt-get install nginx-light"),
+    pytest.mark.skipif(shutil.which("nginx") is None, reason="needs nginx: apt-get install nginx"),
 ]
 
 ROOT = Path(__file__).parents[2]
