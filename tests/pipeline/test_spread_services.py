@@ -10,7 +10,8 @@ Retry-After, which decentrl's client retries.
 S3: moto's server in its own process, the fault front before it, a CheckpointStore publishing and
 pulling through the front: 503 SlowDown bursts, a cut and a stalled download, a cut and a stalled
 upload. The figures (bytes served against the object, seconds until a stall is seen) are those
-decentrl's store gives today; docs/store.md tells how to bound a stall.
+decentrl's store gives; botocore's read timeout and retries are [store] storage_options
+(config_kwargs = {read_timeout = ..., retries = {...}}).
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ def test_slowdown_past_botocores_retries_fails_a_publish(s3: tuple[str, object],
     """A sustained SlowDown: the publish gives up once botocore's attempts of its first request are
     spent (5 by default, some 10 s; here 1 + 2 retries) - a HEAD, whose 503 has no body in which
     s3fs would see "SlowDown" and retry again - and raises an OSError, which the trainer's
-    publisher surfaces. More retries are a storage option (config_kwargs.retries, docs/store.md)."""
+    publisher surfaces. More retries: [store] storage_options config_kwargs.retries."""
     control.set("slowdown")
     started = time.monotonic()
     with pytest.raises(OSError, match="Service Unavailable"):
