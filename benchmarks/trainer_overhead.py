@@ -18,9 +18,10 @@ batch and micro-batches, timed in turns (round-robin, so a change of load hits e
 Two regimes (--shape): `launch` (default), the Qwen3 architecture at 28 blocks of width 32 and 8
 rows of 32 tokens, a step that is all launching ops (as an H100 step of a small model partly is,
 docs/benchmarks.md "The GPU path"); `smollm2-135m`, that shape at 8 rows of 128 tokens, a step
-that is all arithmetic on the CPU.
+that is all arithmetic on the CPU; `smoke`, `launch` cut to 4 blocks, for the test that the five
+loops run (its compilation is most of the time: 28 blocks compile 7 times as long).
 
-    .venv/bin/python benchmarks/trainer_overhead.py [--shape launch|smollm2-135m] [--rounds 15] [--bf16]
+    .venv/bin/python benchmarks/trainer_overhead.py [--shape launch|smollm2-135m|smoke] [--rounds 15] [--bf16]
 
 The last stdout line is one JSON object: `step_s`, `each_micro_step_s`, `one_unit_step_s`,
 `compiled_step_s`, `bare_step_s` (medians), `trainer_vs_bare` (bare step time / ours),
@@ -52,6 +53,8 @@ SHAPES = {
     "launch": (dict(num_hidden_layers=28, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                     num_key_value_heads=1, head_dim=16, vocab_size=256), 8, 8, 24, 1),
     "smollm2-135m": ({}, 8, 32, 96, 2),
+    "smoke": (dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=16, vocab_size=256), 8, 8, 24, 1),
 }
 
 
@@ -73,7 +76,7 @@ def main() -> None:
     torch.set_num_threads(threads)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(gpu_check.free_port()))
     _, _, device = init_distributed()
-    config = shape_config("qwen3-0.6b" if args.shape == "launch" else args.shape, **overrides)
+    config = shape_config("qwen3-0.6b" if args.shape in ("launch", "smoke") else args.shape, **overrides)
     mixed_precision = "bf16" if args.bf16 else "fp32"
     # 2 rows a micro-batch: 4 micro-batches a step.
     trainer = TrainerConfig(micro_batch_tokens=2 * (prompt_len + completion_len), mixed_precision=mixed_precision, lr=1e-6)
