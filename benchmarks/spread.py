@@ -1,0 +1,899 @@
+"""A run spread across network hosts (issue 45): every role on its own host with its own link, the
+orchestrator behind TLS, the store an S3 server behind a fault front, a two-node trainer, workers
+on the link profiles L0-L3; versions timed from publish to loaded weights against the link's bound.
+
+    .venv/bin/python benchmarks/spread.py                      # every part; --quick: the reduced twin
+    .venv/bin/python benchmarks/spread.py --parts run,versions   # run, versions, late_joiner, announce, leases
+
+Needs root and what benchmarks/spreadnet.py needs (iproute2, iptables, ethtool, gcc), nginx and
+moto. The last line of stdout is one JSON object; progress goes to stderr.
+
+Topology (`Spread`, on a spreadnet `Testbed`; each host a network namespace on one bridge):
+- `orch` (1 Gbit/s both ways, 0 ms: a data-centre host): the orchestrator on 127.0.0.1:8740 and, on
+  the same host, nginx terminating TLS on its address, port 443 (configs/deploy/nginx-orchestrator.conf.template
+  through spread_services.py; a throwaway CA). Every client - trainer, workers, the announce
+  probe - speaks https to it and trusts the CA through SSL_CERT_FILE. A monitor on the same host
+  reads /v1/status over plain HTTP on 127.0.0.1 every 0.25 s (when a worker's first rollout landed).
+- `store` (PROFILES["store"], 200 Mbit/s): moto's S3 server on 127.0.0.1 there and the fault front
+  on its address, port 9000, counting the bytes it serves per client and object. Every role
+  reaches the store through the front (endpoint in [store]; credentials from the environment,
+  as docs/store.md advises); only this benchmark's own manifest reads go to moto directly.
+- `trainer0`, `trainer1` (PROFILES["trainer"]: 50 Mbit/s up): one trainer rank each, torchrun's
+  c10d rendezvous hosted on trainer0 (`--rdzv-conf is_host=1`, `--local-addr`). The two talk
+  over `ic0`, a veth pair between the two hosts alone and not shaped, as two nodes of one
+  cluster talk over their interconnect (GLOO_SOCKET_IFNAME=ic0); their `eth0` - the 50 Mbit/s
+  uplink - carries the publish to the store and the HTTP to the orchestrator. (FSDP's all-gathers
+  over the uplink would make the trainer's step the link's: 3 x 4 bytes a parameter a step.)
+- one host per worker with its profile (`w0`... on L1 for the versions part, `l1`/`l2` for the run
+  part, `late_l0`... for late joiners).
+
+Roles start as `decentrl run` starts them (decentrl/cli/launch.py: the resolved config.json,
+`role_starts`' commands, tokens and environment, `_start`/`_stop`), each inside its host; the
+trainer's torchrun command is `trainer_command`'s with the single-node `--standalone` swapped for the
+two-node rendezvous.
+
+Parts:
+- run: the CPU demo (configs/local.toml, its 2 workers on L1 and L2) across the spread against
+  `decentrl run` of the same on loopback: trainer busy, reward gain, time per step, bytes per version.
+- versions (+ late_joiner): a larger stand-in model (the tiny type at hidden 512, 4 layers, bf16
+  versions: S is reported) with 8 workers on L1, paced by the simulated generation latency so the
+  two cores hold them; per version and worker the time from the version's manifest being written
+  (`created_at`: the trainer's upload is done) to the worker's "loaded version" log line, against
+  T* = max(sum of S over the workers pulling it / u_store, S / d_worker) + the announce delay
+  measured for that pair + 3 RTTs between worker and store (rates as TCP payload of the frame
+  rates: x 1448/1514). The trainer's upload (S / u_trainer) is not in the bound: the clock starts
+  after it (its time is reported as publish_s). S is what that worker had to fetch: the version's
+  stored bytes and those of any delta base it did not hold. Late joiners (one per profile, one
+  after another, once the run is at version 20) are timed from their first log line to their
+  first loaded version and first rollout, against the bytes of the newest full version plus the
+  deltas since.
+- announce: announce -> worker latency across the shaped links (benchmarks/announce_latency.py's
+  `announce_latencies`, the worker's own version watch, in a probe on each profile's host; the
+  trainer's announcement sent from trainer0 by a helper process there).
+- leases: 5 s leases and 20 s generations ([simulation]) from 2 workers on L2 through the front:
+  leases lost, rollouts rejected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCHMARKS))
+
+import spreadnet as sn  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve())
+DATACENTER = sn.Link(1000, 1000)  # the orchestrator's host
+BUCKET = "spread"
+ORCH_PORT, TLS_PORT, S3_PORT, RDZV_PORT = 8740, 443, 9000, 29400
+INTERCONNECT = ("10.78.0.1", "10.78.0.2")  # trainer0, trainer1 on ic0
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+RTTS_IN_BOUND = 3  # "a few RTTs": the manifest, the ranged reads' requests, the TLS of a new connection
+LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
+LOADED = re.compile(
+    r"^(\S+ \S+) worker INFO decentrl\.worker: loaded version (\d+): pull ([\d.]+)s, pause ([\d.]+)s, ([\d.]+)s after it was announced"
+)
+JOINED = re.compile(r"^(\S+ \S+) worker INFO decentrl\.worker: worker (\S+): ")
+# The larger stand-in of the versions part: the tiny model's type at a width where a version means
+# something (about 13.6M parameters, 27 MB in bf16), still light enough for 8 workers on 2 cores.
+STAND_IN = ["model.hidden_size=512", "model.num_layers=4", "model.num_heads=8", "model.intermediate_size=1536",
+            "store.publish_dtype=bf16"]
+
+
+def say(message: str) -> None:
+    print(f"[spread {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def log_time(stamp: str) -> float:
+    """A log line's asctime (local time, milliseconds) as Unix time: every host shares this clock."""
+    return datetime.datetime.strptime(stamp, LOG_TIME).timestamp()
+
+
+# -- the topology -------------------------------------------------------------------------------
+
+
+@dataclass
+class SpreadRun:
+    """One run on the spread: its directory, config, tokens, the roles started and the monitor."""
+
+    run_dir: Path
+    config: Any  # RunConfig
+    config_path: Path
+    tokens: dict[str, str]
+    store_url: str
+    roles: list[Any] = field(default_factory=list)  # launch.Role
+    trainer_nodes: list[Any] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    def statuses(self) -> list[dict[str, Any]]:
+        """The monitor's /v1/status answers so far, each with its Unix time `t`."""
+        path = self.run_dir / "monitor.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    def version(self) -> int:
+        statuses = self.statuses()
+        return (statuses[-1].get("policy_version") or 0) if statuses else 0
+
+
+class Spread:
+    """The issue's topology on a spreadnet Testbed, with the services up; runs start on it one
+    after another (`start_run`, `stop_run`). Use as a context manager: everything it started is
+    stopped and every namespace removed on leaving, and by the testbed's reaper if killed."""
+
+    def __init__(self, workdir: str, worker_hosts: dict[str, str]) -> None:
+        """`worker_hosts`: host name -> profile name (PROFILES), the hosts workers may run on."""
+        self.workdir = workdir
+        self.worker_profiles = worker_hosts
+        self.net = sn.Testbed()
+        self.services: list[Any] = []
+        self.runs: list[SpreadRun] = []
+
+    def __enter__(self) -> Spread:
+        import spread_services as ss
+
+        from decentrl.config import OrchestratorConfig
+
+        removed = sn.cleanup_stale()
+        if removed:
+            say(f"removed {len(removed)} namespaces left by dead testbeds")
+        self.net.__enter__()
+        try:
+            self.orch = self.net.add_host("orch", DATACENTER)
+            self.store = self.net.add_host("store", sn.PROFILES["store"])
+            self.trainers = [self.net.add_host(f"trainer{i}", sn.PROFILES["trainer"]) for i in (0, 1)]
+            self._interconnect()
+            self.workers = {name: self.net.add_host(name, sn.PROFILES[p]) for name, p in self.worker_profiles.items()}
+            self.certs = ss.make_certificates(os.path.join(self.workdir, "certs"), [self.orch.ip])
+            self.moto = ss.start_moto(self.workdir, host="127.0.0.1", port=0, popen=self.store.popen)
+            self.services.append(self.moto)
+            front, self.control = ss.start_s3_front(
+                self.workdir, host=self.store.ip, port=S3_PORT, upstream=self.moto.url, popen=self.store.popen
+            )
+            self.services.append(front)
+            self.endpoint = front.url
+            put = f"import urllib.request as u; u.urlopen(u.Request('{self.moto.url}/{BUCKET}', method='PUT'), timeout=30)"
+            self.store.run([sys.executable, "-c", put], check=True)
+            # One front for every run: its limits from the defaults every run here keeps.
+            read_timeout_s, max_body = ss.tls_front_limits(OrchestratorConfig())
+            tls = ss.start_tls_front(
+                os.path.join(self.workdir, "nginx"), host=self.orch.ip, port=TLS_PORT, server_name=self.orch.ip,
+                certs=self.certs, upstream=f"127.0.0.1:{ORCH_PORT}", read_timeout_s=read_timeout_s,
+                max_body_bytes=max_body, popen=self.orch.popen,
+            )
+            self.services.append(tls)
+            self.url = tls.url
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _interconnect(self) -> None:
+        """ic0: a veth pair between the two trainer hosts alone, not shaped (inside their namespaces,
+        so it goes with them)."""
+        a, b = self.trainers
+        sn._sh("ip", "-n", a.ns, "link", "add", "ic0", "type", "veth", "peer", "name", "ic0", "netns", b.ns)
+        for host, ip in zip(self.trainers, INTERCONNECT):
+            sn._sh("ip", "-n", host.ns, "addr", "add", f"{ip}/30", "dev", "ic0")
+            sn._sh("ip", "-n", host.ns, "link", "set", "ic0", "up")
+
+    def env(self) -> dict[str, str]:
+        """What every role gets on top of `decentrl run`'s: the CA, the store's credentials."""
+        return {"SSL_CERT_FILE": self.certs.ca, **CREDENTIALS}
+
+    def configure(self, config: Any, run_name: str, workers: int) -> Any:
+        """`config` (a RunConfig) resolved for the spread: its store in the bucket behind the front,
+        the orchestrator on 127.0.0.1:8740 of its host, `workers` workers."""
+        store = config.store.model_copy(update={"url": f"s3://{BUCKET}/{run_name}", "endpoint": self.endpoint, "region": "us-east-1"})
+        orchestrator = config.orchestrator.model_copy(update={"host": "127.0.0.1", "port": ORCH_PORT})
+        return config.model_copy(update={"run_name": run_name, "store": store, "orchestrator": orchestrator, "num_workers": workers})
+
+    def start_run(
+        self, config: Any, *, run_name: str, worker_hosts: list[str], extra_tokens: tuple[str, ...] = (),
+        trainer: bool = True,
+    ) -> SpreadRun:
+        """The orchestrator (and its monitor), the two trainer nodes and a worker on each of
+        `worker_hosts` (worker-i on the i-th), as `decentrl run` would start them. `extra_tokens`:
+        worker tokens for workers started later (`start_worker`)."""
+        from decentrl.cli import launch
+        from orchestrator.auth import add_token
+
+        if any(run.roles for run in self.runs):
+            raise RuntimeError("one run at a time: stop_run the one before")
+        run_dir = Path(self.workdir) / run_name
+        (run_dir / "logs").mkdir(parents=True)
+        config = self.configure(config, run_name, max(1, len(worker_hosts)))  # a config names at least one
+        config_path = run_dir / "config.json"
+        config_path.write_text(config.model_dump_json(indent=2))
+        tokens_path = str(run_dir / "tokens.json")
+        names = ["trainer", *(f"worker-{i}" for i in range(config.num_workers)), *extra_tokens]
+        tokens = {name: add_token(tokens_path, name=name, role="trainer" if name == "trainer" else "worker") for name in names}
+        run = SpreadRun(run_dir, config, config_path, tokens, config.store.url)
+        self.runs.append(run)
+        run.roles.append(launch._start("orchestrator", self._in(self.orch, launch.orchestrator_command(config_path, run_dir)),
+                                       run_dir, self.env()))
+        run.roles.append(launch._start("monitor", self._in(self.orch, [
+            sys.executable, SCRIPT, "monitor", f"http://127.0.0.1:{ORCH_PORT}", tokens["trainer"], str(run_dir / "monitor.jsonl"),
+        ]), run_dir, {}))
+        deadline = time.monotonic() + 120
+        while not run.statuses():
+            if run.roles[0].process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the orchestrator did not start: {launch._tail(run.roles[0].log_path)}")
+            time.sleep(0.2)
+        starts = launch.role_starts(config, config_path, run_dir, self.url, tokens)
+        if trainer:
+            for node, host in enumerate(self.trainers):
+                argv = self.trainer_node_command(config_path, run_dir, node)
+                env = {**starts[0].env, **self.env(), "GLOO_SOCKET_IFNAME": "ic0"}
+                role = launch._start("trainer" if node == 0 else f"trainer-node{node}", self._in(host, argv), run_dir, env)
+                run.roles.append(role)
+                run.trainer_nodes.append(role)
+        for start, host in zip(starts[1:1 + len(worker_hosts)], worker_hosts, strict=True):
+            run.roles.append(launch._start(start.name, self._in(self.workers[host], start.argv), run_dir, {**start.env, **self.env()}))
+        return run
+
+    def trainer_node_command(self, config_path: Path, run_dir: Path, node: int) -> list[str]:
+        """`trainer_command` for one rank on this node, its `--standalone` swapped for the two-node
+        c10d rendezvous that trainer0 hosts on the interconnect."""
+        from decentrl.cli.launch import trainer_command
+
+        argv = trainer_command(config_path, run_dir, self.url, 1)
+        at = argv.index("--standalone")
+        rendezvous = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={INTERCONNECT[0]}:{RDZV_PORT}",
+                      "--rdzv-id=spread", f"--local-addr={INTERCONNECT[node]}", *(["--rdzv-conf=is_host=1"] if node == 0 else [])]
+        return argv[:at] + rendezvous + argv[at + 1:]
+
+    def start_worker(self, run: SpreadRun, name: str, host: str) -> Any:
+        """A worker started later (a late joiner) under the token `name`, on `host`."""
+        from decentrl.cli import launch
+
+        argv = launch.worker_command(run.config_path, run.run_dir, self.url, name)
+        env = {"DECENTRL_TOKEN": run.tokens[name], "OMP_NUM_THREADS": str(run.config.worker.torch_threads), **self.env()}
+        role = launch._start(name, self._in(self.workers[host], argv), run.run_dir, env)
+        run.roles.append(role)
+        return role
+
+    def wait_trainer(self, run: SpreadRun, timeout_s: float, *, until: Any = None) -> bool:
+        """Until both trainer nodes exit 0 (True), or `until()` is true (False); raises if a role
+        dies or time runs out, with its log's tail."""
+        from decentrl.cli import launch
+
+        deadline = time.monotonic() + timeout_s
+        while not all(node.process.poll() == 0 for node in run.trainer_nodes):
+            for role in run.roles:
+                code = role.process.poll()
+                if code is not None and not (role in run.trainer_nodes and code == 0):
+                    raise RuntimeError(f"{role.name} exited with code {code}; {role.log_path}:\n{launch._tail(role.log_path, 25)}")
+            if until is not None and until():
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run did not end within {timeout_s:.0f} s (version {run.version()})")
+            time.sleep(0.5)
+        return True
+
+    def stop_run(self, run: SpreadRun) -> None:
+        """Workers, trainer, monitor, orchestrator: `decentrl run`'s stop, in reverse start order."""
+        from decentrl.cli import launch
+
+        launch._stop(run.roles)
+        run.roles = []
+
+    def manifests(self, run: SpreadRun) -> dict[int, dict[str, Any]]:
+        """Per version in the run's store: created_at, delta_base, stored bytes (what a pull of it
+        fetches), full bytes - read from moto directly (the front's counts stay the workers')."""
+        done = self.store.run([sys.executable, SCRIPT, "manifests", run.store_url, self.moto.url],
+                              capture_output=True, text=True, env={**os.environ, **CREDENTIALS}, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"reading the manifests failed: {done.stderr[-2000:]}")
+        return {int(v): m for v, m in json.loads(done.stdout).items()}
+
+    def _in(self, host: sn.Host, argv: list[str]) -> list[str]:
+        return sn._in_ns(host.ns, argv)
+
+    def close(self) -> None:
+        from decentrl.cli import launch
+
+        for run in self.runs:
+            if run.roles:
+                launch._stop(run.roles, grace_s=5.0)
+                run.roles = []
+        for service in reversed(self.services):
+            service.stop()
+        self.services = []
+        self.net.close()
+
+
+# -- what the logs say -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Loaded:
+    worker: str
+    version: int
+    loaded_at: float
+    seen_at: float  # when the worker heard of the version (loaded_at - "after it was announced")
+    pull_s: float
+
+
+def loaded_versions(run: SpreadRun) -> dict[str, list[Loaded]]:
+    """Per worker (its log's name), the versions it loaded, in order, from its "loaded version" lines."""
+    found: dict[str, list[Loaded]] = {}
+    for path in sorted((run.run_dir / "logs").glob("*.log")):
+        name = path.stem
+        for line in path.read_text(errors="replace").splitlines():
+            if match := LOADED.match(line):
+                at = log_time(match[1])
+                found.setdefault(name, []).append(Loaded(name, int(match[2]), at, at - float(match[5]), float(match[3])))
+    return found
+
+
+def joined_at(run: SpreadRun, name: str) -> float | None:
+    """When a worker's process was up (its first log line, after its imports)."""
+    path = run.run_dir / "logs" / f"{name}.log"
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if match := JOINED.match(line):
+            return log_time(match[1])
+    return None
+
+
+def first_rollout_at(run: SpreadRun, name: str) -> float | None:
+    """When the orchestrator first counted a rollout of token `name` (the monitor's resolution)."""
+    for status in run.statuses():
+        if status.get("workers", {}).get(name, {}).get("rollouts", 0) > 0:
+            return status["t"]
+    return None
+
+
+def fetch_bytes(manifests: dict[int, dict[str, Any]], version: int, held: set[int]) -> tuple[int, list[int]]:
+    """What a pull of `version` fetches by a worker whose cache holds `held`: its stored bytes and
+    those of each delta base down its chain to one held (or to the key version). (bytes, versions)."""
+    total, chain = 0, []
+    v: int | None = version
+    while v is not None and v not in held:
+        manifest = manifests[v]
+        total += manifest["stored_bytes"]
+        chain.append(v)
+        v = manifest["delta_base"]
+    return total, chain
+
+
+def payload_bps(mbit: float) -> float:
+    return mbit * 1e6 / 8 * sn.PAYLOAD_PER_WIRE
+
+
+def version_timings(
+    run: SpreadRun, manifests: dict[int, dict[str, Any]], hosts: dict[str, sn.Host], store_link: sn.Link
+) -> list[dict[str, Any]]:
+    """Per (worker, loaded version): S, the measured time from the manifest to the loaded weights,
+    the bound T* and its parts, efficiency = T*/measured. `hosts`: worker log name -> its host."""
+    loads = loaded_versions(run)
+    rows: list[dict[str, Any]] = []
+    for name, events in loads.items():
+        held: set[int] = set()
+        for event in events:
+            size, chain = fetch_bytes(manifests, event.version, held)
+            held |= {event.version, *chain}  # cached (the cap evicts only versions older than these)
+            rows.append({"worker": name, "version": event.version, "bytes": size, "chain": chain,
+                         "full": any(manifests[v]["delta_base"] is None for v in chain),
+                         "loaded_at": event.loaded_at, "seen_at": event.seen_at, "pull_s": event.pull_s})
+    by_version: dict[int, int] = {}
+    for row in rows:
+        by_version[row["version"]] = by_version.get(row["version"], 0) + row["bytes"]
+    for row in rows:
+        link = hosts[row["worker"]].link
+        created = manifests[row["version"]]["created_at"]
+        store_s = by_version[row["version"]] / payload_bps(store_link.up_mbit)  # the store serves on its uplink
+        worker_s = row["bytes"] / payload_bps(link.down_mbit)
+        announce_s = max(0.0, row["seen_at"] - created)
+        rtt_s = (link.rtt_ms + link.jitter_ms / 2 + store_link.rtt_ms) / 1000
+        bound = max(store_s, worker_s) + announce_s + RTTS_IN_BOUND * rtt_s
+        measured = row["loaded_at"] - created
+        row.update(profile=profile_of(link), measured_s=round(measured, 3), bound_s=round(bound, 3),
+                   store_term_s=round(store_s, 3), link_term_s=round(worker_s, 3), announce_s=round(announce_s, 3),
+                   efficiency=round(bound / measured, 3) if measured > 0 else None)
+    return rows
+
+
+def profile_of(link: sn.Link) -> str:
+    return next((name for name, profile in sn.PROFILES.items() if profile == link), "?")
+
+
+def bytes_per_version(manifests: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    deltas = [m["stored_bytes"] for v, m in manifests.items() if m["delta_base"] is not None]
+    keys = [m["stored_bytes"] for v, m in manifests.items() if m["delta_base"] is None]
+    return {"versions": len(manifests), "key_versions": len(keys), "key_bytes_mean": int(statistics.fmean(keys)) if keys else None,
+            "delta_bytes_mean": int(statistics.fmean(deltas)) if deltas else None,
+            "delta_bytes_max": max(deltas) if deltas else None,
+            "mean_bytes": int(statistics.fmean(deltas + keys)) if manifests else None}
+
+
+def summarize_run(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    from decentrl.cli.launch import summarize
+
+    if not metrics:
+        return {"steps": 0}
+    summary = summarize(metrics)
+    steps = [m["step_s"] for m in metrics]
+    return {
+        "steps": len(metrics), "reward_first": round(summary["reward_first"], 4), "reward_last": round(summary["reward_last"], 4),
+        "reward_gain": round(summary["reward_gain"], 4), "trainer_busy": round(metrics[-1]["trainer_busy_fraction_total"], 4),
+        "step_s_mean": round(statistics.fmean(steps), 3), "step_s_median": round(statistics.median(steps), 3),
+        "wall_s": round(metrics[-1]["time"] - metrics[0]["time"] + steps[0], 1),
+    }
+
+
+def quantiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {"n": len(ordered), "min": ordered[0], "p50": round(statistics.median(ordered), 3), "max": ordered[-1]}
+
+
+# -- parts -------------------------------------------------------------------------------------
+
+
+def demo_overrides(steps: int) -> list[str]:
+    return [f"trainer.steps={steps}"]
+
+
+def part_run(spread: Spread, args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
+    """The CPU demo across the spread (workers on L1 and L2) and on loopback (`decentrl run`)."""
+    from decentrl.config import load_config
+
+    overrides = demo_overrides(args.run_steps)
+    config = load_config(str(ROOT / "configs" / "local.toml"), overrides)
+    say(f"run: the demo ({args.run_steps} steps) across the spread, workers on L1 and L2")
+    spread.control.reset()
+    run = spread.start_run(config, run_name="demo", worker_hosts=["l1", "l2"])
+    try:
+        spread.wait_trainer(run, timeout_s=args.run_timeout_s)
+    finally:
+        spread.stop_run(run)
+    spread_metrics = summarize_run(run.metrics())
+    manifests = spread.manifests(run)
+    served = spread.control.stats()["served"]
+    timings = version_timings(run, manifests, {"worker-0": spread.workers["l1"], "worker-1": spread.workers["l2"]},
+                              spread.store.link)
+    result: dict[str, Any] = {
+        "spread": {**spread_metrics, "bytes_per_version": bytes_per_version(manifests),
+                   "store_served_bytes": served["total"],
+                   "version_s": {p: quantiles([r["measured_s"] for r in timings if r["profile"] == p]) for p in ("L1", "L2")}},
+    }
+    if args.loopback:
+        say(f"run: the demo ({args.run_steps} steps) on loopback (decentrl run)")
+        loop_dir = Path(spread.workdir) / "loopback"
+        argv = [sys.executable, "-m", "decentrl", "run", str(ROOT / "configs" / "local.toml"), "--run-dir", str(loop_dir)]
+        for item in overrides:
+            argv += ["--set", item]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"decentrl run on loopback failed ({done.returncode}): {done.stdout[-3000:]}")
+        metrics = [json.loads(line) for line in (loop_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        result["loopback"] = {**summarize_run(metrics), "bytes_per_version": bytes_per_version(local_manifests(loop_dir / "checkpoints"))}
+    else:
+        result["loopback"] = None
+        notes.append("run: loopback skipped (--no-loopback)")
+    return result
+
+
+def local_manifests(url: str | Path) -> dict[int, dict[str, Any]]:
+    from decentrl.store.checkpoints import CheckpointStore
+
+    return read_manifests(CheckpointStore(str(url)))
+
+
+def read_manifests(store: Any) -> dict[int, dict[str, Any]]:
+    found = {}
+    for version in store.versions():
+        manifest = store.manifest(version)
+        found[version] = {
+            "created_at": manifest.created_at, "delta_base": manifest.delta_base,
+            "stored_bytes": sum(f.delta.size if f.delta is not None else f.size for f in manifest.files),
+            "full_bytes": sum(f.size for f in manifest.files),
+        }
+    return found
+
+
+def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *, late: bool) -> dict[str, Any]:
+    """The larger stand-in with `args.workers` workers on L1; late joiners (one per profile) once at version 20."""
+    from decentrl.config import load_config
+
+    n = args.workers
+    overrides = [
+        *STAND_IN, f"trainer.steps={args.version_steps}", "trainer.groups_per_step=8", "group_size=4",
+        "sampling.max_tokens=4", "worker.groups_per_request=1", "worker.concurrency=1",
+        f"simulation.latency_median_s={args.generation_s}", "simulation.latency_sigma=0",
+        "store.retention_grace_s=3600",  # every version stays readable for the manifests read at the end
+        "store.cache_max_gb=0.25",  # each worker's cache: a few versions, not every one (8 workers, 27 MB each)
+    ]
+    config = load_config(str(ROOT / "configs" / "local.toml"), overrides)
+    late_hosts = [f"late_{p.lower()}" for p in ("L0", "L1", "L2", "L3")] if late else []
+    say(f"versions: stand-in model, {n} workers on L1" + (", late joiners on L0-L3 from version 20" if late else ""))
+    spread.control.reset()
+    run = spread.start_run(config, run_name="versions", worker_hosts=[f"w{i}" for i in range(n)],
+                           extra_tokens=tuple(f"late-{h[5:]}" for h in late_hosts))
+    joiners: list[dict[str, Any]] = []
+    try:
+        if late:
+            spread.wait_trainer(run, args.version_timeout_s, until=lambda: run.version() >= args.late_at)
+            for host in late_hosts:
+                name = f"late-{host[5:]}"
+                before = spread.control.stats()["served"]
+                version_at_join = run.version()
+                started = time.time()
+                spread.start_worker(run, name, host)
+                spread.wait_trainer(run, args.version_timeout_s, until=lambda name=name: first_rollout_at(run, name) is not None
+                                    or time.time() - started > args.late_timeout_s)
+                after = spread.control.stats()["served"]
+                joiners.append({"name": name, "host": host, "version_at_join": version_at_join, "started": started,
+                                "served_before": before, "served_after": after})
+            spread.wait_trainer(run, args.version_timeout_s, until=lambda: True)  # a role that died shows here
+        else:
+            spread.wait_trainer(run, args.version_timeout_s)
+    finally:
+        spread.stop_run(run)
+    manifests = spread.manifests(run)
+    hosts = {f"worker-{i}": spread.workers[f"w{i}"] for i in range(n)} | {j["name"]: spread.workers[j["host"]] for j in joiners}
+    rows = version_timings(run, manifests, hosts, spread.store.link)
+    metrics = run.metrics()
+    step_s = statistics.median(m["step_s"] for m in metrics) if metrics else None
+    regular = [r for r in rows if r["worker"].startswith("worker-") and r["version"] > 0]
+    deltas = [r for r in regular if not r["full"]]
+    fulls = [r for r in regular if r["full"]]  # a new key version, pulled by every worker at once
+    served = spread.control.stats()["served"]
+    ips = {name: host.ip for name, host in hosts.items()}
+    worker_bytes = sum(served["by_client"].get(ip, 0) for ip in ips.values())
+    ideal = sum(r["bytes"] for r in rows)
+    key = [m for m in manifests.values() if m["delta_base"] is None]
+    result: dict[str, Any] = {
+        "workers": n, "profile": "L1", "model": " ".join(STAND_IN), "versions": len(manifests),
+        "S_bytes": bytes_per_version(manifests), "step_s_median": round(step_s, 3) if step_s else None,
+        "publish_s": quantiles([m["publish_s"] for m in metrics if "publish_s" in m]),
+        "delta_efficiency": quantiles([r["efficiency"] for r in deltas]),
+        "delta_measured_s": quantiles([r["measured_s"] for r in deltas]),
+        "delta_bound_s": quantiles([r["bound_s"] for r in deltas]),
+        "delta_announce_s": quantiles([r["announce_s"] for r in deltas]),
+        "delta_within_half_step": (round(sum(r["measured_s"] <= step_s / 2 for r in deltas) / len(deltas), 3)
+                                   if deltas and step_s else None),
+        "full_pulls": [{k: r[k] for k in ("worker", "profile", "version", "bytes", "measured_s", "bound_s", "announce_s", "efficiency")}
+                       for r in fulls],
+        "store_served": {"total": served["total"], "to_workers": worker_bytes, "ideal_to_workers": ideal,
+                         "ratio": round(worker_bytes / ideal, 3) if ideal else None,
+                         "trainer_and_orchestrator": served["total"] - worker_bytes},
+        "key_version_bytes": key[0]["stored_bytes"] if key else None,
+        "worst": sorted(deltas, key=lambda r: r["efficiency"] or 0)[:5],
+    }
+    # A full version's efficiency: new key versions on the workers' own profile (timed from the
+    # manifest), and each late joiner's first load (timed from its start, against its fetch bound).
+    full = {p: [r["efficiency"] for r in fulls if r["profile"] == p] for p in ("L0", "L1", "L2", "L3")}
+    if late:
+        result["late_joiners"] = [late_joiner(run, j, manifests, spread, rows) for j in joiners]
+        for joiner in result["late_joiners"]:
+            if "load_vs_bound" in joiner:
+                full[joiner["profile"]].append(round(1 / joiner["load_vs_bound"], 3))
+    result["full_efficiency"] = {p: quantiles(values) for p, values in full.items()}
+    return result
+
+
+def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dict[str, Any]], spread: Spread,
+                rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A late joiner: from its first log line to its first loaded version and its first rollout, against
+    the bytes of the newest full version and the deltas since (those it fetched before its first rollout)."""
+    name, host = joiner["name"], spread.workers[joiner["host"]]
+    joined, first = joined_at(run, name), first_rollout_at(run, name)
+    mine = [r for r in rows if r["worker"] == name]
+    result: dict[str, Any] = {"name": name, "profile": profile_of(host.link), "version_at_join": joiner["version_at_join"]}
+    if joined is None or not mine:
+        return {**result, "error": "never loaded a version (see its log)"}
+    upto = [r for r in mine if first is None or r["loaded_at"] <= first]
+    fetched = sum(r["bytes"] for r in upto)
+    chain = sorted({v for r in upto for v in r["chain"]})
+    newest_key = max((v for v in manifests if manifests[v]["delta_base"] is None and v <= joiner["version_at_join"]), default=0)
+    link_s = fetched / payload_bps(min(host.link.down_mbit, spread.store.link.up_mbit))
+    rtt_s = (host.link.rtt_ms + host.link.jitter_ms / 2) / 1000
+    fetch_bound = link_s + RTTS_IN_BOUND * rtt_s
+    loaded = upto[-1]["loaded_at"]
+    result.update(
+        bytes=fetched, versions_fetched=chain, newest_key_at_join=newest_key,
+        fetched_older_than_key=[v for v in chain if v < newest_key],
+        load_s=round(loaded - joined, 3), fetch_bound_s=round(fetch_bound, 3),
+        load_vs_bound=round((loaded - joined) / fetch_bound, 3),
+    )
+    # Objects served while it joined: nobody else fetches a version older than the newest key.
+    before, after = joiner["served_before"]["by_object"], joiner["served_after"]["by_object"]
+    grown = [path for path, n in after.items() if n > before.get(path, 0)]
+    versions_served = sorted({int(m[1]) for p in grown if (m := re.search(r"/v(\d{6})/", p))})
+    result["versions_served_while_joining"] = versions_served
+    result["served_older_than_key"] = [v for v in versions_served if v < newest_key]
+    if first is not None:
+        generate_s = max(0.0, first - loaded)  # its first request, after the weights: work any worker does
+        result.update(first_rollout_s=round(first - joined, 3), first_request_after_load_s=round(generate_s, 3),
+                      vs_bound=round((first - joined) / (fetch_bound + generate_s), 3))
+    return result
+
+
+def part_announce(spread: Spread, args: argparse.Namespace, notes: list[str]) -> dict[str, Any] | None:
+    """announce_latencies from a probe on each profile's host; the announcements from trainer0."""
+    if not (BENCHMARKS / "announce_latency.py").exists():
+        notes.append("announce: benchmarks/announce_latency.py (the version long-poll's measurement) is not here yet")
+        return None
+    from decentrl.config import load_config
+
+    config = load_config(str(ROOT / "configs" / "local.toml"), ["model.hidden_size=32", "model.num_layers=1",
+                                                                 "model.num_heads=2", "model.intermediate_size=64"])
+    run = spread.start_run(config, run_name="announce", worker_hosts=[], extra_tokens=("probe",), trainer=False)
+    result: dict[str, Any] = {}
+    try:
+        next_version = 0
+        for host_name in args.announce_hosts:
+            host = spread.workers[host_name]
+            profile = profile_of(host.link)
+            say(f"announce: {args.announces} announcements heard on {profile}")
+            argv = [sys.executable, SCRIPT, "announce-probe", spread.url, run.tokens["probe"], run.tokens["trainer"],
+                    run.store_url, spread.endpoint, spread.trainers[0].ns, str(next_version), str(args.announces)]
+            done = host.run(argv, capture_output=True, text=True, env={**os.environ, **spread.env()}, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"the announce probe on {host_name} failed: {done.stderr[-3000:]}")
+            latencies = json.loads(done.stdout.splitlines()[-1])["latencies"]
+            next_version += args.announces
+            rtt_s = host.link.rtt_ms / 1000
+            result[profile] = {**quantiles([round(x, 4) for x in latencies]), "rtt_s": rtt_s,
+                               "within_one_rtt": round(sum(x <= max(rtt_s, 0.001) for x in latencies) / len(latencies), 3)}
+    finally:
+        spread.stop_run(run)
+    return result
+
+
+def part_leases(spread: Spread, args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
+    """5 s leases, 20 s generations, 2 workers on L2 (2 slots each) through the front."""
+    from decentrl.config import load_config
+
+    config = load_config(str(ROOT / "configs" / "local.toml"), [
+        "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
+        f"orchestrator.lease_timeout_s={args.lease_s}", f"simulation.latency_median_s={args.lease_generation_s}",
+        "simulation.latency_sigma=0", "trainer.steps=2", "trainer.groups_per_step=8", "group_size=4",
+        "worker.groups_per_request=4", "worker.concurrency=2",
+    ])
+    say(f"leases: {args.lease_s:g} s leases, {args.lease_generation_s:g} s generations, 2 workers on L2")
+    run = spread.start_run(config, run_name="leases", worker_hosts=["l2", "l2b"])
+    try:
+        spread.wait_trainer(run, timeout_s=args.run_timeout_s)
+        status = run.statuses()[-1]
+    finally:
+        spread.stop_run(run)
+    return {"lease_s": args.lease_s, "generation_s": args.lease_generation_s, "workers": 2, "profile": "L2",
+            "leases_lost": status["leases_expired"], "rollouts_accepted": status["rollouts_accepted"],
+            "rollouts_rejected": status["rollouts_rejected"], "dropped": status.get("dropped", {}),
+            "leased_twice": "none" if status["leases_expired"] == 0 and not status["rollouts_rejected"] else "see leases_lost"}
+
+
+# -- helper processes (run inside a host) ------------------------------------------------------
+
+
+def _monitor(url: str, token: str, out: str, interval_s: float = 0.25) -> None:
+    """GET /v1/status every `interval_s`, one JSON line each with its time `t`, until killed."""
+    request = urllib.request.Request(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"})
+    with open(out, "a") as file:
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(request, timeout=5) as answer:
+                    status = json.loads(answer.read())
+                file.write(json.dumps({"t": time.time(), **status}) + "\n")
+                file.flush()
+            time.sleep(interval_s)
+
+
+def _manifests(url: str, endpoint: str) -> None:
+    from decentrl.config import StoreConfig
+    from decentrl.store.checkpoints import CheckpointStore
+
+    store = CheckpointStore.from_config(StoreConfig(url=url, endpoint=endpoint, region="us-east-1"))
+    print(json.dumps(read_manifests(store)))
+
+
+def _announcer(trainer_token: str, url: str, store_url: str, endpoint: str) -> None:
+    """On trainer0: reads lines "publish V" / "announce V" and answers "ok" when done."""
+    from decentrl.api.client import OrchestratorClient
+    from decentrl.config import StoreConfig
+    from decentrl.store.checkpoints import CheckpointStore
+
+    store = CheckpointStore.from_config(StoreConfig(url=store_url, endpoint=endpoint, region="us-east-1"))
+    client = OrchestratorClient(url, trainer_token)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "model.safetensors").write_bytes(os.urandom(4096))
+        (Path(tmp) / "config.json").write_text("{}")
+        for line in sys.stdin:
+            word, version = line.split()
+            if word == "publish":
+                store.publish(int(version), tmp)
+            else:
+                client.announce(int(version))
+            print("ok", flush=True)
+
+
+def _announce_probe(url: str, token: str, trainer_token: str, store_url: str, endpoint: str, trainer_ns: str,
+                    first: int, count: int) -> None:
+    """On a worker's host: announce_latencies with this host's client and trainer0's announcements."""
+    from announce_latency import announce_latencies
+
+    from decentrl.api.client import OrchestratorClient
+
+    announcer = subprocess.Popen(
+        sn._in_ns(trainer_ns, [sys.executable, SCRIPT, "announcer", trainer_token, url, store_url, endpoint]),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+
+    def ask(line: str) -> None:
+        assert announcer.stdin is not None and announcer.stdout is not None
+        announcer.stdin.write(line + "\n")
+        announcer.stdin.flush()
+        if announcer.stdout.readline().strip() != "ok":
+            raise RuntimeError(f"the announcer failed at {line!r}")
+
+    try:
+        if first == 0:
+            ask("publish 0")
+            ask("announce 0")
+            first = 1
+            count -= 1
+        latencies = announce_latencies(
+            OrchestratorClient(url, token), lambda v: ask(f"announce {v}"), list(range(first, first + count)),
+            prepare=lambda v: ask(f"publish {v}"),
+        )
+    finally:
+        announcer.stdin.close()  # type: ignore[union-attr]
+        announcer.wait(timeout=30)
+    print(json.dumps({"latencies": latencies}))
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+PARTS = ("run", "versions", "late_joiner", "announce", "leases")
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    parts = set(args.parts.split(","))
+    unknown = parts - set(PARTS)
+    if unknown:
+        raise SystemExit(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
+    notes: list[str] = []
+    hosts = {"l1": "L1", "l2": "L2", "l2b": "L2", "l0": "L0", "l3": "L3"}
+    if parts & {"versions", "late_joiner"}:
+        hosts |= {f"w{i}": "L1" for i in range(args.workers)}
+    if "late_joiner" in parts:
+        hosts |= {f"late_{p.lower()}": p for p in ("L0", "L1", "L2", "L3")}
+    workdir = tempfile.mkdtemp(prefix="spread-", dir="/tmp")  # short: the fault front's Unix socket path
+    result: dict[str, Any] = {"quick": args.quick, "parts": sorted(parts)}
+    try:
+        with Spread(workdir, hosts) as spread:
+            result["profiles"] = {name: vars(link) for name, link in sn.PROFILES.items()} | {"orchestrator": vars(DATACENTER)}
+            result["shaping"] = spread.net.shaping
+            result["topology"] = {
+                "orchestrator": f"{spread.orch.ip} (orch, 1 Gbit/s): orchestrator on 127.0.0.1:{ORCH_PORT}, "
+                                f"nginx TLS on :{TLS_PORT} of the same host",
+                "store": f"{spread.store.ip} (store, 200 Mbit/s): moto on 127.0.0.1, fault front on :{S3_PORT}",
+                "trainer": f"{spread.trainers[0].ip}, {spread.trainers[1].ip} (50 Mbit/s up): one rank each, c10d and gloo over ic0 "
+                           f"{INTERCONNECT[0]}-{INTERCONNECT[1]} (unshaped)",
+                "workers": {name: f"{host.ip} {profile_of(host.link)}" for name, host in spread.workers.items()},
+            }
+            if "run" in parts:
+                run = part_run(spread, args, notes)
+                result["run"] = run
+                result["trainer_busy_spread"] = run["spread"].get("trainer_busy")
+                result["reward_gain_spread"] = run["spread"].get("reward_gain")
+                result["trainer_busy_loopback"] = (run["loopback"] or {}).get("trainer_busy")
+                result["reward_gain_loopback"] = (run["loopback"] or {}).get("reward_gain")
+            if parts & {"versions", "late_joiner"}:
+                versions = part_versions(spread, args, notes, late="late_joiner" in parts)
+                result["versions"] = versions
+                result["delta_efficiency_p100"] = (versions["delta_efficiency"] or {}).get("min")
+                result["full_efficiency"] = {p: (q or {}).get("min") for p, q in versions["full_efficiency"].items()}
+                result["store_bytes_vs_ideal"] = versions["store_served"]["ratio"]
+                if "late_joiner" in parts:
+                    joiners = versions["late_joiners"]
+                    result["late_joiner_vs_bound"] = {j["profile"]: j.get("vs_bound") for j in joiners}
+                    result["late_joiner_fetched_older"] = {j["profile"]: j.get("served_older_than_key") for j in joiners}
+            if "announce" in parts:
+                announce = part_announce(spread, args, notes)
+                result["announce"] = announce
+                result["announce_latency_s"] = {p: {"p50": q["p50"], "max": q["max"]} for p, q in announce.items()} if announce else None
+            if "leases" in parts:
+                leases = part_leases(spread, args, notes)
+                result["leases"] = leases
+                result["leases_lost_long_generation"] = leases["leases_lost"]
+            result["delayers"] = spread.net.delayer_stats()
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            result["workdir"] = workdir
+    for key in ("trainer_busy_spread", "trainer_busy_loopback", "reward_gain_spread", "reward_gain_loopback",
+                "delta_efficiency_p100", "full_efficiency", "store_bytes_vs_ideal", "late_joiner_vs_bound",
+                "announce_latency_s", "leases_lost_long_generation"):
+        if result.get(key) is None:
+            result[key] = None
+            notes.append(f"{key}: not measured (its part was not selected or did not report)")
+    result["notes"] = notes
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    monitor = sub.add_parser("monitor", help="(internal) poll /v1/status into a file")
+    monitor.add_argument("url")
+    monitor.add_argument("token")
+    monitor.add_argument("out")
+    manifests = sub.add_parser("manifests", help="(internal) the manifests of a store, as JSON")
+    manifests.add_argument("url")
+    manifests.add_argument("endpoint")
+    announcer = sub.add_parser("announcer", help="(internal) publish and announce versions read from stdin")
+    for name in ("trainer_token", "url", "store_url", "endpoint"):
+        announcer.add_argument(name)
+    probe = sub.add_parser("announce-probe", help="(internal) announce latencies heard on this host")
+    for name in ("url", "token", "trainer_token", "store_url", "endpoint", "trainer_ns"):
+        probe.add_argument(name)
+    probe.add_argument("first", type=int)
+    probe.add_argument("count", type=int)
+    parser.add_argument("--quick", action="store_true", help="the reduced twin: short runs, fewer workers")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--workers", type=int, default=None, help="workers on L1 in the versions part (8; --quick 2)")
+    parser.add_argument("--no-loopback", dest="loopback", action="store_false", help="run part: skip the loopback run")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, run dirs)")
+    args = parser.parse_args()
+    if args.command == "monitor":
+        _monitor(args.url, args.token, args.out)
+    elif args.command == "manifests":
+        _manifests(args.url, args.endpoint)
+    elif args.command == "announcer":
+        _announcer(args.trainer_token, args.url, args.store_url, args.endpoint)
+    elif args.command == "announce-probe":
+        _announce_probe(args.url, args.token, args.trainer_token, args.store_url, args.endpoint, args.trainer_ns,
+                        args.first, args.count)
+    else:
+        if reason := sn.unavailable_reason():
+            raise SystemExit(f"spread: {reason}")
+        quick = args.quick
+        args.workers = args.workers or (2 if quick else 8)
+        args.run_steps = 20 if quick else 150
+        args.run_timeout_s = 300 if quick else 900
+        args.version_steps = 12 if quick else 60  # the run stops once the late joiners have served
+        args.version_timeout_s = 300 if quick else 1200
+        args.generation_s = 2.0 if quick else 5.0
+        args.late_at = 4 if quick else 20
+        args.late_timeout_s = 120 if quick else 240
+        args.announces = 10 if quick else 40
+        args.announce_hosts = ["l1"] if quick else ["l0", "l1", "l2", "l3"]
+        args.lease_s, args.lease_generation_s = (5.0, 20.0)
+        print(json.dumps(measure(args)))
+
+
+if __name__ == "__main__":
+    main()
