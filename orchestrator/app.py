@@ -23,7 +23,7 @@ from aiohttp import web
 import decentrl
 from decentrl.api import wire
 from decentrl.api.encoding import MEDIA_JSON
-from decentrl.api.wire import API_PREFIX, MAX_VERSION, TOKEN_NAME, WORKER_ID
+from decentrl.api.wire import API_PREFIX, MAX_VERSION, MAX_VERSION_WAIT_S, TOKEN_NAME, WORKER_ID
 from decentrl.config import RunConfig
 from decentrl.model.build import build_model, load_text_tokenizer, publish_dtype_name
 from decentrl.store.checkpoints import CheckpointStore
@@ -47,6 +47,7 @@ from orchestrator.appstate import (
     STORE_URL,
     TOKENS,
     VERIFIER,
+    VERSION_PUBLISHED,
     IdleScorers,
     JournalFailed,
     commit,
@@ -114,6 +115,14 @@ ROUTES: list[tuple[Endpoint, Handler]] = [
               ), answers={200: wire.TrainBatch, 204: None}, msgpack=True, tag="trainer"), handlers.batch),
     (Endpoint("POST", f"{P}/version", "Announce a version complete in the store.", ("trainer",), body=wire.VersionAnnouncement,
               answers={200: wire.StatusResponse}, errors=(409,), msgpack=True, tag="trainer"), handlers.version),
+    (Endpoint("GET", f"{P}/version", "Long-poll for a version newer than `after`: at once if there is one, else when it is "
+              "announced, else the newest (not newer) after wait_s.", ANY,
+              params=(
+                  Param("after", "query", {"type": "integer", "minimum": 0, "maximum": MAX_VERSION},
+                        "The newest version the caller knows; without it, any published version will do.", required=False),
+                  Param("wait_s", "query", {"type": "number", "minimum": 0, "maximum": MAX_VERSION_WAIT_S},
+                        "Seconds to wait for a newer one (default 0: answer at once).", required=False),
+              ), answers={200: wire.PublishedVersion}, msgpack=True), handlers.version_news),
     (Endpoint("GET", f"{P}/admin/tokens", "Token names, roles and sources (never the tokens).", ("admin",),
               answers={200: wire.TokenList}, tag="admin"), handlers.tokens_list),
     (Endpoint("POST", f"{P}/admin/tokens", "Create a token (written to the tokens file).", ("admin",), body=wire.TokenCreate,
@@ -227,6 +236,7 @@ def create_app(*, state: RunState, tokens: TokenRegistry, store_url: str, on_fat
     app[OPENAPI] = openapi_spec(metrics_public=options.metrics_public)
     app[BATCH_READY] = asyncio.Condition()
     app[LEASES_FREED] = asyncio.Condition()
+    app[VERSION_PUBLISHED] = asyncio.Condition()
     app[SCORES_WAITING] = asyncio.Condition()
     app[IDLE_SCORERS] = IdleScorers()
     app[CHECKS_WANTED] = asyncio.Event()

@@ -5,8 +5,8 @@ middlewares and the background tasks read them. The keys live here, not in app.p
 modules can import them without importing the app factory.
 
 Handlers and background tasks wake one another instead of polling: BATCH_READY wakes the
-trainer's long-poll, LEASES_FREED the workers', SCORES_WAITING the scorers', and `wake_checks`
-the verification scheduler (CHECKS_WANTED).
+trainer's long-poll, LEASES_FREED the workers' lease long-polls, VERSION_PUBLISHED their version
+long-polls, SCORES_WAITING the scorers', and `wake_checks` the verification scheduler (CHECKS_WANTED).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ OPENAPI: web.AppKey[dict[str, Any]] = web.AppKey("openapi")
 VERIFIER = web.AppKey("verifier", Verifier)  # present when orchestrator.verification.enabled
 BATCH_READY = web.AppKey("batch_ready", asyncio.Condition)  # notified when a batch may have formed
 LEASES_FREED = web.AppKey("leases_freed", asyncio.Condition)  # notified when a lease may be grantable
+VERSION_PUBLISHED = web.AppKey("version_published", asyncio.Condition)  # notified when a version is announced
 SCORES_WAITING = web.AppKey("scores_waiting", asyncio.Condition)  # notified when samples may wait for scorers
 IDLE_SCORERS = web.AppKey("idle_scorers", IdleScorers)
 CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when pending groups may be due a check
@@ -123,6 +124,7 @@ async def stop_waiting(app: web.Application) -> None:
     app[STOPPING].set()
     await notify_all(app[BATCH_READY])
     await notify_all(app[LEASES_FREED])
+    await notify_all(app[VERSION_PUBLISHED])
     await notify_all(app[SCORES_WAITING])
 
 

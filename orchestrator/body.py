@@ -118,13 +118,55 @@ async def parse_body(request: web.Request, model: type[M], context: dict[str, An
 
 # -- query parameters and the caller ------------------------------------------------------
 
-def query_int(request: web.Request, name: str, *, high: int) -> int:
-    try:
-        value = int(request.query[name])
-    except (KeyError, ValueError):
-        raise error(web.HTTPBadRequest, f"query parameter {name} (an integer >= 0) is required") from None
-    if not 0 <= value <= high:
+# Query numbers are written as JSON writes them, without a sign: int() and float() would also take
+# " 5", "+5", "5_0", other scripts' digits, "nan" and "inf", none of which a client means.
+INTEGER = re.compile(r"[0-9]{1,32}")
+NUMBER = re.compile(r"(?=.{1,32}$)[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+
+
+def query_text(request: web.Request, name: str) -> str | None:
+    """Query parameter `name` given once, None without it; 400 when it is given twice."""
+    values = request.query.getall(name, [])
+    if len(values) > 1:
+        raise error(web.HTTPBadRequest, f"query parameter {name} is given {len(values)} times; give it once")
+    return values[0] if values else None
+
+
+def only_query(request: web.Request, *names: str) -> None:
+    """400 for a query parameter the route does not take: a misspelt one must not be ignored."""
+    if unknown := sorted(set(request.query) - set(names)):
+        raise error(web.HTTPBadRequest, f"unknown query parameter {unknown[0][:40]!r}; this route takes {', '.join(names)}")
+
+
+def query_int_or_none(request: web.Request, name: str, *, high: int) -> int | None:
+    """Integer query parameter `name` in [0, high]; None without it."""
+    text = query_text(request, name)
+    if text is None:
+        return None
+    if not INTEGER.fullmatch(text):
+        raise error(web.HTTPBadRequest, f"query parameter {name} must be an integer >= 0 (decimal digits), got {text[:40]!r}")
+    if (value := int(text)) > high:
         raise error(web.HTTPBadRequest, f"query parameter {name} must be between 0 and {high}, got {value}")
+    return value
+
+
+def query_int(request: web.Request, name: str, *, high: int) -> int:
+    """Integer query parameter `name` in [0, high], required."""
+    value = query_int_or_none(request, name, high=high)
+    if value is None:
+        raise error(web.HTTPBadRequest, f"query parameter {name} (an integer >= 0) is required")
+    return value
+
+
+def query_seconds(request: web.Request, name: str, *, high: float, default: float) -> float:
+    """Query parameter `name`: seconds in [0, high], a number as JSON writes it ("30", "2.5"); `default` without it."""
+    text = query_text(request, name)
+    if text is None:
+        return default
+    if not NUMBER.fullmatch(text):
+        raise error(web.HTTPBadRequest, f"query parameter {name} must be a number of seconds >= 0 (e.g. 30 or 2.5), got {text[:40]!r}")
+    if (value := float(text)) > high:  # "1e999" is inf: above
+        raise error(web.HTTPBadRequest, f"query parameter {name} must be between 0 and {high:g} seconds, got {text}")
     return value
 
 

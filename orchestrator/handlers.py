@@ -20,9 +20,12 @@ from pydantic import BaseModel
 from decentrl.api.encoding import MEDIA_MSGPACK
 from decentrl.api.wire import (
     MASK_IDS,
+    MAX_VERSION,
+    MAX_VERSION_WAIT_S,
     Health,
     LeaseRequest,
     LeaseResponse,
+    PublishedVersion,
     RolloutBatch,
     RunInfo,
     SamplingParams,
@@ -46,6 +49,7 @@ from orchestrator.appstate import (
     STORE,
     STORE_URL,
     TOKENS,
+    VERSION_PUBLISHED,
     commit,
     notify_all,
     run_status,
@@ -53,7 +57,18 @@ from orchestrator.appstate import (
     wake_checks,
 )
 from orchestrator.auth import IDENTITY
-from orchestrator.body import error, holder_of, parse_body, query_id, query_int, respond, wants_msgpack
+from orchestrator.body import (
+    error,
+    holder_of,
+    only_query,
+    parse_body,
+    query_id,
+    query_int,
+    query_int_or_none,
+    query_seconds,
+    respond,
+    wants_msgpack,
+)
 from orchestrator.checks import run_keeps_routing
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.metrics import METRICS
@@ -86,6 +101,22 @@ async def info(request: web.Request) -> web.Response:
             vocab_digest=vocab_digest(state.tokenizer) if state.config.orchestrator.advantages.distill is not None else None,
         ),
     )
+
+
+async def version_news(request: web.Request) -> web.Response:
+    """GET /v1/version: the newest version once it is newer than `after` (any version without it),
+    or whatever it is when `wait_s` runs out or the orchestrator stops. A worker keeps one of these
+    outstanding and so learns of a version as its announcement is committed, not a poll period later."""
+    only_query(request, "after", "wait_s")
+    after = query_int_or_none(request, "after", high=MAX_VERSION)
+    wait_s = query_seconds(request, "wait_s", high=MAX_VERSION_WAIT_S, default=0.0)
+    state, published = request.app[STATE], request.app[VERSION_PUBLISHED]
+    deadline = asyncio.get_running_loop().time() + wait_s
+    async with published:
+        while (version := state.published_version) is None or (after is not None and version <= after):
+            if not await wait_awhile(request.app, published, deadline, wait_s):
+                break
+    return respond(request, PublishedVersion(policy_version=state.published_version))
 
 
 LEASE_RECHECK_S = 0.5  # a waiting lease request looks again at least this often (expiries wake no one)
@@ -234,6 +265,7 @@ async def version(request: web.Request) -> web.Response:
     request.app[STATE].announce(body.version)
     await commit(request.app)
     request.app[HISTORY].announced(body.version)
+    await notify_all(request.app[VERSION_PUBLISHED])  # workers waiting on GET /v1/version learn of it now
     await notify_all(request.app[LEASES_FREED])  # the staleness budget grows by a step's groups
     wake_checks(request.app)  # stale groups left the ready queue ahead of a pending one
     log.info("version %d published", body.version)

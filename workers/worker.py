@@ -2,11 +2,12 @@
 
 Run by `decentrl worker` (workers/main.py). Threads share one condition, `_changed`: the
 `concurrency` lease slots (workers/lease_loop.py, generating through workers/batching.py) and, in
-free-running runs, one swapper that pulls versions while generation goes on and swaps them in with
-a soft pause. Deterministic runs have no swapper: the slot leading a round loads the version its
-leases name. One more thread renews every lease a slot holds until its samples are posted
-(`Renewals`), and the slots ask for as many groups as the worker generates in half the lease
-timeout (`RequestSize`). A thread that fails stops the worker, and `run` raises its error.
+free-running runs, one thread that hears of new versions as they are announced (workers/versions.py)
+and one swapper that pulls them while generation goes on and swaps them in with a soft pause.
+Deterministic runs have neither: the slot leading a round loads the version its leases name. One
+more thread renews every lease a slot holds until its samples are posted (`Renewals`), and the
+slots ask for as many groups as the worker generates in half the lease timeout (`RequestSize`). A
+thread that fails stops the worker, and `run` raises its error.
 docs/workers.md tells the whole story.
 """
 
@@ -44,6 +45,7 @@ from workers.episodes import episode_task_of, run_episodes
 from workers.lease_loop import REQUEST_SHARE, Renewals, RequestSize, Spool, answers, backoff, on_signals
 from workers.sample import Sample, to_rollout
 from workers.simulation import SimulatedLatency
+from workers.versions import watch_versions
 
 log = logging.getLogger("decentrl.worker")
 progress_log = logging.getLogger("decentrl.worker.progress")
@@ -182,6 +184,7 @@ class Worker:
         renewer.start()
         if not self.info.deterministic:  # a deterministic run's slots load the versions their leases name
             threading.Thread(target=self._guarded, args=(self._swapper,), name="swapper", daemon=True).start()
+            threading.Thread(target=self._guarded, args=(self._watch,), name="versions", daemon=True).start()
         slots = [
             threading.Thread(target=self._guarded, args=(self._slot, i, max_iterations), name=f"slot-{i}", daemon=True)
             for i in range(self.config.concurrency)
@@ -250,23 +253,26 @@ class Worker:
     def _due(self) -> bool:
         return self.announced is not None and self.announced != self.backend.version and self.announced not in self.refused
 
+    def _watch(self) -> None:
+        """Free-running runs: hear of new versions as they are announced (workers/versions.py), one
+        long-poll outstanding, while the swapper pulls; lease answers tell of versions too."""
+        watch_versions(
+            self.client, known=lambda: self.announced, heard=self._note_version, stop=self._stop,
+            wait_s=self.config.version_wait_s, retry_s=self.config.version_poll_s,
+        )
+
     def _swapper(self) -> None:
-        """The one place weights change (free-running runs). It never dies of a version: a failing
-        store is retried, a version that fails verification or loading is refused."""
+        """The one place weights change (free-running runs): it pulls and swaps in the newest version
+        announced (`_watch` and lease answers tell it). It never dies of a version: a failing store
+        is retried, a version that fails verification or loading is refused."""
         failures = 0
         while not self._stop.is_set():
             with self._changed:
-                if not self._due():
-                    self._changed.wait(timeout=self.config.version_poll_s)
-                due, version = self._due(), self.announced
+                while not self._due() and not self._stop.is_set():
+                    self._changed.wait()
+                version = self.announced
             if self._stop.is_set():
                 return
-            if not due:
-                try:
-                    self._note_version(self.client.info().policy_version)
-                except ConnectionError as exc:
-                    log.warning("version poll failed: %s", exc)
-                continue
             assert version is not None
             started = time.perf_counter()
             with contextlib.suppress(UnloadableVersion):  # refused: generation goes on with the weights loaded before

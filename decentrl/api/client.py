@@ -38,6 +38,7 @@ from decentrl.api.wire import (
     LeaseRequest,
     LeaseResponse,
     LeaseState,
+    PublishedVersion,
     RolloutBatch,
     RunInfo,
     ScoreAck,
@@ -104,8 +105,11 @@ class OrchestratorClient:
             headers["Content-Encoding"] = "gzip"
         return data, headers
 
-    def _request(self, method: str, path: str, body: BaseModel | None = None) -> tuple[int, str, bytes]:
-        """(status, content type, body) of a 2xx answer; retries as the module docstring says."""
+    def _request(
+        self, method: str, path: str, body: BaseModel | None = None, *, timeout_s: float | None = None
+    ) -> tuple[int, str, bytes]:
+        """(status, content type, body) of a 2xx answer; retries as the module docstring says.
+        `timeout_s`: the socket timeout, when a long-poll may stay silent longer than the client's."""
         delay, waited = 0.2, 0.0
         encoded: tuple[str, tuple[bytes, dict[str, str]]] | None = None
         while True:
@@ -118,7 +122,7 @@ class OrchestratorClient:
                 headers.update(encoded[1][1])
             request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                with urllib.request.urlopen(request, timeout=self.timeout_s if timeout_s is None else timeout_s) as response:
                     return response.status, response.headers.get_content_type(), response.read()
             except urllib.error.HTTPError as exc:
                 text = exc.read().decode(errors="replace")
@@ -174,6 +178,14 @@ class OrchestratorClient:
 
     def status(self) -> StatusResponse:
         return self._call("GET", "/status", StatusResponse)
+
+    def newer_version(self, after: int | None, wait_s: float) -> PublishedVersion:
+        """The newest published version as soon as it is newer than `after` (any, with None), or
+        after `wait_s` whatever it is: GET /v1/version, a long-poll (workers/versions.py keeps one
+        outstanding). Its read timeout is the client's own plus `wait_s`."""
+        query = _query(**({} if after is None else {"after": after}), wait_s=f"{wait_s:.3f}")
+        _, media, payload = self._request("GET", f"{API_PREFIX}/version?{query}", timeout_s=self.timeout_s + wait_s)
+        return self._decode(PublishedVersion, media, payload)
 
     # -- workers --------------------------------------------------------------------------
 

@@ -31,6 +31,9 @@ API_PREFIX = "/v1"
 WORKER_ID = r"^[A-Za-z0-9._:@-]{1,128}$"  # no "/": lease holders are "token-name/worker-id"
 TOKEN_NAME = r"^[A-Za-z0-9._:@-]{1,64}$"  # no "/" either, for the same reason
 MAX_VERSION = 2**31 - 1  # versions and prompt ids fit the journal's integers with room to spare
+# The longest one GET /v1/version long-poll may wait: under the 60 s read timeout of common reverse
+# proxies (nginx's proxy_read_timeout), which would otherwise cut a waiting answer off.
+MAX_VERSION_WAIT_S = 60.0
 
 # Size bounds of every list on the wire, whatever the run's config: they bound what one request
 # can make the orchestrator hold before its config-derived checks run (orchestrator/checks.py;
@@ -500,6 +503,15 @@ class VersionAnnouncement(Wire):
     """POST /v1/version (trainer): version N is complete in the store."""
 
     version: Int = Field(ge=0, le=MAX_VERSION)
+
+
+class PublishedVersion(Wire):
+    """GET /v1/version: the newest published version, as soon as it is newer than the caller's `after`."""
+
+    policy_version: Int | None = Field(
+        ge=0, le=MAX_VERSION, description="Newest published version; None before v0 exists. Not newer than `after` "
+        "when the wait ran out (or the orchestrator is stopping): ask again."
+    )
 
 
 METRIC_NAME = r"^[a-z][a-z0-9_]{0,63}$"

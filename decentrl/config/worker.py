@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from decentrl.api.wire import MAX_VERSION_WAIT_S
 from decentrl.config.base import Section, reject_moved
 
 
@@ -54,8 +55,14 @@ class WorkerConfig(Section):
         5.0, ge=0, description="Soft pause: in-flight generation may finish for this long before it continues "
         "under the new weights as a partial rollout.",
     )
+    version_wait_s: float = Field(
+        30.0, ge=1, le=MAX_VERSION_WAIT_S, description="How long one GET /v1/version long-poll waits for a new "
+        "version before it is asked again (workers/versions.py); below the read timeout of any proxy in front of "
+        "the orchestrator.",
+    )
     version_poll_s: float = Field(
-        2.0, gt=0, le=300, description="Ask /v1/info for a new version this often while no lease answer says."
+        2.0, gt=0, le=300, description="After a failed version long-poll (the orchestrator unreachable), ask again "
+        "this much later; against an orchestrator without GET /v1/version, poll /v1/info this often.",
     )
     groups_per_request: int = Field(
         4, ge=1, le=1024, description="Prompts (groups) leased and generated together."

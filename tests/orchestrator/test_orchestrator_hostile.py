@@ -392,6 +392,7 @@ def test_sigterm_stops_within_2_s_with_long_polls_pending(tmp_path: Path) -> Non
                 ("/v1/batch?trainer_version=0", "GET", trainer, ""),
                 ("/v1/batch?trainer_version=0", "GET", trainer, ""),
                 ("/v1/leases", "POST", worker, '{"worker_id": "w0", "max_groups": 1}'),  # no version yet: waits
+                ("/v1/version?wait_s=60", "GET", worker, ""),  # no version yet: waits for v0
             )
         ]
         time.sleep(1.0)

@@ -1,10 +1,11 @@
 """Tampered checkpoints against the worker's real pull-and-swap path, on file:// and on S3 (moto).
 
-A real orchestrator (aiohttp on loopback) announces each version; the worker's own swapper thread
-learns of it by polling /v1/info, pulls it through `CheckpointStore` (signed, run-bound) and swaps
-it into the hf backend. Every tampered version must be refused and skipped: the swapper stays
-alive, the admission gate open, the model exactly the last good version's, generation goes on -
-and a good version published after all of them still loads.
+A real orchestrator (aiohttp on loopback) announces each version; the worker's own `versions`
+thread hears of it (its GET /v1/version long-poll) and its swapper thread pulls it through
+`CheckpointStore` (signed, run-bound) and swaps it into the hf backend. Every tampered version
+must be refused and skipped: the swapper stays alive, the admission gate open, the model exactly
+the last good version's, generation goes on - and a good version published after all of them
+still loads.
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ def test_tampered_versions_are_refused_and_the_worker_generates_on(harness: Harn
     worker = h.worker()
     swapper = threading.Thread(target=worker._swapper, name="swapper", daemon=True)
     swapper.start()
+    threading.Thread(target=worker._watch, name="versions", daemon=True).start()
     wait_until(lambda: worker.backend.version == 0, "version 0 loaded")
     sampling = SamplingParams(temperature=1.0, max_tokens=4)
 
