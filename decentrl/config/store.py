@@ -47,6 +47,21 @@ class StoreConfig(Section):
     )
     upload_concurrency: int = Field(4, ge=1, le=64, description="Files uploaded at once by a publish.")
     download_concurrency: int = Field(4, ge=1, le=64, description="Files downloaded at once by a pull.")
+    parallel_reads: int = Field(
+        32, ge=1, le=64, description="Remote stores: byte ranges of large files read at once by a pull, over all its "
+        "files, each on its own connection (one TCP stream on a long lossy path carries a fraction of the link; "
+        "K streams add up; docs/store.md measures them per link profile). Files of one "
+        "part or less stream whole, download_concurrency at once. Local stores ignore it.",
+    )
+    part_mb: int = Field(
+        8, ge=1, le=1024, description="Remote stores: a file larger than this is pulled as ranges of at most this "
+        "size (one request each), each written in place as it arrives and recorded, so an interrupted pull fetches "
+        "only the missing bytes. Near a file's end a slow range is split among the idle streams.",
+    )
+    stall_timeout_s: float = Field(
+        8.0, gt=0, le=600, description="Remote stores: a range read that receives no byte for this long (a silent "
+        "drop, a stalled store) is abandoned and retried from where it stopped, after a jittered back-off.",
+    )
     link_local: bool = Field(
         True, description="Local store on the cache's filesystem: pulls hard-link the verified files into "
         "the cache instead of copying them (zero copy). Off, or a public_key set: pulls always copy.",
@@ -97,6 +112,13 @@ class StoreConfig(Section):
             options["client_kwargs"] = client_kwargs
         if self.access_key_id is not None:
             options.update(key=self.access_key_id, secret=self.secret_access_key)
+        if self.url.startswith("s3://"):
+            # botocore pools 10 connections per client by default; a pull holds up to parallel_reads range
+            # streams plus download_concurrency whole-file streams, and a range waiting for a
+            # connection would count as stalled.
+            config_kwargs = dict(options.get("config_kwargs") or {})  # type: ignore[call-overload]
+            config_kwargs.setdefault("max_pool_connections", self.parallel_reads + self.download_concurrency)
+            options["config_kwargs"] = config_kwargs
         return options
 
     def for_reader(self, url: str) -> StoreConfig:

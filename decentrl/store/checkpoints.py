@@ -17,7 +17,8 @@ manifest is the store's, byte for byte: caches are keyed by version number, whic
 Size: ~700 lines, for one object over one fsspec filesystem and one layout (publish, pull with its
 resume and cache checks and delta chains, verify, retain). What has a seam is out: the manifest's format and
 parser (decentrl/store/manifest.py), the cache's local files (decentrl/store/cache.py), a delta file's format
-(decentrl/store/delta.py), the weights inside a version (decentrl/store/weights.py). `pull` stays here because each
+(decentrl/store/delta.py), the weights inside a version (decentrl/store/weights.py), a remote store's large files
+fetched as parallel resumable ranges (decentrl/store/ranges.py). `pull` stays here because each
 of its steps asks the store: whether
 a cached version may be served is decided against the store's manifest, read and signature-checked
 on every pull, and its downloads stream from the store's filesystem; a cache object of its own
@@ -82,6 +83,8 @@ from decentrl.store.manifest import (  # noqa: F401 - re-exported
     signed_payload,
     version_dirname,
 )
+from decentrl.store.ranges import RECORD_SUFFIX, RangedReads, StoredSizeMismatch, discard
+from decentrl.store.ranges import read_errors as _read_errors
 
 # fsspec read-ahead for remote files: a few large ranged GETs per file, not one per chunk.
 _READ_BLOCK = 64 * 1024 * 1024
@@ -136,15 +139,6 @@ def _run_all(pool: ThreadPoolExecutor, tasks: list[Callable[[], object]]) -> lis
     return [future.result() for future in futures]
 
 
-@functools.cache
-def _read_errors() -> tuple[type[Exception], ...]:
-    """What a backend raises when the store cannot be read: OSError (fsspec's convention), and the
-    botocore errors s3fs lets through untranslated (EndpointConnectionError: endpoint down)."""
-    from botocore.exceptions import BotoCoreError, ClientError  # s3fs's dependency, hence ours
-
-    return (OSError, BotoCoreError, ClientError)
-
-
 def _short_sha(data: bytes | None) -> str:
     return "none" if data is None else hashlib.sha256(data).hexdigest()[:12]
 
@@ -184,6 +178,9 @@ class CheckpointStore:
         public_key: Ed25519PublicKey | None = None,
         upload_concurrency: int = _DEFAULTS.upload_concurrency,
         download_concurrency: int = _DEFAULTS.download_concurrency,
+        parallel_reads: int = _DEFAULTS.parallel_reads,
+        part_mb: int = _DEFAULTS.part_mb,
+        stall_timeout_s: float = _DEFAULTS.stall_timeout_s,
         cache_max_bytes: int | None = None,
         retention_grace_s: float = _DEFAULTS.retention_grace_s,
         link_local: bool = _DEFAULTS.link_local,
@@ -205,6 +202,10 @@ class CheckpointStore:
         # public key, whoever can write the store is not trusted, and a hard link would let a
         # later in-place write reach a cache that was verified before it.
         self.link_local = link_local and isinstance(self.fs, LocalFileSystem) and public_key is None
+        # A remote store's large files come as parallel, resumable byte ranges (decentrl/store/ranges.py).
+        self.ranged = None if isinstance(self.fs, LocalFileSystem) else RangedReads(
+            self.fs, parallel_reads=parallel_reads, part_bytes=part_mb * 2**20, stall_timeout_s=stall_timeout_s
+        )
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, run_name: str | None = None) -> CheckpointStore:
@@ -216,6 +217,9 @@ class CheckpointStore:
             public_key=signing.load_public_key(config.public_key) if config.public_key else None,
             upload_concurrency=config.upload_concurrency,
             download_concurrency=config.download_concurrency,
+            parallel_reads=config.parallel_reads,
+            part_mb=config.part_mb,
+            stall_timeout_s=config.stall_timeout_s,
             cache_max_bytes=None if config.cache_max_gb is None else int(config.cache_max_gb * 2**30),
             retention_grace_s=config.retention_grace_s,
             link_local=config.link_local,
@@ -528,6 +532,7 @@ class CheckpointStore:
             f.write(raw)
         expected = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
         expected |= {entry.path + DELTA_SUFFIX for entry in manifest.files if entry.delta is not None}
+        expected |= {name + RECORD_SUFFIX for name in expected}  # a ranged download's record (ranges.py)
         for stray in set(os.listdir(partial)) - expected:
             remove_path(os.path.join(partial, stray))
         with ThreadPoolExecutor(self.download_concurrency) as pool:
@@ -573,9 +578,11 @@ class CheckpointStore:
                 if problem is None:
                     self.verified.remember(written, entry)
                 else:
-                    os.remove(local_path)  # wrong bytes somewhere: the next attempt starts over
+                    discard(local_path)  # wrong bytes somewhere, in no range we could name: the next attempt starts over
             except FileNotFoundError:
                 problem = "missing from store"
+            except StoredSizeMismatch as e:  # a ranged download's check before it fetches
+                problem = mismatch(entry, e.stored, "")
             except NotRegularFile as e:  # the store's file is a symlink (a local store, hard-linked)
                 problem = f"not a regular file in the store ({e.strerror})"
             except _read_errors() as e:
@@ -589,7 +596,10 @@ class CheckpointStore:
         self, remote: str, local_path: str, expected_size: int, algorithm: str
     ) -> tuple[int, str, os.stat_result]:
         """Append the rest of `remote` to `local_path`, hashing as it streams: (size, digest) of the
-        whole, read no further than `expected_size` + 1 bytes, and the stat of the file written."""
+        whole, read no further than `expected_size` + 1 bytes, and the stat of the file written.
+        A remote store's large file comes as parallel ranges instead (`RangedReads.fetch`)."""
+        if self.ranged is not None and self.ranged.applies(local_path, expected_size):
+            return self.ranged.fetch(remote, local_path, expected_size, algorithm)
         limit = expected_size + 1
         if self.link_local:
             linked = _link_hashing(remote, local_path, limit, algorithm)

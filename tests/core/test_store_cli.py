@@ -80,9 +80,10 @@ def test_store_config_builds_s3_options() -> None:
         "client_kwargs": {"verify": False, "endpoint_url": "http://minio:9000", "region_name": "eu-west-1"},
         "key": "AK",
         "secret": "SK",
+        "config_kwargs": {"max_pool_connections": 36},  # parallel_reads + download_concurrency
     }
     # Unset fields leave the AWS environment in charge.
-    assert StoreConfig(url="s3://bucket/run").fsspec_options() == {}
+    assert StoreConfig(url="s3://bucket/run").fsspec_options() == {"config_kwargs": {"max_pool_connections": 36}}
 
 
 @pytest.mark.parametrize(
