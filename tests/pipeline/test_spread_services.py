@@ -202,6 +202,7 @@ def test_front_answers_503_while_the_orchestrator_is_down(certs: object, tmp_pat
 # -- the S3 store behind the fault front ----------------------------------------------------------
 
 SMALL = 4_000_000  # a weight file of one part or less ([store] part_mb, 8 MiB): one stream
+LARGE = 24_000_000  # three parts: parallel ranges
 OBJECT = "/spread/run/v000000/model.safetensors"
 
 
@@ -292,6 +293,33 @@ def test_slowdown_past_botocores_retries_fails_a_publish(s3: tuple[str, object],
         make_store(s3[0], config_kwargs={"retries": {"mode": "standard", "max_attempts": 2}}).publish(0, str(version_dir))
     assert time.monotonic() - started < 10
     assert control.stats()["hits"] == {"slowdown": 3}
+
+
+def test_cut_download_resumes_from_the_bytes_it_has(s3: tuple[str, object], control: object, tmp_path: Path) -> None:
+    """A file larger than a part comes as ranges (decentrl/store/ranges.py): a cut range resumes
+    where it stopped; what is lost is what was in flight."""
+    src = make_version(tmp_path, LARGE)
+    make_store(s3[0]).publish(0, str(src))
+    control.reset()
+    control.set("cut", count=1, match=".safetensors")  # half a range, then the connection closed
+    pull_and_check(make_store(s3[0]), src, tmp_path / "cache")
+    stats = control.stats()
+    assert stats["hits"] == {"cut": 1}
+    assert LARGE <= stats["served"]["by_object"][OBJECT] <= 1.1 * LARGE
+
+
+def test_stalled_download_is_seen_and_resumed(s3: tuple[str, object], control: object, tmp_path: Path) -> None:
+    """A range that receives nothing for [store] stall_timeout_s (8 s) is abandoned and resumed."""
+    src = make_version(tmp_path, LARGE)
+    make_store(s3[0]).publish(0, str(src))
+    control.reset()
+    control.set("stall", count=1, match=".safetensors")  # the headers and half a range, then silence
+    started = time.monotonic()
+    pull_and_check(make_store(s3[0]), src, tmp_path / "cache")
+    assert 8 <= time.monotonic() - started < 15
+    stats = control.stats()
+    assert stats["hits"] == {"stall": 1} and stats["stalled_now"] == 0  # the client closed the stalled connection
+    assert LARGE <= stats["served"]["by_object"][OBJECT] <= 1.1 * LARGE
 
 
 def test_cut_small_download_is_fetched_again_whole(s3: tuple[str, object], control: object, tmp_path: Path) -> None:
