@@ -86,6 +86,7 @@ BUCKET = "spread"
 ORCH_PORT, TLS_PORT, S3_PORT, RDZV_PORT = 8740, 443, 9000, 29400
 INTERCONNECT = ("10.78.0.1", "10.78.0.2")  # trainer0, trainer1 on ic0
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+MANIFEST_EVERY_S = 60.0  # below [store] retention_grace_s (300 s): no version is deleted unread
 RTTS_IN_BOUND = 3  # "a few RTTs": the manifest, the ranged reads' requests, the TLS of a new connection
 LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
 LOADED = re.compile(
@@ -122,6 +123,8 @@ class SpreadRun:
     roles: list[Any] = field(default_factory=list)  # launch.Role
     trainer_nodes: list[Any] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    manifests: dict[int, dict[str, Any]] = field(default_factory=dict)  # every one seen (retention deletes)
+    manifests_read: float = 0.0
 
     def statuses(self) -> list[dict[str, Any]]:
         """The monitor's /v1/status answers so far, each with its Unix time `t`."""
@@ -292,10 +295,30 @@ class Spread:
                     raise RuntimeError(f"{role.name} exited with code {code}; {role.log_path}:\n{launch._tail(role.log_path, 25)}")
             if until is not None and until():
                 return False
+            if time.monotonic() - run.manifests_read > MANIFEST_EVERY_S:  # before retention deletes them
+                self.manifests(run)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not end within {timeout_s:.0f} s (version {run.version()})")
             time.sleep(0.5)
         return True
+
+    def quiesce(self, run: SpreadRun, timeout_s: float = 60.0) -> int | None:
+        """Stop the trainer, then wait (up to `timeout_s`) until every worker still running has
+        loaded the newest version announced, so that no pull is cut off by the end of the run (the
+        store's byte counts then hold whole pulls only). The newest version, or None."""
+        from decentrl.cli import launch
+
+        launch._stop(run.trainer_nodes)
+        run.roles = [role for role in run.roles if role not in run.trainer_nodes]
+        newest = run.statuses()[-1].get("policy_version")
+        workers = [role.name for role in run.roles if role.name not in ("orchestrator", "monitor")]
+        deadline = time.monotonic() + timeout_s
+        while newest is not None and time.monotonic() < deadline:
+            loads = loaded_versions(run)
+            if all(any(event.version >= newest for event in loads.get(name, [])) for name in workers):
+                break
+            time.sleep(0.5)
+        return newest
 
     def stop_run(self, run: SpreadRun) -> None:
         """Workers, trainer, monitor, orchestrator: `decentrl run`'s stop, in reverse start order."""
@@ -305,13 +328,16 @@ class Spread:
         run.roles = []
 
     def manifests(self, run: SpreadRun) -> dict[int, dict[str, Any]]:
-        """Per version in the run's store: created_at, delta_base, stored bytes (what a pull of it
-        fetches), full bytes - read from moto directly (the front's counts stay the workers')."""
+        """Per version the run's store has held: created_at, delta_base, stored bytes (what a pull
+        of it fetches), full bytes - read from moto directly (the front's counts stay the workers'),
+        merged with those read before (`wait_trainer` reads them every MANIFEST_EVERY_S)."""
         done = self.store.run([sys.executable, SCRIPT, "manifests", run.store_url, self.moto.url],
                               capture_output=True, text=True, env={**os.environ, **CREDENTIALS}, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"reading the manifests failed: {done.stderr[-2000:]}")
-        return {int(v): m for v, m in json.loads(done.stdout).items()}
+        run.manifests.update({int(v): m for v, m in json.loads(done.stdout).items()})
+        run.manifests_read = time.monotonic()
+        return dict(sorted(run.manifests.items()))
 
     def _in(self, host: sn.Host, argv: list[str]) -> list[str]:
         return sn._in_ns(host.ns, argv)
@@ -365,7 +391,7 @@ def joined_at(run: SpreadRun, name: str) -> float | None:
 def first_rollout_at(run: SpreadRun, name: str) -> float | None:
     """When the orchestrator first counted a rollout of token `name` (the monitor's resolution)."""
     for status in run.statuses():
-        if status.get("workers", {}).get(name, {}).get("rollouts", 0) > 0:
+        if status["accepted"].get(name, 0) > 0:
             return status["t"]
     return None
 
@@ -376,7 +402,7 @@ def fetch_bytes(manifests: dict[int, dict[str, Any]], version: int, held: set[in
     total, chain = 0, []
     v: int | None = version
     while v is not None and v not in held:
-        manifest = manifests[v]
+        manifest = manifests[v]  # KeyError: a version deleted before it was read (MANIFEST_EVERY_S)
         total += manifest["stored_bytes"]
         chain.append(v)
         v = manifest["delta_base"]
@@ -527,35 +553,43 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
     n = args.workers
     overrides = [
         *STAND_IN, f"trainer.steps={args.version_steps}", "trainer.groups_per_step=8", "group_size=4",
+        "trainer.lr=1e-5",  # an RL learning rate: deltas of the size RL makes (the demo's 1e-3 rewrites half the bytes)
+        *args.store_sets,
         "sampling.max_tokens=4", "worker.groups_per_request=1", "worker.concurrency=1",
         f"simulation.latency_median_s={args.generation_s}", "simulation.latency_sigma=0",
         "store.retention_grace_s=3600",  # every version stays readable for the manifests read at the end
         "store.cache_max_gb=0.25",  # each worker's cache: a few versions, not every one (8 workers, 27 MB each)
     ]
     config = load_config(str(ROOT / "configs" / "local.toml"), overrides)
-    late_hosts = [f"late_{p.lower()}" for p in ("L0", "L1", "L2", "L3")] if late else []
-    say(f"versions: stand-in model, {n} workers on L1" + (", late joiners on L0-L3 from version 20" if late else ""))
+    late_hosts = [f"late_{p.lower()}" for p in args.late_profiles] if late else []
+    say(f"versions: stand-in model, {n} workers on L1" + (f", late joiners on L0-L3 from version {args.late_at}" if late else ""))
     spread.control.reset()
     run = spread.start_run(config, run_name="versions", worker_hosts=[f"w{i}" for i in range(n)],
                            extra_tokens=tuple(f"late-{h[5:]}" for h in late_hosts))
     joiners: list[dict[str, Any]] = []
+    stayed = {f"worker-{i}" for i in range(n // 2 if late else n)}  # the workers that run from start to end
     try:
         if late:
             spread.wait_trainer(run, args.version_timeout_s, until=lambda: run.version() >= args.late_at)
-            for host in late_hosts:
-                name = f"late-{host[5:]}"
-                before = spread.control.stats()["served"]
-                version_at_join = run.version()
-                started = time.time()
+            # Half the L1 workers go (memory for the joiners: 8 workers, 4 joiners, the trainer and the
+            # store's objects would pass 8 GB); the others keep pulling every version beside the joiners.
+            from decentrl.cli import launch
+
+            leaving = [role for role in run.roles if role.name in {f"worker-{i}" for i in range(n // 2, n)}]
+            launch._stop(leaving)
+            run.roles = [role for role in run.roles if role not in leaving]
+            before, version_at_join, started = spread.control.stats()["served"], run.version(), time.time()
+            names = {host: f"late-{host[5:]}" for host in late_hosts}
+            for host, name in names.items():  # together: each joiner's bound counts the store's share
                 spread.start_worker(run, name, host)
-                spread.wait_trainer(run, args.version_timeout_s, until=lambda name=name: first_rollout_at(run, name) is not None
-                                    or time.time() - started > args.late_timeout_s)
-                after = spread.control.stats()["served"]
-                joiners.append({"name": name, "host": host, "version_at_join": version_at_join, "started": started,
-                                "served_before": before, "served_after": after})
-            spread.wait_trainer(run, args.version_timeout_s, until=lambda: True)  # a role that died shows here
+            spread.wait_trainer(run, args.version_timeout_s, until=lambda: time.time() - started > args.late_timeout_s
+                                or all(first_rollout_at(run, name) is not None for name in names.values()))
+            after = spread.control.stats()["served"]
+            joiners = [{"name": name, "host": host, "version_at_join": version_at_join, "started": started,
+                        "served_before": before, "served_after": after} for host, name in names.items()]
         else:
             spread.wait_trainer(run, args.version_timeout_s)
+        spread.quiesce(run)
     finally:
         spread.stop_run(run)
     manifests = spread.manifests(run)
@@ -567,9 +601,18 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
     deltas = [r for r in regular if not r["full"]]
     fulls = [r for r in regular if r["full"]]  # a new key version, pulled by every worker at once
     served = spread.control.stats()["served"]
-    ips = {name: host.ip for name, host in hosts.items()}
-    worker_bytes = sum(served["by_client"].get(ip, 0) for ip in ips.values())
-    ideal = sum(r["bytes"] for r in rows)
+    # Per worker: bytes served to its address against the sum of S over its loads. The headline counts
+    # the workers that ran from start to end: a worker stopped (or a joiner given up on) mid-pull was
+    # served bytes it never loaded, which says nothing of the store.
+    per_worker = {
+        name: {"served": served["by_client"].get(host.ip, 0), "ideal": sum(r["bytes"] for r in rows if r["worker"] == name),
+               "whole_run": name in stayed}
+        for name, host in hosts.items()
+    }
+    for entry in per_worker.values():
+        entry["ratio"] = round(entry["served"] / entry["ideal"], 3) if entry["ideal"] else None
+    worker_bytes = sum(e["served"] for e in per_worker.values() if e["whole_run"])
+    ideal = sum(e["ideal"] for e in per_worker.values() if e["whole_run"])
     key = [m for m in manifests.values() if m["delta_base"] is None]
     result: dict[str, Any] = {
         "workers": n, "profile": "L1", "model": " ".join(STAND_IN), "versions": len(manifests),
@@ -583,9 +626,10 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
                                    if deltas and step_s else None),
         "full_pulls": [{k: r[k] for k in ("worker", "profile", "version", "bytes", "measured_s", "bound_s", "announce_s", "efficiency")}
                        for r in fulls],
-        "store_served": {"total": served["total"], "to_workers": worker_bytes, "ideal_to_workers": ideal,
+        "store_served": {"total": served["total"], "to_whole_run_workers": worker_bytes, "ideal_to_whole_run_workers": ideal,
                          "ratio": round(worker_bytes / ideal, 3) if ideal else None,
-                         "trainer_and_orchestrator": served["total"] - worker_bytes},
+                         "trainer_and_orchestrator": served["total"] - sum(e["served"] for e in per_worker.values()),
+                         "per_worker": per_worker},
         "key_version_bytes": key[0]["stored_bytes"] if key else None,
         "worst": sorted(deltas, key=lambda r: r["efficiency"] or 0)[:5],
     }
@@ -593,7 +637,8 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
     # manifest), and each late joiner's first load (timed from its start, against its fetch bound).
     full = {p: [r["efficiency"] for r in fulls if r["profile"] == p] for p in ("L0", "L1", "L2", "L3")}
     if late:
-        result["late_joiners"] = [late_joiner(run, j, manifests, spread, rows) for j in joiners]
+        together = sum(next((r["bytes"] for r in rows if r["worker"] == j["name"]), 0) for j in joiners)
+        result["late_joiners"] = [late_joiner(run, j, manifests, spread, rows, together) for j in joiners]
         for joiner in result["late_joiners"]:
             if "load_vs_bound" in joiner:
                 full[joiner["profile"]].append(round(1 / joiner["load_vs_bound"], 3))
@@ -602,39 +647,47 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
 
 
 def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dict[str, Any]], spread: Spread,
-                rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """A late joiner: from its first log line to its first loaded version and its first rollout, against
-    the bytes of the newest full version and the deltas since (those it fetched before its first rollout)."""
+                rows: list[dict[str, Any]], together_bytes: int) -> dict[str, Any]:
+    """A late joiner, from its first log line (its imports done): to its first loaded version (the
+    newest full version and the deltas since), and to its first rollout (the versions it loaded by
+    then and one request's generation), each against the bound for the bytes it fetched:
+    max(S / d_worker, `together_bytes` (every joiner's, pulled at once) / u_store) + 3 RTTs."""
     name, host = joiner["name"], spread.workers[joiner["host"]]
     joined, first = joined_at(run, name), first_rollout_at(run, name)
     mine = [r for r in rows if r["worker"] == name]
     result: dict[str, Any] = {"name": name, "profile": profile_of(host.link), "version_at_join": joiner["version_at_join"]}
     if joined is None or not mine:
-        return {**result, "error": "never loaded a version (see its log)"}
-    upto = [r for r in mine if first is None or r["loaded_at"] <= first]
-    fetched = sum(r["bytes"] for r in upto)
-    chain = sorted({v for r in upto for v in r["chain"]})
+        return {**result, "error": f"loaded no version within {time.time() - joiner['started']:.0f} s (see its log)"}
+    store_s = together_bytes / payload_bps(spread.store.link.up_mbit)
+    rtts_s = RTTS_IN_BOUND * (host.link.rtt_ms + host.link.jitter_ms / 2) / 1000
+
+    def bound(size: int) -> float:
+        return max(size / payload_bps(host.link.down_mbit), store_s) + rtts_s
+
     newest_key = max((v for v in manifests if manifests[v]["delta_base"] is None and v <= joiner["version_at_join"]), default=0)
-    link_s = fetched / payload_bps(min(host.link.down_mbit, spread.store.link.up_mbit))
-    rtt_s = (host.link.rtt_ms + host.link.jitter_ms / 2) / 1000
-    fetch_bound = link_s + RTTS_IN_BOUND * rtt_s
-    loaded = upto[-1]["loaded_at"]
+    first_load = mine[0]
     result.update(
-        bytes=fetched, versions_fetched=chain, newest_key_at_join=newest_key,
-        fetched_older_than_key=[v for v in chain if v < newest_key],
-        load_s=round(loaded - joined, 3), fetch_bound_s=round(fetch_bound, 3),
-        load_vs_bound=round((loaded - joined) / fetch_bound, 3),
+        first_version=first_load["version"], bytes=first_load["bytes"], versions_fetched=sorted(first_load["chain"]),
+        newest_key_at_join=newest_key, fetched_older_than_key=[v for v in first_load["chain"] if v < newest_key],
+        load_s=round(first_load["loaded_at"] - joined, 3), load_bound_s=round(bound(first_load["bytes"]), 3),
+        load_vs_bound=round((first_load["loaded_at"] - joined) / bound(first_load["bytes"]), 3),
     )
-    # Objects served while it joined: nobody else fetches a version older than the newest key.
+    # Objects served while the joiners joined; the workers already running fetch only newer versions.
     before, after = joiner["served_before"]["by_object"], joiner["served_after"]["by_object"]
-    grown = [path for path, n in after.items() if n > before.get(path, 0)]
+    # Weight files only: the trainer's retention reads every kept version's manifest after each publish.
+    grown = [path for path, n in after.items() if n > before.get(path, 0) and ".safetensors" in path]
     versions_served = sorted({int(m[1]) for p in grown if (m := re.search(r"/v(\d{6})/", p))})
-    result["versions_served_while_joining"] = versions_served
+    result["weight_versions_served_while_joining"] = versions_served
     result["served_older_than_key"] = [v for v in versions_served if v < newest_key]
-    if first is not None:
-        generate_s = max(0.0, first - loaded)  # its first request, after the weights: work any worker does
-        result.update(first_rollout_s=round(first - joined, 3), first_request_after_load_s=round(generate_s, 3),
-                      vs_bound=round((first - joined) / (fetch_bound + generate_s), 3))
+    if first is None:
+        return {**result, "first_rollout_s": None, "vs_bound": None,
+                "error": f"no rollout within {time.time() - joiner['started']:.0f} s of its start"}
+    upto = [r for r in mine if r["loaded_at"] <= first]
+    fetched = sum(r["bytes"] for r in upto)
+    generate_s = max(0.0, first - upto[-1]["loaded_at"])  # its first request, after the weights: work any worker does
+    result.update(first_rollout_s=round(first - joined, 3), bytes_by_first_rollout=fetched,
+                  first_request_after_load_s=round(generate_s, 3), first_rollout_bound_s=round(bound(fetched) + generate_s, 3),
+                  vs_bound=round((first - joined) / (bound(fetched) + generate_s), 3))
     return result
 
 
@@ -697,14 +750,17 @@ def part_leases(spread: Spread, args: argparse.Namespace, notes: list[str]) -> d
 
 
 def _monitor(url: str, token: str, out: str, interval_s: float = 0.25) -> None:
-    """GET /v1/status every `interval_s`, one JSON line each with its time `t`, until killed."""
-    request = urllib.request.Request(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"})
+    """Until killed, every `interval_s`: GET /v1/dashboard (only what is new), one JSON line with
+    its time `t`, the run's status and `accepted`, the rollouts accepted per worker token."""
     with open(out, "a") as file:
         while True:
+            now = time.time()
+            request = urllib.request.Request(f"{url}/v1/dashboard?since={now - 1:.3f}", headers={"Authorization": f"Bearer {token}"})
             with contextlib.suppress(OSError, ValueError):
                 with urllib.request.urlopen(request, timeout=5) as answer:
-                    status = json.loads(answer.read())
-                file.write(json.dumps({"t": time.time(), **status}) + "\n")
+                    board = json.loads(answer.read())
+                accepted = {row["worker"]: row["accepted"] for row in board["workers"]}
+                file.write(json.dumps({"t": now, **board["status"], "accepted": accepted}) + "\n")
                 file.flush()
             time.sleep(interval_s)
 
@@ -788,7 +844,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if parts & {"versions", "late_joiner"}:
         hosts |= {f"w{i}": "L1" for i in range(args.workers)}
     if "late_joiner" in parts:
-        hosts |= {f"late_{p.lower()}": p for p in ("L0", "L1", "L2", "L3")}
+        hosts |= {f"late_{p.lower()}": p for p in ("L0", "L1", "L2", "L3")}  # late joiners
     workdir = tempfile.mkdtemp(prefix="spread-", dir="/tmp")  # short: the fault front's Unix socket path
     result: dict[str, Any] = {"quick": args.quick, "parts": sorted(parts)}
     try:
@@ -867,6 +923,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="workers on L1 in the versions part (8; --quick 2)")
     parser.add_argument("--no-loopback", dest="loopback", action="store_false", help="run part: skip the loopback run")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, run dirs)")
+    parser.add_argument("--store-set", dest="store_sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="versions part: a --set for the stand-in run, e.g. store.part_mb=1 (repeatable)")
     args = parser.parse_args()
     if args.command == "monitor":
         _monitor(args.url, args.token, args.out)
@@ -884,10 +942,11 @@ def main() -> None:
         args.workers = args.workers or (2 if quick else 8)
         args.run_steps = 20 if quick else 150
         args.run_timeout_s = 300 if quick else 900
-        args.version_steps = 12 if quick else 60  # the run stops once the late joiners have served
+        args.version_steps = 20 if quick else 60  # the run stops once the late joiners have served
         args.version_timeout_s = 300 if quick else 1200
         args.generation_s = 2.0 if quick else 5.0
         args.late_at = 4 if quick else 20
+        args.late_profiles = ["L1"] if quick else ["L0", "L1", "L2", "L3"]
         args.late_timeout_s = 120 if quick else 240
         args.announces = 10 if quick else 40
         args.announce_hosts = ["l1"] if quick else ["l0", "l1", "l2", "l3"]
