@@ -43,10 +43,12 @@ Parts:
   measured for that pair + 3 RTTs between worker and store (rates as TCP payload of the frame
   rates: x 1448/1514). The trainer's upload (S / u_trainer) is not in the bound: the clock starts
   after it (its time is reported as publish_s). S is what that worker had to fetch: the version's
-  stored bytes and those of any delta base it did not hold. Late joiners (one per profile, one
-  after another, once the run is at version 20) are timed from their first log line to their
-  first loaded version and first rollout, against the bytes of the newest full version plus the
-  deltas since.
+  stored bytes and those of any delta base it did not hold. Late joiners (one per profile, all
+  four at once when the run is at version 20, half the L1 workers then stopped to keep memory
+  under 8 GB) are timed from their first log line to their first loaded version (the newest full
+  version plus the deltas since) and to their first rollout (what they loaded by then, plus one
+  request's simulated generation). The store's bytes per worker come from the fault front.
+  `--store-set store.part_mb=1` runs the same with other [store] settings (smaller ranges).
 - announce: announce -> worker latency across the shaped links (benchmarks/announce_latency.py's
   `announce_latencies`, the worker's own version watch, in a probe on each profile's host; the
   trainer's announcement sent from trainer0 by a helper process there).
@@ -296,7 +298,11 @@ class Spread:
             if until is not None and until():
                 return False
             if time.monotonic() - run.manifests_read > MANIFEST_EVERY_S:  # before retention deletes them
-                self.manifests(run)
+                try:
+                    self.manifests(run)
+                except RuntimeError as exc:  # read again at the next turn; the run goes on
+                    say(f"reading the manifests failed: {exc}")
+                    run.manifests_read = time.monotonic()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not end within {timeout_s:.0f} s (version {run.version()})")
             time.sleep(0.5)
@@ -535,9 +541,14 @@ def local_manifests(url: str | Path) -> dict[int, dict[str, Any]]:
 
 
 def read_manifests(store: Any) -> dict[int, dict[str, Any]]:
+    from decentrl.store.checkpoints import StoreError
+
     found = {}
     for version in store.versions():
-        manifest = store.manifest(version)
+        try:
+            manifest = store.manifest(version)
+        except StoreError:  # deleted by retention since the listing
+            continue
         found[version] = {
             "created_at": manifest.created_at, "delta_base": manifest.delta_base,
             "stored_bytes": sum(f.delta.size if f.delta is not None else f.size for f in manifest.files),
@@ -638,7 +649,7 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
     full = {p: [r["efficiency"] for r in fulls if r["profile"] == p] for p in ("L0", "L1", "L2", "L3")}
     if late:
         together = sum(next((r["bytes"] for r in rows if r["worker"] == j["name"]), 0) for j in joiners)
-        result["late_joiners"] = [late_joiner(run, j, manifests, spread, rows, together) for j in joiners]
+        result["late_joiners"] = [late_joiner(run, j, manifests, spread, rows, together, args.generation_s) for j in joiners]
         for joiner in result["late_joiners"]:
             if "load_vs_bound" in joiner:
                 full[joiner["profile"]].append(round(1 / joiner["load_vs_bound"], 3))
@@ -647,10 +658,10 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
 
 
 def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dict[str, Any]], spread: Spread,
-                rows: list[dict[str, Any]], together_bytes: int) -> dict[str, Any]:
+                rows: list[dict[str, Any]], together_bytes: int, generate_s: float) -> dict[str, Any]:
     """A late joiner, from its first log line (its imports done): to its first loaded version (the
     newest full version and the deltas since), and to its first rollout (the versions it loaded by
-    then and one request's generation), each against the bound for the bytes it fetched:
+    then and one request's generation, `generate_s`), each against the bound for the bytes it fetched:
     max(S / d_worker, `together_bytes` (every joiner's, pulled at once) / u_store) + 3 RTTs."""
     name, host = joiner["name"], spread.workers[joiner["host"]]
     joined, first = joined_at(run, name), first_rollout_at(run, name)
@@ -682,13 +693,20 @@ def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dic
     if first is None:
         return {**result, "first_rollout_s": None, "vs_bound": None,
                 "error": f"no rollout within {time.time() - joiner['started']:.0f} s of its start"}
-    upto = [r for r in mine if r["loaded_at"] <= first]
-    fetched = sum(r["bytes"] for r in upto)
-    generate_s = max(0.0, first - upto[-1]["loaded_at"])  # its first request, after the weights: work any worker does
-    result.update(first_rollout_s=round(first - joined, 3), bytes_by_first_rollout=fetched,
-                  first_request_after_load_s=round(generate_s, 3), first_rollout_bound_s=round(bound(fetched) + generate_s, 3),
-                  vs_bound=round((first - joined) / (bound(fetched) + generate_s), 3))
+    # By its first rollout it may have loaded newer versions too (a joiner more than max_staleness
+    # behind cannot generate): the bound fetches all of them, then generates one request.
+    fetched = sum(r["bytes"] for r in mine if r["loaded_at"] <= first)
+    first_bound = bound(fetched) + generate_s
+    result.update(first_rollout_s=round(first - joined, 3), bytes_by_first_rollout=fetched, generate_s=generate_s,
+                  first_rollout_bound_s=round(first_bound, 3), vs_bound=round((first - joined) / first_bound, 3))
     return result
+
+
+def announce_gap_s(link: sn.Link) -> float:
+    """The announcements' spacing: long enough for the watch to have asked again after the last one
+    (a request of decentrl's client opens its own TCP and TLS connection: 3 RTTs, more on a loss),
+    as with real versions seconds apart; a shorter gap times the re-ask, not the announcement."""
+    return 0.2 + 4 * (link.rtt_ms + link.jitter_ms / 2) / 1000
 
 
 def part_announce(spread: Spread, args: argparse.Namespace, notes: list[str]) -> dict[str, Any] | None:
@@ -709,14 +727,15 @@ def part_announce(spread: Spread, args: argparse.Namespace, notes: list[str]) ->
             profile = profile_of(host.link)
             say(f"announce: {args.announces} announcements heard on {profile}")
             argv = [sys.executable, SCRIPT, "announce-probe", spread.url, run.tokens["probe"], run.tokens["trainer"],
-                    run.store_url, spread.endpoint, spread.trainers[0].ns, str(next_version), str(args.announces)]
+                    run.store_url, spread.endpoint, spread.trainers[0].ns, str(next_version), str(args.announces),
+                    str(announce_gap_s(host.link))]
             done = host.run(argv, capture_output=True, text=True, env={**os.environ, **spread.env()}, timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"the announce probe on {host_name} failed: {done.stderr[-3000:]}")
             latencies = json.loads(done.stdout.splitlines()[-1])["latencies"]
             next_version += args.announces
             rtt_s = host.link.rtt_ms / 1000
-            result[profile] = {**quantiles([round(x, 4) for x in latencies]), "rtt_s": rtt_s,
+            result[profile] = {**quantiles([round(x, 4) for x in latencies]), "rtt_s": rtt_s, "gap_s": announce_gap_s(host.link),
                                "within_one_rtt": round(sum(x <= max(rtt_s, 0.001) for x in latencies) / len(latencies), 3)}
     finally:
         spread.stop_run(run)
@@ -794,7 +813,7 @@ def _announcer(trainer_token: str, url: str, store_url: str, endpoint: str) -> N
 
 
 def _announce_probe(url: str, token: str, trainer_token: str, store_url: str, endpoint: str, trainer_ns: str,
-                    first: int, count: int) -> None:
+                    first: int, count: int, gap_s: float) -> None:
     """On a worker's host: announce_latencies with this host's client and trainer0's announcements."""
     from announce_latency import announce_latencies
 
@@ -820,7 +839,7 @@ def _announce_probe(url: str, token: str, trainer_token: str, store_url: str, en
             count -= 1
         latencies = announce_latencies(
             OrchestratorClient(url, token), lambda v: ask(f"announce {v}"), list(range(first, first + count)),
-            prepare=lambda v: ask(f"publish {v}"),
+            prepare=lambda v: ask(f"publish {v}"), gap_s=gap_s,
         )
     finally:
         announcer.stdin.close()  # type: ignore[union-attr]
@@ -918,6 +937,7 @@ def main() -> None:
         probe.add_argument(name)
     probe.add_argument("first", type=int)
     probe.add_argument("count", type=int)
+    probe.add_argument("gap_s", type=float)
     parser.add_argument("--quick", action="store_true", help="the reduced twin: short runs, fewer workers")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--workers", type=int, default=None, help="workers on L1 in the versions part (8; --quick 2)")
@@ -934,7 +954,7 @@ def main() -> None:
         _announcer(args.trainer_token, args.url, args.store_url, args.endpoint)
     elif args.command == "announce-probe":
         _announce_probe(args.url, args.token, args.trainer_token, args.store_url, args.endpoint, args.trainer_ns,
-                        args.first, args.count)
+                        args.first, args.count, args.gap_s)
     else:
         if reason := sn.unavailable_reason():
             raise SystemExit(f"spread: {reason}")
