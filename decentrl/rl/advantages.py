@@ -246,3 +246,80 @@ def informative_samples(
         if tokens is not None:
             per_token[group] = per_token.get(group, False) or any(tokens)
     return [per_token[group] if group in per_token else len(distinct[group]) > 1 for group in group_ids]
+
+
+# Units whose nodes have roles (a proposer and its solvers, docs/architecture.md "The unit of work,
+# widened"): the proposer's reward from its solvers' results, the batch's repetition penalty, and
+# advantages with a baseline per role and task kind.
+
+
+def learnability(solve_rewards: list[float], rule: str) -> float:
+    """A valid proposal's reward from its solvers' rewards, p = their mean (each in [0, 1]):
+
+    - `absolute_zero` (Zhao et al. 2025, arXiv 2505.03335, the learnability reward): 1 - p if 0 < p < 1, else 0 -
+      a problem every solver gets, or none does, teaches nothing;
+    - `r_zero` (Huang et al. 2025, arXiv 2508.05004, the uncertainty reward): 1 - 2 |p - 1/2| = 2 min(p, 1 - p),
+      highest where the solvers agree least.
+    No solver result (a node closed with none in): 0."""
+    if not solve_rewards:
+        return 0.0
+    p = statistics.fmean(solve_rewards)
+    if rule == "absolute_zero":
+        return 1.0 - p if 0.0 < p < 1.0 else 0.0
+    if rule == "r_zero":
+        return 1.0 - 2.0 * abs(p - 0.5)
+    raise ValueError(f"learnability rule {rule!r}: use 'absolute_zero' or 'r_zero'")
+
+
+def repetition_penalties(proposals: list[str | None], weight: float) -> list[float]:
+    """R-Zero's repetition penalty (arXiv 2508.05004) over a batch of B proposals:
+    r_rep(x_i) = weight * |C(x_i)| / B, where C(x_i) is the cluster holding x_i. R-Zero clusters by
+    BLEU distance; a proposal here is the task's canonical form of a problem (the same problem
+    written differently is one form), so a cluster is the proposals of one form. An invalid
+    proposal (None) is in no cluster and gets 0; it is still counted in B."""
+    counts: dict[str, int] = defaultdict(int)
+    for proposal in proposals:
+        if proposal is not None:
+            counts[proposal] += 1
+    size = len(proposals)
+    return [0.0 if proposal is None else weight * counts[proposal] / size for proposal in proposals]
+
+
+def roles_advantages(
+    nodes: list[list[float]], keys: list[str], baselines: dict[str, float], *, single: str, decay: float,
+    normalize_std: bool = False, eps: float = 1e-6,
+) -> tuple[list[list[float]], dict[str, float]]:
+    """Advantages of a batch's nodes of roles: `nodes[i]` the rewards of node i's samples, `keys[i]`
+    its task kind and role ("kind/role"), `baselines` the role-conditioned baselines so far.
+    Returns the advantages, node by node, and the baselines after this batch (a new dict).
+
+    A node of two or more samples (one proposal's solvers) answers one prompt: its baseline is its
+    own mean (GRPO, over its std + eps with normalize_std). A node of one sample (the proposer) has
+    no siblings; its baseline is conditioned on its kind and role, by `single`:
+    - `rae`: SPIRAL's role-conditioned advantage estimation (Liu et al. 2025, arXiv 2506.24119), an exponential moving average per kind and role, updated first, in batch order:
+      b <- decay * b + (1 - decay) * r, then A = r - b (b starts at 0);
+    - `batch`: Absolute Zero's task-relative REINFORCE++ (arXiv 2505.03335), the mean (and
+      with normalize_std the std) over the batch's one-sample nodes of the same kind and role:
+      A = (r - mean_key) [/ (std_key + eps)].
+    """
+    if len(nodes) != len(keys):
+        raise ValueError(f"{len(nodes)} nodes for {len(keys)} keys (one kind/role per node)")
+    if single not in ("rae", "batch"):
+        raise ValueError(f"single-sample baseline {single!r}: use 'rae' or 'batch'")
+    result: list[list[float]] = [[] for _ in nodes]
+    updated = dict(baselines)
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for i, (rewards, key) in enumerate(zip(nodes, keys, strict=True)):
+        if len(rewards) > 1:
+            result[i] = _normalize(rewards, normalize_std, eps)
+        elif len(rewards) == 1 and single == "rae":
+            b = decay * updated.get(key, 0.0) + (1.0 - decay) * rewards[0]
+            updated[key] = b
+            result[i] = [rewards[0] - b]
+        elif len(rewards) == 1:
+            by_key[key].append(i)
+    for members in by_key.values():
+        centred = _normalize([nodes[i][0] for i in members], normalize_std, eps)
+        for i, advantage in zip(members, centred, strict=True):
+            result[i] = [advantage]
+    return result, updated
