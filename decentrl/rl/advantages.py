@@ -296,7 +296,8 @@ def roles_advantages(
     A node of two or more samples (one proposal's solvers) answers one prompt: its baseline is its
     own mean (GRPO, over its std + eps with normalize_std). A node of one sample (the proposer) has
     no siblings; its baseline is conditioned on its kind and role, by `single`:
-    - `rae`: SPIRAL's role-conditioned advantage estimation (Liu et al. 2025, arXiv 2506.24119), an exponential moving average per kind and role, updated first, in batch order:
+    - `rae`: SPIRAL's role-conditioned advantage estimation (Liu et al. 2025, arXiv 2506.24119),
+      an exponential moving average per kind and role, updated first, in batch order:
       b <- decay * b + (1 - decay) * r, then A = r - b (b starts at 0);
     - `batch`: Absolute Zero's task-relative REINFORCE++ (arXiv 2505.03335), the mean (and
       with normalize_std the std) over the batch's one-sample nodes of the same kind and role:
