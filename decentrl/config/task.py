@@ -65,6 +65,46 @@ class GuessTaskConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the secrets and of the prompt order.")
 
 
+class ProposeTaskConfig(Section):
+    """Two roles, one episode (decentrl/tasks/propose.py, docs/tasks.md "Episodes of roles"): a
+    proposer writes a digit problem, the task validates it and computes its answer exactly, and
+    solvers answer it. The solver's reward is correctness; the proposer's is its learnability from
+    the solvers' results, after a validity check, less an optional repetition penalty."""
+
+    type: Literal["propose"] = "propose"
+    operation: Literal["sort", "sum"] = Field(
+        "sort", description="What a solver does with the proposed digits: sort (write them ascending; operations = "
+        "the adjacent swaps that sort them) or sum (write their sum; operations = digits - 1 additions)."
+    )
+    min_digits: int = Field(2, ge=1, le=64, description="Fewest digits of a valid proposal.")
+    max_digits: int = Field(12, ge=1, le=64, description="Most digits of a valid proposal.")
+    reference_digits: int = Field(
+        3, ge=1, le=64, description="Digits of the reference problem each proposer prompt shows (its seeded pool)."
+    )
+    num_prompts: int = Field(4096, ge=1, le=10**6, description="Size of the proposer prompt pool (seeded).")
+    seed: int = Field(0, ge=0, description="Seed of the proposer prompt pool.")
+    learnability: Literal["absolute_zero", "r_zero"] = Field(
+        "absolute_zero", description="The proposer's reward from its solvers' mean reward p: absolute_zero = "
+        "1 - p inside (0, 1), else 0; r_zero = 1 - 2|p - 1/2| (decentrl/rl/advantages.py `learnability`)."
+    )
+    invalid_reward: float = Field(
+        -1.0, ge=-1.0, le=0.0, description="The proposer's reward for an invalid proposal (Absolute Zero's format "
+        "penalty, -1); at most 0, the least a valid proposal earns."
+    )
+    repetition_penalty: float = Field(
+        0.0, ge=0.0, le=1.0, description="R-Zero's repetition penalty weight: a valid proposal loses weight * (share "
+        "of the batch's proposals of the same canonical form), floored at 0. 0: none."
+    )
+
+    @model_validator(mode="after")
+    def _digit_range(self) -> ProposeTaskConfig:
+        if self.min_digits > self.max_digits:
+            raise ValueError(
+                f"task.min_digits ({self.min_digits}) exceeds task.max_digits ({self.max_digits}): lower min_digits"
+            )
+        return self
+
+
 class AnswerConfig(Section):
     """Where the answer sits in a completion, before the reward compares it, and an optional credit
     for writing it in that format (decentrl/tasks/answers.py; docs/tasks.md, "Answer formats")."""
@@ -192,6 +232,6 @@ class VerifiersTaskConfig(Section):
 
 
 TaskConfig = keyed_union(
-    SortingTaskConfig, ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig,
+    SortingTaskConfig, ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig, ProposeTaskConfig,
     ReasoningGymTaskConfig, DatasetTaskConfig, VerifiersTaskConfig,
 )

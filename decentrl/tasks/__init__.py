@@ -15,6 +15,7 @@ from decentrl.config import (
     DatasetTaskConfig,
     GuessTaskConfig,
     ImportTaskConfig,
+    ProposeTaskConfig,
     ReasoningGymTaskConfig,
     TaskConfig,
     VerifiersTaskConfig,
@@ -41,6 +42,10 @@ def build_task(config: TaskConfig) -> Task | EpisodeTask:
         from decentrl.tasks.guess import GuessTask
 
         return GuessTask(config)
+    if isinstance(config, ProposeTaskConfig):
+        from decentrl.tasks.propose import ProposeTask
+
+        return ProposeTask(config)
     if isinstance(config, ImportTaskConfig):
         return import_task(config.target)(**config.options)
     if isinstance(config, (DatasetTaskConfig, ReasoningGymTaskConfig, VerifiersTaskConfig)):

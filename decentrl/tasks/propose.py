@@ -1,0 +1,111 @@
+"""Propose and solve: a task of two roles the tiny digit tokenizer can express (issue 48).
+
+A unit of this task is a proposer node and the solver node derived from its sample
+(docs/architecture.md, "The unit of work, widened"). The proposer's prompt is "=" and a reference
+problem from a seeded pool ("=314": "write a problem like 314"); it writes digits ("90271").
+`propose` validates them - they are model output, so anything may come: only ASCII digits,
+between `min_digits` and `max_digits` of them - and the solvers' prompt is the problem and "="
+("90271="), the form the sorting task uses. The answer is computed here, exactly: the digits
+ascending (`operation = "sort"`) or their sum (`"sum"`). Difficulty is measured in digits and
+operations (the adjacent swaps that sort the digits, or the additions that sum them).
+
+Rewards: a solver's is 1 for the exact answer, else 0. A proposer's, at ingest, is whether its
+proposal is valid (1 or 0); once its solvers are in, the reward stage replaces it with
+`proposer_reward`: `invalid_reward` for an invalid proposal, else its learnability from the
+solvers' rewards (decentrl/rl/advantages.py `learnability`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from decentrl.config import ProposeTaskConfig
+from decentrl.rl.advantages import learnability
+from decentrl.tasks.base import Prompt
+
+ROLES = ("proposer", "solver")
+_DIGITS = re.compile(r"[0-9]+", re.ASCII)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A valid problem: its digits, as the proposer wrote them."""
+
+    digits: str
+
+    @property
+    def canonical(self) -> str:
+        """The problem's form for R-Zero's repetition penalty: proposals of one form are one cluster."""
+        return self.digits
+
+
+@dataclass(frozen=True)
+class Difficulty:
+    digits: int
+    operations: int
+
+
+class ProposeTask:
+    """Implements the `Task` protocol (one prompt pool: the proposer's) plus the roles contract:
+    `role_of`, `propose`, `solver_prompt`, `answer`, `difficulty` and `proposer_reward`."""
+
+    kind = "digits"
+    roles = ROLES
+
+    def __init__(self, config: ProposeTaskConfig) -> None:
+        self.config = config
+        self.num_prompts = config.num_prompts
+        rng = random.Random(config.seed)
+        self._references = ["".join(rng.choice("0123456789") for _ in range(config.reference_digits))
+                            for _ in range(config.num_prompts)]
+
+    def prompt(self, prompt_id: int) -> Prompt:
+        """The proposer's prompt: "=" and a reference problem."""
+        return Prompt(prompt_id=prompt_id, text="=" + self._references[prompt_id])
+
+    @staticmethod
+    def role_of(prompt: Prompt) -> str:
+        """A proposer's prompt starts with "=", a solver's ends with it."""
+        return "proposer" if prompt.text.startswith("=") else "solver"
+
+    def propose(self, completion_text: str) -> Proposal | None:
+        """The proposal a proposer's completion makes, or None when it is not a valid problem:
+        after surrounding whitespace, only ASCII digits, `min_digits` to `max_digits` of them (the
+        length is checked before the pattern, so a long completion costs nothing)."""
+        text = completion_text.strip()
+        if not self.config.min_digits <= len(text) <= self.config.max_digits or not _DIGITS.fullmatch(text):
+            return None
+        return Proposal(text)
+
+    def solver_prompt(self, proposal: Proposal, prompt_id: int) -> Prompt:
+        """The derived node's prompt, rendered by the orchestrator (never taken from a worker)."""
+        return Prompt(prompt_id=prompt_id, text=proposal.digits + "=")
+
+    def answer(self, proposal: Proposal) -> str:
+        if self.config.operation == "sort":
+            return "".join(sorted(proposal.digits))
+        return str(sum(int(d) for d in proposal.digits))
+
+    def difficulty(self, proposal: Proposal) -> Difficulty:
+        digits = proposal.digits
+        if self.config.operation == "sum":
+            return Difficulty(len(digits), len(digits) - 1)
+        inversions = sum(1 for i in range(len(digits)) for j in range(i + 1, len(digits)) if digits[i] > digits[j])
+        return Difficulty(len(digits), inversions)
+
+    def reward(self, prompt: Prompt, completion_text: str) -> float:
+        """A solver's correctness (1 or 0); a proposer's validity (1 or 0) until its solvers are in."""
+        if self.role_of(prompt) == "proposer":
+            return float(self.propose(completion_text) is not None)
+        proposal = self.propose(prompt.text.removesuffix("="))
+        if proposal is None:  # only the orchestrator renders solver prompts: it never makes one of these
+            raise ValueError(f"not a solver prompt of this task: {prompt.text[:80]!r}")
+        return float("".join(completion_text.split()) == self.answer(proposal))
+
+    def proposer_reward(self, proposal: Proposal | None, solver_rewards: list[float]) -> float:
+        """Validity first (`invalid_reward`), then learnability from the solvers' rewards."""
+        if proposal is None:
+            return self.config.invalid_reward
+        return learnability(solver_rewards, self.config.learnability)

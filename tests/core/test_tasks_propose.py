@@ -1,0 +1,106 @@
+"""The propose-and-solve task (decentrl/tasks/propose.py): proposals are model output, so every
+shape a proposer may write is tried; answers and difficulty against direct computations; the
+proposer's reward (validity first, then learnability); the config's errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from decentrl.config import ConfigError, ProposeTaskConfig, parse_config
+from decentrl.model.build import build_tiny_tokenizer
+from decentrl.rl.advantages import learnability
+from decentrl.tasks import Prompt, build_task
+from decentrl.tasks.propose import Proposal, ProposeTask
+
+
+@pytest.fixture(scope="module")
+def task() -> ProposeTask:
+    built = build_task(ProposeTaskConfig(min_digits=2, max_digits=8, num_prompts=64))
+    assert isinstance(built, ProposeTask)
+    return built
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "", " ", "7", "123456789", "1" * 10_000, "12=34", "=12", "12a", "-12", "1 2", "1.5", "+12", "١٢٣",
+        "１２３", "12\x0034", "12\n34", "0x12", "1e5", "<pad>12", "\u200b12", "12\u0663",
+    ],
+)
+def test_invalid_proposals_are_refused(task: ProposeTask, text: str) -> None:
+    assert task.propose(text) is None
+    assert task.reward(task.prompt(0), text) == 0.0, "a proposer's ingest reward is its validity"
+    assert task.proposer_reward(task.propose(text), [1.0, 0.0]) == -1.0, "validity first: invalid_reward"
+
+
+@pytest.mark.parametrize("text", ["12", "00", " 90271\n", "12345678"])
+def test_valid_proposals(task: ProposeTask, text: str) -> None:
+    proposal = task.propose(text)
+    assert proposal == Proposal(text.strip())
+    assert task.reward(task.prompt(3), text) == 1.0
+
+
+def test_solver_prompt_answer_and_reward(task: ProposeTask) -> None:
+    proposal = Proposal("90271")
+    prompt = task.solver_prompt(proposal, 5)
+    assert prompt == Prompt(prompt_id=5, text="90271=") and task.role_of(prompt) == "solver"
+    assert task.role_of(task.prompt(5)) == "proposer" and task.prompt(5).text.startswith("=")
+    assert task.answer(proposal) == "01279"
+    assert task.reward(prompt, "01279") == 1.0
+    assert task.reward(prompt, " 0127 9") == 1.0, "spaces are not the answer"
+    assert task.reward(prompt, "0127") == 0.0 and task.reward(prompt, "012799") == 0.0 and task.reward(prompt, "") == 0.0
+    with pytest.raises(ValueError, match="not a solver prompt"):
+        task.reward(Prompt(prompt_id=0, text="9a="), "9")
+
+
+def test_sum_operation() -> None:
+    task = ProposeTask(ProposeTaskConfig(operation="sum"))
+    proposal = Proposal("9999")
+    assert task.answer(proposal) == "36"
+    assert task.reward(task.solver_prompt(proposal, 0), "36") == 1.0
+    assert task.difficulty(proposal).operations == 3 and task.difficulty(proposal).digits == 4
+
+
+def test_difficulty_counts_the_adjacent_swaps_that_sort() -> None:
+    task = ProposeTask(ProposeTaskConfig())
+    for digits in ["12", "21", "321", "90271", "5555", "9876543210"]:
+        # Bubble sort counts adjacent swaps: the definition of the sort's operations.
+        chars, swaps = list(digits), 0
+        for _ in range(len(chars)):
+            for i in range(len(chars) - 1):
+                if chars[i] > chars[i + 1]:
+                    chars[i], chars[i + 1] = chars[i + 1], chars[i]
+                    swaps += 1
+        assert task.difficulty(Proposal(digits)).operations == swaps
+        assert task.difficulty(Proposal(digits)).digits == len(digits)
+
+
+def test_proposer_reward_is_learnability_after_validity() -> None:
+    for rule in ("absolute_zero", "r_zero"):
+        task = ProposeTask(ProposeTaskConfig(learnability=rule, invalid_reward=-0.5))
+        for solves in itertools.product([0.0, 1.0], repeat=3):
+            assert task.proposer_reward(Proposal("12"), list(solves)) == learnability(list(solves), rule)
+        assert task.proposer_reward(None, [1.0]) == -0.5
+
+
+def test_prompts_are_seeded_and_tokenize_in_the_tiny_vocabulary() -> None:
+    a, b = ProposeTask(ProposeTaskConfig(seed=3)), ProposeTask(ProposeTaskConfig(seed=3))
+    assert [a.prompt(i) for i in range(20)] == [b.prompt(i) for i in range(20)]
+    assert a.prompt(0) != ProposeTask(ProposeTaskConfig(seed=4)).prompt(0) or a.prompt(1) != ProposeTask(
+        ProposeTaskConfig(seed=4)).prompt(1)
+    tokenizer = build_tiny_tokenizer()
+    unk = tokenizer.convert_tokens_to_ids("<pad>")
+    for text in [a.prompt(0).text, a.solver_prompt(Proposal("90271"), 0).text]:
+        assert unk not in tokenizer(text)["input_ids"], f"{text!r} uses a symbol the tiny model lacks"
+
+
+def test_config_errors_say_what_to_fix() -> None:
+    with pytest.raises(ConfigError, match="lower min_digits"):
+        parse_config({"task": {"type": "propose", "min_digits": 9, "max_digits": 3}})
+    with pytest.raises(ConfigError, match="invalid_reward"):
+        parse_config({"task": {"type": "propose", "invalid_reward": 0.5}})
+    with pytest.raises(ConfigError, match="learnability"):
+        parse_config({"task": {"type": "propose", "learnability": "spiral"}})
+    assert isinstance(parse_config({"task": {"type": "propose"}}).task, ProposeTaskConfig)
