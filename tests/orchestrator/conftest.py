@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.tasks import build_task
+from orchestrator.auth import TokenRegistry
 from orchestrator.journal import Journal
 from orchestrator.state import RunState
+
+if TYPE_CHECKING:
+    from tests.conftest import LiveOrchestrator
+
+# The tokens of the apps `serve` starts: one per role.
+WORKER, TRAINER, SCORER, ADMIN = "worker-secret", "trainer-secret", "scorer-secret", "admin-secret"
+TOKENS = [
+    {"name": "alice", "role": "worker", "token": WORKER},
+    {"name": "trainer", "role": "trainer", "token": TRAINER},
+    {"name": "judge", "role": "scorer", "token": SCORER},
+    {"name": "root", "role": "admin", "token": ADMIN},
+]
+STORE_URL = "memory://unit-store"
+ServeFn = Callable[..., AbstractAsyncContextManager["LiveOrchestrator"]]
 
 
 @pytest.fixture
@@ -27,3 +43,16 @@ def run_state(make_config: Any, tokenizer: PreTrainedTokenizerBase, clock: Any) 
         return state
 
     return make
+
+
+@pytest.fixture
+def serve(make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any) -> ServeFn:
+    """`async with serve(**config_overrides) as server:` the app on loopback over a new RunState
+    (no journal, no version published yet), with the tokens above and the store at STORE_URL."""
+
+    def running(**overrides: Any) -> AbstractAsyncContextManager[LiveOrchestrator]:
+        config = make_config(**overrides)
+        state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
+        return serve_orchestrator(state, TokenRegistry(TOKENS), store_url=STORE_URL)
+
+    return running

@@ -12,47 +12,20 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.client import OrchestratorError
 from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams
-from decentrl.tasks import build_task
-from orchestrator.auth import TokenRegistry
-from orchestrator.state import RunState
+from tests.orchestrator.conftest import ADMIN, STORE_URL, TRAINER, WORKER, ServeFn
 
 if TYPE_CHECKING:
     from tests.conftest import LiveOrchestrator as Server
 
-WORKER, TRAINER, ADMIN = "worker-secret", "trainer-secret", "admin-secret"
-TOKENS = [
-    {"name": "alice", "role": "worker", "token": WORKER},
-    {"name": "trainer", "role": "trainer", "token": TRAINER},
-    {"name": "root", "role": "admin", "token": ADMIN},
-]
-STORE_URL = "memory://unit-store"
-
 
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
-
-
-ServeFn = Callable[..., AbstractAsyncContextManager["Server"]]
-
-
-@pytest.fixture
-def serve(make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any) -> ServeFn:
-    """`async with serve(**config_overrides) as server:` a running app on loopback, no journal."""
-
-    def running(**overrides: Any) -> AbstractAsyncContextManager[Server]:
-        config = make_config(**overrides)
-        state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
-        return serve_orchestrator(state, TokenRegistry(TOKENS), store_url=STORE_URL)
-
-    return running
 
 
 def run(coro: Awaitable[None]) -> None:

@@ -7,39 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
-from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch, TrainerStep
 from decentrl.tasks import build_task
 from orchestrator.appstate import HISTORY
-from orchestrator.auth import TokenRegistry
 from orchestrator.history import POINTS_KEPT, SAMPLES_KEPT, History
 from orchestrator.state import RunState
-
-WORKER, TRAINER, ADMIN = "worker-secret-6b1f", "trainer-secret-93ac", "admin-secret-0d77"
-TOKENS = [
-    {"name": "alice", "role": "worker", "token": WORKER},
-    {"name": "trainer", "role": "trainer", "token": TRAINER},
-    {"name": "root", "role": "admin", "token": ADMIN},
-]
+from tests.orchestrator.conftest import ADMIN, TRAINER, WORKER
 
 
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
-
-
-@pytest.fixture
-def serve(make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any) -> Callable[..., AbstractAsyncContextManager[Any]]:
-    def running(**overrides: Any) -> AbstractAsyncContextManager[Any]:
-        config = make_config(**overrides)
-        state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
-        return serve_orchestrator(state, TokenRegistry(TOKENS))
-
-    return running
 
 
 def run(coro: Awaitable[None]) -> None:

@@ -32,17 +32,13 @@ from decentrl.tasks import build_task
 from orchestrator.auth import TokenRegistry, add_token, revoke_token
 from orchestrator.journal import Journal
 from orchestrator.state import RunState
+from tests.orchestrator.conftest import ADMIN, TOKENS, TRAINER, WORKER
 
 if TYPE_CHECKING:
     from tests.conftest import LiveOrchestrator as Server
 
-WORKER, OTHER, TRAINER, ADMIN = "worker-secret-1", "worker-secret-2", "trainer-secret", "admin-secret"
-ENV_TOKENS = [
-    {"name": "alice", "role": "worker", "token": WORKER},
-    {"name": "bob", "role": "worker", "token": OTHER},
-    {"name": "trainer", "role": "trainer", "token": TRAINER},
-    {"name": "root", "role": "admin", "token": ADMIN},
-]
+OTHER = "worker-secret-2"
+ENV_TOKENS = [*TOKENS, {"name": "bob", "role": "worker", "token": OTHER}]
 
 
 def bearer(token: str) -> dict[str, str]:

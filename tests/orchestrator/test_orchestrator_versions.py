@@ -6,42 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 import pytest
-from transformers import PreTrainedTokenizerBase
 
 from decentrl.api.client import OrchestratorError
 from decentrl.api.encoding import MEDIA_MSGPACK
-from decentrl.tasks import build_task
-from orchestrator.auth import TokenRegistry
-from orchestrator.state import RunState
+from tests.orchestrator.conftest import ADMIN, SCORER, TRAINER, WORKER, ServeFn
 
 if TYPE_CHECKING:
-    from tests.conftest import LiveOrchestrator as Server
-
-WORKER, TRAINER, SCORER, ADMIN = "worker-secret", "trainer-secret", "scorer-secret", "admin-secret"
-TOKENS = [
-    {"name": "alice", "role": "worker", "token": WORKER},
-    {"name": "trainer", "role": "trainer", "token": TRAINER},
-    {"name": "judge", "role": "scorer", "token": SCORER},
-    {"name": "root", "role": "admin", "token": ADMIN},
-]
-ServeFn = Callable[..., AbstractAsyncContextManager["Server"]]
-
-
-@pytest.fixture
-def serve(make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any) -> ServeFn:
-    """`async with serve() as server:` the app on loopback, no journal, no version published yet."""
-
-    def running(**overrides: Any) -> AbstractAsyncContextManager[Server]:
-        config = make_config(**overrides)
-        state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
-        return serve_orchestrator(state, TokenRegistry(TOKENS))
-
-    return running
+    pass
 
 
 def run(coro: Awaitable[None]) -> None:
