@@ -220,8 +220,10 @@ def create_app(*, state: RunState, tokens: TokenRegistry, store_url: str, on_fat
     run_keeps_routing(state.config.model)  # a keep_routing the model cannot honour fails here, at start-up
     app = web.Application(
         middlewares=[errors_middleware, auth_middleware], client_max_size=options.max_request_bytes,
-        # Bodies are decompressed by orchestrator/body.py (bounded, and a bad one is a 400).
-        handler_args={"auto_decompress": False},
+        # Bodies are decompressed by orchestrator/body.py (bounded, and a bad one is a 400). What
+        # is left of a body refused unread (413, 401, 503) is discarded for at most 1 s, then the
+        # connection closes: aiohttp's 10 s held a refused client's connection that long.
+        handler_args={"auto_decompress": False, "lingering_time": 1.0},
     )
     app[STATE] = state
     app[OPTIONS] = options

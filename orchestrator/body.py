@@ -9,8 +9,9 @@ error is always JSON {"error": "..."}. The encodings themselves are decentrl/api
 Bodies are read here, not by aiohttp's own decompression (create_app turns it off): a body that
 does not decompress, or is cut short, must be a 400 saying so (aiohttp's answered 500, or took a
 gzip stream without its end), an encoding we do not speak a 415 (RFC 9110), and the decompressed
-size is bounded as it is produced (`max_request_bytes`: 413), so a small bomb stays small. The
-whole body must arrive within `body_timeout_s` (408): a slow client holds no place for longer.
+size is bounded as it is produced (`max_request_bytes`: 413), so a small bomb stays small; a
+Content-Length over the limit is answered 413 before the body is read. The whole body must arrive
+within `body_timeout_s` (408); the rollout handler reads it before it takes a place in flight.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ async def read_body(request: web.Request, *, limit: int, timeout_s: float) -> by
         raise error(
             web.HTTPUnsupportedMediaType,
             f"Content-Encoding {encoding[:40]!r} is not supported; send gzip, deflate or none",
+        )
+    if (declared := request.content_length) is not None and declared > limit:
+        # Answered before a byte of the body is read: waiting for a body it will refuse would hold
+        # the request until body_timeout_s (a client announcing 10^12 bytes and sending 2); aiohttp
+        # then discards what still comes for at most its lingering time and closes the connection.
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit, actual_size=declared, content_type=MEDIA_JSON,
+            text=json.dumps({"error": f"Content-Length {declared} is over {limit} bytes, the limit "
+                             "(orchestrator.max_request_bytes); send less per request"}),
         )
     try:
         raw = await asyncio.wait_for(request.read(), timeout=timeout_s)  # 413 above client_max_size

@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams
 from decentrl.store.checkpoints import CheckpointStore
 from decentrl.tasks import build_task
+from orchestrator.appstate import INFLIGHT
 from orchestrator.auth import TokenRegistry, add_token
 from orchestrator.journal import Journal
 from orchestrator.state import RunState
@@ -291,15 +292,18 @@ def test_dashboard_routes_take_only_strict_bounded_input(serve: Any) -> None:
 # -- fairness, timeouts, disconnects ------------------------------------------------------
 
 
-def test_one_tokens_slow_uploads_never_deny_another_token(serve: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """Alice opens more slow uploads than the whole orchestrator has places; Bob still posts."""
+def test_slow_uploads_hold_no_place_in_flight(serve: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Alice opens more slow uploads than the whole orchestrator has places: each holds only the byte
+    it sent (a body is read before its post takes a place), so Alice's and Bob's posts go through
+    meanwhile, and each slow one is cut off at body_timeout_s (408)."""
 
     async def scenario() -> None:
-        async with serve(orchestrator={"max_inflight_requests": 8, "max_inflight_per_token": 3, "body_timeout_s": 1.0,
+        async with serve(orchestrator={"max_inflight_requests": 8, "max_inflight_per_token": 3, "body_timeout_s": 1.5,
                                        "rate_limit_per_s": 0}) as server:
             server.state.announce(0)
             host, port = server.url.removeprefix("http://").split(":")
             slow = []
+            started = time.monotonic()
             for _ in range(10):  # each sends its headers and one byte of a 1000-byte body, then stalls
                 reader, writer = await asyncio.open_connection(host, int(port))
                 writer.write(
@@ -309,21 +313,50 @@ def test_one_tokens_slow_uploads_never_deny_another_token(serve: Any, caplog: py
                 await writer.drain()
                 slow.append((reader, writer))
             await asyncio.sleep(0.2)
-            bob = server.client(OTHER)
-            answer = await asyncio.to_thread(bob.lease, LeaseRequest(worker_id="b0", max_groups=1))
-            rollouts = leased_rollouts(server, answer.leases[0], answer.sampling, 2)
-            rollouts = [r.model_copy(update={"worker_id": "b0"}) for r in rollouts]
-            assert (await asyncio.to_thread(bob.post_rollouts, RolloutBatch(rollouts=rollouts))).accepted == 2
+            assert server.app[INFLIGHT].count == 0
+            for token, worker_id in ((OTHER, "b0"), (WORKER, "a0")):
+                client = server.client(token)
+                answer = await asyncio.to_thread(client.lease, LeaseRequest(worker_id=worker_id, max_groups=1))
+                rollouts = leased_rollouts(server, answer.leases[0], answer.sampling, 2)
+                rollouts = [r.model_copy(update={"worker_id": worker_id}) for r in rollouts]
+                assert (await asyncio.to_thread(client.post_rollouts, RolloutBatch(rollouts=rollouts))).accepted == 2
             statuses = []
-            for reader, writer in slow:  # 3 timed out (408), the others were refused at once (503)
+            for reader, writer in slow:
                 status_line = await asyncio.wait_for(reader.readline(), timeout=5)
                 statuses.append(int(status_line.split()[1]))
                 writer.close()
-            assert sorted(statuses) == [408] * 3 + [503] * 7, statuses
+            assert statuses == [408] * 10, statuses
+            assert time.monotonic() - started < 1.5 + 2.0
 
     with caplog.at_level(logging.INFO):
         run(scenario())
     assert "Traceback" not in caplog.text
+
+
+def test_a_body_announced_over_the_limit_is_refused_before_it_is_read(serve: Any) -> None:
+    """`Content-Length: 1000000000000` with 2 bytes sent: 413 at once, saying the limit (issue 46, F10)."""
+
+    async def scenario() -> None:
+        async with serve(orchestrator={"body_timeout_s": 30.0}) as server:
+            for path in ("/v1/rollouts", "/v1/leases", "/v1/version"):
+                token = TRAINER if path == "/v1/version" else WORKER
+                started = time.monotonic()
+                reader, writer = await asyncio.open_connection(*server.url.removeprefix("http://").split(":"))
+                writer.write(
+                    f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: 1000000000000\r\nAuthorization: Bearer {token}\r\n\r\n{{}}".encode()
+                )
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=15)
+                length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")).split(b":")[1])
+                body = await reader.readexactly(length)
+                writer.close()
+                status = int(head.split()[1])
+                assert status == 413 and b"max_request_bytes" in body and b"1000000000000" in body, (path, body)
+                assert time.monotonic() - started < 1.0, path
+                assert_no_secret(body)
+            assert server.app[INFLIGHT].count == 0
+
+    run(scenario())
 
 
 def test_clients_that_drop_mid_body_log_one_line_each_at_most(serve: Any, caplog: pytest.LogCaptureFixture) -> None:

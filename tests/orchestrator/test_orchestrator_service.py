@@ -29,6 +29,7 @@ from decentrl.api.client import OrchestratorClient, OrchestratorError
 from decentrl.api.encoding import MEDIA_MSGPACK, encode_model, pack_msgpack, unpack_msgpack
 from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
 from decentrl.tasks import build_task
+from orchestrator.appstate import INFLIGHT
 from orchestrator.auth import TokenRegistry, add_token, revoke_token
 from orchestrator.journal import Journal
 from orchestrator.state import RunState
@@ -191,6 +192,8 @@ def test_a_full_buffer_answers_503_until_the_trainer_takes_a_batch(
 
 
 def test_too_many_posts_in_flight_get_503(serve: Any) -> None:
+    """Posts being processed (their body read) are bounded; a body still arriving holds no place."""
+
     async def scenario() -> None:
         async with serve(orchestrator={"max_inflight_requests": 1}) as server:
             release = asyncio.Event()
@@ -201,11 +204,15 @@ def test_too_many_posts_in_flight_get_503(serve: Any) -> None:
                 yield b"[]}"
 
             first = asyncio.create_task(server.call("POST", "/v1/rollouts", WORKER, data=slow_body()))
-            await asyncio.sleep(0.3)  # the first post is being read
-            status, body, headers = await server.call("POST", "/v1/rollouts", WORKER, json={"rollouts": []})
-            assert status == 503 and "in flight" in body["error"] and headers["Retry-After"] == "1"
-            release.set()
-            assert (await first)[0] == 400  # it went on to be validated (an empty list is invalid)
+            await asyncio.sleep(0.3)  # the first post is being read: it holds no place
+            status, body, _ = await server.call("POST", "/v1/rollouts", WORKER, json={"rollouts": []})
+            assert status == 400, body
+            with server.app[INFLIGHT].held("bob"):  # a post being ingested and committed
+                status, body, headers = await server.call("POST", "/v1/rollouts", WORKER, json={"rollouts": []})
+                assert status == 503 and "in flight" in body["error"] and headers["Retry-After"] == "1"
+                release.set()
+                assert (await first)[0] == 400  # validated as soon as its body is in (an empty list is invalid)
+            assert (await server.call("POST", "/v1/rollouts", WORKER, json={"rollouts": []}))[0] == 400
 
     run(scenario())
 
