@@ -3,7 +3,8 @@
 `decentrl orchestrator` runs `serve`; tests and benchmarks serve `create_app` with
 OrchestratorRunner. ROUTES is the one list of routes, who may call each, its body and answers: it
 registers the handlers, gives the auth middleware each route's roles and generates /openapi.json,
-so the three cannot drift apart. A journal failure stops the process; a restart recovers.
+so the three cannot drift apart. A full journal disk is answered 503 while it lasts; any other
+journal failure stops the process, and a restart recovers.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from orchestrator.auth import ENV_VAR, TokenRegistry
 from orchestrator.body import OPTIONS
 from orchestrator.checks import run_keeps_routing
 from orchestrator.history import History
-from orchestrator.journal import Journal, JournalError, JournalMismatch
+from orchestrator.journal import Journal, JournalError, JournalFull, JournalMismatch
 from orchestrator.limits import InFlight, RateLimiter
 from orchestrator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.metrics import METRICS, Metrics
@@ -200,6 +201,8 @@ async def lease_upkeep(app: web.Application) -> None:
             state.expire_leases()
             state.forget_closed()
             await commit(app)
+        except JournalFull:  # logged by the journal; this loop's next commit writes it once space returns
+            pass
         except JournalError as exc:
             log.critical("journal failed: %s", exc)
             app[JOURNAL_FAILED](exc)

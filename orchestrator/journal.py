@@ -3,14 +3,16 @@ schema, writer and reader (a rollout's body: orchestrator/codec.py; the tables: 
 
 RunState's parts `record` events; `await commit()` returns only once everything recorded before it
 is on disk (one writer thread, group commit), so no answer precedes the change it depends on. A
-failed write is fatal: every later commit raises JournalError until a restart recovers (`load`,
+full disk is not fatal: the commit raises JournalFull (the caller answers 503), what it held is
+kept, in order, ahead of everything recorded later, and is written by the first commit after space
+returns (the lease upkeep commits twice a second, so without a request too). Any other failed
+write is fatal: every later commit raises JournalError until a restart recovers (`load`,
 orchestrator/recovery.py). `NullJournal` (journaling off) records nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -95,6 +97,15 @@ class JournalError(RuntimeError):
     """The journal could not commit; the orchestrator must be restarted (it recovers)."""
 
 
+class JournalFull(Exception):
+    """The journal's disk is full: nothing recorded since the last commit is on disk yet (nor
+    acknowledged); it is written, in order, by the first commit after space returns."""
+
+
+# SQLite's code for a full disk (sqlite3.SQLITE_FULL); a write past the end of the disk gives it.
+SQLITE_FULL = 13
+
+
 class JournalMismatch(RuntimeError):
     """The journal file belongs to another run."""
 
@@ -155,6 +166,8 @@ class Journal:
         self._cond = threading.Condition()
         self._queue: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None]]] = []
         self._inflight = 0  # commits handed to the writer and not yet resolved (loop thread only)
+        # What a commit could not write for a full disk, written first by the next one (writer thread).
+        self._held: list[tuple[str, tuple[Any, ...]]] = []
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
@@ -230,8 +243,8 @@ class Journal:
         if self._thread is not None:
             raise RuntimeError("the writer thread is running: use `await commit()`")
         ops = self._take_pending()
-        if ops:
-            self._execute(ops)
+        if ops and (error := self._write(ops)) is not None:
+            raise error
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the writer thread; from now on commit with `await commit()`."""
@@ -246,12 +259,14 @@ class Journal:
         if self.failed is not None:
             raise JournalError(f"journal {self.path} failed earlier: {self.failed}")
         ops = self._take_pending()
-        if not ops and self._inflight == 0:
-            return  # nothing recorded and nothing on its way: all is on disk already
+        if not ops and self._inflight == 0 and not self._held:
+            return  # nothing recorded, nothing on its way or held: all is on disk already
         if self._thread is None:  # not started (tests driving the app without a loop thread)
-            self._execute(ops)
+            if (error := self._write(ops)) is not None:
+                raise error
             return
         future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_seen)
         self._inflight += 1
         with self._cond:
             self._queue.append((ops, future))
@@ -262,8 +277,13 @@ class Journal:
         if self._thread is None:
             return
         if self.failed is None:
-            with contextlib.suppress(JournalError):
+            try:
                 await self.commit()
+            except JournalFull:
+                log.error("journal %s: stopped with the disk full; %d statements never acknowledged are not written",
+                          self.path, len(self._held))
+            except JournalError:
+                pass
         with self._cond:
             self._closing = True
             self._cond.notify()
@@ -284,13 +304,7 @@ class Journal:
                 work, self._queue = self._queue, []
             ops = [op for batch, _ in work for op in batch]
             started = time.perf_counter()
-            error = self.failed
-            if error is None:
-                try:
-                    self._execute(ops)
-                except BaseException as exc:  # noqa: BLE001 - any failure is fatal, reported to every waiter
-                    log.critical("journal %s: commit failed: %s", self.path, exc)
-                    self.failed = error = exc
+            error = self.failed or self._write(ops)
             elapsed = time.perf_counter() - started
             assert self._loop is not None
             futures = [future for _, future in work]
@@ -308,10 +322,40 @@ class Journal:
                 continue
             if error is None:
                 future.set_result(None)
+            elif isinstance(error, JournalFull):
+                future.set_exception(error)
             else:
                 future.set_exception(JournalError(f"journal {self.path}: commit failed: {error}"))
         if self.on_commit is not None and error is None:
             self.on_commit(elapsed, statements)
+
+    def _write(self, ops: list[tuple[str, tuple[Any, ...]]]) -> BaseException | None:
+        """Commit what a full disk held back, then `ops`, in one transaction: None when written, a
+        JournalFull when the disk is full (all of it held for the next commit), else the failure,
+        which is fatal (`failed`)."""
+        ops = self._held + ops
+        try:
+            self._execute(ops)
+        except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorcode", None) != SQLITE_FULL:
+                log.critical("journal %s: commit failed: %s", self.path, exc)
+                self.failed = exc
+                return exc
+            if not self._held:
+                log.error("journal %s: the disk is full; requests that change the run get 503 until space returns", self.path)
+            self._held = ops
+            return JournalFull(
+                f"the orchestrator's journal disk is full ({self.path}); this request is not acknowledged: retry "
+                "it later (the operator must free space; the orchestrator goes on by itself then)"
+            )
+        except BaseException as exc:  # noqa: BLE001 - any other failure is fatal, reported to every waiter
+            log.critical("journal %s: commit failed: %s", self.path, exc)
+            self.failed = exc
+            return exc
+        if self._held:
+            log.warning("journal %s: space returned; %d statements held for it are written", self.path, len(ops))
+            self._held = []
+        return None
 
     def _execute(self, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
         conn = self._conn
@@ -381,6 +425,13 @@ class Journal:
         return self._reader.execute(
             "SELECT rollout_id, data FROM rollouts WHERE lease_id = ? ORDER BY rowid", (lease_id,)
         ).fetchall()
+
+
+def _seen(future: asyncio.Future[None]) -> None:
+    """Marks a commit's failure as seen: a request cancelled while it waited (its client gone)
+    would have asyncio log "exception was never retrieved" for a full disk it was not told of."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _rows_of(conn: sqlite3.Connection, sql: str, keys: list[str]) -> list[Any]:

@@ -1,8 +1,8 @@
 """The orchestrator's middlewares, outermost first: errors (and request metrics), then auth.
 
 `errors_middleware` turns every failure into a JSON error a client can act on and counts the
-request (a refused lease or score operation: its error's `status`; a journal failure: 503,
-JOURNAL_FAILED tripped); `auth_middleware` checks the bearer
+request (a refused lease or score operation: its error's `status`; a full journal disk: 503, the
+run goes on; a journal failure: 503, JOURNAL_FAILED tripped); `auth_middleware` checks the bearer
 token against the route's roles, then its rate limit, and records the caller's IDENTITY.
 """
 
@@ -20,7 +20,7 @@ from decentrl.api.encoding import MEDIA_JSON
 from orchestrator.appstate import JOURNAL_FAILED, LIMITER, ROUTE_ROLES, TOKENS
 from orchestrator.auth import IDENTITY
 from orchestrator.body import error
-from orchestrator.journal import JournalError
+from orchestrator.journal import JournalError, JournalFull
 from orchestrator.leases import LeaseError
 from orchestrator.metrics import METRICS
 from orchestrator.protocol import client_faults
@@ -70,6 +70,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except (LeaseError, ScoreError) as exc:
         status = exc.status
         return web.Response(status=status, text=json.dumps({"error": str(exc)}), content_type=MEDIA_JSON)
+    except JournalFull as exc:  # the journal says so once; the run goes on when space returns
+        status = 503
+        raise error(web.HTTPServiceUnavailable, str(exc), retry_after=5) from None
     except JournalError as exc:
         status = 503
         request.app[JOURNAL_FAILED](exc)

@@ -26,7 +26,7 @@ from orchestrator.appstate import (
     commit,
     notify_all,
 )
-from orchestrator.journal import JournalError
+from orchestrator.journal import JournalError, JournalFull
 from orchestrator.state import VerifyJob
 from orchestrator.verify import Verifier
 
@@ -75,6 +75,8 @@ async def _check_when_due(app: web.Application, executor: concurrent.futures.Exe
             waiting_since = None  # else what is left waited as long: it goes next, at once
         try:
             await _judge(app, executor, jobs)
+        except JournalFull:  # the verdicts are applied; the journal writes them once space returns
+            continue
         except JournalError as exc:
             log.critical("journal failed: %s", exc)
             app[JOURNAL_FAILED](exc)
