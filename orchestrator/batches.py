@@ -43,7 +43,8 @@ class ServedBatch:
 
     def msgpack(self) -> bytes:
         prompts = {group.lease_id: pack_ints(group.rollouts[0].prompt_token_ids) for group in self.groups if group.size}
-        return train_batch_msgpack(self.batch, prompts)
+        lengths = {group.lease_id: len(group.rollouts[0].prompt_token_ids) for group in self.groups if group.size}
+        return train_batch_msgpack(self.batch, prompts, lengths)
 
 
 def has_signal(group: Group) -> bool:

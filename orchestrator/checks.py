@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from decentrl.api.wire import Lease, Rollout, SamplingParams, value_range
+from decentrl.api.wire import ROOT_NODE, BranchParent, Lease, Rollout, SamplingParams, TreeUnit, Unit, value_range
 from decentrl.config import PretrainedModelConfig, RunConfig, TinyModelConfig
 from decentrl.model.routing import RouteSpec, keeps_routing, routing_problem, spec_of
 from decentrl.rl.staleness import is_fresh
@@ -72,8 +72,15 @@ class IngestChecks:
         if lease.holder != holder:
             return "not_lease_holder"
         granted = lease.lease
-        if rollout.prompt_id != granted.prompt_id or rollout.prompt_token_ids != granted.prompt_token_ids:
+        if rollout.prompt_id != granted.prompt_id:
             return "prompt_mismatch"
+        if granted.unit is None and (rollout.node is not None or rollout.step_ends is not None):
+            return "node_without_unit"  # this run's leases are plain groups
+        if rollout.node is None or rollout.node.parent is None:
+            if rollout.prompt_token_ids != granted.prompt_token_ids:
+                return "prompt_mismatch"
+        if granted.unit is not None and (problem := node_problem(rollout, granted.unit, lease)) is not None:
+            return problem
         if rollout.sampling != self.sampling:
             return "sampling_mismatch"
         if granted.policy_version is not None and (
@@ -108,11 +115,13 @@ class IngestChecks:
         episode = isinstance(self.task, EpisodeTask)
         if not episode and rollout.loss_mask is not None:
             return "loss_mask_without_episodes"  # a single-turn task has no environment tokens
+        if rollout.finish_reason == "wrong_step" and (rollout.step_ends is None or rollout.step_ends[-1] != len(ids)):
+            return "bad_finish_reason"  # a chain stopped at a wrong step ends with that step (a tree unit's)
         if not episode and self.config.orchestrator.verification.enabled and (
             # "length" means exactly max_tokens tokens; "stop" means the last token is
             # end-of-sequence or completes a stop string. (An episode's replay checks its ending.)
             len(ids) != rollout.sampling.max_tokens if rollout.finish_reason == "length"
-            else not self.ends(ids)
+            else rollout.finish_reason == "stop" and not self.ends(ids)
         ):
             return "bad_finish_reason"
         if episode:
@@ -126,6 +135,61 @@ class IngestChecks:
                 log.info("rollout %s: %s", rollout.rollout_id, exc)
                 return "episode_mismatch"
         return None
+
+
+def node_problem(rollout: Rollout, unit: Unit, lease: OpenGroup) -> str | None:
+    """The rejection reason of a sample of a widened unit by its node's rules, or None
+    (docs/architecture.md, "The unit of work, widened"). A tree's root samples are the lease's
+    prompt (node absent, or node `root` without a parent); a branch continues an acknowledged root
+    sample of the same unit after one of the step boundaries it named (`at`), its prompt that
+    sample's prompt plus its first `at` completion ids, at most `k` samples a branch node and
+    `pivots` branch nodes a unit. Its prefix is prompt: it carries no gradient."""
+    node = rollout.node
+    if not isinstance(unit, TreeUnit):
+        return "node_mismatch"  # roles units: their rules land with issue 48
+    if node is not None and (node.role is not None or node.policy is not None):
+        return "node_mismatch"  # a tree's nodes have no roles
+    samples = lease.samples
+    if node is None or node.parent is None:
+        if node is not None and node.node_id != ROOT_NODE:
+            return "node_mismatch"
+        roots = sum(1 for sample in samples if sample.node is None or sample.node.parent is None)
+        return "node_full" if roots >= lease.lease.group_size else None
+    parent = node.parent
+    if not isinstance(parent, BranchParent):
+        return "node_mismatch"  # a derived node is the orchestrator's to make, never a worker's
+    source = next((sample for sample in samples if sample.rollout_id == parent.rollout_id), None)
+    if source is None or (source.node is not None and source.node.parent is not None):
+        return "unknown_parent"  # not an acknowledged root sample of this unit
+    if source.step_ends is None or parent.at not in source.step_ends or parent.at >= len(source.completion_token_ids):
+        return "bad_pivot"  # a pivot is a step boundary the parent posted, before its end
+    prefix = source.completion_token_ids[: parent.at]
+    if list(rollout.prompt_token_ids) != [*source.prompt_token_ids, *prefix]:
+        return "prompt_mismatch"
+    if rollout.expert_routing is not None and source.expert_routing is not None:
+        # Keep Routing: the prefix was fed to the parent's model already; it routes as it did there.
+        routing, theirs = rollout.expert_routing, source.expert_routing
+        width = routing.layers * routing.top_k
+        rows = (len(source.prompt_token_ids) + parent.at) * width
+        if (routing.layers, routing.top_k) != (theirs.layers, theirs.top_k) or routing.experts[:rows] != theirs.experts[:rows]:
+            return "bad_expert_routing:prefix"
+    siblings, branch_nodes = 0, set()
+    for sample in samples:
+        other = sample.node
+        if other is None or other.parent is None:
+            continue
+        branch_nodes.add(other.node_id)
+        if other.node_id == node.node_id:
+            if other.parent != parent:
+                return "node_mismatch"  # one node, one parent
+            siblings += 1
+        elif other.parent == parent:
+            return "node_mismatch"  # one pivot, one node
+    if siblings >= unit.k:
+        return "node_full"
+    if node.node_id not in branch_nodes and len(branch_nodes) >= unit.pivots:
+        return "too_many_pivots"
+    return None
 
 
 @functools.cache

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+from pydantic import TypeAdapter
 
 from decentrl.api.encoding import unpack_msgpack
-from decentrl.api.wire import Lease
+from decentrl.api.wire import Lease, Unit
 from orchestrator import events
 from orchestrator.codec import encode_rollout, pack_ints
 
@@ -45,7 +46,8 @@ CREATE TABLE IF NOT EXISTS leases (
     ready_seq INTEGER,
     closed_at REAL,
     rewards TEXT,
-    oldest_version INTEGER
+    oldest_version INTEGER,
+    unit TEXT
 );
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id TEXT NOT NULL,
@@ -72,8 +74,8 @@ CREATE INDEX IF NOT EXISTS scores_by_lease ON scores(lease_id);
 
 SQL_META = "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)"
 SQL_LEASE = (
-    "INSERT OR REPLACE INTO leases(lease_id, prompt_id, holder, deadline, prompt_token_ids, group_size, status) "
-    "VALUES (?, ?, ?, ?, ?, ?, 'open')"
+    "INSERT OR REPLACE INTO leases(lease_id, prompt_id, holder, deadline, prompt_token_ids, group_size, status, unit) "
+    "VALUES (?, ?, ?, ?, ?, ?, 'open', ?)"
 )
 SQL_ROLLOUT = "INSERT INTO rollouts(rollout_id, lease_id, data) VALUES (?, ?, ?)"
 SQL_COMPLETE = (
@@ -124,10 +126,14 @@ class Snapshot:
     scores: dict[str, str] = field(default_factory=dict)  # rollout id -> its ScoreResult as JSON
 
 
+UNIT: TypeAdapter[Any] = TypeAdapter(Unit)
+
+
 def lease_of(row: sqlite3.Row) -> Lease:
     """A journaled lease, built without validating it again (it was validated when it was made)."""
     return Lease.model_construct(
         prompt_token_ids=unpack_msgpack(row["prompt_token_ids"]),
+        unit=UNIT.validate_json(row["unit"]) if row["unit"] is not None else None,
         **{name: row[name] for name in ("lease_id", "prompt_id", "group_size", "deadline")},
     )
 
@@ -145,8 +151,11 @@ class Journal:
         self._conn.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
         self._conn.execute("PRAGMA journal_size_limit=67108864")  # keep the WAL file near 64 MiB
         self._conn.executescript(SCHEMA)
-        if "oldest_version" not in {row[1] for row in self._conn.execute("PRAGMA table_info(leases)")}:
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(leases)")}
+        if "oldest_version" not in columns:
             self._add_oldest_version()
+        if "unit" not in columns:  # a journal of an older version: its leases are plain groups
+            self._conn.execute("ALTER TABLE leases ADD COLUMN unit TEXT")
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'run'").fetchone()
         if row is None:
             self._conn.execute(SQL_META, ("run", json.dumps({"run_name": run_name, "created_at": time.time()})))
@@ -201,7 +210,8 @@ class Journal:
         match event:
             case events.LeaseGranted(lease, holder):
                 prompt = msgpack.packb(pack_ints(lease.prompt_token_ids))
-                pending.append((SQL_LEASE, (lease.lease_id, lease.prompt_id, holder, lease.deadline, prompt, lease.group_size)))
+                unit = lease.unit.model_dump_json() if lease.unit is not None else None
+                pending.append((SQL_LEASE, (lease.lease_id, lease.prompt_id, holder, lease.deadline, prompt, lease.group_size, unit)))
             case events.RolloutAccepted(rollout):
                 pending.append((SQL_ROLLOUT, (rollout.rollout_id, rollout.lease_id, encode_rollout(rollout))))
             case events.GroupCompleted(lease_id, ready_seq, rewards, oldest_version, at):

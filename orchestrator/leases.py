@@ -3,7 +3,9 @@ for late samples and resends.
 
 RunState owns one `LeaseBook`; the lease policy (orchestrator/lease_policy.py, `LeasePolicy`)
 decides which prompt a lease is of. Invariants:
-- a lease is one group: `group_size` samples of one prompt, all answered by its holder;
+- a lease is one unit (docs/architecture.md): a group of `group_size` samples of one prompt, or
+  a tree (`[orchestrator.tree]`: the root's samples and branches from pivots), all answered by
+  its holder, complete at `unit_size(lease)` samples;
 - no more leases are open than can be consumed without going stale, nor than the buffer allows;
 - every status change goes through `LeaseBook.close` (journal, policy, `on_dropped`);
 - a closed lease and its rollout ids are remembered for `dedupe_window_s` (after a recovery, in
@@ -20,8 +22,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from decentrl.api.wire import Lease, LeaseState, Rollout
-from decentrl.config import RunConfig
+from decentrl.api.wire import Lease, LeaseState, Rollout, StepBoundary, TreeUnit
+from decentrl.config import RunConfig, TreeConfig
 from decentrl.rl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
@@ -37,6 +39,25 @@ UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "supers
 PROMPT_CACHE = 4096  # prompts whose token ids are kept (prompts come back each epoch)
 
 
+def unit_size(lease: Lease) -> int:
+    """The samples a lease's unit holds when complete: `group_size` for a plain group, the root's
+    plus `pivots * k` branch samples for a tree, every role's for a roles unit."""
+    unit = lease.unit
+    if unit is None:
+        return lease.group_size
+    if isinstance(unit, TreeUnit):
+        return lease.group_size + unit.pivots * unit.k
+    return sum(unit.sizes)
+
+
+def tree_unit(config: TreeConfig | None) -> TreeUnit | None:
+    """The unit of a run's leases with `[orchestrator.tree]` (None without one)."""
+    if config is None:
+        return None
+    boundary = StepBoundary(type=config.boundary, marker=config.marker, tokens=config.step_tokens)
+    return TreeUnit(kind="tree", k=config.k, pivots=config.pivots, boundary=boundary)
+
+
 @dataclass
 class OpenLease:
     lease: Lease
@@ -48,6 +69,11 @@ class OpenLease:
     @property
     def deadline(self) -> float:
         return self.lease.deadline
+
+    @property
+    def size(self) -> int:
+        """The samples that complete it."""
+        return unit_size(self.lease)
 
     @deadline.setter
     def deadline(self, deadline: float) -> None:
@@ -106,6 +132,7 @@ class LeaseBook:
         self.on_dropped = on_dropped
         self.policy = policy
         options = config.orchestrator
+        self.unit = tree_unit(options.tree)  # what every lease of the run is a unit of (None: a plain group)
         self.open: LeaseTable[OpenLease] = LeaseTable(
             timeout_s=options.lease_timeout_s, clock=clock, what="lease", others="worker",
             missing=f"never granted, or closed more than {options.dedupe_window_s:.0f}s ago",
@@ -144,6 +171,7 @@ class LeaseBook:
                 deadline=self.open.deadline(),
                 index=index,
                 policy_version=version,
+                unit=self.unit,
             )
             granted.append(self._grant(lease, holder))
         return granted

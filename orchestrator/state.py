@@ -218,7 +218,7 @@ class RunState:
         for open_lease in list(self.lease_book.open.values()):
             if verifying:
                 open_lease.check = list(range(len(open_lease.samples)))
-            if len(open_lease.samples) >= open_lease.lease.group_size:
+            if len(open_lease.samples) >= open_lease.size:
                 self._complete(open_lease)
                 lease_id = open_lease.lease.lease_id
                 if self.buffer.waits_for(lease_id, "scores") and self.score_queue.complete(lease_id):
@@ -305,14 +305,15 @@ class RunState:
             # 3. record: the sample joins its open lease, and the journal records it
             assert open_lease is not None  # the checks refuse a sample without one
             seen[rollout_id] = lease_id
-            rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids  # equal (checked): shared
+            if rollout.node is None or rollout.node.parent is None:  # a branch's prompt holds its prefix
+                rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids  # equal (checked): shared
             open_lease.samples.append(rollout)
             if check:
                 open_lease.check.append(len(open_lease.samples) - 1)
             self.journal.record(RolloutAccepted(rollout))
             self.counters.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
             accepted += 1
-            if len(open_lease.samples) == open_lease.lease.group_size:
+            if len(open_lease.samples) == open_lease.size:
                 self._complete(open_lease)  # 4. complete: rewarded, then ready or pending
         self.counters.rollouts_accepted += accepted
         self.counters.duplicates += duplicates

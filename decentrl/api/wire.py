@@ -15,8 +15,10 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     Strict,
+    Tag,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
@@ -47,6 +49,7 @@ MAX_EXPERT_IDS = 2**26
 MAX_LIST_IDS = 2**20  # ids of all the per-token lists of one rollout together
 MAX_STOP = 64  # stop strings, each at most MAX_TEXT characters
 MAX_TEXT = 1024
+MAX_STEPS = 4096  # steps of one completion (process rewards)
 MAX_SUPERSEDED = 1024  # lease ids one lease answer tells lost (orchestrator/leases.py keeps no more a holder)
 # The validation context key of a run's own bound on a sampling-mask entry, (ids, why), which the
 # orchestrator passes with a RolloutBatch (orchestrator/handlers.py): top-k keeps at most k ids a
@@ -160,6 +163,96 @@ class LeaseRequest(Wire):
     machine: WorkerMachine | None = Field(None, description="What the worker computes on, for /v1/status.")
 
 
+# -- the widened unit of work (docs/architecture.md, "The unit of work, widened") --------------
+
+NODE_ID = r"^[A-Za-z0-9._:-]{1,64}$"
+ROLE_NAME = r"^[a-z][a-z0-9_]{0,31}$"  # a role (proposer, solver) or a policy's name
+MAX_NODE_SIZE = 64  # samples of one branch node (k), and pivots of one tree unit
+MAX_ROLES = 16
+
+
+class StepBoundary(Wire):
+    """Where one step of a completion ends while it is generated (a tree unit's steps): after a
+    token whose text holds `marker` (a newline by default), or after every `tokens` tokens."""
+
+    type: Literal["marker", "tokens"] = Field(description="marker: a step ends with the token that completes `marker`; "
+                                              "tokens: every `tokens` completion tokens.")
+    marker: str = Field("\n", min_length=1, max_length=64, description="The text that ends a step (type = marker).")
+    tokens: Int = Field(32, ge=1, le=MAX_SEQUENCE, description="Completion tokens a step (type = tokens).")
+
+
+class TreeUnit(Wire):
+    """A tree of nodes (process rewards with pivots, issue 47): the root node's `group_size`
+    samples, and exactly `pivots` branch nodes of `k` samples, each continuing one root sample
+    after a step boundary it posted. The unit is complete when all `group_size + pivots * k` are in."""
+
+    kind: Literal["tree"]
+    k: Int = Field(ge=1, le=MAX_NODE_SIZE, description="Samples of each branch node (continuations of one pivot).")
+    pivots: Int = Field(ge=0, le=MAX_NODE_SIZE, description="Branch nodes the unit holds (0: a plain group, steps scored).")
+    boundary: StepBoundary = Field(description="Where a step ends while generating.")
+
+
+class RolesUnit(Wire):
+    """An episode of roles (co-evolution, issue 48): one node per role, `sizes[i]` samples of
+    role `roles[i]`; a node may close short once it holds `min_fill` samples (the lease policy)."""
+
+    kind: Literal["roles"]
+    roles: list[Annotated[str, Field(pattern=ROLE_NAME)]] = Field(min_length=1, max_length=MAX_ROLES)
+    sizes: list[Annotated[Int, Field(ge=1, le=1024)]] = Field(min_length=1, max_length=MAX_ROLES)
+    min_fill: Int = Field(1, ge=1, le=1024, description="Samples a node needs before it may close short.")
+
+    @model_validator(mode="after")
+    def _one_size_a_role(self) -> RolesUnit:
+        if len(self.sizes) != len(self.roles):
+            raise ValueError(f"{len(self.roles)} roles but {len(self.sizes)} sizes: give one size a role")
+        if len(set(self.roles)) != len(self.roles):
+            raise ValueError("roles must be distinct")
+        if self.min_fill > min(self.sizes):
+            raise ValueError(f"min_fill {self.min_fill} is more than the smallest node ({min(self.sizes)} samples)")
+        return self
+
+
+Unit = Annotated[TreeUnit | RolesUnit, Field(discriminator="kind")]
+
+
+class BranchParent(Wire):
+    """A branch: a continuation of sample `rollout_id` of the same unit after its first `at`
+    completion tokens (a step boundary that sample names in its `step_ends`)."""
+
+    rollout_id: str = Field(min_length=1, max_length=128)
+    at: Int = Field(ge=1, le=MAX_SEQUENCE, description="Completion tokens of the parent that are this sample's prefix.")
+
+
+class DerivedParent(Wire):
+    """A derived node: the `derived`-th prompt the task makes from sample `rollout_id` (made by
+    the orchestrator, never supplied by a worker)."""
+
+    rollout_id: str = Field(min_length=1, max_length=128)
+    derived: Int = Field(ge=0, le=MAX_ROLES * 64, description="Which prompt derived from that sample.")
+
+
+def _parent_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "branch" if "at" in value else "derived" if "derived" in value else None
+    return "branch" if isinstance(value, BranchParent) else "derived" if isinstance(value, DerivedParent) else None
+
+
+Parent = Annotated[
+    Annotated[BranchParent, Tag("branch")] | Annotated[DerivedParent, Tag("derived")],
+    Discriminator(_parent_kind, custom_error_type="parent", custom_error_message="a parent has rollout_id and at "
+                  "(a branch) or rollout_id and derived (a derived node)"),
+]
+
+
+class RolloutNode(Wire):
+    """The node of its unit a sample belongs to. Absent: the root node of a plain group."""
+
+    node_id: str = Field(pattern=NODE_ID, description="Unique within the unit; every sample of a node names the same parent.")
+    parent: Parent | None = Field(None, description="None: the root node (the lease's prompt).")
+    role: str | None = Field(None, pattern=ROLE_NAME, description="Roles units: the role the sample plays.")
+    policy: str | None = Field(None, pattern=ROLE_NAME, description="The policy (model) that sampled it, where agents are separate models.")
+
+
 class Lease(Wire):
     """One prompt leased to one worker: it owes `group_size` samples before `deadline`."""
 
@@ -175,6 +268,13 @@ class Lease(Wire):
         None, ge=0, le=MAX_VERSION, description="Deterministic runs: sample under exactly this version (a rollout sampled under "
         "another is rejected as wrong_version). None: the newest the worker has."
     )
+    unit: Unit | None = Field(
+        None, description="A widened unit of work (docs/architecture.md): a tree (branches from pivots) or roles. "
+        "None: a plain group of `group_size` samples."
+    )
+
+
+ROOT_NODE = "root"  # the node id of a unit's root node, where a sample names it
 
 
 class LeaseResponse(Wire):
@@ -189,7 +289,8 @@ class LeaseResponse(Wire):
     )
 
 
-FinishReason = Literal["stop", "length"]
+# "wrong_step": a tree unit's chain stopped where a step was judged wrong (its last step; issue 47).
+FinishReason = Literal["stop", "length", "wrong_step"]
 
 
 class ExpertRouting(Wire):
@@ -248,6 +349,13 @@ class Rollout(Wire):
         None, max_length=MAX_SEQUENCE, description="Multi-turn episodes: per completion token 1 if the model sampled it, 0 if the "
         "environment inserted it (feedback, tool output; not trained, logprob unused). None: all 1."
     )
+    node: RolloutNode | None = Field(
+        None, description="Widened units: the node of the lease's unit this sample belongs to. None: the root node."
+    )
+    step_ends: IntArray | None = Field(
+        None, max_length=MAX_STEPS, description="Tree units: the completion token count at the end of each step, "
+        "strictly increasing, each at most the completion's length (a branch's `at` is one of its parent's)."
+    )
 
     @field_validator("sampling_mask")
     @classmethod
@@ -272,6 +380,9 @@ class Rollout(Wire):
                 raise ValueError(f"sampling_mask holds {ids} ids in all; at most {MAX_LIST_IDS}")
         if not _valid_logprobs(self.logprobs):
             raise ValueError("logprobs must be finite and <= 0 (log of a probability)")
+        ends = self.step_ends
+        if ends is not None and (any(b <= a for a, b in zip(ends, ends[1:])) or (ends and (ends[0] < 1 or ends[-1] > n))):
+            raise ValueError(f"step_ends must be strictly increasing token counts in [1, {n}] (the completion's length)")
         return self
 
 
@@ -311,7 +422,6 @@ class IngestResponse(Wire):
 # -- scorers: model-judged rewards as their own role (orchestrator/score_queue.py, docs/rewards.md) --
 
 MAX_SCORE_ITEMS = 1024  # items one score lease holds, and scores one post carries
-MAX_STEPS = 4096  # steps of one completion (process rewards)
 MAX_SCORE_TEXT = 2**20  # characters of one prompt, message or completion text sent to a scorer
 
 

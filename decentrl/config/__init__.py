@@ -28,6 +28,7 @@ from decentrl.config.orchestrator import (
     RewardConfig,
     SamplingConfig,
     StepsConfig,
+    TreeConfig,
     TurnStepsConfig,
     VerificationConfig,
 )
@@ -90,6 +91,6 @@ __all__ = [
     "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RegexVerdictConfig", "RewardConfig", "RolePlacement",
     "RunConfig", "SamplingConfig", "ScorerConfig", "SeqMaskConfig", "SimulationConfig", "SortingTaskConfig",
     "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TeacherScorerConfig", "TinyModelConfig", "TinyMoEConfig", "TokenLossConfig",
-    "TrainerAdvantagesConfig", "TrainerConfig", "TurnStepsConfig", "VerificationConfig", "VerifiersTaskConfig",
+    "TrainerAdvantagesConfig", "TrainerConfig", "TreeConfig", "TurnStepsConfig", "VerificationConfig", "VerifiersTaskConfig",
     "WorkerConfig", "apply_overrides", "load_config", "parse_config", "path_in_file",
 ]

@@ -321,6 +321,26 @@ class DynamicSamplingConfig(Section):
     )
 
 
+class TreeConfig(Section):
+    """`[orchestrator.tree]`: leases are trees (docs/rewards.md "Pivots", issue 47). The worker
+    generates each root sample step by step, posts each finished step for scoring, stops a chain
+    whose step is judged wrong, and samples `k` continuations from each of `pivots` pivots (a
+    step boundary of a root sample); the unit trains with `tree` advantages (decentrl/rl/advantages.py):
+    global over the root's samples plus `local_weight` times local over each pivot's branches."""
+
+    k: int = Field(4, ge=1, le=64, description="Continuations sampled from each pivot.")
+    pivots: int = Field(1, ge=0, le=64, description="Pivots (branch nodes) each unit holds.")
+    boundary: Literal["marker", "tokens"] = Field(
+        "marker", description="Where a step ends: marker (the token completing `marker`) or every `step_tokens` tokens."
+    )
+    marker: str = Field("\n", min_length=1, max_length=64, description="The text that ends a step (boundary = marker).")
+    step_tokens: int = Field(32, ge=1, le=4096, description="Tokens a step (boundary = tokens).")
+    local_weight: float = Field(
+        1.0, ge=0.0, le=100.0, description="lambda: weight of a branch sample's local advantage (over its pivot's "
+        "branches) beside the global one."
+    )
+
+
 class OrchestratorConfig(Section):
     """The central HTTP service: leases, ingest, rewards, groups, batches (see docs/api.md)."""
 
@@ -406,4 +426,8 @@ class OrchestratorConfig(Section):
     )
     rewards: RewardConfig = Field(
         default_factory=RewardConfig, description="Verifier, model (scorers) or weighted-sum rewards (docs/rewards.md)."
+    )
+    tree: TreeConfig | None = Field(
+        None, description="Present ([orchestrator.tree]): each lease is a tree of a root and branches from pivots, "
+        "steps scored while they are generated (issue 47). Absent: plain groups."
     )

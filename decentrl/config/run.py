@@ -148,6 +148,16 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _tree_not_deterministic(self) -> RunConfig:
+        # A branch sample's seed would derive from its node path (docs/architecture.md); not built yet.
+        if self.deterministic and self.orchestrator.tree is not None:
+            raise ValueError(
+                "[orchestrator.tree] does not support deterministic = true yet (a branch's seed is not derived): "
+                "set deterministic = false, or drop [orchestrator.tree]"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _router_noise_on_hf(self) -> RunConfig:
         if self.simulation.router_noise and self.worker.backend != "hf":
             raise ValueError(

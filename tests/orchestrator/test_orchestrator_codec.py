@@ -104,7 +104,7 @@ def test_the_trainers_msgpack_batch_is_the_generic_encoding() -> None:
     ]
     batch = TrainBatch(trainer_version=4, samples=samples, staleness_histogram={"1": 3}, rollouts_accepted=9,
                        stale_dropped=1, batch_id="b1")
-    fast = train_batch_msgpack(batch, {"g1": pack_ints([1, 9])})
+    fast = train_batch_msgpack(batch, {"g1": pack_ints([1, 9])}, {"g1": 2})
     assert TrainBatch.model_validate(unpack_msgpack(fast)) == batch
     assert unpack_msgpack(fast) == unpack_msgpack(encode_model(batch, MEDIA_MSGPACK))
 
