@@ -16,9 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentrl.api.encoding import pack_ints
-from decentrl.api.wire import StaleReport, TrainBatch, TrainSample
+from decentrl.api.wire import BranchParent, Rollout, StaleReport, TrainBatch, TrainSample
 from decentrl.config import AdvantageConfig
-from decentrl.rl.advantages import ESTIMATORS, distill_advantages, distill_baseline, overlong_penalty, process_advantages
+from decentrl.rl.advantages import (
+    ESTIMATORS,
+    distill_advantages,
+    distill_baseline,
+    overlong_penalty,
+    process_advantages,
+    tree_advantages,
+)
 from decentrl.rl.staleness import staleness
 from orchestrator.buffer import Group
 from orchestrator.codec import train_batch_msgpack
@@ -76,7 +83,12 @@ def build_batch(
 ) -> TrainBatch:
     samples, histogram = [], Counter()
     rewards = [shaped_rewards(group, advantages) for group in groups]
-    for group, group_rewards, outcome in zip(groups, rewards, ESTIMATORS[advantages.type](rewards, advantages), strict=True):
+    outcomes = [
+        tree_advantages(group_rewards, pivots, advantages.local_weight, advantages.normalize_std)
+        if any(pivots := [_pivot_of(rollout) for rollout in group.rollouts]) else outcome
+        for group, group_rewards, outcome in zip(groups, rewards, ESTIMATORS[advantages.type](rewards, advantages), strict=True)
+    ]
+    for group, group_rewards, outcome in zip(groups, rewards, outcomes, strict=True):
         per_token = token_advantages(group, outcome, advantages)
         for rollout, reward, advantage, tokens in zip(group.rollouts, group_rewards, outcome, per_token, strict=True):
             truncated = advantages.mask_truncated and rollout.finish_reason == "length"
@@ -107,6 +119,12 @@ def build_batch(
         stale_report=stale_report,
         batch_id=batch_id,
     )
+
+
+def _pivot_of(rollout: Rollout) -> tuple[str, int] | None:
+    """A tree's branch sample: its pivot (parent rollout id, tokens in); None for a root sample."""
+    parent = rollout.node.parent if rollout.node is not None else None
+    return (parent.rollout_id, parent.at) if isinstance(parent, BranchParent) else None
 
 
 def shaped_rewards(group: Group, config: AdvantageConfig) -> list[float]:

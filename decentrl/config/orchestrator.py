@@ -204,6 +204,10 @@ class AdvantageConfig(Section):
         "(finish_reason 'length') gets loss_mask 0 on every token, so it trains nothing; it still counts in its "
         "group's baseline and in grpo/dr_grpo's sample count (trainer.loss.type = 'token' leaves it out entirely)."
     )
+    local_weight: float = Field(
+        1.0, ge=0.0, le=100.0, description="Tree units ([orchestrator.tree]): lambda, the weight of a branch sample's "
+        "local advantage (its reward minus the mean of its pivot's branches) beside the root samples' global one."
+    )
     distill: DistillConfig | None = Field(
         None, description="Present ([orchestrator.advantages.distill]): on-policy distillation, each token's advantage "
         "from a teacher scorer's log-prob of it (decentrl/config/distill.py, docs/rewards.md). Absent: none."
@@ -325,8 +329,9 @@ class TreeConfig(Section):
     """`[orchestrator.tree]`: leases are trees (docs/rewards.md "Pivots", issue 47). The worker
     generates each root sample step by step, posts each finished step for scoring, stops a chain
     whose step is judged wrong, and samples `k` continuations from each of `pivots` pivots (a
-    step boundary of a root sample); the unit trains with `tree` advantages (decentrl/rl/advantages.py):
-    global over the root's samples plus `local_weight` times local over each pivot's branches."""
+    step boundary of a root sample); the unit trains with `tree_advantages` (decentrl/rl/advantages.py):
+    global over the root's samples plus `[orchestrator.advantages] local_weight` times local over
+    each pivot's branches."""
 
     k: int = Field(4, ge=1, le=64, description="Continuations sampled from each pivot.")
     pivots: int = Field(1, ge=0, le=64, description="Pivots (branch nodes) each unit holds.")
@@ -335,10 +340,6 @@ class TreeConfig(Section):
     )
     marker: str = Field("\n", min_length=1, max_length=64, description="The text that ends a step (boundary = marker).")
     step_tokens: int = Field(32, ge=1, le=4096, description="Tokens a step (boundary = tokens).")
-    local_weight: float = Field(
-        1.0, ge=0.0, le=100.0, description="lambda: weight of a branch sample's local advantage (over its pivot's "
-        "branches) beside the global one."
-    )
 
 
 class OrchestratorConfig(Section):

@@ -1,6 +1,7 @@
 """Advantages from rewards: group-relative (GRPO), leave-one-out (RLOO), batch-normalized
-(REINFORCE++); per token, from step scores, for process rewards, and from a teacher's log-probs,
-for on-policy distillation; DAPO's overlong shaping.
+(REINFORCE++); over a tree of a root and branches from pivots (DEEP-GRPO); per token, from step
+scores, for process rewards, and from a teacher's log-probs, for on-policy distillation; DAPO's
+overlong shaping.
 
 The orchestrator builds each batch's advantages (orchestrator/batches.py `build_batch`): it shapes
 the rewards (`overlong_penalty`, with `[orchestrator.advantages.overlong]`), turns the batch's
@@ -72,6 +73,35 @@ ESTIMATORS: dict[str, Callable[[list[list[float]], AdvantageConfig], list[list[f
     "reinforce_pp": lambda groups, config: reinforce_pp_advantages(groups),
     "reinforce_pp_baseline": lambda groups, config: reinforce_pp_baseline_advantages(groups),
 }
+
+
+def tree_advantages(
+    rewards: list[float], pivots: list[object | None], local_weight: float, normalize_std: bool = False, eps: float = 1e-6
+) -> list[float]:
+    """A tree unit's advantages (DEEP-GRPO's dual stream, Guo et al. 2026, arXiv 2602.14169): the
+    root's samples (`pivots[i]` None) form the global group, each pivot's branches (the samples
+    whose `pivots[i]` is that pivot) a local group of their own:
+
+        A_i = r_i - mean(r over the root's samples)                  for a root sample
+        A_i = lambda * (r_i - mean(r over the branches of its pivot))   for a branch sample
+
+    each centered value divided by its group's (population) std + eps with `normalize_std`, and 0
+    in a group of equal rewards. A branch's prefix is its prompt, so it carries no gradient (the
+    trainer never sees it as completion); the loss is global + lambda x local as written, one
+    term per sample."""
+    if len(rewards) != len(pivots):
+        raise ValueError(f"{len(rewards)} rewards for {len(pivots)} samples")
+    groups: dict[object | None, list[int]] = defaultdict(list)
+    for i, pivot in enumerate(pivots):
+        groups[pivot].append(i)
+    if None not in groups:
+        raise ValueError("a tree has root samples (pivot None); these are all branches")
+    result = [0.0] * len(rewards)
+    for pivot, members in groups.items():
+        weight = 1.0 if pivot is None else local_weight
+        for i, value in zip(members, _normalize([rewards[i] for i in members], normalize_std, eps), strict=True):
+            result[i] = weight * value
+    return result
 
 
 def overlong_penalty(length: int, config: OverlongConfig) -> float:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from decentrl.api.encoding import unpack_msgpack
 from decentrl.api.wire import Lease, Rollout, RolloutNode, TreeUnit, problems
 from decentrl.config import ConfigError
 from orchestrator.leases import unit_size
@@ -150,6 +151,8 @@ def test_a_tree_completes_with_its_branches_and_trains_their_prefix_as_prompt(
     branch_samples = [s for s in batch.samples if s.rollout_id in {b.rollout_id for b in branches}]
     assert [len(s.prompt_token_ids) for s in branch_samples] == [len(lease.prompt_token_ids) + 2] * 2
     assert all(s.completion_token_ids == ids[2:] for s in branch_samples)
+    packed = unpack_msgpack(state.batch_msgpack(batch))  # the trainer's msgpack: a branch packs its own prompt
+    assert [list(s["prompt_token_ids"]) for s in packed["samples"]] == [list(s.prompt_token_ids) for s in batch.samples]
 
 
 def test_a_root_sample_may_name_itself_root_and_no_other_node_without_a_parent(
@@ -229,3 +232,21 @@ def test_a_branch_sample_survives_a_restart(
     assert kept.node == branch.node and list(kept.prompt_token_ids) == list(branch.prompt_token_ids)
     assert _reasons(again, _branch(make_rollout, lease, roots[1], 2, ids[2:])) == []  # the rules hold after it
     assert lease.lease_id not in again.leases
+
+
+def test_a_tree_batch_trains_global_plus_lambda_local_and_its_prefix_as_prompt(make_rollout: Any) -> None:
+    from decentrl.config import AdvantageConfig
+    from orchestrator.batches import build_batch
+    from orchestrator.buffer import Group
+
+    lease = Lease(lease_id="t", prompt_id=0, prompt_token_ids=[1, 5], group_size=3, deadline=0.0)
+    roots = [make_rollout(lease, [3, 4, 5, 6], step_ends=[2, 4]) for _ in range(3)]
+    branches = [_branch(make_rollout, lease, roots[0], 2, [7, 8]) for _ in range(2)]
+    samples = [roots[0], *branches, roots[1], roots[2]]  # arrival order: root, its branches, the rest
+    group = Group.of("t", 0, samples, [0.0, 1.0, 0.0, 1.0, 0.0])
+    batch = build_batch([group], trainer_version=0, batch_id="x", advantages=AdvantageConfig(local_weight=0.5),
+                        rollouts_accepted=5, stale_dropped=0)
+    # Global: roots 0, 1, 0 around 1/3; local: branches 1, 0 around 1/2, times lambda = 0.5.
+    assert [s.advantage for s in batch.samples] == pytest.approx([-1 / 3, 0.25, -0.25, 2 / 3, -1 / 3])
+    assert [list(s.prompt_token_ids) for s in batch.samples[1:3]] == [[1, 5, 3, 4]] * 2
+    assert [list(s.completion_token_ids) for s in batch.samples[1:3]] == [[7, 8]] * 2
