@@ -46,6 +46,11 @@ class StoreConfig(Section):
         128, ge=1, description="Largest safetensors shard; more shards upload and download in parallel."
     )
     upload_concurrency: int = Field(4, ge=1, le=64, description="Files uploaded at once by a publish.")
+    publish_retry_s: float = Field(
+        900.0, gt=0, le=86400, description="Trainer: a publish the store fails (unreachable, 503 SlowDown, a cut "
+        "upload) is tried again, with a jittered back-off, for this long; then the trainer stops with the error. "
+        "Training goes on meanwhile (a newer version replaces the one waiting).",
+    )
     download_concurrency: int = Field(4, ge=1, le=64, description="Files downloaded at once by a pull.")
     parallel_reads: int = Field(
         32, ge=1, le=64, description="Remote stores: byte ranges of large files read at once by a pull, over all its "

@@ -99,6 +99,12 @@ _DEFAULTS = StoreConfig()
 log = logging.getLogger("decentrl.store.checkpoints")
 
 
+class ClientReadError(OSError):
+    """The store's client library failed a read with an error of its own kind: s3fs raises IndexError
+    for a read that timed out on its whole-file path. The store could not be read; the read is tried
+    again, as any other read error (and a swapper never dies of an IndexError)."""
+
+
 def _read_block(declared: int, have: int = 0) -> int:
     """fsspec's read-ahead for a file declared `declared` bytes of which `have` are local. Its
     read-ahead cache fetches each read (a CHUNK) plus one block; sized so, a file up to
@@ -315,8 +321,13 @@ class CheckpointStore:
         local store on the same filesystem takes them by hard link instead of a copy.
         `delta_from`: (version, its local directory) of the version published before: each weight
         file of the same size there is stored as a delta against it (decentrl/store/delta.py), the rest
-        whole. A key version (every file whole) when that version is no longer in the store."""
+        whole. A key version (every file whole) when that version is no longer in the store.
+        Publishing the same files under the same version again returns the manifest already there
+        (a retry whose earlier attempt wrote its manifest and lost the answer); other files: StoreError."""
         if self.fs.exists(self._manifest_path(version)):
+            if (own := self._published_from(version, local_dir)) is not None:
+                log.info("version %d: already in %s with these files (an earlier attempt of this publish)", version, self.url)
+                return own
             raise StoreError(
                 f"version {version} already published in {self.url}; "
                 "publish under a new version number or delete it first"
@@ -351,6 +362,18 @@ class CheckpointStore:
             payload = signed_payload(manifest.model_dump(mode="json"))
             manifest = manifest.model_copy(update={"signature": signing.sign(self.signing_key, payload)})
         self._write_manifest(version, manifest.model_dump_json(indent=2).encode())
+        return manifest
+
+    def _published_from(self, version: int, local_dir: str) -> Manifest | None:
+        """The manifest of `version` when it lists exactly the files of `local_dir` (names, sizes, digests)."""
+        manifest = self.manifest(version)
+        local = sorted(e.name for e in os.scandir(local_dir) if e.is_file() and e.name != MANIFEST_NAME)
+        if local != sorted(entry.path for entry in manifest.files):
+            return None
+        for entry in manifest.files:
+            size, digest = _hash_own_file(os.path.join(local_dir, entry.path), entry.algorithm)
+            if mismatch(entry, size, digest) is not None:
+                return None
         return manifest
 
     def _encode_deltas(
@@ -624,14 +647,17 @@ class CheckpointStore:
                 return copied
             remove_path(local_path)  # the kernel cannot copy between these files: stream it all
             digest, have = new_hasher(algorithm, parallel=False), 0
-        with (
-            self.fs.open(remote, "rb", block_size=_read_block(expected_size, have)) as src,
-            open_regular(local_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as dst,
-        ):
-            if have:
-                src.seek(have)
-            size, hexdigest = copy_hashing(src, dst, digest, have, limit=limit)
-            return size, hexdigest, os.fstat(dst.fileno())
+        try:
+            with (
+                self.fs.open(remote, "rb", block_size=_read_block(expected_size, have)) as src,
+                open_regular(local_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) as dst,
+            ):
+                if have:
+                    src.seek(have)
+                size, hexdigest = copy_hashing(src, dst, digest, have, limit=limit)
+                return size, hexdigest, os.fstat(dst.fileno())
+        except IndexError as exc:  # what arrived is kept: the next attempt resumes after it
+            raise ClientReadError(f"reading {remote} failed in the store's client ({exc!r}; s3fs's for a read timeout)") from exc
 
     def _copy_local(
         self, remote: str, local_path: str, digest: Hasher, have: int, limit: int

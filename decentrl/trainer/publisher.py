@@ -11,25 +11,38 @@ still waiting when a newer one arrives, the newer one replaces it and the older 
 published (its number is recorded in `skipped`). At most one version is uploading and one
 waiting, so memory stays at two state dicts however slow the store is, and workers skip straight
 to the newest weights - a skipped version would only have been stale on arrival.
+
+When the store fails (unreachable, 503 SlowDown, a cut upload), the upload is tried again with a
+jittered back-off for `retry_s`; only then does the failure reach the training loop. A retry is
+safe: files are uploaded again whole (a local store links new files, never writing into old ones),
+the manifest goes last, and a manifest already there listing these very files is the earlier
+attempt's (CheckpointStore.publish returns it). Retention failing is logged and tried again after
+the next version: it never stops training.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from transformers import PretrainedConfig
 
 from decentrl.config import LoRAConfig
 from decentrl.store.checkpoints import CheckpointStore
+from decentrl.store.manifest import StoreError
+from decentrl.store.ranges import backoff, read_errors
 from decentrl.store.weights import DEFAULT_SHARD_BYTES, write_hf_dir
 from decentrl.trainer.lora import BASE_VERSION, write_adapter_dir
 
 log = logging.getLogger("decentrl.trainer.publisher")
+
+T = TypeVar("T")
 
 
 class Publisher:
@@ -45,11 +58,14 @@ class Publisher:
         lora: LoRAConfig | None = None,
         dtype: torch.dtype | None = None,
         full_every: int = 1,
+        retry_s: float = 900.0,
     ) -> None:
         self.store = store
         self.lora = lora
         self.dtype = dtype  # of the published weights (store.publish_dtype); the trainer's stay float32
         self.full_every = full_every  # store.full_every: a key version after full_every - 1 deltas
+        self.retry_s = retry_s  # store.publish_retry_s
+        self.retries = 0  # store failures ridden out, over all versions
         # The last full-model version published and its local files: the next one's delta base.
         self._previous: tuple[int, tempfile.TemporaryDirectory[str]] | None = None
         self._deltas_in_row = 0
@@ -124,9 +140,14 @@ class Publisher:
         else:
             with tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-") as directory:
                 write_adapter_dir(directory, state, self.lora)
-                self.store.publish(version, directory, parent=parent, base_version=BASE_VERSION, hand_over=True)
+                self._retrying(version, lambda: self.store.publish(
+                    version, directory, parent=parent, base_version=BASE_VERSION, hand_over=True
+                ))
         self.on_published(version)
-        self.store.retain(self.keep_last, protect={0})
+        try:
+            self.store.retain(self.keep_last, protect={0})
+        except (StoreError, *read_errors()) as exc:
+            log.warning("retention after version %d failed (%s); it runs again after the next version", version, exc)
         self.publish_seconds.append(time.perf_counter() - started)
         log.info("published version %d in %.2fs", version, self.publish_seconds[-1])
 
@@ -140,7 +161,9 @@ class Publisher:
             delta_from = None
             if self._previous is not None and self._deltas_in_row + 1 < self.full_every:
                 delta_from = (self._previous[0], self._previous[1].name)
-            manifest = self.store.publish(version, directory.name, parent=parent, hand_over=True, delta_from=delta_from)
+            manifest = self._retrying(version, lambda: self.store.publish(
+                version, directory.name, parent=parent, hand_over=True, delta_from=delta_from
+            ))
         except BaseException:
             directory.cleanup()
             raise
@@ -148,3 +171,22 @@ class Publisher:
         if self._previous is not None:
             self._previous[1].cleanup()
         self._previous = (version, directory)
+
+    def _retrying(self, version: int, upload: Callable[[], T]) -> T:
+        """`upload()`, tried again while the store fails, for at most `retry_s`; one line a failure."""
+        started = time.monotonic()
+        for failures in itertools.count(1):
+            try:
+                return upload()
+            except read_errors() as exc:
+                waited = time.monotonic() - started
+                if waited >= self.retry_s:
+                    raise StoreError(
+                        f"the store failed every upload of version {version} for {waited:.0f} s "
+                        f"(store.publish_retry_s = {self.retry_s:g}), the last with {exc!r}; check the store is reachable"
+                    ) from exc
+                delay = min(backoff(failures), self.retry_s - waited)
+                self.retries += 1
+                log.warning("publishing version %d: the store failed (%r); trying again in %.1f s", version, exc, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")

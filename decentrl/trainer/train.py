@@ -185,6 +185,7 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
             lora=cfg.lora,
             dtype=publish_dtype(config.store, config.model),
             full_every=config.store.full_every,
+            retry_s=config.store.publish_retry_s,
         )
         metrics = MetricsLog(options.metrics_path, keep_through=plan.checkpoint)
         trackers = open_trackers(config, run_dir=os.path.dirname(options.metrics_path), model_dir=initial_dir)

@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import blake3
 import pytest
@@ -185,6 +186,47 @@ def test_pull_retries_a_transient_mismatch(
     monkeypatch.setattr(store.fs, "open", open_and_repair)
     out = Path(store.pull(1, str(tmp_path / "cache")))
     assert len(opens) == 2
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+def test_a_clients_index_error_mid_read_is_a_read_error_tried_again(
+    store: CheckpointStore, make_ckpt: MakeCkpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """s3fs raises IndexError for a read timed out on its whole-file path (issue 46, F3): the pull
+    takes it as a read error, fetches again from the bytes it has, and loads the version verified."""
+    src = make_ckpt("a")
+    store.publish(1, str(src))
+    store.link_local = False  # streamed through fs.open, as from a remote store
+    monkeypatch.delattr(os, "copy_file_range", raising=False)
+    real_open = store.fs.open
+    failed: list[str] = []
+
+    class TimesOut:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __enter__(self) -> TimesOut:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.inner.close()
+
+        def seek(self, offset: int) -> int:
+            return self.inner.seek(offset)
+
+        def readinto(self, buffer: Any) -> int:
+            if not failed:  # part of the file arrived, then the read timed out
+                failed.append("once")
+                raise IndexError("list index out of range")
+            return self.inner.readinto(buffer)
+
+    def open_timing_out(path: str, mode: str = "rb", **kw: object) -> Any:
+        handle = real_open(path, mode, **kw)
+        return TimesOut(handle) if path.endswith("model.safetensors") and mode == "rb" else handle
+
+    monkeypatch.setattr(store.fs, "open", open_timing_out)
+    out = Path(store.pull(1, str(tmp_path / "cache")))
+    assert failed == ["once"]
     assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
 

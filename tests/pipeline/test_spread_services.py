@@ -16,6 +16,7 @@ decentrl's store gives; botocore's read timeout and retries are [store] storage_
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -365,5 +366,37 @@ def test_cut_and_stalled_uploads_are_retried(s3: tuple[str, object], control: ob
     assert 2 <= time.monotonic() - started < 6
     assert control.stats()["hits"] == {"stall": 1}
     pull_and_check(make_store(s3[0]), version_dir, tmp_path / "cache")
-    with pytest.raises(StoreError, match="already published"):
+    again = make_store(s3[0]).publish(1, str(version_dir))  # a retry whose earlier attempt wrote its manifest
+    assert again == make_store(s3[0]).manifest(1)
+    (version_dir / "config.json").write_text('{"other": 1}')
+    with pytest.raises(StoreError, match="already published"):  # other files under a taken version
         make_store(s3[0]).publish(1, str(version_dir))
+
+
+def test_the_trainers_publisher_rides_out_a_slowdown_burst(s3: tuple[str, object], control: object, tmp_path: Path) -> None:
+    """A SlowDown burst past botocore's retries (issue 46, F3): the publisher tries the publish again
+    with back-off until it completes, then announces it; no reader ever sees a half version."""
+    from decentrl.config import TinyModelConfig
+    from decentrl.model.build import build_model
+    from decentrl.trainer.publisher import Publisher
+
+    model = build_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64))
+    store = make_store(s3[0], config_kwargs={"retries": {"mode": "standard", "max_attempts": 2}})
+    announced: list[int] = []
+    publisher = Publisher(store=store, model_config=model.config, extras_from=str(tmp_path), keep_last=4,
+                          on_published=announced.append, retry_s=60.0)
+    burst_s = 8.0
+    control.set("slowdown", seconds=burst_s)
+    started = time.monotonic()
+    publisher.submit(0, {name: t.detach().clone() for name, t in model.state_dict().items()})
+    seen: set[int] = set()
+    while not announced:  # what a worker sees meanwhile: nothing, or all of it
+        assert time.monotonic() - started < 60
+        with contextlib.suppress(StoreError, OSError):
+            seen.update(make_store(s3[0]).versions())
+        time.sleep(0.2)
+    publisher.close()
+    assert time.monotonic() - started >= burst_s
+    assert announced == [0] and publisher.retries >= 1 and control.stats()["hits"]["slowdown"] >= 3
+    assert make_store(s3[0]).verify(0) == []
+    assert seen <= {0}
