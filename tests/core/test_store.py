@@ -201,28 +201,19 @@ def test_a_clients_index_error_mid_read_is_a_read_error_tried_again(
     real_open = store.fs.open
     failed: list[str] = []
 
-    class TimesOut:
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        def __enter__(self) -> TimesOut:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self.inner.close()
-
-        def seek(self, offset: int) -> int:
-            return self.inner.seek(offset)
-
-        def readinto(self, buffer: Any) -> int:
-            if not failed:  # part of the file arrived, then the read timed out
-                failed.append("once")
-                raise IndexError("list index out of range")
-            return self.inner.readinto(buffer)
-
     def open_timing_out(path: str, mode: str = "rb", **kw: object) -> Any:
         handle = real_open(path, mode, **kw)
-        return TimesOut(handle) if path.endswith("model.safetensors") and mode == "rb" else handle
+        if path.endswith("model.safetensors") and mode == "rb":
+            read = handle.readinto
+
+            def readinto(buffer: Any) -> int:
+                if not failed:  # the first read timed out
+                    failed.append("once")
+                    raise IndexError("list index out of range")
+                return read(buffer)
+
+            handle.readinto = readinto
+        return handle
 
     monkeypatch.setattr(store.fs, "open", open_timing_out)
     out = Path(store.pull(1, str(tmp_path / "cache")))
