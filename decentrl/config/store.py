@@ -55,13 +55,14 @@ class StoreConfig(Section):
     parallel_reads: int = Field(
         32, ge=1, le=64, description="Remote stores: byte ranges of large files read at once by a pull, over all its "
         "files, each on its own connection (one TCP stream on a long lossy path carries a fraction of the link; "
-        "K streams add up; docs/store.md measures them per link profile). Files of one "
-        "part or less stream whole, download_concurrency at once. Local stores ignore it.",
+        "K streams add up; docs/store.md measures them per link profile). Files of 256 KiB "
+        "or less stream whole, download_concurrency at once. Local stores ignore it.",
     )
     part_mb: int = Field(
-        8, ge=1, le=1024, description="Remote stores: a file larger than this is pulled as ranges of at most this "
-        "size (one request each), each written in place as it arrives and recorded, so an interrupted pull fetches "
-        "only the missing bytes. Near a file's end a slow range is split among the idle streams.",
+        8, ge=1, le=1024, description="Remote stores: the largest range (one request) of a file over 256 KiB, "
+        "which is pulled as ranges of its size / parallel_reads (at least 256 KiB, at most this), each written in "
+        "place as it arrives and recorded, so an interrupted pull fetches only the missing bytes. Near a file's "
+        "end a slow range is split among the idle streams.",
     )
     stall_timeout_s: float = Field(
         8.0, gt=0, le=600, description="Remote stores: a range read that receives no byte for this long (a silent "

@@ -1,14 +1,16 @@
 """A remote store's large files pulled as concurrent byte ranges, each resumable where it stopped.
 
 `CheckpointStore._fetch_resuming` (decentrl/store/checkpoints.py) hands here every file of a remote
-(non-local) store that is larger than one part (`[store] part_mb`); smaller files, and every file
-of a local store, keep the whole-file stream there.
+(non-local) store larger than `MIN_RANGED` (256 KiB); smaller files, and every file of a local
+store, keep the whole-file stream there. A file's part is its size over `[store] parallel_reads`,
+at least `MIN_RANGED` and at most `[store] part_mb`: a delta of a few MB is as many ranges as there
+are streams, not one stream (one TCP stream on L2 carries 1.3 Mbit/s of a 50 Mbit/s link).
 
 Why ranges: one TCP stream carries at most about MSS/RTT * 1.22/sqrt(loss) (Mathis et al.), some
 1.3 Mbit/s at 150 ms and 0.5% loss, whatever the link; K streams, each its own connection, add
 up. `RangedReads` owns a pool of `[store] parallel_reads` threads, shared by every file of every
 pull of its store, so the reads in flight stay bounded however many files a version has. A file's
-missing bytes are cut into ranges of at most `[store] part_mb`, which its streams take in order
+missing bytes are cut into ranges of its part (`part_for`), which its streams take in order
 (`Ranges`). A stream that finds none left takes the far half of the range still streaming with
 the most time left, as segmented downloaders do, so the streams end together instead of one slow
 part holding the file's end (at 1.3 Mbit/s an 8 MiB part takes 50 s); until one is worth
@@ -63,6 +65,9 @@ RECORD_SUFFIX = ".ranges"  # beside a partial file: the byte intervals it holds
 # Bytes written (and recorded) at a time: what a killed pull loses per stream, against one thread hop
 # and one line of the record per piece (a few microseconds).
 _PIECE = 256 * 1024
+# Files larger than this are ranged, and no range is smaller: below it a range is mostly its
+# request's round trips and TCP's slow start, and one stream does as well.
+MIN_RANGED = _PIECE
 _LINE_BYTES = 48  # at most, of one line of a record: two integers of up to 20 digits
 _ATTEMPTS = 5  # failures in a row, without a byte between them, before a range gives up
 _MIN_SPLIT = 4 * _PIECE  # a range still streaming is split only with at least twice this much left
@@ -330,8 +335,13 @@ class RangedReads:
         self._waiting_lock = threading.Lock()
 
     def applies(self, local_path: str, size: int) -> bool:
-        """Whether a file goes by ranges: larger than one part, or already started as ranges."""
-        return size > self.part or os.path.lexists(local_path + RECORD_SUFFIX)
+        """Whether a file goes by ranges: larger than `MIN_RANGED`, or already started as ranges."""
+        return size > MIN_RANGED or os.path.lexists(local_path + RECORD_SUFFIX)
+
+    def part_for(self, size: int) -> int:
+        """The range size for a file of `size` bytes: one range per stream, within
+        [`MIN_RANGED`, `[store] part_mb`]."""
+        return max(MIN_RANGED, min(self.part, -(-size // self.streams)))
 
     def fetch(self, remote: str, local_path: str, size: int, algorithm: str) -> tuple[int, str, os.stat_result]:
         """Fetch what `local_path` lacks of `remote` (declared `size` bytes) as ranges in parallel;
@@ -343,7 +353,7 @@ class RangedReads:
             raise StoredSizeMismatch(stored)
         record = self._prepare(local_path, size)
         try:
-            ranges = Ranges(record.missing(self.part), self.streams)
+            ranges = Ranges(record.missing(self.part_for(size)), self.streams)
             with open_regular(local_path, os.O_WRONLY) as f:
                 stop = threading.Event()
                 # Every stream, even for fewer ranges: the spare ones split the slow ones.
