@@ -186,30 +186,27 @@ def mask_bound(sampling: SamplingParams, vocab_size: int) -> tuple[int, str]:
     return per_token, f"sampling.top_k={sampling.top_k}, vocabulary {vocab_size}"
 
 
-def _refuse_if_crowded(app: web.Application, name: str) -> None:
-    """503 when too many rollout posts are in flight (in all or for token `name`) or the buffer is full."""
-    if (crowded := app[INFLIGHT].full(name)) is not None:
+async def rollouts(request: web.Request) -> web.Response:
+    app = request.app
+    state = app[STATE]
+    inflight, name = app[INFLIGHT], request[IDENTITY].name
+    # The body is read before a place in flight is taken: a slow upload (1 byte a second) holds
+    # no place for the fast ones, only the bytes it sent, until body_timeout_s cuts it off (408).
+    # A crowded orchestrator refuses once it has the body, right before it would take the place
+    # (nginx in front, configs/deploy/, reads the whole body before passing it on anyway).
+    bound = mask_bound(state.sampling, state.vocab_size)
+    body = await parse_body(request, RolloutBatch, context={MASK_IDS: bound})
+    if (crowded := inflight.full(name)) is not None:
         app[METRICS].backpressure.labels("inflight" if crowded == "all" else "inflight_token").inc()
         whose = "" if crowded == "all" else f" for token {name!r} (orchestrator.max_inflight_per_token)"
         raise error(web.HTTPServiceUnavailable, f"too many rollout posts in flight{whose}; retry shortly", retry_after=1)
-    if (state := app[STATE]).buffer_full():
+    if state.buffer_full():
         app[METRICS].backpressure.labels("buffer_full").inc()
         raise error(
             web.HTTPServiceUnavailable,
             f"the buffer holds {len(state.ready)} groups (limit {state.buffer_limit}) waiting for the trainer; retry later",
             retry_after=2,
         )
-
-
-async def rollouts(request: web.Request) -> web.Response:
-    app = request.app
-    state = app[STATE]
-    inflight, name = app[INFLIGHT], request[IDENTITY].name
-    _refuse_if_crowded(app, name)  # before the body: a refused post is not uploaded
-    # The body is read before a place in flight is taken: a slow upload (1 byte a second) holds
-    # no place for the fast ones, only the bytes it sent, until body_timeout_s cuts it off (408).
-    body = await parse_body(request, RolloutBatch, context={MASK_IDS: mask_bound(state.sampling, state.vocab_size)})
-    _refuse_if_crowded(app, name)
     with inflight.held(name):
         first = body.rollouts[0]
         if any(r.worker_id != first.worker_id for r in body.rollouts):

@@ -191,11 +191,14 @@ def test_a_full_buffer_answers_503_until_the_trainer_takes_a_batch(
     run(scenario())
 
 
-def test_too_many_posts_in_flight_get_503(serve: Any) -> None:
-    """Posts being processed (their body read) are bounded; a body still arriving holds no place."""
+def test_too_many_posts_in_flight_get_503(serve: Any, sorted_answer: Any, completion_ids: Any) -> None:
+    """Posts being processed (ingested and committed) are bounded; a body still arriving holds no
+    place; a post is validated before it is refused as crowded."""
 
     async def scenario() -> None:
         async with serve(orchestrator={"max_inflight_requests": 1}) as server:
+            server.state.announce(0)
+            batch = answers(server, server.state.grant_leases("alice/w0", 1), sorted_answer, completion_ids)
             release = asyncio.Event()
 
             async def slow_body() -> AsyncIterator[bytes]:
@@ -208,13 +211,15 @@ def test_too_many_posts_in_flight_get_503(serve: Any) -> None:
             status, body, _ = await server.call("POST", "/v1/rollouts", WORKER, json={"rollouts": []})
             assert status == 400, body
             with server.app[INFLIGHT].held("bob"):  # a post being ingested and committed
-                status, body, headers = await server.call("POST", "/v1/rollouts", WORKER, json={"rollouts": []})
+                status, body, headers = await server.call("POST", "/v1/rollouts", WORKER, data=batch.model_dump_json(),
+                                                          headers={"Content-Type": "application/json"})
                 assert status == 503 and "in flight" in body["error"] and headers["Retry-After"] == "1"
+                assert (await server.call("POST", "/v1/rollouts", WORKER, json={"rollouts": []}))[0] == 400
                 release.set()
                 assert (await first)[0] == 400  # validated as soon as its body is in (an empty list is invalid)
-            assert (await server.call("POST", "/v1/rollouts", WORKER, json={"rollouts": []}))[0] == 400
-
-    run(scenario())
+            status, body, _ = await server.call("POST", "/v1/rollouts", WORKER, data=batch.model_dump_json(),
+                                                headers={"Content-Type": "application/json"})
+            assert status == 200 and body["accepted"] == 3, body
 
 
 # -- encodings ----------------------------------------------------------------------------
