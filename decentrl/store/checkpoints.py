@@ -35,9 +35,10 @@ import re
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from fsspec.core import url_to_fs
@@ -136,7 +137,11 @@ def _hash_own_file(path: str, algorithm: str) -> tuple[int, str]:
 
 def _run_all(pool: ThreadPoolExecutor, tasks: list[Callable[[], object]]) -> list[object]:
     """Run tasks on the pool; on the first failure cancel what has not started and raise it."""
-    futures: list[Future[object]] = [pool.submit(task) for task in tasks]
+    return _results([pool.submit(task) for task in tasks])
+
+
+def _results(futures: Sequence[Future[Any]]) -> list[Any]:
+    """The futures' results; on the first failure cancel what has not started and raise it."""
     wait(futures, return_when=FIRST_EXCEPTION)
     for future in futures:
         future.cancel()
@@ -437,20 +442,28 @@ class CheckpointStore:
         """`cache_dir/vNNNNNN`, downloaded and verified unless already cached from this store (see
         `_pull_one`); resumes a partial pull.
         An adapter version (manifest `base_version`) brings its base version into the cache too:
-        it is loaded onto that base, which is thus pulled once and kept for every adapter after it."""
-        final, base = self._pull_one(version, cache_dir)
-        if base is not None:
-            self._pull_one(base, cache_dir)
+        it is loaded onto that base, which is thus pulled once and kept for every adapter after it.
+        The files of every version the pull needs are fetched through one pool of
+        `download_concurrency` threads: a delta chain's deltas come at once, not one by one."""
+        with ThreadPoolExecutor(self.download_concurrency, thread_name_prefix="store-pull") as fetches:
+            final, base = self._pull_one(version, cache_dir, fetches)
+            if base is not None:
+                self._pull_one(base, cache_dir, fetches)
         self.evict(cache_dir, keep=version)
         return final
 
-    def _pull_one(self, version: int, cache_dir: str, depth: int = 0) -> tuple[str, int | None]:
+    def _pull_one(
+        self, version: int, cache_dir: str, fetches: ThreadPoolExecutor, depth: int = 0
+    ) -> tuple[str, int | None]:
         """The cached directory of `version` and the base version it is an adapter for.
 
-        A delta version is rebuilt from its delta base's cached directory, which is pulled first
-        the same way (`depth` links down its chain, at most _MAX_CHAIN): a base cached and still
-        valid costs nothing; one missing or corrupted in the cache is pulled again, itself rebuilt
-        from its own base, down to the chain's key version, whose files are stored whole.
+        A delta version is rebuilt from its delta base's cached directory, which is pulled the
+        same way while this version's deltas download on `fetches` (`depth` links down its chain,
+        at most _MAX_CHAIN): a base cached and still valid costs nothing; one missing or corrupted
+        in the cache is pulled again, itself rebuilt from its own base, down to the chain's key
+        version, whose files are stored whole. So a chain's files download concurrently and are
+        applied in order, from the key version up. Each link holds its version's lock while the
+        links below it are pulled: locks are taken from the newest version down, never up.
 
         A cached directory is served when its manifest is the store's, byte for byte (the manifest
         covers every file's digest, and its signature is checked as for a download), and its files
@@ -475,18 +488,17 @@ class CheckpointStore:
             log.warning("serving cached %s (its manifest and files verified again): %s", final, exc)
             return final, kept.base_version
         if not self._cache_holds(final, raw, manifest):
-            base_dir = self._delta_base_dir(manifest, cache_dir, depth)
             make_dir(cache_dir)
             # One puller per version per cache dir: the partial directory is shared across attempts.
             lock = os.path.join(cache_dir, f".{version_dirname(version)}.lock")
             with locked(lock):
                 if not self._cache_holds(final, raw, manifest):
                     self._demote_foreign(final, raw)
-                    self._pull_locked(manifest, raw, cache_dir, base_dir)
+                    self._pull_locked(manifest, raw, cache_dir, fetches, depth)
                 os.remove(lock)  # safe while held (see locked); a failed pull leaves it beside its partial
         return final, manifest.base_version
 
-    def _delta_base_dir(self, manifest: Manifest, cache_dir: str, depth: int) -> str | None:
+    def _delta_base_dir(self, manifest: Manifest, cache_dir: str, fetches: ThreadPoolExecutor, depth: int) -> str | None:
         """The cached, verified directory of the version a delta version's files apply to; None
         for a key version. A base that is in neither the store nor the cache refuses the version."""
         if manifest.delta_base is None:
@@ -496,7 +508,7 @@ class CheckpointStore:
         if depth >= _MAX_CHAIN:
             raise VerificationError(f"{where}: more than {_MAX_CHAIN} delta versions in a row; not a chain decentrl publishes")
         try:
-            return self._pull_one(manifest.delta_base, cache_dir, depth + 1)[0]
+            return self._pull_one(manifest.delta_base, cache_dir, fetches, depth + 1)[0]
         except VerificationError as exc:
             raise VerificationError(f"{where}: its delta base v{manifest.delta_base} cannot be verified ({exc})") from None
         except StoreError:
@@ -542,7 +554,11 @@ class CheckpointStore:
         remove_path(partial)
         os.rename(final, partial)  # a symlink found at `final` is renamed, not followed
 
-    def _pull_locked(self, manifest: Manifest, raw: bytes, cache_dir: str, base_dir: str | None) -> None:
+    def _pull_locked(
+        self, manifest: Manifest, raw: bytes, cache_dir: str, fetches: ThreadPoolExecutor, depth: int
+    ) -> None:
+        """Fetch the version's files (its deltas as stored) on `fetches` while its delta base is
+        pulled, then rebuild its delta files from the base and move it into place."""
         version, name = manifest.version, version_dirname(manifest.version)
         final, partial = os.path.join(cache_dir, name), os.path.join(cache_dir, f".{name}.partial")
         manifest_copy = os.path.join(partial, MANIFEST_NAME)
@@ -558,12 +574,21 @@ class CheckpointStore:
         expected |= {name + RECORD_SUFFIX for name in expected}  # a ranged download's record (ranges.py)
         for stray in set(os.listdir(partial)) - expected:
             remove_path(os.path.join(partial, stray))
-        with ThreadPoolExecutor(self.download_concurrency) as pool:
-            _run_all(pool, [
-                (lambda e=e: self._rebuild(version, e, partial, base_dir)) if e.delta is not None
-                else (lambda e=e: self._download(version, e, os.path.join(partial, e.path)))
-                for e in manifest.files
-            ])
+        downloads = [
+            fetches.submit(self._download, version, _stored_entry(e), os.path.join(partial, _stored_entry(e).path))
+            for e in manifest.files
+        ]
+        try:
+            base_dir = self._delta_base_dir(manifest, cache_dir, fetches, depth)
+            _results(downloads)
+        finally:
+            for future in downloads:  # none outlives this version's lock
+                future.cancel()
+            wait(downloads)
+        rebuilt = [e for e in manifest.files if e.delta is not None]
+        if rebuilt:
+            with ThreadPoolExecutor(self.download_concurrency) as pool:
+                _run_all(pool, [lambda e=e: self._rebuild(version, e, partial, base_dir) for e in rebuilt])
         try:
             os.rename(partial, final)
         except OSError:
@@ -573,13 +598,12 @@ class CheckpointStore:
             # else another process finished the same pull first; its copy is as good.
 
     def _rebuild(self, version: int, entry: ManifestFile, partial: str, base_dir: str | None) -> None:
-        """Download a file's delta (resumable, retried, checked against the delta's size and digest),
-        rebuild the file from the base version's and check it against the manifest's size and
-        digest of the full file; only then is it in the partial directory."""
+        """Rebuild a file from its delta (downloaded and checked against the delta's size and
+        digest) and the base version's file, and check it against the manifest's size and digest
+        of the full file; only then is it in the partial directory."""
         assert base_dir is not None  # a manifest with delta entries names its delta_base
         stored = _stored_entry(entry)
         delta_path = os.path.join(partial, stored.path)
-        self._download(version, stored, delta_path)
         with open_regular(delta_path) as f:
             delta = f.read(stored.size + 1)
         where = f"{version_dirname(version)}/{entry.path}"

@@ -125,6 +125,44 @@ def test_a_late_joining_worker_pulls_the_key_version_then_the_deltas(location, t
     assert sorted(os.listdir(cache)) == ["v000003", "v000004", "v000005"]
 
 
+def test_a_chains_files_download_at_once_and_apply_in_order(location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A late joiner's chain (key v0, deltas v1-v4): every version's files are in flight together
+    (download_concurrency bounds them), each delta is applied only after its base is in the cache."""
+    import threading
+    import time
+
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 5)
+    publish_chain(store, dirs)
+    late = open_store(location, download_concurrency=16)
+    cache = tmp_path / "late"
+    lock, flight, most, applied = threading.Lock(), [0], [0], []
+    real_download, real_apply = late._download, store_mod.apply
+
+    def download(version: int, entry: ManifestFile, local_path: str) -> None:
+        with lock:
+            flight[0] += 1
+            most[0] = max(most[0], flight[0])
+        time.sleep(0.2)  # a link's round trips
+        try:
+            real_download(version, entry, local_path)
+        finally:
+            with lock:
+                flight[0] -= 1
+
+    def apply_(base: str, delta: bytes, entry: ManifestFile, out: str, where: str) -> object:
+        assert os.path.isdir(os.path.dirname(base)), f"{where} applied before its base was in the cache"
+        applied.append(where.split("/")[0])
+        return real_apply(base, delta, entry, out, where)
+
+    monkeypatch.setattr(late, "_download", download)
+    monkeypatch.setattr(store_mod, "apply", apply_)
+    assert same_files(late.pull(4, str(cache)), dirs[4])
+    # 5 versions of 3 files each (2 of them deltas above v0): all in flight at once, not a version at a time.
+    assert most[0] == 15, most[0]
+    assert [w for i, w in enumerate(applied) if i % 2 == 0] == ["v000001", "v000002", "v000003", "v000004"]
+
+
 def test_a_corrupted_cache_falls_back_to_the_key_version(location, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = open_store(location)
     dirs = versions_like_training(tmp_path, 4)
