@@ -195,3 +195,41 @@ def test_a_revoked_token_ends_the_watch_with_its_error(orchestrator: Served) -> 
         watch_versions(client(orchestrator.url, "revoked"), known=lambda: 0, heard=lambda _: None, stop=threading.Event(),
                        wait_s=1.0, retry_s=0.1)
     assert raised.value.status == 401
+
+
+def test_a_version_announced_during_a_pull_wins_over_the_one_pulled(tmp_path: Path) -> None:
+    """v1 is announced and pulled; v2 is announced while that pull runs: v2 is pulled next and
+    swapped in, and v1, superseded before it was loaded, never is."""
+    from tests.workers.test_tampered_checkpoints import Harness, wait_until
+
+    h = Harness(str(tmp_path), f"file://{tmp_path}/store", None)
+    h.publish(0, h.directory(0, seed=0))
+    h.trainer.announce(0)
+    worker = h.worker()
+    try:
+        pulled: list[int] = []
+        real_pull, pulling_v1, v2_heard = worker.store.pull, threading.Event(), threading.Event()
+
+        def pull(version: int, cache_dir: str) -> str:
+            pulled.append(version)
+            if version == 1:
+                pulling_v1.set()
+                assert v2_heard.wait(30)
+            return real_pull(version, cache_dir)
+
+        worker.store.pull = pull  # type: ignore[method-assign]
+        threading.Thread(target=worker._swapper, name="swapper", daemon=True).start()
+        threading.Thread(target=worker._watch, name="versions", daemon=True).start()
+        wait_until(lambda: worker.backend.version == 0, "version 0 loaded")
+        h.publish(1, h.directory(1, seed=1))
+        h.trainer.announce(1)
+        assert pulling_v1.wait(30)
+        h.publish(2, h.directory(2, seed=2))
+        h.trainer.announce(2)
+        wait_until(lambda: worker.announced == 2, "version 2 heard")
+        v2_heard.set()
+        wait_until(lambda: worker.backend.version == 2, "version 2 loaded")
+        assert pulled == [0, 1, 2] and [s.version for s in worker.swaps] == [0, 2]
+    finally:
+        worker.request_stop()
+        h.stop()
