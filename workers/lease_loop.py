@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from decentrl.api.client import OrchestratorError
+from decentrl.api.client import OrchestratorError, Stopped
 from decentrl.api.wire import RolloutBatch
 
 log = logging.getLogger("decentrl.lease_loop")
@@ -49,12 +49,14 @@ def on_signals(handler: Callable[..., object], *signals: signal.Signals) -> None
 
 
 def answers(ask: Callable[[], A], *, stop: threading.Event, passing: tuple[type[Exception], ...] = ()) -> Iterator[A]:
-    """The answers to `ask` until `stop` is set; an error in `passing` is logged and asked again
-    after a backoff (cut short by `stop`), any other propagates."""
+    """The answers to `ask` until `stop` is set (or the client stopped: Stopped); an error in
+    `passing` is logged and asked again after a backoff (cut short by `stop`), any other propagates."""
     failures = 0
     while not stop.is_set():
         try:
             answer = ask()
+        except Stopped:
+            return
         except passing as exc:
             failures += 1
             delay = backoff(failures)

@@ -15,7 +15,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from decentrl.api.client import OrchestratorClient, OrchestratorError
+from decentrl.api.client import OrchestratorClient, OrchestratorError, Stopped
 from decentrl.api.wire import ScoreItem, ScoreLease, ScoreLeaseRequest, ScorePost, ScoreResult
 from decentrl.config import ScorerConfig
 from workers.lease_loop import LEASE_GONE, Renewals, answers, on_signals
@@ -55,9 +55,11 @@ class Scorer:
 
     def request_stop(self, *_: object) -> None:
         """SIGTERM/SIGINT: the leases in hand (even one answered after the stop) are scored and
-        posted, then `run` returns."""
+        posted, then `run` returns; a request that fails from now on is not retried (scores not
+        posted are lost: their samples are leased again)."""
         self.stopping = True
         self._halt.set()
+        self.client.stop()
 
     def run(self, max_leases: int | None = None) -> ScorerCounts:
         """Lease, score and post until stopped (or `max_leases` leases, counted over every run)."""
@@ -82,7 +84,7 @@ class Scorer:
                 posts.append(posting.submit(self.post, lease, verdicts))
             for future in posts:
                 future.result()
-            if self._renewals.error is not None:
+            if self._renewals.error is not None and not isinstance(self._renewals.error, Stopped):
                 raise self._renewals.error
         finally:
             self._halt.set()
@@ -136,6 +138,10 @@ class Scorer:
             )
             try:
                 ack = self.client.post_scores(post)
+            except Stopped:
+                log.warning("scores of lease %s not posted: the scorer stops; its samples are leased again", lease.lease_id)
+                self.counts.lost += len(results)
+                return
             except OrchestratorError as exc:
                 if exc.status not in LEASE_GONE:
                     raise

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decentrl.api.client import InvalidAnswer, OrchestratorClient, OrchestratorError
+from decentrl.api.client import InvalidAnswer, OrchestratorClient, OrchestratorError, Stopped
 from decentrl.api.wire import (
     IngestResponse,
     Lease,
@@ -169,8 +169,10 @@ class Worker:
         )
 
     def request_stop(self, *_: object) -> None:
-        """SIGTERM: every slot finishes the generation in flight, posts it, then exits."""
+        """SIGTERM: every slot finishes the generation in flight, posts it, then exits; a request
+        that fails from now on is not retried (a post's rollouts stay spooled for the next start)."""
         self._stop.set()
+        self.client.stop()
         with self._changed:
             self._changed.notify_all()
 
@@ -212,6 +214,8 @@ class Worker:
         """A thread's body: an error stops the worker (as SIGTERM does) and `run` raises it."""
         try:
             target(*args)
+        except Stopped:  # a request given up because the worker stops: no failure
+            pass
         except Exception as exc:  # noqa: BLE001 - kept for `run` to raise; the thread never dies unnoticed
             self._failed(exc, threading.current_thread().name)
 

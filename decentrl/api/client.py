@@ -7,7 +7,9 @@ msgpack too. An orchestrator that answers 415 to msgpack is spoken to in JSON fr
 
 Retries: connection failures, and 429/503 answers (rate limit, overload, a journal being
 recovered), are retried with the server's Retry-After or exponential backoff with jitter, for at
-most `max_wait_s` in all. Every retried request is safe to repeat: rollouts and scores are
+most `max_wait_s` in all, or until `stop()` (a role's SIGTERM): a wait to retry then ends at once
+with Stopped, a ConnectionError, so that a role stops in well under a second whether or not the
+orchestrator is there (a worker's rollouts stay spooled). Every retried request is safe to repeat: rollouts and scores are
 idempotent by rollout id, and `batch()` sends one request id per call, so a batch whose answer was lost is
 answered again with the same batch, never with a second one. Any other HTTP error is raised as
 OrchestratorError carrying the server's message; a 2xx answer that does not validate as its
@@ -21,7 +23,7 @@ import json
 import logging
 import random
 import ssl
-import time
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -73,6 +75,10 @@ class OrchestratorError(Exception):
         self.message = message
 
 
+class Stopped(ConnectionError):
+    """The client was stopped (`OrchestratorClient.stop`) while it waited to retry a request."""
+
+
 class InvalidAnswer(Exception):
     """The orchestrator's answer is not the model its route promises (another decentrl version,
     or something in between that rewrote it); the message says which fields are wrong."""
@@ -95,6 +101,11 @@ class OrchestratorClient:
         self.max_wait_s = max_wait_s  # give up on an unreachable or overloaded orchestrator after this long
         self.encoding: Encoding = encoding
         self.gzip = gzip
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """From now on no request is retried: a wait to retry, now or later, raises Stopped at once."""
+        self._stopped.set()
 
     def _encode(self, body: BaseModel) -> tuple[bytes, dict[str, str]]:
         media = MEDIA_MSGPACK if self.encoding == "msgpack" else MEDIA_JSON
@@ -154,7 +165,8 @@ class OrchestratorClient:
                     raise ConnectionError(f"orchestrator at {self.url} unreachable for {waited:.0f}s: {exc}") from None
                 sleep = delay * (0.5 + random.random())
                 log.warning("orchestrator unreachable (%s); retrying in %.1fs", exc, sleep)
-            time.sleep(sleep)
+            if self._stopped.wait(sleep):
+                raise Stopped(f"{method} {path.split('?')[0]} not retried: the client is stopping")
             waited += sleep
             delay = min(delay * 2, 5.0)
 

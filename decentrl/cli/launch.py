@@ -135,9 +135,10 @@ def _sets(overrides: Sequence[str]) -> list[str]:
 
 
 def trainer_command(config_path: Path, run_dir: Path, url: str, ranks: int, *, overrides: Sequence[str] = ()) -> list[str]:
-    """torchrun with `ranks` trainer processes; `overrides`: `--set` items (a placement's memory share)."""
+    """torchrun (its SIGTERM a clean stop: decentrl/trainer/torchrun.py) with `ranks` trainer processes;
+    `overrides`: `--set` items (a placement's memory share)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        sys.executable, "-m", "decentrl.trainer.torchrun", "--standalone", f"--nproc-per-node={ranks}",
         "-m", "decentrl", "trainer", str(config_path), "--orchestrator", url, "--run-dir", str(run_dir),
         *_sets(overrides),
     ]

@@ -150,7 +150,7 @@ def test_without_placement_the_launcher_builds_todays_commands(tmp_path: Path) -
     starts = role_starts(config, path, tmp_path, url, tokens)
     run = [sys.executable, "-m", "decentrl"]
     assert [(s.name, s.argv, s.env) for s in starts] == [
-        ("trainer", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "decentrl",
+        ("trainer", [sys.executable, "-m", "decentrl.trainer.torchrun", "--standalone", "--nproc-per-node=2", "-m", "decentrl",
                      "trainer", str(path), "--orchestrator", url, "--run-dir", str(tmp_path)],
          {"DECENTRL_TOKEN": "t", "OMP_NUM_THREADS": "1"}),
         *[(f"worker-{i}", [*run, "worker", "--orchestrator", url, "--config", str(path), "--worker-id", f"worker-{i}",

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from decentrl.api.client import InvalidAnswer, OrchestratorError
+from decentrl.api.client import InvalidAnswer, OrchestratorClient, OrchestratorError, Stopped
 from decentrl.api.wire import Rollout, RolloutBatch, SamplingParams
+from decentrl.cli.launch import free_port
 from workers.lease_loop import Renewals, RequestSize, Spool, answers, backoff
 
 
@@ -301,3 +302,17 @@ def test_the_request_size_holds_each_group_s_share_to_the_target() -> None:
     for seconds in (1.0, 100.0, 100.0):
         size.finished(4, seconds)
     assert size.groups() == 4
+
+
+def test_a_stopped_client_gives_up_its_retries_at_once(tmp_path: Path) -> None:
+    """SIGTERM's path (issue 46, F10): `stop()` ends a retry loop against an orchestrator that is gone
+    with Stopped, a ConnectionError, so a spooled post stays spooled and the lease loop ends."""
+    client = OrchestratorClient(f"http://127.0.0.1:{free_port()}", "token", max_wait_s=60.0)
+    threading.Timer(0.5, client.stop).start()
+    started = time.monotonic()
+    spool = Spool(str(tmp_path / "spool"), client.post_rollouts)
+    assert not spool.post(batch("r0"))
+    assert time.monotonic() - started < 2.0 and len(spool.pending()) == 1
+    assert list(answers(client.info, stop=threading.Event(), passing=(ConnectionError,))) == []
+    with pytest.raises(Stopped):
+        client.info()
