@@ -10,7 +10,6 @@ import contextlib
 import glob
 import logging
 import os
-import random
 import signal
 import threading
 import time
@@ -22,6 +21,7 @@ from typing import TypeVar
 
 from decentrl.api.client import OrchestratorError, Stopped
 from decentrl.api.wire import RolloutBatch
+from decentrl.backoff import backoff
 
 log = logging.getLogger("decentrl.lease_loop")
 A = TypeVar("A")
@@ -34,11 +34,6 @@ SIZE_WINDOW = 16  # the requests a worker's request size is estimated from
 
 def default_id() -> str:
     return f"{os.uname().nodename}-{os.getpid()}"
-
-
-def backoff(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
-    """Exponential backoff with full jitter."""
-    return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(failures, 16)))
 
 
 def on_signals(handler: Callable[..., object], *signals: signal.Signals) -> None:

@@ -34,6 +34,7 @@ from decentrl.api.wire import (
     SamplingParams,
     WorkerMachine,
 )
+from decentrl.backoff import backoff
 from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
 from decentrl.rl.determinism import sample_seed
 from decentrl.rl.staleness import is_fresh
@@ -42,7 +43,7 @@ from decentrl.tasks.episodes import TextCodec
 from workers.backends import BATCHING_ITSELF, Backend
 from workers.batching import Batcher
 from workers.episodes import episode_task_of, run_episodes
-from workers.lease_loop import REQUEST_SHARE, Renewals, RequestSize, Spool, answers, backoff, on_signals
+from workers.lease_loop import REQUEST_SHARE, Renewals, RequestSize, Spool, answers, on_signals
 from workers.sample import Sample, to_rollout
 from workers.simulation import SimulatedLatency
 from workers.versions import watch_versions

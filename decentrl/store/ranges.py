@@ -45,7 +45,6 @@ import asyncio
 import functools
 import logging
 import os
-import random
 import stat
 import threading
 import time
@@ -59,6 +58,7 @@ from typing import Any
 from fsspec.asyn import sync
 from fsspec.spec import AbstractFileSystem
 
+from decentrl.backoff import backoff
 from decentrl.store.cache import CHUNK, hash_regular, open_regular, read_regular, remove_path
 
 RECORD_SUFFIX = ".ranges"  # beside a partial file: the byte intervals it holds
@@ -74,7 +74,7 @@ _MIN_SPLIT = 4 * _PIECE  # a range still streaming is split only with at least t
 _SPLIT_AFTER_S = 2.0  # ... and more than this long left at the rate it has had
 _RATE_AFTER_S = 1.0  # a range's rate is known once it has streamed this long
 _SPLIT_POLL_S = 0.25  # how often a stream with nothing to take looks again
-_BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.5, 10.0
+_BACKOFF_CAP_S = 10.0  # a range's longest wait before it is retried
 
 log = logging.getLogger("decentrl.store.ranges")
 
@@ -91,12 +91,6 @@ def read_errors() -> tuple[type[Exception], ...]:
     from botocore.exceptions import BotoCoreError, ClientError
 
     return (OSError, BotoCoreError, ClientError, HttpError)
-
-
-def backoff(failures: int) -> float:
-    """Seconds before retry number `failures` (1, 2, ...): exponential with full jitter, so that the
-    streams of many workers cut by the same outage do not come back in step."""
-    return random.uniform(0.0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2.0 ** min(failures, 16)))
 
 
 class Stalled(OSError):
@@ -439,7 +433,7 @@ class RangedReads:
                 failures = 1 if taken.at > before else failures + 1
                 if failures >= _ATTEMPTS:
                     raise
-                delay = backoff(failures)
+                delay = backoff(failures, cap_s=_BACKOFF_CAP_S)
                 log.warning(
                     "%s bytes %d-%d: %s (%s); retrying from the first in %.1fs",
                     remote, taken.at, taken.end - 1, type(exc).__name__, exc, delay,

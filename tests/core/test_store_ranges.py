@@ -177,7 +177,7 @@ def s3_store(url: str, port: int, **settings: object) -> CheckpointStore:
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store_mod, "_RETRY_DELAYS", (0.0, 0.0))
-    monkeypatch.setattr(ranges, "backoff", lambda failures: 0.05)
+    monkeypatch.setattr(ranges, "backoff", lambda failures, base_s=0.5, cap_s=30.0: 0.05)
 
 
 def make_ckpt(tmp_path: Path, size: int, name: str = "src", *, small: bool = True) -> Path:

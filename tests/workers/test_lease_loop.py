@@ -16,8 +16,9 @@ import pytest
 
 from decentrl.api.client import InvalidAnswer, OrchestratorClient, OrchestratorError, Stopped
 from decentrl.api.wire import Rollout, RolloutBatch, SamplingParams
+from decentrl.backoff import backoff
 from decentrl.cli.launch import free_port
-from workers.lease_loop import Renewals, RequestSize, Spool, answers, backoff
+from workers.lease_loop import Renewals, RequestSize, Spool, answers
 
 
 class Clock:
