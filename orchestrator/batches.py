@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from decentrl.api.encoding import pack_ints
-from decentrl.api.wire import BranchParent, Rollout, StaleReport, TrainBatch, TrainSample
+from decentrl.api.wire import ROOT_NODE, BranchParent, Rollout, StaleReport, TrainBatch, TrainSample
 from decentrl.config import AdvantageConfig
 from decentrl.rl.advantages import (
     ESTIMATORS,
@@ -24,6 +24,7 @@ from decentrl.rl.advantages import (
     distill_baseline,
     overlong_penalty,
     process_advantages,
+    roles_advantages,
     tree_advantages,
 )
 from decentrl.rl.staleness import staleness
@@ -80,10 +81,12 @@ def pick_signal(window: list[Group], wanted: int) -> tuple[list[Group], list[tup
 def build_batch(
     groups: list[Group], *, trainer_version: int, batch_id: str, advantages: AdvantageConfig,
     rollouts_accepted: int, stale_dropped: int, stale_report: StaleReport | None = None,
+    baselines: Mapping[str, float] | None = None,
 ) -> TrainBatch:
+    """`baselines`: units of roles, the role-conditioned baselines before this batch (`roles_outcome`)."""
     samples, histogram = [], Counter()
     rewards = [shaped_rewards(group, advantages) for group in groups]
-    outcomes = [
+    outcomes = roles_outcome(groups, rewards, advantages, baselines or {})[0] if advantages.type == "roles" else [
         tree_advantages(group_rewards, pivots, advantages.local_weight, advantages.normalize_std)
         if any(pivots := [_pivot_of(rollout) for rollout in group.rollouts]) else outcome
         for group, group_rewards, outcome in zip(groups, rewards, ESTIMATORS[advantages.type](rewards, advantages), strict=True)
@@ -125,6 +128,34 @@ def _pivot_of(rollout: Rollout) -> tuple[str, int] | None:
     """A tree's branch sample: its pivot (parent rollout id, tokens in); None for a root sample."""
     parent = rollout.node.parent if rollout.node is not None else None
     return (parent.rollout_id, parent.at) if isinstance(parent, BranchParent) else None
+
+
+def roles_outcome(
+    groups: list[Group], rewards: list[list[float]], config: AdvantageConfig, baselines: Mapping[str, float],
+) -> tuple[list[list[float]], dict[str, float]]:
+    """Units of roles: each group's samples by node (a derived node's id; the root's otherwise),
+    each node keyed by its role, through `roles_advantages` (decentrl/rl/advantages.py); the
+    advantages, group by group in sample order, and the baselines after the batch. A run has one
+    task, so the role alone is the key of its kind and role."""
+    nodes, keys, places = [], [], []
+    for g, (group, group_rewards) in enumerate(zip(groups, rewards, strict=True)):
+        members: dict[str, list[int]] = {}
+        for i, rollout in enumerate(group.rollouts):
+            node = rollout.node
+            members.setdefault(node.node_id if node is not None and node.parent is not None else ROOT_NODE, []).append(i)
+        for indices in members.values():
+            node = group.rollouts[indices[0]].node
+            nodes.append([group_rewards[i] for i in indices])
+            keys.append((node.role if node is not None else None) or "proposer")
+            places.append((g, indices))
+    per_node, after = roles_advantages(
+        nodes, keys, dict(baselines), single=config.single, decay=config.decay, normalize_std=config.normalize_std
+    )
+    result = [[0.0] * len(group_rewards) for group_rewards in rewards]
+    for (g, indices), values in zip(places, per_node, strict=True):
+        for i, value in zip(indices, values, strict=True):
+            result[g][i] = value
+    return result, after
 
 
 def shaped_rewards(group: Group, config: AdvantageConfig) -> list[float]:
@@ -179,6 +210,7 @@ class KeptBatches:
         self.served: OrderedDict[str, ServedBatch] = OrderedDict()  # request id -> batch, newest last
         self.leases: set[str] = set()  # leases of the batches in `served` (not to be forgotten yet)
         self._by_batch_id: dict[str, ServedBatch] = {}
+        self.baselines: dict[str, float] = {}  # units of roles: the role-conditioned baselines after the last batch
 
     def retried(self, request_id: str) -> TrainBatch | None:
         served = self.served.get(request_id)
@@ -189,8 +221,11 @@ class KeptBatches:
         served = self._by_batch_id.get(batch.batch_id or "")
         return served.msgpack() if served is not None and served.batch is batch else None
 
-    def served_now(self, request_id: str, batch: TrainBatch, groups: list[Group]) -> None:
-        """Journal a batch as served under `request_id` and keep it, forgetting the oldest."""
+    def served_now(
+        self, request_id: str, batch: TrainBatch, groups: list[Group], baselines: dict[str, float] | None = None,
+    ) -> None:
+        """Journal a batch as served under `request_id` and keep it, forgetting the oldest.
+        `baselines`: units of roles, the baselines after it (journaled with it, with those before)."""
         assert batch.batch_id is not None
         self.journal.record(BatchServed(
             request_id,
@@ -203,9 +238,12 @@ class KeptBatches:
                 "rollouts_accepted": batch.rollouts_accepted,
                 "stale_dropped": batch.stale_dropped,
                 "stale_report": batch.stale_report.model_dump() if batch.stale_report is not None else None,
+                **({"baselines": self.baselines, "baselines_after": baselines} if baselines is not None else {}),
             },
         ))
         self.keep(request_id, ServedBatch(batch.batch_id, groups, lambda: batch))
+        if baselines is not None:
+            self.baselines = baselines
         while len(self.served) > self.batches_kept:
             old_key, old = self.served.popitem(last=False)
             self.leases.difference_update(old.lease_ids)

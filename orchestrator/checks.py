@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from decentrl.api.wire import ROOT_NODE, BranchParent, Lease, Rollout, SamplingParams, TreeUnit, Unit, value_range
+from decentrl.api.wire import ROOT_NODE, BranchParent, Lease, RolesUnit, Rollout, SamplingParams, TreeUnit, Unit, value_range
 from decentrl.config import PretrainedModelConfig, RunConfig, TinyModelConfig
 from decentrl.model.routing import RouteSpec, keeps_routing, routing_problem, spec_of
 from decentrl.rl.staleness import is_fresh
@@ -23,6 +23,8 @@ from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeMismatch, EpisodeTask, TextCodec, replay_episode
 
 log = logging.getLogger("decentrl.orchestrator.checks")
+
+PROPOSER = "proposer"  # the role of a unit of roles' root node (orchestrator/leases.py `ROOT`)
 
 # The rejection of a rollout whose lease closed, by the status it closed with.
 CLOSED_REASON = {
@@ -33,6 +35,8 @@ CLOSED_REASON = {
     "dropped": "group_dropped",
     "superseded": "hedge_lost",  # another copy of its place completed first (its holder's posts: duplicates)
     "skipped": "group_full",  # complete, and dropped by dynamic sampling when a step consumed it
+    "filled": "group_full",  # a sub-lease of a unit of roles that took all its samples
+    "node_closed": "node_closed",  # a sub-lease whose node closed (its unit complete, or closed short)
 }
 
 
@@ -47,16 +51,18 @@ class OpenGroup(Protocol):
 class IngestChecks:
     def __init__(
         self, *, config: RunConfig, task: Task | EpisodeTask, sampling: SamplingParams, vocab_size: int,
-        ends: Callable[[list[int]], bool], episode_codec: TextCodec | None,
+        ends: Callable[[list[int]], bool], episode_codec: TextCodec | None, room: Callable[[Lease], int] | None = None,
     ) -> None:
         """`ends`: whether a completion's tokens end its generation (end-of-sequence or a stop
-        string, decentrl/model/stopping.py); `episode_codec`: a multi-turn task's text codec."""
+        string, decentrl/model/stopping.py); `episode_codec`: a multi-turn task's text codec;
+        `room`: units of roles, the samples a sub-lease may still post (orchestrator/roles.py)."""
         self.config = config
         self.task = task
         self.sampling = sampling  # every rollout must have been sampled with exactly these
         self.vocab_size = vocab_size
         self.ends = ends
         self.episode_codec = episode_codec
+        self.room = room
 
     def reason(
         self, rollout: Rollout, holder: str, *, lease: OpenGroup | None, closed: str | None, published: int | None,
@@ -79,7 +85,9 @@ class IngestChecks:
         if rollout.node is None or rollout.node.parent is None:
             if rollout.prompt_token_ids != granted.prompt_token_ids:
                 return "prompt_mismatch"
-        if granted.unit is not None and (problem := node_problem(rollout, granted.unit, lease)) is not None:
+        if isinstance(granted.unit, RolesUnit) and (problem := self.roles_problem(rollout, lease)) is not None:
+            return problem
+        if isinstance(granted.unit, TreeUnit) and (problem := node_problem(rollout, granted.unit, lease)) is not None:
             return problem
         if rollout.sampling != self.sampling:
             return "sampling_mismatch"
@@ -136,6 +144,24 @@ class IngestChecks:
                 return "episode_mismatch"
         return None
 
+    def roles_problem(self, rollout: Rollout, lease: OpenGroup) -> str | None:
+        """A unit of roles' rules (docs/architecture.md, "The unit of work, widened"): a sample of
+        the unit's own lease is its proposer's, one, of the root node; a sub-lease's samples are
+        of the node it names, exactly, at most as many as it holds. A derived node's prompt is the
+        orchestrator's (checked against the sub-lease's like any lease's prompt); a worker never names one."""
+        granted, node = lease.lease, rollout.node
+        if granted.unit_id is None:
+            if node is not None and (
+                node.parent is not None or node.node_id != ROOT_NODE or node.role not in (None, PROPOSER) or node.policy is not None
+            ):
+                return "node_mismatch"
+            return "node_full" if lease.samples else None
+        if node != granted.node:
+            return "node_mismatch"
+        if rollout.prompt_token_ids != granted.prompt_token_ids:
+            return "prompt_mismatch"  # the derived prompt is the orchestrator's, on the sub-lease
+        return "node_full" if self.room is None or self.room(granted) <= 0 else None
+
 
 def node_problem(rollout: Rollout, unit: Unit, lease: OpenGroup) -> str | None:
     """The rejection reason of a sample of a widened unit by its node's rules, or None
@@ -146,7 +172,7 @@ def node_problem(rollout: Rollout, unit: Unit, lease: OpenGroup) -> str | None:
     `pivots` branch nodes a unit. Its prefix is prompt: it carries no gradient."""
     node = rollout.node
     if not isinstance(unit, TreeUnit):
-        return "node_mismatch"  # roles units: their rules land with issue 48
+        return "node_mismatch"  # units of roles: IngestChecks.roles_problem
     if node is not None and (node.role is not None or node.policy is not None):
         return "node_mismatch"  # a tree's nodes have no roles
     samples = lease.samples

@@ -73,7 +73,10 @@ Event = (
 )
 
 
-ClosedStatus = Literal["complete", "served", "expired", "released", "dropped", "superseded", "skipped"]
+# filled, node_closed: sub-leases of units of roles (orchestrator/roles.py), full, or closed with their unit.
+ClosedStatus = Literal[
+    "complete", "served", "expired", "released", "dropped", "superseded", "skipped", "filled", "node_closed"
+]
 
 
 @dataclass

@@ -126,6 +126,18 @@ class FreeRunning:
     def forgotten(self, closed: ClosedLease) -> None:
         pass
 
+    def subs_of(self, closed: ClosedLease) -> list[str]:
+        return []
+
+    def join(self, open_lease: OpenLease, open_leases: Mapping[str, OpenLease]) -> OpenLease:
+        return open_lease
+
+    def sub_leases(self, holder: str, count: int) -> list[Lease]:
+        return []
+
+    def short(self) -> list[str]:
+        return []
+
     def copies(self, holder: str, count: int, head: int) -> list[Lease]:
         return []
 
@@ -193,6 +205,18 @@ class Deterministic:
     def forgotten(self, closed: ClosedLease) -> None:
         self.winners.pop(closed.lease.lease_id, None)
         self._told_needless(closed.lease.lease_id, closed.holder)
+
+    def subs_of(self, closed: ClosedLease) -> list[str]:
+        return []
+
+    def join(self, open_lease: OpenLease, open_leases: Mapping[str, OpenLease]) -> OpenLease:
+        return open_lease
+
+    def sub_leases(self, holder: str, count: int) -> list[Lease]:
+        return []
+
+    def short(self) -> list[str]:
+        return []
 
     @staticmethod
     def _place(lease: Lease) -> int:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from decentrl.api.wire import Lease, LeaseState, Rollout, StepBoundary, TreeUnit
-from decentrl.config import RunConfig, TreeConfig
+from decentrl.api.wire import ROOT_NODE, Lease, LeaseState, RolesUnit, Rollout, RolloutNode, StepBoundary, TreeUnit
+from decentrl.config import RolesConfig, RunConfig, TreeConfig
 from decentrl.rl.staleness import lease_budget
 from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask
@@ -35,7 +35,7 @@ from orchestrator.lease_table import LeaseError as LeaseError  # re-exported: ha
 Requeue = Literal["back", "front"]
 
 # A lease closed with one of these did not train: its samples are dropped.
-UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "superseded", "skipped"})
+UNTRAINED: frozenset[str] = frozenset({"expired", "released", "dropped", "superseded", "skipped", "node_closed"})
 PROMPT_CACHE = 4096  # prompts whose token ids are kept (prompts come back each epoch)
 
 
@@ -56,6 +56,17 @@ def tree_unit(config: TreeConfig | None) -> TreeUnit | None:
         return None
     boundary = StepBoundary(type=config.boundary, marker=config.marker, tokens=config.step_tokens)
     return TreeUnit(kind="tree", k=config.k, pivots=config.pivots, boundary=boundary)
+
+
+PROPOSER, SOLVER = "proposer", "solver"
+ROOT = RolloutNode(node_id=ROOT_NODE, role=PROPOSER)  # the root node of a unit of roles, on its lease
+
+
+def roles_unit(config: RolesConfig) -> RolesUnit:
+    """The unit every lease of a roles run is of: a proposer node of one sample, a solver node of
+    `solvers` (orchestrator/roles.py fills it)."""
+    return RolesUnit(kind="roles", roles=[PROPOSER, SOLVER], sizes=[1, config.solvers], min_fill=config.min_fill)
+
 
 
 @dataclass
@@ -110,6 +121,7 @@ class LeasePolicy(Protocol):
     def held(self, open_lease: OpenLease) -> None: ...
     def closed(self, closed: ClosedLease, requeue: Requeue | None) -> None: ...
     def forgotten(self, closed: ClosedLease) -> None: ...
+    def subs_of(self, closed: ClosedLease) -> list[str]: ...
 
 
 class LeaseBook:
@@ -132,7 +144,8 @@ class LeaseBook:
         self.on_dropped = on_dropped
         self.policy = policy
         options = config.orchestrator
-        self.unit = tree_unit(options.tree)  # what every lease of the run is a unit of (None: a plain group)
+        # What every lease of the run is a unit of (None: a plain group).
+        self.unit = roles_unit(options.roles) if options.roles is not None else tree_unit(options.tree)
         self.open: LeaseTable[OpenLease] = LeaseTable(
             timeout_s=options.lease_timeout_s, clock=clock, what="lease", others="worker",
             missing=f"never granted, or closed more than {options.dedupe_window_s:.0f}s ago",
@@ -161,17 +174,19 @@ class LeaseBook:
     def grant(self, holder: str, count: int) -> list[Lease]:
         """`count` new leases (the caller checked `capacity`)."""
         granted = []
+        roles = self.config.orchestrator.roles
         for _ in range(count):
             prompt_id, index, version = self.policy.next()
             lease = Lease(
                 lease_id=uuid.uuid4().hex,
                 prompt_id=prompt_id,
                 prompt_token_ids=self.prompts.token_ids(prompt_id),
-                group_size=self.config.group_size,
+                group_size=self.config.group_size if roles is None else 1,  # a unit of roles: its proposer's one sample
                 deadline=self.open.deadline(),
                 index=index,
                 policy_version=version,
                 unit=self.unit,
+                node=ROOT if roles is not None else None,
             )
             granted.append(self._grant(lease, holder))
         return granted
@@ -182,6 +197,23 @@ class LeaseBook:
             self._grant(lease.model_copy(update={"lease_id": uuid.uuid4().hex, "deadline": self.open.deadline()}), holder)
             for lease in leases
         ]
+
+    def grant_subs(self, holder: str, leases: list[Lease]) -> list[Lease]:
+        """Sub-leases (the policy's, orchestrator/roles.py) for `holder`: held, not journaled (after a
+        restart their nodes' missing samples are leased again); each keeps its unit open."""
+        granted = []
+        for lease in leases:
+            lease = lease.model_copy(update={"deadline": self.open.deadline()})
+            self.hold(OpenLease(lease=lease, holder=holder))
+            self.keep(lease.unit_id or "")
+            granted.append(lease)
+        return granted
+
+    def keep(self, lease_id: str) -> None:
+        """Renew an open unit whose node is being filled by sub-leases (its holder no longer renews it)."""
+        if lease_id in self.open:
+            self.open.renew(lease_id)
+            self.journal.record(LeaseRenewed(lease_id, self.open[lease_id].deadline))
 
     def _grant(self, lease: Lease, holder: str) -> Lease:
         self.hold(OpenLease(lease=lease, holder=holder))
@@ -198,7 +230,8 @@ class LeaseBook:
         """Close overdue leases and lease their prompts again; how many expired."""
         overdue = self.open.overdue()
         for lease_id in overdue:
-            self.close(lease_id, "expired", requeue="back", reason="lease_expired")
+            if lease_id in self.open:  # else closed with its unit, earlier in this loop
+                self.close(lease_id, "expired", requeue="back", reason="lease_expired")
         return len(overdue)
 
     # -- the one close path -----------------------------------------------------------------
@@ -225,6 +258,9 @@ class LeaseBook:
             closed = self.closed[lease_id] = ClosedLease(open_lease.lease, open_lease.holder, status, now, len(ids), ids)
         self.policy.closed(closed, requeue if open_lease is not None else None)
         self.closed_order.append((now, lease_id))
+        for sub in self.policy.subs_of(closed):  # a unit's open sub-leases close with it
+            trained = status in ("complete", "served")
+            self.close(sub, "node_closed" if trained else "dropped", reason="node_closed" if trained else "unit_dropped", counted=0)
         if status in UNTRAINED:
             assert reason is not None, f"a lease closed as {status} needs the reason its samples are dropped"
             self.on_dropped(closed, reason, (closed.samples if counted is None else counted) if closed.samples else 0)

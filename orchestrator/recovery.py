@@ -141,8 +141,10 @@ def recover(
             lease = lease_book.closed[lease_id].lease
             # A served group's oldest version is not asked again (nothing judges it stale): 0 stands in.
             groups.append(Group(lease_id, lease.prompt_id, rewards, 0, read=reader(lease)))
+        batches.baselines = body.get("baselines_after") or batches.baselines  # the newest kept batch's, last
         build = functools.partial(
             _build_kept, groups, restore_steps, advantages=advantages, trainer_version=body["trainer_version"],
+            baselines=body.get("baselines"),
             batch_id=body["batch_id"], rollouts_accepted=body["rollouts_accepted"], stale_dropped=body["stale_dropped"],
             stale_report=StaleReport.model_validate(body["stale_report"]) if body.get("stale_report") else None,
         )

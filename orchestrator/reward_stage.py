@@ -2,14 +2,20 @@
 
 RunState hands every complete group to `start`: `VerifierRewards` gives the task verifier's final
 rewards at once; `ModelRewards` (docs/rewards.md) queues the group's items for scorers, and
-`finish` combines their scores with the verifier's. Never the worker's claimed reward.
+`finish` combines their scores with the verifier's; `RolesRewards` derives a unit's solver node
+from its proposer's sample and rewards the proposer from its solvers. Never the worker's claimed reward.
 """
 
 from __future__ import annotations
 
-from decentrl.api.wire import ScoreResult
+from collections.abc import Callable
+
+from decentrl.api.wire import DerivedParent, Rollout, RolloutNode, ScoreResult
+from decentrl.tasks.base import Prompt
+from decentrl.tasks.propose import Proposal, ProposeTask
 from orchestrator.buffer import Group
 from orchestrator.rewards import Rewards
+from orchestrator.roles import SOLVER, Derived
 from orchestrator.score_queue import ScoreQueue
 
 
@@ -77,3 +83,43 @@ class ModelRewards:
     def recovered(self, scores: dict[str, str]) -> None:
         """The scores the journal holds (rollout id -> ScoreResult as JSON), read at a restart."""
         self.taken = {rollout_id: ScoreResult.model_validate_json(data) for rollout_id, data in scores.items()}
+
+
+class RolesRewards(VerifierRewards):
+    """Units of roles ([orchestrator.roles]): the solver node derived from the proposer's sample
+    (`derive`), and, once the unit is complete, every sample's reward: a solver's correctness on
+    the derived problem, the proposer's from its solvers' (validity first, then learnability:
+    the task's `proposer_reward`, decentrl/tasks/propose.py)."""
+
+    def __init__(self, rewards: Rewards, task: ProposeTask, render: Callable[[Prompt], list[int]]) -> None:
+        super().__init__(rewards)
+        self.task = task
+        self.render = render
+
+    def proposal(self, rollout: Rollout) -> Proposal | None:
+        return self.task.propose(self.rewards.decode([rollout.completion_token_ids])[0])
+
+    def derive(self, rollout: Rollout) -> Derived | None:
+        """The solver node of a proposer's sample, its prompt rendered here (a worker never
+        supplies it); None for an invalid proposal, which ends the unit."""
+        proposal = self.proposal(rollout)
+        if proposal is None:
+            return None
+        node = RolloutNode(node_id=SOLVER, parent=DerivedParent(rollout_id=rollout.rollout_id, derived=0), role=SOLVER)
+        return Derived(node, self.render(self.task.solver_prompt(proposal, rollout.prompt_id)))
+
+    def start(self, group: Group) -> bool:
+        rollouts = group.rollouts
+        proposer = next(i for i, r in enumerate(rollouts) if r.node is None or r.node.parent is None)
+        proposal = self.proposal(rollouts[proposer])
+        texts = self.rewards.decode([r.completion_token_ids for r in rollouts])
+        rewards = [0.0] * len(rollouts)
+        if proposal is not None:
+            prompt = self.task.solver_prompt(proposal, rollouts[proposer].prompt_id)
+            for i, text in enumerate(texts):
+                if i != proposer:
+                    rewards[i] = self.task.reward(prompt, text)
+        solved = [reward for i, reward in enumerate(rewards) if i != proposer]
+        rewards[proposer] = self.task.proposer_reward(proposal, solved)
+        group.rewards = rewards
+        return True

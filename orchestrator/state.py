@@ -33,6 +33,7 @@ from decentrl.api.wire import (
     Lease,
     LeaseState,
     Rejection,
+    RolesUnit,
     Rollout,
     SamplingParams,
     ScoreAck,
@@ -50,7 +51,8 @@ from decentrl.tasks import Task
 from decentrl.tasks.episodes import EpisodeTask, tokenizer_codec
 from decentrl.tasks.guard import reward_failures
 from decentrl.tasks.prompts import make_prompt_encoder
-from orchestrator.batches import KeptBatches, build_batch, pick_signal
+from decentrl.tasks.propose import ProposeTask
+from orchestrator.batches import KeptBatches, build_batch, pick_signal, roles_outcome, shaped_rewards
 from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
 from orchestrator.checks import IngestChecks
 from orchestrator.counters import Counters, Tally, Versions
@@ -60,8 +62,9 @@ from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.lease_policy import Deterministic, FreeRunning
 from orchestrator.leases import ClosedLease, LeaseBook, OpenLease, PromptQueue, Requeue
 from orchestrator.recovery import meta_row, recover
-from orchestrator.reward_stage import ModelRewards, VerifierRewards
+from orchestrator.reward_stage import ModelRewards, RolesRewards, VerifierRewards
 from orchestrator.rewards import Rewards
+from orchestrator.roles import Roles
 from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
 from orchestrator.tokenizer import make_decoder, make_encoder
 
@@ -154,9 +157,10 @@ class RunState:
         self.leases_changed = 0
         self.integrity = Integrity(options.verification, journaled=self.journal.durable)
         prompts = PromptQueue(task=task, render=render_prompt, seed=config.task.seed)
-        self.lease_policy: FreeRunning | Deterministic = (
-            Deterministic(config=config, prompts=prompts, clock=clock, digest=content_hash)
-            if config.deterministic else FreeRunning(prompts=prompts)
+        self.lease_policy: FreeRunning | Deterministic | Roles = (
+            Deterministic(config=config, prompts=prompts, clock=clock, digest=content_hash) if config.deterministic
+            else Roles(prompts=prompts, config=options.roles, clock=clock) if options.roles is not None
+            else FreeRunning(prompts=prompts)
         )
         self.lease_book = LeaseBook(
             config=config, prompts=prompts, journal=self.journal, clock=clock, on_dropped=self._dropped,
@@ -168,6 +172,7 @@ class RunState:
         )
         self.checks = IngestChecks(
             config=config, task=task, sampling=sampling, vocab_size=self.vocab_size, ends=ends,
+            room=self.lease_policy.sub_room if isinstance(self.lease_policy, Roles) else None,
             episode_codec=tokenizer_codec(tokenizer) if isinstance(task, EpisodeTask) else None,
         )
         self.buffer = Buffer(journal=self.journal, clock=clock)
@@ -175,8 +180,10 @@ class RunState:
             config=options.rewards, journal=self.journal, clock=clock,
             alive=lambda group_id: self.buffer.waits_for(group_id, "scores"),
         )  # stays empty unless the reward uses a model
-        self.reward_stage: VerifierRewards | ModelRewards = (
-            ModelRewards(self.rewards, self.score_queue) if options.rewards.uses_model else VerifierRewards(self.rewards)
+        self.reward_stage: VerifierRewards | ModelRewards | RolesRewards = (
+            ModelRewards(self.rewards, self.score_queue) if options.rewards.uses_model
+            else RolesRewards(self.rewards, task, render_prompt) if isinstance(task, ProposeTask)
+            else VerifierRewards(self.rewards)
         )
         self.kept = KeptBatches(batches_kept=options.batches_kept, journal=self.journal, clock=clock)
 
@@ -195,6 +202,7 @@ class RunState:
                 integrity=self.integrity, restore_steps=self.reward_stage.restore_steps,
             )
             self._redo_checks()
+            self._redo_nodes()
             log.info(
                 "recovered from %s: version %s, trainer version %d, %d open leases, %d ready groups, "
                 "%d rollouts acknowledged so far",
@@ -226,6 +234,22 @@ class RunState:
         if isinstance(self.reward_stage, ModelRewards) and self.rewards.steps_config is None and not self.rewards.token_ids:
             self.reward_stage.taken = {}  # kept only for the kept batches' per-token scores, rebuilt when asked for
 
+    def _redo_nodes(self) -> None:
+        """After recovery: an open unit of roles whose proposer's sample is in gets its solver node
+        again (derived again: the same prompt), less the solver samples already in; sub-leases are
+        not journaled, so its missing samples go out as new ones."""
+        if not isinstance(self.reward_stage, RolesRewards) or not isinstance(self.lease_policy, Roles):
+            return
+        for unit in list(self.lease_book.open.values()):
+            if not unit.samples:
+                continue
+            made = self.reward_stage.derive(unit.samples[0])
+            if made is None:
+                self._complete(unit)  # it stopped between the invalid proposal and its close
+                continue
+            self.lease_policy.derived(unit, made, posted=len(unit.samples) - 1)
+            self.lease_book.keep(unit.lease.lease_id)
+
     # -- leases (orchestrator/leases.py, orchestrator/lease_policy.py) ----------------------------
 
     def lease_capacity(self) -> int:
@@ -237,9 +261,10 @@ class RunState:
         """Copies of lagging places of the next batch first (a deterministic run's hedges: the
         trainer waits for that batch), then new places as the budget allows."""
         self.expire_leases()
+        subs = self.lease_book.grant_subs(holder, self.lease_policy.sub_leases(holder, max_groups))  # units' nodes first
         copies = self.lease_book.grant_copies(holder, self.lease_policy.copies(holder, max_groups, self.counters.groups_consumed))
         self.counters.hedged_leases += len(copies)
-        return copies + self.lease_book.grant(holder, min(max_groups - len(copies), self.lease_capacity()))
+        return subs + copies + self.lease_book.grant(holder, min(max_groups - len(subs) - len(copies), self.lease_capacity()))
 
     def hedge_due_in(self, holder: str | None) -> float | None:
         """Seconds until a place falls due for a copy `holder` (None: any worker) may take (None:
@@ -247,7 +272,10 @@ class RunState:
         return self.lease_policy.due_in(holder, self.counters.groups_consumed)
 
     def expire_leases(self) -> int:
-        """Close overdue leases and lease their prompts again; a late answer is rejected."""
+        """Close overdue leases and lease their prompts again; a late answer is rejected. Nodes of
+        units of roles past their straggler bound close short first (orchestrator/roles.py)."""
+        for unit_id in self.lease_policy.short():
+            self._complete(self.lease_book.open[unit_id])
         expired = self.lease_book.expire()
         self.counters.leases_expired += expired
         return expired
@@ -263,7 +291,9 @@ class RunState:
 
     def renew_lease(self, lease_id: str, holder: str) -> Lease:
         self.expire_leases()
-        return self.lease_book.renew(lease_id, holder)
+        lease = self.lease_book.renew(lease_id, holder)
+        self.lease_book.keep(lease.unit_id or "")  # a sub-lease keeps its unit open
+        return lease
 
     def release_lease(self, lease_id: str, holder: str) -> LeaseState:
         self.expire_leases()
@@ -307,14 +337,18 @@ class RunState:
             seen[rollout_id] = lease_id
             if rollout.node is None or rollout.node.parent is None:  # a branch's prompt holds its prefix
                 rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids  # equal (checked): shared
-            open_lease.samples.append(rollout)
+            unit = self.lease_policy.join(open_lease, self.lease_book.open)  # a sub-lease's sample joins its unit
+            rollout.__dict__["lease_id"] = unit.lease.lease_id
+            unit.samples.append(rollout)
             if check:
-                open_lease.check.append(len(open_lease.samples) - 1)
+                unit.check.append(len(unit.samples) - 1)
             self.journal.record(RolloutAccepted(rollout))
             self.counters.tokens_accepted += len(rollout.prompt_token_ids) + len(rollout.completion_token_ids)
             accepted += 1
-            if len(open_lease.samples) == open_lease.size:
-                self._complete(open_lease)  # 4. complete: rewarded, then ready or pending
+            if len(unit.samples) == unit.size:
+                self._complete(unit)  # 4. complete: rewarded, then ready or pending
+            elif isinstance(unit.lease.unit, RolesUnit):
+                self._node_recorded(open_lease, unit, rollout)
         self.counters.rollouts_accepted += accepted
         self.counters.duplicates += duplicates
         self._apply_bans()
@@ -327,6 +361,23 @@ class RunState:
             self.counters.hedge_duplicates += 1
             self.counters.hedge_mismatches += mismatches
         return mismatches is not None
+
+    def _node_recorded(self, open_lease: OpenLease, unit: OpenLease, rollout: Rollout) -> None:
+        """A unit of roles took a sample, not its last: the proposer's makes the solver node (or, an
+        invalid proposal, ends the unit); a full sub-lease closes `filled`. The unit stays open
+        while its node is filled."""
+        policy = self.lease_policy
+        assert isinstance(policy, Roles) and isinstance(self.reward_stage, RolesRewards), "only units of roles have nodes"
+        if policy.makes_node(unit, rollout):
+            made = self.reward_stage.derive(rollout)
+            if made is None:
+                self._complete(unit)  # an invalid proposal: the unit ends with the proposer's validity reward
+                return
+            policy.derived(unit, made)
+            self.leases_changed += 1  # sub-leases to hand out
+        elif open_lease is not unit and policy.sub_room(open_lease.lease) == 0:
+            self.lease_book.close(open_lease.lease.lease_id, "filled")
+        self.lease_book.keep(unit.lease.lease_id)
 
     def _complete(self, open_lease: OpenLease) -> None:
         """The group is full: reward it, fill its place, then queue it or make it pending."""
@@ -550,17 +601,21 @@ class RunState:
         self.counters.groups_skipped += len(skipped)
         self.counters.groups_served += len(groups)
         batch_id = uuid.uuid4().hex
+        advantages = self.config.orchestrator.advantages
         batch = build_batch(
-            groups, trainer_version=self.versions.trainer, batch_id=batch_id,
-            advantages=self.config.orchestrator.advantages,
+            groups, trainer_version=self.versions.trainer, batch_id=batch_id, advantages=advantages,
             rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
-            stale_report=self._stale_report(),
+            stale_report=self._stale_report(), baselines=self.kept.baselines,
+        )
+        after = (
+            roles_outcome(groups, [shaped_rewards(g, advantages) for g in groups], advantages, self.kept.baselines)[1]
+            if advantages.type == "roles" else None
         )
         for group in groups:
             self.counters.recent_rewards.extend(group.rewards)
             closed = self.lease_book.close(group.lease_id, "served")
             self.integrity.record(closed.holder).served += group.size
-        self.kept.served_now(request_id or batch_id, batch, groups)
+        self.kept.served_now(request_id or batch_id, batch, groups, after)
         return batch
 
     def _stale_report(self) -> StaleReport:

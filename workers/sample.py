@@ -52,7 +52,8 @@ def to_rollout(
     run_name: str, worker_id: str, lease: Lease, sample: Sample, sampling: SamplingParams, *, keep_routing: bool
 ) -> Rollout:
     """The rollout to post for `sample`; `token_versions` only when it spans a swap. MoE routes
-    travel only in a keep_routing run: the trainer replays any routes it is given."""
+    travel only in a keep_routing run: the trainer replays any routes it is given. A sub-lease of
+    a unit of roles is a lease like any other: its samples carry its node."""
     mixed = len(set(sample.versions)) > 1
     return Rollout(
         rollout_id=uuid.uuid4().hex,
@@ -72,4 +73,5 @@ def to_rollout(
         loss_mask=sample.loss_mask,  # type: ignore[arg-type]
         claimed_reward=sample.claimed_reward,
         expert_routing=sample.routes if keep_routing else None,
+        node=lease.node,  # a unit of roles: the node (and role) the lease is of
     )

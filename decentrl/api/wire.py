@@ -272,6 +272,14 @@ class Lease(Wire):
         None, description="A widened unit of work (docs/architecture.md): a tree (branches from pivots) or roles. "
         "None: a plain group of `group_size` samples."
     )
+    node: RolloutNode | None = Field(
+        None, description="Roles units: the node this lease's samples belong to; the worker copies it into each "
+        "sample's `node`. None: the root node (or a plain group)."
+    )
+    unit_id: str | None = Field(
+        None, min_length=1, max_length=128, description="A sub-lease: the id of the unit (lease) whose derived node it "
+        "holds part of; its samples join that unit. None: a lease of its own unit."
+    )
 
 
 ROOT_NODE = "root"  # the node id of a unit's root node, where a sample names it

@@ -34,6 +34,7 @@ from decentrl.config.orchestrator import (
 )
 from decentrl.config.placement import Placed, PlacementConfig, RolePlacement
 from decentrl.config.prompt import PromptConfig
+from decentrl.config.roles import RolesConfig
 from decentrl.config.run import RunConfig
 from decentrl.config.scorer import (
     HFScorerConfig,
@@ -88,7 +89,7 @@ __all__ = [
     "JsonVerdictConfig", "LoRAConfig", "LoggingConfig", "LossConfig", "ModelConfig", "ObjectiveConfig",
     "OffPolicyConfig", "OpenAIScorerConfig", "OpenAIServerConfig", "OrchestratorConfig", "OverlongConfig", "Placed", "PlacementConfig",
     "PPOObjectiveConfig", "PolicyLossBase", "PretrainedModelConfig", "PromptConfig", "PythonScorerConfig",
-    "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RegexVerdictConfig", "RewardConfig", "RolePlacement",
+    "ReasoningGymDatasetSpec", "ReasoningGymTaskConfig", "RolesConfig", "RegexVerdictConfig", "RewardConfig", "RolePlacement",
     "RunConfig", "SamplingConfig", "ScorerConfig", "SeqMaskConfig", "SimulationConfig", "SortingTaskConfig",
     "StepsConfig", "StoreConfig", "TISConfig", "TaskConfig", "TeacherScorerConfig", "TinyModelConfig", "TinyMoEConfig", "TokenLossConfig",
     "TrainerAdvantagesConfig", "TrainerConfig", "TreeConfig", "TurnStepsConfig", "VerificationConfig", "VerifiersTaskConfig",

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from decentrl.config.base import Section, keyed_union
 from decentrl.config.distill import DistillConfig
+from decentrl.config.roles import RolesConfig
 
 
 class SamplingConfig(Section):
@@ -171,11 +172,17 @@ class AdvantageConfig(Section):
     DeepSeekMath's process supervision) or s_ij of t's own step (`process = "step"`).
     """
 
-    type: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+    type: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "roles"] = Field(
         "grpo", description="Outcome advantage estimator: grpo (group mean baseline), rloo (leave-one-out baseline, "
         "arXiv 2402.14740), reinforce_pp (batch mean and std, arXiv 2501.03262), reinforce_pp_baseline (group mean, "
-        "then the batch's std)."
+        "then the batch's std), roles (units of roles, [orchestrator.roles]: a node of several samples centred on its "
+        "own mean, a one-sample node on a baseline per task kind and role, `single`)."
     )
+    single: Literal["rae", "batch"] = Field(
+        "rae", description="type = 'roles': the baseline of a one-sample node (the proposer): rae, SPIRAL's "
+        "role-conditioned moving average (decay); batch, Absolute Zero's mean over the batch's nodes of that kind and role."
+    )
+    decay: float = Field(0.95, ge=0.0, lt=1.0, description="type = 'roles', single = 'rae': the moving average's decay.")
     normalize_std: bool = Field(
         False, description="Divide each group's centered rewards (and centered step scores) by their std (GRPO); "
         "Dr.GRPO leaves it off."
@@ -220,7 +227,7 @@ class AdvantageConfig(Section):
                 "orchestrator.advantages: process_weight and outcome_weight are both 0, so every token's advantage "
                 "would be 0; set process_weight > 0 (or outcome_weight > 0)"
             )
-        if self.normalize_std and self.type != "grpo":
+        if self.normalize_std and self.type not in ("grpo", "roles"):
             raise ValueError(
                 f"orchestrator.advantages.normalize_std divides by the group's std (type = 'grpo'); type = '{self.type}' "
                 "has its own scale (rloo: none, reinforce_pp*: the batch's std): set normalize_std = false or type = 'grpo'"
@@ -413,6 +420,10 @@ class OrchestratorConfig(Section):
     )
     advantages: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="How a complete group's rewards become advantages."
+    )
+    roles: RolesConfig | None = Field(
+        None, description="Present ([orchestrator.roles]): every lease is a unit of roles, a proposer and the solver node "
+        "derived from its sample (decentrl/config/roles.py). Absent: plain groups."
     )
     keep_late: int = Field(
         0, ge=0, le=64,

@@ -109,6 +109,21 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _roles_fit(self) -> RunConfig:
+        roles, propose = self.orchestrator.roles, self.task.type == "propose"
+        if (roles is None) != (not propose) or (roles is None) != (self.orchestrator.advantages.type != "roles"):
+            raise ValueError(
+                "units of roles go together: [task] type = 'propose', [orchestrator.roles] and "
+                "orchestrator.advantages.type = 'roles' are set all three or none"
+            )
+        if roles is not None and (self.deterministic or self.orchestrator.rewards.type != "verifier"):
+            raise ValueError(
+                "[orchestrator.roles] runs free (deterministic = false) with the task's verifier rewards "
+                "(orchestrator.rewards.type = 'verifier'): set both"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _loss_matches_advantages(self) -> RunConfig:
         if self.trainer.loss.type == "dr_grpo" and self.orchestrator.advantages.normalize_std:
             raise ValueError(
