@@ -46,23 +46,22 @@ class OpenGroup(Protocol):
     lease: Lease
     holder: str
     samples: list[Rollout]
+    posted: int
 
 
 class IngestChecks:
     def __init__(
         self, *, config: RunConfig, task: Task | EpisodeTask, sampling: SamplingParams, vocab_size: int,
-        ends: Callable[[list[int]], bool], episode_codec: TextCodec | None, room: Callable[[Lease], int] | None = None,
+        ends: Callable[[list[int]], bool], episode_codec: TextCodec | None,
     ) -> None:
         """`ends`: whether a completion's tokens end its generation (end-of-sequence or a stop
-        string, decentrl/model/stopping.py); `episode_codec`: a multi-turn task's text codec;
-        `room`: units of roles, the samples a sub-lease may still post (orchestrator/roles.py)."""
+        string, decentrl/model/stopping.py); `episode_codec`: a multi-turn task's text codec."""
         self.config = config
         self.task = task
         self.sampling = sampling  # every rollout must have been sampled with exactly these
         self.vocab_size = vocab_size
         self.ends = ends
         self.episode_codec = episode_codec
-        self.room = room
 
     def reason(
         self, rollout: Rollout, holder: str, *, lease: OpenGroup | None, closed: str | None, published: int | None,
@@ -160,7 +159,7 @@ class IngestChecks:
             return "node_mismatch"
         if rollout.prompt_token_ids != granted.prompt_token_ids:
             return "prompt_mismatch"  # the derived prompt is the orchestrator's, on the sub-lease
-        return "node_full" if self.room is None or self.room(granted) <= 0 else None
+        return "node_full" if lease.posted >= granted.group_size else None
 
 
 def node_problem(rollout: Rollout, unit: Unit, lease: OpenGroup) -> str | None:

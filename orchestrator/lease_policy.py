@@ -129,13 +129,13 @@ class FreeRunning:
     def subs_of(self, closed: ClosedLease) -> list[str]:
         return []
 
-    def join(self, open_lease: OpenLease, open_leases: Mapping[str, OpenLease]) -> OpenLease:
-        return open_lease
-
-    def sub_leases(self, holder: str, count: int) -> list[Lease]:
+    def make_nodes(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
         return []
 
-    def short(self) -> list[str]:
+    def sub_leases(self, holder: str, count: int, open_leases: Mapping[str, OpenLease]) -> list[Lease]:
+        return []
+
+    def short(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
         return []
 
     def copies(self, holder: str, count: int, head: int) -> list[Lease]:
@@ -209,13 +209,13 @@ class Deterministic:
     def subs_of(self, closed: ClosedLease) -> list[str]:
         return []
 
-    def join(self, open_lease: OpenLease, open_leases: Mapping[str, OpenLease]) -> OpenLease:
-        return open_lease
-
-    def sub_leases(self, holder: str, count: int) -> list[Lease]:
+    def make_nodes(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
         return []
 
-    def short(self) -> list[str]:
+    def sub_leases(self, holder: str, count: int, open_leases: Mapping[str, OpenLease]) -> list[Lease]:
+        return []
+
+    def short(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
         return []
 
     @staticmethod

@@ -69,6 +69,14 @@ def roles_unit(config: RolesConfig) -> RolesUnit:
 
 
 
+@dataclass(frozen=True)
+class Derived:
+    """A derived node the reward stage made from a proposer's sample."""
+
+    node: RolloutNode  # its id, parent {rollout_id, derived}, role
+    prompt_token_ids: list[int]  # rendered by the orchestrator
+
+
 @dataclass
 class OpenLease:
     lease: Lease
@@ -76,6 +84,7 @@ class OpenLease:
     granted_at: float = 0.0  # when granted (a recovered lease: when recovered), for the lease policy
     samples: list[Rollout] = field(default_factory=list)
     check: list[int] = field(default_factory=list)  # samples whose logprobs are to be recomputed
+    posted: int = 0  # samples taken through this lease since it was held (a sub-lease's join its unit's `samples`)
 
     @property
     def deadline(self) -> float:

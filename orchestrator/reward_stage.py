@@ -14,8 +14,8 @@ from decentrl.api.wire import DerivedParent, Rollout, RolloutNode, ScoreResult
 from decentrl.tasks.base import Prompt
 from decentrl.tasks.propose import Proposal, ProposeTask
 from orchestrator.buffer import Group
+from orchestrator.leases import SOLVER, Derived
 from orchestrator.rewards import Rewards
-from orchestrator.roles import SOLVER, Derived
 from orchestrator.score_queue import ScoreQueue
 
 

@@ -25,20 +25,10 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from decentrl.api.wire import Lease, Rollout, RolloutNode
+from decentrl.api.wire import Lease, Rollout
 from decentrl.config import RolesConfig
 from orchestrator.lease_policy import FreeRunning
-from orchestrator.leases import SOLVER, ClosedLease, OpenLease, PromptQueue, Requeue
-
-__all__ = ["SOLVER", "Derived", "Roles"]
-
-
-@dataclass(frozen=True)
-class Derived:
-    """A derived node the reward stage made from a proposer's sample."""
-
-    node: RolloutNode  # its id, parent {rollout_id, derived}, role
-    prompt_token_ids: list[int]  # rendered by the orchestrator
+from orchestrator.leases import ClosedLease, Derived, OpenLease, PromptQueue, Requeue
 
 
 @dataclass
@@ -50,18 +40,21 @@ class Node:
     derived: Derived
     size: int
     made_at: float
-    unleased: int  # samples in no open sub-lease yet
-    posted: int = 0  # samples in
-    subs: dict[str, int] = field(default_factory=dict)  # open sub-lease -> samples it may still post
+    subs: set[str] = field(default_factory=set)  # its open sub-leases
 
 
 class Roles(FreeRunning):
     """Prompts in the prompt queue's order, one unit each; solver nodes as sub-leases."""
 
-    def __init__(self, *, prompts: PromptQueue, config: RolesConfig, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, *, prompts: PromptQueue, config: RolesConfig, clock: Callable[[], float],
+        derive: Callable[[Rollout], Derived | None],
+    ) -> None:
+        """`derive`: the reward stage's (`RolesRewards.derive`), a proposer's sample -> its solver node."""
         super().__init__(prompts=prompts)
         self.config = config
         self.clock = clock
+        self.derive = derive
         self.nodes: dict[str, Node] = {}  # unit id -> its solver node, while the unit is open
         self.sub_of: dict[str, str] = {}  # open sub-lease id -> its unit's id
         self.closed_short = 0
@@ -75,18 +68,18 @@ class Roles(FreeRunning):
         lease = open_lease.lease
         if lease.unit_id is not None:
             self.sub_of[lease.lease_id] = lease.unit_id
+            self.nodes[lease.unit_id].subs.add(lease.lease_id)
 
     def closed(self, closed: ClosedLease, requeue: Requeue | None) -> None:
+        """A unit: its node goes, its prompt back in line if it is to go again. A sub-lease: its
+        unfilled samples are the node's to lease again (never its prompt)."""
         lease = closed.lease
         unit_id = self.sub_of.pop(lease.lease_id, None)
         if unit_id is None:
             self.nodes.pop(lease.lease_id, None)
-            super().closed(closed, requeue)  # a unit: its prompt back in line, if it is to go again
-            return
-        node = self.nodes.get(unit_id)
-        left = node.subs.pop(lease.lease_id, 0) if node is not None else 0
-        if node is not None and requeue is not None:
-            node.unleased += left  # untrained: its unfilled samples go out again, not its prompt
+            super().closed(closed, requeue)
+        elif unit_id in self.nodes:
+            self.nodes[unit_id].subs.discard(lease.lease_id)
 
     def subs_of(self, closed: ClosedLease) -> list[str]:
         """The open sub-leases of a unit that just closed (none for a sub-lease)."""
@@ -94,60 +87,50 @@ class Roles(FreeRunning):
 
     # -- the owner's questions -------------------------------------------------------------------
 
-    def join(self, open_lease: OpenLease, open_leases: Mapping[str, OpenLease]) -> OpenLease:
-        """The open lease a sample of `open_lease` joins: its unit's, for a sub-lease (open while it is)."""
-        unit_id = open_lease.lease.unit_id
-        if unit_id is None:
-            return open_lease
-        node = self.nodes[unit_id]
-        node.subs[open_lease.lease.lease_id] -= 1
-        node.posted += 1
-        return open_leases[unit_id]
+    def make_nodes(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
+        """Make the solver node of every open unit whose proposer's sample is in (asked before
+        leases are granted, so a node is ready for the next worker; after a restart, less the
+        solver samples already in). Returns the units whose proposal is invalid: the owner
+        completes each, its proposer rewarded for validity alone."""
+        invalid = []
+        for unit_id, unit in open_leases.items():
+            if unit.lease.unit_id is not None or unit_id in self.nodes or not unit.samples or unit.lease.unit is None:
+                continue
+            derived = self.derive(unit.samples[0])
+            if derived is None:
+                invalid.append(unit_id)
+            else:
+                self.nodes[unit_id] = Node(unit.lease, unit.holder, derived, self.config.solvers, self.clock())
+        return invalid
 
-    def makes_node(self, unit: OpenLease, rollout: Rollout) -> bool:
-        """Whether `rollout` completes a unit's root node (its proposer's sample): the solver node is derived next."""
-        return unit.lease.unit_id is None and unit.lease.unit is not None and (rollout.node is None or rollout.node.parent is None)
-
-    def derived(self, unit: OpenLease, derived: Derived, posted: int = 0) -> None:
-        """The unit's solver node is made (`posted`: of its samples already in, after a restart)."""
-        size = self.config.solvers
-        self.nodes[unit.lease.lease_id] = Node(unit.lease, unit.holder, derived, size, self.clock(), size - posted, posted)
-
-    def sub_leases(self, holder: str, count: int) -> list[Lease]:
+    def sub_leases(self, holder: str, count: int, open_leases: Mapping[str, OpenLease]) -> list[Lease]:
         """Up to `count` sub-leases for `holder`, oldest node first (its own units' at once, others'
-        after `holder_first_s`). The lease book grants them (`grant_subs`)."""
+        after `holder_first_s`), each of the samples its node still lacks beyond its open
+        sub-leases. The lease book grants them (`grant_subs`)."""
         now, leases = self.clock(), []
         for unit_id, node in self.nodes.items():
-            while len(leases) < count and node.unleased > 0 and (
-                node.holder == holder or now >= node.made_at + self.config.holder_first_s
-            ):
-                size = min(self.config.sub_lease_size, node.unleased)
-                node.unleased -= size
-                lease = Lease(
+            if len(leases) >= count or (node.holder != holder and now < node.made_at + self.config.holder_first_s):
+                continue
+            in_flight = sum(open_leases[sub].lease.group_size - open_leases[sub].posted for sub in node.subs)
+            need = node.size - (len(open_leases[unit_id].samples) - 1) - in_flight
+            while len(leases) < count and need > 0:
+                size = min(self.config.sub_lease_size, need)
+                need -= size
+                leases.append(Lease(
                     lease_id=uuid.uuid4().hex, prompt_id=node.unit.prompt_id,
                     prompt_token_ids=node.derived.prompt_token_ids, group_size=size, deadline=0.0,
                     unit=node.unit.unit, node=node.derived.node, unit_id=unit_id,
-                )
-                node.subs[lease.lease_id] = size
-                leases.append(lease)
+                ))
         return leases
 
-    def sub_room(self, lease: Lease) -> int:
-        """Samples a sub-lease may still post (0 once full)."""
-        node = self.nodes.get(lease.unit_id or "")
-        return node.subs.get(lease.lease_id, 0) if node is not None else 0
-
-    def short(self) -> list[str]:
+    def short(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
         """Units whose solver node closes short now: at least `min_fill` samples in, and made
         `close_after_s` ago. The owner completes them; their open sub-leases close `node_closed`."""
         now = self.clock()
         due = [
             unit_id for unit_id, node in self.nodes.items()
-            if self.config.min_fill <= node.posted < node.size and now >= node.made_at + self.config.close_after_s
+            if self.config.min_fill <= len(open_leases[unit_id].samples) - 1 < node.size
+            and now >= node.made_at + self.config.close_after_s
         ]
         self.closed_short += len(due)
         return due
-
-    def waiting(self, unit_id: str) -> bool:
-        """Whether a unit's solver node is still being filled (its deadline is kept while it is)."""
-        return unit_id in self.nodes

@@ -156,23 +156,25 @@ class RunState:
         # place due for a copy right away. The rollouts handler wakes the lease long-polls on more.
         self.leases_changed = 0
         self.integrity = Integrity(options.verification, journaled=self.journal.durable)
+        self.rewards = Rewards(
+            task=task, tokenizer=tokenizer, decode=decode, ends=ends, rewards=options.rewards, prompt=config.prompt,
+            steps=options.advantages.steps, token_ids=options.advantages.distill is not None,
+        )
+        # Units of roles ([orchestrator.roles]): the reward stage derives solver nodes, the lease policy leases them.
+        roles = RolesRewards(self.rewards, task, render_prompt) if isinstance(task, ProposeTask) else None
         prompts = PromptQueue(task=task, render=render_prompt, seed=config.task.seed)
         self.lease_policy: FreeRunning | Deterministic | Roles = (
             Deterministic(config=config, prompts=prompts, clock=clock, digest=content_hash) if config.deterministic
-            else Roles(prompts=prompts, config=options.roles, clock=clock) if options.roles is not None
+            else Roles(prompts=prompts, config=options.roles, clock=clock, derive=roles.derive)
+            if roles is not None and options.roles is not None
             else FreeRunning(prompts=prompts)
         )
         self.lease_book = LeaseBook(
             config=config, prompts=prompts, journal=self.journal, clock=clock, on_dropped=self._dropped,
             policy=self.lease_policy,
         )
-        self.rewards = Rewards(
-            task=task, tokenizer=tokenizer, decode=decode, ends=ends, rewards=options.rewards, prompt=config.prompt,
-            steps=options.advantages.steps, token_ids=options.advantages.distill is not None,
-        )
         self.checks = IngestChecks(
             config=config, task=task, sampling=sampling, vocab_size=self.vocab_size, ends=ends,
-            room=self.lease_policy.sub_room if isinstance(self.lease_policy, Roles) else None,
             episode_codec=tokenizer_codec(tokenizer) if isinstance(task, EpisodeTask) else None,
         )
         self.buffer = Buffer(journal=self.journal, clock=clock)
@@ -181,9 +183,7 @@ class RunState:
             alive=lambda group_id: self.buffer.waits_for(group_id, "scores"),
         )  # stays empty unless the reward uses a model
         self.reward_stage: VerifierRewards | ModelRewards | RolesRewards = (
-            ModelRewards(self.rewards, self.score_queue) if options.rewards.uses_model
-            else RolesRewards(self.rewards, task, render_prompt) if isinstance(task, ProposeTask)
-            else VerifierRewards(self.rewards)
+            ModelRewards(self.rewards, self.score_queue) if options.rewards.uses_model else roles or VerifierRewards(self.rewards)
         )
         self.kept = KeptBatches(batches_kept=options.batches_kept, journal=self.journal, clock=clock)
 
@@ -202,7 +202,6 @@ class RunState:
                 integrity=self.integrity, restore_steps=self.reward_stage.restore_steps,
             )
             self._redo_checks()
-            self._redo_nodes()
             log.info(
                 "recovered from %s: version %s, trainer version %d, %d open leases, %d ready groups, "
                 "%d rollouts acknowledged so far",
@@ -234,22 +233,6 @@ class RunState:
         if isinstance(self.reward_stage, ModelRewards) and self.rewards.steps_config is None and not self.rewards.token_ids:
             self.reward_stage.taken = {}  # kept only for the kept batches' per-token scores, rebuilt when asked for
 
-    def _redo_nodes(self) -> None:
-        """After recovery: an open unit of roles whose proposer's sample is in gets its solver node
-        again (derived again: the same prompt), less the solver samples already in; sub-leases are
-        not journaled, so its missing samples go out as new ones."""
-        if not isinstance(self.reward_stage, RolesRewards) or not isinstance(self.lease_policy, Roles):
-            return
-        for unit in list(self.lease_book.open.values()):
-            if not unit.samples:
-                continue
-            made = self.reward_stage.derive(unit.samples[0])
-            if made is None:
-                self._complete(unit)  # it stopped between the invalid proposal and its close
-                continue
-            self.lease_policy.derived(unit, made, posted=len(unit.samples) - 1)
-            self.lease_book.keep(unit.lease.lease_id)
-
     # -- leases (orchestrator/leases.py, orchestrator/lease_policy.py) ----------------------------
 
     def lease_capacity(self) -> int:
@@ -261,7 +244,10 @@ class RunState:
         """Copies of lagging places of the next batch first (a deterministic run's hedges: the
         trainer waits for that batch), then new places as the budget allows."""
         self.expire_leases()
-        subs = self.lease_book.grant_subs(holder, self.lease_policy.sub_leases(holder, max_groups))  # units' nodes first
+        for unit_id in self.lease_policy.make_nodes(self.lease_book.open):  # units of roles: an invalid proposal ends its unit
+            self._complete(self.lease_book.open[unit_id])
+        # Units' nodes first (sub-leases), then copies of lagging places (hedges), then new units or groups.
+        subs = self.lease_book.grant_subs(holder, self.lease_policy.sub_leases(holder, max_groups, self.lease_book.open))
         copies = self.lease_book.grant_copies(holder, self.lease_policy.copies(holder, max_groups, self.counters.groups_consumed))
         self.counters.hedged_leases += len(copies)
         return subs + copies + self.lease_book.grant(holder, min(max_groups - len(subs) - len(copies), self.lease_capacity()))
@@ -274,7 +260,7 @@ class RunState:
     def expire_leases(self) -> int:
         """Close overdue leases and lease their prompts again; a late answer is rejected. Nodes of
         units of roles past their straggler bound close short first (orchestrator/roles.py)."""
-        for unit_id in self.lease_policy.short():
+        for unit_id in self.lease_policy.short(self.lease_book.open):
             self._complete(self.lease_book.open[unit_id])
         expired = self.lease_book.expire()
         self.counters.leases_expired += expired
@@ -337,7 +323,8 @@ class RunState:
             seen[rollout_id] = lease_id
             if rollout.node is None or rollout.node.parent is None:  # a branch's prompt holds its prefix
                 rollout.__dict__["prompt_token_ids"] = open_lease.lease.prompt_token_ids  # equal (checked): shared
-            unit = self.lease_policy.join(open_lease, self.lease_book.open)  # a sub-lease's sample joins its unit
+            unit = self.lease_book.open.get(open_lease.lease.unit_id or "", open_lease)  # a sub-lease's sample joins its unit
+            open_lease.posted += 1
             rollout.__dict__["lease_id"] = unit.lease.lease_id
             unit.samples.append(rollout)
             if check:
@@ -347,8 +334,12 @@ class RunState:
             accepted += 1
             if len(unit.samples) == unit.size:
                 self._complete(unit)  # 4. complete: rewarded, then ready or pending
-            elif isinstance(unit.lease.unit, RolesUnit):
-                self._node_recorded(open_lease, unit, rollout)
+            elif isinstance(unit.lease.unit, RolesUnit) and open_lease is unit:
+                self.leases_changed += 1  # a proposer's sample: its solver node is to lease (orchestrator/roles.py)
+            elif open_lease is not unit:  # a sub-lease of a unit of roles: it keeps its unit open, and closes when full
+                self.lease_book.keep(unit.lease.lease_id)
+                if open_lease.posted == open_lease.lease.group_size:
+                    self.lease_book.close(open_lease.lease.lease_id, "filled")
         self.counters.rollouts_accepted += accepted
         self.counters.duplicates += duplicates
         self._apply_bans()
@@ -361,23 +352,6 @@ class RunState:
             self.counters.hedge_duplicates += 1
             self.counters.hedge_mismatches += mismatches
         return mismatches is not None
-
-    def _node_recorded(self, open_lease: OpenLease, unit: OpenLease, rollout: Rollout) -> None:
-        """A unit of roles took a sample, not its last: the proposer's makes the solver node (or, an
-        invalid proposal, ends the unit); a full sub-lease closes `filled`. The unit stays open
-        while its node is filled."""
-        policy = self.lease_policy
-        assert isinstance(policy, Roles) and isinstance(self.reward_stage, RolesRewards), "only units of roles have nodes"
-        if policy.makes_node(unit, rollout):
-            made = self.reward_stage.derive(rollout)
-            if made is None:
-                self._complete(unit)  # an invalid proposal: the unit ends with the proposer's validity reward
-                return
-            policy.derived(unit, made)
-            self.leases_changed += 1  # sub-leases to hand out
-        elif open_lease is not unit and policy.sub_room(open_lease.lease) == 0:
-            self.lease_book.close(open_lease.lease.lease_id, "filled")
-        self.lease_book.keep(unit.lease.lease_id)
 
     def _complete(self, open_lease: OpenLease) -> None:
         """The group is full: reward it, fill its place, then queue it or make it pending."""

@@ -145,7 +145,9 @@ MakeRollout = Callable[..., Rollout]
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     merged = copy.deepcopy(base)
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        # A keyed section of another type ([task] type = "propose" over "sorting") replaces the base's whole.
+        base = merged.get(key)
+        if isinstance(value, dict) and isinstance(base, dict) and value.get("type", base.get("type")) == base.get("type"):
             merged[key] = _merge(merged[key], value)
         else:
             merged[key] = value

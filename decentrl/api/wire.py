@@ -194,7 +194,8 @@ class TreeUnit(Wire):
 
 class RolesUnit(Wire):
     """An episode of roles (co-evolution, issue 48): one node per role, `sizes[i]` samples of
-    role `roles[i]`; a node may close short once it holds `min_fill` samples (the lease policy)."""
+    role `roles[i]`; a node larger than `min_fill` may close short once it holds `min_fill` samples
+    (the lease policy, orchestrator/roles.py); a smaller one (a proposer's one sample) waits for all."""
 
     kind: Literal["roles"]
     roles: list[Annotated[str, Field(pattern=ROLE_NAME)]] = Field(min_length=1, max_length=MAX_ROLES)
@@ -207,8 +208,8 @@ class RolesUnit(Wire):
             raise ValueError(f"{len(self.roles)} roles but {len(self.sizes)} sizes: give one size a role")
         if len(set(self.roles)) != len(self.roles):
             raise ValueError("roles must be distinct")
-        if self.min_fill > min(self.sizes):
-            raise ValueError(f"min_fill {self.min_fill} is more than the smallest node ({min(self.sizes)} samples)")
+        if self.min_fill > max(self.sizes):
+            raise ValueError(f"min_fill {self.min_fill} is more than the largest node ({max(self.sizes)} samples)")
         return self
 
 

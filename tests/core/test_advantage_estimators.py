@@ -70,7 +70,8 @@ def test_grpo_estimator_is_group_advantages_unchanged() -> None:
 
 def test_every_estimator_type_in_the_config_has_a_function() -> None:
     types = AdvantageConfig.model_fields["type"].annotation.__args__  # type: ignore[union-attr]
-    assert set(types) == set(ESTIMATORS)
+    # `roles` reads the samples' nodes, not only their rewards: orchestrator/batches.py `roles_outcome`.
+    assert set(types) == set(ESTIMATORS) | {"roles"}
 
 
 @pytest.mark.parametrize(("max_length", "cache"), [(20, 8), (20, 0), (20, 20)])

@@ -97,10 +97,13 @@ def test_prompts_are_seeded_and_tokenize_in_the_tiny_vocabulary() -> None:
 
 
 def test_config_errors_say_what_to_fix() -> None:
+    roles = {"orchestrator": {"roles": {}, "advantages": {"type": "roles"}}}
     with pytest.raises(ConfigError, match="lower min_digits"):
-        parse_config({"task": {"type": "propose", "min_digits": 9, "max_digits": 3}})
+        parse_config({"task": {"type": "propose", "min_digits": 9, "max_digits": 3}, **roles})
     with pytest.raises(ConfigError, match="invalid_reward"):
-        parse_config({"task": {"type": "propose", "invalid_reward": 0.5}})
+        parse_config({"task": {"type": "propose", "invalid_reward": 0.5}, **roles})
     with pytest.raises(ConfigError, match="learnability"):
-        parse_config({"task": {"type": "propose", "learnability": "spiral"}})
-    assert isinstance(parse_config({"task": {"type": "propose"}}).task, ProposeTaskConfig)
+        parse_config({"task": {"type": "propose", "learnability": "spiral"}, **roles})
+    with pytest.raises(ConfigError, match="set all three or none"):
+        parse_config({"task": {"type": "propose"}})
+    assert isinstance(parse_config({"task": {"type": "propose"}, **roles}).task, ProposeTaskConfig)
