@@ -202,8 +202,8 @@ def test_front_answers_503_while_the_orchestrator_is_down(certs: object, tmp_pat
 
 # -- the S3 store behind the fault front ----------------------------------------------------------
 
-SMALL = 4_000_000  # a weight file of one part or less ([store] part_mb, 8 MiB): one stream
-LARGE = 24_000_000  # three parts: parallel ranges
+SMALL = 200_000  # a weight file of 256 KiB or less: one stream (decentrl/store/ranges.py MIN_RANGED)
+LARGE = 24_000_000  # parallel ranges (of LARGE / parallel_reads each)
 OBJECT = "/spread/run/v000000/model.safetensors"
 
 
@@ -324,7 +324,7 @@ def test_stalled_download_is_seen_and_resumed(s3: tuple[str, object], control: o
 
 
 def test_cut_small_download_is_fetched_again_whole(s3: tuple[str, object], control: object, tmp_path: Path) -> None:
-    """A file of one part or less streams whole: on a cut, s3fs sees the short body
+    """A file of 256 KiB or less streams whole: on a cut, s3fs sees the short body
     (ClientPayloadError) and fetches it again from its start at once; verified, at 1.5x its bytes."""
     src = make_version(tmp_path, SMALL)
     make_store(s3[0]).publish(0, str(src))
