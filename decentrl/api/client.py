@@ -1,7 +1,11 @@
 """HTTP client of the orchestrator's API, used by workers, scorers and the trainer (docs/api.md).
 
-Standard library (urllib) plus msgpack, so a worker needs nothing beyond what it generates
-with. Bodies go as msgpack by default (token ids and logprobs as typed arrays: about a third of
+Standard library (http.client) plus msgpack, so a worker needs nothing beyond what it generates
+with. Connections are kept alive, one per client and thread: a request on a link 300 ms away is one
+round trip, not the three of a new TCP and TLS connection. A kept connection the server closed
+meanwhile (its keep-alive timeout) is replaced and the request sent again at once. TLS trusts the
+system's CAs, or `SSL_CERT_FILE` (read for each new connection); a certificate it cannot verify is
+a ConnectionError that says so, never retried. Bodies go as msgpack by default (token ids and logprobs as typed arrays: about a third of
 the JSON size and far cheaper to parse), optionally gzip-compressed; answers are asked for as
 msgpack too. An orchestrator that answers 415 to msgpack is spoken to in JSON from then on.
 
@@ -19,14 +23,13 @@ route's model, as InvalidAnswer saying what is wrong with it.
 from __future__ import annotations
 
 import gzip
+import http.client
 import json
 import logging
 import random
 import ssl
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from typing import Any, Literal, TypeVar
 
@@ -63,6 +66,8 @@ log = logging.getLogger("decentrl.api.client")
 M = TypeVar("M", bound=BaseModel)
 Encoding = Literal["msgpack", "json"]
 RETRIED_STATUSES = (429, 503)
+# What a kept-alive connection the server already closed raises on its next request: sent again on a new one.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 GZIP_MIN_BYTES = 16 * 1024  # smaller bodies are not worth compressing
 
 
@@ -96,6 +101,11 @@ class OrchestratorClient:
         gzip: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"orchestrator URL {url!r}: give it as http(s)://host[:port]")
+        self._https, self._host, self._port, self._base = parts.scheme == "https", parts.hostname, parts.port, parts.path
+        self._local = threading.local()  # this thread's kept-alive connection
         self._token = token
         self.timeout_s = timeout_s
         self.max_wait_s = max_wait_s  # give up on an unreachable or overloaded orchestrator after this long
@@ -106,6 +116,49 @@ class OrchestratorClient:
     def stop(self) -> None:
         """From now on no request is retried: a wait to retry, now or later, raises Stopped at once."""
         self._stopped.set()
+
+    def _connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection, and whether it was used before (it may have been closed by the server)."""
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            # context None: a default context per connection, as urllib made (SSL_CERT_FILE read now).
+            conn = (http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s) if self._https
+                    else http.client.HTTPConnection(self._host, self._port, timeout=timeout_s))
+            self._local.conn = conn
+        conn.timeout = timeout_s
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout_s)
+        return conn, conn.sock is not None
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def _exchange(
+        self, method: str, path: str, data: bytes | None, headers: dict[str, str], timeout_s: float
+    ) -> tuple[int, http.client.HTTPMessage, bytes]:
+        """One request on this thread's connection: (status, headers, body). A kept connection
+        the server closed since its last answer is replaced and the request sent again, once."""
+        for fresh in (False, True):
+            conn, reused = self._connection(timeout_s)
+            try:
+                conn.request(method, self._base + path, body=data, headers=headers)
+                response = conn.getresponse()
+                payload = response.read()
+            except _STALE:
+                self._drop_connection()
+                if reused and not fresh:
+                    continue
+                raise
+            except (OSError, http.client.HTTPException):
+                self._drop_connection()
+                raise
+            if response.will_close:
+                self._drop_connection()
+            return response.status, response.headers, payload
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _encode(self, body: BaseModel) -> tuple[bytes, dict[str, str]]:
         media = MEDIA_MSGPACK if self.encoding == "msgpack" else MEDIA_JSON
@@ -131,40 +184,44 @@ class OrchestratorClient:
                     encoded = (self.encoding, self._encode(body))
                 data = encoded[1][0]
                 headers.update(encoded[1][1])
-            request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s if timeout_s is None else timeout_s) as response:
-                    return response.status, response.headers.get_content_type(), response.read()
-            except urllib.error.HTTPError as exc:
-                text = exc.read().decode(errors="replace")
+                status, answer_headers, payload = self._exchange(
+                    method, path, data, headers, self.timeout_s if timeout_s is None else timeout_s
+                )
+            except ssl.SSLCertVerificationError as exc:
+                # Not a blip: no retry makes the certificate trusted.
+                raise ConnectionError(
+                    f"orchestrator at {self.url}: its TLS certificate is not trusted ({exc.verify_message}: "
+                    f"{exc}); point SSL_CERT_FILE at the CA that signed it (docs/deploy.md)"
+                ) from None
+            except (OSError, http.client.HTTPException) as exc:
+                if waited >= self.max_wait_s:
+                    raise ConnectionError(f"orchestrator at {self.url} unreachable for {waited:.0f}s: {exc}") from None
+                sleep = delay * (0.5 + random.random())
+                log.warning("orchestrator unreachable (%s); retrying in %.1fs", exc, sleep)
+            else:
+                if 200 <= status < 300:
+                    return status, answer_headers.get_content_type(), payload
+                text = payload.decode(errors="replace")
                 try:
                     message = json.loads(text)["error"]
                 except (ValueError, KeyError, TypeError):
-                    message = text or exc.reason
-                if exc.code == 415 and body is not None and self.encoding != "json":
+                    message = text or http.client.responses.get(status, "")
+                if 300 <= status < 400:
+                    message = f"redirected to {answer_headers.get('Location')}; give the orchestrator's URL as that"
+                if status == 415 and body is not None and self.encoding != "json":
                     log.warning("orchestrator refuses msgpack (%s); using JSON from now on", message)
                     self.encoding = "json"
                     continue
-                if exc.code not in RETRIED_STATUSES or waited >= self.max_wait_s:
-                    raise OrchestratorError(exc.code, message) from None
-                retry_after = exc.headers.get("Retry-After")
+                if status not in RETRIED_STATUSES or waited >= self.max_wait_s:
+                    raise OrchestratorError(status, message) from None
+                retry_after = answer_headers.get("Retry-After")
                 try:
                     sleep = float(retry_after) * (1.0 + 0.2 * random.random()) if retry_after else delay
                 except ValueError:
                     sleep = delay
                 sleep = min(sleep, 30.0, max(0.05, self.max_wait_s - waited))
-                log.warning("orchestrator answered %d (%s); retrying in %.1fs", exc.code, message, sleep)
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-                if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, ssl.SSLCertVerificationError):
-                    # Not a blip: no retry makes the certificate trusted.
-                    raise ConnectionError(
-                        f"orchestrator at {self.url}: its TLS certificate is not trusted ({exc.reason.verify_message}: "
-                        f"{exc.reason}); point SSL_CERT_FILE at the CA that signed it (docs/deploy.md)"
-                    ) from None
-                if waited >= self.max_wait_s:
-                    raise ConnectionError(f"orchestrator at {self.url} unreachable for {waited:.0f}s: {exc}") from None
-                sleep = delay * (0.5 + random.random())
-                log.warning("orchestrator unreachable (%s); retrying in %.1fs", exc, sleep)
+                log.warning("orchestrator answered %d (%s); retrying in %.1fs", status, message, sleep)
             if self._stopped.wait(sleep):
                 raise Stopped(f"{method} {path.split('?')[0]} not retried: the client is stopping")
             waited += sleep
