@@ -54,6 +54,11 @@ Parts:
   trainer's announcement sent from trainer0 by a helper process there).
 - leases: 5 s leases and 20 s generations ([simulation]) from 2 workers on L2 through the front:
   leases lost, rollouts rejected.
+- real (by name only: `--parts real`, about 40 min, 18 GB): configs/smollm2.toml (the model
+  imported as the README says, `--real-model`) with its trainer one rank on trainer0 and a worker
+  on L1 and on L2; training reward, time per step, bytes per version, trainer busy and held-out
+  accuracy (`decentrl eval` of the last version; `--real-eval-before` for version 0 too) beside
+  the loopback runs of docs/real_model.md.
 """
 
 from __future__ import annotations
@@ -221,11 +226,12 @@ class Spread:
 
     def start_run(
         self, config: Any, *, run_name: str, worker_hosts: list[str], extra_tokens: tuple[str, ...] = (),
-        trainer: bool = True,
+        trainer: bool = True, trainer_nodes: int = 2,
     ) -> SpreadRun:
         """The orchestrator (and its monitor), the two trainer nodes and a worker on each of
         `worker_hosts` (worker-i on the i-th), as `decentrl run` would start them. `extra_tokens`:
-        worker tokens for workers started later (`start_worker`)."""
+        worker tokens for workers started later (`start_worker`). `trainer_nodes=1`: the trainer
+        is one rank on trainer0 alone (`decentrl run`'s own single-node command)."""
         from decentrl.cli import launch
         from orchestrator.auth import add_token
 
@@ -253,8 +259,8 @@ class Spread:
             time.sleep(0.2)
         starts = launch.role_starts(config, config_path, run_dir, self.url, tokens)
         if trainer:
-            for node, host in enumerate(self.trainers):
-                argv = self.trainer_node_command(config_path, run_dir, node)
+            for node, host in enumerate(self.trainers[:trainer_nodes]):
+                argv = self.trainer_node_command(config_path, run_dir, node) if trainer_nodes > 1 else starts[0].argv
                 env = {**starts[0].env, **self.env(), "GLOO_SOCKET_IFNAME": "ic0"}
                 role = launch._start("trainer" if node == 0 else f"trainer-node{node}", self._in(host, argv), run_dir, env)
                 run.roles.append(role)
@@ -532,6 +538,80 @@ def part_run(spread: Spread, args: argparse.Namespace, notes: list[str]) -> dict
         result["loopback"] = None
         notes.append("run: loopback skipped (--no-loopback)")
     return result
+
+
+def part_real(spread: Spread, args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
+    """configs/smollm2.toml across the spread (issue 45 item 4): the real model, its trainer one
+    rank on trainer0 (as the config's `trainer_ranks = 1`; 50 Mbit/s up), a worker on L1 and one on
+    L2; held-out accuracy of the last version by `decentrl eval` on the orchestrator's host,
+    beside the loopback runs of docs/real_model.md (docs/figures/smollm2_runs.json)."""
+    from decentrl.config import load_config
+
+    model = Path(args.real_model).resolve()
+    if not (model / "config.json").exists():
+        raise RuntimeError(f"real: no model at {model}: import it first (README, 'A real model')")
+    overrides = [f"model.path={model}", f"trainer.steps={args.real_steps}", *args.real_sets]
+    config = load_config(str(ROOT / "configs" / "smollm2.toml"), overrides)
+    say(f"real: SmolLM2-135M-Instruct ({args.real_steps} steps) across the spread, workers on L1 and L2")
+    spread.control.reset()
+    run = spread.start_run(config, run_name="smollm2", worker_hosts=["l1", "l2"], trainer_nodes=1)
+    try:
+        spread.wait_trainer(run, timeout_s=args.real_timeout_s)
+        newest = spread.quiesce(run, timeout_s=300)
+    finally:
+        spread.stop_run(run)
+    manifests = spread.manifests(run)
+    served = spread.control.stats()["served"]
+    timings = version_timings(run, manifests, {"worker-0": spread.workers["l1"], "worker-1": spread.workers["l2"]},
+                              spread.store.link)
+    result: dict[str, Any] = {
+        "steps": args.real_steps, "overrides": overrides,
+        "spread": {**summarize_run(run.metrics()), "bytes_per_version": bytes_per_version(manifests),
+                   "store_served_bytes": served["total"],
+                   "version_s": {p: quantiles([r["measured_s"] for r in timings if r["profile"] == p]) for p in ("L1", "L2")},
+                   "efficiency": {p: quantiles([r["efficiency"] for r in timings if r["profile"] == p and r["efficiency"]])
+                                  for p in ("L1", "L2")}},
+    }
+    evals = {}
+    for version in sorted({0, newest or 0} if args.real_eval_before else {newest or 0}):
+        say(f"real: decentrl eval of version {version} ({args.real_eval_prompts} held-out prompts x 4)")
+        started, load = time.time(), os.getloadavg()[0]
+        done = spread.orch.run([sys.executable, "-m", "decentrl", "eval", str(run.config_path), "--version", str(version),
+                                "--prompts", str(args.real_eval_prompts), "--samples", "4",
+                                "--cache-dir", str(run.run_dir / "eval-cache")],
+                               capture_output=True, text=True, env={**os.environ, **spread.env()}, timeout=3600, cwd=ROOT)
+        if done.returncode != 0:
+            raise RuntimeError(f"decentrl eval failed ({done.returncode}): {done.stderr[-3000:]}")
+        evals[version] = {**json.loads(done.stdout.strip().splitlines()[-1]), "eval_s": round(time.time() - started),
+                          "load": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}
+    result["spread"]["heldout"] = evals
+    result["loopback"] = loopback_reference(args.real_steps)
+    return result
+
+
+def loopback_reference(steps: int) -> dict[str, Any]:
+    """The loopback runs of configs/smollm2.toml that docs/real_model.md reports (2026-11-26, full
+    fine-tunes a and b): training reward first/last, time per step, bytes per version, held-out
+    at version `steps` where they were evaluated there (version 30) or the nearest below."""
+    from decentrl.cli.launch import summarize
+
+    runs = json.loads((ROOT / "docs" / "figures" / "smollm2_runs.json").read_text())
+    reference = {}
+    for name in ("full-a", "full-b"):
+        run = runs[name]
+        curve = [point for point in run["curve"] if point["step"] <= steps]
+        evals = [e for e in run["evals"] if not e["greedy"] and e["version"] <= steps]
+        last = max(evals, key=lambda e: e["version"]) if evals else None
+        sizes = [size for version, size in run["version_bytes"].items() if 0 < int(version) <= steps]
+        summary = summarize(curve)
+        reference[name] = {
+            "reward_first": round(summary["reward_first"], 4), "reward_last": round(summary["reward_last"], 4),
+            "reward_gain": round(summary["reward_gain"], 4),
+            "step_s_mean": round(curve[-1]["seconds"] / len(curve), 1) if curve else None,
+            "mean_bytes_per_version": int(statistics.fmean(sizes)) if sizes else None,
+            "heldout": {"version": last["version"], "reward_mean": last["reward_mean"], "stderr": last["reward_stderr"]} if last else None,
+        }
+    return reference
 
 
 def local_manifests(url: str | Path) -> dict[int, dict[str, Any]]:
@@ -850,7 +930,8 @@ def _announce_probe(url: str, token: str, trainer_token: str, store_url: str, en
 # -- main ----------------------------------------------------------------------------------------
 
 
-PARTS = ("run", "versions", "late_joiner", "announce", "leases")
+PARTS = ("run", "versions", "late_joiner", "announce", "leases", "real")
+DEFAULT_PARTS = PARTS[:-1]  # real: the real model (about 40 min), by name only
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -903,6 +984,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 leases = part_leases(spread, args, notes)
                 result["leases"] = leases
                 result["leases_lost_long_generation"] = leases["leases_lost"]
+            if "real" in parts:
+                real = part_real(spread, args, notes)
+                result["real"] = real
+                result["real_model_heldout_spread"] = {v: e["reward_mean"] for v, e in real["spread"]["heldout"].items()}
+                result["real_model_heldout_loopback"] = {n: (r["heldout"] or {}).get("reward_mean") for n, r in real["loopback"].items()}
             result["delayers"] = spread.net.delayer_stats()
     finally:
         if not args.keep:
@@ -939,7 +1025,14 @@ def main() -> None:
     probe.add_argument("count", type=int)
     probe.add_argument("gap_s", type=float)
     parser.add_argument("--quick", action="store_true", help="the reduced twin: short runs, fewer workers")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)} (default: all but real)")
+    parser.add_argument("--real-model", default=str(ROOT / "models" / "smollm2"), help="real part: the imported model")
+    parser.add_argument("--real-steps", type=int, default=30, help="real part: trainer steps (the config's 30)")
+    parser.add_argument("--real-eval-prompts", type=int, default=256, help="real part: held-out prompts (x 4 samples)")
+    parser.add_argument("--real-eval-before", action="store_true", help="real part: evaluate version 0 too")
+    parser.add_argument("--real-set", dest="real_sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="real part: a --set for its run (repeatable)")
     parser.add_argument("--workers", type=int, default=None, help="workers on L1 in the versions part (8; --quick 2)")
     parser.add_argument("--no-loopback", dest="loopback", action="store_false", help="run part: skip the loopback run")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, run dirs)")
@@ -971,6 +1064,7 @@ def main() -> None:
         args.announces = 10 if quick else 40
         args.announce_hosts = ["l1"] if quick else ["l0", "l1", "l2", "l3"]
         args.lease_s, args.lease_generation_s = (5.0, 20.0)
+        args.real_timeout_s = 3600
         print(json.dumps(measure(args)))
 
 
