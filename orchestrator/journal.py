@@ -13,6 +13,7 @@ orchestrator/recovery.py). `NullJournal` (journaling off) records nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -343,6 +344,12 @@ class Journal:
         """Commit what a full disk held back, then `ops`, in one transaction: None when written, a
         JournalFull when the disk is full (all of it held for the next commit), else the failure,
         which is fatal (`failed`)."""
+        if self._held:
+            # The WAL grows until a checkpoint, which follows a commit: on a full disk none comes.
+            # Copied into the database and truncated, it gives back its space (a file deleted by
+            # the operator gives back the rest).
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         ops = self._held + ops
         try:
             self._execute(ops)
@@ -354,10 +361,7 @@ class Journal:
             if not self._held:
                 log.error("journal %s: the disk is full; requests that change the run get 503 until space returns", self.path)
             self._held = ops
-            return JournalFull(
-                f"the orchestrator's journal disk is full ({self.path}); this request is not acknowledged: retry "
-                "it later (the operator must free space; the orchestrator goes on by itself then)"
-            )
+            return self.full_error()
         except BaseException as exc:  # noqa: BLE001 - any other failure is fatal, reported to every waiter
             log.critical("journal %s: commit failed: %s", self.path, exc)
             self.failed = exc
@@ -366,6 +370,17 @@ class Journal:
             log.warning("journal %s: space returned; %d statements held for it are written", self.path, len(ops))
             self._held = []
         return None
+
+    @property
+    def full(self) -> bool:
+        """The disk was full at the last commit: what it held is not written yet."""
+        return bool(self._held)
+
+    def full_error(self) -> JournalFull:
+        return JournalFull(
+            f"the orchestrator's journal disk is full ({self.path}); this request is not acknowledged: retry "
+            "it later (the operator must free space; the orchestrator goes on by itself then)"
+        )
 
     def _execute(self, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
         conn = self._conn
@@ -457,6 +472,7 @@ class NullJournal:
     """The journal when journaling is off: `Journal`'s methods, recording nothing; `load()` finds nothing."""
 
     durable = False
+    full = False
     path = "(no journal)"
     failed: BaseException | None = None
     on_commit: Callable[[float, int], None] | None = None

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from decentrl.api.encoding import MEDIA_JSON
-from orchestrator.appstate import JOURNAL_FAILED, LIMITER, ROUTE_ROLES, TOKENS
+from decentrl.api.wire import API_PREFIX
+from orchestrator.appstate import JOURNAL_FAILED, LIMITER, ROUTE_ROLES, STATE, TOKENS
 from orchestrator.auth import IDENTITY
 from orchestrator.body import error
 from orchestrator.journal import JournalError, JournalFull
@@ -116,4 +117,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                 retry_after=wait,
             )
         request[IDENTITY] = identity
+        journal = request.app[STATE].journal
+        if journal.full and (request.method != "GET" or request.path == f"{API_PREFIX}/batch"):
+            # Nothing changes while it cannot be journaled: the state stays what the disk holds
+            # plus what the full commit held (written first when space returns), and no more.
+            raise journal.full_error()
     return await handler(request)
