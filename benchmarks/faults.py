@@ -17,7 +17,7 @@ served. At the end, `lost` counts acknowledged rollouts of complete groups never
 - F5: a version's weight file in the store truncated, then corrupted: the pull is refused and no
   cache directory appears (`half_versions_loaded`); repaired, it is fetched again and loads.
 - F9: the orchestrator's run dir on a 16 MiB tmpfs (root only; skipped, saying why, otherwise),
-  filled by a file for `--full-s` under load: posts get 503 saying why, the process stays up,
+  filled by a file for `--full-s` under load: requests that change the run get 503 saying why, the process stays up,
   and `recovered_s` is from freeing the space to the first rollout acknowledged again.
 - F10: `Content-Length: 10^12` with 2 bytes sent (seconds to the 413); a body sent at 1 byte a
   second (seconds to its 408, places in flight meanwhile); SIGTERM to every role of a live
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -59,24 +58,11 @@ from decentrl.api.wire import LeaseRequest  # noqa: E402
 from decentrl.cli.launch import free_port  # noqa: E402
 from decentrl.store.checkpoints import CheckpointStore, StoreError  # noqa: E402
 from orchestrator.auth import add_token  # noqa: E402
-from tests.orchestrator.test_orchestrator_kill9 import GROUP, TrainerThread, WorkerThread, publish  # noqa: E402
-from tests.pipeline.test_pipeline import TINY_MODEL  # noqa: E402
+from tests.orchestrator.test_orchestrator_kill9 import CONFIG as KILL9_CONFIG  # noqa: E402
+from tests.orchestrator.test_orchestrator_kill9 import TrainerThread, WorkerThread, publish  # noqa: E402
 
 BODY_TIMEOUT_S = 5.0
-CONFIG = f"""
-run_name = "kill9"
-max_staleness = 1000
-group_size = {GROUP}
-trainer_ranks = 1
-{TINY_MODEL}
-[orchestrator]
-lease_timeout_s = 600.0
-rate_limit_per_s = 0
-batch_wait_s = 2.0
-body_timeout_s = {BODY_TIMEOUT_S}
-[trainer]
-groups_per_step = 1
-"""
+CONFIG = KILL9_CONFIG.replace("[orchestrator]\n", f"[orchestrator]\nbody_timeout_s = {BODY_TIMEOUT_S}\n")
 NEEDS_TESTBED = {
     "F1": "a worker's link cut silently mid-download: spreadnet.py's partition (iptables DROP) between a worker's "
           "namespace and the store's, under `flock /tmp/spread.lock`, root; not run in this session",
@@ -91,15 +77,6 @@ NEEDS_TESTBED = {
     "F8": "two trainer nodes partitioned from each other: two trainer namespaces on the testbed (gloo across them); "
           "not run in this session",
 }
-
-
-def _services() -> Any:
-    spec = importlib.util.spec_from_file_location("spread_services", ROOT / "benchmarks" / "spread_services.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # pydantic resolves the module's annotations through it
-    spec.loader.exec_module(module)
-    return module
 
 
 def traceback_lines(*texts: str) -> int:
@@ -194,7 +171,7 @@ def count_503(url: str, token: str) -> int:
     with urllib.request.urlopen(request, timeout=5) as answer:
         text = answer.read().decode()
     return sum(int(float(m.group(1))) for m in re.finditer(
-        r'^decentrl_http_requests_total\{[^}]*route="/v1/rollouts"[^}]*status="503"[^}]*\} ([0-9.e+]+)$', text, re.M))
+        r'^decentrl_http_requests_total\{[^}]*status="503"[^}]*\} ([0-9.e+]+)$', text, re.M))
 
 
 # -- F9 and F10's framing: one orchestrator process under load ------------------------------
@@ -267,7 +244,7 @@ def f9_and_framing(work: Path, full_s: float) -> tuple[dict[str, Any], dict[str,
                     out.flush()
             time.sleep(full_s)
             f9["alive_while_full"] = process.poll() is None
-            f9["posts_refused_503"] = count_503(url, trainer_token)
+            f9["requests_refused_503"] = count_503(url, trainer_token)
             freed = time.monotonic()
             filler.unlink()
             deadline = freed + 60
@@ -390,8 +367,7 @@ def f3_publish(work: Path, slowdown_s: float) -> dict[str, Any]:
     from decentrl.config import StoreConfig, TinyModelConfig
     from decentrl.model.build import build_model
     from decentrl.trainer.publisher import Publisher
-
-    ss = _services()
+    from tests.pipeline.test_spread_services import ss
     run_dir = tempfile.mkdtemp(prefix="faults-s3-")  # the control socket's path must be short
     moto = ss.start_moto(run_dir, host="127.0.0.1", port=0)
     front, control = ss.start_s3_front(run_dir, host="127.0.0.1", port=0, upstream=moto.url)
