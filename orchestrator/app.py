@@ -47,6 +47,7 @@ from orchestrator.appstate import (
     STORE,
     STORE_URL,
     TOKENS,
+    VERDICTS,
     VERIFIER,
     VERSION_PUBLISHED,
     IdleScorers,
@@ -97,6 +98,17 @@ ROUTES: list[tuple[Endpoint, Handler]] = [
      handlers.lease_release),
     (Endpoint("POST", f"{P}/rollouts", "Post samples; each is accepted, a duplicate, or rejected with a reason.", ("worker",),
               body=wire.RolloutBatch, answers={200: wire.IngestResponse}, errors=(409,), msgpack=True, tag="worker"), handlers.rollouts),
+    (Endpoint("POST", f"{P}/steps", "Post finished steps of samples of my tree lease still being generated, for scoring now.",
+              ("worker",), body=wire.StepPost, answers={200: wire.StepAck}, errors=(403, 404, 409), msgpack=True, tag="worker"),
+     handlers.steps),
+    (Endpoint("GET", f"{P}/verdicts", "Long-poll for verdicts on my posted steps numbered after `after`.", ("worker",),
+              params=(
+                  WORKER_Q,
+                  Param("after", "query", {"type": "integer", "minimum": 0, "maximum": 2**62},
+                        "The newest verdict seq the caller has read (default 0).", required=False),
+                  Param("wait_s", "query", {"type": "number", "minimum": 0, "maximum": MAX_VERSION_WAIT_S},
+                        "Seconds to wait for one (default 0: answer at once).", required=False),
+              ), answers={200: wire.VerdictList}, msgpack=True, tag="worker"), handlers.verdicts),
     (Endpoint("POST", f"{P}/score/leases", "Lease samples to score; with none waiting, waits up to lease_wait_s for some (then empty).",
               ("scorer",), body=wire.ScoreLeaseRequest, answers={200: wire.ScoreLease}, msgpack=True, tag="scorer"),
      score_handlers.score_leases),
@@ -243,6 +255,7 @@ def create_app(*, state: RunState, tokens: TokenRegistry, store_url: str, on_fat
     app[LEASES_FREED] = asyncio.Condition()
     app[VERSION_PUBLISHED] = asyncio.Condition()
     app[SCORES_WAITING] = asyncio.Condition()
+    app[VERDICTS] = asyncio.Condition()
     app[IDLE_SCORERS] = IdleScorers()
     app[CHECKS_WANTED] = asyncio.Event()
     app[HISTORY] = History(clock=state.clock)

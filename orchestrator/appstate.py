@@ -73,6 +73,7 @@ LEASES_FREED = web.AppKey("leases_freed", asyncio.Condition)  # notified when a 
 VERSION_PUBLISHED = web.AppKey("version_published", asyncio.Condition)  # notified when a version is announced
 SCORES_WAITING = web.AppKey("scores_waiting", asyncio.Condition)  # notified when samples may wait for scorers
 IDLE_SCORERS = web.AppKey("idle_scorers", IdleScorers)
+VERDICTS = web.AppKey("verdicts", asyncio.Condition)  # notified when a verdict on a posted step is taken
 CHECKS_WANTED = web.AppKey("checks_wanted", asyncio.Event)  # set when pending groups may be due a check
 HISTORY = web.AppKey("history", History)  # bounded curves and samples for the dashboard
 
@@ -126,6 +127,7 @@ async def stop_waiting(app: web.Application) -> None:
     await notify_all(app[LEASES_FREED])
     await notify_all(app[VERSION_PUBLISHED])
     await notify_all(app[SCORES_WAITING])
+    await notify_all(app[VERDICTS])
 
 
 def wake_checks(app: web.Application) -> None:

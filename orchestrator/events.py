@@ -67,9 +67,25 @@ class ScoreTaken(NamedTuple):
     result: str  # the ScoreResult as JSON
 
 
+class StepTaken(NamedTuple):
+    """A partial step of a sample still being generated (POST /v1/steps)."""
+
+    lease_id: str
+    rollout_id: str
+    step: int
+    data: bytes  # the PartialStep as msgpack
+
+
+class VerdictTaken(NamedTuple):
+    rollout_id: str
+    step: int
+    score: float
+    seq: int
+
+
 Event = (
     LeaseGranted | RolloutAccepted | GroupCompleted | LeaseClosedAs | LeaseRenewed | BatchServed | BatchForgotten
-    | LeaseForgotten | ScoreTaken
+    | LeaseForgotten | ScoreTaken | StepTaken | VerdictTaken
 )
 
 

@@ -29,6 +29,7 @@ from decentrl.api.wire import (
     RolloutBatch,
     RunInfo,
     SamplingParams,
+    StepPost,
     TokenCreate,
     TokenCreated,
     TokenEntry,
@@ -49,6 +50,7 @@ from orchestrator.appstate import (
     STORE,
     STORE_URL,
     TOKENS,
+    VERDICTS,
     VERSION_PUBLISHED,
     commit,
     notify_all,
@@ -174,6 +176,31 @@ async def lease_release(request: web.Request) -> web.Response:
     answer = await _on_lease(request, RunState.release_lease)
     await notify_all(request.app[LEASES_FREED])
     return answer
+
+
+async def steps(request: web.Request) -> web.Response:
+    """POST /v1/steps: a tree lease's finished steps, journaled and queued for scorers at once."""
+    body = await parse_body(request, StepPost)
+    ack = request.app[STATE].post_steps(holder_of(request, body.worker_id), body)
+    await commit(request.app)
+    await notify_all(request.app[SCORES_WAITING])
+    return respond(request, ack)
+
+
+async def verdicts(request: web.Request) -> web.Response:
+    """GET /v1/verdicts: the verdicts on the caller's posted steps after `after`, as soon as one is
+    taken. A worker keeps one outstanding while it generates; it never waits on it to go on."""
+    only_query(request, "worker_id", "after", "wait_s")
+    holder = query_id(request, "worker_id")  # token name / worker id
+    after = query_int_or_none(request, "after", high=2**62) or 0
+    wait_s = query_seconds(request, "wait_s", high=MAX_VERSION_WAIT_S, default=0.0)
+    state, taken = request.app[STATE], request.app[VERDICTS]
+    deadline = asyncio.get_running_loop().time() + wait_s
+    async with taken:
+        while not (answer := state.verdicts_for(holder, after)).verdicts:
+            if not await wait_awhile(request.app, taken, deadline, wait_s):
+                break
+    return respond(request, answer)
 
 
 def mask_bound(sampling: SamplingParams, vocab_size: int) -> tuple[int, str]:

@@ -70,6 +70,16 @@ CREATE TABLE IF NOT EXISTS content (
 );
 CREATE INDEX IF NOT EXISTS content_by_lease ON content(lease_id);
 CREATE TABLE IF NOT EXISTS scores (rollout_id TEXT PRIMARY KEY, lease_id TEXT NOT NULL, result TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (
+    rollout_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    lease_id TEXT NOT NULL,
+    data BLOB NOT NULL,
+    score REAL,
+    seq INTEGER,
+    PRIMARY KEY (rollout_id, step)
+);
+CREATE INDEX IF NOT EXISTS steps_by_lease ON steps(lease_id);
 CREATE INDEX IF NOT EXISTS scores_by_lease ON scores(lease_id);
 """
 
@@ -94,6 +104,9 @@ SQL_CONTENT = "INSERT OR IGNORE INTO content(digest, lease_id, version) VALUES (
 SQL_FORGET_CONTENT = "DELETE FROM content WHERE lease_id = ?"
 SQL_SCORE = "INSERT OR IGNORE INTO scores(rollout_id, lease_id, result) VALUES (?, ?, ?)"
 SQL_FORGET_SCORES = "DELETE FROM scores WHERE lease_id = ?"
+SQL_STEP = "INSERT OR IGNORE INTO steps(rollout_id, step, lease_id, data) VALUES (?, ?, ?, ?)"
+SQL_VERDICT = "UPDATE steps SET score = ?, seq = ? WHERE rollout_id = ? AND step = ?"
+SQL_FORGET_STEPS = "DELETE FROM steps WHERE lease_id = ?"
 
 
 class JournalError(RuntimeError):
@@ -125,6 +138,8 @@ class Snapshot:
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # token name -> integrity record
     content: list[tuple[bytes, str, int]] = field(default_factory=list)  # (digest, lease_id, version)
     scores: dict[str, str] = field(default_factory=dict)  # rollout id -> its ScoreResult as JSON
+    # Partial steps of open leases, per lease in posting order: (rollout id, step, body, score, seq).
+    steps: dict[str, list[tuple[str, int, bytes, float | None, int | None]]] = field(default_factory=dict)
 
 
 UNIT: TypeAdapter[Any] = TypeAdapter(Unit)
@@ -229,9 +244,14 @@ class Journal:
                 pending.append((SQL_FORGET_BATCH, (request_id,)))
                 pending.extend((SQL_DROP_DATA, (lease_id,)) for lease_id in lease_ids)
             case events.LeaseForgotten(lease_id):
-                pending += [(SQL_FORGET_ROLLOUTS, (lease_id,)), (SQL_FORGET_SCORES, (lease_id,)), (SQL_FORGET_LEASE, (lease_id,))]
+                pending += [(SQL_FORGET_ROLLOUTS, (lease_id,)), (SQL_FORGET_SCORES, (lease_id,)), (SQL_FORGET_LEASE, (lease_id,)),
+                            (SQL_FORGET_STEPS, (lease_id,))]
             case events.ScoreTaken(rollout_id, lease_id, result):
                 pending.append((SQL_SCORE, (rollout_id, lease_id, result)))
+            case events.StepTaken(lease_id, rollout_id, step, data):
+                pending.append((SQL_STEP, (rollout_id, step, lease_id, data)))
+            case events.VerdictTaken(rollout_id, step, score, seq):
+                pending.append((SQL_VERDICT, (score, seq, rollout_id, step)))
 
     def _take_pending(self) -> list[tuple[str, tuple[Any, ...]]]:
         if self.integrity_source is not None:
@@ -422,9 +442,14 @@ class Journal:
         workers = {name: json.loads(record) for name, record in conn.execute("SELECT name, record FROM workers")}
         content = [tuple(row) for row in conn.execute("SELECT digest, lease_id, version FROM content")]
         scores = dict(conn.execute("SELECT rollout_id, result FROM scores").fetchall())
+        steps: dict[str, list[tuple[str, int, bytes, float | None, int | None]]] = {}
+        for _, lease_id, *step in sorted(_rows_of(
+            conn, "SELECT rowid, lease_id, rollout_id, step, data, score, seq FROM steps WHERE lease_id IN ({})", wanted
+        ), key=lambda row: row[0]):
+            steps.setdefault(lease_id, []).append(tuple(step))  # type: ignore[arg-type]
         return Snapshot(
             meta=meta, leases=leases, rollouts=rollouts, batches=batches, remembered=remembered, workers=workers,
-            content=content, scores=scores,
+            content=content, scores=scores, steps=steps,
         )
 
     # -- lookups (event loop thread; what is committed) -------------------------------------

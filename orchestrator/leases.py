@@ -55,7 +55,10 @@ def tree_unit(config: TreeConfig | None) -> TreeUnit | None:
     if config is None:
         return None
     boundary = StepBoundary(type=config.boundary, marker=config.marker, tokens=config.step_tokens)
-    return TreeUnit(kind="tree", k=config.k, pivots=config.pivots, boundary=boundary)
+    return TreeUnit(
+        kind="tree", k=config.k, pivots=config.pivots, boundary=boundary, stop_below=config.stop_below, rule=config.rule,
+        gamma=config.gamma,
+    )
 
 
 PROPOSER, SOLVER = "proposer", "solver"

@@ -30,6 +30,7 @@ SCORING_HELP = {
     "score_leases_expired": "Score leases that expired before every item was scored.",
     "judge_parse_failures": "Samples a scorer could not score: the judge's reply did not parse after its retries.",
     "judge_parse_retries": "Judge replies that did not parse and were asked again, as scorers report them.",
+    "steps_scored": "Verdicts taken on partial steps of samples still being generated (tree units).",
 }
 
 

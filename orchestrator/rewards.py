@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from decentrl.api.wire import ChatMessage, Rollout, ScoreItem, ScoreResult
+from decentrl.api.wire import ChatMessage, PartialStep, Rollout, ScoreItem, ScoreResult
 from decentrl.config import PromptConfig, RewardConfig, StepsConfig
 from decentrl.rl.steps import Steps, split_steps
 from decentrl.tasks import Task
@@ -71,6 +71,15 @@ class Rewards:
                 completion_token_ids=rollout.completion_token_ids if self.token_ids else None,
             ))
         return items
+
+    def step_item(self, prompt_id: int, rollout_id: str, prefix: list[int], steps: list[PartialStep]) -> ScoreItem:
+        """The item of a partial step (the last of `steps`): the task's prompt, the text so far
+        (a branch's `prefix` tokens, then each step's) and the steps' own texts."""
+        texts = self.decode([list(prefix)] + [list(step.token_ids) for step in steps])
+        return ScoreItem(
+            rollout_id=rollout_id, prompt_id=prompt_id, prompt=self.task.prompt(prompt_id).text,
+            completion="".join(texts), steps=texts[1:], step=steps[-1].step,
+        )
 
     def combine(self, verifier: list[float] | None, scores: list[ScoreResult]) -> list[float] | None:
         """The group's rewards from the verifier's and the scorers'; None when the group is to be

@@ -18,6 +18,7 @@ from orchestrator.appstate import (
     LEASES_FREED,
     SCORES_WAITING,
     STATE,
+    VERDICTS,
     commit,
     notify_all,
     wait_awhile,
@@ -64,6 +65,7 @@ async def scores(request: web.Request) -> web.Response:
     ready_before = len(state.ready)
     ack = state.post_scores(holder_of(request, body.scorer_id), body)
     await commit(app)
+    await notify_all(app[VERDICTS])  # a worker may be waiting for a verdict on its step
     wake_checks(app)  # a scored group may still wait for its check, now due
     if len(state.ready) > ready_before:
         await notify_all(app[BATCH_READY])

@@ -28,10 +28,12 @@ from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from decentrl.api.encoding import MEDIA_MSGPACK, encode_model, unpack_msgpack
 from decentrl.api.wire import (
     IngestResponse,
     Lease,
     LeaseState,
+    PartialStep,
     Rejection,
     RolesUnit,
     Rollout,
@@ -41,7 +43,11 @@ from decentrl.api.wire import (
     ScoreRenewal,
     StaleReport,
     StatusResponse,
+    StepAck,
+    StepPost,
     TrainBatch,
+    TreeUnit,
+    VerdictList,
 )
 from decentrl.config import RunConfig
 from decentrl.model.build import end_of_sequence_ids
@@ -56,16 +62,17 @@ from orchestrator.batches import KeptBatches, build_batch, pick_signal, roles_ou
 from orchestrator.buffer import Buffer, Group, VerifyJob, Wait
 from orchestrator.checks import IngestChecks
 from orchestrator.counters import Counters, Tally, Versions
-from orchestrator.events import RolloutAccepted
+from orchestrator.events import RolloutAccepted, StepTaken, VerdictTaken
 from orchestrator.integrity import Integrity, content_hash, token_of
 from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.lease_policy import Deterministic, FreeRunning
+from orchestrator.lease_table import LeaseClosed
 from orchestrator.leases import ClosedLease, LeaseBook, OpenLease, PromptQueue, Requeue
 from orchestrator.recovery import meta_row, recover
 from orchestrator.reward_stage import ModelRewards, RolesRewards, VerifierRewards
 from orchestrator.rewards import Rewards
 from orchestrator.roles import Roles
-from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue
+from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue, StepBook, StepError, StepVerdictTaken
 from orchestrator.tokenizer import make_decoder, make_encoder
 
 if TYPE_CHECKING:
@@ -181,7 +188,9 @@ class RunState:
         self.score_queue = ScoreQueue(
             config=options.rewards, journal=self.journal, clock=clock,
             alive=lambda group_id: self.buffer.waits_for(group_id, "scores"),
-        )  # stays empty unless the reward uses a model
+            step_alive=lambda lease_id: lease_id in self.lease_book.open,
+        )  # stays empty unless the reward uses a model, or a tree's steps are posted
+        self.steps = StepBook()  # a tree unit's partial steps and their verdicts (POST /v1/steps)
         self.reward_stage: VerifierRewards | ModelRewards | RolesRewards = (
             ModelRewards(self.rewards, self.score_queue) if options.rewards.uses_model else roles or VerifierRewards(self.rewards)
         )
@@ -201,6 +210,7 @@ class RunState:
                 lease_book=self.lease_book, buffer=self.buffer, batches=self.kept, advantages=options.advantages,
                 integrity=self.integrity, restore_steps=self.reward_stage.restore_steps,
             )
+            self._recover_steps(snapshot.steps)
             self._redo_checks()
             log.info(
                 "recovered from %s: version %s, trainer version %d, %d open leases, %d ready groups, "
@@ -264,6 +274,8 @@ class RunState:
             self._complete(self.lease_book.open[unit_id])
         expired = self.lease_book.expire()
         self.counters.leases_expired += expired
+        if self.steps.chains:
+            self.steps.forget(self.lease_book.open.__contains__)  # steps of closed leases go
         return expired
 
     def tell(self, holder: str) -> list[str]:
@@ -432,12 +444,62 @@ class RunState:
     def post_scores(self, holder: str, body: ScorePost) -> ScoreAck:
         """Take a scorer's post (all or nothing: ScoreError, or a LeaseError for a lease it cannot
         use); the groups it completes combine their rewards and join the ready queue (or are dropped:
-        stale, or a judge reply that did not parse)."""
-        ack, done = self.score_queue.post(holder, body)
+        stale, or a judge reply that did not parse); its verdicts on partial steps are journaled and
+        wait for their workers (`verdicts_for`)."""
+        ack, done, verdicts = self.score_queue.post(holder, body)
+        for verdict in verdicts:
+            if (told := self.steps.judged(verdict)) is not None:
+                self.journal.record(VerdictTaken(told.rollout_id, told.step, told.score, told.seq))
         for group_id in done:
             self._scored(group_id)
         self._apply_bans()
         return ack
+
+    # -- partial steps (tree units: orchestrator/score_queue.py StepBook) ---------------------------
+
+    def post_steps(self, holder: str, body: StepPost) -> StepAck:
+        """Take a worker's finished steps of samples it is still generating (all or none: a
+        StepError, or a LeaseError for a lease it does not hold open), journal them and queue each
+        for scorers."""
+        self.expire_leases()
+        found = self.lease_book.open.owned(body.lease_id, holder, self.lease_book.closed_lease(body.lease_id))
+        if not isinstance(found, OpenLease):
+            raise LeaseClosed(f"lease {body.lease_id!r} is {found.status}; its steps are no longer scored")
+        lease = found.lease
+        if not isinstance(lease.unit, TreeUnit):
+            raise StepError(f"lease {lease.lease_id!r} is not a tree unit ([orchestrator.tree]): its samples post no steps")
+        fresh, duplicates = self.steps.take(
+            lease, holder, body, max_tokens=self.sampling.max_tokens, vocab_size=self.vocab_size, max_samples=found.size
+        )
+        for step in fresh:
+            self.journal.record(StepTaken(lease.lease_id, step.rollout_id, step.step, encode_model(step, MEDIA_MSGPACK)))
+            self._queue_step(lease, step)
+        return StepAck(accepted=len(fresh), duplicates=duplicates)
+
+    def _queue_step(self, lease: Lease, step: PartialStep) -> None:
+        chain = self.steps.chains[step.rollout_id]
+        prefix = chain.prompt_token_ids[len(lease.prompt_token_ids):]  # a branch's: its parent's first tokens
+        so_far = chain.steps[: step.step + 1]
+        self.score_queue.add_step(lease.lease_id, self.rewards.step_item(lease.prompt_id, step.rollout_id, prefix, so_far))
+
+    def verdicts_for(self, holder: str, after: int) -> VerdictList:
+        """The verdicts on steps of `holder`'s open leases numbered after `after`."""
+        verdicts = self.steps.for_holder(holder, after)
+        return VerdictList(verdicts=verdicts, last=verdicts[-1].seq if verdicts else after)
+
+    def _recover_steps(self, steps: dict[str, list[tuple[str, int, bytes, float | None, int | None]]]) -> None:
+        """The partial steps of open leases, and their verdicts, as journaled; unjudged ones queued again."""
+        for lease_id, rows in steps.items():
+            open_lease = self.lease_book.open.get(lease_id)
+            if open_lease is None:
+                continue
+            for rollout_id, _, data, score, seq in rows:
+                step = PartialStep.model_validate(unpack_msgpack(data))
+                self.steps.add(lease_id, open_lease.holder, step)
+                if score is None:
+                    self._queue_step(open_lease.lease, step)
+                else:
+                    self.steps.judged(StepVerdictTaken(lease_id, rollout_id, step.step, score), seq)
 
     def _scored(self, group_id: str) -> None:
         assert isinstance(self.reward_stage, ModelRewards), "only a model reward has scores"

@@ -127,6 +127,9 @@ class Scorer:
                     self.counts.transient += 1
                     continue
                 result = checked(item, verdict, low, high)
+                if result is None:  # a partial step the judge could not read: leased again after expiry
+                    self.counts.transient += 1
+                    continue
                 if result.failure is not None:
                     self.counts.failed += 1
                 results.append(result)
@@ -154,13 +157,19 @@ class Scorer:
             self._renewals.let_go(lease.lease_id)
 
 
-def checked(item: ScoreItem, verdict: Verdict, low: float, high: float) -> ScoreResult:
-    """The result to post for a verdict: its score, or a parse failure saying (in the log) why."""
+def checked(item: ScoreItem, verdict: Verdict, low: float, high: float) -> ScoreResult | None:
+    """The result to post for a verdict: its score, or a parse failure saying (in the log) why;
+    None for a partial step without a readable score (a step's verdict is never a failure)."""
     problem = verdict_problem(item, verdict, low, high)
+    if problem is not None and item.step is not None:
+        log.warning("sample %s step %d: %s; not posted", item.rollout_id, item.step, problem)
+        return None
     if problem is not None:
         log.warning("sample %s: %s; posted as a parse failure", item.rollout_id, problem)
         return ScoreResult(rollout_id=item.rollout_id, score=None, failure="parse")
     assert verdict.score is not None  # verdict_problem said so
+    if item.step is not None:  # a partial step's verdict: its score alone
+        return ScoreResult(rollout_id=item.rollout_id, score=float(verdict.score), step=item.step)
     steps = None if item.steps is None else [float(value) for value in verdict.step_scores or ()]
     logprobs = None if item.completion_token_ids is None else [float(value) for value in verdict.token_logprobs or ()]
     return ScoreResult(rollout_id=item.rollout_id, score=float(verdict.score), step_scores=steps, token_logprobs=logprobs)
@@ -177,8 +186,8 @@ def verdict_problem(item: ScoreItem, verdict: Verdict, low: float, high: float) 
             return f"{len(item.completion_token_ids)} completion tokens but {'none' if logprobs is None else len(logprobs)} token log-probs"
         if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v <= 0 for v in logprobs):
             return "a token log-prob is not a finite number <= 0"
-    steps = verdict.step_scores if item.steps is not None else []
-    if steps is None or len(steps) != len(item.steps or ()):
+    steps = verdict.step_scores if item.steps is not None and item.step is None else []  # a partial step: its score alone
+    if steps is None or len(steps) != (len(item.steps or ()) if item.step is None else 0):
         return f"{len(item.steps or ())} steps but {'none' if steps is None else len(steps)} step scores"
     for value in [verdict.score, *steps]:
         if isinstance(value, bool) or not isinstance(value, int | float):

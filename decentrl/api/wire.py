@@ -190,6 +190,15 @@ class TreeUnit(Wire):
     k: Int = Field(ge=1, le=MAX_NODE_SIZE, description="Samples of each branch node (continuations of one pivot).")
     pivots: Int = Field(ge=0, le=MAX_NODE_SIZE, description="Branch nodes the unit holds (0: a plain group, steps scored).")
     boundary: StepBoundary = Field(description="Where a step ends while generating.")
+    stop_below: float | None = Field(
+        None, allow_inf_nan=False, description="A chain whose step is judged (POST /v1/steps, GET /v1/verdicts) under "
+        "this score stops there (finish_reason wrong_step). None: chains are never stopped early."
+    )
+    rule: Literal["utility", "last_right", "random"] = Field(
+        "utility", description="How pivots are chosen (decentrl/rl/pivots.py): DEEP-GRPO's utility, the last step "
+        "judged right, or at random (the control)."
+    )
+    gamma: float = Field(0.1, ge=0, le=100, description="The utility's depth bias: P(success | ratio) x ratio^gamma.")
 
 
 class RolesUnit(Wire):
@@ -473,6 +482,71 @@ class ScoreItem(Wire):
         None, description="On-policy distillation: the completion's token ids as the student sampled them; the post "
         "must carry one teacher log-prob for each (`token_logprobs`). None otherwise (post token_logprobs = null)."
     )
+    step: Int | None = Field(
+        None, ge=0, lt=MAX_STEPS, description="Partial steps (POST /v1/steps): judge only this step of a sample still "
+        "being generated: `completion` is its text so far and ends with the step, `steps` its steps so far, this one "
+        "last; post its `score` (and `step` alike), step_scores null. None: a whole sample."
+    )
+
+
+# -- partial steps (issue 47): a tree unit's steps scored while its samples are generated --------
+
+MAX_STEPS_A_POST = 256
+
+
+class PartialStep(Wire):
+    """One finished step of a sample still being generated: step `step` of `rollout_id` is
+    `token_ids` (sampled with `logprobs`), following its steps 0..step-1."""
+
+    rollout_id: str = Field(min_length=1, max_length=128)
+    step: Int = Field(ge=0, lt=MAX_STEPS, description="0 for the first step; each follows the one before it.")
+    token_ids: IntArray = Field(min_length=1, description="The step's completion tokens.")
+    logprobs: FloatArray = Field(description="Sampling logprob of each of the step's tokens.")
+    prompt_token_ids: IntArray | None = Field(
+        None, description="Step 0 only: the sample's prompt, the lease's (a branch's: the lease's plus its prefix)."
+    )
+
+    @model_validator(mode="after")
+    def _fits(self) -> PartialStep:
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries but token_ids has {len(self.token_ids)}")
+        if not _valid_logprobs(self.logprobs):
+            raise ValueError("logprobs must be finite and <= 0 (log of a probability)")
+        if (self.prompt_token_ids is None) != (self.step > 0):
+            raise ValueError("step 0 carries the sample's prompt_token_ids, and no later step does")
+        return self
+
+
+class StepPost(Wire):
+    """POST /v1/steps (worker): finished steps of samples of a lease it holds, for scoring while
+    the rest is generated. Idempotent by (rollout id, step): a step already taken is a duplicate."""
+
+    lease_id: str = Field(min_length=1, max_length=128)
+    worker_id: str = Field(pattern=WORKER_ID)
+    steps: list[PartialStep] = Field(min_length=1, max_length=MAX_STEPS_A_POST)
+
+
+class StepAck(Wire):
+    accepted: Int = Field(ge=0)
+    duplicates: Int = Field(0, ge=0, description="Steps already taken; counted once.")
+
+
+class StepVerdict(Wire):
+    """A scorer's judgement of one posted step; `seq` orders every verdict of the run."""
+
+    lease_id: str
+    rollout_id: str
+    step: Int = Field(ge=0)
+    score: float = Field(allow_inf_nan=False)
+    seq: Int = Field(ge=1)
+
+
+class VerdictList(Wire):
+    """GET /v1/verdicts (worker): the verdicts on steps of its open leases after `after`, as soon
+    as there is one (or when `wait_s` runs out); ask again with `after = last`."""
+
+    verdicts: list[StepVerdict]
+    last: Int = Field(ge=0, description="The newest seq answered (or `after` when none): the next request's `after`.")
 
 
 class ScoreLease(Wire):
@@ -512,6 +586,7 @@ class ScoreResult(Wire):
         "item had no steps."
     )
     failure: Literal["parse"] | None = Field(None, description="Why there is no score (the judge's reply did not parse).")
+    step: Int | None = Field(None, ge=0, lt=MAX_STEPS, description="The item's `step`: a partial step's verdict.")
     token_logprobs: FloatArray | None = Field(
         None, description="On-policy distillation: the teacher's log-prob of each of the item's `completion_token_ids`, "
         "in order, finite and <= 0; null for an item without token ids."

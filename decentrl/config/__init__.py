@@ -50,6 +50,7 @@ from decentrl.config.store import StoreConfig
 from decentrl.config.task import (
     AnswerConfig,
     ArithmeticTaskConfig,
+    ChainTaskConfig,
     CountdownTaskConfig,
     DatasetTaskConfig,
     GuessTaskConfig,
@@ -82,7 +83,7 @@ from decentrl.config.trainer import (
 from decentrl.config.worker import OpenAIServerConfig, WorkerConfig
 
 __all__ = [
-    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "CISPOObjectiveConfig", "ConfigError",
+    "AdvantageConfig", "AnswerConfig", "ArithmeticTaskConfig", "ChainTaskConfig", "CISPOObjectiveConfig", "ConfigError",
     "CountdownTaskConfig", "DatasetTaskConfig", "DelimiterStepsConfig", "DistillConfig", "DrGRPOLossConfig", "GRPOLossConfig",
     "DynamicSamplingConfig", "GSPOObjectiveConfig", "GuessTaskConfig", "HedgingConfig", "HFScorerConfig", "IcePopConfig",
     "ImportTaskConfig", "ProposeTaskConfig",

@@ -347,6 +347,15 @@ class TreeConfig(Section):
     )
     marker: str = Field("\n", min_length=1, max_length=64, description="The text that ends a step (boundary = marker).")
     step_tokens: int = Field(32, ge=1, le=4096, description="Tokens a step (boundary = tokens).")
+    stop_below: float | None = Field(
+        None, description="A chain whose step a scorer judges under this score stops there (its tokens to come are "
+        "saved). None: chains run to their end whatever the verdicts."
+    )
+    rule: Literal["utility", "last_right", "random"] = Field(
+        "utility", description="How pivots are chosen (decentrl/rl/pivots.py): DEEP-GRPO's utility, the last step "
+        "judged right (the scorer's pick), or at random (the control)."
+    )
+    gamma: float = Field(0.1, ge=0, le=100, description="The utility's depth bias: P(success | ratio) x ratio^gamma.")
 
 
 class OrchestratorConfig(Section):

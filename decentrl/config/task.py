@@ -25,6 +25,16 @@ class SortingTaskConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the prompt pool.")
 
 
+class ChainTaskConfig(Section):
+    """Running sums of a list of digits, one step each ("7324=" -> "7=10=12=16="); every step
+    checkable exactly (decentrl/tasks/chain.py): the task of the pivots benchmark (issue 47)."""
+
+    type: Literal["chain"] = "chain"
+    num_digits: int = Field(4, ge=2, le=16, description="Digits per prompt (steps per right answer).")
+    num_prompts: int = Field(4096, ge=1, description="Size of the prompt pool (seeded).")
+    seed: int = Field(0, ge=0, description="Seed of the prompt pool.")
+
+
 class ArithmeticTaskConfig(Section):
     """Evaluate an integer expression ("12+7*3="); reward 1 for the exact value (see tasks/arithmetic.py)."""
 
@@ -232,6 +242,6 @@ class VerifiersTaskConfig(Section):
 
 
 TaskConfig = keyed_union(
-    SortingTaskConfig, ArithmeticTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig, ProposeTaskConfig,
+    SortingTaskConfig, ArithmeticTaskConfig, ChainTaskConfig, CountdownTaskConfig, GuessTaskConfig, ImportTaskConfig, ProposeTaskConfig,
     ReasoningGymTaskConfig, DatasetTaskConfig, VerifiersTaskConfig,
 )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from decentrl.config import (
     ArithmeticTaskConfig,
+    ChainTaskConfig,
     CountdownTaskConfig,
     DatasetTaskConfig,
     GuessTaskConfig,
@@ -34,6 +35,10 @@ def build_task(config: TaskConfig) -> Task | EpisodeTask:
         from decentrl.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(config)
+    if isinstance(config, ChainTaskConfig):
+        from decentrl.tasks.chain import ChainTask
+
+        return ChainTask(config)
     if isinstance(config, CountdownTaskConfig):
         from decentrl.tasks.countdown import CountdownTask
 

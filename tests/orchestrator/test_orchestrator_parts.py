@@ -414,7 +414,7 @@ def test_the_score_queue_leases_reassigns_and_names_the_groups_a_post_completes(
     with pytest.raises(ScoreError, match="outside score_range"):  # all or nothing: no score of it is taken
         queue.post("carol/s0", ScorePost(lease_id=fast.lease_id, scorer_id="s0", scores=[
             ScoreResult(rollout_id="g1-0", score=1.0), ScoreResult(rollout_id="g1-1", score=7.0)]))
-    ack, done = queue.post("carol/s0", ScorePost(lease_id=fast.lease_id, scorer_id="s0", scores=[
+    ack, done, _ = queue.post("carol/s0", ScorePost(lease_id=fast.lease_id, scorer_id="s0", scores=[
         ScoreResult(rollout_id="g1-0", score=1.0), ScoreResult(rollout_id="g1-1", score=0.0)]))
     assert (ack.accepted, ack.unscored, done) == (2, 0, ["g1"])
     assert [r.score for r in queue.take("g1")] == [1.0, 0.0] and "g1" not in queue.groups

@@ -163,9 +163,13 @@ def test_checked_passes_good_verdicts_as_floats_and_leaves_unwanted_step_scores_
     plain = ScoreItem(rollout_id="r1", prompt_id=0, prompt="p", completion="ab")
     stepped = plain.model_copy(update={"steps": ["a", "b"]})
     assert checked(plain, Verdict(1, [0.2]), 0.0, 1.0).model_dump() == {  # type: ignore[arg-type]
-        "rollout_id": "r1", "score": 1.0, "step_scores": None, "failure": None, "token_logprobs": None}
+        "rollout_id": "r1", "score": 1.0, "step_scores": None, "failure": None, "token_logprobs": None, "step": None}
     result = checked(stepped, Verdict(0.0, [0, 1.0]), 0.0, 1.0)  # type: ignore[list-item]
     assert result.score == 0.0 and result.step_scores == [0.0, 1.0] and type(result.step_scores[0]) is float
+    partial = stepped.model_copy(update={"step": 1})  # a partial step (POST /v1/steps): its score alone
+    assert checked(partial, Verdict(1, [0.5, 0.5]), 0.0, 1.0).model_dump(exclude_none=True) == {  # type: ignore[union-attr]
+        "rollout_id": "r1", "score": 1.0, "step": 1}
+    assert checked(partial, Verdict(None, error="unreadable"), 0.0, 1.0) is None  # never a failure: leased again
 
 
 def test_a_lease_is_renewed_while_scoring_outlives_it(scoring_state: Any, serve_orchestrator: Any) -> None:

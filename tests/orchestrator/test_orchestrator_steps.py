@@ -1,0 +1,294 @@
+"""Partial steps (issue 47): a tree lease's finished steps posted while the sample is generated
+(POST /v1/steps), leased to scorers before whole samples, judged, journaled, and told to the
+worker on its verdict long-poll (GET /v1/verdicts); bad input on every new field and route; the
+chained-sums task's exact step checker as a scorer function.
+
+BASE_CONFIG (conftest) with the chain task (4 digits; the tiny tokenizer's digits and '=') and a
+tree of 1 pivot of 2 branches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from transformers import PreTrainedTokenizerBase
+
+from decentrl.api.wire import Lease, PartialStep, ScoreItem, ScorePost, ScoreResult, StepPost, problems
+from decentrl.config import ChainTaskConfig
+from decentrl.tasks.base import Prompt
+from decentrl.tasks.chain import ChainTask, check_step, running_sums
+from orchestrator.auth import TokenRegistry
+from orchestrator.lease_table import LeaseError
+from orchestrator.score_queue import StepError
+from orchestrator.state import RunState
+from workers.scorers.chain import judge
+
+HOLDER = "alice/w0"
+TREE = {"task": {"type": "chain", "num_digits": 4, "num_prompts": 16, "seed": 0}, "sampling": {"temperature": 1.0, "max_tokens": 16},
+        "orchestrator": {"tree": {"k": 2, "pivots": 1, "marker": "=", "stop_below": 0.5}, "lease_wait_s": 0.0},
+        "trainer": {"groups_per_step": 1}}
+WORKER, SCORER = "worker-secret", "scorer-secret"
+TOKENS = [{"name": "alice", "role": "worker", "token": WORKER}, {"name": "judge", "role": "scorer", "token": SCORER}]
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, timeout=30))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def tree(run_state: Callable[..., RunState]) -> Callable[..., RunState]:
+    return functools.partial(run_state, **TREE)  # a section given at the call replaces TREE's
+
+
+@pytest.fixture
+def ids(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:
+    return lambda text: tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _step(lease: Lease, rid: str, n: int, tokens: list[int], prompt: list[int] | None = None) -> dict[str, Any]:
+    first = {"prompt_token_ids": prompt if prompt is not None else list(lease.prompt_token_ids)} if n == 0 else {}
+    return {"rollout_id": rid, "step": n, "token_ids": tokens, "logprobs": [-0.5] * len(tokens), **first}
+
+
+def _post(lease: Lease, *steps: dict[str, Any]) -> StepPost:
+    return StepPost.model_validate({"lease_id": lease.lease_id, "worker_id": "w0", "steps": list(steps)})
+
+
+def _right(state: RunState, lease: Lease) -> list[str]:
+    """The lease's right steps, each with its marker."""
+    return [f"{total}=" for total in running_sums(state.task.prompt(lease.prompt_id).text)]
+
+
+# -- the wire -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("step", "says"),
+    [
+        ({"step": -1}, "greater than or equal to 0"),
+        ({"step": True}, "valid integer"),
+        ({"token_ids": []}, "at least 1"),
+        ({"logprobs": [-0.5]}, "logprobs has 1 entries"),
+        ({"logprobs": [0.5, -0.1]}, "finite and <= 0"),
+        ({"logprobs": [float("nan"), -0.1]}, "finite and <= 0"),
+        ({"prompt_token_ids": None}, "step 0 carries"),
+        ({"step": 1, "prompt_token_ids": [1]}, "no later step"),
+        ({"rollout_id": ""}, "at least 1"),
+        ({"rollout_id": "r" * 129}, "at most 128"),
+        ({"extra": 1}, "Extra inputs"),
+    ],
+)
+def test_a_bad_partial_step_is_refused_saying_what_to_fix(step: dict[str, Any], says: str) -> None:
+    body = {"rollout_id": "r", "step": 0, "token_ids": [3, 4], "logprobs": [-0.5, -0.5], "prompt_token_ids": [1], **step}
+    with pytest.raises(ValidationError) as caught:
+        PartialStep.model_validate(body)
+    assert says in problems(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("post", "says"),
+    [
+        ({"steps": []}, "at least 1"),
+        ({"worker_id": "a/b"}, "worker_id"),
+        ({"lease_id": ""}, "at least 1"),
+        ({"steps": [{"rollout_id": "r", "step": 1, "token_ids": [3], "logprobs": [-1.0]}] * 257}, "at most 256"),
+    ],
+)
+def test_a_bad_step_post_is_refused(post: dict[str, Any], says: str) -> None:
+    body = {"lease_id": "l", "worker_id": "w0", "steps": [{"rollout_id": "r", "step": 1, "token_ids": [3], "logprobs": [-1.0]}], **post}
+    with pytest.raises(ValidationError) as caught:
+        StepPost.model_validate(body)
+    assert says in problems(caught.value)
+
+
+def test_a_step_result_is_an_integer_step() -> None:
+    with pytest.raises(ValidationError, match="valid integer"):
+        ScoreResult.model_validate({"rollout_id": "r", "score": 1.0, "step": True})
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        ScoreItem.model_validate({"rollout_id": "r", "prompt_id": 0, "prompt": "p", "completion": "c", "step": -1})
+
+
+# -- the chained-sums task and its step checker ---------------------------------------------
+
+
+def test_the_chain_task_and_its_exact_step_checker() -> None:
+    task = ChainTask(ChainTaskConfig(num_digits=4, num_prompts=8, seed=1))
+    prompt = Prompt(0, "7324=")
+    assert running_sums(prompt.text) == [7, 10, 12, 16]
+    assert task.reward(prompt, "7=10=12=16=") == 1.0
+    assert task.reward(prompt, "7=10=12=16") == 1.0  # the last marker may be the end itself
+    assert task.reward(prompt, "7=10=12=17=") == 0.0 and task.reward(prompt, "7=10=12=") == 0.0
+    assert task.reward(prompt, "7=10=12=16=20=") == 0.0
+    assert check_step(prompt.text, "7=1") is True  # the last finished step is "7"
+    assert check_step(prompt.text, "7=11=") is False and check_step(prompt.text, "7=10=") is True
+    assert check_step(prompt.text, "7") is None  # no step finished
+    assert check_step(prompt.text, "7=10=12=16=3=") is False  # past the last digit
+    assert all(len(task.prompt(i).text) == 5 for i in range(8))
+
+
+def test_the_chain_scorer_judges_steps_and_samples() -> None:
+    step = ScoreItem(rollout_id="r", prompt_id=0, prompt="7324=", completion="7=10=13=", steps=["7=", "10=", "13="], step=2)
+    whole = ScoreItem(rollout_id="r", prompt_id=0, prompt="7324=", completion="7=10=13=16=", steps=["7=", "10=", "13=", "16="])
+    right, wrong_whole = judge([step.model_copy(update={"completion": "7=10=12="}), whole])
+    assert right.score == 1.0 and right.step_scores is None
+    assert wrong_whole.score == 0.0 and wrong_whole.step_scores == [1.0, 1.0, 0.0, 1.0]  # each against the true sums
+    assert judge([step])[0].score == 0.0
+
+
+# -- the orchestrator ---------------------------------------------------------------------
+
+
+def test_steps_are_taken_once_in_order_and_leased_before_whole_samples(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]]
+) -> None:
+    state = tree()
+    lease, other = state.grant_leases(HOLDER, 2)
+    right = _right(state, lease)
+    first = _post(lease, _step(lease, "r0", 0, ids(right[0])), _step(lease, "r0", 1, ids(right[1])))
+    assert state.post_steps(HOLDER, first).model_dump() == {"accepted": 2, "duplicates": 0}
+    assert state.post_steps(HOLDER, first).model_dump() == {"accepted": 0, "duplicates": 2}  # a resend
+    entry = state.lease_scores("judge/s0", 8)
+    assert entry is not None
+    items = state.score_queue.items(entry)
+    assert [(item.rollout_id, item.step, item.completion) for item in items] == [
+        ("r0", 0, right[0]), ("r0", 1, right[0] + right[1])
+    ]
+    assert items[1].prompt == state.task.prompt(lease.prompt_id).text and items[1].steps == right[:2]
+    # The scorer's verdicts reach the worker, numbered; a resent post is a duplicate, told once.
+    post = ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=[
+        ScoreResult(rollout_id="r0", score=1.0, step=0), ScoreResult(rollout_id="r0", score=0.0, step=1)])
+    assert state.post_scores("judge/s0", post).accepted == 2
+    assert state.post_scores("judge/s0", post).duplicates == 2
+    told = state.verdicts_for(HOLDER, 0)
+    assert [(v.rollout_id, v.step, v.score, v.seq) for v in told.verdicts] == [("r0", 0, 1.0, 1), ("r0", 1, 0.0, 2)]
+    assert told.last == 2 and state.verdicts_for(HOLDER, 2).verdicts == [] and state.verdicts_for(HOLDER, 2).last == 2
+    assert state.verdicts_for("bob/w1", 0).verdicts == []  # only the holder's own
+    assert state.score_queue.counts["steps_scored"] == 2
+    # A step of a lease that closes before it is leased is skipped; its chain forgotten.
+    state.post_steps(HOLDER, _post(other, _step(other, "q0", 0, ids("1="))))
+    state.release_lease(other.lease_id, HOLDER)
+    assert state.lease_scores("judge/s0", 8) is None
+    state.expire_leases()  # any next request of a worker: the closed lease's chains go
+    assert "q0" not in state.steps.chains and "r0" in state.steps.chains
+
+
+@pytest.mark.parametrize(
+    ("steps", "says", "status"),
+    [
+        (lambda lease, ids: [_step(lease, "r0", 1, ids("1="))], "comes before step 0", 400),
+        (lambda lease, ids: [_step(lease, "r0", 0, ids("1="), prompt=[1, 2])], "start with the lease's prompt", 400),
+        (lambda lease, ids: [_step(lease, "r0", 0, [99])], "outside the vocabulary", 400),
+        (lambda lease, ids: [_step(lease, "r0", 0, ids("1111111111111111="))], "at most sampling.max_tokens", 400),
+        (lambda lease, ids: [_step(lease, f"r{i}", 0, ids("1=")) for i in range(5)], "its unit holds 5", 400),
+    ],
+)
+def test_bad_steps_are_refused_whole(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]], steps: Any, says: str, status: int
+) -> None:
+    state = tree()
+    (lease,) = state.grant_leases(HOLDER, 1)
+    good = _step(lease, "ok", 0, ids("1="))
+    with pytest.raises(StepError, match=says) as caught:
+        state.post_steps(HOLDER, _post(lease, good, *steps(lease, ids)))
+    assert caught.value.status == status
+    assert state.steps.chains == {} and state.score_queue.step_queue == type(state.score_queue.step_queue)()  # none of it
+
+
+def test_a_changed_step_a_stranger_and_a_plain_group_are_refused(
+    tree: Callable[..., RunState], run_state: Callable[..., RunState], ids: Callable[[str], list[int]]
+) -> None:
+    state = tree()
+    (lease,) = state.grant_leases(HOLDER, 1)
+    state.post_steps(HOLDER, _post(lease, _step(lease, "r0", 0, ids("1="))))
+    with pytest.raises(StepError, match="taken before with other tokens") as caught:
+        state.post_steps(HOLDER, _post(lease, _step(lease, "r0", 0, ids("2="))))
+    assert caught.value.status == 409
+    with pytest.raises(LeaseError, match="held by another"):
+        state.post_steps("bob/w1", _post(lease, _step(lease, "r1", 0, ids("1="))))
+    plain = run_state()
+    (group,) = plain.grant_leases(HOLDER, 1)
+    with pytest.raises(StepError, match="not a tree unit"):
+        plain.post_steps(HOLDER, _post(group, _step(group, "r0", 0, ids("1="))))
+
+
+def test_an_expired_step_lease_goes_to_the_next_scorer(tree: Callable[..., RunState], ids: Any, clock: Any) -> None:
+    state = tree(orchestrator={**TREE["orchestrator"], "rewards": {"lease_timeout_s": 5.0}})
+    (lease,) = state.grant_leases(HOLDER, 1)
+    state.post_steps(HOLDER, _post(lease, _step(lease, "r0", 0, ids("1="))))
+    first = state.lease_scores("judge/s0", 8)
+    assert first is not None and state.lease_scores("judge/s1", 8) is None
+    clock.advance(6.0)
+    state.renew_lease(lease.lease_id, HOLDER)
+    second = state.lease_scores("judge/s1", 8)
+    assert second is not None and second.rollout_ids == [("r0", 0)]
+    assert state.score_queue.counts["scores_reassigned"] == 1
+
+
+def test_steps_and_verdicts_survive_a_restart(tree: Callable[..., RunState], ids: Any, tmp_path: Path) -> None:
+    journal = str(tmp_path / "journal.sqlite")
+    state = tree(journal)
+    (lease,) = state.grant_leases(HOLDER, 1)
+    state.post_steps(HOLDER, _post(lease, _step(lease, "r0", 0, ids("1=")), _step(lease, "r0", 1, ids("2="))))
+    entry = state.lease_scores("judge/s0", 1)
+    assert entry is not None
+    state.post_scores("judge/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=[
+        ScoreResult(rollout_id="r0", score=0.0, step=0)]))
+    state.journal.flush()
+    state.journal.close()
+    again = tree(journal)
+    assert [(v.step, v.score, v.seq) for v in again.verdicts_for(HOLDER, 0).verdicts] == [(0, 0.0, 1)]
+    assert again.post_steps(HOLDER, _post(lease, _step(lease, "r0", 1, ids("2=")))).duplicates == 1
+    left = again.lease_scores("judge/s0", 8)  # the unjudged step is queued again, the judged one not
+    assert left is not None and left.rollout_ids == [("r0", 1)]
+    again.post_scores("judge/s0", ScorePost(lease_id=left.lease_id, scorer_id="s0", scores=[
+        ScoreResult(rollout_id="r0", score=1.0, step=1)]))
+    assert [v.seq for v in again.verdicts_for(HOLDER, 1).verdicts] == [2]  # numbering goes on
+
+
+def test_the_routes_over_http(tree: Callable[..., RunState], ids: Any, serve_orchestrator: Any) -> None:
+    state = tree()
+    (lease,) = state.grant_leases(HOLDER, 1)
+    right = _right(state, lease)
+
+    async def real() -> None:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+            for rid in ("r0", "r1"):
+                body = _post(lease, _step(lease, rid, 0, ids(right[0]))).model_dump()
+                status, answer, _ = await server.call("POST", "/v1/steps", WORKER, json=body)
+                assert (status, answer) == (200, {"accepted": 1, "duplicates": 0})
+            gap = _post(lease, _step(lease, "r1", 2, ids("9="))).model_dump()
+            status, answer, _ = await server.call("POST", "/v1/steps", WORKER, json=gap)
+            assert status == 400 and "post each step after the one before it" in answer["error"]
+            status, answer, _ = await server.call("POST", "/v1/steps", WORKER, json={**body, "steps": [{"step": 0}]})
+            assert status == 400 and "rollout_id" in answer["error"]
+            status, answer, _ = await server.call("POST", "/v1/steps", SCORER, json=body)
+            assert status == 403
+            for query, says in (("worker_id=w0&after=-1", "after"), ("worker_id=w0&wait_s=61", "wait_s"),
+                                ("worker_id=w0&bogus=1", "bogus"), ("after=0", "worker_id"), ("worker_id=a/b", "worker_id")):
+                status, answer, _ = await server.call("GET", f"/v1/verdicts?{query}", WORKER)
+                assert status == 400 and says in answer["error"], (query, answer)
+            # The long-poll answers as soon as a scorer's verdict is taken.
+            poll = asyncio.create_task(server.call("GET", "/v1/verdicts?worker_id=w0&after=0&wait_s=10", WORKER))
+            await asyncio.sleep(0.2)
+            assert not poll.done()
+            status, leased, _ = await server.call("POST", "/v1/score/leases", SCORER, json={"scorer_id": "s0", "max_items": 8})
+            assert status == 200 and [(i["rollout_id"], i["step"]) for i in leased["items"]] == [("r0", 0), ("r1", 0)]
+            scores = [{"rollout_id": i["rollout_id"], "score": 1.0, "step": 0} for i in leased["items"]]
+            answered = {"lease_id": leased["lease_id"], "scorer_id": "s0", "scores": scores}
+            status, _, _ = await server.call("POST", "/v1/scores", SCORER, json=answered)
+            assert status == 200
+            status, answer, _ = await poll
+            assert status == 200 and [(v["rollout_id"], v["seq"]) for v in answer["verdicts"]] == [("r0", 1), ("r1", 2)]
+            assert answer["last"] == 2
+            bad = {"lease_id": leased["lease_id"], "scorer_id": "s0", "scores": [{"rollout_id": "r0", "score": 1.0, "step": 0,
+                                                                                "step_scores": [1.0]}]}
+            status, answer, _ = await server.call("POST", "/v1/scores", SCORER, json=bad)
+            assert status == 400 and "a step's verdict is its score alone" in answer["error"]
+
+    run(real())
