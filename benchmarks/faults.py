@@ -14,6 +14,9 @@ served. At the end, `lost` counts acknowledged rollouts of complete groups never
   trainer's Publisher publishes a version meanwhile and a reader lists and pulls as a worker does.
   `bytes_vs_ideal`: bytes the front received for the version's weights over their size (uploads)
   and bytes it served to the pull over their size.
+- F1 (its one-host twin): through the same front, a pull whose range stalls (headers and part of
+  the body, then silence, as a silent drop) and one whose range is cut: seconds to load it
+  verified, and `bytes_vs_ideal` (bytes served for the file over its size).
 - F5: a version's weight file in the store truncated, then corrupted: the pull is refused and no
   cache directory appears (`half_versions_loaded`); repaired, it is fetched again and loads.
 - F9: the orchestrator's run dir on a 16 MiB tmpfs (root only; skipped, saying why, otherwise),
@@ -363,7 +366,40 @@ def f5_corrupt(work: Path) -> dict[str, Any]:
 # -- F3: SlowDown bursts against the trainer's publish ----------------------------------------
 
 
-def f3_publish(work: Path, slowdown_s: float) -> dict[str, Any]:
+def f1_stall(store: Any, control: Any, work: Path) -> dict[str, Any]:
+    """F1's one-host twin: a download through the store's front that stops mid-range and stays
+    silent (the front holds the connection open and sends nothing, as a silent drop does), then the
+    same with the connection cut; the version must load verified, at <= 1.1x its bytes."""
+    src = work / "f1-src"
+    src.mkdir()
+    weights = os.urandom(24_000_000)  # over part_mb's floor: pulled as parallel ranges
+    (src / "model.safetensors").write_bytes(weights)
+    (src / "config.json").write_text("{}")
+    store().publish(7, str(src))
+    name = "/faults/run/v000007/model.safetensors"
+    found: dict[str, Any] = {"made": "one-host twin: the fault front stalls or cuts a range (the testbed's link cut is not made)"}
+    for kind in ("none", "stall", "cut"):
+        control.reset()
+        if kind != "none":
+            control.set(kind, count=1, match=".safetensors")
+        started = time.monotonic()
+        pulled = Path(store().pull(7, str(work / f"f1-cache-{kind}")))
+        seconds = time.monotonic() - started
+        served = control.stats()["served"]["by_object"].get(name, 0)
+        found[kind] = {"pull_s": round(seconds, 1), "bytes_vs_ideal": round(served / len(weights), 3),
+                       "loaded_verified": (pulled / "model.safetensors").read_bytes() == weights}
+    control.clear()
+    found.update(
+        stall_seen_s=round(found["stall"]["pull_s"] - found["none"]["pull_s"], 1),  # what the stall cost: the time to see it
+        bytes_vs_ideal=max(found["stall"]["bytes_vs_ideal"], found["cut"]["bytes_vs_ideal"]),
+        recovered_s=found["stall"]["pull_s"], lost=0, trained_twice=0,
+        half_versions_loaded=int(not (found["stall"]["loaded_verified"] and found["cut"]["loaded_verified"])),
+    )
+    return found
+
+
+def store_faults(work: Path, slowdown_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """F1's twin and F3's publisher part, against moto behind the testbed's S3 fault front."""
     from decentrl.config import StoreConfig, TinyModelConfig
     from decentrl.model.build import build_model
     from decentrl.trainer.publisher import Publisher
@@ -405,7 +441,8 @@ def f3_publish(work: Path, slowdown_s: float) -> dict[str, Any]:
         pulled = Path(store().pull(0, str(work / "f3-cache")))
         served = control.stats()["served"]["by_object"]
         ideal = sum(weights.values())
-        return {
+        f1 = f1_stall(store, control, work)
+        return f1, {
             "made": True, "slowdown_s": slowdown_s, "publish_retries": publisher.retries,
             "published_after_s": round(announced[0][1] - started, 1) if announced else None,
             "half_versions_seen": len(seen - {0}) + int(0 in seen and not announced),
@@ -424,7 +461,7 @@ def f3_publish(work: Path, slowdown_s: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=["F3", "F5", "F9", "F10"])
+    parser.add_argument("--only", nargs="*", default=["F1", "F3", "F5", "F9", "F10"])
     parser.add_argument("--full-s", type=float, default=5.0, help="F9: how long the journal's disk stays full")
     parser.add_argument("--slowdown-s", type=float, default=12.0, help="F3: how long the store answers 503 SlowDown")
     parser.add_argument("--logs", help="copy the roles' logs into this directory")
@@ -449,9 +486,11 @@ def main() -> None:
         if "F5" in args.only:
             (work / "f5").mkdir()
             faults["F5"] = f5_corrupt(work / "f5")
-        if "F3" in args.only:
+        if "F3" in args.only or "F1" in args.only:
             (work / "f3").mkdir()
-            faults["F3"] = f3_publish(work / "f3", args.slowdown_s)
+            f1, f3 = store_faults(work / "f3", args.slowdown_s)
+            faults["F1"] = {**f1, "testbed": faults["F1"]["why_not"]}
+            faults["F3"] = f3
         if args.logs:
             os.makedirs(args.logs, exist_ok=True)
             for i, text in enumerate(logs):
