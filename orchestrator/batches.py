@@ -152,9 +152,9 @@ def roles_outcome(
         nodes, keys, dict(baselines), single=config.single, decay=config.decay, normalize_std=config.normalize_std
     )
     result = [[0.0] * len(group_rewards) for group_rewards in rewards]
-    for (g, indices), values in zip(places, per_node, strict=True):
+    for (g, indices), values, key in zip(places, per_node, keys, strict=True):
         for i, value in zip(indices, values, strict=True):
-            result[g][i] = value
+            result[g][i] = 0.0 if key in config.frozen_roles else value
     return result, after
 
 

@@ -183,6 +183,11 @@ class AdvantageConfig(Section):
         "role-conditioned moving average (decay); batch, Absolute Zero's mean over the batch's nodes of that kind and role."
     )
     decay: float = Field(0.95, ge=0.0, lt=1.0, description="type = 'roles', single = 'rae': the moving average's decay.")
+    frozen_roles: list[Literal["proposer", "solver"]] = Field(
+        default_factory=list, max_length=2, description="type = 'roles': roles whose samples train nothing (advantage 0): "
+        "['proposer'] is benchmarks/coevolve.py's frozen-proposer control (one shared policy: its proposals still change "
+        "as the solver trains)."
+    )
     normalize_std: bool = Field(
         False, description="Divide each group's centered rewards (and centered step scores) by their std (GRPO); "
         "Dr.GRPO leaves it off."

@@ -236,3 +236,17 @@ def test_the_roles_config_errors_say_what_to_fix() -> None:
     config["deterministic"] = True
     with pytest.raises(ConfigError, match="deterministic = false"):
         parse_config(config)
+
+
+def test_a_frozen_role_trains_nothing(roles_state: Callable[..., RunState], make_rollout: Any) -> None:
+    state = roles_state()
+    state.config = state.config.model_copy(update={"orchestrator": state.config.orchestrator.model_copy(update={
+        "advantages": state.config.orchestrator.advantages.model_copy(update={"frozen_roles": ["proposer"]})})})
+    _propose(state, make_rollout)
+    [sub] = state.grant_leases(BOB, 1)
+    _solve(state, make_rollout, sub, BOB)
+    [other] = state.grant_leases(BOB, 1)
+    assert state.ingest([make_rollout(other, "7777", node=other.node) for _ in range(2)], BOB).accepted == 2
+    batch = state.take_batch(0)
+    assert batch is not None and batch.samples[0].advantage == 0.0 and batch.samples[0].reward == 0.5
+    assert [s.advantage for s in batch.samples[1:]] == pytest.approx([0.5, 0.5, -0.5, -0.5])

@@ -1,0 +1,366 @@
+"""Co-evolution (issue 48): a proposer and its solvers as one unit of work - how its fan-out is
+scheduled under heavy-tailed latency, and (with --learn) whether it teaches the solver more than
+the controls from the same start.
+
+`schedule` (always; seconds): the real orchestrator (orchestrator/state.py RunState, its lease
+policy and reward stage) under a discrete-event simulation of the rest: --workers workers each
+ask for one lease at a time, and a lease's generation takes the longest of its samples' times,
+each drawn log-normal with median --median-s and shape --sigma (1.256: p90 = 5x median, the
+issue's tail), proposer and solver alike; a simulated trainer takes a batch of
+--groups-per-step units and computes for --train-s. Three arms from the same seeds:
+- `single`: the single-agent run, plain groups of --solvers samples (the sorting task);
+- `naive`: units of roles whose solver node goes whole to the unit's holder and is waited for
+  (one sub-lease of all --solvers samples, min_fill = solvers);
+- `ours`: the node in sub-leases of --sub-lease-size to any worker as it frees up, closed short at
+  --min-fill samples --close-after-s after it is made (late samples refused `node_closed`).
+Per arm: a unit's time from its lease to its group being complete (p50, p90, p90/median), each
+role's node time, the trainer's busy fraction (compute over step time after the first batch),
+and what the straggler bound closed short and refused.
+
+`learn` (--learn; minutes a run): `decentrl run` of configs/coevolve.toml for --steps steps per
+seed, against a frozen proposer (`frozen_roles = ["proposer"]`: one shared policy, so its
+proposals still drift as the solver trains) and a fixed curriculum (configs/local.toml's sorting
+task, --fixed-digits digits, the same solver samples a step); each final version evaluated on
+held-out sorting prompts (`decentrl eval`, --eval-digits) as the solver's skill; the co-evolution
+runs' proposals read from their journals by decile of the run (valid share, distinct share,
+digits and swaps, the solvers' solve rate).
+
+The last line is one JSON object with the issue's keys.
+    .venv/bin/python benchmarks/coevolve.py --seeds 2
+    .venv/bin/python benchmarks/coevolve.py --seeds 2 --learn --steps 150
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import os
+import random
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def spread(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p90_over_median": None, "n": 0}
+    p50, p90 = percentile(values, 0.5), percentile(values, 0.9)
+    return {"p50": round(p50, 3), "p90": round(p90, 3), "p90_over_median": round(p90 / p50, 3), "n": len(values)}
+
+
+# -- schedule: the real orchestrator, simulated workers and trainer ---------------------------
+
+
+def schedule_config(arm: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "run_name": "coevolve-schedule", "max_staleness": 1, "group_size": args.solvers, "num_workers": args.workers,
+        "trainer_ranks": 1,
+        "model": {"type": "tiny", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+        "sampling": {"temperature": 1.0, "max_tokens": 9},
+        "orchestrator": {"lease_timeout_s": 1e6, "max_buffer_groups": 4 * args.groups_per_step},
+        "trainer": {"groups_per_step": args.groups_per_step, "steps": args.sim_steps, "seed": seed},
+    }
+    if arm == "single":
+        base["task"] = {"type": "sorting", "num_digits": 4, "num_prompts": 4096, "seed": seed}
+        return base
+    naive = arm == "naive"
+    base["task"] = {"type": "propose", "min_digits": 2, "max_digits": 8, "num_prompts": 4096, "seed": seed}
+    base["orchestrator"]["advantages"] = {"type": "roles"}
+    base["orchestrator"]["roles"] = {
+        "solvers": args.solvers,
+        "sub_lease_size": args.solvers if naive else args.sub_lease_size,
+        "min_fill": args.solvers if naive else args.min_fill,
+        "close_after_s": args.close_after_s,
+        "holder_first_s": 3600.0 if naive else 0.0,
+    }
+    return base
+
+
+def simulate(arm: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One arm: returns its unit and node times, the trainer's busy fraction and the bound's counts."""
+    from decentrl.api.wire import Rollout, SamplingParams
+    from decentrl.config import parse_config
+    from decentrl.model.build import build_tiny_tokenizer
+    from decentrl.tasks import build_task
+    from orchestrator.state import RunState
+
+    config = parse_config(schedule_config(arm, args, seed), source="benchmarks/coevolve.py")
+    tokenizer = build_tiny_tokenizer()
+    now = [0.0]
+    state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, clock=lambda: now[0])
+    state.announce(0)
+    rng = random.Random(seed)
+    sampling = SamplingParams(temperature=1.0, max_tokens=9)
+    eos = tokenizer.eos_token_id
+    mu = math.log(args.median_s)
+
+    def draw() -> float:
+        return math.exp(rng.gauss(mu, args.sigma))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids + [eos]
+
+    def answer(lease: Any) -> str:
+        """A proposer writes 3-6 digits; a solver (or a single-agent sample) is right half the time."""
+        if lease.node is not None and lease.node.role == "proposer":
+            return "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6)))
+        problem = tokenizer.decode(lease.prompt_token_ids, skip_special_tokens=True).rstrip("=")
+        return "".join(sorted(problem)) if rng.random() < 0.5 else "9" * len(problem)
+
+    events: list[tuple[float, int, str, Any]] = []  # (time, tiebreak, kind, payload)
+    tick = iter(range(1 << 62))
+    for w in range(args.workers):
+        heapq.heappush(events, (0.0, next(tick), "ask", f"bench/w{w}"))
+    heapq.heappush(events, (0.0, next(tick), "trainer", None))
+    started: dict[str, float] = {}
+    node_start: dict[str, float] = {}
+    unit_s: list[float] = []
+    proposer_s: list[float] = []
+    solver_s: list[float] = []
+    seen_ready: set[str] = set()
+    version, steps, compute, first_batch_at, busy_until = 0, 0, 0.0, None, 0.0
+
+    def note_ready() -> None:
+        for group in list(state.ready):
+            if group.lease_id not in seen_ready and group.lease_id in started:
+                seen_ready.add(group.lease_id)
+                unit_s.append(now[0] - started[group.lease_id])
+                if group.lease_id in node_start:
+                    solver_s.append(now[0] - node_start[group.lease_id])
+
+    while events and steps < args.sim_steps:
+        at, _, kind, payload = heapq.heappop(events)
+        now[0] = at
+        if kind == "ask":
+            leases = state.grant_leases(payload, 1)
+            note_ready()  # an invalid proposal's unit completes at a lease request
+            if not leases:
+                heapq.heappush(events, (at + args.poll_s, next(tick), "ask", payload))
+                continue
+            lease = leases[0]
+            if lease.unit_id is None:
+                started[lease.lease_id] = at
+            duration = max(draw() for _ in range(lease.group_size))
+            heapq.heappush(events, (at + duration, next(tick), "post", (payload, lease)))
+        elif kind == "post":
+            holder, lease = payload
+            rollouts = [
+                Rollout(
+                    rollout_id=uuid.uuid4().hex, run_name=config.run_name, lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+                    worker_id=holder.split("/")[1], policy_version=version, prompt_token_ids=lease.prompt_token_ids,
+                    completion_token_ids=(c := ids(answer(lease))), logprobs=[-1.0] * len(c), finish_reason="stop",
+                    sampling=sampling, node=lease.node,
+                )
+                for _ in range(lease.group_size)
+            ]
+            state.ingest(rollouts, holder)
+            if lease.node is not None and lease.node.role == "proposer" and lease.lease_id in state.leases:
+                proposer_s.append(at - started[lease.lease_id])
+                node_start[lease.lease_id] = at
+            note_ready()
+            heapq.heappush(events, (at, next(tick), "ask", holder))
+        elif kind == "trainer":
+            if at < busy_until:
+                continue
+            batch = state.take_batch(version)
+            note_ready()
+            if batch is None:
+                heapq.heappush(events, (at + args.poll_s, next(tick), "trainer", None))
+                continue
+            if first_batch_at is None:
+                first_batch_at = at
+            else:
+                compute += args.train_s
+            steps += 1
+            busy_until = at + args.train_s
+            version += 1
+            heapq.heappush(events, (busy_until, next(tick), "publish", version))
+            heapq.heappush(events, (busy_until, next(tick), "trainer", None))
+        elif kind == "publish":
+            state.announce(payload)
+    total = now[0] - (first_batch_at or 0.0)
+    policy = state.lease_policy
+    return {
+        "unit_s": unit_s, "proposer_s": proposer_s, "solver_s": solver_s,
+        "busy": compute / total if total > 0 else None, "steps": steps, "wall_s": round(now[0], 2),
+        "closed_short": getattr(policy, "closed_short", 0), "node_closed_refused": state.rejected.get("node_closed", 0),
+        "stale_dropped": state.stale_dropped,
+    }
+
+
+def schedule(args: argparse.Namespace) -> dict[str, Any]:
+    arms: dict[str, Any] = {}
+    for arm in ("single", "naive", "ours"):
+        runs = [simulate(arm, args, seed) for seed in range(args.seeds)]
+        busy = [run["busy"] for run in runs if run["busy"] is not None]
+        arms[arm] = {
+            "episode": spread([t for run in runs for t in run["unit_s"]]),
+            "roles": {
+                "proposer": spread([t for run in runs for t in run["proposer_s"]]),
+                "solver": spread([t for run in runs for t in run["solver_s"]]),
+            },
+            "trainer_busy": round(statistics.fmean(busy), 4) if busy else None,
+            "trainer_busy_by_seed": [round(b, 4) for b in busy],
+            "closed_short": sum(run["closed_short"] for run in runs),
+            "node_closed_refused": sum(run["node_closed_refused"] for run in runs),
+            "stale_dropped": sum(run["stale_dropped"] for run in runs),
+            "sim_wall_s": [run["wall_s"] for run in runs],
+        }
+    return arms
+
+
+# -- learn: real runs from the same start ------------------------------------------------------
+
+
+def run(config: str, run_dir: Path, sets: list[str]) -> None:
+    command = [sys.executable, "-m", "decentrl.cli.main", "run", config, "--run-dir", str(run_dir)]
+    for item in sets:
+        command += ["--set", item]
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def heldout(run_dir: Path, args: argparse.Namespace) -> float:
+    """The final version's mean reward on held-out sorting prompts of --eval-digits digits: the solver's skill."""
+    config = json.loads((run_dir / "config.json").read_text())
+    config["task"] = {"type": "sorting", "num_digits": args.eval_digits, "num_prompts": 4096, "seed": 0}
+    config["orchestrator"].pop("roles", None)
+    config["orchestrator"].setdefault("advantages", {})["type"] = "grpo"
+    eval_config = run_dir / "eval_config.json"
+    eval_config.write_text(json.dumps(config))
+    out = subprocess.run(
+        [sys.executable, "-m", "decentrl.cli.main", "eval", str(eval_config), "--run-dir", str(run_dir),
+         "--prompts", str(args.eval_prompts), "--samples", "1", "--greedy", "--set", f"sampling.max_tokens={args.eval_digits + 1}"],
+        check=True, cwd=ROOT, capture_output=True, text=True,
+    ).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["reward_mean"])
+
+
+def proposals(run_dir: Path) -> list[dict[str, Any]]:
+    """Per decile of the co-evolution run: valid and distinct proposal shares, mean digits and
+    swaps of the valid ones, the solvers' solve rate - read from the journal's served units."""
+    from decentrl.config import ProposeTaskConfig
+    from decentrl.model.build import build_tiny_tokenizer
+    from decentrl.tasks.propose import ProposeTask
+    from orchestrator.codec import decode_rollout
+
+    config = json.loads((run_dir / "config.json").read_text())
+    task = ProposeTask(ProposeTaskConfig(**config["task"]))
+    tokenizer = build_tiny_tokenizer()
+    db = sqlite3.connect(run_dir / "journal.sqlite")
+    rows = db.execute(
+        "SELECT l.lease_id, l.closed_at, l.rewards FROM leases l WHERE l.status = 'served' ORDER BY l.closed_at"
+    ).fetchall()
+    units = []
+    for lease_id, _, rewards in rows:
+        bodies = db.execute("SELECT rollout_id, data FROM rollouts WHERE lease_id = ? ORDER BY rowid", (lease_id,)).fetchall()
+        if not bodies or bodies[0][1] is None:
+            continue
+        first = decode_rollout(bodies[0][1], rollout_id=bodies[0][0], lease_id=lease_id, run_name="", prompt_token_ids=[])
+        proposal = task.propose(tokenizer.decode(first.completion_token_ids, skip_special_tokens=True))
+        units.append((proposal, json.loads(rewards)[1:]))
+    deciles = []
+    for d in range(10):
+        part = units[d * len(units) // 10 : (d + 1) * len(units) // 10]
+        valid = [(p, solved) for p, solved in part if p is not None]
+        difficulty = [task.difficulty(p) for p, _ in valid]
+        solved = [r for _, rs in valid for r in rs]
+        deciles.append({
+            "units": len(part),
+            "valid_proposals": round(len(valid) / len(part), 3) if part else None,
+            "distinct_proposals": round(len({p.digits for p, _ in valid}) / len(valid), 3) if valid else None,
+            "digits": round(statistics.fmean(x.digits for x in difficulty), 2) if difficulty else None,
+            "operations": round(statistics.fmean(x.operations for x in difficulty), 2) if difficulty else None,
+            "solve_rate_fresh": round(statistics.fmean(solved), 3) if solved else None,
+        })
+    return deciles
+
+
+def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    common = [f"trainer.steps={args.steps}", "num_workers=2", "trainer_ranks=1"]
+    arms = {
+        "coevolve": ("configs/coevolve.toml", []),
+        "frozen_proposer": ("configs/coevolve.toml", ['orchestrator.advantages.frozen_roles=["proposer"]']),
+        "fixed": ("configs/local.toml", [f"task.num_digits={args.fixed_digits}", "group_size=8", "trainer.groups_per_step=16"]),
+    }
+    scores: dict[str, list[float]] = {arm: [] for arm in arms}
+    by_decile: list[Any] = []
+    for seed in range(args.seeds):
+        for arm, (config, sets) in arms.items():
+            run_dir = out / f"{arm}-{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run(config, run_dir, [*common, *sets, f"trainer.seed={seed}", f"model.seed={seed}", f"task.seed={seed}"])
+            scores[arm].append(heldout(run_dir, args))
+            if arm == "coevolve":
+                by_decile.append(proposals(run_dir))
+    result: dict[str, Any] = {f"heldout_solver_{arm}": [round(s, 4) for s in values] for arm, values in scores.items()}
+    result["proposals_by_decile"] = by_decile
+    return result
+
+
+OPTIONS = f"""
+seeds int 2 seeds of every arm
+workers int 24 schedule: simulated workers, one lease at a time each
+solvers int 8 solver samples a unit (a single-agent group's size)
+sub-lease-size int 2 schedule, ours: solver samples a sub-lease
+min-fill int 6 schedule, ours: the straggler bound
+close-after-s float 8.0 schedule, ours: seconds after a node is made before it may close short
+median-s float 1.0 schedule: median of a sample's time
+sigma float {math.log(5) / 1.2816} schedule: log-normal shape (p90 = 5x median)
+groups-per-step int 8 schedule: units (groups) a step
+train-s float 12.0 schedule: simulated trainer compute a step
+sim-steps int 60 schedule: trainer steps a seed
+poll-s float 0.05 schedule: how soon an idle worker or trainer asks again
+steps int 150 learn: trainer steps a run
+fixed-digits int 4 learn: the fixed curriculum's digits
+eval-digits int 4 learn: digits of the held-out sorting prompts
+eval-prompts int 256 learn: held-out prompts
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for line in OPTIONS.strip().splitlines():  # flag, type, default, help
+        flag, kind, default, text = line.split(maxsplit=3)
+        cast = {"int": int, "float": float}[kind]
+        parser.add_argument(f"--{flag}", type=cast, default=cast(default), help=text)
+    parser.add_argument("--learn", action="store_true", help="also the real runs (minutes each)")
+    parser.add_argument("--out", default=None, help="run directories of --learn (default: a temp dir)")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+
+    arms = schedule(args)
+    busy = {arm: arms[arm]["trainer_busy"] for arm in arms}
+    result: dict[str, Any] = {
+        "schedule": arms,
+        "episode_p90_over_median": {arm: arms[arm]["episode"]["p90_over_median"] for arm in arms},
+        "episode_p90_over_median_by_role": {arm: {r: v["p90_over_median"] for r, v in arms[arm]["roles"].items()}
+                                            for arm in ("naive", "ours")},
+        "busy_coevolve_vs_single": round(busy["ours"] / busy["single"], 4) if busy["ours"] and busy["single"] else None,
+        "busy_naive_vs_single": round(busy["naive"] / busy["single"], 4) if busy["naive"] and busy["single"] else None,
+        "two_policies": None,  # not built (issue 48 item 3)
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+    }
+    if args.learn:
+        out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="coevolve-"))
+        os.makedirs(out, exist_ok=True)
+        result.update(learn(args, out))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
