@@ -52,12 +52,15 @@ from decentrl.api.wire import (
     ScorePost,
     ScoreRenewal,
     StatusResponse,
+    StepAck,
+    StepPost,
     TokenCreate,
     TokenCreated,
     TokenEntry,
     TokenList,
     TrainBatch,
     TrainerStep,
+    VerdictList,
     VersionAnnouncement,
     problems,
 )
@@ -287,6 +290,16 @@ class OrchestratorClient:
 
     def post_scores(self, post: ScorePost) -> ScoreAck:
         return self._call("POST", "/scores", ScoreAck, post)
+
+    def post_steps(self, post: StepPost) -> StepAck:
+        """A tree lease's finished steps, for scoring while the rest is generated."""
+        return self._call("POST", "/steps", StepAck, post)
+
+    def verdicts(self, worker_id: str, after: int, wait_s: float = 0.0) -> VerdictList:
+        """The verdicts on my posted steps after `after`, as soon as one is taken (long-poll up to `wait_s`)."""
+        query = _query(worker_id=worker_id, after=after, wait_s=f"{wait_s:.3f}")
+        _, media, payload = self._request("GET", f"{API_PREFIX}/verdicts?{query}", timeout_s=self.timeout_s + wait_s)
+        return self._decode(VerdictList, media, payload)
 
     # -- the trainer ----------------------------------------------------------------------
 

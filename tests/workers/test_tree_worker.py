@@ -1,0 +1,124 @@
+"""The tree worker (workers/tree.py) against a real orchestrator on loopback and a real scorer
+thread judging steps with the chain task's exact checker: steps posted while chains are decoded,
+verdicts read without waiting, wrong chains stopped (tokens saved counted), pivots branched with
+the prefix as prompt, and the whole unit accepted by the orchestrator's node rules.
+
+A tiny random model (BASE_CONFIG's architecture) writes digits and '=', so many of its steps are
+wrong: the checker's verdicts stop chains often.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+from collections.abc import Awaitable
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from decentrl.api.wire import LeaseRequest, RolloutBatch
+from decentrl.config import PythonScorerConfig, TinyModelConfig
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.rl.pivots import RecoveryEstimate
+from decentrl.store.weights import write_hf_dir
+from decentrl.tasks import build_task
+from decentrl.tasks.chain import check_step
+from orchestrator.auth import TokenRegistry
+from orchestrator.state import RunState
+from workers.backends.hf import HFBackend
+from workers.scorer import Scorer
+from workers.scorers import build_scorer_backend
+from workers.tree import TreeCounts, VerdictFeed, generate_tree
+
+WORKER, SCORER = "worker-secret", "scorer-secret"
+TOKENS = [{"name": "alice", "role": "worker", "token": WORKER}, {"name": "judge", "role": "scorer", "token": SCORER}]
+TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, timeout=60))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory: Any) -> HFBackend:
+    directory = str(tmp_path_factory.mktemp("tree") / "v0")
+    os.makedirs(directory)
+    model = build_model(TinyModelConfig(**TINY, seed=3))
+    build_tiny_tokenizer().save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    write_hf_dir(directory, model.state_dict(), model.config, extras_from=directory)
+    loaded = HFBackend(seed=0)
+    loaded.load(directory, 0)
+    return loaded
+
+
+@pytest.mark.parametrize(
+    ("keep_cache", "tree"),
+    [
+        (True, {"pivots": 0, "stop_below": 0.5}),  # stopping: a random model's chains go wrong at once
+        (False, {"pivots": 0, "stop_below": 0.5}),
+        (True, {"pivots": 2, "stop_below": None, "rule": "random", "boundary": "tokens", "step_tokens": 4}),  # branching
+    ],
+)
+def test_a_tree_lease_is_generated_scored_stopped_and_branched(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any, backend: HFBackend, keep_cache: bool,
+    tree: dict[str, Any],
+) -> None:
+    config = make_config(
+        task={"type": "chain", "num_digits": 4, "num_prompts": 16, "seed": 0}, sampling={"temperature": 1.0, "max_tokens": 48},
+        orchestrator={"tree": {"k": 2, "marker": "=", **tree}, "lease_wait_s": 0.0, "rewards": {"lease_timeout_s": 10.0}},
+        trainer={"groups_per_step": 1}, group_size=4,
+    )
+    state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
+    state.announce(0)
+    scorer_config = PythonScorerConfig(function="workers.scorers.chain:judge", max_items=16, min_wait_s=0.01)
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+            scorer = Scorer(scorer_config, scorer_id="s0", client=server.client(SCORER), backend=build_scorer_backend(scorer_config))
+            scoring = threading.Thread(target=scorer.run, daemon=True)
+            scoring.start()
+            worker = server.client(WORKER)
+            feed = VerdictFeed(worker, "w0", wait_s=0.5).start()
+            counts = TreeCounts()
+            try:
+                response = await asyncio.to_thread(worker.lease, LeaseRequest(worker_id="w0", max_groups=1))
+                (lease,) = response.leases
+                samples = await asyncio.to_thread(
+                    generate_tree, backend, worker, lease, response.sampling, run_name=config.run_name, worker_id="w0", feed=feed,
+                    rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts, keep_cache=keep_cache,
+                )
+                answer = await asyncio.to_thread(worker.post_rollouts, RolloutBatch(rollouts=samples))
+            finally:
+                scorer.request_stop()
+                await asyncio.to_thread(feed.close)
+                await asyncio.to_thread(scoring.join, 15)
+            pivots = tree["pivots"]
+            assert answer.rejected == [] and answer.accepted == 4 + 2 * pivots, answer
+            assert lease.lease_id not in state.leases  # the unit is complete
+            roots, branches = samples[:4], samples[4:]
+            assert all(s.node is None for s in roots)
+            assert {s.node.node_id for s in branches} == {f"b{n}" for n in range(pivots)}  # type: ignore[union-attr]
+            for branch in branches:
+                parent = next(s for s in roots if s.rollout_id == branch.node.parent.rollout_id)  # type: ignore[union-attr]
+                at = branch.node.parent.at  # type: ignore[union-attr]
+                assert branch.prompt_token_ids == parent.prompt_token_ids + parent.completion_token_ids[:at]
+                assert len(branch.completion_token_ids) <= response.sampling.max_tokens - at
+            assert counts.steps_posted >= sum(len(s.step_ends or ()) for s in samples)  # and those cut after a wrong one
+            assert counts.generated == sum(len(s.completion_token_ids) for s in samples)
+            stopped = [s for s in samples if s.finish_reason == "wrong_step"]
+            assert counts.verdicts_used == len(stopped)
+            if tree["stop_below"] is None:
+                assert not stopped and counts.saved == 0
+                return
+            assert stopped and counts.saved > 0  # a random model's chains go wrong, and would have gone on
+            prompt = state.task.prompt(lease.prompt_id).text
+            for sample in stopped:  # each ends with its step judged wrong by the exact checker, the ones before right
+                text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+                assert check_step(prompt, text) is False
+                assert all(check_step(prompt, text[:i + 1]) for i, c in enumerate(text[:-1]) if c == "=")
+
+    run(scenario())

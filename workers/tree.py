@@ -1,0 +1,282 @@
+"""A tree lease generated step by step on the hf backend (issue 47, docs/rewards.md "Pivots").
+
+`generate_tree` plays one lease whose unit is a tree: the root's `group_size` chains are decoded
+together, token by token; each finished step (the unit's `boundary`: its marker's text, or a
+token count) is posted at once (POST /v1/steps, on a thread: decoding never waits for HTTP), and
+the verdicts come back on the worker's one outstanding long-poll (`VerdictFeed`, GET
+/v1/verdicts), read without waiting between tokens. A chain whose step is judged under
+`stop_below` stops there, whenever the verdict arrives: its completion ends with that step
+(`finish_reason = "wrong_step"`). So that the tokens saved are an exact count, a stopped row keeps
+decoding in the batch, unposted and uncounted, until it would have ended (an hf batch computes
+every row anyway). Then `pivots` pivots are chosen (decentrl/rl/pivots.py, the unit's `rule`) and
+`k` continuations of each are decoded from its prefix with the same weights. The samples go back
+as `Rollout`s of the unit, root first, each naming its node and its step ends.
+
+`keep_cache = False` rebuilds the KV cache from the tokens at every step boundary instead of
+keeping it (the measure the issue asks for: benchmarks/pivots.py).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from decentrl.api.client import OrchestratorClient
+from decentrl.api.wire import Lease, PartialStep, Rollout, SamplingParams, StepPost, TreeUnit
+from decentrl.model.sampling import sampling_distribution
+from decentrl.rl.pivots import Candidate, RecoveryEstimate, choose_pivots
+from workers.backends.hf import HFBackend
+
+
+class VerdictFeed:
+    """The verdicts on this worker's posted steps, kept as they come: a thread keeps one
+    GET /v1/verdicts outstanding; generation reads `score` and never waits."""
+
+    def __init__(self, client: OrchestratorClient, worker_id: str, wait_s: float = 5.0) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.wait_s = wait_s
+        self.scores: dict[tuple[str, int], float] = {}
+        self.after = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="verdicts", daemon=True)
+
+    def start(self) -> VerdictFeed:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.client.timeout_s + self.wait_s + 1)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            answer = self.client.verdicts(self.worker_id, self.after, wait_s=self.wait_s)
+            for verdict in answer.verdicts:
+                self.scores[(verdict.rollout_id, verdict.step)] = verdict.score
+            self.after = answer.last
+
+    def score(self, rollout_id: str, step: int) -> float | None:
+        return self.scores.get((rollout_id, step))
+
+
+@dataclass
+class Chain:
+    """One sample being generated: its prompt, tokens, and where its steps end."""
+
+    rollout_id: str
+    prompt: list[int]
+    budget: int  # most completion tokens
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)  # token counts at each step's end
+    finish: str | None = None
+    cut: int | None = None  # a stopped chain: its length at the wrong step's end
+    shadow: int = 0  # tokens a stopped chain decoded after its stop, unposted: the tokens saved
+    node: dict[str, object] | None = None
+    wrong_from: int | None = None  # the first step judged wrong (0-based)
+
+
+@dataclass
+class TreeCounts:
+    generated: int = 0  # completion tokens posted (kept in samples)
+    saved: int = 0  # tokens stopped chains would still have generated
+    discarded: int = 0  # tokens decoded after a wrong step before its verdict came (not posted)
+    steps_posted: int = 0
+    step_post_wait_s: float = 0.0  # time decoding waited for a step post (0: it never does)
+    verdicts_used: int = 0
+    decode_s: float = 0.0
+    cache_rebuild_s: float = 0.0
+
+
+def _ends_step(text_of: Callable[[list[int]], str], chain: Chain, unit: TreeUnit) -> bool:
+    start = chain.ends[-1] if chain.ends else 0
+    if unit.boundary.type == "tokens":
+        return len(chain.tokens) - start >= unit.boundary.tokens
+    return text_of(chain.tokens[start:]).endswith(unit.boundary.marker)
+
+
+@torch.no_grad()
+def decode_chains(
+    backend: HFBackend, chains: list[Chain], sampling: SamplingParams, unit: TreeUnit, *,
+    on_step: Callable[[Chain, int], None], verdict: Callable[[str, int], float | None], counts: TreeCounts,
+    keep_cache: bool = True,
+) -> None:
+    """Decode `chains` together to their ends, posting each finished step through `on_step(chain,
+    step)` and stopping a chain at the first of its steps `verdict` judges under the unit's
+    `stop_below` (read between tokens, never waited for)."""
+    model = backend.model
+    assert model is not None, "load() a version before decoding"
+    eos_ids, pad = backend._eos_and_pad()
+    text_of = backend._text
+    started = time.perf_counter()
+    rows = len(chains)
+
+    def prefill(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
+        width = max(map(len, seqs))
+        ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=backend.device)
+        attention = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=backend.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                       **{backend._cache_arg: cache}).logits[:, -1]
+        return logits, attention, positions[:, -1:], cache
+
+    # Every row is fed one token an iteration (`fed`), finished or not, so that the rows stay
+    # aligned; a stopped row's tokens after its stop are its shadow: what it would still have
+    # generated, counted as saved until it would have ended, never posted.
+    fed: list[list[int]] = [[] for _ in range(rows)]
+    shadow: list[int] = [0] * rows
+    shadowing = [False] * rows
+    logits, attention, position, cache = prefill([c.prompt for c in chains])
+    for _ in range(max(c.budget for c in chains)):
+        dist = sampling_distribution(logits, sampling)
+        chosen = backend._sample(dist, None)  # (B, 1)
+        picked, chosen_lp = torch.cat([chosen.double(), dist.gather(-1, chosen).double()], dim=-1).T.tolist()
+        boundary = False
+        for row, chain in enumerate(chains):
+            token = int(picked[row])
+            fed[row].append(token)
+            if shadowing[row]:
+                shadow[row] += 1
+                shadowing[row] = token not in eos_ids and len(fed[row]) < chain.budget
+                continue
+            if chain.finish is not None:
+                continue
+            chain.tokens.append(token)
+            chain.logprobs.append(chosen_lp[row])
+            if token in eos_ids:
+                chain.finish = "stop"
+            elif len(chain.tokens) >= chain.budget:
+                chain.finish = "length"
+            start = chain.ends[-1] if chain.ends else 0
+            if _ends_step(text_of, chain, unit) or (chain.finish is not None and len(chain.tokens) > start):
+                chain.ends.append(len(chain.tokens))
+                on_step(chain, len(chain.ends) - 1)
+                boundary = True
+        if unit.stop_below is not None:
+            for row, chain in enumerate(chains):  # verdicts that came in meanwhile, read without waiting
+                if chain.finish is not None:
+                    continue
+                for step in range(len(chain.ends)):
+                    score = verdict(chain.rollout_id, step)
+                    if score is not None and score < unit.stop_below:
+                        counts.verdicts_used += 1
+                        chain.wrong_from, chain.cut = step, chain.ends[step]
+                        counts.discarded += len(chain.tokens) - chain.cut  # decoded before the verdict came
+                        del chain.tokens[chain.cut:], chain.logprobs[chain.cut:], chain.ends[step + 1:]
+                        chain.finish = "wrong_step"
+                        shadowing[row] = fed[row][-1] not in eos_ids and len(fed[row]) < chain.budget
+                        break
+        if all(chain.finish is not None for chain in chains) and not any(shadowing):
+            break
+        if boundary and not keep_cache:  # the measure: the cache rebuilt from every row's tokens at a step's end
+            rebuilt = time.perf_counter()
+            logits, attention, position, cache = prefill([chain.prompt + fed[row] for row, chain in enumerate(chains)])
+            counts.cache_rebuild_s += time.perf_counter() - rebuilt
+            continue
+        attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=-1)
+        position = position + 1
+        logits = model(input_ids=chosen, attention_mask=attention, position_ids=position, use_cache=True,
+                       **{backend._cache_arg: cache}).logits[:, -1]
+    for row, chain in enumerate(chains):
+        if chain.finish is None:
+            chain.finish = "length"
+        counts.saved += shadow[row]
+    counts.decode_s += time.perf_counter() - started
+
+
+def generate_tree(
+    backend: HFBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
+    worker_id: str, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, counts: TreeCounts,
+    keep_cache: bool = True, rule: str | None = None,
+) -> list[Rollout]:
+    """One tree lease's samples (module docstring): its root's chains, then `k` continuations of
+    each of `pivots` pivots; `rule` overrides the unit's (a benchmark's arms)."""
+    unit = lease.unit
+    if not isinstance(unit, TreeUnit):
+        raise ValueError(f"lease {lease.lease_id} is not a tree unit")
+    posting = ThreadPoolExecutor(1, thread_name_prefix="steps")
+    posts: list[Future[object]] = []
+
+    def on_step(chain: Chain, step: int) -> None:
+        start = chain.ends[step - 1] if step else 0
+        posted = PartialStep(
+            rollout_id=chain.rollout_id, step=step, token_ids=chain.tokens[start : chain.ends[step]],
+            logprobs=chain.logprobs[start : chain.ends[step]], prompt_token_ids=chain.prompt if step == 0 else None,
+        )
+        posts.append(posting.submit(client.post_steps, StepPost(lease_id=lease.lease_id, worker_id=worker_id, steps=[posted])))
+        counts.steps_posted += 1
+
+    def decode(chains: list[Chain]) -> None:
+        decode_chains(backend, chains, sampling, unit, on_step=on_step, verdict=feed.score, counts=counts, keep_cache=keep_cache)
+
+    roots = [Chain(uuid.uuid4().hex, list(lease.prompt_token_ids), sampling.max_tokens) for _ in range(lease.group_size)]
+    decode(roots)
+    pivots = _pivots(roots, unit, feed, rng, estimate, rule or unit.rule)
+    branches = []
+    for n, pivot in enumerate(pivots):
+        parent = next(chain for chain in roots if chain.rollout_id == pivot.rollout_id)
+        node = {"node_id": f"b{n}", "parent": {"rollout_id": parent.rollout_id, "at": pivot.at}}
+        branches += [
+            Chain(uuid.uuid4().hex, parent.prompt + parent.tokens[: pivot.at], sampling.max_tokens - pivot.at, node=node)
+            for _ in range(unit.k)
+        ]
+    if branches:
+        decode(branches)
+    for pivot, start in zip(pivots, range(0, len(branches), unit.k), strict=True):
+        for chain in branches[start : start + unit.k]:  # the online estimate learns how often a depth recovers
+            estimate.update(pivot.ratio, chain.finish == "stop" and chain.wrong_from is None and not _judged_wrong(chain, unit, feed))
+    waited = time.perf_counter()
+    for future in posts:
+        future.result()  # a step post that failed fails the lease (it expires and goes to another worker)
+    counts.step_post_wait_s += time.perf_counter() - waited
+    posting.shutdown()
+    samples = []
+    for chain in roots + branches:
+        counts.generated += len(chain.tokens)
+        samples.append(Rollout(
+            rollout_id=chain.rollout_id, run_name=run_name, lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+            worker_id=worker_id, policy_version=backend.version or 0, prompt_token_ids=chain.prompt,
+            completion_token_ids=chain.tokens, logprobs=chain.logprobs, finish_reason=chain.finish,  # type: ignore[arg-type]
+            sampling=sampling, node=chain.node, step_ends=chain.ends,
+        ))
+    return samples
+
+
+def _judged_wrong(chain: Chain, unit: TreeUnit, feed: VerdictFeed) -> bool:
+    """Whether a verdict known now judges one of `chain`'s steps wrong."""
+    threshold = unit.stop_below if unit.stop_below is not None else 0.5
+    return any((score := feed.score(chain.rollout_id, step)) is not None and score < threshold for step in range(len(chain.ends)))
+
+
+def _pivots(
+    roots: list[Chain], unit: TreeUnit, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, rule: str
+) -> list[Candidate]:
+    """The unit's `pivots` step boundaries to branch from: among the chains known to have failed
+    (a step judged wrong: DEEP-GRPO branches failed trajectories) when there are enough, else
+    among all; never a chain's end."""
+    threshold = unit.stop_below if unit.stop_below is not None else 0.5
+    candidates, failed = [], []
+    for chain in roots:
+        wrong = chain.wrong_from
+        if wrong is None:
+            wrong = next((s for s in range(len(chain.ends)) if (v := feed.score(chain.rollout_id, s)) is not None and v < threshold), None)
+        for step, at in enumerate(chain.ends[:-1]):
+            candidate = Candidate(chain.rollout_id, step + 1, len(chain.ends), at, None if wrong is None else wrong + 1)
+            candidates.append(candidate)
+            if wrong is not None:
+                failed.append(candidate)
+    chosen = choose_pivots(failed, unit.pivots, rule, rng, estimate=estimate, gamma=unit.gamma)  # type: ignore[arg-type]
+    if len(chosen) < unit.pivots:
+        rest = [c for c in candidates if c not in chosen]
+        chosen += choose_pivots(rest, unit.pivots - len(chosen), rule, rng, estimate=estimate, gamma=unit.gamma)  # type: ignore[arg-type]
+    return chosen
