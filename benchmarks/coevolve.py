@@ -79,7 +79,7 @@ def schedule_config(arm: str, args: argparse.Namespace, seed: int) -> dict[str, 
         base["task"] = {"type": "sorting", "num_digits": 4, "num_prompts": 4096, "seed": seed}
         return base
     naive = arm == "naive"
-    base["task"] = {"type": "propose", "min_digits": 2, "max_digits": 8, "num_prompts": 4096, "seed": seed}
+    base["task"] = {"type": "propose", "min_digits": 2, "max_digits": 8, "num_prompts": 4096, "seed": seed, "solver_reward": "exact"}
     base["orchestrator"]["advantages"] = {"type": "roles"}
     base["orchestrator"]["roles"] = {
         "solvers": args.solvers,
@@ -228,7 +228,7 @@ def schedule(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(config: str, run_dir: Path, sets: list[str]) -> None:
-    command = [sys.executable, "-m", "decentrl.cli.main", "run", config, "--run-dir", str(run_dir)]
+    command = [str(Path(sys.executable).parent / "decentrl"), "run", config, "--run-dir", str(run_dir)]
     for item in sets:
         command += ["--set", item]
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -243,7 +243,7 @@ def heldout(run_dir: Path, args: argparse.Namespace) -> float:
     eval_config = run_dir / "eval_config.json"
     eval_config.write_text(json.dumps(config))
     out = subprocess.run(
-        [sys.executable, "-m", "decentrl.cli.main", "eval", str(eval_config), "--run-dir", str(run_dir),
+        [str(Path(sys.executable).parent / "decentrl"), "eval", str(eval_config), "--run-dir", str(run_dir),
          "--prompts", str(args.eval_prompts), "--samples", "1", "--greedy", "--set", f"sampling.max_tokens={args.eval_digits + 1}"],
         check=True, cwd=ROOT, capture_output=True, text=True,
     ).stdout

@@ -86,6 +86,11 @@ class ProposeTaskConfig(Section):
         "sort", description="What a solver does with the proposed digits: sort (write them ascending; operations = "
         "the adjacent swaps that sort them) or sum (write their sum; operations = digits - 1 additions)."
     )
+    solver_reward: Literal["exact", "positions"] = Field(
+        "positions", description="A solver's reward: exact (1 for the exact answer, else 0) or positions (the share of "
+        "the answer's characters right in place, the sorting task's partial credit: a signal a model learning from "
+        "scratch can climb); the proposer's learnability reads its solvers' mean either way."
+    )
     min_digits: int = Field(2, ge=1, le=64, description="Fewest digits of a valid proposal.")
     max_digits: int = Field(12, ge=1, le=64, description="Most digits of a valid proposal.")
     reference_digits: int = Field(

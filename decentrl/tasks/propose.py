@@ -9,7 +9,8 @@ between `min_digits` and `max_digits` of them - and the solvers' prompt is the p
 ascending (`operation = "sort"`) or their sum (`"sum"`). Difficulty is measured in digits and
 operations (the adjacent swaps that sort the digits, or the additions that sum them).
 
-Rewards: a solver's is 1 for the exact answer, else 0. A proposer's, at ingest, is whether its
+Rewards: a solver's is the share of its answer's characters right in place (`solver_reward =
+"positions"`, the sorting task's partial credit), or 1 for the exact answer (`"exact"`). A proposer's, at ingest, is whether its
 proposal is valid (1 or 0); once its solvers are in, the reward stage replaces it with
 `proposer_reward`: `invalid_reward` for an invalid proposal, else its learnability from the
 solvers' rewards (decentrl/rl/advantages.py `learnability`).
@@ -17,6 +18,7 @@ solvers' rewards (decentrl/rl/advantages.py `learnability`).
 
 from __future__ import annotations
 
+import operator
 import random
 import re
 from dataclasses import dataclass
@@ -96,13 +98,17 @@ class ProposeTask:
         return Difficulty(len(digits), inversions)
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
-        """A solver's correctness (1 or 0); a proposer's validity (1 or 0) until its solvers are in."""
+        """A solver's correctness (`solver_reward`); a proposer's validity (1 or 0) until its solvers are in."""
         if self.role_of(prompt) == "proposer":
             return float(self.propose(completion_text) is not None)
         proposal = self.propose(prompt.text.removesuffix("="))
         if proposal is None:  # only the orchestrator renders solver prompts: it never makes one of these
             raise ValueError(f"not a solver prompt of this task: {prompt.text[:80]!r}")
-        return float("".join(completion_text.split()) == self.answer(proposal))
+        answer, target = "".join(completion_text.split()), self.answer(proposal)
+        if self.config.solver_reward == "exact":
+            return float(answer == target)
+        # Extra characters cost as much as wrong ones, as in the sorting task: padding never pays.
+        return sum(map(operator.eq, answer, target)) / max(len(target), len(answer))
 
     def proposer_reward(self, proposal: Proposal | None, solver_rewards: list[float]) -> float:
         """Validity first (`invalid_reward`), then learnability from the solvers' rewards."""

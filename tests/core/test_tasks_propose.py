@@ -17,7 +17,7 @@ from decentrl.tasks.propose import Proposal, ProposeTask
 
 @pytest.fixture(scope="module")
 def task() -> ProposeTask:
-    built = build_task(ProposeTaskConfig(min_digits=2, max_digits=8, num_prompts=64))
+    built = build_task(ProposeTaskConfig(min_digits=2, max_digits=8, num_prompts=64, solver_reward="exact"))
     assert isinstance(built, ProposeTask)
     return built
 
@@ -55,8 +55,17 @@ def test_solver_prompt_answer_and_reward(task: ProposeTask) -> None:
         task.reward(Prompt(prompt_id=0, text="9a="), "9")
 
 
+def test_positions_reward_is_the_share_right_in_place() -> None:
+    task = ProposeTask(ProposeTaskConfig(solver_reward="positions"))
+    prompt = task.solver_prompt(Proposal("90271"), 0)  # answer 01279
+    assert task.reward(prompt, "01279") == 1.0
+    assert task.reward(prompt, "01299") == 0.8
+    assert task.reward(prompt, "0127") == 0.8 and task.reward(prompt, "0127999999") == 0.5, "padding never pays"
+    assert task.reward(prompt, "") == 0.0
+
+
 def test_sum_operation() -> None:
-    task = ProposeTask(ProposeTaskConfig(operation="sum"))
+    task = ProposeTask(ProposeTaskConfig(operation="sum", solver_reward="exact"))
     proposal = Proposal("9999")
     assert task.answer(proposal) == "36"
     assert task.reward(task.solver_prompt(proposal, 0), "36") == 1.0

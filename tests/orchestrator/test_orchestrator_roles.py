@@ -27,7 +27,7 @@ ROLES = {"solvers": 4, "sub_lease_size": 2, "min_fill": 2, "close_after_s": 10.0
 
 def roles_config(**roles: Any) -> dict[str, Any]:
     return {
-        "task": {"type": "propose", "min_digits": 2, "max_digits": 5, "num_prompts": 64},
+        "task": {"type": "propose", "min_digits": 2, "max_digits": 5, "num_prompts": 64, "solver_reward": "exact"},
         "orchestrator": {"roles": {**ROLES, **roles}, "advantages": {"type": "roles"}},
         "trainer": {"groups_per_step": 1},
     }
