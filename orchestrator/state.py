@@ -325,8 +325,8 @@ class RunState:
             if reason is not None:
                 rejected.append(Rejection(rollout_id=rollout_id, reason=reason))
                 self.counters.rejected[reason] += 1
-                if reason == "stale":  # the group can no longer train as a whole: free its place at once
-                    self._drop(lease_id, "stale_at_ingest", requeue="back")
+                if reason == "stale":  # the group (a sub-lease's unit) can no longer train as a whole: free its place at once
+                    self._drop(open_lease.lease.unit_id or lease_id if open_lease else lease_id, "stale_at_ingest", requeue="back")
                     self.counters.stale_dropped += 1  # this sample; the close counted those it held
                     self.counters.stale_since_batch.add([len(rollout.completion_token_ids)], None)
                 continue

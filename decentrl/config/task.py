@@ -79,7 +79,7 @@ class ProposeTaskConfig(Section):
     """Two roles, one episode (decentrl/tasks/propose.py, docs/tasks.md "Episodes of roles"): a
     proposer writes a digit problem, the task validates it and computes its answer exactly, and
     solvers answer it. The solver's reward is correctness; the proposer's is its learnability from
-    the solvers' results, after a validity check, less an optional repetition penalty."""
+    the solvers' results, after a validity check."""
 
     type: Literal["propose"] = "propose"
     operation: Literal["sort", "sum"] = Field(
@@ -105,10 +105,6 @@ class ProposeTaskConfig(Section):
     invalid_reward: float = Field(
         -1.0, ge=-1.0, le=0.0, description="The proposer's reward for an invalid proposal (Absolute Zero's format "
         "penalty, -1); at most 0, the least a valid proposal earns."
-    )
-    repetition_penalty: float = Field(
-        0.0, ge=0.0, le=1.0, description="R-Zero's repetition penalty weight: a valid proposal loses weight * (share "
-        "of the batch's proposals of the same canonical form), floored at 0. 0: none."
     )
 
     @model_validator(mode="after")

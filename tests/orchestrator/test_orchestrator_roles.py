@@ -250,3 +250,16 @@ def test_a_frozen_role_trains_nothing(roles_state: Callable[..., RunState], make
     batch = state.take_batch(0)
     assert batch is not None and batch.samples[0].advantage == 0.0 and batch.samples[0].reward == 0.5
     assert [s.advantage for s in batch.samples[1:]] == pytest.approx([0.5, 0.5, -0.5, -0.5])
+
+
+def test_a_stale_sample_drops_its_unit_whole(roles_state: Callable[..., RunState], make_rollout: Any) -> None:
+    state = roles_state()
+    unit, _ = _propose(state, make_rollout)
+    [sub] = state.grant_leases(BOB, 1)
+    state.announce(2)  # max_staleness 1: version 0 can no longer train
+    late = make_rollout(sub, "0279", node=sub.node, policy_version=0)
+    assert [r.reason for r in state.ingest([late], BOB).rejected] == ["stale"]
+    assert unit.lease_id not in state.leases and sub.lease_id not in state.leases, "the unit and its sub-leases"
+    assert state.dropped["stale_at_ingest"] == 1 and state.stale_dropped == 2, "the proposer's sample, then this one"
+    [again] = state.grant_leases(ALICE, 1)
+    assert again.unit_id is None and again.prompt_id == unit.prompt_id, "its prompt goes out again as a new unit"
