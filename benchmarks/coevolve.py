@@ -291,7 +291,8 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    common = [f"trainer.steps={args.steps}", "num_workers=2", "trainer_ranks=1"]
+    # Every batch kept, so the journal holds every served unit's samples for `proposals`.
+    common = [f"trainer.steps={args.steps}", "num_workers=2", "trainer_ranks=1", f"orchestrator.batches_kept={args.steps + 1}"]
     arms = {
         "coevolve": ("configs/coevolve.toml", []),
         "frozen_proposer": ("configs/coevolve.toml", ['orchestrator.advantages.frozen_roles=["proposer"]']),
