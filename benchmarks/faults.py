@@ -72,7 +72,8 @@ NEEDS_TESTBED = {
     "F2": "a worker cut past its lease and the store's retention: the testbed's partition for longer than "
           "lease_timeout_s and retention_grace_s; not run in this session",
     "F4": "the orchestrator unreachable from the workers for 60 s: the testbed's partition between the workers' "
-          "namespaces and the orchestrator's; not run in this session",
+          "namespaces and the orchestrator's (benchmarks/spread.py's Spread, Testbed.partition); not run in this "
+          "session: the one testbed a machine may hold was another run's (spread.py --parts real) when tried",
     "F6": "kill -9 of the orchestrator behind the TLS front across the testbed; its one-host twin is "
           "tests/orchestrator/test_orchestrator_kill9.py (nothing acknowledged lost, nothing served twice)",
     "F7": "the trainer killed mid-publish of SmolLM2's full version: the real-model trainer (about 12 GB) does not "
