@@ -103,6 +103,22 @@ class Batcher:
             return True
 
     @contextmanager
+    def round_of_its_own(self) -> Iterator[None]:
+        """A round generated outside the queue (a tree lease, workers/tree.py): it starts once no
+        swap is due and no other round runs, and a swap waits for its end (it is never cut at the
+        swap's deadline: a tree's branches keep their prefix's weights)."""
+        with self._changed:
+            while self.paused or self._rounds:
+                self._changed.wait()
+            self._rounds += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._rounds -= 1
+                self._changed.notify_all()
+
+    @contextmanager
     def swapping(self, deadline_s: float) -> Iterator[None]:
         """A weight swap's soft pause: the block runs once no round runs; until then none starts,
         and those running are interrupted `deadline_s` from now. One swapper: swaps never nest."""

@@ -18,6 +18,7 @@ keeping it (the measure the issue asks for: benchmarks/pivots.py).
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -34,6 +35,8 @@ from decentrl.api.wire import Lease, PartialStep, Rollout, SamplingParams, StepP
 from decentrl.model.sampling import sampling_distribution
 from decentrl.rl.pivots import Candidate, RecoveryEstimate, choose_pivots
 from workers.backends.hf import HFBackend
+
+log = logging.getLogger("decentrl.worker.tree")
 
 
 class VerdictFeed:
@@ -53,13 +56,21 @@ class VerdictFeed:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.client.timeout_s + self.wait_s + 1)
+        if wait:
+            self._thread.join(timeout=self.client.timeout_s + self.wait_s + 1)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            answer = self.client.verdicts(self.worker_id, self.after, wait_s=self.wait_s)
+            try:
+                answer = self.client.verdicts(self.worker_id, self.after, wait_s=self.wait_s)
+            except Exception as exc:  # noqa: BLE001 - the client retried; verdicts are an optimization, never waited for
+                if self._stop.is_set():
+                    return
+                log.warning("verdicts unreachable (%s); asking again in 1 s", exc)
+                self._stop.wait(1.0)
+                continue
             for verdict in answer.verdicts:
                 self.scores[(verdict.rollout_id, verdict.step)] = verdict.score
             self.after = answer.last

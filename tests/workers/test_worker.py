@@ -365,3 +365,28 @@ def test_slots_waiting_together_are_generated_in_one_backend_call(setup: Setup) 
             assert sample.masks is not None and len(sample.masks) == len(sample.token_ids)
     worker._post(response.leases, results[0], response.sampling)
     assert worker.client.status().rollouts_accepted == len(prompts)
+
+
+@pytest.fixture
+def tree_setup(tmp_path: Any) -> Iterator[Setup]:
+    yield from make_setup(
+        tmp_path, {"type": "chain", "num_digits": 4, "num_prompts": 64},
+        {"tree": {"k": 2, "pivots": 1, "boundary": "tokens", "step_tokens": 3}}, max_tokens=12,
+    )
+
+
+def test_the_worker_plays_tree_leases_step_by_step(tree_setup: Setup) -> None:
+    """`decentrl worker`'s loop hands a tree lease to workers/tree.py: its steps posted as they
+    finish, and the whole unit (root and one pivot's branches) accepted by the node rules."""
+    tree_setup.publish(0, seed=0)
+    worker = tree_setup.worker()
+    worker.run(max_iterations=1)
+    status = tree_setup.orchestrator.client(WORKER).status()
+    assert status.rollouts_rejected == {} and worker.tree_counts is not None
+    assert status.rollouts_accepted == worker.rollouts_posted > 0
+    assert status.rollouts_accepted % (2 + 2) == 0  # whole units: group_size 2 and k = 2 branches of 1 pivot
+    assert worker.tree_counts.steps_posted > 0 and worker.spool.pending() == []
+    state = tree_setup.orchestrator.state
+    samples = [r for group in state.ready for r, _ in group.samples]
+    branches = [r for r in samples if r.node is not None]
+    assert len(branches) == len(samples) // 2 and all(len(r.prompt_token_ids) > len(samples[0].prompt_token_ids) for r in branches)
