@@ -139,3 +139,18 @@ def test_the_reward_model_scores_on_a_gpu_as_on_the_cpu(rm_dir: Path) -> None:
     for c, g, h in zip(cpu, gpu, half, strict=True):
         assert g.score == pytest.approx(c.score, abs=1e-4) and g.step_scores == pytest.approx(c.step_scores, abs=1e-4)
         assert h.score == pytest.approx(c.score, abs=0.1)  # bfloat16 weights: close, not equal
+
+
+def test_a_partial_step_is_judged_as_the_prefix_ending_with_it(rm_dir: Path) -> None:
+    """A model PRM on POST /v1/steps' items: the verdict on step j of a sample still being generated
+    is the model's score of the text so far (it ends with step j), posted as that step's score."""
+    from workers.scorer import checked
+
+    backend = HFScoreBackend(HFScorerConfig(path=str(rm_dir)))
+    partial = item("01 23\n45 67\n", ["01 23\n", "45 67\n"], step=1)
+    verdict = backend.score([partial])[0]
+    expected = reference_logits(rm_dir, chat_text(rm_dir, "0123=", "01 23\n45 67\n"))[0].item()
+    assert verdict.score == pytest.approx(expected, abs=1e-5)
+    result = checked(partial, verdict, -1e9, 1e9)
+    assert result is not None and result.step == 1 and result.step_scores is None
+    assert result.score == pytest.approx(expected, abs=1e-5)
