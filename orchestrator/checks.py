@@ -49,13 +49,20 @@ class OpenGroup(Protocol):
     posted: int
 
 
+# A finished sample's journaled verdict on each step it names (None where none is in), or None
+# when its posted steps are not its steps (orchestrator/score_queue.py StepBook.verdicts_of).
+StepVerdicts = Callable[[Rollout], "list[float | None] | None"]
+
+
 class IngestChecks:
     def __init__(
         self, *, config: RunConfig, task: Task | EpisodeTask, sampling: SamplingParams, vocab_size: int,
-        ends: Callable[[list[int]], bool], episode_codec: TextCodec | None,
+        ends: Callable[[list[int]], bool], episode_codec: TextCodec | None, verdicts: StepVerdicts,
     ) -> None:
         """`ends`: whether a completion's tokens end its generation (end-of-sequence or a stop
-        string, decentrl/model/stopping.py); `episode_codec`: a multi-turn task's text codec."""
+        string, decentrl/model/stopping.py); `episode_codec`: a multi-turn task's text codec;
+        `verdicts`: the journaled verdicts on a sample's posted steps (tree units)."""
+        self.verdicts = verdicts
         self.config = config
         self.task = task
         self.sampling = sampling  # every rollout must have been sampled with exactly these
@@ -124,6 +131,8 @@ class IngestChecks:
             return "loss_mask_without_episodes"  # a single-turn task has no environment tokens
         if rollout.finish_reason == "wrong_step" and (rollout.step_ends is None or rollout.step_ends[-1] != len(ids)):
             return "bad_finish_reason"  # a chain stopped at a wrong step ends with that step (a tree unit's)
+        if rollout.finish_reason == "wrong_step" and (problem := wrong_step_problem(granted.unit, self.verdicts(rollout))):
+            return problem
         if not episode and self.config.orchestrator.verification.enabled and (
             # "length" means exactly max_tokens tokens; "stop" means the last token is
             # end-of-sequence or completes a stop string. (An episode's replay checks its ending.)
@@ -214,6 +223,22 @@ def node_problem(rollout: Rollout, unit: Unit, lease: OpenGroup) -> str | None:
         return "node_full"
     if node.node_id not in branch_nodes and len(branch_nodes) >= unit.pivots:
         return "too_many_pivots"
+    return None
+
+
+def wrong_step_problem(unit: Unit | None, verdicts: list[float | None] | None) -> str | None:
+    """Why a chain stopped early (finish `wrong_step`) may not have been, or None: the step it ends
+    with must have a journaled verdict under the unit's `stop_below`, so that a worker cannot stop
+    chains at will. `verdicts`: the sample's, one per step it names (None: its posted steps are not
+    its steps)."""
+    if not isinstance(unit, TreeUnit) or unit.stop_below is None:
+        return "bad_finish_reason"  # this run's chains are never stopped early
+    if verdicts is None:
+        return "wrong_step_unposted"  # its steps were not posted as it names them (POST /v1/steps)
+    if verdicts[-1] is None:
+        return "wrong_step_unjudged"  # no verdict on its last step is journaled
+    if verdicts[-1] >= unit.stop_below:
+        return "wrong_step_judged_right"
     return None
 
 

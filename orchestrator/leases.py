@@ -7,7 +7,7 @@ decides which prompt a lease is of. Invariants:
   a tree (`[orchestrator.tree]`: the root's samples and branches from pivots), all answered by
   its holder, complete at `unit_size(lease)` samples;
 - no more leases are open than can be consumed without going stale, nor than the buffer allows;
-- every status change goes through `LeaseBook.close` (journal, policy, `on_dropped`);
+- every status change goes through `LeaseBook.close` (journal, policy, `on_dropped`, `on_closed`);
 - a closed lease and its rollout ids are remembered for `dedupe_window_s` (after a recovery, in
   the journal), so a late sample gets a precise reason and a resend is a duplicate.
 """
@@ -146,14 +146,17 @@ class LeaseBook:
         clock: Callable[[], float],
         on_dropped: Callable[[ClosedLease, str, int], None],
         policy: LeasePolicy,
+        on_closed: Callable[[str], None] = lambda lease_id: None,
     ) -> None:
         """`on_dropped(closed, reason, samples)`: a lease closed without training, `samples` of its
-        samples to count as dropped for `reason`."""
+        samples to count as dropped for `reason`; `on_closed(lease_id)`: an open lease closed, however
+        (its partial steps go with it)."""
         self.config = config
         self.prompts = prompts
         self.journal = journal
         self.clock = clock
         self.on_dropped = on_dropped
+        self.on_closed = on_closed
         self.policy = policy
         options = config.orchestrator
         # What every lease of the run is a unit of (None: a plain group).
@@ -268,6 +271,7 @@ class LeaseBook:
         else:
             ids = [r.rollout_id for r in open_lease.samples]
             closed = self.closed[lease_id] = ClosedLease(open_lease.lease, open_lease.holder, status, now, len(ids), ids)
+            self.on_closed(lease_id)
         self.policy.closed(closed, requeue if open_lease is not None else None)
         self.closed_order.append((now, lease_id))
         for sub in self.policy.subs_of(closed):  # a unit's open sub-leases close with it

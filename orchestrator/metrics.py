@@ -74,7 +74,7 @@ class StateCollector(Collector):
             ("trainer_version", "Version the trainer holds.", s.trainer_version),
             ("recoveries", "Times this run's state was recovered from the journal.", c.recoveries),
         ]
-        if s.config.orchestrator.rewards.uses_model:
+        if s.scores():
             scoring = s.score_queue.summary()
             gauges += [
                 ("scores_waiting", "Samples of complete groups not yet scored.", scoring["waiting"]),

@@ -4,6 +4,8 @@ RunState hands every complete group to `start`: `VerifierRewards` gives the task
 rewards at once; `ModelRewards` (docs/rewards.md) queues the group's items for scorers, and
 `finish` combines their scores with the verifier's; `RolesRewards` derives a unit's solver node
 from its proposer's sample and rewards the proposer from its solvers. Never the worker's claimed reward.
+In a run of tree units the verdicts on a sample's posted steps become its process rewards
+(`step_verdicts`), read once when its unit completes: no step is scored a second time.
 """
 
 from __future__ import annotations
@@ -18,14 +20,37 @@ from orchestrator.leases import SOLVER, Derived
 from orchestrator.rewards import Rewards
 from orchestrator.score_queue import ScoreQueue
 
+# A finished sample's verdict on each step it names, None where one is not in (orchestrator/score_queue.py
+# StepBook.verdicts_of); None when its posted steps are not its steps.
+Verdicts = Callable[[Rollout], list[float | None] | None]
+
+
+def step_verdicts(group: Group, verdicts: Verdicts) -> None:
+    """Process rewards from verdicts (tree units, docs/rewards.md "Pivots"): a sample that named its
+    steps (`step_ends`, token counts), posted each of them and has every one judged gets the
+    verdicts as its step scores, each step ending at its last token; the others train on their
+    outcome alone. Nothing is set when no sample qualifies."""
+    scores = [verdicts(rollout) for rollout in group.rollouts]
+    full = [s if s is not None and None not in s else None for s in scores]
+    if all(s is None for s in full):
+        return
+    group.step_ends = [
+        [end - 1 for end in rollout.step_ends or ()] if s is not None else [] for rollout, s in zip(group.rollouts, full, strict=True)
+    ]
+    group.step_scores = full  # type: ignore[assignment]
+
 
 class VerifierRewards:
-    def __init__(self, rewards: Rewards) -> None:
+    def __init__(self, rewards: Rewards, *, verdicts: Verdicts | None = None) -> None:
+        """`verdicts`: a tree run's step verdicts (None: a run without partial steps)."""
         self.rewards = rewards
+        self.verdicts = verdicts
 
     def start(self, group: Group) -> bool:
-        """Reward `group` with the task's verifier; True: its rewards are final now."""
+        """Reward `group` with the task's verifier (and its steps' verdicts); True: its rewards are final now."""
         group.rewards = self.rewards.rewards(group.rollouts)
+        if self.verdicts is not None:
+            step_verdicts(group, self.verdicts)
         return True
 
     def restore_steps(self, group: Group) -> None:
@@ -36,9 +61,12 @@ class VerifierRewards:
 
 
 class ModelRewards:
-    def __init__(self, rewards: Rewards, queue: ScoreQueue) -> None:
+    def __init__(self, rewards: Rewards, queue: ScoreQueue, *, verdicts: Verdicts | None = None) -> None:
+        """`verdicts`: a tree run's step verdicts, its process rewards unless the scorers score
+        whole samples per step (`rewards.step_scores`)."""
         self.rewards = rewards
         self.queue = queue
+        self.verdicts = verdicts
         self.taken: dict[str, ScoreResult] = {}  # scores journaled before a restart, by rollout id
 
     def start(self, group: Group) -> bool:
@@ -49,6 +77,8 @@ class ModelRewards:
             group.rewards = group.verifier_rewards  # final once scored (`finish`)
         steps = self.rewards.steps(rollouts)
         group.step_ends = [s.ends for s in steps] if steps is not None else None
+        if steps is None and self.verdicts is not None:
+            step_verdicts(group, self.verdicts)
         self.queue.add(group.lease_id, self.rewards.items(rollouts, steps), self.taken)
         return False
 
@@ -60,7 +90,7 @@ class ModelRewards:
         if rewards is None:
             return False
         group.rewards = rewards
-        if group.step_ends is not None:
+        if self.rewards.steps_config is not None:  # else any step scores are the verdicts' (`start`)
             group.step_scores = [result.step_scores for result in results]
         if self.rewards.token_ids:
             group.teacher_logprobs = [result.token_logprobs for result in results]

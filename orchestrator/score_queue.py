@@ -10,8 +10,8 @@ from `post` as a verdict for the worker. Invariants:
   go to the front of the queue, and a post on it is refused (409);
 - a post is all or nothing: every score is checked before any is taken (ScoreError);
 - a score is taken once per sample and journaled before the answer (score leases are not);
-- a dropped group's items stay queued until they come up, and are then skipped (`alive`); a
-  step whose lease closed likewise (`step_alive`).
+- a dropped group's items stay queued until they come up, and are then skipped (`alive`); the
+  steps of a lease that closed leave the queue with it (`forget_steps`), leased or not.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Literal, NamedTuple
 from decentrl.api.wire import (
     Lease,
     PartialStep,
+    Rollout,
     ScoreAck,
     ScoreItem,
     ScorePost,
@@ -126,14 +127,11 @@ def _check_score(result: ScoreResult, item: ScoreItem | None, low: float, high: 
 class ScoreQueue:
     def __init__(
         self, *, config: RewardConfig, journal: Journaling, clock: Callable[[], float], alive: Callable[[str], bool],
-        step_alive: Callable[[str], bool] = lambda lease_id: False,
     ) -> None:
-        """`alive(group_id)`: whether the group still waits for its scores (the buffer holds it);
-        `step_alive(lease_id)`: whether a posted step's lease is still open (its chain generated)."""
+        """`alive(group_id)`: whether the group still waits for its scores (the buffer holds it)."""
         self.config = config
         self.journal = journal
         self.alive = alive
-        self.step_alive = step_alive
         self.samples: dict[Key, Waiting] = {}  # key -> its item, while its group (a step: its lease) waits
         self.groups: dict[str, list[str]] = {}  # group id -> its rollout ids, in sample order
         self.queue: deque[Key] = deque()  # whole samples to lease, front first
@@ -176,6 +174,13 @@ class ScoreQueue:
         for rollout_id in self.groups.pop(group_id, []):
             self.samples.pop(rollout_id, None)
 
+    def forget_steps(self, keys: list[tuple[str, int]]) -> None:
+        """Steps of a lease that closed: nobody waits for their verdicts. Queued ones are skipped when
+        they come up; a post of a leased one is taken and unused, and its score lease's expiry leases it
+        to nobody again."""
+        for key in keys:
+            self.samples.pop(key, None)
+
     # -- a scorer's requests ----------------------------------------------------------------
 
     def lease(self, holder: str, max_items: int) -> ScoreLeaseEntry | None:
@@ -187,12 +192,8 @@ class ScoreQueue:
                 key = queue.popleft()
                 waiting = self.samples.get(key)
                 if waiting is None or waiting.result is not None:
-                    continue  # its group left, or it was scored on a lease that expired later
-                if isinstance(key, tuple):
-                    if not self.step_alive(waiting.group_id):
-                        del self.samples[key]  # its chain's lease closed: nobody waits for the verdict
-                        continue
-                elif not self.alive(waiting.group_id):
+                    continue  # its group (a step: its lease) left, or it was scored on a lease that expired later
+                if not isinstance(key, tuple) and not self.alive(waiting.group_id):
                     self.forget(waiting.group_id)
                     continue
                 taken.append(key)
@@ -336,6 +337,7 @@ class Chain:
     holder: str
     prompt_token_ids: list[int]
     steps: list[PartialStep] = field(default_factory=list)
+    scores: dict[int, float] = field(default_factory=dict)  # step -> its verdict, as journaled
 
     @property
     def tokens(self) -> int:
@@ -410,6 +412,7 @@ class StepBook:
             return None
         seq = self.seq + 1 if seq is None else seq
         self.seq = max(self.seq, seq)
+        chain.scores[verdict.step] = verdict.score
         told = StepVerdict(lease_id=verdict.lease_id, rollout_id=verdict.rollout_id, step=verdict.step,
                            score=verdict.score, seq=seq)
         self.verdicts.setdefault(chain.holder, []).append(told)
@@ -418,13 +421,30 @@ class StepBook:
     def for_holder(self, holder: str, after: int) -> list[StepVerdict]:
         return [verdict for verdict in self.verdicts.get(holder, ()) if verdict.seq > after]
 
-    def forget(self, is_open: Callable[[str], bool]) -> None:
-        """Chains and verdicts of leases no longer open go."""
-        for rid in [rid for rid, chain in self.chains.items() if not is_open(chain.lease_id)]:
-            del self.chains[rid]
+    def verdicts_of(self, rollout: Rollout) -> list[float | None] | None:
+        """The journaled verdict of each step a finished sample names (`step_ends`; None where a
+        step is not judged yet), or None when its posted steps are not its steps: none posted, fewer
+        than it names, another prompt, or other tokens."""
+        chain, ends = self.chains.get(rollout.rollout_id), rollout.step_ends
+        if chain is None or ends is None or len(chain.steps) < len(ends):
+            return None
+        if list(chain.prompt_token_ids) != list(rollout.prompt_token_ids):
+            return None
+        ids, start = rollout.completion_token_ids, 0
+        for step, end in zip(chain.steps, ends, strict=False):
+            if list(ids[start:end]) != list(step.token_ids):
+                return None
+            start = end
+        return [chain.scores.get(step) for step in range(len(ends))]
+
+    def drop(self, lease_id: str) -> list[tuple[str, int]]:
+        """A lease closed: its chains and their verdicts go; the keys of its steps, for the queue."""
+        gone = [rid for rid, chain in self.chains.items() if chain.lease_id == lease_id]
+        keys = [(rid, step.step) for rid in gone for step in self.chains.pop(rid).steps]
         for holder, verdicts in list(self.verdicts.items()):
-            kept = [verdict for verdict in verdicts if is_open(verdict.lease_id)]
+            kept = [verdict for verdict in verdicts if verdict.lease_id != lease_id]
             if kept:
                 self.verdicts[holder] = kept
             else:
                 del self.verdicts[holder]
+        return keys

@@ -176,23 +176,25 @@ class RunState:
             if roles is not None and options.roles is not None
             else FreeRunning(prompts=prompts)
         )
+        self.steps = StepBook()  # a tree unit's partial steps and their verdicts (POST /v1/steps)
         self.lease_book = LeaseBook(
             config=config, prompts=prompts, journal=self.journal, clock=clock, on_dropped=self._dropped,
-            policy=self.lease_policy,
+            policy=self.lease_policy, on_closed=self._forget_steps,
         )
         self.checks = IngestChecks(
             config=config, task=task, sampling=sampling, vocab_size=self.vocab_size, ends=ends,
             episode_codec=tokenizer_codec(tokenizer) if isinstance(task, EpisodeTask) else None,
+            verdicts=self.steps.verdicts_of,
         )
         self.buffer = Buffer(journal=self.journal, clock=clock)
         self.score_queue = ScoreQueue(
             config=options.rewards, journal=self.journal, clock=clock,
             alive=lambda group_id: self.buffer.waits_for(group_id, "scores"),
-            step_alive=lambda lease_id: lease_id in self.lease_book.open,
         )  # stays empty unless the reward uses a model, or a tree's steps are posted
-        self.steps = StepBook()  # a tree unit's partial steps and their verdicts (POST /v1/steps)
+        verdicts = self.steps.verdicts_of
         self.reward_stage: VerifierRewards | ModelRewards | RolesRewards = (
-            ModelRewards(self.rewards, self.score_queue) if options.rewards.uses_model else roles or VerifierRewards(self.rewards)
+            ModelRewards(self.rewards, self.score_queue, verdicts=verdicts) if options.rewards.uses_model
+            else roles or VerifierRewards(self.rewards, verdicts=verdicts)
         )
         self.kept = KeptBatches(batches_kept=options.batches_kept, journal=self.journal, clock=clock)
 
@@ -274,8 +276,6 @@ class RunState:
             self._complete(self.lease_book.open[unit_id])
         expired = self.lease_book.expire()
         self.counters.leases_expired += expired
-        if self.steps.chains:
-            self.steps.forget(self.lease_book.open.__contains__)  # steps of closed leases go
         return expired
 
     def tell(self, holder: str) -> list[str]:
@@ -375,8 +375,8 @@ class RunState:
         # A deterministic run's groups take their position in the ready queue from the consumption order.
         seq = lease.index + 1 if lease.index is not None else 0
         group = Group.of(lease.lease_id, lease.prompt_id, samples, [0.0] * len(samples), seq)
-        scored = self.reward_stage.start(group)  # rewarded now, or queued for scorers
-        self.lease_book.close(lease.lease_id, "complete")
+        scored = self.reward_stage.start(group)  # rewarded now, or queued for scorers (its steps' verdicts read)
+        self.lease_book.close(lease.lease_id, "complete")  # its steps go (`_forget_steps`)
         losers, mismatches = self.lease_policy.filled(open_lease)
         for lease_id in losers:
             self.lease_book.close(lease_id, "superseded", reason="hedge_lost")
@@ -436,6 +436,7 @@ class RunState:
     # -- model scores (orchestrator/score_queue.py; rewards combined by rewards.py) ---------------
 
     def lease_scores(self, holder: str, max_items: int) -> ScoreLeaseEntry | None:
+        self.expire_leases()  # an overdue lease's steps go before a scorer could be leased them
         return self.score_queue.lease(holder, max_items)
 
     def renew_scores(self, lease_id: str, holder: str) -> ScoreRenewal:
@@ -481,6 +482,12 @@ class RunState:
         prefix = chain.prompt_token_ids[len(lease.prompt_token_ids):]  # a branch's: its parent's first tokens
         so_far = chain.steps[: step.step + 1]
         self.score_queue.add_step(lease.lease_id, self.rewards.step_item(lease.prompt_id, step.rollout_id, prefix, so_far))
+
+    def _forget_steps(self, lease_id: str) -> None:
+        """A lease closed (complete, expired, released, dropped; LeaseBook.close): its chains, their
+        verdicts and its unjudged steps go, so that no scorer is leased a step nobody waits for."""
+        if self.steps.chains:
+            self.score_queue.forget_steps(self.steps.drop(lease_id))
 
     def verdicts_for(self, holder: str, after: int) -> VerdictList:
         """The verdicts on steps of `holder`'s open leases numbered after `after`."""
@@ -679,6 +686,10 @@ class RunState:
 
     # -- what handlers and metrics read ---------------------------------------------------------
 
+    def scores(self) -> bool:
+        """Whether scorers score anything in this run: samples (a model reward) or a tree's steps."""
+        return self.config.orchestrator.rewards.uses_model or isinstance(self.lease_book.unit, TreeUnit)
+
     def buffer_full(self) -> bool:
         return len(self.buffer.ready) >= self.buffer_limit
 
@@ -709,7 +720,7 @@ class RunState:
             recoveries=counters.recoveries,
             groups_verifying=self.buffer.pending_for("check"),
             groups_scoring=self.buffer.pending_for("scores"),
-            scoring=self.score_queue.summary() if self.config.orchestrator.rewards.uses_model else None,
+            scoring=self.score_queue.summary() if self.scores() else None,
             workers=self.integrity.summary(),
             reward_failures=reward_failures(self.task),
         )

@@ -778,8 +778,8 @@ class StatusResponse(Wire):
     scoring: dict[str, Int] | None = Field(
         None, description="Model rewards (docs/rewards.md): samples waiting and leased, score leases open; since this "
         "orchestrator started: scores_posted, scores_duplicate, scores_reassigned, score_leases_expired, "
-        "judge_parse_failures, judge_parse_retries. "
-        "None with a verifier reward."
+        "judge_parse_failures, judge_parse_retries; with tree units steps_waiting and steps_scored (verdicts on "
+        "partial steps). None when nothing is scored (a verifier reward without tree units)."
     )
     verification: dict[str, float] | None = Field(
         None, description="Logprob spot-checks: rollouts_checked, checks, loads, compute_s, cpu_s, load_s, load_cpu_s, "

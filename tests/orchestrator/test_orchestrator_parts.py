@@ -357,7 +357,7 @@ def test_the_checks_judge_a_rollout_from_what_the_owner_looked_up(
     checks = IngestChecks(
         config=config, task=build_task(config.task), sampling=sampling, vocab_size=len(tokenizer),
         ends=lambda ids: ends_generation(ids, eos_ids={tokenizer.eos_token_id}, stops=sampling.stop, text_of=tokenizer.decode),
-        episode_codec=None,
+        episode_codec=None, verdicts=lambda rollout: None,
     )
     granted = lease("a", group_size=3)
     held = OpenLease(lease=granted, holder=HOLDER)

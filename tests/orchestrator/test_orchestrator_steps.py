@@ -170,12 +170,12 @@ def test_steps_are_taken_once_in_order_and_leased_before_whole_samples(
     assert told.last == 2 and state.verdicts_for(HOLDER, 2).verdicts == [] and state.verdicts_for(HOLDER, 2).last == 2
     assert state.verdicts_for("bob/w1", 0).verdicts == []  # only the holder's own
     assert state.score_queue.counts["steps_scored"] == 2
-    # A step of a lease that closes before it is leased is skipped; its chain forgotten.
+    # A lease that closes takes its steps with it, at once: chain, queued step and verdicts.
     state.post_steps(HOLDER, _post(other, _step(other, "q0", 0, ids("1="))))
+    assert state.score_queue.steps_waiting() == 1
     state.release_lease(other.lease_id, HOLDER)
-    assert state.lease_scores("judge/s0", 8) is None
-    state.expire_leases()  # any next request of a worker: the closed lease's chains go
     assert "q0" not in state.steps.chains and "r0" in state.steps.chains
+    assert state.score_queue.steps_waiting() == 0 and state.lease_scores("judge/s0", 8) is None
 
 
 @pytest.mark.parametrize(
@@ -292,3 +292,109 @@ def test_the_routes_over_http(tree: Callable[..., RunState], ids: Any, serve_orc
             assert status == 400 and "a step's verdict is its score alone" in answer["error"]
 
     run(real())
+
+
+# -- a chain stopped early is held to its verdict; verdicts become process rewards -------------
+
+
+def _sample(state: RunState, lease: Lease, make_rollout: Any, rid: str, steps: list[list[int]], **fields: Any) -> Any:
+    ends = [sum(len(step) for step in steps[: n + 1]) for n in range(len(steps))]
+    return make_rollout(lease, [t for step in steps for t in step], rollout_id=rid, step_ends=ends,
+                        sampling=state.sampling, **fields)
+
+
+def _judge(state: RunState, verdicts: dict[tuple[str, int], float]) -> None:
+    """A scorer leases every waiting step and posts the verdicts given (the others stay unjudged)."""
+    entry = state.lease_scores("judge/s0", 64)
+    assert entry is not None and set(verdicts) <= set(entry.rollout_ids)
+    scores = [ScoreResult(rollout_id=rid, score=score, step=step) for (rid, step), score in verdicts.items()]
+    assert state.post_scores("judge/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=scores)).accepted == len(scores)
+
+
+def test_a_wrong_step_finish_is_held_to_its_journaled_verdict(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]], make_rollout: Any
+) -> None:
+    state = tree()
+    (lease,) = state.grant_leases(HOLDER, 1)
+    first, wrong = ids(_right(state, lease)[0]), ids("99=")
+    for rid in ("stopped", "right", "unjudged", "other"):
+        state.post_steps(HOLDER, _post(lease, _step(lease, rid, 0, first), _step(lease, rid, 1, wrong)))
+    _judge(state, {("stopped", 0): 1.0, ("stopped", 1): 0.0, ("right", 1): 0.5, ("other", 1): 0.0})
+
+    def reasons(rid: str, steps: list[list[int]]) -> list[str]:
+        sample = _sample(state, lease, make_rollout, rid, steps, finish_reason="wrong_step")
+        return [rejection.reason for rejection in state.ingest([sample], HOLDER).rejected]
+
+    assert reasons("right", [first, wrong]) == ["wrong_step_judged_right"]  # 0.5 is not under stop_below 0.5
+    assert reasons("unjudged", [first, wrong]) == ["wrong_step_unjudged"]  # its last step has no verdict yet
+    assert reasons("never-posted", [first, wrong]) == ["wrong_step_unposted"]
+    assert reasons("other", [first, ids("98=")]) == ["wrong_step_unposted"]  # not the tokens that were judged
+    assert reasons("other", [first]) == ["wrong_step_unjudged"]  # stopped at a step judged by nobody
+    assert reasons("stopped", [first, wrong]) == []
+    assert state.rejected["wrong_step_unposted"] == 2
+    # A run whose chains are never stopped early takes no wrong_step finish at all.
+    never = tree(orchestrator={**TREE["orchestrator"], "tree": {"k": 2, "pivots": 1, "marker": "="}})
+    (plain,) = never.grant_leases(HOLDER, 1)
+    never.post_steps(HOLDER, _post(plain, _step(plain, "s", 0, wrong)))
+    _judge(never, {("s", 0): 0.0})
+    sample = _sample(never, plain, make_rollout, "s", [wrong], finish_reason="wrong_step")
+    assert [r.reason for r in never.ingest([sample], HOLDER).rejected] == ["bad_finish_reason"]
+
+
+def test_verdicts_become_the_finished_samples_process_rewards(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]], make_rollout: Any
+) -> None:
+    """Hand-computed: A's steps judged [1, 1], reward 1; B's [1, 0] (stopped there), reward 0; C's
+    second step unjudged when the unit completes, reward 0. Step scores of A and B [1, 1, 1, 0],
+    mean 0.75: s = [.25, .25 | .25, -.75], returns A [.5, .25], B [-.5, -.75]; outcome (grpo over
+    [1, 0, 0], mean 1/3) A 2/3, B and C -1/3; a token's advantage is its step's return + outcome,
+    and C trains on its outcome alone."""
+    options = {**TREE["orchestrator"], "tree": {"k": 1, "pivots": 0, "marker": "=", "stop_below": 0.5},
+               "advantages": {"type": "grpo", "normalize_std": False, "process": "return", "process_weight": 1.0,
+                              "outcome_weight": 1.0}}
+    state = tree(orchestrator=options)
+    assert state.config.group_size == 3
+    (lease,) = state.grant_leases(HOLDER, 1)
+    right = _right(state, lease)
+    a_steps, b_steps = [ids(right[0]), ids("".join(right[1:]))], [ids(right[0]), ids("99=")]
+    c_steps = [ids(right[0]), ids(right[1])]
+    state.post_steps(HOLDER, _post(lease, *(_step(lease, rid, n, tokens) for rid, steps in (
+        ("A", a_steps), ("B", b_steps), ("C", c_steps)) for n, tokens in enumerate(steps))))
+    _judge(state, {("A", 0): 1.0, ("A", 1): 1.0, ("B", 0): 1.0, ("B", 1): 0.0, ("C", 0): 1.0})  # C's step 1: not yet
+    samples = [_sample(state, lease, make_rollout, "A", a_steps), _sample(state, lease, make_rollout, "B", b_steps,
+               finish_reason="wrong_step"), _sample(state, lease, make_rollout, "C", c_steps)]
+    assert state.ingest(samples, HOLDER).accepted == 3
+    # The unit is complete: its steps left with it; C's unjudged step is leased to no scorer.
+    assert state.steps.chains == {} and state.score_queue.steps_waiting() == 0 and state.lease_scores("judge/s0", 8) is None
+    batch = state.take_batch(0)
+    assert batch is not None
+    by_id = {sample.rollout_id: sample for sample in batch.samples}
+    assert [by_id[rid].reward for rid in "ABC"] == [1.0, 0.0, 0.0]
+    expected = {
+        "A": [0.5 + 2 / 3] * len(a_steps[0]) + [0.25 + 2 / 3] * len(a_steps[1]),
+        "B": [-0.5 - 1 / 3] * len(b_steps[0]) + [-0.75 - 1 / 3] * len(b_steps[1]),
+    }
+    for rid, values in expected.items():
+        assert by_id[rid].token_advantages == pytest.approx(values, abs=1e-12)
+    assert by_id["C"].token_advantages is None and by_id["C"].advantage == pytest.approx(-1 / 3, abs=1e-12)
+
+
+def test_an_expired_leases_steps_go_before_any_scorer_is_leased_them(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]], clock: Any
+) -> None:
+    state = tree()
+    (lease,) = state.grant_leases(HOLDER, 1)
+    state.post_steps(HOLDER, _post(lease, _step(lease, "r0", 0, ids("1="))))
+    clock.advance(11.0)  # past lease_timeout_s; no worker has asked anything since
+    assert state.lease_scores("judge/s0", 8) is None
+    assert state.steps.chains == {} and state.score_queue.steps_waiting() == 0 and state.leases_expired == 1
+
+
+def test_status_reports_step_scoring_in_a_verifier_run(tree: Callable[..., RunState], ids: Callable[[str], list[int]]) -> None:
+    state = tree()
+    assert not state.config.orchestrator.rewards.uses_model
+    (lease,) = state.grant_leases(HOLDER, 1)
+    state.post_steps(HOLDER, _post(lease, _step(lease, "r0", 0, ids("1="))))
+    _judge(state, {("r0", 0): 1.0})
+    scoring = state.status().scoring
+    assert scoring is not None and scoring["steps_scored"] == 1 and scoring["steps_waiting"] == 0
