@@ -138,7 +138,8 @@ class Snapshot:
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # token name -> integrity record
     content: list[tuple[bytes, str, int]] = field(default_factory=list)  # (digest, lease_id, version)
     scores: dict[str, str] = field(default_factory=dict)  # rollout id -> its ScoreResult as JSON
-    # Partial steps of open leases, per lease in posting order: (rollout id, step, body, score, seq).
+    # Partial steps of open and complete leases (and those of kept batches), per lease in posting
+    # order: (rollout id, step, body, score, seq).
     steps: dict[str, list[tuple[str, int, bytes, float | None, int | None]]] = field(default_factory=dict)
 
 
@@ -444,7 +445,8 @@ class Journal:
         scores = dict(conn.execute("SELECT rollout_id, result FROM scores").fetchall())
         steps: dict[str, list[tuple[str, int, bytes, float | None, int | None]]] = {}
         for _, lease_id, *step in sorted(_rows_of(
-            conn, "SELECT rowid, lease_id, rollout_id, step, data, score, seq FROM steps WHERE lease_id IN ({})", wanted
+            conn, "SELECT rowid, lease_id, rollout_id, step, data, score, seq FROM steps WHERE lease_id IN ({})",
+            [row["lease_id"] for row in leases],  # a recovered group's verdicts are its process rewards
         ), key=lambda row: row[0]):
             steps.setdefault(lease_id, []).append(tuple(step))  # type: ignore[arg-type]
         return Snapshot(

@@ -45,6 +45,7 @@ class VerifierRewards:
         """`verdicts`: a tree run's step verdicts (None: a run without partial steps)."""
         self.rewards = rewards
         self.verdicts = verdicts
+        self.journaled: Verdicts | None = None  # after a restart: the verdicts the journal holds, for recovered groups
 
     def start(self, group: Group) -> bool:
         """Reward `group` with the task's verifier (and its steps' verdicts); True: its rewards are final now."""
@@ -54,10 +55,14 @@ class VerifierRewards:
         return True
 
     def restore_steps(self, group: Group) -> None:
-        """No process rewards without scorers: nothing to restore."""
+        """A group recovered in line or in a kept batch: its verdicts' process rewards again (tree units)."""
+        if self.journaled is not None:
+            step_verdicts(group, self.journaled)
 
-    def recovered(self, scores: dict[str, str]) -> None:
-        """No model scores are journaled in a verifier-only run."""
+    def recovered(self, scores: dict[str, str], verdicts: Verdicts | None = None) -> None:
+        """Read at a restart: no model scores are journaled in a verifier-only run; `verdicts`: the
+        journaled steps' (None: none journaled)."""
+        self.journaled = verdicts
 
 
 class ModelRewards:
@@ -67,6 +72,7 @@ class ModelRewards:
         self.rewards = rewards
         self.queue = queue
         self.verdicts = verdicts
+        self.journaled: Verdicts | None = None  # after a restart: the verdicts the journal holds, for recovered groups
         self.taken: dict[str, ScoreResult] = {}  # scores journaled before a restart, by rollout id
 
     def start(self, group: Group) -> bool:
@@ -99,7 +105,10 @@ class ModelRewards:
     def restore_steps(self, group: Group) -> None:
         """A group recovered in line or in a kept batch: its steps split again, its step scores
         and a teacher's log-probs from the journal. In a run without either nothing is read: a
-        recovered group's samples stay in the journal until it is served."""
+        recovered group's samples stay in the journal until it is served. A tree run's verdicts are
+        its process rewards again, as at its completion, unless scorers score steps."""
+        if self.rewards.steps_config is None and self.journaled is not None:
+            step_verdicts(group, self.journaled)
         if self.rewards.steps_config is None and not self.rewards.token_ids:
             return
         results = [self.taken.get(rollout.rollout_id) for rollout in group.rollouts]
@@ -110,8 +119,10 @@ class ModelRewards:
             group.step_ends = [s.ends for s in steps]
             group.step_scores = [result.step_scores if result is not None else None for result in results]
 
-    def recovered(self, scores: dict[str, str]) -> None:
-        """The scores the journal holds (rollout id -> ScoreResult as JSON), read at a restart."""
+    def recovered(self, scores: dict[str, str], verdicts: Verdicts | None = None) -> None:
+        """The scores the journal holds (rollout id -> ScoreResult as JSON), read at a restart;
+        `verdicts`: the journaled steps' (None: none journaled)."""
+        self.journaled = verdicts
         self.taken = {rollout_id: ScoreResult.model_validate_json(data) for rollout_id, data in scores.items()}
 
 

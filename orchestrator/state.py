@@ -99,6 +99,19 @@ def _alias(path: str, *, settable: bool = False) -> Any:
     return property(attrgetter(path), replace if settable else None)
 
 
+def journaled_verdicts(
+    steps: dict[str, list[tuple[str, int, bytes, float | None, int | None]]],
+) -> Callable[[Rollout], list[float | None] | None]:
+    """After a restart: the verdicts on every journaled step, as a finished sample's steps
+    (StepBook.verdicts_of), for the groups recovered complete or in a kept batch."""
+    book = StepBook()
+    for lease_id, rows in steps.items():
+        for rollout_id, _, data, score, seq in rows:
+            step = book.add(lease_id, "", PartialStep.model_validate(unpack_msgpack(data))).steps[-1]
+            if score is not None:
+                book.judged(StepVerdictTaken(lease_id, rollout_id, step.step, score), seq)
+    return book.verdicts_of
+
 class RunState:
     # Parts' fields under the names handlers, metrics and tests use.
     buffer_limit: int = _alias("config.orchestrator.max_buffer_groups")
@@ -206,7 +219,7 @@ class RunState:
         self.journal.integrity_source = self.integrity.journal_changes
         snapshot = self.journal.load()
         if snapshot.meta:
-            self.reward_stage.recovered(snapshot.scores)
+            self.reward_stage.recovered(snapshot.scores, journaled_verdicts(snapshot.steps) if snapshot.steps else None)
             recover(
                 snapshot, journal=self.journal, run_name=config.run_name, versions=self.versions, counters=self.counters,
                 lease_book=self.lease_book, buffer=self.buffer, batches=self.kept, advantages=options.advantages,
@@ -499,7 +512,7 @@ class RunState:
         for lease_id, rows in steps.items():
             open_lease = self.lease_book.open.get(lease_id)
             if open_lease is None:
-                continue
+                continue  # complete: its verdicts are read by the reward stage (`journaled_verdicts`)
             for rollout_id, _, data, score, seq in rows:
                 step = PartialStep.model_validate(unpack_msgpack(data))
                 self.steps.add(lease_id, open_lease.holder, step)

@@ -341,18 +341,18 @@ def test_a_wrong_step_finish_is_held_to_its_journaled_verdict(
     assert [r.reason for r in never.ingest([sample], HOLDER).rejected] == ["bad_finish_reason"]
 
 
-def test_verdicts_become_the_finished_samples_process_rewards(
-    tree: Callable[..., RunState], ids: Callable[[str], list[int]], make_rollout: Any
-) -> None:
-    """Hand-computed: A's steps judged [1, 1], reward 1; B's [1, 0] (stopped there), reward 0; C's
-    second step unjudged when the unit completes, reward 0. Step scores of A and B [1, 1, 1, 0],
-    mean 0.75: s = [.25, .25 | .25, -.75], returns A [.5, .25], B [-.5, -.75]; outcome (grpo over
-    [1, 0, 0], mean 1/3) A 2/3, B and C -1/3; a token's advantage is its step's return + outcome,
-    and C trains on its outcome alone."""
-    options = {**TREE["orchestrator"], "tree": {"k": 1, "pivots": 0, "marker": "=", "stop_below": 0.5},
-               "advantages": {"type": "grpo", "normalize_std": False, "process": "return", "process_weight": 1.0,
-                              "outcome_weight": 1.0}}
-    state = tree(orchestrator=options)
+PROCESS = {**TREE["orchestrator"], "tree": {"k": 1, "pivots": 0, "marker": "=", "stop_below": 0.5},
+           "advantages": {"type": "grpo", "normalize_std": False, "process": "return", "process_weight": 1.0,
+                          "outcome_weight": 1.0}}
+
+
+def _judged_unit(state: RunState, ids: Callable[[str], list[int]], make_rollout: Any) -> dict[str, list[float] | None]:
+    """A unit of three samples whose steps were posted and judged, complete; each sample's token
+    advantages, hand-computed: A's steps judged [1, 1], reward 1; B's [1, 0] (stopped there),
+    reward 0; C's second step unjudged when the unit completes, reward 0. Step scores of A and B
+    [1, 1, 1, 0], mean 0.75: s = [.25, .25 | .25, -.75], returns A [.5, .25], B [-.5, -.75];
+    outcome (grpo over [1, 0, 0], mean 1/3) A 2/3, B and C -1/3; a token's advantage is its
+    step's return + outcome, and C trains on its outcome alone (None)."""
     assert state.config.group_size == 3
     (lease,) = state.grant_leases(HOLDER, 1)
     right = _right(state, lease)
@@ -364,19 +364,51 @@ def test_verdicts_become_the_finished_samples_process_rewards(
     samples = [_sample(state, lease, make_rollout, "A", a_steps), _sample(state, lease, make_rollout, "B", b_steps,
                finish_reason="wrong_step"), _sample(state, lease, make_rollout, "C", c_steps)]
     assert state.ingest(samples, HOLDER).accepted == 3
+    return {
+        "A": [0.5 + 2 / 3] * len(a_steps[0]) + [0.25 + 2 / 3] * len(a_steps[1]),
+        "B": [-0.5 - 1 / 3] * len(b_steps[0]) + [-0.75 - 1 / 3] * len(b_steps[1]),
+        "C": None,
+    }
+
+
+def _advantages(batch: Any) -> tuple[dict[str, Any], dict[str, float]]:
+    assert batch is not None
+    return ({s.rollout_id: s.token_advantages for s in batch.samples}, {s.rollout_id: s.advantage for s in batch.samples})
+
+
+def _assert_advantages(batch: Any, expected: dict[str, list[float] | None]) -> None:
+    tokens, outcome = _advantages(batch)
+    assert set(tokens) == set(expected) and tokens["C"] is None and outcome["C"] == pytest.approx(-1 / 3, abs=1e-12)
+    for rid in ("A", "B"):
+        assert tokens[rid] == pytest.approx(expected[rid], abs=1e-12)
+
+
+def test_verdicts_become_the_finished_samples_process_rewards(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]], make_rollout: Any
+) -> None:
+    state = tree(orchestrator=PROCESS)
+    expected = _judged_unit(state, ids, make_rollout)
     # The unit is complete: its steps left with it; C's unjudged step is leased to no scorer.
     assert state.steps.chains == {} and state.score_queue.steps_waiting() == 0 and state.lease_scores("judge/s0", 8) is None
     batch = state.take_batch(0)
-    assert batch is not None
-    by_id = {sample.rollout_id: sample for sample in batch.samples}
-    assert [by_id[rid].reward for rid in "ABC"] == [1.0, 0.0, 0.0]
-    expected = {
-        "A": [0.5 + 2 / 3] * len(a_steps[0]) + [0.25 + 2 / 3] * len(a_steps[1]),
-        "B": [-0.5 - 1 / 3] * len(b_steps[0]) + [-0.75 - 1 / 3] * len(b_steps[1]),
-    }
-    for rid, values in expected.items():
-        assert by_id[rid].token_advantages == pytest.approx(values, abs=1e-12)
-    assert by_id["C"].token_advantages is None and by_id["C"].advantage == pytest.approx(-1 / 3, abs=1e-12)
+    assert batch is not None and [s.reward for s in sorted(batch.samples, key=lambda s: s.rollout_id)] == [1.0, 0.0, 0.0]
+    _assert_advantages(batch, expected)
+
+
+def test_verdict_process_rewards_survive_a_restart(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]], make_rollout: Any, tmp_path: Path
+) -> None:
+    journal = str(tmp_path / "journal.sqlite")
+    state = tree(journal, orchestrator=PROCESS)
+    expected = _judged_unit(state, ids, make_rollout)
+    state.journal.flush()
+    state.journal.close()
+    again = tree(journal, orchestrator=PROCESS)  # the group recovered in line
+    _assert_advantages(again.take_batch(0, request_id="q"), expected)
+    again.journal.flush()
+    again.journal.close()
+    third = tree(journal, orchestrator=PROCESS)  # the batch recovered as kept, asked again
+    _assert_advantages(third.take_batch(0, request_id="q"), expected)
 
 
 def test_an_expired_leases_steps_go_before_any_scorer_is_leased_them(
