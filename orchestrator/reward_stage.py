@@ -10,9 +10,11 @@ In a run of tree units the verdicts on a sample's posted steps become its proces
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from decentrl.api.wire import DerivedParent, Rollout, RolloutNode, ScoreResult
+from decentrl.rl.advantages import repetition_penalties
 from decentrl.tasks.base import Prompt
 from decentrl.tasks.propose import Proposal, ProposeTask
 from orchestrator.buffer import Group
@@ -136,6 +138,8 @@ class RolesRewards(VerifierRewards):
         super().__init__(rewards)
         self.task = task
         self.render = render
+        # The last proposals' canonical forms (None: invalid), for R-Zero's repetition penalty.
+        self.recent: deque[str | None] = deque(maxlen=task.config.repetition_window)
 
     def proposal(self, rollout: Rollout) -> Proposal | None:
         return self.task.propose(self.rewards.decode([rollout.completion_token_ids])[0])
@@ -162,5 +166,10 @@ class RolesRewards(VerifierRewards):
                     rewards[i] = self.task.reward(prompt, text)
         solved = [reward for i, reward in enumerate(rewards) if i != proposer]
         rewards[proposer] = self.task.proposer_reward(proposal, solved)
+        weight = self.task.config.repetition_penalty
+        if weight > 0:
+            self.recent.append(proposal.canonical if proposal is not None else None)
+            if proposal is not None:  # R-Zero: max(0, learnability - penalty)
+                rewards[proposer] = max(0.0, rewards[proposer] - repetition_penalties(list(self.recent), weight)[-1])
         group.rewards = rewards
         return True

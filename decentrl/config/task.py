@@ -102,6 +102,12 @@ class ProposeTaskConfig(Section):
         "absolute_zero", description="The proposer's reward from its solvers' mean reward p: absolute_zero = "
         "1 - p inside (0, 1), else 0; r_zero = 1 - 2|p - 1/2| (decentrl/rl/advantages.py `learnability`)."
     )
+    repetition_penalty: float = Field(
+        0.0, ge=0.0, le=1.0, description="R-Zero's repetition penalty weight: a valid proposal's reward loses weight x "
+        "(the share of the last repetition_window proposals, itself included, of its canonical form), floored at 0. 0: none."
+    )
+    # R-Zero's batch: here the most recent units completed, held in memory (a restart starts it empty).
+    repetition_window: int = Field(64, ge=1, le=100_000, description="Proposals the repetition penalty compares with.")
     invalid_reward: float = Field(
         -1.0, ge=-1.0, le=0.0, description="The proposer's reward for an invalid proposal (Absolute Zero's format "
         "penalty, -1); at most 0, the least a valid proposal earns."

@@ -263,3 +263,20 @@ def test_a_stale_sample_drops_its_unit_whole(roles_state: Callable[..., RunState
     assert state.dropped["stale_at_ingest"] == 1 and state.stale_dropped == 2, "the proposer's sample, then this one"
     [again] = state.grant_leases(ALICE, 1)
     assert again.unit_id is None and again.prompt_id == unit.prompt_id, "its prompt goes out again as a new unit"
+
+
+def test_the_repetition_penalty_lowers_a_repeated_proposal(
+    run_state: Callable[..., RunState], make_rollout: Any,
+) -> None:
+    config = roles_config()
+    config["task"].update(repetition_penalty=0.5, repetition_window=4)
+    state = run_state(**config, max_staleness=3)  # room for three units at version 0
+    rewards = []
+    for text in ("9027", "9027", "5511"):
+        _propose(state, make_rollout, text)
+        subs = state.grant_leases(BOB, 2)
+        for sub, answer in zip(subs, ("".join(sorted(text)), "7777"), strict=True):  # half right
+            assert state.ingest([make_rollout(sub, answer, node=sub.node) for _ in range(2)], BOB).accepted == 2
+        rewards.append(state.ready[-1].rewards[0])
+    # Learnability 1 - 1/2 each; penalty 0.5 x share of the window: 1/1, 2/2, then 1/3.
+    assert rewards == pytest.approx([0.0, 0.0, 0.5 - 0.5 / 3])
