@@ -97,7 +97,25 @@ def hedge_wait(times: list[float], after: float) -> float | None:
     return found
 
 
-class FreeRunning:
+class OneNode:
+    """A policy whose units are one node each (a plain group, a tree of branches its holder
+    generates): no node to derive, no sub-lease to grant, close with its unit or close short
+    (orchestrator/roles.py's policy has them)."""
+
+    def subs_of(self, closed: ClosedLease) -> list[str]:
+        return []
+
+    def make_nodes(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
+        return []
+
+    def sub_leases(self, holder: str, count: int, open_leases: Mapping[str, OpenLease]) -> list[Lease]:
+        return []
+
+    def short(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
+        return []
+
+
+class FreeRunning(OneNode):
     """Prompts leased in the prompt queue's order, one lease each: nothing to copy, nothing lost."""
 
     hedges = None
@@ -126,18 +144,6 @@ class FreeRunning:
     def forgotten(self, closed: ClosedLease) -> None:
         pass
 
-    def subs_of(self, closed: ClosedLease) -> list[str]:
-        return []
-
-    def make_nodes(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
-        return []
-
-    def sub_leases(self, holder: str, count: int, open_leases: Mapping[str, OpenLease]) -> list[Lease]:
-        return []
-
-    def short(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
-        return []
-
     def copies(self, holder: str, count: int, head: int) -> list[Lease]:
         return []
 
@@ -154,7 +160,7 @@ class FreeRunning:
         return []
 
 
-class Deterministic:
+class Deterministic(OneNode):
     """Numbered places, each filled by the first of its copies to complete; hedged when enabled."""
 
     def __init__(
@@ -205,18 +211,6 @@ class Deterministic:
     def forgotten(self, closed: ClosedLease) -> None:
         self.winners.pop(closed.lease.lease_id, None)
         self._told_needless(closed.lease.lease_id, closed.holder)
-
-    def subs_of(self, closed: ClosedLease) -> list[str]:
-        return []
-
-    def make_nodes(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
-        return []
-
-    def sub_leases(self, holder: str, count: int, open_leases: Mapping[str, OpenLease]) -> list[Lease]:
-        return []
-
-    def short(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
-        return []
 
     @staticmethod
     def _place(lease: Lease) -> int:
