@@ -784,7 +784,7 @@ def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dic
 
 def announce_gap_s(link: sn.Link) -> float:
     """The announcements' spacing: long enough for the watch to have asked again after the last one
-    (a request of decentrl's client opens its own TCP and TLS connection: 3 RTTs, more on a loss),
+    (a round trip on its kept-alive connection; 3 on a new TCP and TLS connection, more on a loss),
     as with real versions seconds apart; a shorter gap times the re-ask, not the announcement."""
     return 0.2 + 4 * (link.rtt_ms + link.jitter_ms / 2) / 1000
 
@@ -812,11 +812,13 @@ def part_announce(spread: Spread, args: argparse.Namespace, notes: list[str]) ->
             done = host.run(argv, capture_output=True, text=True, env={**os.environ, **spread.env()}, timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"the announce probe on {host_name} failed: {done.stderr[-3000:]}")
-            latencies = json.loads(done.stdout.splitlines()[-1])["latencies"]
+            probed = json.loads(done.stdout.splitlines()[-1])
+            latencies = probed["latencies"]
             next_version += args.announces
             rtt_s = host.link.rtt_ms / 1000
             result[profile] = {**quantiles([round(x, 4) for x in latencies]), "rtt_s": rtt_s, "gap_s": announce_gap_s(host.link),
-                               "within_one_rtt": round(sum(x <= max(rtt_s, 0.001) for x in latencies) / len(latencies), 3)}
+                               "within_one_rtt": round(sum(x <= max(rtt_s, 0.001) for x in latencies) / len(latencies), 3),
+                               "request_s": {how: quantiles([round(x, 4) for x in times]) for how, times in probed["request_s"].items()}}
     finally:
         spread.stop_run(run)
     return result
@@ -924,7 +926,22 @@ def _announce_probe(url: str, token: str, trainer_token: str, store_url: str, en
     finally:
         announcer.stdin.close()  # type: ignore[union-attr]
         announcer.wait(timeout=30)
-    print(json.dumps({"latencies": latencies}))
+    print(json.dumps({"latencies": latencies, "request_s": request_times(OrchestratorClient(url, token))}))
+
+
+def request_times(client: Any, n: int = 10) -> dict[str, list[float]]:
+    """Seconds per GET /v1/info from this host: on the client's kept-alive connection, and on a
+    new TCP and TLS connection each (as decentrl's client did with urllib before 2026-11-28)."""
+    client.info()  # the kept connection, opened
+    times: dict[str, list[float]] = {"kept_alive": [], "new_connection": []}
+    for _ in range(n):
+        for how in times:
+            if how == "new_connection":
+                client._drop_connection()
+            started = time.monotonic()
+            client.info()
+            times[how].append(time.monotonic() - started)
+    return times
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -946,7 +963,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if "late_joiner" in parts:
         hosts |= {f"late_{p.lower()}": p for p in ("L0", "L1", "L2", "L3")}  # late joiners
     workdir = tempfile.mkdtemp(prefix="spread-", dir="/tmp")  # short: the fault front's Unix socket path
-    result: dict[str, Any] = {"quick": args.quick, "parts": sorted(parts)}
+    # The machine's load (1, 5, 15 min) at the start and the end: the figures are from shared cores.
+    result: dict[str, Any] = {"quick": args.quick, "parts": sorted(parts), "load_average": {"start": os.getloadavg()}}
     try:
         with Spread(workdir, hosts) as spread:
             result["profiles"] = {name: vars(link) for name, link in sn.PROFILES.items()} | {"orchestrator": vars(DATACENTER)}
@@ -991,6 +1009,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 result["real_model_heldout_loopback"] = {n: (r["heldout"] or {}).get("reward_mean") for n, r in real["loopback"].items()}
             result["delayers"] = spread.net.delayer_stats()
     finally:
+        result["load_average"]["end"] = os.getloadavg()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
