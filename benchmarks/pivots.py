@@ -90,11 +90,26 @@ def finetune(directory: str, steps: int, seed: int) -> float:
     return float(loss)
 
 
+def pace(backend: Any, token_s: float) -> None:
+    """Makes each forward pass of `backend`'s loaded model take `token_s` seconds longer. The tiny
+    model decodes a 24-token chain in milliseconds, faster than any verdict can come back over
+    HTTP; a real model takes 10-50 ms a token, which is what gives a mid-generation verdict the
+    time to act. Without pacing, the figures measure the race, not the method."""
+    forward = backend.model.forward
+
+    def paced(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(token_s)
+        return forward(*args, **kwargs)
+
+    backend.model.forward = paced
+
+
 def run_arm(
     arm: str, seed: int, checkpoint: str, budget: int, group_size: int, k: int, *, keep_cache: bool = True,
-    post_steps: bool = True,
+    post_steps: bool = True, token_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One arm at one seed on a fresh orchestrator, scorer and backend: units until `budget` tokens."""
+    """One arm at one seed on a fresh orchestrator, scorer and backend: units until `budget` tokens.
+    `token_s`: each decoding step takes at least this long (`pace`), as a real model's does."""
     from decentrl.api.client import OrchestratorClient
     from decentrl.api.wire import LeaseRequest, RolloutBatch
     from decentrl.config import PythonScorerConfig, parse_config
@@ -135,6 +150,8 @@ def run_arm(
     feed = VerdictFeed(client, "w0", wait_s=1.0).start()
     backend = HFBackend(seed=seed)
     backend.load(checkpoint, 0)
+    if token_s:
+        pace(backend, token_s)
     rng, estimate, counts = random.Random(seed), RecoveryEstimate(), TreeCounts()
     units = solved = no_gradient = failed_roots = recovered = 0
     started = time.perf_counter()
@@ -190,6 +207,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=6000, help="Generated tokens per arm and seed.")
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--token-ms", type=float, default=10.0,
+                        help="Each decoding step takes this much longer (a real model's pace; 0: the tiny model's own).")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--k", type=int, default=4, help="Continuations of each pivot.")
     parser.add_argument("--sft-steps", type=int, default=600, help="Fine-tuning steps that give the model a signal.")
@@ -203,12 +222,12 @@ def main() -> None:
         sft_loss = finetune(checkpoint, args.sft_steps, seed=0)
         for seed in range(args.seeds):
             for arm in ARMS:
-                runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k))
+                runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=args.token_ms / 1000))
                 print(json.dumps(runs[-1]), flush=True)
         # The measures of the worker's side, on seed 0: the KV cache rebuilt at each step's end
         # (prm arm), and the root arm's throughput without posting its steps for scoring.
-        rebuilt = run_arm("prm", 0, checkpoint, args.budget, args.group_size, args.k, keep_cache=False)
-        silent = run_arm("root", 0, checkpoint, args.budget, args.group_size, args.k, post_steps=False)
+        rebuilt = run_arm("prm", 0, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=args.token_ms / 1000)
+        silent = run_arm("root", 0, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=args.token_ms / 1000)
         print(json.dumps(rebuilt), flush=True)
         print(json.dumps(silent), flush=True)
 

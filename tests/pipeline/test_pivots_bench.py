@@ -33,7 +33,7 @@ def checkpoint(bench: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("arm", ["root", "prm"])
 def test_an_arm_runs_to_its_budget(bench: Any, checkpoint: str, arm: str) -> None:
-    result = bench.run_arm(arm, 0, checkpoint, budget=120, group_size=2, k=2)
+    result = bench.run_arm(arm, 0, checkpoint, budget=120, group_size=2, k=2, token_s=0.015)  # a real model's pace
     assert result["tokens"] >= 120 and result["units"] >= 1
     assert result["tokens"] == result["tokens_kept"] + result["tokens_discarded"]
     assert 0 <= result["recovered"] <= result["failed_roots"] <= result["units"]

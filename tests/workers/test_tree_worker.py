@@ -13,6 +13,7 @@ import asyncio
 import os
 import random
 import threading
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -65,8 +66,12 @@ def backend(tmp_path_factory: Any) -> HFBackend:
 )
 def test_a_tree_lease_is_generated_scored_stopped_and_branched(
     make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any, backend: HFBackend, keep_cache: bool,
-    tree: dict[str, Any],
+    tree: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # 15 ms a decoding step, a real model's pace: the tiny model alone ends a chain in milliseconds,
+    # before any verdict can come back over HTTP, and then nothing is ever stopped.
+    forward = backend.model.forward
+    monkeypatch.setattr(backend.model, "forward", lambda *args, **kwargs: (time.sleep(0.015), forward(*args, **kwargs))[1])
     config = make_config(
         task={"type": "chain", "num_digits": 4, "num_prompts": 16, "seed": 0}, sampling={"temperature": 1.0, "max_tokens": 48},
         orchestrator={"tree": {"k": 2, "marker": "=", **tree}, "lease_wait_s": 0.0, "rewards": {"lease_timeout_s": 10.0}},
