@@ -282,12 +282,8 @@ class Worker:
 
     def _swapper(self) -> None:
         """The one place weights change (free-running runs): it pulls and swaps in the newest version
-        announced (`_watch` and lease answers tell it). A version announced while a pull ran wins
-        over the one pulled: it is pulled too (its delta chain on top of the one just pulled, whose
-        files the cache holds) and swapped in instead, once - leases ask for the newest version, so
-        swapping in one already superseded would make a slow link chase versions one swap at a time.
-        It never dies of a version: a failing store is retried, a version that fails verification
-        or loading is refused."""
+        announced (`_watch` and lease answers tell it). It never dies of a version: a failing store
+        is retried, a version that fails verification or loading is refused."""
         failures = 0
         while not self._stop.is_set():
             with self._changed:
@@ -303,18 +299,7 @@ class Worker:
                     failures += 1  # the loaded version is kept while it is fresh (slots check)
                     continue
                 failures = 0
-                newest = self._newer_than(version)
-                if newest is not None:
-                    with contextlib.suppress(UnloadableVersion):  # refused: the one pulled is still good
-                        if (newer_path := self._pull(newest, 0)) is not None:
-                            path, version = newer_path, newest
                 self._swap(path, version, pull_s=time.perf_counter() - started)
-
-    def _newer_than(self, version: int) -> int | None:
-        """The newest version announced, where it is newer than `version` and not refused."""
-        with self._changed:
-            newest = self.announced
-        return newest if newest is not None and newest > version and newest not in self.refused else None
 
     def _pull(self, version: int, failures: int) -> str | None:
         """`version`'s verified local directory, or None after a backoff when the store could not
