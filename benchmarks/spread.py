@@ -500,6 +500,20 @@ def demo_overrides(steps: int) -> list[str]:
     return [f"trainer.steps={steps}"]
 
 
+def l1_l2_figures(spread: Spread, run: SpreadRun) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A finished run's figures with its worker-0 on l1 and worker-1 on l2: the trainer's, bytes
+    per version, the store's bytes served, each profile's publish-to-loaded times; and the rows
+    of `version_timings`."""
+    manifests = spread.manifests(run)
+    served = spread.control.stats()["served"]
+    timings = version_timings(run, manifests, {"worker-0": spread.workers["l1"], "worker-1": spread.workers["l2"]},
+                              spread.store.link)
+    figures = {**summarize_run(run.metrics()), "bytes_per_version": bytes_per_version(manifests),
+               "store_served_bytes": served["total"],
+               "version_s": {p: quantiles([r["measured_s"] for r in timings if r["profile"] == p]) for p in ("L1", "L2")}}
+    return figures, timings
+
+
 def part_run(spread: Spread, args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
     """The CPU demo across the spread (workers on L1 and L2) and on loopback (`decentrl run`)."""
     from decentrl.config import load_config
@@ -513,16 +527,8 @@ def part_run(spread: Spread, args: argparse.Namespace, notes: list[str]) -> dict
         spread.wait_trainer(run, timeout_s=args.run_timeout_s)
     finally:
         spread.stop_run(run)
-    spread_metrics = summarize_run(run.metrics())
-    manifests = spread.manifests(run)
-    served = spread.control.stats()["served"]
-    timings = version_timings(run, manifests, {"worker-0": spread.workers["l1"], "worker-1": spread.workers["l2"]},
-                              spread.store.link)
-    result: dict[str, Any] = {
-        "spread": {**spread_metrics, "bytes_per_version": bytes_per_version(manifests),
-                   "store_served_bytes": served["total"],
-                   "version_s": {p: quantiles([r["measured_s"] for r in timings if r["profile"] == p]) for p in ("L1", "L2")}},
-    }
+    figures, _ = l1_l2_figures(spread, run)
+    result: dict[str, Any] = {"spread": figures}
     if args.loopback:
         say(f"run: the demo ({args.run_steps} steps) on loopback (decentrl run)")
         loop_dir = Path(spread.workdir) / "loopback"
@@ -560,18 +566,10 @@ def part_real(spread: Spread, args: argparse.Namespace, notes: list[str]) -> dic
         newest = spread.quiesce(run, timeout_s=300)
     finally:
         spread.stop_run(run)
-    manifests = spread.manifests(run)
-    served = spread.control.stats()["served"]
-    timings = version_timings(run, manifests, {"worker-0": spread.workers["l1"], "worker-1": spread.workers["l2"]},
-                              spread.store.link)
-    result: dict[str, Any] = {
-        "steps": args.real_steps, "overrides": overrides,
-        "spread": {**summarize_run(run.metrics()), "bytes_per_version": bytes_per_version(manifests),
-                   "store_served_bytes": served["total"],
-                   "version_s": {p: quantiles([r["measured_s"] for r in timings if r["profile"] == p]) for p in ("L1", "L2")},
-                   "efficiency": {p: quantiles([r["efficiency"] for r in timings if r["profile"] == p and r["efficiency"]])
-                                  for p in ("L1", "L2")}},
-    }
+    figures, timings = l1_l2_figures(spread, run)
+    figures["efficiency"] = {p: quantiles([r["efficiency"] for r in timings if r["profile"] == p and r["efficiency"]])
+                             for p in ("L1", "L2")}
+    result: dict[str, Any] = {"steps": args.real_steps, "overrides": overrides, "spread": figures}
     evals = {}
     for version in sorted({0, newest or 0} if args.real_eval_before else {newest or 0}):
         say(f"real: decentrl eval of version {version} ({args.real_eval_prompts} held-out prompts x 4)")
