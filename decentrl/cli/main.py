@@ -182,12 +182,16 @@ def trainer(
         state_dir=os.path.join(run_dir, "trainer"),
     )
     from decentrl.model.build import ModelPathError
+    from decentrl.trainer.distributed import PeerLost
 
     try:
         train(cfg, options)
     except ModelPathError as exc:  # the model directory is not on this machine: one line, not a traceback
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    except PeerLost as exc:  # the other trainer nodes are gone: what happened and what to do, not a traceback
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(3) from None
 
 
 @app.command()

@@ -207,6 +207,13 @@ class TrainerConfig(Section):
         25, ge=1, description="Steps between resumable checkpoints under <run_dir>/trainer; the last step saves one too."
     )
     checkpoint_keep: int = Field(2, ge=1, description="Resumable checkpoints kept (older ones are deleted).")
+    peer_timeout_s: float = Field(
+        300.0, ge=5.0, le=86400.0,
+        description="Several ranks: the longest any rank waits for the others in one collective. A node that dies, or "
+        "a cut network between the nodes, stops every rank with an error saying so within this, instead of a hang; "
+        "start the trainer again to resume from its checkpoint. Rank 0's waits for a batch or a publish do not count "
+        "(heartbeats every quarter of it); raise it only for a collective that takes longer (a very large checkpoint).",
+    )
     lora: LoRAConfig | None = Field(
         None, description="Present ([trainer.lora]): train a LoRA adapter on frozen base weights and publish only it."
     )

@@ -1,11 +1,20 @@
 """torch.distributed plumbing of the trainer: process group, FSDP2 sharding, broadcasts, full weights.
 
 Called by the training loop (and the parity tests, which run it on 1 and on 2 gloo ranks).
+
+Peers lost: every collective waits at most `[trainer] peer_timeout_s` for the other ranks (the
+process group's time-out), so a trainer whose nodes lose each other - one died, or the network
+between them is cut - stops with `PeerLost` saying so instead of hanging (torch's default is 30
+minutes). Rank 0's own long waits between collectives (a batch from the orchestrator, a publish
+that retries a failing store) would count against it on the other ranks: they are cut into
+heartbeats (`broadcast_when_ready`), so only silence from a peer does.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -17,18 +26,44 @@ from transformers import PreTrainedModel
 T = TypeVar("T")
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the torchrun group (or make a group of one); gloo on CPU, NCCL on CUDA."""
+class PeerLost(RuntimeError):
+    """A collective heard nothing from another rank within the process group's time-out."""
+
+
+# What gloo raises (a plain RuntimeError) when a peer stays silent or goes away, and what NCCL's
+# watchdog raises (DistBackendError, a RuntimeError too).
+_PEER_FAILURES = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Watchdog caught collective")
+
+
+def peer_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that lost its peers (not a bug of the step)."""
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_FAILURES)
+
+
+def peer_lost(error: BaseException, *, timeout_s: float, rank: int, world: int, resume_step: int) -> PeerLost:
+    """The error a rank stops with when `error` is a lost peer: what happened, and what to do."""
+    return PeerLost(
+        f"trainer rank {rank} of {world}: the other ranks did not answer within trainer.peer_timeout_s = "
+        f"{timeout_s:g} s ({str(error).splitlines()[0][:200]}): a trainer node died or the network between the "
+        f"nodes is cut. Fix the link or the node, then start the trainer again: it resumes from its checkpoint "
+        f"(step {resume_step}) and replays the batches journaled since."
+    )
+
+
+def init_distributed(peer_timeout_s: float = 1800.0) -> tuple[int, int, torch.device]:
+    """Join the torchrun group (or make a group of one); gloo on CPU, NCCL on CUDA. Every
+    collective of the group waits at most `peer_timeout_s` for the other ranks."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    timeout = datetime.timedelta(seconds=peer_timeout_s)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -96,6 +131,18 @@ def broadcast_object(value: T | None, rank: int) -> T:
     box = [value if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]  # type: ignore[return-value]
+
+
+def broadcast_when_ready(take: Callable[[float], T | None] | None, rank: int, beat_s: float) -> T:
+    """Rank 0's value on every rank once `take(beat_s)` (rank 0's; it waits at most `beat_s` and
+    answers None while the value is not there) has it. Each wait that comes back empty is
+    broadcast as None, a heartbeat: however long rank 0 waits, no rank sits in one collective for
+    more than about `beat_s`, so the group's time-out measures silence, not rank 0's waits."""
+    while True:
+        value = take(beat_s) if take is not None and rank == 0 else None
+        value = broadcast_object(value, rank)
+        if value is not None:
+            return value
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

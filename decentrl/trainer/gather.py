@@ -10,6 +10,7 @@ reports that time as publish wait. Called by the training loop.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import queue
 import threading
@@ -30,12 +31,14 @@ class WeightGather:
         model: torch.nn.Module,
         deliver: Callable[[int, dict[str, torch.Tensor]], None] | None,
         select: Callable[[str], bool] = lambda name: True,
+        timeout_s: float | None = None,
     ) -> None:
         """Collective (every rank constructs it); `deliver` is called on rank 0 only, with the
-        weights whose names `select` accepts (LoRA: only the adapter's)."""
+        weights whose names `select` accepts (LoRA: only the adapter's). `timeout_s`: its group's
+        collective time-out ([trainer] peer_timeout_s; None: torch's default)."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.deliver = deliver
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
         state = {name: value for name, value in model.state_dict().items() if select(name)}
         # Sharded parameters are gathered; anything else (buffers) is whole on every rank.
         self.sharded = [name for name, value in state.items() if isinstance(value, DTensor)]

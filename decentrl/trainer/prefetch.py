@@ -27,12 +27,16 @@ class BatchPrefetcher:
         self._last_step = last_step
         self._pending: tuple[int, Future[TrainBatch]] | None = None
 
-    def take(self, step: int) -> TrainBatch:
-        """Step `step`'s batch (waiting for it if it is still on its way); starts fetching the next."""
+    def take(self, step: int, wait_s: float | None = None) -> TrainBatch | None:
+        """Step `step`'s batch (waiting for it if it is still on its way, at most `wait_s`: then
+        None, and the fetch goes on); starts fetching the next."""
         if self._pending is None or self._pending[0] != step:
             self._start(step)
         assert self._pending is not None
-        batch = self._pending[1].result()  # a failed fetch raises here, in the training loop
+        try:
+            batch = self._pending[1].result(timeout=wait_s)  # a failed fetch raises here, in the training loop
+        except TimeoutError:
+            return None
         self._pending = None
         if step < self._last_step:
             self._start(step + 1)

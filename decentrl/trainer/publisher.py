@@ -93,12 +93,13 @@ class Publisher:
             self._pending = (version, state)
             self._cond.notify_all()
 
-    def wait_idle(self) -> None:
-        """Block until everything submitted is published (used at the end of training)."""
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until everything submitted is published (used at the end of training), at most
+        `timeout_s`: whether it is."""
         with self._cond:
-            while (self._pending is not None or self._busy) and self._error is None:
-                self._cond.wait()
+            idle = self._cond.wait_for(lambda: (self._pending is None and not self._busy) or self._error is not None, timeout_s)
             self._raise_if_failed()
+            return idle
 
     def close(self) -> None:
         self.wait_idle()

@@ -32,7 +32,15 @@ from decentrl.store.checkpoints import CheckpointStore
 from decentrl.store.weights import load_pretrained, read_adapter, read_hf_weights, write_hf_dir
 from decentrl.trainer.batching import collate, rank_share
 from decentrl.trainer.checkpoint import BatchJournal, Progress, ResumePlan, TrainerCheckpoints, plan_resume
-from decentrl.trainer.distributed import broadcast_object, full_state_dict, init_distributed, shard_model
+from decentrl.trainer.distributed import (
+    broadcast_object,
+    broadcast_when_ready,
+    full_state_dict,
+    init_distributed,
+    peer_failure,
+    peer_lost,
+    shard_model,
+)
 from decentrl.trainer.gather import WeightGather
 from decentrl.trainer.lora import adapter_state, add_adapters, is_adapter_weight
 from decentrl.trainer.metrics import MetricsLog, StepTimes, step_record
@@ -147,7 +155,17 @@ def open_trackers(config: RunConfig, *, run_dir: str, model_dir: str) -> Tracker
 
 
 def train(config: RunConfig, options: TrainerOptions) -> None:
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(config.trainer.peer_timeout_s)
+    try:
+        _train(config, options, rank, world, device)
+    except RuntimeError as exc:
+        if world > 1 and peer_failure(exc):
+            resume = TrainerCheckpoints(os.path.join(options.state_dir, "checkpoints"), keep=config.trainer.checkpoint_keep).latest()
+            raise peer_lost(exc, timeout_s=config.trainer.peer_timeout_s, rank=rank, world=world, resume_step=resume or 0) from None
+        raise
+
+
+def _train(config: RunConfig, options: TrainerOptions, rank: int, world: int, device: torch.device) -> None:
     cfg = config.trainer
     limit_gpu_memory(device, cfg.gpu_memory)  # before the first allocation on the rank's GPU
     torch.set_num_threads(cfg.torch_threads)
@@ -190,15 +208,17 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
         metrics = MetricsLog(options.metrics_path, keep_through=plan.checkpoint)
         trackers = open_trackers(config, run_dir=os.path.dirname(options.metrics_path), model_dir=initial_dir)
     gather = WeightGather(
-        model, deliver=publisher.submit if publisher else None, select=is_adapter_weight if cfg.lora else lambda name: True
+        model, deliver=publisher.submit if publisher else None, select=is_adapter_weight if cfg.lora else lambda name: True,
+        timeout_s=cfg.peer_timeout_s,
     )
+    beat_s = cfg.peer_timeout_s / 4  # rank 0's waits between collectives, cut into heartbeats
     pad_id = model.config.pad_token_id or 0
     # Rank 0 fetches step s+1's batch while step s trains (decentrl/trainer/prefetch.py).
     batches = BatchPrefetcher(lambda step: receive_batch(step, plan, client, journal), last_step=cfg.steps) if journal else None
 
     for step in range(progress.step + 1, cfg.steps + 1):
         started = time.perf_counter()
-        batch = broadcast_object(batches.take(step) if batches else None, rank)
+        batch = broadcast_when_ready((lambda wait_s: batches.take(step, wait_s)) if batches else None, rank, beat_s)
         received = time.perf_counter()
         compute_cpu = time.thread_time()  # this thread runs the forward, backward and step (torch_threads 1)
 
@@ -233,6 +253,8 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             # Committed only once the store holds this version, so a restart never leaves a gap.
             gather.wait_idle()
+            # Rank 0 waits for the publish (a failing store: retried for minutes) in heartbeats.
+            broadcast_when_ready((lambda wait_s: publisher.wait_idle(wait_s) or None) if publisher else None, rank, beat_s)
             checkpoints.save(model, optimizer, scheduler, progress, before_commit=publisher.wait_idle if publisher else None)
             if journal is not None:
                 journal.prune(step)
@@ -265,8 +287,11 @@ def train(config: RunConfig, options: TrainerOptions) -> None:
 
     gather.close()
     if publisher is not None:
+        broadcast_when_ready(lambda wait_s: publisher.wait_idle(wait_s) or None, rank, beat_s)
         publisher.close()
         log.info("skipped publishing versions %s (uploads fell behind)", publisher.skipped or "none")
+    else:
+        broadcast_when_ready(None, rank, beat_s)
     if metrics is not None:
         metrics.close()
     if trackers is not None:

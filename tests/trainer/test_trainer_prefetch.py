@@ -67,3 +67,15 @@ def test_a_failed_fetch_is_raised_by_take() -> None:
     prefetcher.take(1)
     with pytest.raises(ConnectionError, match="step 2"):
         prefetcher.take(2)
+
+
+def test_a_take_with_a_wait_answers_none_until_the_batch_is_there_and_fetches_it_once() -> None:
+    source = SlowSource(delay_s=0.6)
+    prefetcher = BatchPrefetcher(source, last_step=2)
+    started = time.monotonic()
+    assert prefetcher.take(1, wait_s=0.1) is None  # a heartbeat's wait (decentrl/trainer/distributed.py)
+    assert time.monotonic() - started < 0.5
+    while (batch := prefetcher.take(1, wait_s=0.1)) is None:
+        pass
+    assert batch.trainer_version == 0
+    assert source.asked[:1] == [1] and source.asked.count(1) == 1  # the same fetch, not one per wait
