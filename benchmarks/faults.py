@@ -1,22 +1,22 @@
-"""The faults of a real deployment (issue 46), each made for real and measured, on one host.
+"""The faults of a real deployment (issue 46), each made for real and measured: on one host, and
+across the spread testbed (benchmarks/spread.py: namespaces, shaped links, nginx's TLS front, moto's
+S3 behind a fault front, a two-node trainer).
 
-    .venv/bin/python benchmarks/faults.py                 # every fault this host can make (about 3 min)
-    .venv/bin/python benchmarks/faults.py --only F9 F10   # some of them
+    .venv/bin/python benchmarks/faults.py                              # one host: F3 F5 F9 F10 (about 3 min; root for F9 tmpfs)
+    sudo flock /tmp/spread.lock .venv/bin/python benchmarks/faults.py --only F1 F4 F6   # the testbed (about 7 min)
+    ... --only F2 (about 4 min), --only F8 (about 7 min); --merge A.json B.json: keep the faults of earlier runs
 
-Each fault runs under load with an acknowledged-rollout ledger where rollouts flow: worker threads
-post through the real OrchestratorClient to a real `decentrl orchestrator` process and remember
-every rollout id it acknowledged; a trainer thread takes batches and remembers every rollout id
-served. At the end, `lost` counts acknowledged rollouts of complete groups never served, and
+One host. Worker threads post through the real OrchestratorClient to a real `decentrl orchestrator`
+process and remember every rollout id it acknowledged; a trainer thread takes batches and remembers
+every rollout id served. `lost` counts acknowledged rollouts of complete groups never served, and
 `trained_twice` rollouts served in two batches.
 
-- F3 (the publisher's part): moto's S3 in its own process behind the spread testbed's fault front
+- F3 (the publisher's part): moto's S3 in its own process behind the testbed's fault front
   (benchmarks/spread_services.py) answers 503 SlowDown to everything for `--slowdown-s`; the
   trainer's Publisher publishes a version meanwhile and a reader lists and pulls as a worker does.
   `bytes_vs_ideal`: bytes the front received for the version's weights over their size (uploads)
-  and bytes it served to the pull over their size.
-- F1 (its one-host twin): through the same front, a pull whose range stalls (headers and part of
-  the body, then silence, as a silent drop) and one whose range is cut: seconds to load it
-  verified, and `bytes_vs_ideal` (bytes served for the file over its size).
+  and bytes it served to the pull over their size. With it, F1's one-host twin (`one_host_twin`):
+  a pull whose range stalls (headers and part of the body, then silence) and one whose range is cut.
 - F5: a version's weight file in the store truncated, then corrupted: the pull is refused and no
   cache directory appears (`half_versions_loaded`); repaired, it is fetched again and loads.
 - F9: the orchestrator's run dir on a 16 MiB tmpfs (root only; skipped, saying why, otherwise),
@@ -26,10 +26,30 @@ served. At the end, `lost` counts acknowledged rollouts of complete groups never
   second (seconds to its 408, places in flight meanwhile); SIGTERM to every role of a live
   `decentrl run` (seconds each takes to end; tracebacks, "Task was destroyed" and temporary files).
 
-Faults that need the spread testbed (network namespaces, shaped links: F1, F2, F4, F6 across TLS,
-F8) or the real model's full version (F7) are listed with `made: false` and what would make them.
-The last line of stdout is one JSON object; figures and their date: docs/deploy.md, "What happens
-when ...".
+The testbed (root, `flock /tmp/spread.lock`: one testbed a machine). The CPU demo (configs/local.toml)
+runs across it with its workers on L1 and L2 (F2: two on L1); a fault is made under load (after
+`--warm-steps` trainer steps), by spreadnet's partitions (iptables DROP: silent, no reset). The
+ledger (`journal_ledger`) comes from the orchestrator's own journal, which commits every rollout
+before its answer and, with TESTBED_OVERRIDES, keeps every batch under the trainer's request id
+"step-N": `lost` = rollouts of completed groups passed over (still complete while a later group
+was served, or ready in the journal but not in memory at the end) plus rollouts a worker counted as
+acknowledged that the journal lacks; `trained_twice` = rollouts of groups in two batches of different
+steps.
+
+- F1: a worker's host (L2) partitioned from the store's for `--link-cut-s` once the front has
+  served `--cut-at` of a 24 MiB version: the worker's pull (CheckpointStore.pull, retried as its
+  swapper does) in that namespace: the stall seen, the bytes the front served, the bytes loaded.
+- F2: one of two L1 workers isolated from every host for `--f2-cut-s`, past its leases and the
+  store's retention of what it held: what its spooled rollouts got, the version it loaded, when it posted.
+- F4: both workers' hosts partitioned from the orchestrator's for `--cut-s` (leases of `--f4-lease-s`):
+  the first rollout acknowledged after the heal, the trainer's wait and resumption.
+- F6: kill -9 of the orchestrator behind nginx, restarted on the same run dir `--down-s` later.
+- F8: the trainer nodes' interconnect cut (`--peer-timeout-s`): each node's stop and its error,
+  the workers meanwhile; healed and started again, the resumption and the versions published.
+
+F7 (the real model's trainer killed mid-publish) is listed with `made: false` and what would make
+it. The last line of stdout is one JSON object; each fault says when it was measured and the load;
+docs/deploy.md, "What happens when ...", has the figures.
 """
 
 from __future__ import annotations
@@ -66,20 +86,14 @@ from tests.orchestrator.test_orchestrator_kill9 import TrainerThread, WorkerThre
 
 BODY_TIMEOUT_S = 5.0
 CONFIG = KILL9_CONFIG.replace("[orchestrator]\n", f"[orchestrator]\nbody_timeout_s = {BODY_TIMEOUT_S}\n")
-NEEDS_TESTBED = {
-    "F1": "a worker's link cut silently mid-download: spreadnet.py's partition (iptables DROP) between a worker's "
-          "namespace and the store's, under `flock /tmp/spread.lock`, root; not run in this session",
-    "F2": "a worker cut past its lease and the store's retention: the testbed's partition for longer than "
-          "lease_timeout_s and retention_grace_s; not run in this session",
-    "F4": "the orchestrator unreachable from the workers for 60 s: the testbed's partition between the workers' "
-          "namespaces and the orchestrator's (benchmarks/spread.py's Spread, Testbed.partition); not run in this "
-          "session: the one testbed a machine may hold was another run's (spread.py --parts real) when tried",
-    "F6": "kill -9 of the orchestrator behind the TLS front across the testbed; its one-host twin is "
-          "tests/orchestrator/test_orchestrator_kill9.py (nothing acknowledged lost, nothing served twice)",
-    "F7": "the trainer killed mid-publish of SmolLM2's full version: the real-model trainer (about 12 GB) does not "
-          "fit beside the other sessions on this 24 GiB machine; a host with 32 GiB free would make it",
-    "F8": "two trainer nodes partitioned from each other: two trainer namespaces on the testbed (gloo across them); "
-          "not run in this session",
+NEEDS_TESTBED = {  # made here only by their own runs (--only F1 F2 F4 F6 F8, root) or not at all (F7)
+    "F1": "the spread testbed: `--only F1` (root, flock /tmp/spread.lock)",
+    "F2": "the spread testbed: `--only F2` (root, flock /tmp/spread.lock)",
+    "F4": "the spread testbed: `--only F4` (root, flock /tmp/spread.lock)",
+    "F6": "the spread testbed: `--only F6` (root, flock /tmp/spread.lock)",
+    "F7": "the trainer killed mid-publish of SmolLM2's full version: the real-model trainer (about 12 GB) does not fit "
+          "beside the other sessions on this 24 GiB machine; a host with 32 GiB free would make it",
+    "F8": "the spread testbed: `--only F8` (root, flock /tmp/spread.lock)",
 }
 
 
@@ -460,14 +474,512 @@ def store_faults(work: Path, slowdown_s: float) -> tuple[dict[str, Any], dict[st
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+# -- on the spread testbed (root, namespaces): F4, F6, F1, F8 ----------------------------------
+
+
+TESTBED_FAULTS = ("F1", "F2", "F4", "F6", "F8")
+TESTBED_OVERRIDES = [
+    # The ledger's record: every batch served stays in the journal under its request id (the trainer's
+    # "step-N"), and every lease with its rollout ids (a run here is shorter than the window).
+    "orchestrator.batches_kept=100000", "orchestrator.dedupe_window_s=86400",
+]
+WORKER_STOPPED = re.compile(r"worker (\S+) stopping after (\d+) rollouts")
+
+
+def load_spread() -> tuple[Any, Any]:
+    """benchmarks/spread.py and spreadnet.py (benchmarks/ is not a package)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import spread
+    import spreadnet
+
+    return spread, spreadnet
+
+
+def journal_ledger(run: Any, final: dict[str, Any]) -> dict[str, Any]:
+    """The acknowledged-rollout ledger of a finished run on the testbed, from the orchestrator's
+    journal (journal.sqlite, read-only) and the workers' own counts.
+
+    - acknowledged: the journal's rollout rows. The journal commits a rollout before its answer goes
+      out, so a row is a rollout the orchestrator acknowledged (or whose answer was lost on the way,
+      which a resend then gets as a duplicate); the workers' own counts of rollouts acknowledged to
+      them (their "stopping after N rollouts" line) must not exceed the rows of their leases.
+    - served: every batch kept under its request id (TESTBED_OVERRIDES keeps all); the trainer asks
+      step N's batch as "step-N", so these batches are what it trained on.
+    - lost: rollouts of groups that completed (a ready place in line) and were passed over: still
+      complete while a group later in line was served, or counted ready in the journal but not in
+      the orchestrator's memory at the end (`final`: its last /v1/status), or acknowledged to a worker
+      and absent from the journal.
+    - trained_twice: rollouts whose group is in two batches of different request ids."""
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{run.run_dir / 'journal.sqlite'}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            "SELECT r.rollout_id, l.lease_id, l.holder, l.status, l.ready_seq FROM rollouts r JOIN leases l USING (lease_id)"
+        ).fetchall()
+        batches = [(request_id, json.loads(body)) for request_id, body in conn.execute("SELECT request_id, body FROM batches")]
+    finally:
+        conn.close()
+    per_lease: dict[str, list[str]] = {}
+    status: dict[str, tuple[str, int | None]] = {}
+    held_by: Counter[str] = Counter()
+    for rollout_id, lease_id, holder, lease_status, ready_seq in rows:
+        per_lease.setdefault(lease_id, []).append(rollout_id)
+        status[lease_id] = (lease_status, ready_seq)
+        held_by[holder.rsplit("/", 1)[-1]] += 1  # "token name/worker id"
+    in_batches: dict[str, set[str]] = {}
+    for request_id, body in batches:
+        for lease_id in body["lease_ids"]:
+            in_batches.setdefault(lease_id, set()).add(request_id)
+    served_seq = [seq for lease_id, (_, seq) in status.items() if lease_id in in_batches and seq is not None]
+    last_served = max(served_seq, default=0)
+    complete = {lease_id for lease_id, (s, _) in status.items() if s == "complete"}
+    passed_over = {lease_id for lease_id in complete if (status[lease_id][1] or 0) < last_served}
+    unaccounted_groups = max(0, len(complete) - int(final.get("groups_ready", 0)))
+    told: dict[str, int] = {}
+    for path in (run.run_dir / "logs").glob("worker-*.log"):
+        for match in WORKER_STOPPED.finditer(path.read_text(errors="replace")):
+            told[match[1]] = told.get(match[1], 0) + int(match[2])
+    group_size = run.config.group_size
+    trained_twice = sum(len(per_lease.get(lease_id, [])) for lease_id, ids in in_batches.items()
+                        if len({i for i in ids if i.startswith("step-")}) > 1)
+    return {
+        "acknowledged": len(rows),
+        "acknowledged_to_workers": told,
+        "journal_rows_by_holder": dict(held_by),
+        "lost": sum(len(per_lease[lease_id]) for lease_id in passed_over) + unaccounted_groups * group_size
+        + sum(max(0, n - held_by.get(name, 0)) for name, n in told.items()),
+        "trained_twice": trained_twice,
+        "served_twice": sum(len(per_lease.get(lease_id, [])) for lease_id, ids in in_batches.items() if len(ids) > 1),
+        "batches_served": len(batches),
+        "groups_served": len(in_batches),
+        "groups_waiting_at_end": len(complete),
+        "groups_ready_in_memory_at_end": final.get("groups_ready"),
+        "closed_untrained": dict(Counter(s for lease_id, (s, _) in status.items() if s not in ("served", "complete", "open"))),
+        "how_counted": "journal.sqlite: rollout rows (committed before each answer) against the batches served "
+                       "(kept by request id, step-N); workers' own acknowledged counts from their logs",
+    }
+
+
+def testbed_config(steps: int, lease_s: float, extra: list[str] | None = None) -> Any:
+    from decentrl.config import load_config
+
+    return load_config(str(ROOT / "configs" / "local.toml"), [
+        f"trainer.steps={steps}", f"orchestrator.lease_timeout_s={lease_s}", *TESTBED_OVERRIDES, *(extra or [])])
+
+
+def first_after(statuses: list[dict[str, Any]], at: float, worker: str) -> float | None:
+    """Seconds from `at` to the first status (the monitor's, every 0.25 s) showing a rollout of
+    `worker` acknowledged after `at`. The counts per worker are the dashboard's, kept in memory:
+    after a restart they start again from 0 (then the first status after `at` is the base)."""
+    before = max((s["accepted"].get(worker, 0) for s in statuses if s["t"] <= at), default=0)
+    after = [s for s in statuses if s["t"] > at]
+    if after and after[0]["accepted"].get(worker, 0) < before:
+        before = after[0]["accepted"].get(worker, 0)
+    return next((round(s["t"] - at, 2) for s in after if s["accepted"].get(worker, 0) > before), None)
+
+
+def finish(net: Any, run: Any, timeout_s: float) -> dict[str, Any]:
+    """Wait for the trainer to end; stop the workers (each posts what it generated), let the monitor
+    see it, take the final status, stop the rest. The final /v1/status."""
+    from decentrl.cli import launch
+
+    net.wait_trainer(run, timeout_s=timeout_s)
+    workers = [role for role in run.roles if role.name.startswith("worker-")]
+    launch._stop(workers)
+    run.roles = [role for role in run.roles if role not in workers]
+    time.sleep(1.5)
+    final = run.statuses()[-1]
+    net.stop_run(run)
+    return final
+
+
+def run_logs(run: Any) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((run.run_dir / "logs").glob("*.log")))
+
+
+def wait_steps(net: Any, run: Any, steps: int, timeout_s: float = 300.0) -> None:
+    net.wait_trainer(run, timeout_s=timeout_s, until=lambda: len(run.metrics()) >= steps)
+
+
+def f4_orchestrator_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """F4: the workers' hosts partitioned (silent DROP) from the orchestrator's for `--cut-s`, under
+    load, then healed; the trainer's host is not cut (it waits for batches)."""
+    run = net.start_run(testbed_config(args.testbed_steps, args.f4_lease_s), run_name="f4", worker_hosts=["l1", "l2"])
+    workers = {"worker-0": net.workers["l1"], "worker-1": net.workers["l2"]}
+    try:
+        wait_steps(net, run, args.warm_steps)
+        cut = time.time()
+        for host in workers.values():
+            net.net.partition(host, net.orch)
+        time.sleep(args.cut_s)
+        net.net.heal()
+        healed = time.time()
+        final = finish(net, run, timeout_s=args.testbed_timeout_s)
+    finally:
+        net.stop_run(run)
+    statuses, metrics = run.statuses(), run.metrics()
+    resumed = next((m["time"] - healed for m in metrics if m["time"] > healed), None)
+    logs = run_logs(run)
+    found = {
+        "made": True, "cut_s": args.cut_s, "lease_timeout_s": args.f4_lease_s, "workers": {"worker-0": "L1", "worker-1": "L2"},
+        "first_post_after_heal_s": {name: first_after(statuses, healed, name) for name in workers},
+        "trainer_steps_during_cut": sum(1 for m in metrics if cut < m["time"] <= healed),
+        "trainer_resumed_s": round(resumed, 2) if resumed is not None else None,
+        "steps": len(metrics), "rejected": final.get("rollouts_rejected"), "duplicates": final.get("rollouts_duplicate"),
+        "leases_expired": final.get("leases_expired"),
+        "workers_unreachable_warnings": logs.count("orchestrator unreachable"),
+        "half_versions_loaded": 0,  # the store is not cut: versions load as before
+        **journal_ledger(run, final),
+    }
+    found["recovered_s"] = max((v for v in found["first_post_after_heal_s"].values() if v is not None), default=None)
+    return found, logs
+
+
+def f6_kill9_behind_tls(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """F6: kill -9 of the orchestrator process (behind nginx's TLS front on its host) under load;
+    `--down-s` later it is started again on the same run dir, as an operator or systemd would."""
+    from decentrl.cli import launch
+
+    run = net.start_run(testbed_config(args.testbed_steps, 30.0), run_name="f6", worker_hosts=["l1", "l2"])
+    try:
+        wait_steps(net, run, args.warm_steps)
+        before = run.statuses()[-1]
+        old = run.roles[0]
+        assert old.name == "orchestrator"
+        os.kill(old.process.pid, signal.SIGKILL)  # `ip netns exec` execs: this is the orchestrator's pid
+        old.process.wait()
+        old.log.close()
+        killed = time.time()
+        time.sleep(args.down_s)
+        run.roles[0] = launch._start("orchestrator", net._in(net.orch, launch.orchestrator_command(run.config_path, run.run_dir)),
+                                     run.run_dir, net.env())
+        restarted = time.time()
+        final = finish(net, run, timeout_s=args.testbed_timeout_s)
+    finally:
+        net.stop_run(run)
+    statuses, metrics = run.statuses(), run.metrics()
+    up = next((s["t"] for s in statuses if s["t"] > restarted), None)
+    resumed = next((m["time"] - restarted for m in metrics if m["time"] > restarted), None)
+    logs = run_logs(run)
+    found = {
+        "made": True, "down_s": args.down_s, "workers": {"worker-0": "L1", "worker-1": "L2"},
+        "accepted_before_kill": before.get("rollouts_accepted"),
+        "orchestrator_up_after_restart_s": round(up - restarted, 2) if up else None,
+        "first_post_after_restart_s": {name: first_after(statuses, restarted, name) for name in ("worker-0", "worker-1")},
+        "trainer_resumed_s": round(resumed, 2) if resumed is not None else None,
+        "trainer_steps_during_outage": sum(1 for m in metrics if killed < m["time"] <= restarted),
+        "steps": len(metrics), "recoveries": final.get("recoveries"), "rejected": final.get("rollouts_rejected"),
+        "duplicates": final.get("rollouts_duplicate"), "half_versions_loaded": 0,
+        **journal_ledger(run, final),
+    }
+    found["recovered_s"] = max((v for v in found["first_post_after_restart_s"].values() if v is not None), default=None)
+    return found, logs
+
+
+def _testbed_store(url: str, endpoint: str) -> CheckpointStore:
+    from decentrl.config import StoreConfig
+
+    return CheckpointStore.from_config(StoreConfig(url=url, endpoint=endpoint, region="us-east-1"))
+
+
+def _helper_publish(url: str, endpoint: str, size: int, version: int) -> None:
+    """On the store's host: a version of `size` random bytes (and a config.json), published."""
+    import hashlib
+
+    weights = os.urandom(size)
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "model.safetensors").write_bytes(weights)
+        Path(tmp, "config.json").write_text("{}")
+        _testbed_store(url, endpoint).publish(version, tmp)
+    print(json.dumps({"published": version, "sha256": hashlib.sha256(weights).hexdigest()}), flush=True)
+
+
+def _helper_pull(url: str, endpoint: str, version: int, cache: str) -> None:
+    """On a worker's host: the worker's pull (CheckpointStore.pull, tried again after a jittered
+    back-off while it fails, as the worker's swapper does), its log lines timed on stderr; the
+    result on stdout."""
+    import hashlib
+    import logging
+
+    from decentrl.backoff import backoff
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(created).3f %(name)s %(levelname)s %(message)s")
+    store = _testbed_store(url, endpoint)
+    started, failures = time.time(), 0
+    while True:
+        try:
+            path = Path(store.pull(version, cache))
+            break
+        except (StoreError, OSError) as exc:
+            failures += 1
+            delay = backoff(failures, cap_s=10.0)
+            print(f"{time.time():.3f} pull failed ({type(exc).__name__}: {exc}); again in {delay:.1f}s", file=sys.stderr, flush=True)
+            time.sleep(delay)
+    loaded = time.time()
+    digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    print(json.dumps({"started": started, "loaded": loaded, "pull_failures": failures, "sha256": digest}), flush=True)
+
+
+def f1_link_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """F1: a worker's host (L2) partitioned from the store's (silent DROP, both ways) for `--link-cut-s`
+    once the front has served it `--cut-at` of a version's weights, then healed."""
+    import spread
+
+    size, version, url = args.f1_mb * 2**20, 1, f"s3://{spread.BUCKET}/f1"
+    env = {**os.environ, **spread.CREDENTIALS, "PYTHONPATH": str(ROOT)}
+    done = net.store.run([sys.executable, __file__, "helper", "publish", url, net.moto.url, str(size), str(version)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"publishing F1's version failed: {done.stderr[-2000:]}")
+    published = json.loads(done.stdout.strip().splitlines()[-1])
+    worker = net.workers["l2"]
+    net.control.reset()
+    log_path = Path(net.workdir) / "f1-pull.log"
+    with open(log_path, "w") as log:
+        pull = worker.popen([sys.executable, __file__, "helper", "pull", url, net.endpoint, str(version),
+                             str(Path(net.workdir) / "f1-cache")], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        cut = healed = None
+        served_at_cut = served_at_heal = 0
+        try:
+            deadline = time.monotonic() + 300
+            while cut is None and pull.poll() is None and time.monotonic() < deadline:
+                served_at_cut = net.control.stats()["served"]["by_client"].get(worker.ip, 0)
+                if served_at_cut >= args.cut_at * size:
+                    net.net.partition(worker, net.store)
+                    cut = time.time()
+                time.sleep(0.02)
+            if cut is None:
+                raise RuntimeError(f"the pull ended (or stalled) before {args.cut_at:.0%} of it was served")
+            time.sleep(args.link_cut_s)
+            served_at_heal = net.control.stats()["served"]["by_client"].get(worker.ip, 0)
+            net.net.heal()
+            healed = time.time()
+            out, _ = pull.communicate(timeout=300)
+        finally:
+            if pull.poll() is None:
+                pull.kill()
+                pull.wait()
+            net.net.heal()
+    result = json.loads(out.strip().splitlines()[-1])
+    text = log_path.read_text(errors="replace")
+    stalls = [float(line.split()[0]) for line in text.splitlines() if "Stalled" in line]
+    served = net.control.stats()["served"]["by_object"]
+    weights = f"/{spread.BUCKET}/f1/v{version:06d}/model.safetensors"
+    found = {
+        "made": True, "profile": "L2", "mb": args.f1_mb, "cut_s": args.link_cut_s, "cut_at_fraction": round(served_at_cut / size, 3),
+        "stall_seen_s": round(min(stalls, default=float("nan")) - cut, 1) if stalls else None,
+        "stall_timeout_s": 8.0, "stall_warnings": len(stalls), "pull_failures": result["pull_failures"],
+        "pull_s": round(result["loaded"] - result["started"], 1),
+        "recovered_s": round(result["loaded"] - healed, 1),
+        # The pull checks every file's size and digest against the manifest before it answers;
+        # and the bytes it loaded are those published.
+        "loaded_verified": result["sha256"] == published["sha256"],
+        "bytes_vs_ideal": round(served.get(weights, 0) / size, 3),
+        # What the front sent while the link was cut (into the drop), and after the heal.
+        "served_during_cut_vs_ideal": round((served_at_heal - served_at_cut) / size, 3),
+        "served_after_heal_vs_ideal": round((served.get(weights, 0) - served_at_heal) / size, 3),
+        "lost": 0, "trained_twice": 0,
+        "how": "the worker's pull (CheckpointStore.pull, retried as its swapper does) in the L2 worker's namespace, "
+               "through the store's fault front, which counts the bytes it served",
+    }
+    found["half_versions_loaded"] = 0 if found["loaded_verified"] else 1
+    return found, text
+
+
+def f2_worker_cut_past_lease_and_retention(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """F2: one of two L1 workers' hosts isolated (silent DROP from every host) for `--f2-cut-s`,
+    longer than its leases (30 s) and than the store's retention of the versions it would need
+    (keep_last 4, retention_grace_s `--f2-grace-s`), while the other worker keeps the trainer going.
+    On return: what its spooled rollouts got (accepted, or refused with a reason), which version it
+    loaded and how, and when it posted again."""
+    import spread
+
+    config = testbed_config(args.f2_steps, 30.0, [f"store.retention_grace_s={args.f2_grace_s}"])
+    run = net.start_run(config, run_name="f2", worker_hosts=["l1", "l1b"])
+    host, name = net.workers["l1b"], "worker-1"
+    try:
+        wait_steps(net, run, args.warm_steps)
+        held_at_cut = max((e.version for e in spread.loaded_versions(run).get(name, [])), default=None)
+        version_at_cut = run.version()
+        net.net.isolate(host)
+        time.sleep(args.f2_cut_s)
+        in_store = store_versions(net, run.store_url)
+        version_at_heal = run.version()
+        net.net.heal()
+        healed = time.time()
+        final = finish(net, run, timeout_s=args.testbed_timeout_s)
+    finally:
+        net.stop_run(run)
+    statuses, logs = run.statuses(), run_logs(run)
+    text = (run.run_dir / "logs" / f"{name}.log").read_text(errors="replace")
+    after = [line for line in text.splitlines() if line[:23] >= time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(healed))]
+    rejections = Counter()
+    for line in after:
+        if match := re.search(r"orchestrator rejected \d+ rollouts: (\{.*\})", line):
+            rejections.update(json.loads(match[1].replace("'", '"')))
+    loads = [e for e in spread.loaded_versions(run).get(name, []) if e.loaded_at > healed]
+    first_load = loads[0] if loads else None
+    found = {
+        "made": True, "cut_s": args.f2_cut_s, "lease_timeout_s": 30.0, "retention_grace_s": args.f2_grace_s, "keep_last": 4,
+        "worker": "worker-1 (L1; worker-0 on L1 kept generating)",
+        "held_at_cut": held_at_cut, "version_at_cut": version_at_cut, "version_at_heal": version_at_heal,
+        "store_at_heal": in_store,  # the version after the one it held gone: its chain of deltas is broken
+        "versions_it_needed_deleted": held_at_cut is not None and held_at_cut + 1 not in in_store,
+        "rejected_after_heal": dict(rejections),
+        "first_load_after_heal": None if first_load is None else {
+            "version": first_load.version, "after_heal_s": round(first_load.loaded_at - healed, 1), "pull_s": first_load.pull_s},
+        "first_post_after_heal_s": first_after(statuses, healed, name),
+        "duplicates": final.get("rollouts_duplicate"), "rejected": final.get("rollouts_rejected"),
+        "leases_expired": final.get("leases_expired"),
+        "steps": len(run.metrics()), "half_versions_loaded": 0,
+        **journal_ledger(run, final),
+    }
+    found["recovered_s"] = found["first_post_after_heal_s"]
+    return found, logs
+
+
+def store_versions(net: Any, url: str) -> list[int]:
+    """The versions the run's store holds now (read from moto on the store's host)."""
+    import spread
+
+    done = net.store.run([sys.executable, spread.SCRIPT, "manifests", url, net.moto.url], capture_output=True, text=True,
+                         env={**os.environ, **spread.CREDENTIALS}, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"reading the manifests failed: {done.stderr[-2000:]}")
+    return sorted(int(v) for v in json.loads(done.stdout))
+
+
+def f8_trainer_nodes_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """F8: the two trainer nodes' interconnect (ic0, the gloo link between them) cut silently
+    (DROP both ways) under load, after a checkpoint; the trainer must stop, each node saying why,
+    within trainer.peer_timeout_s (`--peer-timeout-s`); the workers keep generating meanwhile. Then
+    the link is healed and the same trainer command started again: it resumes from its checkpoint."""
+    config = testbed_config(args.testbed_steps, 30.0, [f"trainer.peer_timeout_s={args.peer_timeout_s}",
+                                                       f"trainer.checkpoint_every={args.checkpoint_every}"])
+    run = net.start_run(config, run_name="f8", worker_hosts=["l1", "l2"])
+    try:
+        wait_steps(net, run, args.checkpoint_every + 2)
+        net.cut_interconnect()
+        cut = time.time()
+        stopped: dict[str, float] = {}
+        deadline = time.monotonic() + args.peer_timeout_s + 180
+        while len(stopped) < len(run.trainer_nodes) and time.monotonic() < deadline:
+            for role in run.trainer_nodes:
+                if role.name not in stopped and role.process.poll() is not None:
+                    stopped[role.name] = round(time.time() - cut, 1)
+            time.sleep(0.2)
+        codes = {role.name: role.process.poll() for role in run.trainer_nodes}
+        hung = [role.name for role in run.trainer_nodes if role.process.poll() is None]
+        from decentrl.cli import launch
+
+        launch._stop(run.trainer_nodes, grace_s=5.0)  # any node still up is a hang: ended here, counted above
+        run.roles = [role for role in run.roles if role not in run.trainer_nodes]
+        time.sleep(max(0.0, args.trainer_down_s - (time.time() - cut)))
+        net.cut_interconnect(False)
+        restarted = time.time()
+        down = [s for s in run.statuses() if cut < s["t"] <= restarted]
+        workers_alive = [role.name for role in run.roles if role.name.startswith("worker-") and role.process.poll() is None]
+        net.start_trainer(run)
+        final = finish(net, run, timeout_s=args.testbed_timeout_s)
+        manifests = net.manifests(run)
+    finally:
+        net.stop_run(run)
+    logs = run_logs(run)
+    errors = [line.split("error: ", 1)[1][:400] for line in logs.splitlines() if "error: trainer rank" in line]
+    resumed = re.search(r"resuming from checkpoint step (\d+); replaying steps (\d+)\.\.(\d+)", logs)
+    published = Counter(int(v) for v in re.findall(r"publisher: published version (\d+) in", logs))
+    skipped = {int(v) for group in re.findall(r"skipped publishing versions \[([\d, ]+)\]", logs) for v in group.split(",")}
+    metrics = run.metrics()
+    found = {
+        "made": True, "peer_timeout_s": args.peer_timeout_s, "checkpoint_every": args.checkpoint_every,
+        # Each node's torchrun, from the cut to its exit; `hung`: still up when given up on (then ended).
+        "stopped_after_cut_s": stopped, "exit_codes": codes, "hung": hung, "given_up_after_s": args.peer_timeout_s + 180,
+        "errors": errors,
+        "workers_alive_while_stopped": workers_alive,
+        "accepted_while_stopped": (down[-1]["rollouts_accepted"] - down[0]["rollouts_accepted"]) if len(down) > 1 else 0,
+        "resumed_from": {"checkpoint": int(resumed[1]), "replayed": [int(resumed[2]), int(resumed[3])]} if resumed else None,
+        "steps": len(metrics),
+        # Every version 1..steps published once, by the first trainer or the restarted one (which
+        # publishes none the store holds), but those the publisher skipped by design (a newer one
+        # was ready before it started: it logs them): no gap, no number published twice.
+        "versions_published": {"gaps": sorted(set(range(1, args.testbed_steps + 1)) - set(published) - skipped),
+                               "skipped_by_design": sorted(skipped), "twice": sorted(v for v, n in published.items() if n > 1),
+                               "newest_in_store": max(manifests)},
+        "trainer_resumed_s": round(min((m["time"] for m in metrics if m["time"] > restarted), default=float("nan")) - restarted, 1),
+        "half_versions_loaded": 0,
+        **journal_ledger(run, final),
+    }
+    found["recovered_s"] = max(stopped.values(), default=None)
+    return found, logs
+
+
+def testbed_faults(args: argparse.Namespace, wanted: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """The faults of `wanted` that need the spread testbed, on one testbed (its hosts: the
+    orchestrator behind TLS, the store behind the fault front, two trainer nodes, workers on L1, L2)."""
+    spread, spreadnet = load_spread()
+    if reason := spreadnet.unavailable_reason():
+        return {name: {"made": False, "why_not": f"the spread testbed: {reason}"} for name in wanted}, []
+    workdir = tempfile.mkdtemp(prefix="faults-", dir="/tmp")  # short: the fault front's Unix socket path
+    found: dict[str, Any] = {}
+    logs: list[str] = []
+    try:
+        with spread.Spread(workdir, {"l1": "L1", "l2": "L2", "l1b": "L1"}) as net:
+            for name, make in (("F1", f1_link_cut), ("F2", f2_worker_cut_past_lease_and_retention),
+                               ("F4", f4_orchestrator_cut), ("F6", f6_kill9_behind_tls), ("F8", f8_trainer_nodes_cut)):
+                if name in wanted:
+                    started = time.time()
+                    found[name], log = make(net, args)
+                    found[name].update(measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+                                       wall_s=round(time.time() - started), load_1m=round(os.getloadavg()[0], 2),
+                                       tracebacks_in_logs=traceback_lines(log))
+                    logs.append(log)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return found, logs
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["helper"]:  # (internal) run inside a testbed host by the testbed faults
+        what, rest = sys.argv[2], sys.argv[3:]
+        if what == "publish":
+            _helper_publish(rest[0], rest[1], int(rest[2]), int(rest[3]))
+        else:
+            _helper_pull(rest[0], rest[1], int(rest[2]), rest[3])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=["F1", "F3", "F5", "F9", "F10"])
+    parser.add_argument("--only", nargs="*", default=["F3", "F5", "F9", "F10"],
+                        help="faults to make (default: the one-host ones; the testbed's by name: F1 F2 F4 F6 F8)")
     parser.add_argument("--full-s", type=float, default=5.0, help="F9: how long the journal's disk stays full")
     parser.add_argument("--slowdown-s", type=float, default=12.0, help="F3: how long the store answers 503 SlowDown")
     parser.add_argument("--logs", help="copy the roles' logs into this directory")
+    parser.add_argument("--testbed-steps", type=int, default=40, help="F4, F6: the demo's trainer steps on the testbed")
+    parser.add_argument("--warm-steps", type=int, default=6, help="F4, F6: trainer steps done before the fault")
+    parser.add_argument("--cut-s", type=float, default=60.0, help="F4: how long the workers cannot reach the orchestrator")
+    parser.add_argument("--f4-lease-s", type=float, default=120.0, help="F4: orchestrator.lease_timeout_s of its run")
+    parser.add_argument("--down-s", type=float, default=5.0, help="F6: seconds between the kill and the restart")
+    parser.add_argument("--link-cut-s", type=float, default=30.0, help="F1: how long the worker's link is cut")
+    parser.add_argument("--cut-at", type=float, default=0.3, help="F1: the share of the version served when it is cut")
+    parser.add_argument("--f1-mb", type=int, default=24, help="F1: the version's size in MiB")
+    parser.add_argument("--peer-timeout-s", type=float, default=30.0, help="F8: trainer.peer_timeout_s of its run")
+    parser.add_argument("--checkpoint-every", type=int, default=5, help="F8: trainer.checkpoint_every of its run")
+    parser.add_argument("--trainer-down-s", type=float, default=60.0, help="F8: seconds from the cut to the restart")
+    parser.add_argument("--f2-cut-s", type=float, default=90.0, help="F2: how long the worker's host is isolated")
+    parser.add_argument("--f2-grace-s", type=float, default=20.0, help="F2: store.retention_grace_s of its run")
+    parser.add_argument("--f2-steps", type=int, default=80, help="F2: the demo's trainer steps")
+    parser.add_argument("--testbed-timeout-s", type=float, default=420.0, help="F4, F6: most seconds for a run's end")
+    parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                        help="files holding an earlier run's last line: its faults not run now are kept (each says "
+                             "when it was measured)")
     args = parser.parse_args()
     faults: dict[str, Any] = {name: {"made": False, "why_not": why} for name, why in NEEDS_TESTBED.items()}
+    tracebacks = 0
+    for path in args.merge:
+        earlier = json.loads(Path(path).read_text().strip().splitlines()[-1])
+        for name, fault in earlier["faults"].items():
+            if name not in args.only and fault.get("made"):
+                faults[name] = {**fault, "measured_at": fault.get("measured_at", earlier["date"])}
+                tracebacks += fault.get("tracebacks_in_logs", 0)
     logs: list[str] = []
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
         work = Path(tmp)
@@ -487,16 +999,21 @@ def main() -> None:
         if "F5" in args.only:
             (work / "f5").mkdir()
             faults["F5"] = f5_corrupt(work / "f5")
-        if "F3" in args.only or "F1" in args.only:
+        twin = None
+        if "F3" in args.only:  # with F1's one-host twin, through the same front
             (work / "f3").mkdir()
-            f1, f3 = store_faults(work / "f3", args.slowdown_s)
-            faults["F1"] = {**f1, "testbed": faults["F1"]["why_not"]}
-            faults["F3"] = f3
+            twin, faults["F3"] = store_faults(work / "f3", args.slowdown_s)
+        if wanted := set(args.only) & set(TESTBED_FAULTS):
+            found, testbed_logs = testbed_faults(args, wanted)
+            faults.update(found)
+            logs += testbed_logs
+        if twin is not None:
+            faults["F1"] = {**faults["F1"], "one_host_twin": twin} if faults["F1"].get("made") is True else twin
         if args.logs:
             os.makedirs(args.logs, exist_ok=True)
             for i, text in enumerate(logs):
                 Path(args.logs, f"log-{i}.txt").write_text(text)
-    print(json.dumps({"faults": faults, "tracebacks_in_logs": traceback_lines(*logs), "date": time.strftime("%Y-%m-%d"),
+    print(json.dumps({"faults": faults, "tracebacks_in_logs": traceback_lines(*logs) + tracebacks, "date": time.strftime("%Y-%m-%d"),
                       "load_1m": os.getloadavg()[0]}))
 
 

@@ -259,15 +259,30 @@ class Spread:
             time.sleep(0.2)
         starts = launch.role_starts(config, config_path, run_dir, self.url, tokens)
         if trainer:
-            for node, host in enumerate(self.trainers[:trainer_nodes]):
-                argv = self.trainer_node_command(config_path, run_dir, node) if trainer_nodes > 1 else starts[0].argv
-                env = {**starts[0].env, **self.env(), "GLOO_SOCKET_IFNAME": "ic0"}
-                role = launch._start("trainer" if node == 0 else f"trainer-node{node}", self._in(host, argv), run_dir, env)
-                run.roles.append(role)
-                run.trainer_nodes.append(role)
+            self.start_trainer(run, trainer_nodes)
         for start, host in zip(starts[1:1 + len(worker_hosts)], worker_hosts, strict=True):
             run.roles.append(launch._start(start.name, self._in(self.workers[host], start.argv), run_dir, {**start.env, **self.env()}))
         return run
+
+    def start_trainer(self, run: SpreadRun, nodes: int = 2) -> None:
+        """The trainer's nodes (again, after a crash: it resumes from its checkpoint), one rank
+        each on trainer0.. (`nodes=1`: `decentrl run`'s own single-node command on trainer0)."""
+        from decentrl.cli import launch
+
+        start = launch.role_starts(run.config, run.config_path, run.run_dir, self.url, run.tokens)[0]
+        run.trainer_nodes = []
+        for node, host in enumerate(self.trainers[:nodes]):
+            argv = self.trainer_node_command(run.config_path, run.run_dir, node) if nodes > 1 else start.argv
+            env = {**start.env, **self.env(), "GLOO_SOCKET_IFNAME": "ic0"}
+            role = launch._start("trainer" if node == 0 else f"trainer-node{node}", self._in(host, argv), run.run_dir, env)
+            run.roles.append(role)
+            run.trainer_nodes.append(role)
+
+    def cut_interconnect(self, cut: bool = True) -> None:
+        """Packets on ic0 (between the trainer nodes) vanish silently, both ways (`cut=False`: they
+        pass again). Not a `Testbed.partition`: that one drops on eth0, the uplink."""
+        for host in self.trainers:
+            sn._sh("ip", "netns", "exec", host.ns, "iptables", "-I" if cut else "-D", "INPUT", "-i", "ic0", "-j", "DROP")
 
     def trainer_node_command(self, config_path: Path, run_dir: Path, node: int) -> list[str]:
         """`trainer_command` for one rank on this node, its `--standalone` swapped for the two-node
