@@ -72,3 +72,25 @@ def test_a_failed_rank_ends_torchrun_in_one_line_without_a_traceback(tmp_path: P
     assert done.returncode == 1
     assert "trainer: rank 0 exited with code 3; its log above says why" in done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_a_failed_rank_left_unreaped_is_found_and_its_node_ended(tmp_path: Path) -> None:
+    """torchrun's agent stuck on an unreachable rendezvous host leaves its failed rank a zombie:
+    `failed_children` sees it, with its exit status, and `watch_ranks` ends the node in one line."""
+    from decentrl.trainer.torchrun import failed_children
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    deadline = time.monotonic() + 30
+    while not (found := list(failed_children(os.getpid()))) and time.monotonic() < deadline:
+        time.sleep(0.05)  # not waited for: a zombie until reaped
+    assert found == [(child.pid, 3)]
+    child.wait()
+    assert list(failed_children(os.getpid())) == []
+    # A process whose failed child stays unreaped (as the stuck agent) is ended by the watch.
+    script = ("import subprocess, sys, time\nfrom decentrl.trainer.torchrun import watch_ranks\n"
+              "import threading\nthreading.Thread(target=watch_ranks, args=(1.0, 0.1), daemon=True).start()\n"
+              "subprocess.Popen([sys.executable, '-c', 'import sys; sys.exit(3)'])\ntime.sleep(60)\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and time.monotonic() - started < 30
+    assert "exited with code 3 1 s ago and torchrun's agent has not ended" in done.stderr
