@@ -55,12 +55,12 @@ class StoreConfig(Section):
     parallel_reads: int = Field(
         32, ge=1, le=64, description="Remote stores: byte ranges of large files read at once by a pull, over all its "
         "files, each on its own connection (one TCP stream on a long lossy path carries a fraction of the link; "
-        "K streams add up; docs/store.md measures them per link profile). Files of 256 KiB "
-        "or less stream whole, download_concurrency at once. Local stores ignore it.",
+        "K streams add up; docs/store.md measures them per link profile). On stores other than S3, files of "
+        "256 KiB or less stream whole, download_concurrency at once. Local stores ignore it.",
     )
     part_mb: int = Field(
-        8, ge=1, le=1024, description="Remote stores: the largest range (one request) of a file over 256 KiB, "
-        "which is pulled as ranges of its size / parallel_reads (at least 256 KiB, at most this), each written in "
+        8, ge=1, le=1024, description="Remote stores: the largest range (one request) of a file (on S3 any file, "
+        "elsewhere one over 256 KiB), which is pulled as ranges of its size / parallel_reads (at least 64 KiB, at most this), each written in "
         "place as it arrives and recorded, so an interrupted pull fetches only the missing bytes. Near a file's "
         "end a slow range is split among the idle streams.",
     )

@@ -1,10 +1,19 @@
 """A remote store's large files pulled as concurrent byte ranges, each resumable where it stopped.
 
-`CheckpointStore._fetch_resuming` (decentrl/store/checkpoints.py) hands here every file of a remote
-(non-local) store larger than `MIN_RANGED` (256 KiB); smaller files, and every file of a local
-store, keep the whole-file stream there. A file's part is its size over `[store] parallel_reads`,
-at least `MIN_RANGED` and at most `[store] part_mb`: a delta of a few MB is as many ranges as there
-are streams, not one stream (one TCP stream on L2 carries 1.3 Mbit/s of a 50 Mbit/s link).
+`CheckpointStore._fetch_resuming` (decentrl/store/checkpoints.py) hands here every file of an S3
+store, and every file larger than `MIN_RANGED` (256 KiB) of another remote store; the rest, and
+every file of a local store, keep the whole-file stream there. A file's part is its size over
+`[store] parallel_reads`, at least `MIN_PART` (64 KiB) and at most `[store] part_mb`: a delta of a
+few MB is as many ranges as there are streams, not one stream (one TCP stream on L2 carries 1.3
+Mbit/s of a 50 Mbit/s link; a 1 MB delta there took 2.4 s as 5 ranges of 256 KiB, 1.0 s as 17 of
+64 KiB, 2026-11-28).
+
+No HEAD first: an S3 range's answer says the object's size (`Content-Range: bytes a-b/SIZE`), which
+is checked against the manifest's before a byte of it is written (`StoredSizeMismatch`); a range
+past the end of a shorter object asks its size (`_stored_size`). A HEAD would cost a round trip
+before the first byte (150 ms on L2, 300 ms on L3); a small file is one GET. An object found the
+wrong size is asked its size first on the next attempt: what a truncated object costs is one
+attempt's bytes in flight.
 
 Why ranges: one TCP stream carries at most about MSS/RTT * 1.22/sqrt(loss) (Mathis et al.), some
 1.3 Mbit/s at 150 ms and 0.5% loss, whatever the link; K streams, each its own connection, add
@@ -42,9 +51,11 @@ byte, the error propagates and the pull reports it as a StoreError, as for a str
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -65,9 +76,10 @@ RECORD_SUFFIX = ".ranges"  # beside a partial file: the byte intervals it holds
 # Bytes written (and recorded) at a time: what a killed pull loses per stream, against one thread hop
 # and one line of the record per piece (a few microseconds).
 _PIECE = 256 * 1024
-# Files larger than this are ranged, and no range is smaller: below it a range is mostly its
-# request's round trips and TCP's slow start, and one stream does as well.
+# Files of a remote store other than S3 larger than this are ranged (each needs its size first).
 MIN_RANGED = _PIECE
+# No range is smaller: below it a range is mostly its request's round trip and TCP's slow start.
+MIN_PART = 64 * 1024
 _LINE_BYTES = 48  # at most, of one line of a record: two integers of up to 20 digits
 _ATTEMPTS = 5  # failures in a row, without a byte between them, before a range gives up
 _MIN_SPLIT = 4 * _PIECE  # a range still streaming is split only with at least twice this much left
@@ -76,10 +88,13 @@ _RATE_AFTER_S = 1.0  # a range's rate is known once it has streamed this long
 _SPLIT_POLL_S = 0.25  # how often a stream with nothing to take looks again
 _BACKOFF_CAP_S = 10.0  # a range's longest wait before it is retried
 
+_CONTENT_RANGE = re.compile(r"bytes (?P<first>\d+)-(?P<last>\d+)/(?P<size>\d+)")
+
 log = logging.getLogger("decentrl.store.ranges")
 
-# Bytes [start, end) of a remote file, in pieces as they arrive; the last argument is the stall bound.
-ChunkSource = Callable[[AbstractFileSystem, str, int, int, float], Iterator[bytes]]
+# Bytes [start, end) of a remote file of a declared size, in pieces as they arrive; the last argument
+# is the stall bound. Raises StoredSizeMismatch where the object has another size.
+ChunkSource = Callable[[AbstractFileSystem, str, int, int, int, float], Iterator[bytes]]
 
 
 @functools.cache
@@ -205,19 +220,27 @@ async def _close(body: Any) -> None:
     body.close()  # on the loop that owns the connection: aiohttp transports are not thread-safe
 
 
-def s3_chunks(fs: Any, path: str, start: int, end: int, stall_s: float) -> Iterator[bytes]:
-    """Bytes [start, end) of an S3 object from one streaming ranged GET, as they arrive (up to a
-    `_PIECE` at a time). s3fs has no public streaming ranged read; `_call_s3` is what its own reads
-    call (credentials, request options, its retries of a failed request)."""
+def s3_chunks(fs: Any, path: str, start: int, end: int, size: int, stall_s: float) -> Iterator[bytes]:
+    """Bytes [start, end) of an S3 object of `size` bytes from one streaming ranged GET, as they
+    arrive (up to a `_PIECE` at a time), after its answer's Content-Range shows that size. s3fs has
+    no public streaming ranged read; `_call_s3` is what its own reads call (credentials, request
+    options, its retries of a failed request)."""
     bucket, key, version_id = fs.split_path(path)
     extra = {"VersionId": version_id} if version_id else {}
-    asked = f"bytes {start}-{end - 1}/"
     request = fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra)
-    response = sync(fs.loop, _within, request, stall_s, "asking for a range")
+    try:
+        response = sync(fs.loop, _within, request, stall_s, "asking for a range")
+    except OSError as exc:  # s3fs's translation of InvalidRange (416): past the end of a shorter object
+        if exc.errno == errno.EINVAL and "range" in str(exc).lower():
+            raise StoredSizeMismatch(_stored_size(fs, path)) from None
+        raise
     body = response["Body"]
     try:
         answered = str(response.get("ContentRange") or "")
-        if not answered.startswith(asked):
+        match = _CONTENT_RANGE.fullmatch(answered)
+        if match is not None and int(match["size"]) != size:
+            raise StoredSizeMismatch(int(match["size"]))
+        if match is None or (int(match["first"]), int(match["last"])) != (start, end - 1):
             raise OSError(f"{path}: asked for bytes {start}-{end - 1}, the store answered {answered or 'the whole object'}")
         while True:
             data, error = sync(fs.loop, _read_some, body, _PIECE, stall_s)
@@ -231,15 +254,21 @@ def s3_chunks(fs: Any, path: str, start: int, end: int, stall_s: float) -> Itera
         sync(fs.loop, _close, body)
 
 
-def cat_chunks(fs: AbstractFileSystem, path: str, start: int, end: int, stall_s: float) -> Iterator[bytes]:
+def cat_chunks(fs: AbstractFileSystem, path: str, start: int, end: int, size: int, stall_s: float) -> Iterator[bytes]:
     """Bytes [start, end) through fsspec's `cat_file`, one ranged read per CHUNK: any filesystem.
-    Its stalls are bounded by the filesystem's own timeouts, not by `stall_s`."""
+    The object's size was checked before (`RangedReads.fetch`); its stalls are bounded by the
+    filesystem's own timeouts, not by `stall_s`."""
     while start < end:
         data = fs.cat_file(path, start=start, end=min(end, start + CHUNK))
         if not data:
             return
         yield data
         start += len(data)
+
+
+def _stored_size(fs: AbstractFileSystem, path: str) -> int:
+    fs.invalidate_cache(path)  # a listing's cached size may be older than the object
+    return int(fs.size(path))
 
 
 def chunk_source(fs: AbstractFileSystem) -> ChunkSource:
@@ -327,33 +356,38 @@ class RangedReads:
         self.pool = ThreadPoolExecutor(parallel_reads, thread_name_prefix="store-range")
         self._waiting = 0  # streams submitted to the pool and not started: one with nothing to take yields to another file's
         self._waiting_lock = threading.Lock()
+        self._mismatched: set[str] = set()  # objects whose ranges answered another size than declared
 
     def applies(self, local_path: str, size: int) -> bool:
-        """Whether a file goes by ranges: larger than `MIN_RANGED`, or already started as ranges."""
-        return size > MIN_RANGED or os.path.lexists(local_path + RECORD_SUFFIX)
+        """Whether a file goes by ranges: any file of S3 but an empty one (a range's answer says
+        its size), larger than `MIN_RANGED` elsewhere, or already started as ranges."""
+        smallest = 0 if self.chunks is s3_chunks else MIN_RANGED
+        return size > smallest or os.path.lexists(local_path + RECORD_SUFFIX)
 
     def part_for(self, size: int) -> int:
         """The range size for a file of `size` bytes: one range per stream, within
-        [`MIN_RANGED`, `[store] part_mb`]."""
-        return max(MIN_RANGED, min(self.part, -(-size // self.streams)))
+        [`MIN_PART`, `[store] part_mb`]."""
+        return max(MIN_PART, min(self.part, -(-size // self.streams)))
 
     def fetch(self, remote: str, local_path: str, size: int, algorithm: str) -> tuple[int, str, os.stat_result]:
         """Fetch what `local_path` lacks of `remote` (declared `size` bytes) as ranges in parallel;
         then (size, digest, stat) of the whole file, as `_fetch_resuming` returns them. Raises
-        StoredSizeMismatch without fetching when the store's object has another size."""
-        self.fs.invalidate_cache(remote)  # a listing's cached size may be older than the object
-        stored = self.fs.size(remote)
-        if stored != size:
+        StoredSizeMismatch, writing nothing, when the store's object has another size (S3: seen in
+        the ranges' answers; elsewhere asked first)."""
+        if (self.chunks is not s3_chunks or remote in self._mismatched) and (stored := _stored_size(self.fs, remote)) != size:
             raise StoredSizeMismatch(stored)
+        self._mismatched.discard(remote)
         record = self._prepare(local_path, size)
         try:
-            ranges = Ranges(record.missing(self.part_for(size)), self.streams)
+            missing = record.missing(self.part_for(size))
+            # Every stream where a range could be split (the spare ones split the slow ones), else one a range.
+            streams = self.streams if any(b - a >= 2 * _MIN_SPLIT for a, b in missing) else min(self.streams, len(missing))
+            ranges = Ranges(missing, streams)
             with open_regular(local_path, os.O_WRONLY) as f:
                 stop = threading.Event()
-                # Every stream, even for fewer ranges: the spare ones split the slow ones.
                 with self._waiting_lock:
-                    self._waiting += self.streams
-                futures = [self.pool.submit(self._stream, remote, f.fileno(), ranges, record, stop) for _ in range(self.streams)]
+                    self._waiting += streams
+                futures = [self.pool.submit(self._stream, remote, f.fileno(), ranges, record, stop) for _ in range(streams)]
                 try:
                     wait(futures, return_when=FIRST_EXCEPTION)
                 finally:
@@ -361,6 +395,11 @@ class RangedReads:
                     wait(futures)
                 for future in futures:
                     future.result()  # a stream's failure
+        except StoredSizeMismatch:
+            self._mismatched.add(remote)  # its next fetch asks the size first: no more bytes of a wrong object
+            record.close()
+            discard(local_path)  # laid out for another size: nothing of it is the store's object
+            raise
         finally:
             record.close()
         os.remove(record.path)
@@ -418,7 +457,7 @@ class RangedReads:
         while taken.at < taken.end and not stop.is_set():
             before = taken.at
             try:
-                with closing(self.chunks(self.fs, remote, taken.at, taken.end, self.stall_s)) as pieces:
+                with closing(self.chunks(self.fs, remote, taken.at, taken.end, record.size, self.stall_s)) as pieces:
                     for data in pieces:
                         data = data[: max(0, taken.end - taken.at)]
                         os.pwrite(fd, data, taken.at)
