@@ -60,7 +60,8 @@ class StoreConfig(Section):
     )
     part_mb: int = Field(
         8, ge=1, le=1024, description="Remote stores: the largest range (one request) of a file (on S3 any file, "
-        "elsewhere one over 256 KiB), which is pulled as ranges of its size / parallel_reads (at least 64 KiB, at most this), each written in "
+        "elsewhere one over 256 KiB), which is pulled as ranges of its size / parallel_reads (at least 64 KiB, "
+        "at most this), each written in "
         "place as it arrives and recorded, so an interrupted pull fetches only the missing bytes. Near a file's "
         "end a slow range is split among the idle streams.",
     )

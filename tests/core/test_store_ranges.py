@@ -437,7 +437,9 @@ def test_a_streamed_partial_is_resumed_as_ranges(tmp_path: Path) -> None:
     (partial / BIG).write_bytes((src / BIG).read_bytes()[: 3 * MB + 5])
     asked: list[tuple[int, int]] = []
     real = store.ranged.chunks
-    store.ranged.chunks = lambda fs, path, start, end, size, stall_s: asked.append((start, end)) or real(fs, path, start, end, size, stall_s)
+    store.ranged.chunks = lambda fs, path, start, end, size, stall_s: (
+        asked.append((start, end)) or real(fs, path, start, end, size, stall_s)
+    )
     out = Path(store.pull(0, str(tmp_path / "cache")))
     assert (out / BIG).read_bytes() == (src / BIG).read_bytes()
     # The rest, from the first byte not held, in ranges of size / parallel_reads (256 KiB here): none twice.
