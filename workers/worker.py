@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import signal
+import statistics
 import threading
 import time
 from collections import Counter
@@ -55,6 +56,7 @@ from workers.versions import watch_versions
 if TYPE_CHECKING:
     from workers.tree import TreeCounts, VerdictFeed
 
+_STALE_SAY_S = 30.0  # how often a worker too far behind to lease says why
 log = logging.getLogger("decentrl.worker")
 progress_log = logging.getLogger("decentrl.worker.progress")
 
@@ -396,10 +398,15 @@ class Worker:
                 return
 
     def _ask(self, request: LeaseRequest) -> LeaseResponse | None:
-        """A lease answer once the loaded version is fresh (no stale rollouts); None: stopping."""
+        """A lease answer once the loaded version is fresh (no stale rollouts); None: stopping.
+        Waiting longer than `_STALE_SAY_S`, it says why, every `_STALE_SAY_S`."""
         with self._changed:
+            said = time.monotonic()
             while not self._stop.is_set() and not self.info.deterministic and not self._fresh():
                 self._changed.wait(timeout=1.0)
+                if time.monotonic() - said >= _STALE_SAY_S and self.backend.version is not None:
+                    said = time.monotonic()
+                    self._say_stale()
         if self._stop.is_set():
             return None
         if self._machine is not None:
@@ -408,6 +415,17 @@ class Worker:
         self._note_version(response.policy_version)
         self._note_lost(response.superseded)
         return response
+
+    def _say_stale(self) -> None:
+        """Why this worker holds no lease: its versions arrive later than the run's staleness allows."""
+        trips = [r.loaded_at - r.seen_at for r in self.swaps[-5:]]
+        log.warning(
+            "version %s loaded, %s announced: more than max_staleness = %d behind, so no lease (its rollouts would "
+            "be refused as stale); a version's trip from announce to loaded takes %s here. A worker whose trip "
+            "outlasts max_staleness training steps never catches up: a faster link, or a larger max_staleness",
+            self.backend.version, self.announced, self.info.max_staleness,
+            f"{statistics.median(trips):.1f} s (median of the last {len(trips)})" if trips else "longer than it has yet taken",
+        )
 
     def _generate_leases(self, leases: list[Lease], sampling: SamplingParams) -> list[Sample]:
         """One sample per member of every leased group (an episode, in a multi-turn task)."""

@@ -282,7 +282,12 @@ def test_rollouts_are_spooled_while_the_orchestrator_is_down_and_resent(setup: S
     assert worker.client.status().rollouts_accepted == 4
 
 
-def test_store_outage_keeps_a_fresh_version_and_waits_once_stale(setup: Setup) -> None:
+def test_store_outage_keeps_a_fresh_version_and_waits_once_stale(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import workers.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_STALE_SAY_S", 0.5)  # how often the waiting worker says why
     setup.publish(0, seed=0)
     worker = setup.worker(version_poll_s=0.2)
     trainer = setup.orchestrator.client(TRAINER)
@@ -328,6 +333,8 @@ def test_store_outage_keeps_a_fresh_version_and_waits_once_stale(setup: Setup) -
     held = worker.rollouts_posted
     time.sleep(1.5)
     assert worker.rollouts_posted == held and worker.backend.version == 0
+    said = [r.getMessage() for r in caplog.records if "no lease" in r.getMessage()]
+    assert said and said[-1].startswith("version 0 loaded, 2 announced: more than max_staleness = 1 behind, so no lease")
     shutil.move(hidden, setup.store_dir)  # the store is back
     train_until(lambda: worker.rollouts_posted > held)
     assert worker.backend.version == 2
