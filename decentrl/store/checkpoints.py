@@ -384,10 +384,12 @@ class CheckpointStore:
     def _encode_deltas(
         self, names: list[str], paths: list[str], delta_from: tuple[int, str] | None, scratch: str
     ) -> dict[str, DeltaFile]:
-        """The weight files stored as deltas against `delta_from`'s, written into `scratch`."""
+        """The files stored as deltas against `delta_from`'s, written into `scratch`: every file
+        whose base has its size (`encode`), weights and the rest (an unchanged tokenizer is a delta
+        of a few bytes: SmolLM2's tokenizer.json is 3.5 MB a version stored whole)."""
         if delta_from is None:
             return {}
-        todo = [(n, p) for n, p in zip(names, paths) if n.endswith(".safetensors") and os.path.isfile(os.path.join(delta_from[1], n))]
+        todo = [(n, p) for n, p in zip(names, paths) if os.path.isfile(os.path.join(delta_from[1], n))]
         with ThreadPoolExecutor(self.upload_concurrency) as pool:
             encoded = pool.map(
                 lambda item: encode(item[1], os.path.join(delta_from[1], item[0]), os.path.join(scratch, item[0] + DELTA_SUFFIX), "blake3"),
