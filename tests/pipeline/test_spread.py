@@ -91,8 +91,9 @@ def test_demo_learns_across_the_spread() -> None:
     print(summary, *rows, sep="\n")  # shown when it fails
     assert summary["steps"] == STEPS
     assert summary["reward_gain"] > 0, summary  # it learns across the spread
-    # Every version in the store behind the front, as deltas between key versions.
-    assert sorted(manifests) == list(range(STEPS + 1))
+    # The versions in the store behind the front, as deltas between key versions: the first and the
+    # last, and most between (a version still waiting to upload when the next is ready is replaced by it).
+    assert {0, STEPS} <= set(manifests) <= set(range(STEPS + 1)) and len(manifests) >= STEPS // 2
     assert any(m["delta_base"] is not None for m in manifests.values())
     # Both workers pulled through the front; both posted through the TLS front, as did the trainer.
     def requests_from(ip: str) -> str:
