@@ -60,10 +60,17 @@ class StoreConfig(Section):
     )
     part_mb: int = Field(
         8, ge=1, le=1024, description="Remote stores: the largest range (one request) of a file (on S3 any file, "
-        "elsewhere one over 256 KiB), which is pulled as ranges of its size / parallel_reads (at least 64 KiB, "
+        "elsewhere one over 256 KiB), which is pulled as ranges of its size / parallel_reads (at least min_part_kb, "
         "at most this), each written in "
         "place as it arrives and recorded, so an interrupted pull fetches only the missing bytes. Near a file's "
         "end a slow range is split among the idle streams.",
+    )
+    min_part_kb: int = Field(
+        256, ge=16, le=65536, description="Remote stores: the smallest range, so a file of a few parts is that many "
+        "requests. Smaller parts put more streams on a small file, which a long lossy link needs (the CPU demo's "
+        "1.1 MB delta on L2, 150 ms and 0.5% loss: 2.4 s in 256 KiB parts, 1.1 s in 64 KiB), at more requests to "
+        "the store (8 workers pulling 2.2 MB deltas from moto on 2 shared cores: delta p50 2.3 s in 256 KiB parts, "
+        "4.4 s in 64 KiB; docs/deploy.md).",
     )
     stall_timeout_s: float = Field(
         8.0, gt=0, le=600, description="Remote stores: a range read that receives no byte for this long (a silent "
@@ -96,6 +103,14 @@ class StoreConfig(Section):
     public_key: str = Field(
         "", description="Readers: ed25519 public key file; unsigned or wrongly signed versions are refused."
     )
+
+    @model_validator(mode="after")
+    def _parts(self) -> StoreConfig:
+        if self.min_part_kb * 2**10 > self.part_mb * 2**20:
+            raise ValueError(
+                f"min_part_kb ({self.min_part_kb}) is larger than part_mb ({self.part_mb} MiB): set min_part_kb <= {self.part_mb * 1024}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _s3_fields(self) -> StoreConfig:

@@ -192,6 +192,7 @@ class CheckpointStore:
         parallel_reads: int = _DEFAULTS.parallel_reads,
         part_mb: int = _DEFAULTS.part_mb,
         stall_timeout_s: float = _DEFAULTS.stall_timeout_s,
+        min_part_kb: int = _DEFAULTS.min_part_kb,
         cache_max_bytes: int | None = None,
         retention_grace_s: float = _DEFAULTS.retention_grace_s,
         link_local: bool = _DEFAULTS.link_local,
@@ -215,7 +216,8 @@ class CheckpointStore:
         self.link_local = link_local and isinstance(self.fs, LocalFileSystem) and public_key is None
         # A remote store's large files come as parallel, resumable byte ranges (decentrl/store/ranges.py).
         self.ranged = None if isinstance(self.fs, LocalFileSystem) else RangedReads(
-            self.fs, parallel_reads=parallel_reads, part_bytes=part_mb * 2**20, stall_timeout_s=stall_timeout_s
+            self.fs, parallel_reads=parallel_reads, part_bytes=part_mb * 2**20, stall_timeout_s=stall_timeout_s,
+            min_part_bytes=min_part_kb * 2**10,
         )
 
     @classmethod
@@ -231,6 +233,7 @@ class CheckpointStore:
             parallel_reads=config.parallel_reads,
             part_mb=config.part_mb,
             stall_timeout_s=config.stall_timeout_s,
+            min_part_kb=config.min_part_kb,
             cache_max_bytes=None if config.cache_max_gb is None else int(config.cache_max_gb * 2**30),
             retention_grace_s=config.retention_grace_s,
             link_local=config.link_local,

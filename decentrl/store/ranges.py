@@ -3,10 +3,10 @@
 `CheckpointStore._fetch_resuming` (decentrl/store/checkpoints.py) hands here every file of an S3
 store, and every file larger than `MIN_RANGED` (256 KiB) of another remote store; the rest, and
 every file of a local store, keep the whole-file stream there. A file's part is its size over
-`[store] parallel_reads`, at least `MIN_PART` (64 KiB) and at most `[store] part_mb`: a delta of a
-few MB is as many ranges as there are streams, not one stream (one TCP stream on L2 carries 1.3
-Mbit/s of a 50 Mbit/s link; a 1 MB delta there took 2.4 s as 5 ranges of 256 KiB, 1.0 s as 17 of
-64 KiB, 2026-11-28).
+`[store] parallel_reads`, at least `[store] min_part_kb` (256 KiB) and at most `[store] part_mb`: a
+delta of a few MB is several ranges, not one stream (one TCP stream on L2 carries 1.3 Mbit/s of a
+50 Mbit/s link). Smaller parts suit a small file on a long lossy link and cost the store more
+requests (the figures: the setting's description, decentrl/config/store.py).
 
 No HEAD first: an S3 range's answer says the object's size (`Content-Range: bytes a-b/SIZE`), which
 is checked against the manifest's before a byte of it is written (`StoredSizeMismatch`); a range
@@ -78,8 +78,6 @@ RECORD_SUFFIX = ".ranges"  # beside a partial file: the byte intervals it holds
 _PIECE = 256 * 1024
 # Files of a remote store other than S3 larger than this are ranged (each needs its size first).
 MIN_RANGED = _PIECE
-# No range is smaller: below it a range is mostly its request's round trip and TCP's slow start.
-MIN_PART = 64 * 1024
 _LINE_BYTES = 48  # at most, of one line of a record: two integers of up to 20 digits
 _ATTEMPTS = 5  # failures in a row, without a byte between them, before a range gives up
 _MIN_SPLIT = 4 * _PIECE  # a range still streaming is split only with at least twice this much left
@@ -349,10 +347,13 @@ class Ranges:
 class RangedReads:
     """Large files of one remote store fetched as concurrent, resumable byte ranges."""
 
-    def __init__(self, fs: AbstractFileSystem, *, parallel_reads: int, part_bytes: int, stall_timeout_s: float) -> None:
+    def __init__(
+        self, fs: AbstractFileSystem, *, parallel_reads: int, part_bytes: int, stall_timeout_s: float, min_part_bytes: int = MIN_RANGED,
+    ) -> None:
         self.fs = fs
         self.streams = parallel_reads
         self.part = part_bytes
+        self.min_part = min(min_part_bytes, part_bytes)
         self.stall_s = stall_timeout_s
         self.chunks = chunk_source(fs)
         # Shared by every file of every pull of this store: the bound on ranges in flight.
@@ -369,8 +370,8 @@ class RangedReads:
 
     def part_for(self, size: int) -> int:
         """The range size for a file of `size` bytes: one range per stream, within
-        [`MIN_PART`, `[store] part_mb`]."""
-        return max(MIN_PART, min(self.part, -(-size // self.streams)))
+        [`[store] min_part_kb`, `[store] part_mb`]."""
+        return max(self.min_part, min(self.part, -(-size // self.streams)))
 
     def fetch(self, remote: str, local_path: str, size: int, algorithm: str) -> tuple[int, str, os.stat_result]:
         """Fetch what `local_path` lacks of `remote` (declared `size` bytes) as ranges in parallel;

@@ -536,6 +536,9 @@ def test_range_record_logs_merges_and_refuses_what_it_cannot_describe(tmp_path: 
         ({"parallel_reads": 65}, "store.parallel_reads"),
         ({"part_mb": 0}, "store.part_mb"),
         ({"stall_timeout_s": 0}, "store.stall_timeout_s"),
+        ({"min_part_kb": 8}, "store.min_part_kb"),
+        ({"min_part_kb": "big"}, "store.min_part_kb"),
+        ({"min_part_kb": 2048, "part_mb": 1}, "min_part_kb \\(2048\\) is larger than part_mb \\(1 MiB\\): set min_part_kb <= 1024"),
     ],
 )
 def test_bad_range_settings_are_refused(store: dict[str, object], message: str) -> None:
