@@ -705,6 +705,7 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
     deltas = [r for r in regular if not r["full"]]
     fulls = [r for r in regular if r["full"]]  # a new key version, pulled by every worker at once
     served = spread.control.stats()["served"]
+    split = delta_split(deltas, spread.control.timings(), hosts)
     # Per worker: bytes served to its address against the sum of S over its loads. The headline counts
     # the workers that ran from start to end: a worker stopped (or a joiner given up on) mid-pull was
     # served bytes it never loaded, which says nothing of the store.
@@ -736,6 +737,7 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
                          "per_worker": per_worker},
         "key_version_bytes": key[0]["stored_bytes"] if key else None,
         "worst": sorted(deltas, key=lambda r: r["efficiency"] or 0)[:5],
+        "delta_split_s": split,
     }
     # A full version's efficiency: new key versions on the workers' own profile (timed from the
     # manifest), and each late joiner's first load (timed from its start, against its fetch bound).
@@ -748,6 +750,33 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
                 full[joiner["profile"]].append(round(1 / joiner["load_vs_bound"], 3))
     result["full_efficiency"] = {p: quantiles(values) for p, values in full.items()}
     return result
+
+
+def delta_split(deltas: list[dict[str, Any]], timed: list[list[Any]], hosts: dict[str, sn.Host]) -> dict[str, Any]:
+    """Where a delta's time (announce to loaded) went, from the store front's timings of that worker's
+    requests for the version's files: `before_first_request` (hearing of it, asking its manifest),
+    `at_the_front` (its first request's arrival to its last byte sent: the store's answers and the
+    link), `after_last_byte` (the worker's rebuild, hash and load); and the store's own time to
+    answer (moto's, behind the front) over every GET of a delta version's files."""
+    by_client: dict[str, list[list[Any]]] = {}
+    for entry in timed:
+        by_client.setdefault(entry[1], []).append(entry)
+    parts: dict[str, list[float]] = {"before_first_request": [], "at_the_front": [], "after_last_byte": []}
+    answers: list[float] = []
+    for row in deltas:
+        tags = tuple(f"/v{v:06d}/" for v in row["chain"])
+        # The pull's own requests: a later pull asks this version's manifest again (as its delta base).
+        mine = [e for e in by_client.get(hosts[row["worker"]].ip, [])
+                if any(tag in e[2] for tag in tags) and row["seen_at"] - 1.0 <= e[0] <= row["loaded_at"]]
+        if not mine:
+            continue
+        first, end = min(e[0] for e in mine), max(e[0] + e[4] for e in mine)
+        parts["before_first_request"].append(first - row["seen_at"])
+        parts["at_the_front"].append(end - first)
+        parts["after_last_byte"].append(row["loaded_at"] - end)
+        answers += [e[3] for e in mine]
+    return {**{name: quantiles(values) for name, values in parts.items()}, "store_answer_s": quantiles(answers),
+            "deltas_timed": len(parts["at_the_front"])}
 
 
 def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dict[str, Any]], spread: Spread,

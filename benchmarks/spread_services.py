@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NGINX_TEMPLATE = ROOT / "configs" / "deploy" / "nginx-orchestrator.conf.template"
 Popen = Callable[..., "subprocess.Popen[bytes]"]
 CHUNK = 256 * 1024  # the fault front's streaming unit
+TIMED_REQUESTS = 200_000  # answered GETs the front keeps the timings of (a versions part makes some 30,000)
 SLOW_DOWN = (
     '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     "<Message>Please reduce your request rate.</Message><RequestId>{id}</RequestId></Error>"
@@ -316,6 +317,8 @@ class FaultFront:
     def reset(self) -> None:
         self.served, self.received = Tally(), Tally()
         self.requests = 0
+        # Answered GETs: (arrived, epoch s; client; path; store's answer after, s; last byte after, s; bytes).
+        self.timed: deque[tuple[float, str, str, float, float, int]] = deque(maxlen=TIMED_REQUESTS)
         self.hits: Counter[str] = Counter()
         self.stalled = 0  # connections held in a stall now
 
@@ -361,6 +364,7 @@ async def _proxy(front: FaultFront, session: Any, request: Any) -> Any:
 
     client, path = request.remote or "?", request.path
     front.requests += 1
+    arrived, started = time.time(), time.monotonic()
     if front.take(("slowdown",), request.method, path) is not None:
         body = SLOW_DOWN.format(id=uuid.uuid4().hex[:16].upper())
         return web.Response(status=503, text=body, content_type="application/xml")
@@ -398,6 +402,7 @@ async def _proxy(front: FaultFront, session: Any, request: Any) -> Any:
         if not request.body_exists and answer.status in (200, 206) and length:
             fault = front.take(("stall", "cut"), request.method, path)
         stop_at = None if fault is None else min(length - 1, length // 2 if fault.after_bytes is None else fault.after_bytes)
+        answered = time.monotonic() - started
         await response.prepare(request)
         sent = 0
         try:
@@ -413,6 +418,8 @@ async def _proxy(front: FaultFront, session: Any, request: Any) -> Any:
             return response
         if fault is None:
             await response.write_eof()
+            if request.method == "GET":
+                front.timed.append((arrived, client, path, round(answered, 4), round(time.monotonic() - started, 4), sent))
             return response
         answer.close()  # the rest of the object is not wanted: drop the store's connection
     return await _fail(front, request, fault, response)
@@ -450,6 +457,9 @@ def _control_app(front: FaultFront) -> Any:
     async def get_stats(request: web.Request) -> web.Response:
         return web.json_response(front.stats())
 
+    async def get_timings(request: web.Request) -> web.Response:
+        return web.json_response(list(front.timed))
+
     async def reset_stats(request: web.Request) -> web.Response:
         front.reset()
         return web.json_response(front.stats())
@@ -458,6 +468,7 @@ def _control_app(front: FaultFront) -> Any:
     app.router.add_put("/fault", put_fault)
     app.router.add_delete("/fault", clear_fault)
     app.router.add_get("/stats", get_stats)
+    app.router.add_get("/timings", get_timings)
     app.router.add_delete("/stats", reset_stats)
     return app
 
@@ -553,6 +564,11 @@ class FrontControl:
     def stats(self) -> dict[str, Any]:
         """requests, hits per kind, stalled_now, served and received bytes (total, by_client, by_object), fault."""
         return self._call("GET", "/stats")
+
+    def timings(self) -> list[list[Any]]:
+        """The answered GETs since the last reset (the last TIMED_REQUESTS): [arrived (epoch s), client,
+        path, the store's answer after (s), the last byte after (s), bytes]."""
+        return self._call("GET", "/timings")  # type: ignore[return-value]
 
     def reset(self) -> dict[str, Any]:
         """Counts back to zero (the fault is kept)."""
