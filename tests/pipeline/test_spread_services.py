@@ -281,6 +281,10 @@ def test_slowdown_bursts_publish_and_pull_retry_and_complete(
     stats = control.stats()
     assert stats["hits"]["slowdown"] >= 2
     assert stats["served"]["by_object"][OBJECT] == SMALL  # a 503 costs no object bytes
+    # The front times each answered GET: when it came, the store's answer, its last byte.
+    timed = [entry for entry in control.timings() if entry[2] == OBJECT]
+    assert sum(entry[5] for entry in timed) == SMALL and all(0 <= entry[3] <= entry[4] < 30 for entry in timed)
+    assert all(entry[1] == "127.0.0.1" and abs(entry[0] - time.time()) < 120 for entry in timed)
 
 
 def test_slowdown_past_botocores_retries_fails_a_publish(s3: tuple[str, object], control: object, version_dir: Path) -> None:
