@@ -154,6 +154,7 @@ def run_arm(
         pace(backend, token_s)
     rng, estimate, counts = random.Random(seed), RecoveryEstimate(), TreeCounts()
     units = solved = no_gradient = failed_roots = recovered = 0
+    roots = roots_right = branches = branches_right = pivots_on_failed = 0
     started = time.perf_counter()
     try:
         while counts.generated + counts.discarded < budget:
@@ -172,6 +173,12 @@ def run_arm(
                        for s in samples]
             pivots = [None if s.node is None else (s.node.parent.rollout_id, s.node.parent.at) for s in samples]  # type: ignore[union-attr]
             units += 1
+            by_id = {s.rollout_id: r for s, r in zip(samples, rewards, strict=True)}
+            roots += sum(p is None for p in pivots)
+            roots_right += sum(r for r, p in zip(rewards, pivots, strict=True) if p is None)
+            branches += sum(p is not None for p in pivots)
+            branches_right += sum(r for r, p in zip(rewards, pivots, strict=True) if p is not None)
+            pivots_on_failed += sum(not by_id[parent] for parent, _ in {p for p in pivots if p is not None})
             solved += any(rewards)
             no_gradient += not any(tree_advantages(rewards, pivots, 1.0))
             roots_failed = not any(r for r, p in zip(rewards, pivots, strict=True) if p is None)
@@ -190,6 +197,9 @@ def run_arm(
         "solved_per_1k_tokens": 1000 * solved / spent, "recovered": recovered, "failed_roots": failed_roots,
         "recovered_per_1k_tokens": 1000 * recovered / spent, "no_gradient_units": no_gradient,
         "no_gradient_fraction": no_gradient / units, "steps_posted": counts.steps_posted, "verdicts_used": counts.verdicts_used,
+        "root_success": roots_right / roots if roots else None, "branch_success": branches_right / branches if branches else None,
+        "pivots": branches // k, "pivots_on_failed_roots": pivots_on_failed,
+        "verdict_wait_s": round(counts.verdict_wait_s, 3), "verdict_timeouts": counts.verdict_timeouts,
         "step_post_wait_s": round(counts.step_post_wait_s, 4), "decode_s": round(counts.decode_s, 3),
         "cache_rebuild_s": round(counts.cache_rebuild_s, 3), "tokens_per_decode_s": spent / counts.decode_s if counts.decode_s else None,
         "wall_s": round(elapsed, 2), "keep_cache": keep_cache, "post_steps": post_steps,
@@ -251,7 +261,11 @@ def main() -> None:
         "all_fail_groups_root": mean("root", "no_gradient_fraction"),
         "tokens_saved_by_early_stop": sum(r["tokens_saved"] for r in runs if r["arm"] == "prm"),
         "tokens_saved_by_early_stop_random": sum(r["tokens_saved"] for r in runs if r["arm"] == "random"),
-        "worker_wait_for_verdicts_s": 0.0,  # decoding reads verdicts between tokens; it never waits for one
+        # Decoding reads verdicts between tokens and never waits for one; a unit with pivots waits
+        # for its roots' last verdicts before choosing where to branch (workers/tree.py).
+        "worker_wait_for_verdicts_s": sum(r["verdict_wait_s"] for r in runs),
+        "branch_success": {arm: mean(arm, "branch_success") for arm in ("random", "prm")},
+        "root_success": {arm: mean(arm, "root_success") for arm in ARMS},
         "worker_wait_for_step_posts_s": sum(r["step_post_wait_s"] for r in runs),
         "throughput_with_scoring_vs_without": ratio(posted_root["tokens_per_decode_s"], silent["tokens_per_decode_s"]),
         "kv_keep_decode_s": kept["decode_s"], "kv_rebuild_decode_s": rebuilt["decode_s"],

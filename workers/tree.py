@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +49,7 @@ class VerdictFeed:
         self.wait_s = wait_s
         self.scores: dict[tuple[str, int], float] = {}
         self.after = 0
+        self._came = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="verdicts", daemon=True)
 
@@ -71,12 +72,22 @@ class VerdictFeed:
                 log.warning("verdicts unreachable (%s); asking again in 1 s", exc)
                 self._stop.wait(1.0)
                 continue
-            for verdict in answer.verdicts:
-                self.scores[(verdict.rollout_id, verdict.step)] = verdict.score
-            self.after = answer.last
+            with self._came:
+                for verdict in answer.verdicts:
+                    self.scores[(verdict.rollout_id, verdict.step)] = verdict.score
+                self.after = answer.last
+                self._came.notify_all()
 
     def score(self, rollout_id: str, step: int) -> float | None:
         return self.scores.get((rollout_id, step))
+
+    def wait_for(self, keys: set[tuple[str, int]], timeout_s: float) -> float:
+        """Waits until every `(rollout_id, step)` of `keys` has its verdict, or `timeout_s`;
+        returns the seconds waited. For choosing pivots only: decoding never calls it."""
+        started = time.perf_counter()
+        with self._came:
+            self._came.wait_for(lambda: keys <= self.scores.keys() or self._stop.is_set(), timeout=timeout_s)
+        return time.perf_counter() - started
 
 
 @dataclass
@@ -104,6 +115,8 @@ class TreeCounts:
     steps_posted: int = 0
     step_post_wait_s: float = 0.0  # time decoding waited for a step post (0: it never does)
     verdicts_used: int = 0
+    verdict_wait_s: float = 0.0  # time waited, before choosing pivots, for the roots' last verdicts
+    verdict_timeouts: int = 0  # units whose pivots were chosen with a root verdict still missing
     decode_s: float = 0.0
     cache_rebuild_s: float = 0.0
 
@@ -208,10 +221,14 @@ def decode_chains(
 def generate_tree(
     backend: HFBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
     worker_id: str, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, counts: TreeCounts,
-    keep_cache: bool = True, rule: str | None = None,
+    keep_cache: bool = True, rule: str | None = None, verdict_wait_s: float = 5.0,
 ) -> list[Rollout]:
     """One tree lease's samples (module docstring): its root's chains, then `k` continuations of
-    each of `pivots` pivots; `rule` overrides the unit's (a benchmark's arms)."""
+    each of `pivots` pivots; `rule` overrides the unit's (a benchmark's arms). Before choosing
+    pivots, it waits up to `verdict_wait_s` for the verdicts of every root step posted: a chain
+    goes wrong most often at its last steps, whose verdicts cannot be in when it ends, and a
+    failed chain not known as failed is no candidate (or, for `last_right`, is branched past its
+    wrong step, where no branch can recover)."""
     unit = lease.unit
     if not isinstance(unit, TreeUnit):
         raise ValueError(f"lease {lease.lease_id} is not a tree unit")
@@ -232,6 +249,8 @@ def generate_tree(
 
     roots = [Chain(uuid.uuid4().hex, list(lease.prompt_token_ids), sampling.max_tokens) for _ in range(lease.group_size)]
     decode(roots)
+    if unit.pivots:
+        _await_root_verdicts(roots, posts, feed, counts, verdict_wait_s)
     pivots = _pivots(roots, unit, feed, rng, estimate, rule or unit.rule)
     branches = []
     for n, pivot in enumerate(pivots):
@@ -261,6 +280,18 @@ def generate_tree(
             sampling=sampling, node=chain.node, step_ends=chain.ends,
         ))
     return samples
+
+
+def _await_root_verdicts(
+    roots: list[Chain], posts: list[Future[object]], feed: VerdictFeed, counts: TreeCounts, timeout_s: float
+) -> None:
+    """The roots' step posts sent, then their verdicts in (or `timeout_s` gone): counted."""
+    started = time.perf_counter()
+    wait(list(posts), timeout=timeout_s)  # a post that failed fails the lease at the unit's end
+    keys = {(chain.rollout_id, step) for chain in roots for step in range(len(chain.ends))}
+    feed.wait_for(keys, max(0.0, timeout_s - (time.perf_counter() - started)))
+    counts.verdict_wait_s += time.perf_counter() - started
+    counts.verdict_timeouts += not keys <= feed.scores.keys()
 
 
 def _judged_wrong(chain: Chain, unit: TreeUnit, feed: VerdictFeed) -> bool:

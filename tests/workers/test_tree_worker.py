@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.api.wire import LeaseRequest, RolloutBatch
+from decentrl.api.wire import Lease, LeaseRequest, RolloutBatch, SamplingParams, StepBoundary, StepPost, StepVerdict, TreeUnit, VerdictList
 from decentrl.config import PythonScorerConfig, TinyModelConfig
 from decentrl.model.build import build_model, build_tiny_tokenizer
 from decentrl.rl.pivots import RecoveryEstimate
@@ -127,3 +127,58 @@ def test_a_tree_lease_is_generated_scored_stopped_and_branched(
                 assert all(check_step(prompt, text[:i + 1]) for i, c in enumerate(text[:-1]) if c == "=")
 
     run(scenario())
+
+
+class _LateJudge:
+    """A client whose scorer judges each posted step `delay_s` after its post, long after the
+    unpaced tiny model ends its chains: step 0 right, every later step wrong."""
+
+    timeout_s = 1.0
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.judged: list[tuple[float, StepVerdict]] = []
+        self.lock = threading.Lock()
+
+    def post_steps(self, post: StepPost) -> None:
+        with self.lock:
+            for step in post.steps:
+                verdict = StepVerdict(lease_id=post.lease_id, rollout_id=step.rollout_id, step=step.step,
+                                      score=float(step.step == 0), seq=len(self.judged) + 1)
+                self.judged.append((time.monotonic() + self.delay_s, verdict))
+
+    def verdicts(self, worker_id: str, after: int, wait_s: float = 0.0) -> VerdictList:
+        time.sleep(0.01)
+        with self.lock:
+            ready = [v for due, v in self.judged if due <= time.monotonic() and v.seq > after]
+        return VerdictList(verdicts=ready, last=max([after] + [v.seq for v in ready]))
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 5.0])
+def test_pivots_are_chosen_on_the_roots_last_verdicts(backend: HFBackend, wait_s: float) -> None:
+    # The roots end before any verdict is back; waiting for them (the default) finds every
+    # chain judged wrong from its step 1, so `last_right` branches after step 0 - not from past
+    # a wrong step, where no branch can recover (a chain not known as failed is no candidate).
+    client = _LateJudge(delay_s=0.2)
+    unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), rule="last_right")
+    lease = Lease(lease_id="l0", prompt_id=0, prompt_token_ids=build_tiny_tokenizer()("7324=").input_ids, group_size=4,
+                  deadline=time.time() + 60, unit=unit)
+    feed = VerdictFeed(client, "w0", wait_s=0.0).start()  # type: ignore[arg-type]
+    counts = TreeCounts()
+    try:
+        samples = generate_tree(backend, client, lease, SamplingParams(temperature=1.0, max_tokens=8), run_name="r",  # type: ignore[arg-type]
+                                worker_id="w0", feed=feed, rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts,
+                                verdict_wait_s=wait_s)
+    finally:
+        feed.close()
+    roots = {s.rollout_id: s for s in samples[:4]}
+    parents = [s.node.parent for s in samples[4:]]  # type: ignore[union-attr]
+    assert len(parents) == 2 and len({(p.rollout_id, p.at) for p in parents}) == 1
+    parent = parents[0]
+    assert len(roots[parent.rollout_id].step_ends or ()) >= 2  # a pivot is never a chain's end
+    if wait_s:
+        assert parent.at == roots[parent.rollout_id].step_ends[0]  # type: ignore[index]
+        assert counts.verdict_timeouts == 0 and 0.1 < counts.verdict_wait_s < wait_s
+    else:  # nothing known: the deepest boundary of any chain, past its wrong step
+        assert parent.at == roots[parent.rollout_id].step_ends[-2]  # type: ignore[index]
+        assert counts.verdict_timeouts == 1
