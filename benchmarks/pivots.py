@@ -106,7 +106,7 @@ def pace(backend: Any, token_s: float) -> None:
 
 def run_arm(
     arm: str, seed: int, checkpoint: str, budget: int, group_size: int, k: int, *, keep_cache: bool = True,
-    post_steps: bool = True, token_s: float = 0.0,
+    post_steps: bool = True, token_s: float = 0.0, verdict_wait_s: float = 5.0,
 ) -> dict[str, Any]:
     """One arm at one seed on a fresh orchestrator, scorer and backend: units until `budget` tokens.
     `token_s`: each decoding step takes at least this long (`pace`), as a real model's does."""
@@ -162,7 +162,7 @@ def run_arm(
             (lease,) = answer.leases
             samples = generate_tree(backend, client if post_steps else _Silent(), lease, answer.sampling,  # type: ignore[arg-type]
                                     run_name=config.run_name, worker_id="w0", feed=feed, rng=rng, estimate=estimate,
-                                    counts=counts, keep_cache=keep_cache)
+                                    counts=counts, keep_cache=keep_cache, verdict_wait_s=verdict_wait_s)
             ingest = client.post_rollouts(RolloutBatch(rollouts=samples))
             if ingest.rejected:
                 raise RuntimeError(f"the orchestrator refused samples of a {arm} unit: {ingest.rejected}")
@@ -219,6 +219,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--token-ms", type=float, default=10.0,
                         help="Each decoding step takes this much longer (a real model's pace; 0: the tiny model's own).")
+    parser.add_argument("--verdict-wait-s", type=float, default=5.0,
+                        help="Most seconds a unit waits for its roots' last verdicts before choosing pivots (0: chosen on those in).")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--k", type=int, default=4, help="Continuations of each pivot.")
     parser.add_argument("--sft-steps", type=int, default=600, help="Fine-tuning steps that give the model a signal.")
@@ -232,11 +234,13 @@ def main() -> None:
         sft_loss = finetune(checkpoint, args.sft_steps, seed=0)
         for seed in range(args.seeds):
             for arm in ARMS:
-                runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=args.token_ms / 1000))
+                runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=args.token_ms / 1000,
+                                    verdict_wait_s=args.verdict_wait_s))
                 print(json.dumps(runs[-1]), flush=True)
         # The measures of the worker's side, on seed 0: the KV cache rebuilt at each step's end
         # (prm arm), and the root arm's throughput without posting its steps for scoring.
-        rebuilt = run_arm("prm", 0, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=args.token_ms / 1000)
+        rebuilt = run_arm("prm", 0, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=args.token_ms / 1000,
+                          verdict_wait_s=args.verdict_wait_s)
         silent = run_arm("root", 0, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=args.token_ms / 1000)
         print(json.dumps(rebuilt), flush=True)
         print(json.dumps(silent), flush=True)
@@ -270,6 +274,7 @@ def main() -> None:
         "throughput_with_scoring_vs_without": ratio(posted_root["tokens_per_decode_s"], silent["tokens_per_decode_s"]),
         "kv_keep_decode_s": kept["decode_s"], "kv_rebuild_decode_s": rebuilt["decode_s"],
         "kv_rebuild_s": rebuilt["cache_rebuild_s"],
+        "verdict_wait_s": args.verdict_wait_s, "token_ms": args.token_ms,
         "budget_tokens": args.budget, "seeds": args.seeds, "group_size": args.group_size, "k": args.k,
         "sft_steps": args.sft_steps, "sft_loss": round(sft_loss, 4),
     }))
