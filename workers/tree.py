@@ -225,7 +225,8 @@ def generate_tree(
 ) -> list[Rollout]:
     """One tree lease's samples (module docstring): its root's chains, then `k` continuations of
     each of `pivots` pivots; `rule` overrides the unit's (a benchmark's arms). Before choosing
-    pivots, it waits up to `verdict_wait_s` for the verdicts of every root step posted: a chain
+    pivots, it waits up to `verdict_wait_s` for the verdicts of every root step posted (once this
+    worker has had a verdict at all: a run without step scorers never waits): a chain
     goes wrong most often at its last steps, whose verdicts cannot be in when it ends, and a
     failed chain not known as failed is no candidate (or, for `last_right`, is branched past its
     wrong step, where no branch can recover)."""
@@ -249,7 +250,7 @@ def generate_tree(
 
     roots = [Chain(uuid.uuid4().hex, list(lease.prompt_token_ids), sampling.max_tokens) for _ in range(lease.group_size)]
     decode(roots)
-    if unit.pivots:
+    if unit.pivots and feed.scores:  # a run whose steps no scorer has judged yet never waits
         _await_root_verdicts(roots, posts, feed, counts, verdict_wait_s)
     pivots = _pivots(roots, unit, feed, rng, estimate, rule or unit.rule)
     branches = []

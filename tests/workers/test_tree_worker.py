@@ -163,7 +163,9 @@ def test_pivots_are_chosen_on_the_roots_last_verdicts(backend: HFBackend, wait_s
     unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), rule="last_right")
     lease = Lease(lease_id="l0", prompt_id=0, prompt_token_ids=build_tiny_tokenizer()("7324=").input_ids, group_size=4,
                   deadline=time.time() + 60, unit=unit)
-    feed = VerdictFeed(client, "w0", wait_s=0.0).start()  # type: ignore[arg-type]
+    feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
+    feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps (none judged: no wait)
+    feed.start()
     counts = TreeCounts()
     try:
         samples = generate_tree(backend, client, lease, SamplingParams(temperature=1.0, max_tokens=8), run_name="r",  # type: ignore[arg-type]
