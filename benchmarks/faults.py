@@ -456,12 +456,13 @@ def store_faults(work: Path, slowdown_s: float) -> tuple[dict[str, Any], dict[st
         pulled = Path(store().pull(0, str(work / "f3-cache")))
         served = control.stats()["served"]["by_object"]
         ideal = sum(weights.values())
+        problems = store().verify(0)  # the version as stored, every byte against its manifest
         f1 = f1_stall(store, control, work)
         return f1, {
             "made": True, "slowdown_s": slowdown_s, "publish_retries": publisher.retries,
             "published_after_s": round(announced[0][1] - started, 1) if announced else None,
             "half_versions_seen": len(seen - {0}) + int(0 in seen and not announced),
-            "half_versions_loaded": 0 if pulled.is_dir() and store().verify(0) == [] else 1,
+            "half_versions_loaded": 0 if pulled.is_dir() and problems == [] else 1, "verify_problems": problems,
             "bytes_vs_ideal": round(sum(served.get(k, 0) for k in weights) / ideal, 3),
             "upload_bytes_vs_ideal": round(sum(received.get(k, 0) for k in weights) / ideal, 3),
             "recovered_s": round(announced[0][1] - started - slowdown_s, 1) if announced else None,
@@ -979,9 +980,13 @@ def main() -> None:
     for path in args.merge:
         earlier = json.loads(Path(path).read_text().strip().splitlines()[-1])
         for name, fault in earlier["faults"].items():
-            if name not in args.only and fault.get("made"):
-                faults[name] = {**fault, "measured_at": fault.get("measured_at", earlier["date"])}
-                tracebacks += fault.get("tracebacks_in_logs", 0)
+            # (F1's one-host twin alone, `made` a sentence, does not replace F1 made on the testbed.)
+            if name not in args.only and fault.get("made") and (fault["made"] is True or faults.get(name, {}).get("made") is not True):
+                # A fault of a whole run's line carries that run's date, load and traceback count.
+                whole = {"measured_at": earlier["date"], "load_1m": round(earlier["load_1m"], 2),
+                         "tracebacks_in_logs": earlier["tracebacks_in_logs"]}
+                faults[name] = {**whole, **fault}
+                tracebacks += faults[name]["tracebacks_in_logs"]
     logs: list[str] = []
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
         work = Path(tmp)
