@@ -737,7 +737,12 @@ def f1_link_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str
         raise RuntimeError(f"publishing F1's version failed: {done.stderr[-2000:]}")
     published = json.loads(done.stdout.strip().splitlines()[-1])
     worker = net.workers["l2"]
+
+    def received() -> int:  # bytes in at the worker's interface: what crossed its link (IP and TCP headers too)
+        return int(worker.run(["cat", "/sys/class/net/eth0/statistics/rx_bytes"], capture_output=True, text=True, check=True).stdout)
+
     net.control.reset()
+    received_before = received()
     log_path = Path(net.workdir) / "f1-pull.log"
     with open(log_path, "w") as log:
         pull = worker.popen([sys.executable, __file__, "helper", "pull", url, net.endpoint, str(version),
@@ -764,6 +769,7 @@ def f1_link_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str
                 pull.kill()
                 pull.wait()
             net.net.heal()
+    received_s = received() - received_before
     result = json.loads(out.strip().splitlines()[-1])
     text = log_path.read_text(errors="replace")
     stalls = [float(line.split()[0]) for line in text.splitlines() if "Stalled" in line]
@@ -779,6 +785,9 @@ def f1_link_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str
         # and the bytes it loaded are those published.
         "loaded_verified": result["sha256"] == published["sha256"],
         "bytes_vs_ideal": round(served.get(weights, 0) / size, 3),
+        # Fetched, at the worker: every byte in at its interface during the pull (every file, the
+        # manifest, IP and TCP headers), over the weights' size; what the front sent into the drop is not in it.
+        "received_at_worker_vs_ideal": round(received_s / size, 3),
         # What the front sent while the link was cut (into the drop), and after the heal.
         "served_during_cut_vs_ideal": round((served_at_heal - served_at_cut) / size, 3),
         "served_after_heal_vs_ideal": round((served.get(weights, 0) - served_at_heal) / size, 3),
