@@ -401,7 +401,6 @@ class RangedReads:
                     future.result()  # a stream's failure
         except StoredSizeMismatch:
             self._mismatched.add(remote)  # its next fetch asks the size first: no more bytes of a wrong object
-            record.close()
             discard(local_path)  # laid out for another size: nothing of it is the store's object
             raise
         finally:
