@@ -159,8 +159,9 @@ class IngestChecks:
         orchestrator's (checked against the sub-lease's like any lease's prompt); a worker never names one."""
         granted, node = lease.lease, rollout.node
         if granted.unit_id is None:
-            if node is not None and (
-                node.parent is not None or node.node_id != ROOT_NODE or node.role not in (None, PROPOSER) or node.policy is not None
+            policy = granted.node.policy if granted.node is not None else None  # a run of two policies: the proposer's
+            if (node.policy if node is not None else None) != policy or node is not None and (
+                node.parent is not None or node.node_id != ROOT_NODE or node.role not in (None, PROPOSER)
             ):
                 return "node_mismatch"
             return "node_full" if lease.samples else None

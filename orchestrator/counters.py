@@ -16,6 +16,7 @@ RECENT_REWARDS = 512  # rewards served lately, for the status page's running mea
 class Versions:
     published: int | None = None  # newest version complete in the store; None until version 0 is
     trainer: int = 0  # the version the trainer holds: its next step starts from it
+    consumed: int = 0  # a run of two policies: units this stream's trainer took (its lease budget's "done")
 
 
 @dataclass

@@ -37,7 +37,7 @@ from decentrl.api.wire import (
     VersionAnnouncement,
 )
 from decentrl.model.tokenizer import vocab_digest
-from decentrl.store.checkpoints import StoreError
+from decentrl.store.checkpoints import StoreError, policy_url
 from decentrl.tasks.episodes import EpisodeTask
 from orchestrator.appstate import (
     BATCH_READY,
@@ -68,6 +68,7 @@ from orchestrator.body import (
     query_int,
     query_int_or_none,
     query_seconds,
+    query_text,
     respond,
     wants_msgpack,
 )
@@ -81,17 +82,32 @@ log = logging.getLogger("decentrl.orchestrator")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
+def run_policy(state: RunState, policy: str | None, *, required: bool = True) -> str | None:
+    """`policy` if it names one of a run of two policies (`required`: it must), None in a run of one; else a 400."""
+    names = state.config.policies
+    if policy is None and names and required:
+        raise error(web.HTTPBadRequest, f"this run has two policies {list(names)}: name yours (policy; a worker's "
+                                        "worker.policy, a trainer's trainer.policy)")
+    if policy is not None and policy not in names:
+        raise error(web.HTTPBadRequest, f"policy {policy[:40]!r} is not one of this run's: "
+                                        + (f"name one of {list(names)}" if names else "it has one, shared: name none"))
+    return policy
+
+
 # -- workers ------------------------------------------------------------------------------
 
 
 async def info(request: web.Request) -> web.Response:
+    only_query(request, "policy")
     state = request.app[STATE]
+    policy = run_policy(state, query_text(request, "policy"), required=False)
     return respond(
         request,
         RunInfo(
             run_name=state.config.run_name,
-            store_url=request.app[STORE_URL],
-            policy_version=state.published_version,
+            store_url=policy_url(request.app[STORE_URL], policy),
+            policy_version=state.stream(policy).published,
+            policies=list(state.config.policies) or None,
             max_staleness=state.config.max_staleness,
             group_size=state.config.group_size,
             lease_timeout_s=state.config.orchestrator.lease_timeout_s,
@@ -109,16 +125,17 @@ async def version_news(request: web.Request) -> web.Response:
     """GET /v1/version: the newest version once it is newer than `after` (any version without it),
     or whatever it is when `wait_s` runs out or the orchestrator stops. A worker keeps one of these
     outstanding and so learns of a version as its announcement is committed, not a poll period later."""
-    only_query(request, "after", "wait_s")
+    only_query(request, "after", "wait_s", "policy")
     after = query_int_or_none(request, "after", high=MAX_VERSION)
     wait_s = query_seconds(request, "wait_s", high=MAX_VERSION_WAIT_S, default=0.0)
     state, published = request.app[STATE], request.app[VERSION_PUBLISHED]
+    stream = state.stream(run_policy(state, query_text(request, "policy"), required=False))
     deadline = asyncio.get_running_loop().time() + wait_s
     async with published:
-        while (version := state.published_version) is None or (after is not None and version <= after):
+        while (version := stream.published) is None or (after is not None and version <= after):
             if not await wait_awhile(request.app, published, deadline, wait_s):
                 break
-    return respond(request, PublishedVersion(policy_version=state.published_version))
+    return respond(request, PublishedVersion(policy_version=stream.published))
 
 
 LEASE_RECHECK_S = 0.5  # a waiting lease request looks again at least this often (expiries wake no one)
@@ -131,14 +148,15 @@ async def leases(request: web.Request) -> web.Response:
         raise error(web.HTTPForbidden, f"token {request[IDENTITY].name!r} is banned (docs/security.md)")
     request.app[HISTORY].asked(request[IDENTITY].name, body.machine)
     holder, wait_s = holder_of(request, body.worker_id), state.config.orchestrator.lease_wait_s
+    policy = run_policy(state, body.policy)
     # Long-poll: with nothing to grant, wait for a version, a served batch or a release to free
     # groups, so a worker's slots start the moment the staleness budget allows and do not poll;
     # in a hedged deterministic run, at most until a lagging place falls due for a copy, or
     # until one of the worker's copies loses (told at once, so that it stops generating it).
-    freed, policy = request.app[LEASES_FREED], state.lease_policy
+    freed, lease_policy = request.app[LEASES_FREED], state.lease_policy
     deadline = asyncio.get_running_loop().time() + wait_s
     async with freed:
-        while not (granted := state.grant_leases(holder, body.max_groups)) and holder not in policy.untold:
+        while not (granted := state.grant_leases(holder, body.max_groups, policy)) and holder not in lease_policy.untold:
             hedge = state.hedge_due_in(holder)
             most_s = LEASE_RECHECK_S if hedge is None else min(LEASE_RECHECK_S, hedge + 0.001)
             if not await wait_awhile(request.app, freed, deadline, most_s):
@@ -147,7 +165,7 @@ async def leases(request: web.Request) -> web.Response:
     return respond(
         request,
         LeaseResponse(
-            policy_version=state.published_version,
+            policy_version=state.stream(policy).published,
             sampling=state.sampling,
             leases=granted,
             retry_after_s=0.0 if granted or wait_s > 0 else 0.2,
@@ -264,6 +282,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
     # The trainer holds at most the version its last step publishes: a larger one would make
     # every rollout stale at once.
     trainer_version = query_int(request, "trainer_version", high=request.app[STATE].config.trainer.steps)
+    policy = run_policy(request.app[STATE], query_text(request, "policy"))
     request_id = request.query.get("request_id")
     if request_id is not None and not REQUEST_ID.fullmatch(request_id):
         raise error(web.HTTPBadRequest, f"query parameter request_id must match {REQUEST_ID.pattern}")
@@ -271,7 +290,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
     ready = request.app[BATCH_READY]
     deadline = asyncio.get_running_loop().time() + state.config.orchestrator.batch_wait_s
     async with ready:
-        while (served := state.take_batch(trainer_version, request_id)) is None:
+        while (served := state.take_batch(trainer_version, request_id, policy)) is None:
             # The trainer waits: if for a pending group (take_batch may also have evicted stale
             # groups ahead of one), its check is due now.
             wake_checks(request.app)
@@ -292,8 +311,9 @@ async def batch(request: web.Request) -> web.StreamResponse:
 
 async def version(request: web.Request) -> web.Response:
     body = await parse_body(request, VersionAnnouncement)
-    await check_in_store(request.app, body.version)
-    request.app[STATE].announce(body.version)
+    policy = run_policy(request.app[STATE], body.policy)
+    await check_in_store(request.app, body.version, policy)
+    request.app[STATE].announce(body.version, policy)
     await commit(request.app)
     request.app[HISTORY].announced(body.version)
     await notify_all(request.app[VERSION_PUBLISHED])  # workers waiting on GET /v1/version learn of it now
@@ -303,14 +323,15 @@ async def version(request: web.Request) -> web.Response:
     return respond(request, run_status(request.app))
 
 
-async def check_in_store(app: web.Application, version: int) -> None:
+async def check_in_store(app: web.Application, version: int, policy: str | None = None) -> None:
     """409 unless `version` is complete in the run's store (its manifest is there and checks,
     signature included when the store has a public key): workers could not pull it, and a version
     announced past the real one would make every rollout stale."""
-    store = app[STORE]
-    published = app[STATE].published_version
+    store, published = app[STORE], app[STATE].stream(policy).published
     if store is None or (published is not None and version <= published):  # an older one changes nothing
         return
+    if policy is not None:  # a run of two policies: its stream of versions
+        store = store.of_policy(policy)
     try:
         await asyncio.to_thread(store.manifest, version)
     except StoreError as exc:

@@ -65,6 +65,11 @@ PROPOSER, SOLVER = "proposer", "solver"
 ROOT = RolloutNode(node_id=ROOT_NODE, role=PROPOSER)  # the root node of a unit of roles, on its lease
 
 
+def root_node(config: RolesConfig) -> RolloutNode:
+    """A unit of roles' root node, on its lease: the proposer's, naming its policy in a run of two."""
+    return RolloutNode(node_id=ROOT_NODE, role=PROPOSER, policy=PROPOSER) if config.policy_names else ROOT
+
+
 def roles_unit(config: RolesConfig) -> RolesUnit:
     """The unit every lease of a roles run is of: a proposer node of one sample, a solver node of
     `solvers` (orchestrator/roles.py fills it)."""
@@ -201,7 +206,7 @@ class LeaseBook:
                 index=index,
                 policy_version=version,
                 unit=self.unit,
-                node=ROOT if roles is not None else None,
+                node=root_node(roles) if roles is not None else None,
             )
             granted.append(self._grant(lease, holder))
         return granted

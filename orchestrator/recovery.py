@@ -33,10 +33,14 @@ COUNTS = (
 )
 
 
-def meta_row(*, versions: Versions, counters: Counters, lease_book: LeaseBook, buffer: Buffer) -> dict[str, Any]:
-    """The journal's meta row (key "state"): versions, prompt order position, counters, and the
-    places a step consumes (which pin a deterministic run's places to versions)."""
+def meta_row(
+    *, versions: Versions, counters: Counters, lease_book: LeaseBook, buffer: Buffer, streams: dict[str, Versions] | None = None
+) -> dict[str, Any]:
+    """The journal's meta row (key "state"): versions (a run of two policies: each stream's too),
+    prompt order position, counters, and the places a step consumes (which pin a deterministic
+    run's places to versions)."""
     return {
+        "streams": {name: [stream.published, stream.trainer, stream.consumed] for name, stream in (streams or {}).items()},
         "places_per_step": lease_book.config.places_per_step,
         "published_version": versions.published,
         "trainer_version": versions.trainer,
@@ -84,6 +88,7 @@ def recover(
     advantages: AdvantageConfig,
     integrity: Integrity,
     restore_steps: Callable[[Group], None],
+    streams: dict[str, Versions] | None = None,
 ) -> None:
     """Rebuild the state the journal committed, into freshly made, empty parts. Samples of
     buffered and kept groups are read from the journal when first needed; closed leases' rollout
@@ -98,6 +103,9 @@ def recover(
             "follows from it, so it cannot change between starts; restore the setting, or start a new run dir"
         )
     versions.published, versions.trainer = meta["published_version"], meta["trainer_version"]
+    for name, (published, trainer, consumed) in meta.get("streams", {}).items():  # absent in older journals
+        if streams is not None and name in streams:
+            streams[name].published, streams[name].trainer, streams[name].consumed = published, trainer, consumed
     lease_book.prompts.cursor = meta["prompt_cursor"]
     lease_book.prompts.requeued = deque(meta["requeued"])
     buffer.ready_seq = meta["ready_seq"]

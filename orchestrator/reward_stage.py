@@ -134,10 +134,14 @@ class RolesRewards(VerifierRewards):
     the derived problem, the proposer's from its solvers' (validity first, then learnability:
     the task's `proposer_reward`, decentrl/tasks/propose.py)."""
 
-    def __init__(self, rewards: Rewards, task: ProposeTask, render: Callable[[Prompt], list[int]]) -> None:
+    def __init__(
+        self, rewards: Rewards, task: ProposeTask, render: Callable[[Prompt], list[int]], *, solver_policy: str | None = None
+    ) -> None:
+        """`solver_policy`: a run of two policies' solver policy, named on each solver node (None: one policy)."""
         super().__init__(rewards)
         self.task = task
         self.render = render
+        self.solver_policy = solver_policy
         # The last proposals' canonical forms (None: invalid), for R-Zero's repetition penalty.
         self.recent: deque[str | None] = deque(maxlen=task.config.repetition_window)
 
@@ -150,7 +154,8 @@ class RolesRewards(VerifierRewards):
         proposal = self.proposal(rollout)
         if proposal is None:
             return None
-        node = RolloutNode(node_id=SOLVER, parent=DerivedParent(rollout_id=rollout.rollout_id, derived=0), role=SOLVER)
+        parent = DerivedParent(rollout_id=rollout.rollout_id, derived=0)
+        node = RolloutNode(node_id=SOLVER, parent=parent, role=SOLVER, policy=self.solver_policy)
         return Derived(node, self.render(self.task.solver_prompt(proposal, rollout.prompt_id)))
 
     def start(self, group: Group) -> bool:

@@ -17,6 +17,13 @@ the prompt queue; a unit that closes closes its open sub-leases (`subs_of`, appl
 LeaseBook.close: `node_closed` when the unit trained, `dropped` when it did not); a node closes
 short (`short`) once it holds `min_fill` samples and `close_after_s` has passed since it was made,
 never waited for without bound.
+
+Two policies (`policies = "per_role"`): each role is its own model, trainer and stream of versions.
+A unit's proposer node is leased only to a proposer worker and its solver node's sub-leases only to
+solver workers (`serves`); a complete unit stays in the ready queue until each policy's trainer has
+taken its part (`part`: that policy's samples, with their rewards), and is served (closed) when
+the last one does (`take`). Which policies took a unit is not journaled: after a restart a unit one
+trainer took and the other did not is served to both again.
 """
 
 from __future__ import annotations
@@ -27,8 +34,29 @@ from dataclasses import dataclass, field
 
 from decentrl.api.wire import Lease, Rollout
 from decentrl.config import RolesConfig
+from orchestrator.buffer import Group
 from orchestrator.lease_policy import FreeRunning
 from orchestrator.leases import ClosedLease, Derived, OpenLease, PromptQueue, Requeue
+
+
+def policy_of(rollout: Rollout) -> str | None:
+    """The policy that sampled `rollout` (None: a run of one policy)."""
+    return rollout.node.policy if rollout.node is not None else None
+
+
+def part(group: Group, policy: str) -> Group:
+    """A unit's samples of one policy, with their rewards: what that policy's trainer trains."""
+    keep = [i for i, rollout in enumerate(group.rollouts) if policy_of(rollout) == policy]
+    return Group.of(group.lease_id, group.prompt_id, [group.rollouts[i] for i in keep], [group.rewards[i] for i in keep], group.seq)
+
+
+def oldest_by_policy(rollouts: list[Rollout]) -> dict[str | None, int]:
+    """Each policy's oldest version among `rollouts`: a unit is fresh when each is, for its own stream."""
+    oldest: dict[str | None, int] = {}
+    for rollout in rollouts:
+        policy = policy_of(rollout)
+        oldest[policy] = min(oldest.get(policy, rollout.policy_version), rollout.policy_version)
+    return oldest
 
 
 @dataclass
@@ -55,6 +83,9 @@ class Roles(FreeRunning):
         self.config = config
         self.clock = clock
         self.derive = derive
+        self.policies = config.policy_names  # () with one shared policy
+        self.taken: dict[str, set[str]] = {}  # two policies: a ready unit's id -> the policies whose trainers took it
+        self.finished: set[str] = set()  # two policies: those whose trainers ran their last step (they take no more)
         self.nodes: dict[str, Node] = {}  # unit id -> its solver node, while the unit is open
         self.sub_of: dict[str, str] = {}  # open sub-lease id -> its unit's id
         self.closed_short = 0
@@ -77,6 +108,8 @@ class Roles(FreeRunning):
         unit_id = self.sub_of.pop(lease.lease_id, None)
         if unit_id is None:
             self.nodes.pop(lease.lease_id, None)
+            if closed.status != "complete":  # served, or dropped: no trainer takes it any more
+                self.taken.pop(lease.lease_id, None)
             super().closed(closed, requeue)
         elif unit_id in self.nodes:
             self.nodes[unit_id].subs.discard(lease.lease_id)
@@ -86,6 +119,37 @@ class Roles(FreeRunning):
         return [sub for sub, unit_id in self.sub_of.items() if unit_id == closed.lease.lease_id]
 
     # -- the owner's questions -------------------------------------------------------------------
+
+    def serves(self, policy: str | None) -> tuple[bool, bool]:
+        """Which leases a worker of `policy` gets: (new units, solver sub-leases). With one policy,
+        both; with two, a proposer worker new units and a solver worker sub-leases. The handler
+        refused a request that names no policy of the run."""
+        if not self.policies:
+            return True, True
+        return policy == self.policies[0], policy == self.policies[1]
+
+    def waiting(self, ready: list[Group], policy: str) -> int:
+        """Ready units with samples of `policy` its trainer has not taken yet (its lease budget's "waiting")."""
+        return sum(self._owes(group, policy) for group in ready)
+
+    def _owes(self, group: Group, policy: str) -> bool:
+        return policy not in self.taken.get(group.lease_id, ()) and any(policy_of(r) == policy for r in group.rollouts)
+
+    def served(self, group: Group) -> bool:
+        """Whether every policy with samples in `group` has taken it, or will take no more (finished)."""
+        return {policy_of(rollout) for rollout in group.rollouts} <= self.taken.get(group.lease_id, set()) | self.finished
+
+    def untaken(self, ready: list[Group], policy: str, count: int) -> list[Group]:
+        """The first `count` ready units `policy`'s trainer has not taken, in queue order ([] if fewer)."""
+        # An invalid proposal's unit has no solver samples: the proposer's trainer alone takes it.
+        units = [group for group in ready if self._owes(group, policy)][:count]
+        return units if len(units) == count else []
+
+    def take(self, units: list[Group], policy: str) -> list[Group]:
+        """`policy`'s trainer takes `units`; returns those every policy with samples in them has now taken (to serve)."""
+        for group in units:
+            self.taken.setdefault(group.lease_id, set()).add(policy)
+        return [group for group in units if self.served(group)]
 
     def make_nodes(self, open_leases: Mapping[str, OpenLease]) -> list[str]:
         """Make the solver node of every open unit whose proposer's sample is in (asked before

@@ -67,11 +67,11 @@ from orchestrator.integrity import Integrity, content_hash, token_of
 from orchestrator.journal import Journal, NullJournal, RunJournal
 from orchestrator.lease_policy import Deterministic, FreeRunning
 from orchestrator.lease_table import LeaseClosed
-from orchestrator.leases import ClosedLease, LeaseBook, OpenLease, PromptQueue, Requeue
+from orchestrator.leases import SOLVER, ClosedLease, LeaseBook, OpenLease, PromptQueue, Requeue
 from orchestrator.recovery import meta_row, recover
 from orchestrator.reward_stage import ModelRewards, RolesRewards, VerifierRewards
 from orchestrator.rewards import Rewards
-from orchestrator.roles import Roles
+from orchestrator.roles import Roles, oldest_by_policy, part
 from orchestrator.score_queue import ScoreLeaseEntry, ScoreQueue, StepBook, StepError, StepVerdictTaken
 from orchestrator.tokenizer import make_decoder, make_encoder
 
@@ -170,6 +170,9 @@ class RunState:
         )
 
         self.versions = Versions()
+        # A run of two policies: a stream of versions each (the solver's is `versions`, which status and
+        # metrics show); a sample is judged fresh against its own policy's (`stream`).
+        self.streams: dict[str, Versions] = {name: self.versions if name == SOLVER else Versions() for name in config.policies}
         self.counters = Counters()
         # Changes a waiting lease request may be waiting for, since the start: a lease closed
         # without training (its prompt or place free again; a losing copy to tell its holder), or a
@@ -181,7 +184,10 @@ class RunState:
             steps=options.advantages.steps, token_ids=options.advantages.distill is not None,
         )
         # Units of roles ([orchestrator.roles]): the reward stage derives solver nodes, the lease policy leases them.
-        roles = RolesRewards(self.rewards, task, render_prompt) if isinstance(task, ProposeTask) else None
+        roles = (
+            RolesRewards(self.rewards, task, render_prompt, solver_policy=SOLVER if config.policies else None)
+            if isinstance(task, ProposeTask) else None
+        )
         prompts = PromptQueue(task=task, render=render_prompt, seed=config.task.seed)
         self.lease_policy: FreeRunning | Deterministic | Roles = (
             Deterministic(config=config, prompts=prompts, clock=clock, digest=content_hash) if config.deterministic
@@ -214,7 +220,7 @@ class RunState:
         self.new_bans: list[str] = []  # banned, their leftovers dropped, not yet revoked (`_apply_bans`)
 
         self.journal.meta_source = lambda: meta_row(
-            versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer
+            versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer, streams=self.streams
         )
         self.journal.integrity_source = self.integrity.journal_changes
         snapshot = self.journal.load()
@@ -223,9 +229,11 @@ class RunState:
             recover(
                 snapshot, journal=self.journal, run_name=config.run_name, versions=self.versions, counters=self.counters,
                 lease_book=self.lease_book, buffer=self.buffer, batches=self.kept, advantages=options.advantages,
-                integrity=self.integrity, restore_steps=self.reward_stage.restore_steps,
+                integrity=self.integrity, restore_steps=self.reward_stage.restore_steps, streams=self.streams,
             )
             self._recover_steps(snapshot.steps)
+            if isinstance(self.lease_policy, Roles):  # two policies: a trainer that ran its last step takes no more
+                self.lease_policy.finished.update(n for n, v in self.streams.items() if v.trainer >= config.trainer.steps)
             self._redo_checks()
             log.info(
                 "recovered from %s: version %s, trainer version %d, %d open leases, %d ready groups, "
@@ -260,22 +268,40 @@ class RunState:
 
     # -- leases (orchestrator/leases.py, orchestrator/lease_policy.py) ----------------------------
 
+    def stream(self, policy: str | None) -> Versions:
+        """`policy`'s stream of versions (a run of one policy: the run's, whatever is named)."""
+        return self.streams.get(policy or "", self.versions)
+
     def lease_capacity(self) -> int:
+        if isinstance(self.lease_policy, Roles) and self.streams:
+            # Two policies: each stream's budget over the units its trainer takes; the tighter one bounds
+            # (a stream whose trainer finished, none). Pending units count for both.
+            policy, ready = self.lease_policy, list(self.buffer.ready)
+            return min([
+                self.lease_book.capacity(
+                    published=stream.published, groups_consumed=stream.consumed,
+                    waiting=policy.waiting(ready, name) + len(self.buffer.pending),
+                )
+                for name, stream in self.streams.items() if name not in policy.finished
+            ] or [0])
         return self.lease_book.capacity(
             published=self.versions.published, groups_consumed=self.counters.groups_consumed, waiting=self.buffer.waiting()
         )
 
-    def grant_leases(self, holder: str, max_groups: int) -> list[Lease]:
+    def grant_leases(self, holder: str, max_groups: int, policy: str | None = None) -> list[Lease]:
         """Copies of lagging places of the next batch first (a deterministic run's hedges: the
-        trainer waits for that batch), then new places as the budget allows."""
+        trainer waits for that batch), then new places as the budget allows. In a run of two
+        policies a worker of `policy` gets that policy's leases only (orchestrator/roles.py `serves`)."""
         self.expire_leases()
         for unit_id in self.lease_policy.make_nodes(self.lease_book.open):  # units of roles: an invalid proposal ends its unit
             self._complete(self.lease_book.open[unit_id])
         # Units' nodes first (sub-leases), then copies of lagging places (hedges), then new units or groups.
-        subs = self.lease_book.grant_subs(holder, self.lease_policy.sub_leases(holder, max_groups, self.lease_book.open))
+        units, nodes = self.lease_policy.serves(policy) if isinstance(self.lease_policy, Roles) else (True, True)
+        subs = self.lease_book.grant_subs(holder, self.lease_policy.sub_leases(holder, max_groups if nodes else 0, self.lease_book.open))
         copies = self.lease_book.grant_copies(holder, self.lease_policy.copies(holder, max_groups, self.counters.groups_consumed))
         self.counters.hedged_leases += len(copies)
-        return subs + copies + self.lease_book.grant(holder, min(max_groups - len(subs) - len(copies), self.lease_capacity()))
+        new = min(max_groups - len(subs) - len(copies), self.lease_capacity()) if units else 0
+        return subs + copies + self.lease_book.grant(holder, new)
 
     def hedge_due_in(self, holder: str | None) -> float | None:
         """Seconds until a place falls due for a copy `holder` (None: any worker) may take (None:
@@ -330,9 +356,10 @@ class RunState:
             # 2. check, then verification's one hook (a ban, a replay; whether to recompute its logprobs)
             open_lease = self.lease_book.open.get(lease_id)
             closed = self.lease_book.closed_lease(lease_id) if open_lease is None else None
+            stream = self.stream(rollout.node.policy if rollout.node is not None else None)
             reason = self.checks.reason(
                 rollout, holder, lease=open_lease, closed=closed.status if closed is not None else None,
-                published=self.versions.published, trainer=self.versions.trainer,
+                published=stream.published, trainer=stream.trainer,
             )
             reason, check = self.integrity.admit(rollout, holder, reason)
             if reason is not None:
@@ -381,7 +408,7 @@ class RunState:
     def _complete(self, open_lease: OpenLease) -> None:
         """The group is full: reward it, fill its place, then queue it or make it pending."""
         lease, samples = open_lease.lease, open_lease.samples
-        if not self._fresh(min(r.policy_version for r in samples)):
+        if not self._all_fresh(samples):
             # Its first samples were fresh when they came, but the trainer moved on since.
             self._drop(lease.lease_id, "stale_in_buffer")
             return
@@ -404,8 +431,14 @@ class RunState:
         else:
             self.buffer.to_pending(group, check=check, scores=not scored)
 
-    def _fresh(self, version: int) -> bool:
-        return is_fresh(self.versions.trainer, version, self.config.train_staleness)
+    def _fresh(self, version: int, policy: str | None = None) -> bool:
+        return is_fresh(self.stream(policy).trainer, version, self.config.train_staleness)
+
+    def _all_fresh(self, rollouts: list[Rollout]) -> bool:
+        """Whether each policy's samples among `rollouts` are fresh for its own stream (one policy: the oldest sample)."""
+        if not self.streams:
+            return self._fresh(min(r.policy_version for r in rollouts))
+        return all(self._fresh(version, policy) for policy, version in oldest_by_policy(rollouts).items())
 
     # -- what leaves the buffer: the one path of a dropped group, and of a pending one -----------
 
@@ -438,7 +471,7 @@ class RunState:
         in its place, or is dropped if the trainer moved on meanwhile."""
         if self.buffer.done_waiting(group.lease_id, what) is None:
             return  # it still waits for the other
-        if self._fresh(group.oldest_version):
+        if self._all_fresh(group.rollouts) if self.streams else self._fresh(group.oldest_version):
             self.buffer.to_ready(group)
         else:
             self._drop(group.lease_id, stale_reason, counted=group.size, group=group)
@@ -613,13 +646,18 @@ class RunState:
 
     # -- trainer side --------------------------------------------------------------------------
 
-    def advance(self, trainer_version: int) -> None:
-        """The trainer now holds `trainer_version`: evict groups that can no longer train."""
-        if trainer_version <= self.versions.trainer:
+    def advance(self, trainer_version: int, policy: str | None = None) -> None:
+        """The trainer (of `policy`, in a run of two) now holds `trainer_version`: evict groups that can no longer train."""
+        stream = self.stream(policy)
+        if trainer_version <= stream.trainer:
             return  # groups in the buffer were fresh for this version when they arrived
-        self.versions.trainer = trainer_version
+        stream.trainer = trainer_version
+        if policy is not None and trainer_version >= self.config.trainer.steps and isinstance(self.lease_policy, Roles):
+            self._finished(policy)
 
         def stale(group: Group) -> bool:
+            if self.streams:  # a unit the other trainer took may still go stale for this one
+                return not self._all_fresh(group.rollouts)
             return not self._fresh(group.oldest_version)
 
         for group in self.buffer.evict(stale):
@@ -629,12 +667,13 @@ class RunState:
         for group in self.buffer.release_pending(lambda group: "scores" in group.awaiting and stale(group)):
             self._drop(group.lease_id, "stale_waiting_scores", counted=group.size, group=group)
 
-    def announce(self, version: int) -> None:
-        """Version `version` is complete in the store; workers may pull it."""
-        self.versions.published = max(version, self.versions.published or 0)
-        self.advance(version)
+    def announce(self, version: int, policy: str | None = None) -> None:
+        """Version `version` (of `policy`'s stream, in a run of two) is complete in the store; workers may pull it."""
+        stream = self.stream(policy)
+        stream.published = max(version, stream.published or 0)
+        self.advance(version, policy)
 
-    def take_batch(self, trainer_version: int, request_id: str | None = None) -> TrainBatch | None:
+    def take_batch(self, trainer_version: int, request_id: str | None = None, policy: str | None = None) -> TrainBatch | None:
         """The next `groups_per_step` fresh groups, oldest first, or None if not enough yet. With
         dynamic sampling a step consumes `places_per_step` groups and trains those with a reward
         signal (batches.py `pick_signal`); the others close as `skipped`, counted as dropped.
@@ -642,9 +681,13 @@ class RunState:
         With a `request_id` already answered (its answer was lost and the trainer asks again),
         the same batch again, as long as it is among the last `batches_kept`.
         """
+        if policy is not None and request_id is not None:  # two trainers name their steps alike: each its own
+            request_id = f"{policy}:{request_id}"
         if request_id is not None and (again := self.kept.retried(request_id)) is not None:
             return again
-        self.advance(trainer_version)
+        self.advance(trainer_version, policy)
+        if self.streams and isinstance(self.lease_policy, Roles) and policy is not None:
+            return self._take_part(policy, request_id)
         places = self.config.places_per_step  # groups_per_step, unless dynamic sampling consumes more
         if len(self.buffer.ready) < places or self.buffer.pending_ahead(places):
             return None
@@ -673,6 +716,46 @@ class RunState:
             self.integrity.record(closed.holder).served += group.size
         self.kept.served_now(request_id or batch_id, batch, groups, after)
         return batch
+
+    def _take_part(self, policy: str, request_id: str | None) -> TrainBatch | None:
+        """A run of two policies: `policy`'s samples of the next `groups_per_step` ready units its
+        trainer has not taken (orchestrator/roles.py `untaken`); a unit is served once every policy took it."""
+        assert isinstance(self.lease_policy, Roles)
+        count = self.config.trainer.groups_per_step
+        units = self.lease_policy.untaken(list(self.buffer.ready), policy, count)
+        if not units or self.buffer.pending_ahead(count):
+            return None
+        groups = [part(group, policy) for group in units]
+        done = {group.lease_id for group in self.lease_policy.take(units, policy)}
+        self.stream(policy).consumed += len(units)
+        self.buffer.evict(lambda group: group.lease_id in done)
+        batch_id = uuid.uuid4().hex
+        advantages = self.config.orchestrator.advantages
+        batch = build_batch(
+            groups, trainer_version=self.stream(policy).trainer, batch_id=batch_id, advantages=advantages,
+            rollouts_accepted=self.counters.rollouts_accepted, stale_dropped=self.counters.stale_dropped,
+            stale_report=self._stale_report(), baselines=self.kept.baselines,
+        )
+        after = roles_outcome(groups, [shaped_rewards(g, advantages) for g in groups], advantages, self.kept.baselines)[1]
+        self.counters.groups_served += len(done)
+        for group in groups:
+            self.counters.recent_rewards.extend(group.rewards)
+        for unit in units:
+            if unit.lease_id in done:
+                closed = self.lease_book.close(unit.lease_id, "served")
+                self.integrity.record(closed.holder).served += unit.size
+        self.kept.served_now(request_id or batch_id, batch, groups, after)
+        return batch
+
+    def _finished(self, policy: str) -> None:
+        """`policy`'s trainer ran its last step: it takes no more units, and those only it still
+        owed are served (the other policy's trainer trained them; the run goes on for it)."""
+        assert isinstance(self.lease_policy, Roles)
+        self.lease_policy.finished.add(policy)
+        for group in self.buffer.evict(self.lease_policy.served):
+            self.counters.groups_served += 1
+            closed = self.lease_book.close(group.lease_id, "served")
+            self.integrity.record(closed.holder).served += group.size
 
     def _stale_report(self) -> StaleReport:
         """What went stale since the previous batch (the tally starts again)."""

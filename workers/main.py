@@ -59,7 +59,7 @@ def run_worker(
         worker_id=worker_id,
         cache_dir=cache_dir,
         spool_dir=spool_dir,
-        client=OrchestratorClient(orchestrator_url, token),
+        client=OrchestratorClient(orchestrator_url, token, policy=config.worker.policy),
         backend=backend,
         store=config.store,
         simulation=config.simulation,

@@ -43,7 +43,7 @@ from decentrl.config import SimulationConfig, StoreConfig, WorkerConfig
 from decentrl.rl.determinism import sample_seed
 from decentrl.rl.pivots import RecoveryEstimate
 from decentrl.rl.staleness import is_fresh
-from decentrl.store.checkpoints import CheckpointStore, StoreError, VerificationError
+from decentrl.store.checkpoints import CheckpointStore, StoreError, VerificationError, policy_url
 from decentrl.tasks.episodes import TextCodec
 from workers.backends import BATCHING_ITSELF, Backend
 from workers.batching import Batcher
@@ -135,9 +135,14 @@ class Worker:
                 "single-turn tasks only (docs/reproducibility.md); set deterministic = false in the run's config"
             )
         self._codec: TextCodec | None = None  # episodes: the model's tokenizer, from the first version loaded
-        self.store = CheckpointStore.from_config(
-            store.for_reader(store.url or self.info.store_url), run_name=self.info.run_name
-        )
+        if (self.info.policies is None) != (config.policy is None) or config.policy not in (self.info.policies or [None]):
+            raise ValueError(
+                f"worker.policy = {config.policy!r} but run {self.info.run_name!r} has "
+                + (f"two policies {self.info.policies}: set worker.policy to one" if self.info.policies else "one: remove it")
+            )
+        # A run of two policies: the info names this worker's policy's stream; a configured store URL is the run's root.
+        url = policy_url(store.url, config.policy) if store.url else self.info.store_url
+        self.store = CheckpointStore.from_config(store.for_reader(url), run_name=self.info.run_name)
         self.spool = Spool(spool_dir or os.path.join(cache_dir, "spool", worker_id), self._send)
         self._stop = threading.Event()
         # Guards what the threads share below; notified whenever any of it changes, and on stop.

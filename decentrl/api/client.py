@@ -102,8 +102,12 @@ class OrchestratorClient:
         max_wait_s: float = 120.0,
         encoding: Encoding = "msgpack",
         gzip: bool = False,
+        policy: str | None = None,
     ) -> None:
+        """`policy`: in a run of two policies, the one this worker or trainer serves; every request
+        that depends on it names it (info, versions, leases, batches, announcements)."""
         self.url = url.rstrip("/")
+        self.policy = policy
         parts = urllib.parse.urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"orchestrator URL {url!r}: give it as http(s)://host[:port]")
@@ -245,8 +249,12 @@ class OrchestratorClient:
 
     # -- everyone -------------------------------------------------------------------------
 
+    def _of_policy(self) -> dict[str, str]:
+        return {} if self.policy is None else {"policy": self.policy}
+
     def info(self) -> RunInfo:
-        return self._call("GET", "/info", RunInfo)
+        query = _query(**self._of_policy())
+        return self._call("GET", "/info" + (f"?{query}" if query else ""), RunInfo)
 
     def status(self) -> StatusResponse:
         return self._call("GET", "/status", StatusResponse)
@@ -255,13 +263,15 @@ class OrchestratorClient:
         """The newest published version as soon as it is newer than `after` (any, with None), or
         after `wait_s` whatever it is: GET /v1/version, a long-poll (workers/versions.py keeps one
         outstanding). Its read timeout is the client's own plus `wait_s`."""
-        query = _query(**({} if after is None else {"after": after}), wait_s=f"{wait_s:.3f}")
+        query = _query(**({} if after is None else {"after": after}), wait_s=f"{wait_s:.3f}", **self._of_policy())
         _, media, payload = self._request("GET", f"{API_PREFIX}/version?{query}", timeout_s=self.timeout_s + wait_s)
         return self._decode(PublishedVersion, media, payload)
 
     # -- workers --------------------------------------------------------------------------
 
     def lease(self, request: LeaseRequest) -> LeaseResponse:
+        if self.policy is not None:
+            request = request.model_copy(update={"policy": self.policy})
         return self._call("POST", "/leases", LeaseResponse, request)
 
     def post_rollouts(self, batch: RolloutBatch) -> IngestResponse:
@@ -304,7 +314,7 @@ class OrchestratorClient:
     # -- the trainer ----------------------------------------------------------------------
 
     def announce(self, version: int) -> StatusResponse:
-        return self._call("POST", "/version", StatusResponse, VersionAnnouncement(version=version))
+        return self._call("POST", "/version", StatusResponse, VersionAnnouncement(version=version, policy=self.policy))
 
     def report_step(self, record: dict[str, Any]) -> None:
         """Send a step's metrics.jsonl record (its finite numbers) to the dashboard."""
@@ -317,7 +327,7 @@ class OrchestratorClient:
         lost and the request retried, the orchestrator answers with the batch it already served
         instead of a second one.
         """
-        query = _query(trainer_version=trainer_version, request_id=request_id or uuid.uuid4().hex)
+        query = _query(trainer_version=trainer_version, request_id=request_id or uuid.uuid4().hex, **self._of_policy())
         status, media, payload = self._request("GET", f"{API_PREFIX}/batch?{query}")
         return None if status == 204 else self._decode(TrainBatch, media, payload)
 

@@ -116,6 +116,11 @@ class RunInfo(Wire):
     policy_version: Int | None = Field(description="Newest published version; None before v0 exists.")
     max_staleness: Int = Field(ge=0)
     group_size: Int = Field(ge=1)
+    policies: list[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]] | None = Field(
+        None, max_length=16, description="A run of two policies ([orchestrator.roles] policies = 'per_role'): their "
+        "names; a worker names one in its requests (GET /v1/info?policy= answers with that policy's store_url and "
+        "policy_version). None: one policy."
+    )
     lease_timeout_s: float | None = Field(
         None, gt=0, allow_inf_nan=False, strict=True, description="[orchestrator] lease_timeout_s: a lease not "
         "renewed within this expires. Workers renew theirs at half the time left and size their requests to it "
@@ -161,6 +166,10 @@ class LeaseRequest(Wire):
     worker_id: str = Field(pattern=WORKER_ID, description="Stable name of the worker.")
     max_groups: Int = Field(ge=1, le=1024, description="Most prompt groups wanted.")
     machine: WorkerMachine | None = Field(None, description="What the worker computes on, for /v1/status.")
+    policy: str | None = Field(
+        None, pattern=r"^[a-z][a-z0-9_]{0,31}$", description="A run of two policies: the one this worker generates "
+        "for (RunInfo.policies); its leases are that policy's nodes and `policy_version` that policy's. None: a run of one."
+    )
 
 
 # -- the widened unit of work (docs/architecture.md, "The unit of work, widened") --------------
@@ -697,6 +706,10 @@ class VersionAnnouncement(Wire):
     """POST /v1/version (trainer): version N is complete in the store."""
 
     version: Int = Field(ge=0, le=MAX_VERSION)
+    policy: str | None = Field(
+        None, pattern=r"^[a-z][a-z0-9_]{0,31}$", description="A run of two policies: the policy whose stream this "
+        "version is of (RunInfo.policies). None: a run of one."
+    )
 
 
 class PublishedVersion(Wire):

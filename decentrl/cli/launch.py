@@ -176,15 +176,19 @@ def role_starts(config: RunConfig, config_path: Path, run_dir: Path, url: str, t
     its device and memory share; a process left unplaced starts exactly as without [placement]."""
     places = config.processes()
     trainer = places["trainer"]
+    # A run of two policies: a trainer per policy (trainer-proposer, trainer-solver), the workers split between them.
     starts = [RoleStart(
-        "trainer",
-        trainer_command(config_path, run_dir, url, config.trainer_ranks, overrides=_placed_sets("trainer", trainer, device=False)),
+        "trainer" if policy is None else f"trainer-{policy}",
+        trainer_command(config_path, run_dir, url, config.trainer_ranks, overrides=[
+            *_placed_sets("trainer", trainer, device=False), *([f"trainer.policy={policy}"] if policy else []),
+        ]),
         {"DECENTRL_TOKEN": tokens["trainer"], "OMP_NUM_THREADS": str(config.trainer.torch_threads), **_placed_env(trainer)},
-    )]
+    ) for policy in config.policies or (None,)]
     for i in range(config.num_workers):
         name, place = f"worker-{i}", places[f"worker-{i}"]
+        policy = [f"worker.policy={config.policies[i % len(config.policies)]}"] if config.policies else []
         starts.append(RoleStart(
-            name, worker_command(config_path, run_dir, url, name, overrides=_placed_sets("worker", place)),
+            name, worker_command(config_path, run_dir, url, name, overrides=[*_placed_sets("worker", place), *policy]),
             {"DECENTRL_TOKEN": tokens[name], "OMP_NUM_THREADS": str(config.worker.torch_threads), **_placed_env(place)},
         ))
     for i in range(config.num_scorers):
@@ -212,7 +216,7 @@ def _check_roles(config: RunConfig, roles: list[Role], exited: set[str]) -> None
     """Raise if a role died; a dead worker (or scorer) is only reported when the config tolerates it."""
     for role in roles:
         code = role.process.poll()
-        if code is None or role.name in exited or (role.name == "trainer" and code == 0):
+        if code is None or role.name in exited or (role.name.startswith("trainer") and code == 0):
             continue
         kind = role.name.split("-")[0]  # worker-3 -> worker, scorer-1 -> scorer
         left = [r for r in roles if r.name.startswith(f"{kind}-") and r.process.poll() is None]
@@ -332,9 +336,9 @@ def _progress_line(config: RunConfig, record: dict, status: dict | None, rollout
 def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token: str) -> int:
     """Poll roles, status and metrics once a second; a live table on a terminal, else a line a step."""
     started = time.monotonic()
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / ("metrics-solver.jsonl" if config.policies else "metrics.jsonl")  # two policies: the solver's
     samples: list[tuple[float, int]] = []  # (time, rollouts accepted) over the last RATE_WINDOW_S
-    trainer = next(role for role in roles if role.name == "trainer")
+    trainers = [role for role in roles if role.name.startswith("trainer")]
     live = Live(console=console, refresh_per_second=2) if console.is_terminal else None
     printed, exited = 0, set[str]()
     with live or contextlib.nullcontext():
@@ -352,7 +356,7 @@ def _watch(config: RunConfig, run_dir: Path, roles: list[Role], url: str, token:
                 for record in metrics[printed:]:
                     console.print(_progress_line(config, record, status, rate))
                 printed = len(metrics)
-            if trainer.process.poll() == 0:
+            if all(trainer.process.poll() == 0 for trainer in trainers):
                 # The orchestrator's final counters, for benchmarks and post-mortems.
                 (run_dir / "status.json").write_text(json.dumps(_get_json(f"{url}/v1/status", token) or status, indent=2))
                 break

@@ -174,12 +174,16 @@ def trainer(
     from decentrl.trainer.train import TrainerOptions, train
 
     cfg = _resolve_store(load_run_config(config, overrides), run_dir)
+    if cfg.policies and cfg.trainer.policy is None:
+        typer.echo(f"error: this run has two policies {list(cfg.policies)}: set trainer.policy (--set trainer.policy=...)", err=True)
+        raise typer.Exit(2)
+    suffix = f"-{cfg.trainer.policy}" if cfg.trainer.policy else ""  # a run of two policies: a trainer's own files
     options = TrainerOptions(
         orchestrator_url=orchestrator_url,
         token=token,
-        metrics_path=os.path.join(run_dir, "metrics.jsonl"),
-        cache_dir=os.path.join(run_dir, "cache", "trainer"),
-        state_dir=os.path.join(run_dir, "trainer"),
+        metrics_path=os.path.join(run_dir, f"metrics{suffix}.jsonl"),
+        cache_dir=os.path.join(run_dir, "cache", f"trainer{suffix}"),
+        state_dir=os.path.join(run_dir, f"trainer{suffix}"),
     )
     from decentrl.model.build import ModelPathError
     from decentrl.trainer.distributed import PeerLost

@@ -10,6 +10,8 @@ sample, leased as sub-leases of `sub_lease_size` samples to any worker as it fre
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from decentrl.config.base import Section
@@ -28,10 +30,21 @@ class RolesConfig(Section):
     close_after_s: float = Field(
         30.0, gt=0, le=86400, description="Seconds after a solver node is made before it may close short (at min_fill)."
     )
+    policies: Literal["shared", "per_role"] = Field(
+        "shared", description="'shared': one model plays both roles with role prompts (one trainer, one stream of "
+        "versions). 'per_role': each role is its own model (policy, named as the role), with its own trainer "
+        "(trainer.policy) publishing its own stream of versions under <store url>/<policy>/, its own batches "
+        "(GET /v1/batch?policy=) and staleness; each worker serves one policy (worker.policy).",
+    )
     holder_first_s: float = Field(
         0.0, ge=0, le=3600, description="Seconds a new solver node's sub-leases wait for the unit's own holder before any "
         "worker may take them (0: any worker, as it frees up)."
     )
+
+    @property
+    def policy_names(self) -> tuple[str, ...]:
+        """The run's policies, named by their roles; () when one shared policy plays both."""
+        return ("proposer", "solver") if self.policies == "per_role" else ()
 
     @model_validator(mode="after")
     def _fits(self) -> RolesConfig:

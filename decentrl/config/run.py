@@ -121,6 +121,18 @@ class RunConfig(Section):
                 "[orchestrator.roles] runs free (deterministic = false) with the task's verifier rewards "
                 "(orchestrator.rewards.type = 'verifier'): set both"
             )
+        names = roles.policy_names if roles is not None else ()
+        for section, policy in (("trainer", self.trainer.policy), ("worker", self.worker.policy)):
+            if policy is not None and policy not in names:
+                raise ValueError(
+                    f"{section}.policy = {policy!r} but this run's policies are {list(names) or 'one, shared'}: "
+                    + (f"set it to one of {list(names)}" if names else "remove it, or set [orchestrator.roles] policies = 'per_role'")
+                )
+        if names and self.num_workers < len(names):
+            raise ValueError(
+                f"[orchestrator.roles] policies = 'per_role' needs a worker per policy: num_workers = {self.num_workers}, "
+                f"at least {len(names)}"
+            )
         return self
 
     @model_validator(mode="after")
@@ -257,3 +269,8 @@ class RunConfig(Section):
 
     def with_store_url(self, url: str) -> RunConfig:
         return self.model_copy(update={"store": self.store.model_copy(update={"url": url})})
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        """The run's policies when each role is its own model; () for one policy."""
+        return self.orchestrator.roles.policy_names if self.orchestrator.roles is not None else ()

@@ -155,6 +155,11 @@ class TrainerConfig(Section):
     """The FSDP2 trainer: pulls batches, steps, publishes the next version."""
 
     steps: int = Field(60, ge=1, description="Optimizer steps to run; version N is published after step N.")
+    policy: str | None = Field(
+        None, pattern=r"^[a-z][a-z0-9_]{0,31}$", description="A run of two policies ([orchestrator.roles] policies = "
+        "'per_role'): the one this trainer trains and publishes (proposer or solver); `decentrl run` sets it. None: the "
+        "run's one policy.",
+    )
     groups_per_step: int = Field(32, ge=1, description="Prompt groups in one batch.")
     lr: float = Field(1e-3, gt=0, lt=1, description="AdamW learning rate.")
     lr_warmup_steps: int = Field(0, ge=0, description="Linear warmup of the learning rate over these steps; 0 = none.")

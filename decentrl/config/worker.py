@@ -38,6 +38,11 @@ class WorkerConfig(Section):
         "hf", description="Inference backend: transformers, in-process vLLM, or an OpenAI-compatible server."
     )
     device: str = Field("cpu", description="torch device for the hf backend (and `decentrl eval`).")
+    policy: str | None = Field(
+        None, pattern=r"^[a-z][a-z0-9_]{0,31}$", description="A run of two policies ([orchestrator.roles] policies = "
+        "'per_role'): the one this worker loads and generates for (proposer: new units; solver: their solver nodes); "
+        "`decentrl run` splits num_workers between them. None: the run's one policy.",
+    )
     gpu_memory: float | None = Field(
         None, gt=0, le=1, description="Share of its GPU's memory this worker may take: the vllm backend's "
         "gpu_memory_utilization (None: vLLM's default), the hf backend's torch.cuda.set_per_process_memory_fraction "

@@ -27,6 +27,7 @@ would hold a reference back to this one.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import logging
@@ -81,6 +82,7 @@ from decentrl.store.manifest import (  # noqa: F401 - re-exported
     check_manifest,
     new_hasher,
     parse_manifest,
+    policy_url,
     signed_payload,
     version_dirname,
 )
@@ -240,6 +242,14 @@ class CheckpointStore:
             run_name=run_name,
             digest=config.digest,
         )
+
+    def of_policy(self, policy: str) -> CheckpointStore:
+        """This store's stream of `policy`'s versions, under `<url>/<policy>/` (manifest.py `policy_url`):
+        the same filesystem, keys and settings, a stream of its own."""
+        stream = copy.copy(self)
+        stream.url, stream.root = policy_url(self.url, policy), f"{self.root}/{policy}"
+        stream.verified = VerifiedFiles()
+        return stream
 
     def _vdir(self, version: int) -> str:
         return f"{self.root}/{version_dirname(version)}"

@@ -35,6 +35,12 @@ def version_dirname(version: int) -> str:
     return f"v{version:06d}"
 
 
+def policy_url(url: str, policy: str | None) -> str:
+    """Where a policy's stream of versions lives: a run of two policies ([orchestrator.roles]
+    policies = 'per_role') keeps each under `<url>/<policy>/`; a run of one, at `url` itself."""
+    return url if policy is None else f"{url.rstrip('/')}/{policy}"
+
+
 class StoreError(Exception):
     """A store operation cannot proceed; the message says what is wrong and what to do."""
 

@@ -173,7 +173,9 @@ def _train(config: RunConfig, options: TrainerOptions, rank: int, world: int, de
         use_deterministic_torch(cfg.torch_threads)
     torch.manual_seed(cfg.seed + rank)
     store = CheckpointStore.from_config(config.store, run_name=config.run_name)  # manifests name the run
-    client = OrchestratorClient(options.orchestrator_url, options.token)
+    if cfg.policy is not None:  # a run of two policies: this trainer's stream, under <store>/<policy>/
+        store = store.of_policy(cfg.policy)
+    client = OrchestratorClient(options.orchestrator_url, options.token, policy=cfg.policy)
     checkpoints = TrainerCheckpoints(os.path.join(options.state_dir, "checkpoints"), keep=cfg.checkpoint_keep)
     journal = BatchJournal(os.path.join(options.state_dir, "batches")) if rank == 0 else None
     plan = broadcast_object(prepare_store(config, store, client, checkpoints, journal) if journal else None, rank)

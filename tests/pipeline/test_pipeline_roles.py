@@ -45,3 +45,29 @@ def test_coevolve_config_trains_whole_units_with_roles(tmp_path: Path) -> None:
         roles_seen.update(r for r in roles if r)
     assert roles_seen == {"proposer", "solver"}, "some proposal was valid and answered"
     assert processes_mentioning(str(run_dir)) == []
+
+
+def test_two_policies_each_trained_by_its_own_trainer_from_its_own_stream(tmp_path: Path) -> None:
+    """[orchestrator.roles] policies = 'per_role': a trainer and a stream of versions per role, a
+    proposer worker and a solver worker; both streams advance and each trainer trains only its role."""
+    run_dir = tmp_path / "run"
+    sets = ["trainer.steps=2", "trainer_ranks=1", "trainer.groups_per_step=4", "orchestrator.roles.solvers=4",
+            "orchestrator.roles.sub_lease_size=2", "orchestrator.roles.min_fill=4", "orchestrator.batches_kept=8",
+            "orchestrator.roles.policies=per_role", "num_workers=2"]
+    command = [sys.executable, "-m", "decentrl", "run", str(ROOT / "configs/coevolve.toml"), "--run-dir", str(run_dir)]
+    for item in sets:
+        command += ["--set", item]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    trained = {}
+    for policy in ("proposer", "solver"):
+        metrics = trained[policy] = [json.loads(line) for line in (run_dir / f"metrics-{policy}.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [1, 2]
+        assert (run_dir / "checkpoints" / policy / "v000002" / "manifest.json").exists(), f"{policy}'s stream advanced"
+    assert not (run_dir / "checkpoints" / "v000000").exists(), "no stream outside the policies'"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["rollouts_accepted"] > 0
+    # Each trainer trains its own role's samples: a proposer's one a unit, a solver node's 4 (min_fill = solvers).
+    assert [m["samples"] for m in trained["proposer"]] == [4, 4]
+    assert [m["samples"] for m in trained["solver"]] == [16, 16]
+    assert processes_mentioning(str(run_dir)) == []
