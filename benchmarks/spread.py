@@ -423,17 +423,26 @@ def first_rollout_at(run: SpreadRun, name: str) -> float | None:
     return None
 
 
-def fetch_bytes(manifests: dict[int, dict[str, Any]], version: int, held: set[int]) -> tuple[int, list[int]]:
+def fetch_bytes(manifests: dict[int, dict[str, Any]], version: int, held: set[int]) -> tuple[int, list[int], bool]:
     """What a pull of `version` fetches by a worker whose cache holds `held`: its stored bytes and
-    those of each delta base down its chain to one held (or to the key version). (bytes, versions)."""
+    those of each delta base down its chain to one held, or to a key version (whose whole files
+    are fetched: a whole key version by its deltas only where its base is held). (bytes,
+    versions, whether any was fetched whole)."""
     total, chain = 0, []
     v: int | None = version
     while v is not None and v not in held:
         manifest = manifests[v]  # KeyError: a version deleted before it was read (MANIFEST_EVERY_S)
-        total += manifest["stored_bytes"]
         chain.append(v)
+        if manifest["delta_base"] is None or (manifest.get("whole") and manifest["delta_base"] not in held):
+            return total + manifest["full_bytes"], chain, True
+        total += manifest["stored_bytes"]
         v = manifest["delta_base"]
-    return total, chain
+    return total, chain, False
+
+
+def is_key(manifest: dict[str, Any]) -> bool:
+    """A key version: every file stored whole (and, `whole`, as deltas too)."""
+    return manifest["delta_base"] is None or bool(manifest.get("whole"))
 
 
 def payload_bps(mbit: float) -> float:
@@ -450,10 +459,9 @@ def version_timings(
     for name, events in loads.items():
         held: set[int] = set()
         for event in events:
-            size, chain = fetch_bytes(manifests, event.version, held)
+            size, chain, full = fetch_bytes(manifests, event.version, held)
             held |= {event.version, *chain}  # cached (the cap evicts only versions older than these)
-            rows.append({"worker": name, "version": event.version, "bytes": size, "chain": chain,
-                         "full": any(manifests[v]["delta_base"] is None for v in chain),
+            rows.append({"worker": name, "version": event.version, "bytes": size, "chain": chain, "full": full,
                          "loaded_at": event.loaded_at, "seen_at": event.seen_at, "pull_s": event.pull_s})
     by_version: dict[int, int] = {}
     for row in rows:
@@ -478,12 +486,14 @@ def profile_of(link: sn.Link) -> str:
 
 
 def bytes_per_version(manifests: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    deltas = [m["stored_bytes"] for v, m in manifests.items() if m["delta_base"] is not None]
-    keys = [m["stored_bytes"] for v, m in manifests.items() if m["delta_base"] is None]
+    deltas = [m["stored_bytes"] for v, m in manifests.items() if m["delta_base"] is not None]  # a whole key's too
+    keys = [m["full_bytes"] for v, m in manifests.items() if is_key(m)]
     return {"versions": len(manifests), "key_versions": len(keys), "key_bytes_mean": int(statistics.fmean(keys)) if keys else None,
             "delta_bytes_mean": int(statistics.fmean(deltas)) if deltas else None,
             "delta_bytes_max": max(deltas) if deltas else None,
-            "mean_bytes": int(statistics.fmean(deltas + keys)) if manifests else None}
+            # per version, to a worker holding the one before
+            "mean_bytes": int(statistics.fmean(m["full_bytes"] if m["delta_base"] is None else m["stored_bytes"]
+                                               for m in manifests.values())) if manifests else None}
 
 
 def summarize_run(metrics: list[dict[str, Any]]) -> dict[str, Any]:
@@ -643,7 +653,7 @@ def read_manifests(store: Any) -> dict[int, dict[str, Any]]:
         except StoreError:  # deleted by retention since the listing
             continue
         found[version] = {
-            "created_at": manifest.created_at, "delta_base": manifest.delta_base,
+            "created_at": manifest.created_at, "delta_base": manifest.delta_base, "whole": manifest.whole,
             "stored_bytes": sum(f.delta.size if f.delta is not None else f.size for f in manifest.files),
             "full_bytes": sum(f.size for f in manifest.files),
         }
@@ -718,7 +728,7 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
         entry["ratio"] = round(entry["served"] / entry["ideal"], 3) if entry["ideal"] else None
     worker_bytes = sum(e["served"] for e in per_worker.values() if e["whole_run"])
     ideal = sum(e["ideal"] for e in per_worker.values() if e["whole_run"])
-    key = [m for m in manifests.values() if m["delta_base"] is None]
+    key = [m for m in manifests.values() if is_key(m)]
     result: dict[str, Any] = {
         "workers": n, "profile": "L1", "model": " ".join(STAND_IN), "versions": len(manifests),
         "S_bytes": bytes_per_version(manifests), "step_s_median": round(step_s, 3) if step_s else None,
@@ -735,7 +745,7 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
                          "ratio": round(worker_bytes / ideal, 3) if ideal else None,
                          "trainer_and_orchestrator": served["total"] - sum(e["served"] for e in per_worker.values()),
                          "per_worker": per_worker},
-        "key_version_bytes": key[0]["stored_bytes"] if key else None,
+        "key_version_bytes": key[0]["full_bytes"] if key else None,
         "worst": sorted(deltas, key=lambda r: r["efficiency"] or 0)[:5],
         "delta_split_s": split,
     }
@@ -797,7 +807,7 @@ def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dic
     def bound(size: int) -> float:
         return max(size / payload_bps(host.link.down_mbit), store_s) + rtts_s
 
-    newest_key = max((v for v in manifests if manifests[v]["delta_base"] is None and v <= joiner["version_at_join"]), default=0)
+    newest_key = max((v for v in manifests if is_key(manifests[v]) and v <= joiner["version_at_join"]), default=0)
     first_load = mine[0]
     result.update(
         first_version=first_load["version"], bytes=first_load["bytes"], versions_fetched=sorted(first_load["chain"]),

@@ -183,7 +183,7 @@ class Verifier:
 
         try:
             manifest = self.store.manifest(version)
-            if manifest.delta_base is not None or manifest.base_version is not None:
+            if (manifest.delta_base is not None and not manifest.whole) or manifest.base_version is not None:
                 return read_weights(self._pull(version))
             _, files = self.store.read_verified(version, lambda name: name.endswith(".safetensors") or name == INDEX_NAME)
             return weights_from_files(files)

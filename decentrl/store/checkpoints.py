@@ -331,7 +331,7 @@ class CheckpointStore:
 
     def publish(
         self, version: int, local_dir: str, parent: int | None = None, base_version: int | None = None,
-        *, hand_over: bool = False, delta_from: tuple[int, str] | None = None,
+        *, hand_over: bool = False, delta_from: tuple[int, str] | None = None, whole: bool = False,
     ) -> Manifest:
         """Upload every file of `local_dir` in parallel, then the (signed) manifest last.
         `base_version`: `local_dir` holds a LoRA adapter to apply to that (full) version.
@@ -340,6 +340,8 @@ class CheckpointStore:
         `delta_from`: (version, its local directory) of the version published before: each weight
         file of the same size there is stored as a delta against it (decentrl/store/delta.py), the rest
         whole. A key version (every file whole) when that version is no longer in the store.
+        `whole` with `delta_from`: a key version whose files are stored whole and as deltas, so
+        readers holding the version before fetch the deltas and the others the whole files.
         Publishing the same files under the same version again returns the manifest already there
         (a retry whose earlier attempt wrote its manifest and lost the answer); other files: StoreError."""
         if self.fs.exists(self._manifest_path(version)):
@@ -365,8 +367,11 @@ class CheckpointStore:
         with tempfile.TemporaryDirectory(prefix=f"decentrl-delta-v{version}-") as scratch:
             deltas = self._encode_deltas(names, paths, delta_from, scratch)
             uploaded = [
-                (os.path.join(scratch, n + DELTA_SUFFIX), n + DELTA_SUFFIX) if n in deltas else (p, n) for p, n in zip(paths, names)
+                (os.path.join(scratch, n + DELTA_SUFFIX), n + DELTA_SUFFIX) if n in deltas and not whole else (p, n)
+                for p, n in zip(paths, names)
             ]
+            if whole:
+                uploaded += [(os.path.join(scratch, n + DELTA_SUFFIX), n + DELTA_SUFFIX) for n in names if n in deltas]
             hashes = self._upload_hashing(vdir, paths, uploaded, hand_over)
         files = [
             ManifestFile.model_validate({"path": n, "size": size, self.digest: d, "delta": deltas.get(n)})
@@ -374,7 +379,7 @@ class CheckpointStore:
         ]
         manifest = Manifest(
             version=version, parent=parent, created_at=time.time(), files=files, base_version=base_version,
-            delta_base=delta_from[0] if deltas and delta_from else None, run=self.run_name,
+            delta_base=delta_from[0] if deltas and delta_from else None, whole=whole and bool(deltas), run=self.run_name,
         )
         if self.signing_key is not None:
             payload = signed_payload(manifest.model_dump(mode="json"))
@@ -533,6 +538,23 @@ class CheckpointStore:
                 f"{where}: stored as a delta against v{manifest.delta_base}, which is in neither the store nor the cache"
             ) from None
 
+    def _held_base(self, manifest: Manifest, cache_dir: str) -> str | None:
+        """A whole key version's delta base, when the cache holds it verified (its own manifest
+        trusted, its files matching it): the deltas are rebuilt from it without asking the store
+        about it. None for any other version, or a base not held: the whole files are fetched."""
+        if not manifest.whole or manifest.delta_base is None:
+            return None
+        base = os.path.join(cache_dir, version_dirname(manifest.delta_base))
+        raw = cached_manifest(base)
+        if raw is None:
+            return None
+        try:
+            kept = self._trusted(raw, manifest.delta_base, f"cached {base}/{MANIFEST_NAME}")
+        except VerificationError as exc:
+            log.warning("v%d: its delta base's cached copy is not trusted (%s); fetching the whole files", manifest.version, exc)
+            return None
+        return base if self._cached_problem(base, kept) is None else None
+
     def _cache_holds(self, final: str, raw: bytes, manifest: Manifest) -> bool:
         """Whether `final` is the store's version: the same manifest, and files that still match it."""
         if cached_manifest(final) != raw:
@@ -573,7 +595,8 @@ class CheckpointStore:
         self, manifest: Manifest, raw: bytes, cache_dir: str, fetches: ThreadPoolExecutor, depth: int
     ) -> None:
         """Fetch the version's files (its deltas as stored) on `fetches` while its delta base is
-        pulled, then rebuild its delta files from the base and move it into place."""
+        pulled, then rebuild its delta files from the base and move it into place. A whole key
+        version goes by its deltas where the cache holds its base (`_held_base`), else whole."""
         version, name = manifest.version, version_dirname(manifest.version)
         final, partial = os.path.join(cache_dir, name), os.path.join(cache_dir, f".{name}.partial")
         manifest_copy = os.path.join(partial, MANIFEST_NAME)
@@ -585,22 +608,22 @@ class CheckpointStore:
         with open_regular(manifest_copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as f:
             f.write(raw)
         expected = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
-        expected |= {entry.path + DELTA_SUFFIX for entry in manifest.files if entry.delta is not None}
         expected |= {name + RECORD_SUFFIX for name in expected}  # a ranged download's record (ranges.py)
+        held_base = self._held_base(manifest, cache_dir)
+        by_delta = manifest.delta_base is not None and (not manifest.whole or held_base is not None)
+        stored = [_stored_entry(e) if by_delta else e for e in manifest.files]
+        expected |= {e.path for e in stored} | {e.path + RECORD_SUFFIX for e in stored}
         for stray in set(os.listdir(partial)) - expected:
             remove_path(os.path.join(partial, stray))
-        downloads = [
-            fetches.submit(self._download, version, _stored_entry(e), os.path.join(partial, _stored_entry(e).path))
-            for e in manifest.files
-        ]
+        downloads = [fetches.submit(self._download, version, e, os.path.join(partial, e.path)) for e in stored]
         try:
-            base_dir = self._delta_base_dir(manifest, cache_dir, fetches, depth)
+            base_dir = held_base or (self._delta_base_dir(manifest, cache_dir, fetches, depth) if by_delta else None)
             _results(downloads)
         finally:
             for future in downloads:  # none outlives this version's lock
                 future.cancel()
             wait(downloads)
-        rebuilt = [e for e in manifest.files if e.delta is not None]
+        rebuilt = [e for e in manifest.files if e.delta is not None and by_delta]
         if rebuilt:
             with ThreadPoolExecutor(self.download_concurrency) as pool:
                 _run_all(pool, [lambda e=e: self._rebuild(version, e, partial, base_dir) for e in rebuilt])
@@ -756,7 +779,6 @@ class CheckpointStore:
             return [str(exc)]
 
         def check(entry: ManifestFile) -> str | None:
-            entry = _stored_entry(entry)  # a delta version's file: its stored delta
             try:
                 remote = f"{self._vdir(version)}/{entry.path}"
                 with self.fs.open(remote, "rb", block_size=_read_block(entry.size)) as src:
@@ -765,8 +787,12 @@ class CheckpointStore:
                 problem = "missing from store"
             return None if problem is None else f"{version_dirname(version)}/{entry.path}: {problem}"
 
+        # What the store holds: a delta version's files as their deltas; a whole key version's both ways.
+        stored = [_stored_entry(e) for e in manifest.files]
+        if manifest.whole:
+            stored += [e for e in manifest.files if e.delta is not None]
         with ThreadPoolExecutor(self.download_concurrency) as pool:
-            return [problem for problem in pool.map(check, manifest.files) if problem is not None]
+            return [problem for problem in pool.map(check, stored) if problem is not None]
 
     def delete(self, version: int) -> None:
         vdir = self._vdir(version)
@@ -791,7 +817,8 @@ class CheckpointStore:
     def _delta_base_of(self, version: int) -> int | None:
         where = f"{version_dirname(version)}/{MANIFEST_NAME}"
         try:
-            return parse_manifest(self._manifest_bytes(version), where)[0].delta_base
+            manifest = parse_manifest(self._manifest_bytes(version), where)[0]
+            return None if manifest.whole else manifest.delta_base  # a whole key version needs no base
         except StoreError:  # gone (a broken chain: nothing further to keep), or not a manifest
             return None
 

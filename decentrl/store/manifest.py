@@ -143,6 +143,12 @@ class Manifest(BaseModel):
         description="Delta versions: the version whose files the `delta` entries apply to (the previous one "
         "published); None for a key version, whose files are all stored whole",
     )
+    whole: bool = Field(
+        default=False,
+        description="Key versions with a delta_base: every file is stored whole too, beside its delta. A reader "
+        "holding delta_base fetches the deltas, any other the whole files; a chain of deltas ends here. False: "
+        "the store holds each file one way only",
+    )
     run: str | None = Field(
         default=None,
         pattern=_RUN_NAME,
@@ -167,6 +173,8 @@ class Manifest(BaseModel):
             raise ValueError("files: a file is stored as a delta, but the manifest names no delta_base")
         if self.delta_base is not None and self.delta_base >= self.version:
             raise ValueError(f"delta_base: {self.delta_base} is not an earlier version than {self.version}")
+        if self.whole and not deltas:
+            raise ValueError("whole: set only where files are stored as deltas too (a key version without deltas is whole already)")
         if self.delta_base is not None and self.base_version is not None:
             raise ValueError("delta_base: adapter versions (base_version) are never deltas")
         if any(f"{name}.delta" in names for name in deltas):

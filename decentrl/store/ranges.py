@@ -94,7 +94,8 @@ _CONTENT_RANGE = re.compile(r"bytes (?P<first>\d+)-(?P<last>\d+)/(?P<size>\d+)")
 log = logging.getLogger("decentrl.store.ranges")
 
 # Bytes [start, end) of a remote file of a declared size, in pieces as they arrive; the last argument
-# is the stall bound. Raises StoredSizeMismatch where the object has another size.
+# is the stall bound. Raises StoredSizeMismatch where the object has another size. A source may
+# yield one empty piece first, once the store has answered (its wait, timed by `Pace`).
 ChunkSource = Callable[[AbstractFileSystem, str, int, int, int, float], Iterator[bytes]]
 
 
@@ -237,6 +238,7 @@ def s3_chunks(fs: Any, path: str, start: int, end: int, size: int, stall_s: floa
         raise
     body = response["Body"]
     try:
+        yield b""  # the answer is in: what the request waited is timed apart from its body (`Pace`)
         answered = str(response.get("ContentRange") or "")
         match = _CONTENT_RANGE.fullmatch(answered)
         if match is not None and int(match["size"]) != size:
@@ -277,6 +279,38 @@ def chunk_source(fs: AbstractFileSystem) -> ChunkSource:
     from s3fs import S3FileSystem  # s3fs is a dependency; loaded only for a remote store
 
     return s3_chunks if isinstance(fs, S3FileSystem) else cat_chunks
+
+
+class Pace:
+    """What a request to this store costs, seen by this pull's streams: the wait for an answer
+    (request to headers: a round trip plus the store's queue) and the rate of one stream's body,
+    each a moving average. A range shorter than rate x wait spends more time asking than
+    carrying; a store on loaded cores (moto on the testbed: answers p50 0.6 s in 256 KiB parts, 8
+    workers, 2026-11-28) then slows every pull, the more so the more ranges each asks for."""
+
+    _WEIGHT = 0.2  # of the newest observation in each average
+    _MIN_TIMED = _PIECE // 2  # a body shorter than this says little about the rate
+
+    def __init__(self) -> None:
+        self.answer_s: float | None = None
+        self.rate: float | None = None  # bytes/s of one stream
+        self._lock = threading.Lock()
+
+    def answered(self, seconds: float) -> None:
+        with self._lock:
+            self.answer_s = seconds if self.answer_s is None else self.answer_s + self._WEIGHT * (seconds - self.answer_s)
+
+    def streamed(self, n: int, seconds: float) -> None:
+        if n < self._MIN_TIMED or seconds <= 0:
+            return
+        with self._lock:
+            rate = n / seconds
+            self.rate = rate if self.rate is None else self.rate + self._WEIGHT * (rate - self.rate)
+
+    def amortized(self) -> int:
+        """The bytes one stream carries while a request waits for its answer (0 until both known)."""
+        with self._lock:
+            return 0 if self.answer_s is None or self.rate is None else int(self.rate * self.answer_s)
 
 
 @dataclass
@@ -361,6 +395,7 @@ class RangedReads:
         self._waiting = 0  # streams submitted to the pool and not started: one with nothing to take yields to another file's
         self._waiting_lock = threading.Lock()
         self._mismatched: set[str] = set()  # objects whose ranges answered another size than declared
+        self.pace = Pace()
 
     def applies(self, local_path: str, size: int) -> bool:
         """Whether a file goes by ranges: any file of S3 but an empty one (a range's answer says
@@ -370,8 +405,9 @@ class RangedReads:
 
     def part_for(self, size: int) -> int:
         """The range size for a file of `size` bytes: one range per stream, within
-        [`[store] min_part_kb`, `[store] part_mb`]."""
-        return max(self.min_part, min(self.part, -(-size // self.streams)))
+        [`[store] min_part_kb`, `[store] part_mb`], and at least what a stream carries while a
+        request waits for its answer (`Pace.amortized`)."""
+        return min(self.part, max(self.min_part, -(-size // self.streams), self.pace.amortized()))
 
     def fetch(self, remote: str, local_path: str, size: int, algorithm: str) -> tuple[int, str, os.stat_result]:
         """Fetch what `local_path` lacks of `remote` (declared `size` bytes) as ranges in parallel;
@@ -459,14 +495,21 @@ class RangedReads:
         failures = 0
         while taken.at < taken.end and not stop.is_set():
             before = taken.at
+            asked, answered = time.monotonic(), None
             try:
                 with closing(self.chunks(self.fs, remote, taken.at, taken.end, record.size, self.stall_s)) as pieces:
                     for data in pieces:
+                        if not data:  # the answer's headers
+                            answered = time.monotonic()
+                            self.pace.answered(answered - asked)
+                            continue
                         data = data[: max(0, taken.end - taken.at)]
                         os.pwrite(fd, data, taken.at)
                         record.add(taken.at, taken.at + len(data))
                         taken.at += len(data)
                         if taken.at >= taken.end or stop.is_set():
+                            if answered is not None:
+                                self.pace.streamed(taken.at - before, time.monotonic() - answered)
                             return
                 raise OSError(f"{remote}: the store ended the range before byte {taken.end}, at {taken.at}")
             except FileNotFoundError:

@@ -154,21 +154,21 @@ class Publisher:
 
     def _publish_full(self, version: int, state: dict[str, torch.Tensor], parent: int | None) -> None:
         """A full-model version: a delta against the last one published (kept on local disk for
-        that), or a key version every `full_every` versions; the store makes it a key version too
-        when the last one is no longer in the store."""
+        that), or a key version every `full_every` versions, stored whole and as deltas too (a
+        worker holding the last version fetches its deltas, a late joiner its whole files); the
+        store makes it a key version alone when the last one is no longer in the store."""
         directory = tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-")
         try:
             write_hf_dir(directory.name, state, self.model_config, self.extras_from, self.max_shard_bytes, dtype=self.dtype)
-            delta_from = None
-            if self._previous is not None and self._deltas_in_row + 1 < self.full_every:
-                delta_from = (self._previous[0], self._previous[1].name)
+            delta_from = None if self._previous is None or self.full_every == 1 else (self._previous[0], self._previous[1].name)
+            key = self._deltas_in_row + 1 >= self.full_every
             manifest = self._retrying(version, lambda: self.store.publish(
-                version, directory.name, parent=parent, hand_over=True, delta_from=delta_from
+                version, directory.name, parent=parent, hand_over=True, delta_from=delta_from, whole=key
             ))
         except BaseException:
             directory.cleanup()
             raise
-        self._deltas_in_row = 0 if manifest.delta_base is None else self._deltas_in_row + 1
+        self._deltas_in_row = 0 if manifest.delta_base is None or manifest.whole else self._deltas_in_row + 1
         if self._previous is not None:
             self._previous[1].cleanup()
         self._previous = (version, directory)

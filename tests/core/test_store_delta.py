@@ -69,11 +69,13 @@ def versions_like_training(root: Path, count: int) -> list[Path]:
     return dirs
 
 
-def publish_chain(store: CheckpointStore, dirs: list[Path], full_every: int = 100) -> None:
-    """As the trainer's publisher does: a delta against the version before, a key every `full_every`."""
+def publish_chain(store: CheckpointStore, dirs: list[Path], full_every: int = 100, *, whole_keys: bool = False) -> None:
+    """A delta against the version before, a key every `full_every`; with `whole_keys`, as the
+    trainer's publisher does, each key after v0 stored whole and as deltas."""
     for version, d in enumerate(dirs):
-        delta_from = None if version % full_every == 0 else (version - 1, str(dirs[version - 1]))
-        store.publish(version, str(d), parent=version - 1 if version else None, delta_from=delta_from)
+        key = version % full_every == 0
+        delta_from = None if version == 0 or (key and not whole_keys) else (version - 1, str(dirs[version - 1]))
+        store.publish(version, str(d), parent=version - 1 if version else None, delta_from=delta_from, whole=key)
 
 
 def same_files(pulled: str, source: Path) -> bool:
@@ -130,7 +132,6 @@ def test_a_chains_files_download_at_once_and_apply_in_order(location, tmp_path: 
     """A late joiner's chain (key v0, deltas v1-v4): every version's files are in flight together
     (download_concurrency bounds them), each delta is applied only after its base is in the cache."""
     import threading
-    import time
 
     store = open_store(location)
     dirs = versions_like_training(tmp_path, 5)
@@ -138,13 +139,17 @@ def test_a_chains_files_download_at_once_and_apply_in_order(location, tmp_path: 
     late = open_store(location, download_concurrency=16)
     cache = tmp_path / "late"
     lock, flight, most, applied = threading.Lock(), [0], [0], []
+    all_in = threading.Condition(lock)
     real_download, real_apply = late._download, store_mod.apply
 
     def download(version: int, entry: ManifestFile, local_path: str) -> None:
         with lock:
             flight[0] += 1
             most[0] = max(most[0], flight[0])
-        time.sleep(0.2)  # a link's round trips
+            all_in.notify_all()
+            # A slow link: each download waits (up to 10 s, whatever the host's load) for the
+            # chain's others, which come only if the pull submits every version's files at once.
+            all_in.wait_for(lambda: most[0] >= 15, timeout=10.0)
         try:
             real_download(version, entry, local_path)
         finally:
@@ -267,6 +272,100 @@ def test_retention_keeps_every_version_a_chain_needs(location, tmp_path: Path) -
     assert store.retain(keep_last=1, now=1e12) == [0, 1, 2, 3]
     assert store.versions() == [4, 5, 6]
     assert same_files(open_store(location).pull(6, str(tmp_path / "cache")), dirs[6])
+
+
+def fetched_names(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The stored names `store`'s pulls download (vNNNNNN/name), in order."""
+    names: list[str] = []
+    real = store._download
+
+    def download(version: int, entry: ManifestFile, local_path: str) -> None:
+        names.append(f"v{version:06d}/{entry.path}")
+        real(version, entry, local_path)
+
+    monkeypatch.setattr(store, "_download", download)
+    return names
+
+
+def test_a_whole_key_version_is_its_deltas_to_a_holder_and_whole_to_a_late_joiner(
+    location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key version stored both ways (the trainer's, `whole`): a worker holding the version
+    before fetches only its deltas; a late joiner fetches its whole files, nothing older; the
+    chain after it ends at it."""
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 6)
+    publish_chain(store, dirs, full_every=3, whole_keys=True)  # keys v0 (alone), v3 (whole and deltas)
+    assert [(store.manifest(v).delta_base, store.manifest(v).whole) for v in range(6)] == [
+        (None, False), (0, False), (1, False), (2, True), (3, False), (4, False),
+    ]
+    for name in SHARDS:
+        assert store.fs.size(stored(store, 3, name)) == SHARD
+        assert store.fs.size(stored(store, 3, name + DELTA_SUFFIX)) < SHARD * 0.05
+    assert store.verify(3) == []
+    holder = open_store(location)
+    cache = tmp_path / "holder"
+    for version in range(3):
+        holder.pull(version, str(cache))
+    fetched = fetched_names(holder, monkeypatch)
+    assert same_files(holder.pull(3, str(cache)), dirs[3])
+    assert sorted(fetched) == sorted(f"v000003/{n}{DELTA_SUFFIX}" for n in [*SHARDS, "config.json"])
+    late = open_store(location)
+    fetched = fetched_names(late, monkeypatch)
+    assert same_files(late.pull(5, str(tmp_path / "late")), dirs[5])
+    assert sorted(n for n in fetched if n.startswith("v000003/")) == sorted(f"v000003/{n}" for n in [*SHARDS, "config.json"])
+    assert sorted(os.listdir(tmp_path / "late")) == ["v000003", "v000004", "v000005"]
+    assert all(not n.startswith(("v000000", "v000001", "v000002")) for n in fetched)
+
+
+def test_a_holder_whose_cached_base_is_damaged_fetches_the_whole_key_version(location, tmp_path: Path) -> None:
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 4)
+    publish_chain(store, dirs, full_every=3, whole_keys=True)
+    cache = tmp_path / "cache"
+    open_store(location).pull(2, str(cache))
+    path = cache / "v000002" / SHARDS[0]
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.unlink()
+    path.write_bytes(bytes(data))
+    assert same_files(open_store(location).pull(3, str(cache)), dirs[3])
+
+
+def test_retention_lets_a_whole_key_versions_base_go(location, tmp_path: Path) -> None:
+    store = open_store(location, retention_grace_s=0)
+    dirs = versions_like_training(tmp_path, 7)
+    publish_chain(store, dirs, full_every=4, whole_keys=True)  # v4 whole (delta base v3); v5, v6 chain to v4
+    assert store.retain(keep_last=1, now=1e12) == [0, 1, 2, 3]
+    assert same_files(open_store(location).pull(6, str(tmp_path / "cache")), dirs[6])
+
+
+def test_a_damaged_whole_file_of_a_key_version_is_reported_and_refused(location, tmp_path: Path) -> None:
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 4)
+    publish_chain(store, dirs, full_every=3, whole_keys=True)
+    data = store.fs.cat_file(stored(store, 3, SHARDS[1]))
+    store.fs.rm(stored(store, 3, SHARDS[1]))
+    store.fs.pipe_file(stored(store, 3, SHARDS[1]), data[:-1] + bytes([data[-1] ^ 1]))
+    assert len(store.verify(3)) == 1 and store.verify(3)[0].startswith(f"v000003/{SHARDS[1]}: ")
+    with pytest.raises(VerificationError, match=rf"v000003/{SHARDS[1]}"):
+        open_store(location).pull(3, str(tmp_path / "late"))  # a late joiner fetches it whole
+    holder = tmp_path / "holder"
+    open_store(location).pull(2, str(holder))
+    assert same_files(open_store(location).pull(3, str(holder)), dirs[3])  # a holder goes by the deltas
+
+
+def test_a_manifest_marked_whole_without_deltas_is_refused() -> None:
+    from decentrl.store.manifest import parse_manifest
+
+    entry = {"path": "m.safetensors", "size": 3, "blake3": "0" * 64}
+    raw = json.dumps({"version": 4, "parent": 3, "created_at": 1.0, "files": [entry], "whole": True}).encode()
+    with pytest.raises(VerificationError, match="whole: .*set only where files are stored as deltas too"):
+        parse_manifest(raw, "v000004/manifest.json")
+    raw = json.dumps({"version": 4, "parent": 3, "created_at": 1.0, "files": [entry], "whole": "yes"}).encode()
+    with pytest.raises(VerificationError, match="whole: Input should be a valid boolean"):
+        parse_manifest(raw, "v000004/manifest.json")
 
 
 def test_apply_refuses_a_delta_that_would_decompress_past_the_file(tmp_path: Path) -> None:

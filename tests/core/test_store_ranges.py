@@ -362,6 +362,55 @@ def test_a_slow_answer_is_waited_for_longer_than_a_stall(tmp_path: Path, moto_po
         b"".join(ranges.s3_chunks(store.fs, remote, 0, 1000, MB, 0.5))
 
 
+def test_a_store_slow_to_answer_gets_fewer_larger_ranges(tmp_path: Path, moto_port: int) -> None:
+    """Each range's request waits 0.3 s for its answer (a store on loaded cores): the first pull
+    learns what a request costs and what a stream carries meanwhile (`Pace`), and the next pull
+    asks for parts at least that large (here the file in one range) instead of one per stream."""
+    url = new_bucket(moto_port)
+    writer = s3_store(url, moto_port)
+    for version in (0, 1):
+        writer.publish(version, str(make_ckpt(tmp_path, 4 * MB, f"v{version}", small=False)))
+    store = s3_store(url, moto_port, parallel_reads=8, part_mb=8, min_part_kb=64)
+    asked: list[tuple[int, int]] = []
+    real = store.ranged.chunks
+
+    def slow(*args: object) -> Iterator[bytes]:
+        asked.append(args[2:4])  # type: ignore[arg-type]
+        time.sleep(0.3)
+        yield from real(*args)
+
+    store.ranged.chunks = slow
+    store.pull(0, str(tmp_path / "a"))
+    assert len(asked) == 8 and {end - start for start, end in asked} == {MB // 2}  # 4 MiB / 8 streams
+    pace = store.ranged.pace
+    assert pace.answer_s is not None and 0.3 <= pace.answer_s < 1.0 and pace.rate is not None
+    assert pace.amortized() > 4 * MB  # loopback carries far more than a file in 0.3 s
+    asked.clear()
+    out = Path(store.pull(1, str(tmp_path / "b")))
+    assert asked == [(0, 4 * MB)]
+    assert (out / BIG).read_bytes() == (tmp_path / "v1" / BIG).read_bytes()
+
+
+def test_pace_averages_answers_and_rates_and_bounds_the_part() -> None:
+    pace = ranges.Pace()
+    assert pace.amortized() == 0
+    pace.answered(0.5)
+    assert pace.amortized() == 0  # no rate yet
+    pace.streamed(1000, 0.001)  # too short a body to time
+    assert pace.rate is None
+    pace.streamed(MB, 0.5)
+    assert pace.amortized() == MB
+    pace.answered(1.5)  # the average moves a fifth of the way
+    assert pace.answer_s == pytest.approx(0.7)
+    reads = ranges.RangedReads(None, parallel_reads=32, part_bytes=8 * MB, stall_timeout_s=8.0, min_part_bytes=256 * 1024)  # type: ignore[arg-type]
+    reads.pace = pace
+    assert reads.part_for(2 * MB) == int(2 * MB * 0.7)  # rate x answer, above the 64 KiB a stream would get
+    pace.answered(100.0)
+    assert reads.part_for(64 * MB) == 8 * MB  # never past part_mb
+    reads.pace = ranges.Pace()
+    assert reads.part_for(2 * MB) == 256 * 1024  # unknown: min_part_kb
+
+
 def test_a_stall_past_the_retries_is_a_store_error(
     tmp_path: Path, moto_port: int, relay: Relay, caplog: pytest.LogCaptureFixture
 ) -> None:

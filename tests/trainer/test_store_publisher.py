@@ -90,3 +90,28 @@ def test_publish_failure_surfaces_on_the_next_submit(model: PreTrainedModel, tmp
     publisher.submit(1, state_of(model))
     with pytest.raises(RuntimeError, match="publishing a checkpoint failed: version 1 already published"):
         publisher.wait_idle()
+
+
+def test_key_versions_are_stored_whole_and_as_deltas(model: PreTrainedModel, tmp_path: Path) -> None:
+    """store.full_every = 3: v1 a key version alone (nothing before it), v2 and v3 deltas, v4 a key
+    version stored whole and as deltas against v3 (a worker holding v3 fetches the deltas), v5 a
+    delta again; a late joiner pulls v5 from v4's whole files."""
+    store = CheckpointStore(str(tmp_path / "store"))
+    publisher = Publisher(
+        store=store, model_config=model.config, extras_from=str(tmp_path), keep_last=10, on_published=lambda v: None,
+        full_every=3,
+    )
+    state = state_of(model)
+    for version in range(1, 6):
+        state = {name: tensor + 0.01 * (torch.rand_like(tensor) < 0.01) for name, tensor in state.items()}
+        publisher.submit(version, state)
+        assert publisher.wait_idle(timeout_s=60)
+    publisher.close()
+    assert [(store.manifest(v).delta_base, store.manifest(v).whole) for v in range(1, 6)] == [
+        (None, False), (1, False), (2, False), (3, True), (4, False),
+    ]
+    late = Path(CheckpointStore(str(tmp_path / "store")).pull(5, str(tmp_path / "late")))
+    assert sorted(p.name for p in late.parent.iterdir()) == ["v000004", "v000005"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(late), dtype=torch.float32)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
