@@ -738,11 +738,30 @@ def f1_link_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str
     published = json.loads(done.stdout.strip().splitlines()[-1])
     worker = net.workers["l2"]
 
-    def received() -> int:  # bytes in at the worker's interface: what crossed its link (IP and TCP headers too)
-        return int(worker.run(["cat", "/sys/class/net/eth0/statistics/rx_bytes"], capture_output=True, text=True, check=True).stdout)
+    def received() -> tuple[int, int]:
+        """(bytes, packets) in at the worker's interface: what crossed its link, frames whole."""
+        counts = worker.run(["cat", "/sys/class/net/eth0/statistics/rx_bytes", "/sys/class/net/eth0/statistics/rx_packets"],
+                            capture_output=True, text=True, check=True).stdout.split()
+        return int(counts[0]), int(counts[1])
+
+    def dropped() -> dict[str, tuple[int, int]]:
+        """Per chain, (bytes, packets) the worker's DROP rules took after its interface counted
+        them: the emulated loss (INPUT) and the partition (PARTITION), which on a real link never
+        reach the host."""
+        listing = worker.run(["iptables", "-w", "-L", "-v", "-x", "-n"], capture_output=True, text=True, check=True).stdout
+        found: dict[str, tuple[int, int]] = {}
+        chain = ""
+        for row in (line.split() for line in listing.splitlines()):
+            if row[:1] == ["Chain"]:
+                chain = row[1]
+            elif len(row) > 2 and row[2] == "DROP" and row[0].isdigit():
+                before = found.get(chain, (0, 0))
+                found[chain] = (before[0] + int(row[1]), before[1] + int(row[0]))
+        return found
 
     net.control.reset()
-    received_before = received()
+    received_before, dropped_before = received(), dropped()
+    dropped_at_heal = dropped_before
     log_path = Path(net.workdir) / "f1-pull.log"
     with open(log_path, "w") as log:
         pull = worker.popen([sys.executable, __file__, "helper", "pull", url, net.endpoint, str(version),
@@ -761,6 +780,7 @@ def f1_link_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str
                 raise RuntimeError(f"the pull ended (or stalled) before {args.cut_at:.0%} of it was served")
             time.sleep(args.link_cut_s)
             served_at_heal = net.control.stats()["served"]["by_client"].get(worker.ip, 0)
+            dropped_at_heal = dropped()  # the partition's rules go with the heal, their counts too
             net.net.heal()
             healed = time.time()
             out, _ = pull.communicate(timeout=300)
@@ -769,7 +789,19 @@ def f1_link_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str
                 pull.kill()
                 pull.wait()
             net.net.heal()
-    received_s = received() - received_before
+    (rx_bytes, rx_packets), dropped_after = received(), dropped()
+
+    def took(chain: str, at: dict[str, tuple[int, int]]) -> tuple[int, int]:
+        now, then = at.get(chain, (0, 0)), dropped_before.get(chain, (0, 0))
+        return now[0] - then[0], now[1] - then[1]
+
+    # The partition's rules go with the heal (their counts read just before); the loss's stay.
+    partition, loss = took("PARTITION", dropped_at_heal), took("INPUT", dropped_after)
+    received_s = rx_bytes - received_before[0]
+    in_bytes = received_s - partition[0] - loss[0] - 14 * (partition[1] + loss[1])  # iptables counts IP bytes, no Ethernet header
+    in_packets = rx_packets - received_before[1] - partition[1] - loss[1]
+    # TCP payload: each frame's Ethernet, IP and TCP (with timestamps) headers off, 1514 - 1448 bytes.
+    payload = in_bytes - in_packets * (1514 - 1448)
     result = json.loads(out.strip().splitlines()[-1])
     text = log_path.read_text(errors="replace")
     stalls = [float(line.split()[0]) for line in text.splitlines() if "Stalled" in line]
@@ -788,6 +820,11 @@ def f1_link_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str
         # Fetched, at the worker: every byte in at its interface during the pull (every file, the
         # manifest, IP and TCP headers), over the weights' size; what the front sent into the drop is not in it.
         "received_at_worker_vs_ideal": round(received_s / size, 3),
+        # The same less what a real link would not have delivered (the frames the emulated loss and
+        # the partition dropped after the interface counted them) and less the frames' headers:
+        # the TCP payload that reached the worker, requests' answers and what was in flight when
+        # a connection was abandoned.
+        "payload_at_worker_vs_ideal": round(payload / size, 3),
         # What the front sent while the link was cut (into the drop), and after the heal.
         "served_during_cut_vs_ideal": round((served_at_heal - served_at_cut) / size, 3),
         "served_after_heal_vs_ideal": round((served.get(weights, 0) - served_at_heal) / size, 3),

@@ -67,7 +67,8 @@ class StoreConfig(Section):
     )
     min_part_kb: int = Field(
         256, ge=16, le=65536, description="Remote stores: the smallest range, so a file of a few parts is that many "
-        "requests. Smaller parts put more streams on a small file, which a long lossy link needs (the CPU demo's "
+        "requests (larger where the store is slow to answer: a range is at least what one stream carries while a "
+        "request waits, as the pull measures them). Smaller parts put more streams on a small file, which a long lossy link needs (the CPU demo's "
         "1.1 MB delta on L2, 150 ms and 0.5% loss: 2.4 s in 256 KiB parts, 1.1 s in 64 KiB), at more requests to "
         "the store (8 workers pulling 2.2 MB deltas from moto on 2 shared cores: delta p50 2.3 s in 256 KiB parts, "
         "4.4 s in 64 KiB; docs/deploy.md).",
@@ -90,8 +91,10 @@ class StoreConfig(Section):
     )
     full_every: int = Field(
         8, ge=1, le=64, description="Full-model runs: every this many versions one is a key version (every file stored "
-        "whole); the others store each weight file as a delta against the version before (decentrl/store/delta.py), a "
-        "small fraction of its bytes at RL learning rates. 1 = no deltas. LoRA runs publish adapters only.",
+        "whole, and as a delta too, so workers holding the version before still fetch only the delta while a late "
+        "joiner starts from the whole files); the others store each file as a delta against the version before "
+        "(decentrl/store/delta.py), a small fraction of its bytes at RL learning rates. 1 = no deltas. LoRA runs "
+        "publish adapters only.",
     )
     digest: Literal["blake3", "sha256"] = Field(
         "blake3", description="Digest the trainer writes into each new manifest. BLAKE3 hashes several times "

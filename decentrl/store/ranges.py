@@ -6,7 +6,9 @@ every file of a local store, keep the whole-file stream there. A file's part is 
 `[store] parallel_reads`, at least `[store] min_part_kb` (256 KiB) and at most `[store] part_mb`: a
 delta of a few MB is several ranges, not one stream (one TCP stream on L2 carries 1.3 Mbit/s of a
 50 Mbit/s link). Smaller parts suit a small file on a long lossy link and cost the store more
-requests (the figures: the setting's description, decentrl/config/store.py).
+requests (the figures: the setting's description, decentrl/config/store.py). A part is also at
+least what one stream carries while a request waits for its answer (`Pace`, measured by the
+pull's own ranges): a store slow to answer gets fewer, larger requests.
 
 No HEAD first: an S3 range's answer says the object's size (`Content-Range: bytes a-b/SIZE`), which
 is checked against the manifest's before a byte of it is written (`StoredSizeMismatch`); a range
