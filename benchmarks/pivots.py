@@ -12,16 +12,27 @@ step with the task's exact checker (workers/scorers/chain.py), and the worker's 
 generation (workers/tree.py). The model is a tiny model fine-tuned here on right answers for
 `--sft-steps` steps, so that it starts with a signal (some steps right, some wrong).
 
-Measured, per arm and seed, until the arm has generated `--budget` tokens (tokens kept in samples
-plus those decoded after a wrong step before its verdict came): units, units solved (a right
-sample anywhere in the unit), units that give no gradient (every advantage of the unit 0), failed
-roots recovered by a branch; the tokens saved by stopping (exact: a stopped row keeps decoding
-unposted until it would have ended); step-post waits; decode time keeping the prefix's KV cache
-against rebuilding it at each step boundary; generation throughput with mid-generation scoring
-against without it. No policy is trained here: `tokens_to_target_pivot_vs_root` (held-out accuracy
-after training) is reported as null, not measured.
+Measured at a fixed policy, per arm and seed, until the arm has generated `--budget` tokens
+(tokens kept in samples plus those decoded after a wrong step before its verdict came): units,
+units solved (a right sample anywhere in the unit), units that give no gradient (every advantage
+of the unit 0), failed prompts recovered (the unit's first sample wrong, another of its samples
+right: `recovered_per_1k_tokens`), failed roots recovered by a branch; the tokens saved by
+stopping (exact: a stopped row keeps decoding unposted until it would have ended); step-post
+waits; decode time keeping the prefix's KV cache against rebuilding it at each step boundary;
+generation throughput with mid-generation scoring against without it.
 
-    python benchmarks/pivots.py --budget 6000 --seeds 2 --sft-steps 600
+With `--train-budget`, the three arms also train, each seed from the same fine-tuned model, until
+they have generated that many tokens: every `--groups-per-step` complete units, a trainer step
+(`Learner`: the trainer's own batch plan, policy loss and AdamW) on the orchestrator's batch and
+its tree advantages (global + `--local-weight` x local; the verdicts stop chains and pick pivots,
+no process reward), the worker's weights swapped to the new version between units, and the
+held-out accuracy (`heldout_accuracy`: prompts no arm nor the fine-tuning saw, sampled at the
+arms' temperature) measured every `--eval-every` steps against the tokens generated so far.
+`tokens_to_target_pivot_vs_root`: the tokens at which the PRM arm first reaches the root arm's
+final held-out accuracy, over the root arm's total (per seed, then the mean and its standard
+error); the random arm's beside it.
+
+    python benchmarks/pivots.py --budget 6000 --seeds 2 --sft-steps 600 --train-budget 12000
 
 The last line is one JSON object with the issue's keys.
 """
@@ -37,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -104,12 +115,112 @@ def pace(backend: Any, token_s: float) -> None:
     backend.model.forward = paced
 
 
+class Training(NamedTuple):
+    """An arm that trains: a trainer step every `groups_per_step` units on the orchestrator's batch
+    (its tree advantages: global + `local_weight` x local), the version advancing, and the held-out
+    accuracy measured after every `eval_every` steps."""
+
+    groups_per_step: int
+    lr: float
+    heldout: list[str]  # prompts none of the arms, nor the fine-tuning, sees
+    eval_samples: int = 4  # samples of each held-out prompt (at the arms' temperature)
+    eval_every: int = 1
+    local_weight: float = 1.0
+
+
+def log_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class Learner:
+    """The trainer's step, in this process: the project's TrainerConfig, `rank_share` (sample
+    selection, whole-batch totals, micro-batches), `accumulate_gradients` (the policy loss against
+    the workers' sampling logprobs), clipping and AdamW, on one rank without FSDP (a sharded model
+    needs a process group; the loss, its normalization and the batch's plan are the same code)."""
+
+    def __init__(self, checkpoint: str, config: Any) -> None:
+        import torch
+
+        from decentrl.store.weights import load_pretrained
+        from decentrl.trainer.train import build_optimizer
+
+        self.config = config
+        self.model = load_pretrained(checkpoint).train()
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], config.trainer)
+        self.device = torch.device("cpu")
+
+    def step(self, batch: Any) -> dict[str, float]:
+        import torch
+
+        from decentrl.rl.losses import summarize
+        from decentrl.trainer.batching import rank_share
+        from decentrl.trainer.step import accumulate_gradients
+
+        cfg = self.config.trainer
+        samples, totals, micro = rank_share(batch, rank=0, world=1, config=cfg, max_tokens=self.config.sampling.max_tokens,
+                                            pad_id=self.model.config.pad_token_id or 0, device=self.device)
+        loss, sums = accumulate_gradients(self.model, None, micro, totals=totals, config=cfg, temperature=self.config.sampling.temperature)
+        stats = summarize({key: float(value) for key, value in sums.items()})
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # The sampler's logprobs against the trainer's, before the step: the same weights, so a
+        # ratio off 1 would mean a branch's prefix and continuation were misaligned.
+        return {"loss": float(loss), "grad_norm": float(grad_norm), "trained": len(samples),
+                "reward_mean": statistics.fmean(s.reward for s in batch.samples), "sampler_kl": stats["sampler_kl"],
+                "is_ratio_max": stats["is_ratio_max"]}
+
+
+def weight_change(checkpoint: str, model: Any) -> float:
+    """The L2 norm of `model`'s weights minus the checkpoint's."""
+    from decentrl.store.weights import load_pretrained
+
+    before = load_pretrained(checkpoint).state_dict()
+    return float(sum((tensor.float() - before[name].float()).pow(2).sum() for name, tensor in model.state_dict().items()) ** 0.5)
+
+
+def heldout_accuracy(model: Any, tokenizer: Any, prompts: list[str], *, samples: int, max_tokens: int, temperature: float,
+                     seed: int) -> float:
+    """The share of right chains among `samples` sampled completions of each held-out prompt (the
+    policy's own temperature, no truncation, a fixed seed: every evaluation draws the same noise)."""
+    import torch
+    from transformers import DynamicCache
+
+    from decentrl.tasks.chain import chain_reward
+
+    ids = [tokenizer(text).input_ids for text in prompts]
+    if len({len(row) for row in ids}) != 1:
+        raise ValueError("held-out prompts of one length only (no padding here)")
+    rows = torch.tensor([row for row in ids for _ in range(samples)])
+    generator = torch.Generator().manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    out = []
+    with torch.no_grad():
+        cache = DynamicCache()
+        logits = model(input_ids=rows, past_key_values=cache, use_cache=True).logits[:, -1]
+        for _ in range(max_tokens):
+            token = torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1, generator=generator)
+            out.append(token)
+            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+    model.train(was_training)
+    right = 0
+    for row, completion in enumerate(torch.cat(out, dim=-1).tolist()):
+        if eos in completion:
+            completion = completion[: completion.index(eos) + 1]
+        right += chain_reward(prompts[row // samples], tokenizer.decode(completion, skip_special_tokens=True)) == 1.0
+    return right / len(rows)
+
+
 def run_arm(
     arm: str, seed: int, checkpoint: str, budget: int, group_size: int, k: int, *, keep_cache: bool = True,
-    post_steps: bool = True, token_s: float = 0.0, verdict_wait_s: float = 5.0,
+    post_steps: bool = True, token_s: float = 0.0, verdict_wait_s: float = 5.0, training: Training | None = None,
 ) -> dict[str, Any]:
     """One arm at one seed on a fresh orchestrator, scorer and backend: units until `budget` tokens.
-    `token_s`: each decoding step takes at least this long (`pace`), as a real model's does."""
+    `token_s`: each decoding step takes at least this long (`pace`), as a real model's does. With
+    `training`, the policy trains on the orchestrator's batches as the arm goes (`Training`), and
+    the result holds its held-out accuracy against the tokens generated (`curve`)."""
     from decentrl.api.client import OrchestratorClient
     from decentrl.api.wire import LeaseRequest, RolloutBatch
     from decentrl.config import PythonScorerConfig, parse_config
@@ -134,13 +245,19 @@ def run_arm(
         "sampling": {"temperature": 1.0, "max_tokens": 24},
         "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "lease_wait_s": 0.0, "lease_timeout_s": 120.0,
                          "rewards": {"lease_timeout_s": 30.0},
-                         "tree": {"k": k, "marker": "=", **options}},
-        "trainer": {"groups_per_step": 1024, "steps": 10},
+                         "tree": {"k": k, "marker": "=", **options},
+                         # Outcome advantages only (the tree's global + lambda x local): the steps'
+                         # verdicts stop chains and pick pivots, they are no process reward here.
+                         "advantages": {"process_weight": 0.0, "outcome_weight": 1.0,
+                                        "local_weight": training.local_weight if training else 1.0}},
+        "trainer": {"groups_per_step": training.groups_per_step if training else 1024, "steps": 100_000,
+                    "lr": training.lr if training else 1e-3},
     })
     tokenizer = build_tiny_tokenizer()
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     state.announce(0)
-    tokens = [{"name": "vol", "role": "worker", "token": "w"}, {"name": "judge", "role": "scorer", "token": "s"}]
+    tokens = [{"name": "vol", "role": "worker", "token": "w"}, {"name": "judge", "role": "scorer", "token": "s"},
+              {"name": "learner", "role": "trainer", "token": "t"}]
     server = Loopback(create_app(state=state, tokens=TokenRegistry(tokens), store_url="memory://pivots"))
     scorer_config = PythonScorerConfig(function="workers.scorers.chain:judge", max_items=64, min_wait_s=0.005)
     scorer = Scorer(scorer_config, scorer_id="s0", client=OrchestratorClient(server.url, "s"), backend=build_scorer_backend(scorer_config))
@@ -153,8 +270,23 @@ def run_arm(
     if token_s:
         pace(backend, token_s)
     rng, estimate, counts = random.Random(seed), RecoveryEstimate(), TreeCounts()
-    units = solved = no_gradient = failed_roots = recovered = 0
+    units = solved = no_gradient = failed_prompts = recovered = all_roots_failed = recovered_by_branch = incomplete = 0
     roots = roots_right = branches = branches_right = pivots_on_failed = 0
+    learner = Learner(checkpoint, config) if training else None
+    trainer = OrchestratorClient(server.url, "t")
+    curve: list[dict[str, Any]] = []
+    steps: list[dict[str, float]] = []
+    train_s = 0.0
+
+    def evaluate(version: int) -> None:
+        assert training is not None and learner is not None
+        accuracy = heldout_accuracy(learner.model, tokenizer, training.heldout, samples=training.eval_samples,
+                                    max_tokens=config.sampling.max_tokens, temperature=config.sampling.temperature, seed=12345)
+        curve.append({"version": version, "tokens": counts.generated + counts.discarded, "units": units, "accuracy": accuracy})
+        log_progress(f"{arm} seed {seed} v{version}: {curve[-1]['tokens']} tokens, held-out accuracy {accuracy:.3f}")
+
+    if training:
+        evaluate(0)
     started = time.perf_counter()
     try:
         while counts.generated + counts.discarded < budget:
@@ -166,6 +298,12 @@ def run_arm(
             ingest = client.post_rollouts(RolloutBatch(rollouts=samples))
             if ingest.rejected:
                 raise RuntimeError(f"the orchestrator refused samples of a {arm} unit: {ingest.rejected}")
+            # A unit whose roots have fewer step boundaries before their ends than it has pivots
+            # (chains of one step) cannot be completed: handed back, not waited for (it trains nothing).
+            complete = len(samples) == lease.group_size + options["pivots"] * k
+            if not complete:
+                client.release_lease(lease.lease_id, "w0")
+                incomplete += 1
             prompt = state.task.prompt(lease.prompt_id).text
             rewards = [chain_reward(prompt, tokenizer.decode(s.completion_token_ids, skip_special_tokens=True)) if s.node is None
                        else chain_reward(prompt, tokenizer.decode(list(s.prompt_token_ids[len(lease.prompt_token_ids):])
@@ -181,9 +319,25 @@ def run_arm(
             pivots_on_failed += sum(not by_id[parent] for parent, _ in {p for p in pivots if p is not None})
             solved += any(rewards)
             no_gradient += not any(tree_advantages(rewards, pivots, 1.0))
+            # A failed prompt: its first sample (a root's, in every arm) is wrong; recovered: another
+            # sample of its unit (a root's or a branch's) is right.
+            failed_prompts += not rewards[0]
+            recovered += not rewards[0] and any(rewards[1:])
             roots_failed = not any(r for r, p in zip(rewards, pivots, strict=True) if p is None)
-            failed_roots += roots_failed
-            recovered += roots_failed and any(rewards)
+            all_roots_failed += roots_failed
+            recovered_by_branch += roots_failed and any(rewards)
+            if learner is not None and training is not None and complete and (units - incomplete) % training.groups_per_step == 0:
+                trained = time.perf_counter()
+                version = backend.version or 0
+                while (batch := trainer.batch(trainer_version=version, request_id=f"step-{version + 1}")) is None:
+                    pass
+                steps.append(learner.step(batch))
+                backend.model.load_state_dict(learner.model.state_dict())  # the next version, swapped between units
+                backend.version = version + 1
+                state.announce(version + 1)
+                if (version + 1) % training.eval_every == 0:
+                    evaluate(version + 1)
+                train_s += time.perf_counter() - trained
     finally:
         elapsed = time.perf_counter() - started
         scorer.request_stop()
@@ -193,9 +347,10 @@ def run_arm(
     spent = counts.generated + counts.discarded
     return {
         "arm": arm, "seed": seed, "units": units, "tokens": spent, "tokens_kept": counts.generated,
-        "tokens_discarded": counts.discarded, "tokens_saved": counts.saved, "solved": solved,
-        "solved_per_1k_tokens": 1000 * solved / spent, "recovered": recovered, "failed_roots": failed_roots,
-        "recovered_per_1k_tokens": 1000 * recovered / spent, "no_gradient_units": no_gradient,
+        "tokens_discarded": counts.discarded, "tokens_saved": counts.saved, "solved": solved, "units_released": incomplete,
+        "solved_per_1k_tokens": 1000 * solved / spent, "recovered": recovered, "failed_prompts": failed_prompts,
+        "recovered_per_1k_tokens": 1000 * recovered / spent, "all_roots_failed": all_roots_failed,
+        "recovered_by_branch": recovered_by_branch, "no_gradient_units": no_gradient,
         "no_gradient_fraction": no_gradient / units, "steps_posted": counts.steps_posted, "verdicts_used": counts.verdicts_used,
         "root_success": roots_right / roots if roots else None, "branch_success": branches_right / branches if branches else None,
         "pivots": branches // k, "pivots_on_failed_roots": pivots_on_failed,
@@ -203,6 +358,11 @@ def run_arm(
         "step_post_wait_s": round(counts.step_post_wait_s, 4), "decode_s": round(counts.decode_s, 3),
         "cache_rebuild_s": round(counts.cache_rebuild_s, 3), "tokens_per_decode_s": spent / counts.decode_s if counts.decode_s else None,
         "wall_s": round(elapsed, 2), "keep_cache": keep_cache, "post_steps": post_steps,
+        **({"versions": backend.version, "train_s": round(train_s, 2), "weight_change": weight_change(checkpoint, backend.model),
+            "sampler_kl_max": max(step["sampler_kl"] for step in steps) if steps else None,
+            "is_ratio_max": max(step["is_ratio_max"] for step in steps) if steps else None,
+            "trained_samples": sum(int(step["trained"]) for step in steps),
+            "curve": curve} if training else {}),
     }
 
 
@@ -211,6 +371,42 @@ class _Silent:
 
     def post_steps(self, post: Any) -> None:
         return None
+
+
+def tokens_to_target(root_curve: list[dict[str, Any]], curve: list[dict[str, Any]]) -> float | None:
+    """The tokens at which `curve` first reaches the root arm's final held-out accuracy, over the
+    tokens the root arm spent to get there (its last point); None if it never does."""
+    target, spent = root_curve[-1]["accuracy"], root_curve[-1]["tokens"]
+    reached = next((point["tokens"] for point in curve if point["accuracy"] >= target), None)
+    return None if reached is None else reached / spent
+
+
+def mean_and_se(values: list[float | None]) -> tuple[float | None, float | None]:
+    """The mean and its standard error (sample std / sqrt(n)); None where a value is missing (a
+    target never reached) or, for the error, with one value."""
+    if not values or any(v is None for v in values):
+        return None, None
+    known = [float(v) for v in values if v is not None]
+    return statistics.fmean(known), statistics.stdev(known) / len(known) ** 0.5 if len(known) > 1 else None
+
+
+def training_figures(trained: list[dict[str, Any]]) -> dict[str, Any]:
+    """The training arms' figures: tokens to the root arm's final accuracy (each seed's arms
+    against that seed's root arm), the final accuracies, with standard errors over seeds."""
+    seeds = sorted({r["seed"] for r in trained})
+    curve = {(r["arm"], r["seed"]): r["curve"] for r in trained}
+    figures: dict[str, Any] = {}
+    for arm, key in (("prm", "tokens_to_target_pivot_vs_root"), ("random", "tokens_to_target_random_vs_root")):
+        per_seed = [tokens_to_target(curve["root", seed], curve[arm, seed]) for seed in seeds]
+        figures[key], figures[key + "_se"] = mean_and_se(per_seed)
+        figures[key + "_per_seed"] = per_seed
+    for arm in ARMS:
+        finals = [curve[arm, seed][-1]["accuracy"] for seed in seeds]
+        start = statistics.fmean(curve[arm, seed][0]["accuracy"] for seed in seeds)
+        final, se = mean_and_se(finals)  # type: ignore[arg-type]
+        figures[f"heldout_{arm}"] = {"start": start, "final": final, "final_se": se, "final_per_seed": finals,
+                                      "versions": [curve[arm, seed][-1]["version"] for seed in seeds]}
+    return figures
 
 
 def main() -> None:
@@ -224,26 +420,66 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--k", type=int, default=4, help="Continuations of each pivot.")
     parser.add_argument("--sft-steps", type=int, default=600, help="Fine-tuning steps that give the model a signal.")
+    parser.add_argument("--train-budget", type=int, default=0,
+                        help="Generated tokens per training arm and seed (0: no training arms, tokens_to_target null).")
+    parser.add_argument("--lr", type=float, default=1e-4, help="The training arms' AdamW learning rate.")
+    parser.add_argument("--groups-per-step", type=int, default=8, help="Units (prompts) in a training arm's step.")
+    parser.add_argument("--local-weight", type=float, default=1.0, help="lambda: a branch's local advantage's weight.")
+    parser.add_argument("--eval-every", type=int, default=2, help="Steps between held-out evaluations.")
+    parser.add_argument("--heldout", type=int, default=256, help="Held-out prompts (each sampled --eval-samples times).")
+    parser.add_argument("--eval-samples", type=int, default=4)
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)
     runs: list[dict[str, Any]] = []
+    rebuilt: dict[str, Any] = {}
+    silent: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = os.path.join(tmp, "v0")
         sft_loss = finetune(checkpoint, args.sft_steps, seed=0)
-        for seed in range(args.seeds):
+        trained: list[dict[str, Any]] = []
+        if args.train_budget:
+            heldout = heldout_prompts(args.heldout, args.seeds)
+            for seed in range(args.seeds):
+                for arm in ARMS:
+                    training = Training(args.groups_per_step, args.lr, heldout, args.eval_samples, args.eval_every, args.local_weight)
+                    trained.append(run_arm(arm, seed, checkpoint, args.train_budget, args.group_size, args.k,
+                                           token_s=args.token_ms / 1000, verdict_wait_s=args.verdict_wait_s, training=training))
+                    print(json.dumps(trained[-1]), flush=True)
+        for seed in range(args.seeds if args.budget else 0):
             for arm in ARMS:
                 runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=args.token_ms / 1000,
                                     verdict_wait_s=args.verdict_wait_s))
                 print(json.dumps(runs[-1]), flush=True)
         # The measures of the worker's side, on seed 0: the KV cache rebuilt at each step's end
         # (prm arm), and the root arm's throughput without posting its steps for scoring.
-        rebuilt = run_arm("prm", 0, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=args.token_ms / 1000,
-                          verdict_wait_s=args.verdict_wait_s)
-        silent = run_arm("root", 0, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=args.token_ms / 1000)
-        print(json.dumps(rebuilt), flush=True)
-        print(json.dumps(silent), flush=True)
+        if args.budget:
+            rebuilt = run_arm("prm", 0, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=args.token_ms / 1000,
+                              verdict_wait_s=args.verdict_wait_s)
+            silent = run_arm("root", 0, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=args.token_ms / 1000)
+            print(json.dumps(rebuilt), flush=True)
+            print(json.dumps(silent), flush=True)
+
+    figures = sampling_figures(runs, rebuilt, silent) if args.budget else {key: None for key in SAMPLING_KEYS}
+    print(json.dumps({
+        **(training_figures(trained) if trained else {"tokens_to_target_pivot_vs_root": None}),
+        **figures,
+        "verdict_wait_s": args.verdict_wait_s, "token_ms": args.token_ms,
+        "budget_tokens": args.budget, "train_budget_tokens": args.train_budget, "seeds": args.seeds,
+        "group_size": args.group_size, "k": args.k, "lr": args.lr, "groups_per_step": args.groups_per_step,
+        "local_weight": args.local_weight, "heldout": args.heldout, "eval_samples": args.eval_samples,
+        "sft_steps": args.sft_steps, "sft_loss": round(sft_loss, 4),
+    }))
+
+
+SAMPLING_KEYS = ("recovered_per_1k_tokens_pivot_vs_root", "all_fail_groups_pivot", "all_fail_groups_root",
+                 "tokens_saved_by_early_stop", "worker_wait_for_verdicts_s", "throughput_with_scoring_vs_without")
+
+
+def sampling_figures(runs: list[dict[str, Any]], rebuilt: dict[str, Any], silent: dict[str, Any]) -> dict[str, Any]:
+    """The fixed-policy arms' figures (`--budget`): recovery, groups without gradient, tokens saved,
+    waits, throughput, the KV cache's measure."""
 
     def mean(arm: str, key: str) -> float:
         return statistics.fmean(r[key] for r in runs if r["arm"] == arm)
@@ -253,13 +489,13 @@ def main() -> None:
 
     kept = next(r for r in runs if r["arm"] == "prm" and r["seed"] == 0)
     posted_root = next(r for r in runs if r["arm"] == "root" and r["seed"] == 0)
-    print(json.dumps({
-        "tokens_to_target_pivot_vs_root": None,  # needs training runs: not measured here
-        # A root-only group recovers no failed root (it has no branch): the ratio is to its solved
-        # units per 1k tokens, failed roots recovered by a branch counted for the pivot arms.
-        "recovered_per_1k_tokens_pivot_vs_root": ratio(mean("prm", "solved_per_1k_tokens"), mean("root", "solved_per_1k_tokens")),
-        "recovered_per_1k_tokens_random_vs_root": ratio(mean("random", "solved_per_1k_tokens"), mean("root", "solved_per_1k_tokens")),
+    return {
+        # Failed prompts (the unit's first sample wrong, in every arm a root's) that get a right
+        # sample elsewhere in their unit, per 1k generated tokens: PRM pivots over root-only.
+        "recovered_per_1k_tokens_pivot_vs_root": ratio(mean("prm", "recovered_per_1k_tokens"), mean("root", "recovered_per_1k_tokens")),
+        "recovered_per_1k_tokens_random_vs_root": ratio(mean("random", "recovered_per_1k_tokens"), mean("root", "recovered_per_1k_tokens")),
         "recovered_per_1k_tokens": {arm: mean(arm, "recovered_per_1k_tokens") for arm in ARMS},
+        "solved_per_1k_tokens_pivot_vs_root": ratio(mean("prm", "solved_per_1k_tokens"), mean("root", "solved_per_1k_tokens")),
         "all_fail_groups_pivot": mean("prm", "no_gradient_fraction"),
         "all_fail_groups_random": mean("random", "no_gradient_fraction"),
         "all_fail_groups_root": mean("root", "no_gradient_fraction"),
@@ -274,10 +510,23 @@ def main() -> None:
         "throughput_with_scoring_vs_without": ratio(posted_root["tokens_per_decode_s"], silent["tokens_per_decode_s"]),
         "kv_keep_decode_s": kept["decode_s"], "kv_rebuild_decode_s": rebuilt["decode_s"],
         "kv_rebuild_s": rebuilt["cache_rebuild_s"],
-        "verdict_wait_s": args.verdict_wait_s, "token_ms": args.token_ms,
-        "budget_tokens": args.budget, "seeds": args.seeds, "group_size": args.group_size, "k": args.k,
-        "sft_steps": args.sft_steps, "sft_loss": round(sft_loss, 4),
-    }))
+    }
+
+
+def heldout_prompts(count: int, seeds: int) -> list[str]:
+    """`count` chained-sums prompts that neither the fine-tuning's prompts nor any arm's task holds."""
+    from decentrl.config import ChainTaskConfig
+    from decentrl.tasks.chain import ChainTask
+
+    seen = set()
+    for seed in [*range(seeds), 1000]:  # the arms' tasks, the fine-tuning's (finetune)
+        task = ChainTask(ChainTaskConfig(num_digits=4, num_prompts=4096, seed=seed))
+        seen |= {task.prompt(i).text for i in range(task.num_prompts)}
+    pool = ChainTask(ChainTaskConfig(num_digits=4, num_prompts=4096, seed=777))
+    fresh = [text for i in range(pool.num_prompts) if (text := pool.prompt(i).text) not in seen]
+    if len(fresh) < count:
+        raise ValueError(f"only {len(fresh)} held-out prompts; ask for fewer (--heldout)")
+    return fresh[:count]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """benchmarks/pivots.py's short twin: one arm of each kind on a barely fine-tuned tiny model, a
 small token budget, through the real orchestrator, scorer loop and step-wise worker; every unit
-accepted whole (run_arm raises on a refused sample) and the counts consistent."""
+accepted whole (run_arm raises on a refused sample) and the counts consistent; a training arm
+whose versions advance on the orchestrator's batches; the tokens-to-target rule."""
 
 from __future__ import annotations
 
@@ -36,9 +37,79 @@ def test_an_arm_runs_to_its_budget(bench: Any, checkpoint: str, arm: str) -> Non
     result = bench.run_arm(arm, 0, checkpoint, budget=120, group_size=2, k=2, token_s=0.015)  # a real model's pace
     assert result["tokens"] >= 120 and result["units"] >= 1
     assert result["tokens"] == result["tokens_kept"] + result["tokens_discarded"]
-    assert 0 <= result["recovered"] <= result["failed_roots"] <= result["units"]
+    assert 0 <= result["recovered"] <= result["failed_prompts"] <= result["units"]
+    assert 0 <= result["recovered_by_branch"] <= result["all_roots_failed"] <= result["failed_prompts"]
     assert result["steps_posted"] > 0
     if arm == "root":
         assert result["tokens_saved"] == 0 and result["verdicts_used"] == 0 and result["tokens_discarded"] == 0
     else:
         assert result["verdicts_used"] > 0  # a barely trained model's steps are judged wrong, and chains stop
+
+
+def test_a_training_arm_advances_its_versions(bench: Any, checkpoint: str) -> None:
+    heldout = bench.heldout_prompts(8, seeds=1)
+    training = bench.Training(groups_per_step=2, lr=1e-3, heldout=heldout, eval_samples=2, eval_every=1)
+    result = bench.run_arm("root", 0, checkpoint, budget=160, group_size=2, k=2, training=training)
+    steps = result["units"] // 2
+    assert steps >= 1 and result["versions"] == steps
+    assert [point["version"] for point in result["curve"]] == list(range(steps + 1))
+    assert [point["tokens"] for point in result["curve"]] == sorted(point["tokens"] for point in result["curve"])
+    assert all(0.0 <= point["accuracy"] <= 1.0 for point in result["curve"])
+    assert result["sampler_kl_max"] < 1e-6  # the trainer's logprobs are the worker's, before each step
+
+
+def test_the_learners_step_follows_the_advantages(bench: Any, checkpoint: str) -> None:
+    """A real trainer step on a batch of two samples of one prompt: the one with the positive
+    advantage gets likelier, the other less likely (a step on the tree's advantages, as the arms take)."""
+    import torch
+
+    from decentrl.api.wire import TrainBatch, TrainSample
+    from decentrl.config import parse_config
+    from decentrl.model.build import build_tiny_tokenizer
+
+    config = parse_config({
+        "run_name": "learner", "group_size": 2, "model": {"type": "tiny", **bench.SHAPE},
+        "task": {"type": "chain", "num_digits": 4, "num_prompts": 8, "seed": 0}, "sampling": {"temperature": 1.0, "max_tokens": 24},
+        "trainer": {"groups_per_step": 1, "lr": 1e-3},
+    })
+    tokenizer = build_tiny_tokenizer()
+    learner = bench.Learner(checkpoint, config)
+    prompt = tokenizer("1234=").input_ids
+    right, wrong = (tokenizer(text, add_special_tokens=False).input_ids for text in ("1=3=6=10=", "1=4=7=11="))
+
+    def logprobs(completion: list[int]) -> list[float]:
+        with torch.no_grad():
+            logits = learner.model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+        return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+    def logprob(completion: list[int]) -> float:
+        return sum(logprobs(completion))
+
+    before = [logprob(right), logprob(wrong)]
+    samples = [  # sampled by the same weights: their logprobs
+        TrainSample(prompt_token_ids=prompt, completion_token_ids=ids, logprobs=logprobs(ids), advantage=advantage,
+                    reward=reward, policy_version=0, group_id="g")
+        for ids, advantage, reward in ((right, 0.5, 1.0), (wrong, -0.5, 0.0))
+    ]
+    step = learner.step(TrainBatch(trainer_version=0, samples=samples, staleness_histogram={"0": 2}, rollouts_accepted=2, stale_dropped=0))
+    assert step["trained"] == 2 and step["grad_norm"] > 0
+    assert logprob(right) > before[0] and logprob(wrong) < before[1]
+
+
+def test_heldout_prompts_are_none_of_the_arms(bench: Any) -> None:
+    from decentrl.config import ChainTaskConfig
+    from decentrl.tasks.chain import ChainTask
+
+    heldout = bench.heldout_prompts(64, seeds=2)
+    task = ChainTask(ChainTaskConfig(num_digits=4, num_prompts=4096, seed=1))
+    assert len(set(heldout)) == 64 and not set(heldout) & {task.prompt(i).text for i in range(task.num_prompts)}
+
+
+def test_tokens_to_target_is_the_first_point_at_the_roots_final_accuracy(bench: Any) -> None:
+    root = [{"tokens": 0, "accuracy": 0.2}, {"tokens": 500, "accuracy": 0.3}, {"tokens": 1000, "accuracy": 0.4}]
+    fast = [{"tokens": 0, "accuracy": 0.2}, {"tokens": 600, "accuracy": 0.41}, {"tokens": 1000, "accuracy": 0.35}]
+    never = [{"tokens": 0, "accuracy": 0.2}, {"tokens": 1000, "accuracy": 0.39}]
+    assert bench.tokens_to_target(root, fast) == 0.6
+    assert bench.tokens_to_target(root, never) is None
+    assert bench.mean_and_se([0.6, 0.8]) == pytest.approx((0.7, 0.1))
+    assert bench.mean_and_se([0.6, None]) == (None, None)
