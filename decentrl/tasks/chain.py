@@ -37,6 +37,26 @@ def check_step(prompt_text: str, completion_so_far: str) -> bool | None:
     return index < len(sums) and text.isdigit() and int(text) == sums[index]
 
 
+def check_last_step(prompt_text: str, completion: str) -> bool:
+    """Whether a chain's last step, one that ended without the marker (at end-of-sequence or at
+    the token limit), is right: its text after the last marker is the last running sum, or, empty
+    (the end-of-sequence alone), the chain before it holds every sum, the last one right.
+    (`check_step` would judge the step before it.)"""
+    *finished, rest = completion.split(MARKER)
+    sums = running_sums(prompt_text)
+    if rest.strip():
+        return len(finished) == len(sums) - 1 and rest.strip().isdigit() and int(rest.strip()) == sums[-1]
+    return len(finished) == len(sums) and finished[-1].strip() == str(sums[-1])
+
+
+def judge_step(prompt_text: str, completion_so_far: str, step_text: str) -> bool:
+    """Whether the step `step_text`, the last of `completion_so_far`, is right: one ended by the
+    marker by `check_step`, the chain's unmarked last step by `check_last_step`."""
+    if step_text.strip().endswith(MARKER):
+        return bool(check_step(prompt_text, completion_so_far))
+    return check_last_step(prompt_text, completion_so_far)
+
+
 class ChainTask:
     def __init__(self, config: ChainTaskConfig) -> None:
         self.num_prompts = config.num_prompts

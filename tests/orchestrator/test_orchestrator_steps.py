@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from decentrl.api.wire import Lease, PartialStep, ScoreItem, ScorePost, ScoreResult, StepPost, problems
 from decentrl.config import ChainTaskConfig
 from decentrl.tasks.base import Prompt
-from decentrl.tasks.chain import ChainTask, check_step, running_sums
+from decentrl.tasks.chain import ChainTask, check_last_step, check_step, running_sums
 from orchestrator.auth import TokenRegistry
 from orchestrator.lease_table import LeaseError
 from orchestrator.score_queue import StepError
@@ -139,6 +139,26 @@ def test_the_chain_scorer_judges_steps_and_samples() -> None:
     assert right.score == 1.0 and right.step_scores is None
     assert wrong_whole.score == 0.0 and wrong_whole.step_scores == [1.0, 1.0, 0.0, 1.0]  # each against the true sums
     assert judge([step])[0].score == 0.0
+
+
+def test_a_chains_last_step_without_its_marker_is_judged_itself() -> None:
+    """A chain that ends at end-of-sequence (or the token limit) without the marker: its last step
+    is that unmarked text (or nothing), judged as the chain's end, not as the step before it."""
+    assert check_last_step("7324=", "7=10=12=16") is True
+    assert check_last_step("7324=", "7=10=12=99") is False  # check_step would judge "12", right
+    assert check_last_step("7324=", "7=10=1") is False  # cut mid-chain at the token limit
+    assert check_last_step("7324=", "7=10=12=16=") is True  # the end-of-sequence alone, after every sum
+    assert check_last_step("7324=", "7=10=") is False  # ... too early
+    assert check_last_step("7324=", "7=10=12=16=20") is False  # past the last digit
+
+    def step(completion: str, steps: list[str]) -> ScoreItem:
+        return ScoreItem(rollout_id="r", prompt_id=0, prompt="7324=", completion=completion, steps=steps, step=len(steps) - 1)
+
+    verdicts = judge([step("7=10=12=99", ["7=", "10=", "12=", "99"]), step("7=10=12=16", ["7=", "10=", "12=", "16"]),
+                      step("7=10=", ["7=", "10=", ""]), step("7=10=12=", ["7=", "10=", "12="])])
+    assert [v.score for v in verdicts] == [0.0, 1.0, 0.0, 1.0]
+    whole = ScoreItem(rollout_id="r", prompt_id=0, prompt="7324=", completion="7=10=12=99", steps=["7=", "10=", "12=", "99"])
+    assert judge([whole])[0].step_scores == [1.0, 1.0, 1.0, 0.0]
 
 
 # -- the orchestrator ---------------------------------------------------------------------
