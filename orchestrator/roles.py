@@ -135,9 +135,13 @@ class Roles(FreeRunning):
     def _owes(self, group: Group, policy: str) -> bool:
         return policy not in self.taken.get(group.lease_id, ()) and any(policy_of(r) == policy for r in group.rollouts)
 
+    def owing(self, group: Group) -> set[str | None]:
+        """The policies with samples in `group` whose trainers have not taken it and will (not finished)."""
+        return {policy_of(rollout) for rollout in group.rollouts} - self.taken.get(group.lease_id, set()) - self.finished
+
     def served(self, group: Group) -> bool:
         """Whether every policy with samples in `group` has taken it, or will take no more (finished)."""
-        return {policy_of(rollout) for rollout in group.rollouts} <= self.taken.get(group.lease_id, set()) | self.finished
+        return not self.owing(group)
 
     def untaken(self, ready: list[Group], policy: str, count: int) -> list[Group]:
         """The first `count` ready units `policy`'s trainer has not taken, in queue order ([] if fewer)."""

@@ -434,11 +434,14 @@ class RunState:
     def _fresh(self, version: int, policy: str | None = None) -> bool:
         return is_fresh(self.stream(policy).trainer, version, self.config.train_staleness)
 
-    def _all_fresh(self, rollouts: list[Rollout]) -> bool:
-        """Whether each policy's samples among `rollouts` are fresh for its own stream (one policy: the oldest sample)."""
+    def _all_fresh(self, rollouts: list[Rollout], owing: set[str | None] | None = None) -> bool:
+        """Whether each policy's samples among `rollouts` are fresh for its own stream (one policy: the
+        oldest sample); with `owing`, those of the policies whose trainers still owe them only."""
         if not self.streams:
             return self._fresh(min(r.policy_version for r in rollouts))
-        return all(self._fresh(version, policy) for policy, version in oldest_by_policy(rollouts).items())
+        return all(
+            self._fresh(version, policy) for policy, version in oldest_by_policy(rollouts).items() if owing is None or policy in owing
+        )
 
     # -- what leaves the buffer: the one path of a dropped group, and of a pending one -----------
 
@@ -656,8 +659,8 @@ class RunState:
             self._finished(policy)
 
         def stale(group: Group) -> bool:
-            if self.streams:  # a unit the other trainer took may still go stale for this one
-                return not self._all_fresh(group.rollouts)
+            if isinstance(self.lease_policy, Roles) and self.streams:  # judged for the trainers that still owe it
+                return not self._all_fresh(group.rollouts, self.lease_policy.owing(group))
             return not self._fresh(group.oldest_version)
 
         for group in self.buffer.evict(stale):

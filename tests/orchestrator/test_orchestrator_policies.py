@@ -201,3 +201,16 @@ def test_invalid_proposals_do_not_use_the_solvers_budget_and_a_finished_trainer_
     state.announce(3, "proposer")  # its last step (trainer.steps = 3): it takes no more
     assert not state.ready and state.lease_book.closed[unit_id].status == "served"
     assert state.lease_capacity() == 2 - 1, "the solver's stream alone bounds the leases now"
+
+
+def test_a_unit_a_trainer_took_is_not_dropped_when_that_trainer_moves_on(
+    two_policies: Callable[..., RunState], make_rollout: Any,
+) -> None:
+    state = two_policies()
+    _unit(state, make_rollout)
+    assert state.take_batch(0, policy="proposer") is not None
+    state.announce(1, "proposer")
+    state.announce(2, "proposer")  # its proposer sample (v0) is stale for the proposer's stream, which trained it already
+    assert state.ready and state.stale_dropped == 0
+    batch = state.take_batch(0, policy="solver")
+    assert batch is not None and len(batch.samples) == 4 and not state.ready
