@@ -23,7 +23,10 @@ proposals still drift as the solver trains) and a fixed curriculum (configs/loca
 task, --fixed-digits digits, the same solver samples a step); each final version evaluated on
 held-out sorting prompts (`decentrl eval`, --eval-digits) as the solver's skill; the co-evolution
 runs' proposals read from their journals by decile of the run (valid share, distinct share,
-digits and swaps, the solvers' solve rate).
+digits and swaps, the solvers' solve rate). `two_policies`: the same co-evolution run with two
+models (`[orchestrator.roles] policies = "per_role"`: a trainer, a stream of versions and a worker
+per role), its solver's final version evaluated alike, with its proposals by decile, each
+trainer's final version, samples a step and busy fraction. --arms picks the runs.
 
 The last line is one JSON object with the issue's keys.
     .venv/bin/python benchmarks/coevolve.py --seeds 2
@@ -238,7 +241,11 @@ def heldout(run_dir: Path, args: argparse.Namespace) -> float:
     """The final version's mean reward on held-out sorting prompts of --eval-digits digits: the solver's skill."""
     config = json.loads((run_dir / "config.json").read_text())
     config["task"] = {"type": "sorting", "num_digits": args.eval_digits, "num_prompts": 4096, "seed": 0}
-    config["orchestrator"].pop("roles", None)
+    roles = config["orchestrator"].pop("roles", None)
+    if roles and roles.get("policies") == "per_role":  # two models: the solver's is the one evaluated
+        from decentrl.store.manifest import policy_url
+
+        config["store"]["url"] = policy_url(config["store"]["url"], "solver")
     config["orchestrator"].setdefault("advantages", {})["type"] = "grpo"
     eval_config = run_dir / "eval_config.json"
     eval_config.write_text(json.dumps(config))
@@ -279,6 +286,7 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
         valid = [(p, solved) for p, solved in part if p is not None]
         difficulty = [task.difficulty(p) for p, _ in valid]
         solved = [r for _, rs in valid for r in rs]
+        answered = [rs for _, rs in valid if rs]
         deciles.append({
             "units": len(part),
             "valid_proposals": round(len(valid) / len(part), 3) if part else None,
@@ -286,20 +294,30 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
             "digits": round(statistics.fmean(x.digits for x in difficulty), 2) if difficulty else None,
             "operations": round(statistics.fmean(x.operations for x in difficulty), 2) if difficulty else None,
             "solve_rate_fresh": round(statistics.fmean(solved), 3) if solved else None,
+            # Units whose solvers all scored 0 (p = 0: no learnability signal), and all 1.
+            "p_zero": round(statistics.fmean(not any(rs) for rs in answered), 3) if answered else None,
+            "p_one": round(statistics.fmean(min(rs) == 1.0 for rs in answered), 3) if answered else None,
         })
     return deciles
 
 
 def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    # Every batch kept, so the journal holds every served unit's samples for `proposals`.
-    common = [f"trainer.steps={args.steps}", "num_workers=2", "trainer_ranks=1", f"orchestrator.batches_kept={args.steps + 1}"]
+    # Every batch kept (two policies: two trainers' batches), so the journal holds every served unit's samples for `proposals`.
+    common = [f"trainer.steps={args.steps}", "num_workers=2", "trainer_ranks=1", f"orchestrator.batches_kept={2 * args.steps + 1}"]
     arms = {
         "coevolve": ("configs/coevolve.toml", []),
         "frozen_proposer": ("configs/coevolve.toml", ['orchestrator.advantages.frozen_roles=["proposer"]']),
         "fixed": ("configs/local.toml", [f"task.num_digits={args.fixed_digits}", "group_size=8", "trainer.groups_per_step=16"]),
+        # The same co-evolution with two models: a trainer and a stream of versions per role, a worker each.
+        "two_policies": ("configs/coevolve.toml", ["orchestrator.roles.policies=per_role"]),
     }
+    arms = {arm: arms[arm] for arm in args.arms.split(",")}
     scores: dict[str, list[float]] = {arm: [] for arm in arms}
     by_decile: list[Any] = []
+    two: dict[str, Any] = {
+        "proposals_by_decile": [], "wall_s": [], "final_version": {"proposer": [], "solver": []},
+        "samples_a_step": {"proposer": [], "solver": []}, "trainer_busy": {"proposer": [], "solver": []},
+    }
     for seed in range(args.seeds):
         for arm, (config, sets) in arms.items():
             run_dir = out / f"{arm}-{seed}"
@@ -308,8 +326,19 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             scores[arm].append(heldout(run_dir, args))
             if arm == "coevolve":
                 by_decile.append(proposals(run_dir))
+            if arm == "two_policies":
+                two["proposals_by_decile"].append(proposals(run_dir))
+                two["wall_s"].append(round(json.loads((run_dir / "summary.json").read_text())["wall_s"], 1))
+                for policy in ("proposer", "solver"):
+                    steps = [json.loads(line) for line in (run_dir / f"metrics-{policy}.jsonl").read_text().splitlines()]
+                    two["final_version"][policy].append(steps[-1]["policy_version"])
+                    two["samples_a_step"][policy].append(round(statistics.fmean(m["samples"] for m in steps), 2))
+                    two["trainer_busy"][policy].append(round(steps[-1]["trainer_busy_fraction_total"], 4))
     result: dict[str, Any] = {f"heldout_solver_{arm}": [round(s, 4) for s in values] for arm, values in scores.items()}
-    result["proposals_by_decile"] = by_decile
+    if by_decile:
+        result["proposals_by_decile"] = by_decile
+    if "two_policies" in arms:
+        result["two_policies"] = {"heldout_solver": result.pop("heldout_solver_two_policies"), **two}
     return result
 
 
@@ -330,6 +359,7 @@ steps int 150 learn: trainer steps a run
 fixed-digits int 4 learn: the fixed curriculum's digits
 eval-digits int 4 learn: digits of the held-out sorting prompts
 eval-prompts int 256 learn: held-out prompts
+arms str coevolve,frozen_proposer,fixed,two_policies learn: the runs, comma-separated
 """
 
 
@@ -337,7 +367,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for line in OPTIONS.strip().splitlines():  # flag, type, default, help
         flag, kind, default, text = line.split(maxsplit=3)
-        cast = {"int": int, "float": float}[kind]
+        cast = {"int": int, "float": float, "str": str}[kind]
         parser.add_argument(f"--{flag}", type=cast, default=cast(default), help=text)
     parser.add_argument("--learn", action="store_true", help="also the real runs (minutes each)")
     parser.add_argument("--out", default=None, help="run directories of --learn (default: a temp dir)")
@@ -353,7 +383,7 @@ def main() -> None:
                                             for arm in ("naive", "ours")},
         "busy_coevolve_vs_single": round(busy["ours"] / busy["single"], 4) if busy["ours"] and busy["single"] else None,
         "busy_naive_vs_single": round(busy["naive"] / busy["single"], 4) if busy["naive"] and busy["single"] else None,
-        "two_policies": None,  # not built (issue 48 item 3)
+        "two_policies": None,  # with --learn (and two_policies among --arms): the co-evolution run with two models
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
     }
     if args.learn:
