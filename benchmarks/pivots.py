@@ -381,6 +381,12 @@ def tokens_to_target(root_curve: list[dict[str, Any]], curve: list[dict[str, Any
     return None if reached is None else reached / spent
 
 
+def smoothed(curve: list[dict[str, Any]], window: int = 3) -> list[dict[str, Any]]:
+    """`curve` with each point's accuracy the mean of it and the `window - 1` points before it."""
+    return [{**point, "accuracy": statistics.fmean(p["accuracy"] for p in curve[max(0, i - window + 1) : i + 1])}
+            for i, point in enumerate(curve)]
+
+
 def mean_and_se(values: list[float | None]) -> tuple[float | None, float | None]:
     """The mean and its standard error (sample std / sqrt(n)); None where a value is missing (a
     target never reached) or, for the error, with one value."""
@@ -400,6 +406,11 @@ def training_figures(trained: list[dict[str, Any]]) -> dict[str, Any]:
         per_seed = [tokens_to_target(curve["root", seed], curve[arm, seed]) for seed in seeds]
         figures[key], figures[key + "_se"] = mean_and_se(per_seed)
         figures[key + "_per_seed"] = per_seed
+        # The same on each curve's trailing mean of 3 evaluations: one evaluation's noise (about
+        # 1.5 points at 1,024 samples) neither sets the target nor reaches it.
+        smooth = [tokens_to_target(smoothed(curve["root", seed]), smoothed(curve[arm, seed])) for seed in seeds]
+        figures[key + "_smoothed"], figures[key + "_smoothed_se"] = mean_and_se(smooth)
+        figures[key + "_smoothed_per_seed"] = smooth
     for arm in ARMS:
         finals = [curve[arm, seed][-1]["accuracy"] for seed in seeds]
         start = statistics.fmean(curve[arm, seed][0]["accuracy"] for seed in seeds)
@@ -428,17 +439,38 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=2, help="Steps between held-out evaluations.")
     parser.add_argument("--heldout", type=int, default=256, help="Held-out prompts (each sampled --eval-samples times).")
     parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("--rows", help="Summarize the lines a run printed (a file of them) instead of running: its last line "
+                        "again, with the figures added since (give the run's other options too: they are reported as given).")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    trained, runs, rebuilt, silent, sft_loss = read_rows(args.rows) if args.rows else run_all(args)
+    figures = sampling_figures(runs, rebuilt, silent) if runs else {key: None for key in SAMPLING_KEYS}
+    print(json.dumps({
+        **(training_figures(trained) if trained else {"tokens_to_target_pivot_vs_root": None}),
+        **figures,
+        "verdict_wait_s": args.verdict_wait_s, "token_ms": args.token_ms,
+        "budget_tokens": args.budget, "train_budget_tokens": args.train_budget, "seeds": args.seeds,
+        "group_size": args.group_size, "k": args.k, "lr": args.lr, "groups_per_step": args.groups_per_step,
+        "local_weight": args.local_weight, "heldout": args.heldout, "eval_samples": args.eval_samples,
+        "sft_steps": args.sft_steps, "sft_loss": None if sft_loss is None else round(sft_loss, 4),
+    }))
+
+
+Rows = tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, Any], float | None]
+
+
+def run_all(args: argparse.Namespace) -> Rows:
+    """Every arm's runs, each printed as a line as it ends: the training arms', the fixed-policy
+    arms', then the KV-rebuild and no-scoring measures; and the fine-tuning's final loss."""
     runs: list[dict[str, Any]] = []
+    trained: list[dict[str, Any]] = []
     rebuilt: dict[str, Any] = {}
     silent: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = os.path.join(tmp, "v0")
         sft_loss = finetune(checkpoint, args.sft_steps, seed=0)
-        trained: list[dict[str, Any]] = []
         if args.train_budget:
             heldout = heldout_prompts(args.heldout, args.seeds)
             for seed in range(args.seeds):
@@ -460,17 +492,20 @@ def main() -> None:
             silent = run_arm("root", 0, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=args.token_ms / 1000)
             print(json.dumps(rebuilt), flush=True)
             print(json.dumps(silent), flush=True)
+    return trained, runs, rebuilt, silent, sft_loss
 
-    figures = sampling_figures(runs, rebuilt, silent) if args.budget else {key: None for key in SAMPLING_KEYS}
-    print(json.dumps({
-        **(training_figures(trained) if trained else {"tokens_to_target_pivot_vs_root": None}),
-        **figures,
-        "verdict_wait_s": args.verdict_wait_s, "token_ms": args.token_ms,
-        "budget_tokens": args.budget, "train_budget_tokens": args.train_budget, "seeds": args.seeds,
-        "group_size": args.group_size, "k": args.k, "lr": args.lr, "groups_per_step": args.groups_per_step,
-        "local_weight": args.local_weight, "heldout": args.heldout, "eval_samples": args.eval_samples,
-        "sft_steps": args.sft_steps, "sft_loss": round(sft_loss, 4),
-    }))
+
+def read_rows(path: str) -> Rows:
+    """The runs a previous run printed (its lines but a last summary line; `--rows`), sorted as
+    `run_all` returns them; the fine-tuning's loss is not in them (None)."""
+    with open(path) as file:
+        rows = [json.loads(line) for line in file if line.strip()]
+    rows = [row for row in rows if "arm" in row]  # not the summary line
+    trained = [row for row in rows if "curve" in row]
+    rebuilt = next((row for row in rows if not row["keep_cache"]), {})
+    silent = next((row for row in rows if not row["post_steps"]), {})
+    runs = [row for row in rows if "curve" not in row and row["keep_cache"] and row["post_steps"]]
+    return trained, runs, rebuilt, silent, None
 
 
 SAMPLING_KEYS = ("recovered_per_1k_tokens_pivot_vs_root", "all_fail_groups_pivot", "all_fail_groups_root",

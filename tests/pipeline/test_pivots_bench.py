@@ -113,3 +113,7 @@ def test_tokens_to_target_is_the_first_point_at_the_roots_final_accuracy(bench: 
     assert bench.tokens_to_target(root, never) is None
     assert bench.mean_and_se([0.6, 0.8]) == pytest.approx((0.7, 0.1))
     assert bench.mean_and_se([0.6, None]) == (None, None)
+    assert [p["accuracy"] for p in bench.smoothed(fast)] == pytest.approx([0.2, 0.305, (0.2 + 0.41 + 0.35) / 3])
+    assert bench.tokens_to_target(bench.smoothed(root), bench.smoothed(fast)) == 0.6  # 0.305 against the root's 0.3
+    spike = [{"tokens": tokens, "accuracy": 0.45 if tokens == 300 else 0.2} for tokens in (0, 150, 300, 450, 600)]
+    assert bench.tokens_to_target(root, spike) == 0.3 and bench.tokens_to_target(bench.smoothed(root), bench.smoothed(spike)) is None
