@@ -140,7 +140,9 @@ def replay_difference(
     directory = store.pull(version, cache_dir)
     published = read_adapter(directory).tensors if lora else read_hf_weights(directory)
     # Published in store.publish_dtype: compare in it (the replayed float32 weights rounded as they were).
-    return max((weights[k].to(published[k].dtype).float() - published[k].float()).abs().max().item() for k in weights)
+    # Over the tensors the store holds: a tied head (SmolLM2's lm_head.weight) is stored once, under
+    # the embeddings' name (write_hf_dir), while the gathered state holds it as a tensor of its own.
+    return max((weights[k].to(t.dtype).float() - t.float()).abs().max().item() for k, t in published.items())
 
 
 def open_trackers(config: RunConfig, *, run_dir: str, model_dir: str) -> Trackers | None:

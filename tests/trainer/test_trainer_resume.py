@@ -52,6 +52,29 @@ def batch(version: int) -> TrainBatch:
     return TrainBatch(trainer_version=version, samples=[sample], staleness_histogram={"0": 1}, rollouts_accepted=3, stale_dropped=1)
 
 
+def test_replay_difference_of_a_tied_head_model_compares_what_the_store_holds(tmp_path: Path) -> None:
+    """SmolLM2's head is its embeddings: the gathered state holds lm_head.weight, the published
+    version does not (write_hf_dir writes it once, under the embeddings' name). Found by issue 46's
+    F7: the restarted trainer stopped with KeyError: 'lm_head.weight' at its first replayed version."""
+    from transformers import LlamaConfig
+
+    from decentrl.store.checkpoints import CheckpointStore
+    from decentrl.store.weights import write_hf_dir
+    from decentrl.trainer.train import replay_difference
+
+    config = LlamaConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=16, tie_word_embeddings=True)
+    embed = torch.randn(16, 8)
+    state = {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "model.norm.weight": torch.ones(8)}
+    (tmp_path / "v").mkdir()
+    write_hf_dir(str(tmp_path / "v"), state, config, extras_from=str(tmp_path / "v"), dtype=torch.bfloat16)
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.publish(1, str(tmp_path / "v"))
+    assert replay_difference(state, store, 1, str(tmp_path / "cache"), lora=False) == 0.0
+    moved = {**state, "model.norm.weight": torch.full((8,), 1.5)}
+    assert replay_difference(moved, store, 1, str(tmp_path / "cache"), lora=False) == 0.5
+
+
 def test_batch_journal_round_trip_and_prune(tmp_path: Path) -> None:
     journal = BatchJournal(str(tmp_path / "batches"))
     for step in (1, 2, 3):
