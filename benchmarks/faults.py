@@ -478,7 +478,7 @@ def store_faults(work: Path, slowdown_s: float) -> tuple[dict[str, Any], dict[st
 # -- on the spread testbed (root, namespaces): F4, F6, F1, F8 ----------------------------------
 
 
-TESTBED_FAULTS = ("F1", "F2", "F4", "F6", "F8")
+TESTBED_FAULTS = ("F1", "F2", "F3S", "F4", "F6", "F8")  # F3S: F3 across the spread (its "spread" part)
 TESTBED_OVERRIDES = [
     # The ledger's record: every batch served stays in the journal under its request id (the trainer's
     # "step-N"), and every lease with its rollout ids (a run here is shorter than the window).
@@ -677,6 +677,73 @@ def f6_kill9_behind_tls(net: Any, args: argparse.Namespace) -> tuple[dict[str, A
         **journal_ledger(run, final),
     }
     found["recovered_s"] = max((v for v in found["first_post_after_restart_s"].values() if v is not None), default=None)
+    return found, logs
+
+
+def f3_store_outage(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """F3 across the spread: the store's host cut off from every host (silent DROP) for
+    `--store-cut-s` under load, then `--slowdown-s` of 503 SlowDown to half its requests. The
+    workers keep generating with the version they hold while it is fresh and then wait, saying
+    why; the trainer's publishes are retried; what the store serves each worker after the heal is
+    held against what the versions it loaded then needed (`spread.fetch_bytes`)."""
+    spread, _ = load_spread()
+    run = net.start_run(testbed_config(args.testbed_steps, 30.0), run_name="f3", worker_hosts=["l1", "l2"])
+    workers = {"worker-0": net.workers["l1"], "worker-1": net.workers["l2"]}
+    try:
+        wait_steps(net, run, args.warm_steps)
+        cut = time.time()
+        net.net.isolate(net.store)
+        time.sleep(args.store_cut_s)
+        served_at_heal = dict(net.control.stats()["served"]["by_client"])
+        net.net.heal()
+        healed = time.time()
+        slowdowns_before = net.control.stats()["hits"].get("slowdown", 0)
+        net.control.set("slowdown", share=0.5, seconds=args.slowdown_s)
+        net.manifests(run)
+        final = finish(net, run, timeout_s=args.testbed_timeout_s)
+        net.manifests(run)
+    finally:
+        net.stop_run(run)
+    statuses, metrics, logs = run.statuses(), run.metrics(), run_logs(run)
+    served = net.control.stats()["served"]["by_client"]
+    loads = spread.loaded_versions(run)
+    after: dict[str, Any] = {}
+    for name, host in workers.items():
+        held = {e.version for e in loads.get(name, []) if e.loaded_at <= healed}
+        held |= {0} if not held else set()
+        need = 0
+        for event in (e for e in loads.get(name, []) if e.loaded_at > healed):
+            size, chain, _ = spread.fetch_bytes(run.manifests, event.version, held)
+            need += size
+            held |= {event.version, *chain}
+        got = served.get(host.ip, 0) - served_at_heal.get(host.ip, 0)
+        after[name] = {"served": got, "ideal": need, "ratio": round(got / need, 3) if need else None}
+
+    def accepted_at(t: float) -> int:
+        return max((st["rollouts_accepted"] for st in statuses if st["t"] <= t), default=0)
+
+    loaded_during = {name: [e.version for e in events if cut < e.loaded_at <= healed] for name, events in loads.items()}
+    served_total, ideal_total = sum(a["served"] for a in after.values()), sum(a["ideal"] for a in after.values())
+    found = {
+        "made": True, "store_cut_s": args.store_cut_s, "slowdown_s": args.slowdown_s, "slowdown_share": 0.5,
+        "workers": {"worker-0": "L1", "worker-1": "L2"},
+        # Rollouts acknowledged while no host could reach the store: generated with held versions.
+        "accepted_during_cut": accepted_at(healed) - accepted_at(cut),
+        "trainer_steps_during_cut": sum(1 for m in metrics if cut < m["time"] <= healed),
+        "versions_loaded_during_cut": loaded_during,
+        "worker_pull_failures_logged": logs.count("failed ("),
+        "workers_waiting_said_why": logs.count("more than max_staleness"),
+        "trainer_publish_retries": logs.count("the store failed"),
+        "versions_refused": logs.count("refused version"),
+        "steps": len(metrics), "versions_continuous": [m["policy_version"] for m in metrics] == list(range(1, len(metrics) + 1)),
+        "store_after_heal_vs_ideal": round(served_total / ideal_total, 3) if ideal_total else None,
+        "store_after_heal_by_worker": after,
+        "slowdowns_answered": net.control.stats()["hits"].get("slowdown", 0) - slowdowns_before,
+        **journal_ledger(run, final),
+    }
+    # No host sees a version before its manifest, written last; a version that fails its checks is refused, never loaded.
+    found["half_versions_loaded"] = found["versions_refused"]
+    found["recovered_s"] = min((v for v in (first_after(statuses, healed, n) for n in workers) if v is not None), default=None)
     return found, logs
 
 
@@ -974,7 +1041,7 @@ def testbed_faults(args: argparse.Namespace, wanted: set[str]) -> tuple[dict[str
     logs: list[str] = []
     try:
         with spread.Spread(workdir, {"l1": "L1", "l2": "L2", "l1b": "L1"}) as net:
-            for name, make in (("F1", f1_link_cut), ("F2", f2_worker_cut_past_lease_and_retention),
+            for name, make in (("F1", f1_link_cut), ("F2", f2_worker_cut_past_lease_and_retention), ("F3S", f3_store_outage),
                                ("F4", f4_orchestrator_cut), ("F6", f6_kill9_behind_tls), ("F8", f8_trainer_nodes_cut)):
                 if name in wanted:
                     started = time.time()
@@ -1008,6 +1075,7 @@ def main() -> None:
     parser.add_argument("--f4-lease-s", type=float, default=120.0, help="F4: orchestrator.lease_timeout_s of its run")
     parser.add_argument("--down-s", type=float, default=5.0, help="F6: seconds between the kill and the restart")
     parser.add_argument("--link-cut-s", type=float, default=30.0, help="F1: how long the worker's link is cut")
+    parser.add_argument("--store-cut-s", type=float, default=60.0, help="F3S: how long the store's host is cut off from every host")
     parser.add_argument("--cut-at", type=float, default=0.3, help="F1: the share of the version served when it is cut")
     parser.add_argument("--f1-mb", type=int, default=24, help="F1: the version's size in MiB")
     parser.add_argument("--peer-timeout-s", type=float, default=30.0, help="F8: trainer.peer_timeout_s of its run")
@@ -1060,6 +1128,8 @@ def main() -> None:
             found, testbed_logs = testbed_faults(args, wanted)
             faults.update(found)
             logs += testbed_logs
+        if "F3S" in faults:  # F3 across the spread, beside the one-host run of F3's publisher part (or a merged one)
+            faults["F3"] = {**faults.get("F3", {"made": False, "why_not": "the one-host part: `--only F3`"}), "spread": faults.pop("F3S")}
         if twin is not None:
             faults["F1"] = {**faults["F1"], "one_host_twin": twin} if faults["F1"].get("made") is True else twin
         if args.logs:

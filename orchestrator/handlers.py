@@ -37,7 +37,7 @@ from decentrl.api.wire import (
     VersionAnnouncement,
 )
 from decentrl.model.tokenizer import vocab_digest
-from decentrl.store.checkpoints import StoreError, policy_url
+from decentrl.store.checkpoints import StoreError, StoreUnreachable, policy_url
 from decentrl.tasks.episodes import EpisodeTask
 from orchestrator.appstate import (
     BATCH_READY,
@@ -326,7 +326,8 @@ async def version(request: web.Request) -> web.Response:
 async def check_in_store(app: web.Application, version: int, policy: str | None = None) -> None:
     """409 unless `version` is complete in the run's store (its manifest is there and checks,
     signature included when the store has a public key): workers could not pull it, and a version
-    announced past the real one would make every rollout stale."""
+    announced past the real one would make every rollout stale. 503 (retried by the trainer's
+    client) while the orchestrator cannot read the store: an outage is not a missing version."""
     store, published = app[STORE], app[STATE].stream(policy).published
     if store is None or (published is not None and version <= published):  # an older one changes nothing
         return
@@ -334,6 +335,11 @@ async def check_in_store(app: web.Application, version: int, policy: str | None 
         store = store.of_policy(policy)
     try:
         await asyncio.to_thread(store.manifest, version)
+    except StoreUnreachable as exc:
+        raise error(
+            web.HTTPServiceUnavailable, f"the orchestrator cannot read the store to check version {version} ({exc}); "
+            "announce it again shortly", retry_after=5,
+        ) from None
     except StoreError as exc:
         raise error(
             web.HTTPConflict, f"version {version} is not complete in the store: {exc}; publish it, then announce it"

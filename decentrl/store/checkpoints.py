@@ -78,6 +78,7 @@ from decentrl.store.manifest import (  # noqa: F401 - re-exported
     ManifestFile,
     SignatureError,
     StoreError,
+    StoreUnreachable,
     VerificationError,
     check_manifest,
     new_hasher,
@@ -285,7 +286,7 @@ class CheckpointStore:
                 f"published versions: {self.versions()}"
             ) from None
         except _read_errors() as exc:
-            raise StoreError(
+            raise StoreUnreachable(
                 f"reading {version_dirname(version)}/{MANIFEST_NAME} from {self.url} failed ({exc!r}); "
                 "check the store is reachable"
             ) from exc

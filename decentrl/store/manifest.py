@@ -45,6 +45,10 @@ class StoreError(Exception):
     """A store operation cannot proceed; the message says what is wrong and what to do."""
 
 
+class StoreUnreachable(StoreError):
+    """The store could not be read (a connection refused or timed out, a 5xx): asking again later may succeed."""
+
+
 class VerificationError(StoreError):
     """A stored file is missing or does not match its manifest entry, or the manifest is not trusted."""
 

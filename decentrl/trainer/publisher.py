@@ -110,6 +110,10 @@ class Publisher:
         if self._previous is not None:
             self._previous[1].cleanup()
 
+    def check(self) -> None:
+        """Raise the error that stopped a publish, if one did (the training loop asks while it waits)."""
+        self._raise_if_failed()
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"publishing a checkpoint failed: {self._error}") from self._error

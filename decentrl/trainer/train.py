@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,15 +119,20 @@ def warmup(steps: int):  # noqa: ANN201 - an LR multiplier for LambdaLR
     return lambda done: min(1.0, (done + 1) / (steps + 1))
 
 
-def receive_batch(step: int, plan: ResumePlan, client: OrchestratorClient, journal: BatchJournal) -> TrainBatch:
+def receive_batch(
+    step: int, plan: ResumePlan, client: OrchestratorClient, journal: BatchJournal, check: Callable[[], None] = lambda: None
+) -> TrainBatch:
     """Rank 0: the journaled batch of a step being replayed, else the orchestrator's next one,
     journaled before any training on it. The request id is the step's: a trainer killed after the
     orchestrator served a batch and before journaling it asks again after its restart and gets
     that batch back (kept `orchestrator.batches_kept`), instead of the batch being lost - which
-    would shift every later batch of a deterministic run and stall a synchronous one."""
+    would shift every later batch of a deterministic run and stall a synchronous one. `check`
+    raises, between asks, what stopped the background publishing (the publisher's error): no
+    batch comes while no new version is announced, so the wait would otherwise never end."""
     if step <= plan.replay_through:
         return journal.read(step)
     while (batch := client.batch(trainer_version=step - 1, request_id=f"step-{step}")) is None:
+        check()
         log.info("waiting for a batch for version %d", step - 1)
     journal.write(step, batch)
     return batch
@@ -218,7 +224,8 @@ def _train(config: RunConfig, options: TrainerOptions, rank: int, world: int, de
     beat_s = cfg.peer_timeout_s / 4  # rank 0's waits between collectives, cut into heartbeats
     pad_id = model.config.pad_token_id or 0
     # Rank 0 fetches step s+1's batch while step s trains (decentrl/trainer/prefetch.py).
-    batches = BatchPrefetcher(lambda step: receive_batch(step, plan, client, journal), last_step=cfg.steps) if journal else None
+    check = publisher.check if publisher else lambda: None
+    batches = BatchPrefetcher(lambda step: receive_batch(step, plan, client, journal, check), last_step=cfg.steps) if journal else None
 
     for step in range(progress.step + 1, cfg.steps + 1):
         started = time.perf_counter()

@@ -251,6 +251,38 @@ def test_announced_versions_must_be_in_the_store(serve: Any, tmp_path: Path) -> 
     run(scenario())
 
 
+def test_an_announcement_the_store_cannot_be_read_for_is_a_503_to_retry(
+    serve: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The orchestrator's host cut from the store (F3): its check of an announced version cannot
+    read the manifest. That is an outage, not a missing version: 503 with Retry-After (the
+    trainer's client retries), not the 409 that stops the trainer's publishing."""
+    store = CheckpointStore(f"file://{tmp_path}/store")
+    for version in (0, 1):
+        version_dir = tmp_path / f"v{version}"
+        version_dir.mkdir()
+        (version_dir / "config.json").write_text("{}")
+        store.publish(version, str(version_dir))
+    real = store.fs.cat_file
+
+    def unreachable(*args: Any, **kwargs: Any) -> bytes:
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    async def scenario() -> None:
+        async with serve(store=store) as server:
+            assert (await server.call("POST", "/v1/version", TRAINER, json={"version": 0}))[0] == 200
+            monkeypatch.setattr(store.fs, "cat_file", unreachable)
+            status, error, headers = await server.call("POST", "/v1/version", TRAINER, json={"version": 1})
+            assert status == 503 and headers.get("Retry-After") == "5", (status, error)
+            assert "cannot read the store to check version 1" in error["error"] and "announce it again" in error["error"]
+            assert server.state.published_version == 0
+            monkeypatch.setattr(store.fs, "cat_file", real)
+            assert (await server.call("POST", "/v1/version", TRAINER, json={"version": 1}))[0] == 200
+            assert server.state.published_version == 1
+
+    run(scenario())
+
+
 def test_dashboard_routes_take_only_strict_bounded_input(serve: Any) -> None:
     """POST /v1/trainer/steps and GET /v1/dashboard get the same treatment as the run's routes."""
 

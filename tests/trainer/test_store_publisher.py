@@ -115,3 +115,37 @@ def test_key_versions_are_stored_whole_and_as_deltas(model: PreTrainedModel, tmp
     loaded = AutoModelForCausalLM.from_pretrained(str(late), dtype=torch.float32)
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, state[name]), name
+
+
+def test_a_failed_publish_ends_the_wait_for_a_batch(model: PreTrainedModel, tmp_path: Path) -> None:
+    """While no new version is announced no batch comes (F3: the announce failed while the store
+    was cut off); the trainer's wait for its next batch raises the publisher's error instead of
+    waiting for ever."""
+    import time
+
+    from decentrl.trainer.checkpoint import BatchJournal, ResumePlan
+    from decentrl.trainer.train import receive_batch
+
+    def refuse(version: int) -> None:
+        raise RuntimeError("orchestrator answered 409: version 1 is not complete in the store")
+
+    publisher = Publisher(
+        store=CheckpointStore(str(tmp_path / "store")), model_config=model.config, extras_from=str(tmp_path),
+        keep_last=10, on_published=refuse,
+    )
+    publisher.submit(1, state_of(model))
+
+    class NoBatches:
+        asked = 0
+
+        def batch(self, trainer_version: int, request_id: str) -> None:
+            self.asked += 1
+            assert self.asked < 1200, "the wait for a batch never saw the publisher's error"
+            time.sleep(0.05)
+            return None  # a long-poll that ended without a batch
+
+    client = NoBatches()
+    with pytest.raises(RuntimeError, match="publishing a checkpoint failed: .*not complete in the store"):
+        receive_batch(2, ResumePlan(checkpoint=0, replay_through=0, published=0), client,  # type: ignore[arg-type]
+                      BatchJournal(str(tmp_path / "journal")), publisher.check)
+    assert client.asked >= 1
