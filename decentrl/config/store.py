@@ -69,9 +69,9 @@ class StoreConfig(Section):
         256, ge=16, le=65536, description="Remote stores: the smallest range, so a file of a few parts is that many "
         "requests (larger where the store is slow to answer: a range is at least what one stream carries while a "
         "request waits, as the pull measures them). Smaller parts put more streams on a small file, which a long "
-        "lossy link needs (the CPU demo's 1.1 MB delta on L2, 150 ms and 0.5% loss: 2.4 s in 256 KiB parts, 1.1 s "
-        "in 64 KiB), at more requests to the store (8 workers pulling 2.2 MB deltas from moto on 2 shared cores: delta p50 2.3 s in 256 KiB parts, "
-        "4.4 s in 64 KiB; docs/deploy.md).",
+        "lossy link needs (the CPU demo's 1.1 MB delta on L2, 150 ms and 0.5% loss: 2.4 s in 256 KiB parts, "
+        "1.1 s in 64 KiB), at more requests to the store (8 workers pulling 2.2 MB deltas from moto on 2 shared "
+        "cores: delta p50 2.3 s in 256 KiB parts, 4.4 s in 64 KiB; docs/deploy.md).",
     )
     stall_timeout_s: float = Field(
         8.0, gt=0, le=600, description="Remote stores: a range read that receives no byte for this long (a silent "
