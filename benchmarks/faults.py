@@ -5,6 +5,7 @@ S3 behind a fault front, a two-node trainer).
     .venv/bin/python benchmarks/faults.py                              # one host: F3 F5 F9 F10 (about 3 min; root for F9 tmpfs)
     sudo flock /tmp/spread.lock .venv/bin/python benchmarks/faults.py --only F1 F4 F6   # the testbed (about 7 min)
     ... --only F2 (about 4 min), --only F8 (about 7 min); --merge A.json B.json: keep the faults of earlier runs
+    .venv/bin/python benchmarks/faults.py --only F7                    # the real model's trainer killed mid-publish (about 8 min, 12 GB)
 
 One host. Worker threads post through the real OrchestratorClient to a real `decentrl orchestrator`
 process and remember every rollout id it acknowledged; a trainer thread takes batches and remembers
@@ -47,8 +48,16 @@ steps.
 - F8: the trainer nodes' interconnect cut (`--peer-timeout-s`): each node's stop and its error,
   the workers meanwhile; healed and started again, the resumption and the versions published.
 
-F7 (the real model's trainer killed mid-publish) is listed with `made: false` and what would make
-it. The last line of stdout is one JSON object; each fault says when it was measured and the load;
+F7 (one host, `--only F7`): configs/smollm2.toml (the real model; `--f7-config configs/local.toml`
+for the tiny one) reduced to 5 steps of 2 groups, a checkpoint every 2 steps and a key version at
+4 (store.full_every 3), as `decentrl run` starts its roles, the store moto's S3 behind the fault
+front on loopback; the trainer's process group killed (-9) while the front has received part of the
+key version's weights and no manifest, the same command started again: its resume (checkpoint,
+replay, replay difference), the versions' manifests before and after (no gap, none written twice),
+the worker's loads and cache (each version verified against the store's manifest), the ledger from
+the journal as on the testbed, and the times from the kill to the next version published.
+
+The last line of stdout is one JSON object; each fault says when it was measured and the load;
 docs/deploy.md, "What happens when ...", has the figures.
 """
 
@@ -91,8 +100,8 @@ NEEDS_TESTBED = {  # made here only by their own runs (--only F1 F2 F4 F6 F8, ro
     "F2": "the spread testbed: `--only F2` (root, flock /tmp/spread.lock)",
     "F4": "the spread testbed: `--only F4` (root, flock /tmp/spread.lock)",
     "F6": "the spread testbed: `--only F6` (root, flock /tmp/spread.lock)",
-    "F7": "the trainer killed mid-publish of SmolLM2's full version: the real-model trainer (about 12 GB) does not fit "
-          "beside the other sessions on this 24 GiB machine; a host with 32 GiB free would make it",
+    "F7": "the real model's trainer (about 12 GB, configs/smollm2.toml): `--only F7` (about 7 min on 2 cores; "
+          "`--f7-config configs/local.toml`: the same with the tiny model, about 3 min)",
     "F8": "the spread testbed: `--only F8` (root, flock /tmp/spread.lock)",
 }
 
@@ -473,6 +482,224 @@ def store_faults(work: Path, slowdown_s: float) -> tuple[dict[str, Any], dict[st
         front.stop()
         moto.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# -- F7: the trainer killed mid-publish of a key version (one host: moto behind the fault front) ------
+
+
+F7_LOADED = re.compile(r"^(\S+ \S+) worker INFO decentrl\.worker: loaded version (\d+):")
+F7_PUBLISHED = re.compile(r"^(\S+ \S+) .*published version (\d+) in ")
+
+
+def _log_times(pattern: re.Pattern[str], text: str) -> list[tuple[float, int]]:
+    spread, _ = load_spread()
+
+    return [(spread.log_time(m[1]), int(m[2])) for m in map(pattern.match, text.splitlines()) if m]
+
+
+def f7_trainer_kill_mid_publish(work: Path, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """F7: `args.f7_config` (configs/smollm2.toml: the real model) run as `decentrl run` starts it
+    (orchestrator, one trainer, one worker) on one host, its store moto's S3 in its own process
+    behind the testbed's fault front on loopback. Key version K = 1 + `--f7-full-every` (version 1 is
+    whole, then full_every - 1 deltas, then a key version stored whole and as deltas); checkpoints
+    every `--f7-checkpoint-every` steps (the one at K waits for K's publish: the restart resumes from
+    an earlier one and replays). While the front has received part of K's weights and K's manifest
+    is not written, kill -9 of the trainer's process group and every process below it (torchrun runs
+    its ranks in sessions of their own); `--f7-down-s` later, the same trainer command again. The
+    front holds K's first weight upload at `--f7-kill-at` of the file (a stall: it stops reading), so
+    the kill lands mid-upload whatever the upload's speed; the kill comes at the first of the stall
+    or that share received."""
+    import boto3
+
+    spread, _ = load_spread()
+    from decentrl.cli import launch
+    from decentrl.config import load_config
+    from tests.pipeline.test_spread_services import ss
+
+    key = 1 + args.f7_full_every
+    short = tempfile.mkdtemp(prefix="faults-f7-")  # the control socket's path must be short
+    moto = ss.start_moto(short, host="127.0.0.1", port=0)
+    front, control = ss.start_s3_front(short, host="127.0.0.1", port=0, upstream=moto.url)
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    roles: list[Any] = []
+    try:
+        boto3.client("s3", endpoint_url=moto.url, aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket="faults")
+        config = load_config(str(ROOT / args.f7_config), [
+            f"trainer.steps={args.f7_steps}", f"trainer.groups_per_step={args.f7_groups_per_step}",
+            f"trainer.checkpoint_every={args.f7_checkpoint_every}", f"store.full_every={args.f7_full_every}",
+            "store.retention_grace_s=86400",  # every version stays: the check reads each one's manifest at the end
+            f"store.parallel_reads={args.f7_parallel_reads}",
+            "num_workers=1", *TESTBED_OVERRIDES])
+        store_config = config.store.model_copy(update={"url": "s3://faults/f7", "endpoint": front.url, "region": "us-east-1"})
+        port = free_port()
+        config = config.model_copy(update={"store": store_config, "run_name": "f7",
+                                           "orchestrator": config.orchestrator.model_copy(update={"port": port})})
+        run_dir = work / "f7"
+        (run_dir / "logs").mkdir(parents=True)
+        config_path = run_dir / "config.json"
+        config_path.write_text(config.model_dump_json(indent=2))
+        tokens = {name: add_token(str(run_dir / "tokens.json"), name=name, role="trainer" if name == "trainer" else "worker")
+                  for name in ("trainer", "worker-0")}
+        run = spread.SpreadRun(run_dir, config, config_path, tokens, store_config.url)
+        url = f"http://127.0.0.1:{port}"
+        env = {**creds, "PYTHONPATH": str(ROOT)}
+        roles.append(launch._start("orchestrator", launch.orchestrator_command(config_path, run_dir), run_dir, env))
+        roles.append(launch._start("monitor", [sys.executable, spread.SCRIPT, "monitor", url, tokens["trainer"],
+                                               str(run_dir / "monitor.jsonl")], run_dir, env))
+        deadline = time.monotonic() + 120
+        while not run.statuses():
+            if roles[0].process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the orchestrator did not start: {launch._tail(roles[0].log_path)}")
+            time.sleep(0.2)
+        starts = launch.role_starts(config, config_path, run_dir, url, tokens)
+        trainer_start, worker_start = starts[0], starts[1]
+        # The observer reads moto directly: its reads do not count at the front.
+        observer = CheckpointStore.from_config(store_config.model_copy(update={
+            "endpoint": moto.url, "access_key_id": "testing", "secret_access_key": "testing"}))
+        manifests: dict[int, bytes] = {}  # each version's manifest as first seen
+        changed: set[int] = set()
+
+        def observe() -> None:
+            for version in observer.versions():
+                raw = observer._manifest_bytes(version)
+                if version not in manifests:
+                    manifests[version] = raw
+                elif raw != manifests[version]:
+                    changed.add(version)
+
+        trainer = launch._start("trainer", trainer_start.argv, run_dir, {**trainer_start.env, **env})
+        roles.append(trainer)
+        roles.append(launch._start("worker-0", worker_start.argv, run_dir, {**worker_start.env, **env}))
+        deadline = time.monotonic() + args.f7_timeout_s
+        while 0 not in manifests:
+            if trainer.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the trainer did not publish version 0: {launch._tail(trainer.log_path)}")
+            observe()
+            time.sleep(0.5)
+        weights = {f.path: f.size for f in observer.manifest(0).files if f.path.endswith(".safetensors")}
+        first = sorted(weights)[0]
+        control.set("stall", count=1, match=f"/v{key:06d}/{first}", methods=["PUT"],
+                    after_bytes=int(args.f7_kill_at * weights[first]))
+        prefix = f"/faults/f7/v{key:06d}/"
+        polls, last_observed = 0, 0.0
+        while True:
+            stats = control.stats()
+            received = {p.removeprefix(prefix): n for p, n in stats["received"]["by_object"].items() if p.startswith(prefix)}
+            got = sum(n for p, n in received.items() if ".safetensors" in p)
+            if got and (stats["stalled_now"] or got >= args.f7_kill_at * weights[first]):
+                break
+            if trainer.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the trainer ended (or the run timed out) before v{key}'s upload: {launch._tail(trainer.log_path)}")
+            if time.monotonic() - last_observed > 1.0:
+                observe()
+                last_observed = time.monotonic()
+            polls += 1
+            time.sleep(0.02)
+        tree = launch._descendants(trainer.process.pid)
+        os.killpg(trainer.process.pid, signal.SIGKILL)
+        launch._kill(tree)
+        killed = time.time()
+        trainer.process.wait()
+        trainer.log.close()
+        roles.remove(trainer)
+        at_kill = {"received_bytes": received, "stalled": bool(stats["stalled_now"]),
+                   "weight_file_bytes": weights[first], "trainer_processes_killed": 1 + len(tree)}
+        with contextlib.suppress(OSError):
+            at_kill["key_manifest_in_store"] = observer.fs.exists(observer._manifest_path(key))
+            at_kill["objects_under_key_version"] = sorted(p.rsplit("/", 1)[-1] for p in observer.fs.ls(observer._vdir(key), refresh=True))
+        control.clear()
+        observe()
+        at_kill["versions_in_store"] = sorted(manifests)
+        at_kill["checkpoints"] = sorted(p.name for p in (run_dir / "trainer" / "checkpoints").iterdir())
+        at_kill["journaled_steps"] = sorted(p.name for p in (run_dir / "trainer" / "batches").iterdir())
+        before_restart = dict(manifests)
+        time.sleep(args.f7_down_s)
+        restarted = time.time()
+        trainer = launch._start("trainer", trainer_start.argv, run_dir, {**trainer_start.env, **env})
+        roles.insert(2, trainer)
+        deadline = time.monotonic() + args.f7_timeout_s
+        while trainer.process.poll() is None and time.monotonic() < deadline:
+            observe()
+            time.sleep(0.5)
+        trainer_exit = trainer.process.poll()
+        observe()
+        worker = next(role for role in roles if role.name == "worker-0")
+        launch._stop([worker])  # it posts what it generated and says how many were acknowledged
+        roles.remove(worker)
+        time.sleep(1.5)
+        final = run.statuses()[-1]
+        launch._stop(roles)
+        roles = []
+        cache = run_dir / "cache" / "worker-0"
+        cached = {p.name: p for p in cache.iterdir()} if cache.is_dir() else {}
+        cache_problems = {}
+        for name, path in cached.items():
+            if match := re.fullmatch(r"v(\d{6})", name):
+                version = int(match[1])
+                problem = (observer._cached_problem(str(path), observer.manifest(version))
+                           if version in manifests else "not in the store")
+                if (path / "manifest.json").read_bytes() != manifests.get(version):
+                    problem = problem or "its manifest is not the store's"
+                if problem:
+                    cache_problems[name] = problem
+        logs = run_logs(run)
+        trainer_log = (run_dir / "logs" / "trainer.log").read_text(errors="replace")
+        worker_log = (run_dir / "logs" / "worker-0.log").read_text(errors="replace")
+    finally:
+        launch._stop(roles)
+        front.stop()
+        moto.stop()
+        shutil.rmtree(short, ignore_errors=True)
+    resumed = re.search(r"resuming from checkpoint step (\d+); replaying steps (\d+)\.\.(\d+)", trainer_log)
+    diff = re.search(r"replayed up to v(\d+): largest \|weight - published\| = (\S+)", trainer_log)
+    published = _log_times(F7_PUBLISHED, trainer_log)
+    by_version = Counter(v for _, v in published)
+    skipped = {int(v) for group in re.findall(r"skipped publishing versions \[([\d, ]+)\]", trainer_log) for v in group.split(",")}
+    loads = _log_times(F7_LOADED, worker_log)
+    written = {v: json.loads(raw)["created_at"] for v, raw in manifests.items()}
+    metrics = run.metrics()
+    after = [m for m in metrics if m["time"] > restarted]
+    first_new = min((at for at, v in published if at > restarted), default=None)
+    found = {
+        "made": "one host: moto's S3 in its own process behind the fault front on loopback as the store; the "
+                f"orchestrator, the trainer and a worker as `decentrl run` starts them ({args.f7_config})",
+        "config": {"steps": args.f7_steps, "groups_per_step": args.f7_groups_per_step, "parallel_reads": args.f7_parallel_reads,
+                   "checkpoint_every": args.f7_checkpoint_every, "full_every": args.f7_full_every, "key_version": key},
+        "at_kill": at_kill,
+        "trainer_exit_after_restart": trainer_exit,
+        "resumed_from": {"checkpoint": int(resumed[1]), "replayed": [int(resumed[2]), int(resumed[3])]} if resumed else None,
+        "replay_difference": {"version": int(diff[1]), "max_abs": float(diff[2])} if diff else None,
+        "versions": {
+            "in_store": sorted(manifests),
+            "gaps": sorted(set(range(args.f7_steps + 1)) - set(manifests)),
+            # A version the store held at the kill must keep its manifest (not published again).
+            "held_at_kill_changed": sorted(v for v in before_restart if manifests.get(v) != before_restart[v]) + sorted(changed),
+            "published_twice": sorted(v for v, n in by_version.items() if n > 1),
+            "published_by_restarted": sorted(v for at, v in published if at > restarted),
+            "skipped_by_design": sorted(skipped),
+            # The restarted publisher holds no version before it on disk: its first is stored whole alone.
+            "key_version_stored": None if key not in manifests else (
+                "whole" if json.loads(manifests[key]).get("delta_base") is None
+                else "whole and as deltas" if json.loads(manifests[key]).get("whole") else "as deltas"),
+        },
+        "worker": {
+            "loaded": [v for _, v in loads],
+            # Loaded before the restarted trainer wrote the key version's manifest (its created_at): a half version.
+            "loaded_key_before_its_manifest": sum(1 for at, v in loads if v == key and at < written.get(key, float("inf"))),
+            "cached_versions": sorted(n for n in cached if re.fullmatch(r"v\d{6}", n)),
+            "cache_problems": cache_problems,
+            "partial_dirs_left": sorted(n for n in cached if n.endswith(".partial")),
+        },
+        "kill_to_restart_s": round(restarted - killed, 1),
+        "restart_to_first_step_s": round(after[0]["time"] - restarted, 1) if after else None,
+        "restart_to_next_version_published_s": round(first_new - restarted, 1) if first_new else None,
+        "steps": len({m["step"] for m in metrics}),
+        **journal_ledger(run, final),
+    }
+    found["half_versions_loaded"] = len(cache_problems) + found["worker"]["loaded_key_before_its_manifest"]
+    found["recovered_s"] = round(first_new - killed, 1) if first_new else None
+    return found, logs
 
 
 # -- on the spread testbed (root, namespaces): F4, F6, F1, F8 ----------------------------------
@@ -1085,6 +1312,18 @@ def main() -> None:
     parser.add_argument("--f2-grace-s", type=float, default=20.0, help="F2: store.retention_grace_s of its run")
     parser.add_argument("--f2-steps", type=int, default=80, help="F2: the demo's trainer steps")
     parser.add_argument("--testbed-timeout-s", type=float, default=420.0, help="F4, F6: most seconds for a run's end")
+    parser.add_argument("--f7-config", default="configs/smollm2.toml", help="F7: the run's config (the real model)")
+    parser.add_argument("--f7-steps", type=int, default=5, help="F7: trainer steps")
+    parser.add_argument("--f7-groups-per-step", type=int, default=2, help="F7: trainer.groups_per_step")
+    parser.add_argument("--f7-checkpoint-every", type=int, default=2, help="F7: trainer.checkpoint_every")
+    parser.add_argument("--f7-full-every", type=int, default=3, help="F7: store.full_every (the key version: 1 + this)")
+    parser.add_argument("--f7-kill-at", type=float, default=0.3, help="F7: share of the key version's first weight file "
+                        "received when the trainer is killed")
+    parser.add_argument("--f7-parallel-reads", type=int, default=4,
+                        help="F7: store.parallel_reads (moto is one Python process: at the default 32, the trainer's "
+                             "and the worker's pulls of SmolLM2's version 0 at once stalled for minutes at load 9)")
+    parser.add_argument("--f7-down-s", type=float, default=5.0, help="F7: seconds from the kill to the restart")
+    parser.add_argument("--f7-timeout-s", type=float, default=1800.0, help="F7: most seconds for each trainer's part")
     parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                         help="files holding an earlier run's last line: its faults not run now are kept (each says "
                              "when it was measured)")
@@ -1120,6 +1359,14 @@ def main() -> None:
         if "F5" in args.only:
             (work / "f5").mkdir()
             faults["F5"] = f5_corrupt(work / "f5")
+        if "F7" in args.only:
+            started = time.time()
+            (work / "f7").mkdir()
+            faults["F7"], log = f7_trainer_kill_mid_publish(work / "f7", args)
+            faults["F7"].update(measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+                                wall_s=round(time.time() - started), load_1m=round(os.getloadavg()[0], 2),
+                                tracebacks_in_logs=traceback_lines(log))
+            logs.append(log)
         twin = None
         if "F3" in args.only:  # with F1's one-host twin, through the same front
             (work / "f3").mkdir()
