@@ -75,7 +75,9 @@ class StoreConfig(Section):
     )
     stall_timeout_s: float = Field(
         8.0, gt=0, le=600, description="Remote stores: a range read that receives no byte for this long (a silent "
-        "drop, a stalled store) is abandoned and retried from where it stopped, after a jittered back-off.",
+        "drop, a stalled store) is abandoned and retried from where it stopped, after a jittered back-off. On S3 "
+        "also the connect time-out, and a third of the read time-out (any request's wait for an answer, uploads "
+        "included), unless storage_options.config_kwargs sets them.",
     )
     link_local: bool = Field(
         True, description="Local store on the cache's filesystem: pulls hard-link the verified files into "
@@ -143,6 +145,12 @@ class StoreConfig(Section):
             # connection would count as stalled.
             config_kwargs = dict(options.get("config_kwargs") or {})  # type: ignore[call-overload]
             config_kwargs.setdefault("max_pool_connections", self.parallel_reads + self.download_concurrency)
+            # botocore waits 60 s to connect and 60 s for each answer by default: a publish caught by a
+            # silent partition then hung 116 s, 55 s past the heal (faults.py F3S, 2026-11-29). A store
+            # that does not answer within the stall bounds is asked again (the publish's and the
+            # pull's own retries, with their back-off); a range's answer waits 3x stall_timeout_s.
+            config_kwargs.setdefault("connect_timeout", self.stall_timeout_s)
+            config_kwargs.setdefault("read_timeout", 3 * self.stall_timeout_s)
             options["config_kwargs"] = config_kwargs
         return options
 

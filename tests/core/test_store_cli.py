@@ -80,10 +80,11 @@ def test_store_config_builds_s3_options() -> None:
         "client_kwargs": {"verify": False, "endpoint_url": "http://minio:9000", "region_name": "eu-west-1"},
         "key": "AK",
         "secret": "SK",
-        "config_kwargs": {"max_pool_connections": 36},  # parallel_reads + download_concurrency
+        # parallel_reads + download_concurrency; the stall bounds (stall_timeout_s, 3x for an answer)
+        "config_kwargs": {"max_pool_connections": 36, "connect_timeout": 8.0, "read_timeout": 24.0},
     }
     # Unset fields leave the AWS environment in charge.
-    assert StoreConfig(url="s3://bucket/run").fsspec_options() == {"config_kwargs": {"max_pool_connections": 36}}
+    assert StoreConfig(url="s3://bucket/run").fsspec_options() == {"config_kwargs": {"max_pool_connections": 36, "connect_timeout": 8.0, "read_timeout": 24.0}}
 
 
 @pytest.mark.parametrize(

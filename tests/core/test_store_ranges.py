@@ -598,10 +598,10 @@ def test_bad_range_settings_are_refused(store: dict[str, object], message: str) 
 
 def test_s3_connections_cover_the_ranges() -> None:
     """botocore pools 10 connections by default: a range waiting for one would count as stalled."""
-    options = StoreConfig(url="s3://b/run", parallel_reads=16, download_concurrency=4).fsspec_options()
-    assert options == {"config_kwargs": {"max_pool_connections": 20}}
-    mine = StoreConfig(url="s3://b/run", storage_options={"config_kwargs": {"max_pool_connections": 50}})
-    assert mine.fsspec_options() == {"config_kwargs": {"max_pool_connections": 50}}
+    options = StoreConfig(url="s3://b/run", parallel_reads=16, download_concurrency=4, stall_timeout_s=5).fsspec_options()
+    assert options == {"config_kwargs": {"max_pool_connections": 20, "connect_timeout": 5.0, "read_timeout": 15.0}}
+    mine = StoreConfig(url="s3://b/run", storage_options={"config_kwargs": {"max_pool_connections": 50, "read_timeout": 90}})
+    assert mine.fsspec_options() == {"config_kwargs": {"max_pool_connections": 50, "connect_timeout": 8.0, "read_timeout": 90}}
     assert StoreConfig(url="memory://b/run").fsspec_options() == {}
 
 
