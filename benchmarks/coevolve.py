@@ -237,10 +237,11 @@ def run(config: str, run_dir: Path, sets: list[str]) -> None:
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
-def heldout(run_dir: Path, args: argparse.Namespace) -> float:
-    """The final version's mean reward on held-out sorting prompts of --eval-digits digits: the solver's skill."""
+def heldout(run_dir: Path, args: argparse.Namespace, digits: int | None = None) -> float:
+    """The final version's mean reward on held-out sorting prompts of `digits` (--eval-digits) digits: the solver's skill."""
+    digits = digits or args.eval_digits
     config = json.loads((run_dir / "config.json").read_text())
-    config["task"] = {"type": "sorting", "num_digits": args.eval_digits, "num_prompts": 4096, "seed": 0}
+    config["task"] = {"type": "sorting", "num_digits": digits, "num_prompts": 4096, "seed": 0}
     roles = config["orchestrator"].pop("roles", None)
     if roles and roles.get("policies") == "per_role":  # two models: the solver's is the one evaluated
         from decentrl.store.manifest import policy_url
@@ -251,7 +252,7 @@ def heldout(run_dir: Path, args: argparse.Namespace) -> float:
     eval_config.write_text(json.dumps(config))
     out = subprocess.run(
         [str(Path(sys.executable).parent / "decentrl"), "eval", str(eval_config), "--run-dir", str(run_dir),
-         "--prompts", str(args.eval_prompts), "--samples", "1", "--greedy", "--set", f"sampling.max_tokens={args.eval_digits + 1}"],
+         "--prompts", str(args.eval_prompts), "--samples", "1", "--greedy", "--set", f"sampling.max_tokens={digits + 1}"],
         check=True, cwd=ROOT, capture_output=True, text=True,
     ).stdout
     return float(json.loads(out.strip().splitlines()[-1])["reward_mean"])
@@ -314,6 +315,7 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     arms = {arm: arms[arm] for arm in args.arms.split(",")}
     scores: dict[str, list[float]] = {arm: [] for arm in arms}
     by_decile: list[Any] = []
+    by_digits: dict[str, dict[str, list[float]]] = {}
     two: dict[str, Any] = {
         "proposals_by_decile": [], "wall_s": [], "final_version": {"proposer": [], "solver": []},
         "samples_a_step": {"proposer": [], "solver": []}, "trainer_busy": {"proposer": [], "solver": []},
@@ -321,9 +323,12 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     for seed in range(args.seeds):
         for arm, (config, sets) in arms.items():
             run_dir = out / f"{arm}-{seed}"
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run(config, run_dir, [*common, *sets, f"trainer.seed={seed}", f"model.seed={seed}", f"task.seed={seed}"])
+            if not (args.reuse and (run_dir / "summary.json").exists()):  # --reuse: a finished run under --out is taken as is
+                shutil.rmtree(run_dir, ignore_errors=True)
+                run(config, run_dir, [*common, *sets, f"trainer.seed={seed}", f"model.seed={seed}", f"task.seed={seed}"])
             scores[arm].append(heldout(run_dir, args))
+            for digits in map(int, filter(None, args.also_digits.split(","))):  # the range the proposals span
+                by_digits.setdefault(arm, {}).setdefault(str(digits), []).append(round(heldout(run_dir, args, digits), 4))
             if arm == "coevolve":
                 by_decile.append(proposals(run_dir))
             if arm == "two_policies":
@@ -337,6 +342,8 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {f"heldout_solver_{arm}": [round(s, 4) for s in values] for arm, values in scores.items()}
     if by_decile:
         result["proposals_by_decile"] = by_decile
+    if by_digits:
+        result["heldout_solver_by_digits"] = by_digits
     if "two_policies" in arms:
         result["two_policies"] = {"heldout_solver": result.pop("heldout_solver_two_policies"), **two}
     return result
@@ -358,6 +365,7 @@ poll-s float 0.05 schedule: how soon an idle worker or trainer asks again
 steps int 150 learn: trainer steps a run
 fixed-digits int 4 learn: the fixed curriculum's digits
 eval-digits int 4 learn: digits of the held-out sorting prompts
+also-digits str 6,8 learn: other held-out digit counts reported beside (heldout_solver_by_digits), comma-separated
 eval-prompts int 256 learn: held-out prompts
 arms str coevolve,frozen_proposer,fixed,two_policies learn: the runs, comma-separated
 """
@@ -370,6 +378,7 @@ def main() -> None:
         cast = {"int": int, "float": float, "str": str}[kind]
         parser.add_argument(f"--{flag}", type=cast, default=cast(default), help=text)
     parser.add_argument("--learn", action="store_true", help="also the real runs (minutes each)")
+    parser.add_argument("--reuse", action="store_true", help="learn: evaluate finished runs already under --out again")
     parser.add_argument("--out", default=None, help="run directories of --learn (default: a temp dir)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))

@@ -169,8 +169,8 @@ class RolesRewards(VerifierRewards):
             for i, text in enumerate(texts):
                 if i != proposer:
                     rewards[i] = self.task.reward(prompt, text)
-        solved = [reward for i, reward in enumerate(rewards) if i != proposer]
-        rewards[proposer] = self.task.proposer_reward(proposal, solved)
+        passes = [self.task.passed(prompt, text) for i, text in enumerate(texts) if i != proposer] if proposal is not None else []
+        rewards[proposer] = self.task.proposer_reward(proposal, passes)
         weight = self.task.config.repetition_penalty
         if weight > 0:
             self.recent.append(proposal.canonical if proposal is not None else None)

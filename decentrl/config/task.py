@@ -89,7 +89,12 @@ class ProposeTaskConfig(Section):
     solver_reward: Literal["exact", "positions"] = Field(
         "positions", description="A solver's reward: exact (1 for the exact answer, else 0) or positions (the share of "
         "the answer's characters right in place, the sorting task's partial credit: a signal a model learning from "
-        "scratch can climb); the proposer's learnability reads its solvers' mean either way."
+        "scratch can climb); the proposer's learnability reads pass_rate."
+    )
+    pass_rate: Literal["reward", "exact"] = Field(
+        "reward", description="The p the proposer's learnability reads: reward (its solvers' mean reward, partial credit "
+        "included: then p is rarely 0 or 1, and 1 - p pays most for the hardest problems they score anything on) or exact "
+        "(the share of its solvers with the exact answer: the pass rate Absolute Zero and R-Zero define)."
     )
     min_digits: int = Field(2, ge=1, le=64, description="Fewest digits of a valid proposal.")
     max_digits: int = Field(12, ge=1, le=64, description="Most digits of a valid proposal.")

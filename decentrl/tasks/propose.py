@@ -13,7 +13,8 @@ Rewards: a solver's is the share of its answer's characters right in place (`sol
 "positions"`, the sorting task's partial credit), or 1 for the exact answer (`"exact"`). A proposer's, at ingest, is whether its
 proposal is valid (1 or 0); once its solvers are in, the reward stage replaces it with
 `proposer_reward`: `invalid_reward` for an invalid proposal, else its learnability from the
-solvers' rewards (decentrl/rl/advantages.py `learnability`).
+solvers' results (`passed`: their rewards, or exact answers with `pass_rate = "exact"`;
+decentrl/rl/advantages.py `learnability`).
 """
 
 from __future__ import annotations
@@ -101,17 +102,30 @@ class ProposeTask:
         """A solver's correctness (`solver_reward`); a proposer's validity (1 or 0) until its solvers are in."""
         if self.role_of(prompt) == "proposer":
             return float(self.propose(completion_text) is not None)
-        proposal = self.propose(prompt.text.removesuffix("="))
-        if proposal is None:  # only the orchestrator renders solver prompts: it never makes one of these
-            raise ValueError(f"not a solver prompt of this task: {prompt.text[:80]!r}")
-        answer, target = "".join(completion_text.split()), self.answer(proposal)
+        answer, target = self._answer_and_target(prompt, completion_text)
         if self.config.solver_reward == "exact":
             return float(answer == target)
         # Extra characters cost as much as wrong ones, as in the sorting task: padding never pays.
         return sum(map(operator.eq, answer, target)) / max(len(target), len(answer))
 
+    def passed(self, prompt: Prompt, completion_text: str) -> float:
+        """What the proposer's learnability reads of one solver's answer (`pass_rate`): 1 or 0 for
+        the exact answer ("exact": p is the pass rate, as Absolute Zero and R-Zero define it), or
+        the solver's reward ("reward", the default: partial credit included, so p is rarely 0 or 1
+        and 1 - p pays most for the hardest problems)."""
+        if self.config.pass_rate == "reward":
+            return self.reward(prompt, completion_text)
+        answer, target = self._answer_and_target(prompt, completion_text)
+        return float(answer == target)
+
+    def _answer_and_target(self, prompt: Prompt, completion_text: str) -> tuple[str, str]:
+        proposal = self.propose(prompt.text.removesuffix("="))
+        if proposal is None:  # only the orchestrator renders solver prompts: it never makes one of these
+            raise ValueError(f"not a solver prompt of this task: {prompt.text[:80]!r}")
+        return "".join(completion_text.split()), self.answer(proposal)
+
     def proposer_reward(self, proposal: Proposal | None, solver_rewards: list[float]) -> float:
-        """Validity first (`invalid_reward`), then learnability from the solvers' rewards."""
+        """Validity first (`invalid_reward`), then learnability from the solvers' results (`passed` of each)."""
         if proposal is None:
             return self.config.invalid_reward
         return learnability(solver_rewards, self.config.learnability)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from pydantic import ValidationError
 
 from decentrl.config import ConfigError, ProposeTaskConfig, parse_config
 from decentrl.model.build import build_tiny_tokenizer
@@ -116,3 +117,14 @@ def test_config_errors_say_what_to_fix() -> None:
     with pytest.raises(ConfigError, match="set all three or none"):
         parse_config({"task": {"type": "propose"}})
     assert isinstance(parse_config({"task": {"type": "propose"}, **roles}).task, ProposeTaskConfig)
+
+
+def test_the_proposers_p_is_the_exact_pass_rate_unless_told_otherwise() -> None:
+    task = ProposeTask(ProposeTaskConfig(solver_reward="positions", pass_rate="exact"))
+    prompt = task.solver_prompt(Proposal("9027"), 0)
+    assert task.reward(prompt, "0297") == 0.5, "the solver's partial credit"
+    assert task.passed(prompt, "0297") == 0.0 and task.passed(prompt, " 0279\n") == 1.0, "the pass the proposer reads"
+    partial = ProposeTask(ProposeTaskConfig(solver_reward="positions"))  # the default: the solvers' rewards
+    assert partial.passed(prompt, "0297") == 0.5
+    with pytest.raises(ValidationError, match="pass_rate"):
+        ProposeTaskConfig(pass_rate="mean")  # type: ignore[arg-type]

@@ -280,3 +280,16 @@ def test_the_repetition_penalty_lowers_a_repeated_proposal(
         rewards.append(state.ready[-1].rewards[0])
     # Learnability 1 - 1/2 each; penalty 0.5 x share of the window: 1/1, 2/2, then 1/3.
     assert rewards == pytest.approx([0.0, 0.0, 0.5 - 0.5 / 3])
+
+
+def test_the_proposer_reads_the_exact_pass_rate_while_solvers_get_partial_credit(
+    run_state: Callable[..., RunState], make_rollout: Any,
+) -> None:
+    config = roles_config()
+    config["task"].update(solver_reward="positions", pass_rate="exact")
+    state = run_state(None, **config)
+    _propose(state, make_rollout)  # "9027": its answer is "0279"
+    for sub in state.grant_leases(BOB, 2):
+        assert state.ingest([make_rollout(sub, text, node=sub.node) for text in ("0279", "0297")], BOB).accepted == 2
+    [group] = state.ready
+    assert group.rewards == [0.5, 1.0, 0.5, 1.0, 0.5], "p = 2/4 exact answers: 1 - p = 0.5 (their mean reward, 0.75, would give 0.25)"
