@@ -145,10 +145,12 @@ class StoreConfig(Section):
             # connection would count as stalled.
             config_kwargs = dict(options.get("config_kwargs") or {})  # type: ignore[call-overload]
             config_kwargs.setdefault("max_pool_connections", self.parallel_reads + self.download_concurrency)
-            # botocore waits 60 s to connect and 60 s for each answer by default: a publish caught by a
-            # silent partition then hung 116 s, 55 s past the heal (faults.py F3S, 2026-11-29). A store
-            # that does not answer within the stall bounds is asked again (the publish's and the
-            # pull's own retries, with their back-off); a range's answer waits 3x stall_timeout_s.
+            # botocore waits 60 s to connect and 60 s for each answer by default, and tries a request 5
+            # times (its back-off also rides out SlowDown bursts), inside s3fs's own 5 tries, of which
+            # CheckpointStore keeps 2: one read of a store that accepts and never answers took 197 s
+            # at 2 s / 6 s time-outs with 5 x 5 tries. A publish caught by a silent 60 s partition came
+            # back 55 s after the heal (faults.py F3S, 2026-11-29). So the stall bounds; the publish's
+            # and the pull's own retries (logged, with their back-off) do the rest.
             config_kwargs.setdefault("connect_timeout", self.stall_timeout_s)
             config_kwargs.setdefault("read_timeout", 3 * self.stall_timeout_s)
             options["config_kwargs"] = config_kwargs

@@ -90,6 +90,9 @@ from decentrl.store.manifest import (  # noqa: F401 - re-exported
 from decentrl.store.ranges import RECORD_SUFFIX, RangedReads, StoredSizeMismatch, discard
 from decentrl.store.ranges import read_errors as _read_errors
 
+# s3fs tries a request 5 times around botocore's own tries; the store's retries (a publish's, a
+# pull's, a range's: logged, with back-off) are the ones that wait out an outage.
+_S3FS_TRIES = 2
 # fsspec read-ahead for remote files: a few large ranged GETs per file, not one per chunk.
 _READ_BLOCK = 64 * 1024 * 1024
 _RETRY_DELAYS = (0.2, 0.4)  # sleeps between the 3 download attempts of one file
@@ -204,6 +207,8 @@ class CheckpointStore:
     ) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
+        if "s3" in self.fs.protocol:
+            self.fs.retries = min(self.fs.retries, _S3FS_TRIES)  # s3fs's tries around botocore's (StoreConfig.fsspec_options)
         self.signing_key = signing_key
         self.public_key = public_key
         self.upload_concurrency = upload_concurrency

@@ -84,7 +84,9 @@ def test_store_config_builds_s3_options() -> None:
         "config_kwargs": {"max_pool_connections": 36, "connect_timeout": 8.0, "read_timeout": 24.0},
     }
     # Unset fields leave the AWS environment in charge.
-    assert StoreConfig(url="s3://bucket/run").fsspec_options() == {"config_kwargs": {"max_pool_connections": 36, "connect_timeout": 8.0, "read_timeout": 24.0}}
+    assert StoreConfig(url="s3://bucket/run").fsspec_options() == {
+        "config_kwargs": {"max_pool_connections": 36, "connect_timeout": 8.0, "read_timeout": 24.0},
+    }
 
 
 @pytest.mark.parametrize(
