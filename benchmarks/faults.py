@@ -964,6 +964,7 @@ def f3_store_outage(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any],
         "versions_refused": logs.count("refused version"),
         "steps": len(metrics), "versions_continuous": [m["policy_version"] for m in metrics] == list(range(1, len(metrics) + 1)),
         "store_after_heal_vs_ideal": round(served_total / ideal_total, 3) if ideal_total else None,
+        "bytes_vs_ideal": round(served_total / ideal_total, 3) if ideal_total else None,  # the goal's name for it
         "store_after_heal_by_worker": after,
         "slowdowns_answered": net.control.stats()["hits"].get("slowdown", 0) - slowdowns_before,
         **journal_ledger(run, final),
@@ -1110,7 +1111,10 @@ def f1_link_cut(net: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str
         # The pull checks every file's size and digest against the manifest before it answers;
         # and the bytes it loaded are those published.
         "loaded_verified": result["sha256"] == published["sha256"],
-        "bytes_vs_ideal": round(served.get(weights, 0) / size, 3),
+        # The goal's figure: the bytes the worker fetched, `payload_at_worker_vs_ideal` below. The
+        # front counts what it wrote into its sockets, some of which never left the store's host.
+        "bytes_vs_ideal": round(payload / size, 3),
+        "served_at_front_vs_ideal": round(served.get(weights, 0) / size, 3),
         # Fetched, at the worker: every byte in at its interface during the pull (every file, the
         # manifest, IP and TCP headers), over the weights' size; what the front sent into the drop is not in it.
         "received_at_worker_vs_ideal": round(received_s / size, 3),
