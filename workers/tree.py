@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from decentrl.api.client import OrchestratorClient
 from decentrl.api.wire import Lease, PartialStep, Rollout, SamplingParams, StepPost, TreeUnit
 from decentrl.model.sampling import sampling_distribution
+from decentrl.rl.determinism import node_seed, sample_seed
 from decentrl.rl.pivots import Candidate, RecoveryEstimate, choose_pivots
 from workers.backends.hf import HFBackend
 
@@ -105,6 +106,7 @@ class Chain:
     shadow: int = 0  # tokens a stopped chain decoded after its stop, unposted: the tokens saved
     node: dict[str, object] | None = None
     wrong_from: int | None = None  # the first step judged wrong (0-based)
+    seed: int | None = None  # its own generator's seed (a seeded unit: `generate_tree`'s `seed`)
 
 
 @dataclass
@@ -119,6 +121,7 @@ class TreeCounts:
     verdict_timeouts: int = 0  # units whose pivots were chosen with a root verdict still missing
     decode_s: float = 0.0
     cache_rebuild_s: float = 0.0
+    handed_back: int = 0  # units that could not be completed (fewer step boundaries than pivots), released at once
 
 
 def _ends_step(text_of: Callable[[list[int]], str], chain: Chain, unit: TreeUnit) -> bool:
@@ -160,10 +163,14 @@ def decode_chains(
     fed: list[list[int]] = [[] for _ in range(rows)]
     shadow: list[int] = [0] * rows
     shadowing = [False] * rows
+    # Seeded chains draw from their own generators, one token an iteration each (a stopped row's
+    # shadow included): a row's tokens depend on its seed alone, not on when a verdict came.
+    seeded = all(c.seed is not None for c in chains)
+    generators = [torch.Generator(device=backend.device).manual_seed(c.seed) for c in chains] if seeded else None  # type: ignore[arg-type]
     logits, attention, position, cache = prefill([c.prompt for c in chains])
     for _ in range(max(c.budget for c in chains)):
         dist = sampling_distribution(logits, sampling)
-        chosen = backend._sample(dist, None)  # (B, 1)
+        chosen = backend._sample(dist, generators)  # (B, 1)
         picked, chosen_lp = torch.cat([chosen.double(), dist.gather(-1, chosen).double()], dim=-1).T.tolist()
         boundary = False
         for row, chain in enumerate(chains):
@@ -221,7 +228,7 @@ def decode_chains(
 def generate_tree(
     backend: HFBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
     worker_id: str, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, counts: TreeCounts,
-    keep_cache: bool = True, rule: str | None = None, verdict_wait_s: float = 5.0,
+    keep_cache: bool = True, rule: str | None = None, verdict_wait_s: float = 5.0, seed: int | None = None,
 ) -> list[Rollout]:
     """One tree lease's samples (module docstring): its root's chains, then `k` continuations of
     each of `pivots` pivots; `rule` overrides the unit's (a benchmark's arms). Before choosing
@@ -229,7 +236,14 @@ def generate_tree(
     worker has had a verdict at all: a run without step scorers never waits): a chain
     goes wrong most often at its last steps, whose verdicts cannot be in when it ends, and a
     failed chain not known as failed is no candidate (or, for `last_right`, is branched past its
-    wrong step, where no branch can recover)."""
+    wrong step, where no branch can recover).
+
+    With `seed` (the run's), the unit is seeded (decentrl/rl/determinism.py): root j draws from
+    `sample_seed(seed, prompt_id, j, version)` (the sample a plain group's j draws), the pivots are
+    chosen with a `Random` seeded from the unit (`node_seed(..., "pivots", 0)`; `rng` unused), and
+    continuation i of the pivot at token `at` of root j from `node_seed(..., f"{j}@{at}", i)`: the
+    same unit at the same version gives the same samples, whenever its verdicts come (as long as
+    the roots' last verdicts are in within `verdict_wait_s`: `counts.verdict_timeouts` says when not)."""
     unit = lease.unit
     if not isinstance(unit, TreeUnit):
         raise ValueError(f"lease {lease.lease_id} is not a tree unit")
@@ -248,18 +262,26 @@ def generate_tree(
     def decode(chains: list[Chain]) -> None:
         decode_chains(backend, chains, sampling, unit, on_step=on_step, verdict=feed.score, counts=counts, keep_cache=keep_cache)
 
-    roots = [Chain(uuid.uuid4().hex, list(lease.prompt_token_ids), sampling.max_tokens) for _ in range(lease.group_size)]
+    version = lease.policy_version if lease.policy_version is not None else backend.version or 0
+
+    def seeded(node: str, index: int) -> int | None:
+        return None if seed is None else node_seed(seed, lease.prompt_id, version, node, index)
+
+    roots = [Chain(uuid.uuid4().hex, list(lease.prompt_token_ids), sampling.max_tokens,
+                   seed=None if seed is None else sample_seed(seed, lease.prompt_id, j, version)) for j in range(lease.group_size)]
     decode(roots)
     if unit.pivots and feed.scores:  # a run whose steps no scorer has judged yet never waits
         _await_root_verdicts(roots, posts, feed, counts, verdict_wait_s)
-    pivots = _pivots(roots, unit, feed, rng, estimate, rule or unit.rule)
+    picker = rng if seed is None else random.Random(seeded("pivots", 0))
+    pivots = _pivots(roots, unit, feed, picker, estimate, rule or unit.rule)
     branches = []
     for n, pivot in enumerate(pivots):
-        parent = next(chain for chain in roots if chain.rollout_id == pivot.rollout_id)
+        j, parent = next((j, chain) for j, chain in enumerate(roots) if chain.rollout_id == pivot.rollout_id)
         node = {"node_id": f"b{n}", "parent": {"rollout_id": parent.rollout_id, "at": pivot.at}}
         branches += [
-            Chain(uuid.uuid4().hex, parent.prompt + parent.tokens[: pivot.at], sampling.max_tokens - pivot.at, node=node)
-            for _ in range(unit.k)
+            Chain(uuid.uuid4().hex, parent.prompt + parent.tokens[: pivot.at], sampling.max_tokens - pivot.at, node=node,
+                  seed=seeded(f"{j}@{pivot.at}", i))
+            for i in range(unit.k)
         ]
     if branches:
         decode(branches)

@@ -597,6 +597,14 @@ class Worker:
                     self.backend, self.client, lease, sampling, run_name=self.info.run_name, worker_id=self.worker_id,
                     feed=self._feed, rng=self._tree_rng, estimate=self._tree_estimate, counts=self.tree_counts,
                 )
+            if len(rollouts) < lease.group_size + lease.unit.pivots * lease.unit.k:  # type: ignore[union-attr]
+                # Its roots had fewer step boundaries than it has pivots: it can never be completed,
+                # so it goes back now (its prompt out again at once) rather than at its deadline.
+                log.info("tree lease %s: %d of its samples could be drawn (its roots' step boundaries are fewer than its "
+                         "pivots); handing it back", lease.lease_id, len(rollouts))
+                self.tree_counts.handed_back += 1
+                self._hand_back([lease])
+                continue
             with self._changed:
                 if lease.lease_id in self._lost:
                     continue

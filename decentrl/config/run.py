@@ -176,11 +176,14 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _tree_not_deterministic(self) -> RunConfig:
-        # A branch sample's seed would derive from its node path (docs/architecture.md); not built yet.
+        # A seeded unit draws the same samples every time (workers/tree.py `seed`); what is not built:
+        # a tree played at the lease's version, the verifier's re-draw of a branch, the utility rule's
+        # estimate independent of the order units end in, a unit that cannot be completed failed not requeued.
         if self.deterministic and self.orchestrator.tree is not None:
             raise ValueError(
-                "[orchestrator.tree] does not support deterministic = true yet (a branch's seed is not derived): "
-                "set deterministic = false, or drop [orchestrator.tree]"
+                "[orchestrator.tree] does not support deterministic = true yet (a tree unit's samples are seeded, but "
+                "it is played at the worker's loaded version, not its lease's, and the verifier does not re-draw "
+                "branch samples): set deterministic = false, or drop [orchestrator.tree]"
             )
         return self
 

@@ -7,6 +7,8 @@ shares, so the orchestrator, the workers and the trainer agree on them by constr
   under another (orchestrator/checks.py); a worker loads it before generating (workers/worker.py).
 - `sample_seed`: one sample's randomness is a function of (run seed, prompt id, sample index,
   policy version) only; the hf backend seeds one generator per row with it (workers/backends/hf.py).
+- `node_seed`: the same for a tree unit's other draws (workers/tree.py): a pivot's continuation
+  i derives from (run seed, prompt id, version, the pivot's node path `"{root}@{at}"`, i).
 - `use_deterministic_torch`: the kernel settings the worker and the trainer apply at startup.
 """
 
@@ -28,6 +30,14 @@ def sample_seed(run_seed: int, prompt_id: int, sample_index: int, version: int) 
     versions get unrelated streams; blake2b, so it is the same in every process and on every
     machine (Python's `hash` is salted per process)."""
     key = f"{run_seed}/{prompt_id}/{sample_index}/{version}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def node_seed(run_seed: int, prompt_id: int, version: int, node: str, index: int) -> int:
+    """A 63-bit seed for draw `index` of a tree unit's `node` (a pivot's path `"{root}@{at}"`: root
+    sample `root` branched at its token `at`; `"pivots"`: the pivots' choice), hashed as
+    `sample_seed` is; its key is `sample_seed`'s with a node path, so none equals a sample's."""
+    key = f"{run_seed}/{prompt_id}/{version}/{node}/{index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 

@@ -375,10 +375,10 @@ def test_slots_waiting_together_are_generated_in_one_backend_call(setup: Setup) 
 
 
 @pytest.fixture
-def tree_setup(tmp_path: Any) -> Iterator[Setup]:
-    yield from make_setup(
+def tree_setup(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
+    yield from make_setup(  # steps of 3 tokens, or of request.param (indirect parametrization)
         tmp_path, {"type": "chain", "num_digits": 4, "num_prompts": 64},
-        {"tree": {"k": 2, "pivots": 1, "boundary": "tokens", "step_tokens": 3}}, max_tokens=12,
+        {"tree": {"k": 2, "pivots": 1, "boundary": "tokens", "step_tokens": getattr(request, "param", 3)}}, max_tokens=12,
     )
 
 
@@ -397,3 +397,23 @@ def test_the_worker_plays_tree_leases_step_by_step(tree_setup: Setup) -> None:
     samples = [r for group in state.ready for r, _ in group.samples]
     branches = [r for r in samples if r.node is not None]
     assert len(branches) == len(samples) // 2 and all(len(r.prompt_token_ids) > len(samples[0].prompt_token_ids) for r in branches)
+
+
+# A step of 64 tokens and chains of at most 12: every root is one step, so no unit has a step
+# boundary to branch from and none can be completed.
+@pytest.mark.parametrize("tree_setup", [64], indirect=True)
+def test_a_tree_unit_that_cannot_be_completed_is_handed_back_at_once(tree_setup: Setup) -> None:
+    """A unit whose roots leave fewer step boundaries than it has pivots is released as soon as its
+    roots are drawn (its prompt out again at the front), not posted short to wait for its deadline."""
+    setup = tree_setup
+    setup.publish(0, seed=0)
+    worker = setup.worker()
+    worker.run(max_iterations=1)
+    state = setup.orchestrator.state
+    assert worker.tree_counts is not None and worker.tree_counts.handed_back >= 1
+    assert worker.rollouts_posted == 0 and worker.spool.pending() == []
+    assert not state.leases  # none left open to expire
+    book = state.lease_book
+    closed = [book.closed_lease(lease_id) for _, lease_id in book.closed_order]
+    assert len(closed) == worker.tree_counts.handed_back and {c.status for c in closed} == {"released"}  # type: ignore[union-attr]
+    assert setup.orchestrator.client(WORKER).status().rollouts_rejected == {}
