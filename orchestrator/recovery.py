@@ -34,13 +34,15 @@ COUNTS = (
 
 
 def meta_row(
-    *, versions: Versions, counters: Counters, lease_book: LeaseBook, buffer: Buffer, streams: dict[str, Versions] | None = None
+    *, versions: Versions, counters: Counters, lease_book: LeaseBook, buffer: Buffer, streams: dict[str, Versions] | None = None,
+    taken: dict[str, set[str]] | None = None,
 ) -> dict[str, Any]:
-    """The journal's meta row (key "state"): versions (a run of two policies: each stream's too),
-    prompt order position, counters, and the places a step consumes (which pin a deterministic
-    run's places to versions)."""
+    """The journal's meta row (key "state"): versions (a run of two policies: each stream's too,
+    and which policies' trainers took each ready unit, `taken`), prompt order position, counters,
+    and the places a step consumes (which pin a deterministic run's places to versions)."""
     return {
         "streams": {name: [stream.published, stream.trainer, stream.consumed] for name, stream in (streams or {}).items()},
+        "taken": {lease_id: sorted(policies) for lease_id, policies in (taken or {}).items()},
         "places_per_step": lease_book.config.places_per_step,
         "published_version": versions.published,
         "trainer_version": versions.trainer,

@@ -220,7 +220,8 @@ class RunState:
         self.new_bans: list[str] = []  # banned, their leftovers dropped, not yet revoked (`_apply_bans`)
 
         self.journal.meta_source = lambda: meta_row(
-            versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer, streams=self.streams
+            versions=self.versions, counters=self.counters, lease_book=self.lease_book, buffer=self.buffer, streams=self.streams,
+            taken=self.lease_policy.taken if isinstance(self.lease_policy, Roles) else None,
         )
         self.journal.integrity_source = self.integrity.journal_changes
         snapshot = self.journal.load()
@@ -232,8 +233,10 @@ class RunState:
                 integrity=self.integrity, restore_steps=self.reward_stage.restore_steps, streams=self.streams,
             )
             self._recover_steps(snapshot.steps)
-            if isinstance(self.lease_policy, Roles):  # two policies: a trainer that ran its last step takes no more
+            if isinstance(self.lease_policy, Roles):  # two policies: a trainer that ran its last step takes no more,
                 self.lease_policy.finished.update(n for n, v in self.streams.items() if v.trainer >= config.trainer.steps)
+                ready = {group.lease_id for group in self.buffer.ready}  # nor a ready unit its trainer took already
+                self.lease_policy.taken = {k: set(v) for k, v in snapshot.meta.get("taken", {}).items() if k in ready}
             self._redo_checks()
             log.info(
                 "recovered from %s: version %s, trainer version %d, %d open leases, %d ready groups, "

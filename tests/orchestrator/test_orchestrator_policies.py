@@ -47,6 +47,19 @@ def _unit(state: RunState, make_rollout: Any, *, proposer_version: int = 0, solv
     return unit.lease_id
 
 
+@pytest.fixture
+def taken_by_the_proposer(two_policies: Callable[..., RunState], make_rollout: Any) -> Callable[..., RunState]:
+    """A run of two policies holding one ready unit that the proposer's trainer took and the solver's has not."""
+
+    def make(journal: str | None = None) -> RunState:
+        state = two_policies(journal)
+        _unit(state, make_rollout)
+        assert state.take_batch(0, policy="proposer") is not None
+        return state
+
+    return make
+
+
 def test_each_policy_is_leased_its_own_nodes_and_trains_its_own_samples(
     two_policies: Callable[..., RunState], make_rollout: Any,
 ) -> None:
@@ -83,12 +96,8 @@ def test_each_sample_is_fresh_against_its_own_policys_stream(
     assert state.stream("proposer").published == 1 and state.stream("solver").published == 3
 
 
-def test_a_unit_one_trainer_took_goes_stale_for_the_other(
-    two_policies: Callable[..., RunState], make_rollout: Any,
-) -> None:
-    state = two_policies()
-    _unit(state, make_rollout)
-    assert state.take_batch(0, policy="proposer") is not None
+def test_a_unit_one_trainer_took_goes_stale_for_the_other(taken_by_the_proposer: Callable[..., RunState]) -> None:
+    state = taken_by_the_proposer()
     state.announce(2, "solver")  # the solver's trainer moved past its samples' version (max_staleness 1)
     assert not state.ready and state.stale_dropped >= 4
     assert state.take_batch(2, policy="solver") is None
@@ -104,6 +113,29 @@ def test_a_restart_keeps_both_streams(two_policies: Callable[..., RunState], tmp
     again = two_policies(journal)
     assert (again.stream("proposer").published, again.stream("solver").published) == (2, 1)
     assert (again.stream("proposer").trainer, again.stream("solver").trainer) == (2, 1)
+
+
+def test_a_restart_remembers_which_trainer_took_a_unit(
+    taken_by_the_proposer: Callable[..., RunState], two_policies: Callable[..., RunState], tmp_path: Path,
+) -> None:
+    # Which policy took a ready unit is journaled (the meta row's `taken`): after a restart the
+    # proposer's trainer does not get the unit again, the solver's does, and it is then served.
+    journal = str(tmp_path / "journal.sqlite")
+    state = taken_by_the_proposer(journal)
+    [unit_id] = [group.lease_id for group in state.ready]
+    state.journal.flush()
+    state.journal.close()
+    again = two_policies(journal)
+    assert [group.lease_id for group in again.ready] == [unit_id]
+    assert again.lease_policy.taken == {unit_id: {"proposer"}}
+    assert again.take_batch(0, policy="proposer") is None, "the proposer's trainer took it before the restart"
+    batch = again.take_batch(0, policy="solver")
+    assert batch is not None and len(batch.samples) == 4 and {s.group_id for s in batch.samples} == {unit_id}
+    assert not again.ready and again.lease_book.closed[unit_id].status == "served"
+    again.journal.flush()
+    again.journal.close()
+    third = two_policies(journal)
+    assert not third.ready and third.lease_policy.taken == {}, "a served unit is forgotten by both"
 
 
 def test_the_policies_config_errors_say_what_to_fix() -> None:
@@ -203,12 +235,8 @@ def test_invalid_proposals_do_not_use_the_solvers_budget_and_a_finished_trainer_
     assert state.lease_capacity() == 2 - 1, "the solver's stream alone bounds the leases now"
 
 
-def test_a_unit_a_trainer_took_is_not_dropped_when_that_trainer_moves_on(
-    two_policies: Callable[..., RunState], make_rollout: Any,
-) -> None:
-    state = two_policies()
-    _unit(state, make_rollout)
-    assert state.take_batch(0, policy="proposer") is not None
+def test_a_unit_a_trainer_took_is_not_dropped_when_that_trainer_moves_on(taken_by_the_proposer: Callable[..., RunState]) -> None:
+    state = taken_by_the_proposer()
     state.announce(1, "proposer")
     state.announce(2, "proposer")  # its proposer sample (v0) is stale for the proposer's stream, which trained it already
     assert state.ready and state.stale_dropped == 0
