@@ -184,7 +184,7 @@ class Spread:
                 self.workdir, host=self.store.ip, port=S3_PORT, upstream=self.moto.url, popen=self.store.popen
             )
             self.services.append(front)
-            self.endpoint = front.url
+            self.front, self.endpoint = front, front.url
             put = f"import urllib.request as u; u.urlopen(u.Request('{self.moto.url}/{BUCKET}', method='PUT'), timeout=30)"
             self.store.run([sys.executable, "-c", put], check=True)
             # One front for every run: its limits from the defaults every run here keeps.
@@ -380,6 +380,58 @@ class Spread:
             service.stop()
         self.services = []
         self.net.close()
+
+
+class CpuClock:
+    """Where the CPU went while versions moved, sampled every `period_s` in the background: the
+    machine's CPU pressure (PSI, /proc/pressure/cpu `some`: the share of time at least one task was
+    runnable and waiting for a core) and each named process's CPU time (/proc/PID/stat utime +
+    stime, its threads' included, those gone too). `processes()` names them at each sample (roles
+    come and go). Read between two Unix times: `pressure(a, b)` in [0, 1], `cpu_s(name, a, b)`."""
+
+    def __init__(self, processes: Any, period_s: float = 0.25) -> None:
+        import threading
+
+        self.processes, self.period_s = processes, period_s
+        self.samples: list[tuple[float, float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-clock", daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> CpuClock:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                some = Path("/proc/pressure/cpu").read_text().split("\n")[0]
+                stalled = int(some.rsplit("total=", 1)[1]) / 1e6
+                cpu = {}
+                for name, pid in self.processes().items():
+                    with contextlib.suppress(OSError, ValueError, IndexError):
+                        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                        cpu[name] = (int(fields[11]) + int(fields[12])) / self._tick
+                self.samples.append((time.time(), stalled, cpu))
+
+    def _at(self, t: float) -> tuple[float, float, dict[str, float]] | None:
+        return min(self.samples, key=lambda sample: abs(sample[0] - t), default=None)
+
+    def pressure(self, a: float, b: float) -> float | None:
+        first, last = self._at(a), self._at(b)
+        if first is None or last is None or last[0] - first[0] < self.period_s:
+            return None
+        return round(min(1.0, (last[1] - first[1]) / (last[0] - first[0])), 3)
+
+    def cpu_s(self, name: str, a: float, b: float) -> float | None:
+        first, last = self._at(a), self._at(b)
+        if first is None or last is None or name not in first[2] or name not in last[2]:
+            return None
+        return round(last[2][name] - first[2][name], 3)
 
 
 # -- what the logs say -------------------------------------------------------------------------
@@ -682,6 +734,8 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
                            extra_tokens=tuple(f"late-{h[5:]}" for h in late_hosts))
     joiners: list[dict[str, Any]] = []
     stayed = {f"worker-{i}" for i in range(n // 2 if late else n)}  # the workers that run from start to end
+    clock = CpuClock(lambda: {role.name: role.process.pid for role in run.roles}
+                     | {"store": spread.moto.process.pid, "front": spread.front.process.pid}).__enter__()
     try:
         if late:
             spread.wait_trainer(run, args.version_timeout_s, until=lambda: run.version() >= args.late_at)
@@ -705,10 +759,15 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
             spread.wait_trainer(run, args.version_timeout_s)
         spread.quiesce(run)
     finally:
+        clock.__exit__()
         spread.stop_run(run)
     manifests = spread.manifests(run)
     hosts = {f"worker-{i}": spread.workers[f"w{i}"] for i in range(n)} | {j["name"]: spread.workers[j["host"]] for j in joiners}
     rows = version_timings(run, manifests, hosts, spread.store.link)
+    for row in rows:  # what the machine's CPU did meanwhile, from the manifest to the weights loaded
+        created = manifests[row["version"]]["created_at"]
+        row["cpu_pressure"] = clock.pressure(created, row["loaded_at"])
+        row["worker_cpu_s"] = clock.cpu_s(row["worker"], created, row["loaded_at"])
     metrics = run.metrics()
     step_s = statistics.median(m["step_s"] for m in metrics) if metrics else None
     regular = [r for r in rows if r["worker"].startswith("worker-") and r["version"] > 0]
@@ -748,18 +807,38 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
         "key_version_bytes": key[0]["full_bytes"] if key else None,
         "worst": sorted(deltas, key=lambda r: r["efficiency"] or 0)[:5],
         "delta_split_s": split,
+        "cpu": cpu_figures(deltas, clock, spread.control.stats()["requests"]),
     }
     # A full version's efficiency: new key versions on the workers' own profile (timed from the
     # manifest), and each late joiner's first load (timed from its start, against its fetch bound).
     full = {p: [r["efficiency"] for r in fulls if r["profile"] == p] for p in ("L0", "L1", "L2", "L3")}
     if late:
         together = sum(next((r["bytes"] for r in rows if r["worker"] == j["name"]), 0) for j in joiners)
-        result["late_joiners"] = [late_joiner(run, j, manifests, spread, rows, together, args.generation_s) for j in joiners]
+        result["late_joiners"] = [late_joiner(run, j, manifests, spread, rows, together, args.generation_s, clock) for j in joiners]
         for joiner in result["late_joiners"]:
             if "load_vs_bound" in joiner:
                 full[joiner["profile"]].append(round(1 / joiner["load_vs_bound"], 3))
     result["full_efficiency"] = {p: quantiles(values) for p, values in full.items()}
     return result
+
+
+def cpu_figures(deltas: list[dict[str, Any]], clock: CpuClock, requests: int) -> dict[str, Any]:
+    """What the CPU says of the deltas: the machine's pressure over each (PSI `some`), the worker's
+    own CPU seconds for it, the efficiency of the deltas pulled under less and more pressure than
+    the median; and what the store (moto) and its fault front spent a request over the whole run."""
+    timed_rows = [r for r in deltas if r.get("cpu_pressure") is not None]
+    middle = statistics.median(r["cpu_pressure"] for r in timed_rows) if timed_rows else None
+    first, last = (clock.samples[0], clock.samples[-1]) if clock.samples else (None, None)
+    per_request = {name: round(1000 * (last[2][name] - first[2][name]) / requests, 2)
+                   for name in ("store", "front") if first and last and requests and name in first[2] and name in last[2]}
+    return {
+        "pressure": quantiles([r["cpu_pressure"] for r in timed_rows]),
+        "worker_cpu_s": quantiles([r["worker_cpu_s"] for r in timed_rows if r.get("worker_cpu_s") is not None]),
+        "efficiency_below_median_pressure": quantiles([r["efficiency"] for r in timed_rows if r["cpu_pressure"] <= middle]),
+        "efficiency_above_median_pressure": quantiles([r["efficiency"] for r in timed_rows if r["cpu_pressure"] > middle]),
+        "machine_pressure_whole_run": clock.pressure(first[0], last[0]) if first and last else None,
+        "cpu_ms_per_request": per_request, "requests": requests,
+    }
 
 
 def delta_split(deltas: list[dict[str, Any]], timed: list[list[Any]], hosts: dict[str, sn.Host]) -> dict[str, Any]:
@@ -790,11 +869,12 @@ def delta_split(deltas: list[dict[str, Any]], timed: list[list[Any]], hosts: dic
 
 
 def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dict[str, Any]], spread: Spread,
-                rows: list[dict[str, Any]], together_bytes: int, generate_s: float) -> dict[str, Any]:
+                rows: list[dict[str, Any]], together_bytes: int, generate_s: float, clock: CpuClock) -> dict[str, Any]:
     """A late joiner, from its first log line (its imports done): to its first loaded version (the
     newest full version and the deltas since), and to its first rollout (the versions it loaded by
     then and one request's generation, `generate_s`), each against the bound for the bytes it fetched:
-    max(S / d_worker, `together_bytes` (every joiner's, pulled at once) / u_store) + 3 RTTs."""
+    max(S / d_worker, `together_bytes` (every joiner's, pulled at once) / u_store) + 3 RTTs; and the
+    machine's CPU pressure and the joiner's CPU seconds over its first load (`clock`)."""
     name, host = joiner["name"], spread.workers[joiner["host"]]
     joined, first = joined_at(run, name), first_rollout_at(run, name)
     mine = [r for r in rows if r["worker"] == name]
@@ -814,6 +894,7 @@ def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dic
         newest_key_at_join=newest_key, fetched_older_than_key=[v for v in first_load["chain"] if v < newest_key],
         load_s=round(first_load["loaded_at"] - joined, 3), load_bound_s=round(bound(first_load["bytes"]), 3),
         load_vs_bound=round((first_load["loaded_at"] - joined) / bound(first_load["bytes"]), 3),
+        load_cpu_pressure=clock.pressure(joined, first_load["loaded_at"]), load_cpu_s=clock.cpu_s(name, joined, first_load["loaded_at"]),
     )
     # Objects served while the joiners joined; the workers already running fetch only newer versions.
     before, after = joiner["served_before"]["by_object"], joiner["served_after"]["by_object"]

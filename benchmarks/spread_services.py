@@ -4,7 +4,8 @@ orchestrator's TLS front, the S3 store and the fault front before the store.
 - TLS front: nginx from Debian's package, configured by configs/deploy/nginx-orchestrator.conf.template
   (the file docs/deploy.md shows) and a throwaway CA (`make_certificates`); clients trust the CA
   through SSL_CERT_FILE. nginx runs in the foreground with every file under its own prefix.
-- S3 store: moto's server, in its own process (`python spread_services.py moto`).
+- S3 store: moto's server, in its own process (`python spread_services.py moto`), serving a ranged
+  GET from the range's bytes alone as S3 does (`serve_ranges_in_place`).
 - Fault front: an HTTP proxy before the store (`python spread_services.py s3-front`) that passes
   requests through, streaming, and counts the bytes it serves per client and per object; the
   testbed sets a fault at run time through `FrontControl`: `slowdown` (503 SlowDown, as S3
@@ -242,9 +243,56 @@ def start_moto(run_dir: str, *, host: str, port: int, popen: Popen = subprocess.
     return Service("moto", process, Path(ready).read_text(), os.path.join(run_dir, "moto.log"))
 
 
+class _RangeView:
+    """A moto object's bytes, read only where sliced (`serve_ranges_in_place`)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def __len__(self) -> int:
+        return int(self.key.size)
+
+    def __getitem__(self, part: slice) -> bytes:
+        start, stop, _ = part.indices(len(self))
+        with self.key.lock:
+            self.key._value_buffer.seek(start)
+            return self.key._value_buffer.read(max(0, stop - start))
+
+
+def serve_ranges_in_place() -> None:
+    """moto (5.2) answers a ranged GET by reading the whole object, then slicing it (S3Response.get_object
+    returns `FakeKey.value`; key_response's `_handle_range_header` slices): a range of a 27 MB object
+    cost 70 ms, 32 of them 2.2 s where the whole object took 0.14 s (2026-11-29, load 7), so a worker's
+    parallel ranges made the store's work grow with their count - not S3's cost, and on the testbed's
+    two cores CPU the roles under test lose. Here a ranged GET's `FakeKey.value` is a view that reads
+    the bytes sliced from it and no others; every other request, and a Range moto does not slice
+    (several ranges, unparsable), gets the object's bytes as before."""
+    import threading
+
+    from moto.s3 import models, responses
+
+    ranged = threading.local()  # werkzeug's threaded server: one request a thread
+    stock_value, stock_key_response = models.FakeKey.value, responses.S3Response.key_response
+
+    def value(key: Any) -> Any:
+        return _RangeView(key) if getattr(ranged, "get", False) else stock_value.fget(key)
+
+    def key_response(self: Any, request: Any, full_url: str, headers: dict[str, Any]) -> Any:
+        ranged.get = request.method == "GET" and bool(request.headers.get("range"))
+        try:
+            status, answer_headers, body = stock_key_response(self, request, full_url, headers)
+        finally:
+            ranged.get = False
+        return status, answer_headers, body[:] if isinstance(body, _RangeView) else body
+
+    models.FakeKey.value = property(value, stock_value.fset)
+    responses.S3Response.key_response = key_response
+
+
 def _serve_moto(host: str, port: int, ready: str) -> None:
     from moto.server import ThreadedMotoServer
 
+    serve_ranges_in_place()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # for sigwait, in every thread
     server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)

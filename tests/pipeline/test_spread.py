@@ -124,3 +124,21 @@ def test_two_node_trainer_command_swaps_standalone_for_the_rendezvous() -> None:
     assert f"--local-addr={spread.INTERCONNECT[1]}" in node1
     assert node0[node0.index("-m", 3):] == node1[node1.index("-m", 3):]  # the same trainer after torchrun's flags
     assert subprocess.list2cmdline(node0).count("https://10.77.0.1:443") == 1
+
+
+def test_the_cpu_clock_counts_a_processs_cpu_seconds_and_the_machines_pressure() -> None:
+    import os
+    import time
+
+    with spread.CpuClock(lambda: {"me": os.getpid(), "gone": 2**22 + 7}, period_s=0.05) as clock:
+        time.sleep(0.2)
+        started, cpu = time.time(), time.process_time()
+        while time.process_time() - cpu < 0.5:  # busy, however loaded the machine is
+            pass
+        ended, cpu = time.time(), time.process_time() - cpu
+        time.sleep(0.2)
+    spent = clock.cpu_s("me", started, ended)  # samples up to 25 ms off each end, ticks of 10 ms
+    assert spent is not None and abs(spent - cpu) <= 0.15, (spent, cpu)
+    assert clock.cpu_s("gone", started, ended) is None  # no such process: no figure, no error
+    assert 0.0 <= clock.pressure(started, ended) <= 1.0
+    assert clock.pressure(started, started) is None  # one sample apart at most: too short to say

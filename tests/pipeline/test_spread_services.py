@@ -408,3 +408,51 @@ def test_the_trainers_publisher_rides_out_a_slowdown_burst(s3: tuple[str, object
     assert announced == [0] and publisher.retries >= 1 and control.stats()["hits"]["slowdown"] >= 3
     assert make_store(s3[0]).verify(0) == []
     assert seen <= {0}
+
+
+def test_the_store_answers_ranges_as_s3_does(s3: tuple[str, object], control: object) -> None:
+    """The testbed's moto serves a ranged GET from the range's bytes alone (`serve_ranges_in_place`):
+    the answers are S3's - the bytes, Content-Range with the object's size, 416 past the end, the
+    whole object for a Range moto does not slice."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    client = boto3.client("s3", endpoint_url=s3[0], aws_access_key_id="testing", aws_secret_access_key="testing",
+                          region_name="us-east-1")
+    data = os.urandom(1_000_000)
+    client.put_object(Bucket="spread", Key="run/ranges.bin", Body=data)
+    try:
+        for asked, first, last in [("0-99", 0, 99), ("500000-500099", 500000, 500099), ("-100", 999900, 999999),
+                                   ("999000-", 999000, 999999), ("999990-2000000", 999990, 999999)]:
+            answer = client.get_object(Bucket="spread", Key="run/ranges.bin", Range=f"bytes={asked}")
+            assert answer["ContentRange"] == f"bytes {first}-{last}/1000000", asked
+            assert answer["Body"].read() == data[first:last + 1], asked
+        with pytest.raises(ClientError, match="InvalidRange"):
+            client.get_object(Bucket="spread", Key="run/ranges.bin", Range="bytes=1000000-")
+        for whole in ({"Range": "bytes=0-1,5-6"}, {}):
+            answer = client.get_object(Bucket="spread", Key="run/ranges.bin", **whole)
+            assert "ContentRange" not in answer and answer["Body"].read() == data
+    finally:
+        client.delete_object(Bucket="spread", Key="run/ranges.bin")
+
+
+def test_a_range_view_reads_only_the_bytes_sliced() -> None:
+    import io
+    import threading
+
+    class Counted(io.BytesIO):
+        read_bytes = 0
+
+        def read(self, n: int | None = -1) -> bytes:
+            data = super().read(n)
+            Counted.read_bytes += len(data)
+            return data
+
+    class Key:
+        size, lock, _value_buffer = 10_000_000, threading.Lock(), Counted(bytes(range(256)) * 39_063)
+
+    view = ss._RangeView(Key())
+    assert len(view) == 10_000_000
+    assert view[4096:4196] == (bytes(range(256)) * 39_063)[4096:4196]
+    assert view[9_999_990:20_000_000] == (bytes(range(256)) * 39_063)[9_999_990:10_000_000]
+    assert Counted.read_bytes == 110
