@@ -35,6 +35,7 @@ import os
 import re
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
@@ -100,6 +101,11 @@ _VERSION_DIR = re.compile(r"v(\d{6,})")  # 6+ digits: version_dirname pads, neve
 # A delta chain is store.full_every - 1 links at most (full_every <= 64); a longer one was not published by a
 # trainer, and each link is one level of `_pull_one`'s recursion.
 _MAX_CHAIN = 64
+# A pull reads the manifests of a chain below a delta base the cache does not hold this many at once
+# (each an answer's wait, 0.3-0.6 s from a store on the testbed's links, where one after another a
+# late joiner's chain of 7 waited 8 answers in a row); and a whole key version is fetched by its
+# chain of deltas from a version the cache holds up to this many versions below it (`_cheaper_by_deltas`).
+_READ_AHEAD = 16
 _CACHE_ENTRY = re.compile(r"\.?v(\d{6,})(\.partial)?")
 _DEFAULTS = StoreConfig()
 
@@ -218,6 +224,8 @@ class CheckpointStore:
         self.run_name = run_name
         self.digest = digest  # of the files this store publishes; a reader verifies whichever a manifest lists
         self.verified = VerifiedFiles()  # cache files this process hashed against their manifest
+        self._ahead = threading.local()  # a pull's manifests read ahead (`_read_ahead`), in the pulling thread
+        self._whole_only: set[int] = set()  # key versions whose chain of deltas failed once: whole from now on
         # Zero-copy pulls need a store on this machine's filesystem and a trusted one: with a
         # public key, whoever can write the store is not trusted, and a hard link would let a
         # later in-place write reach a cache that was verified before it.
@@ -282,7 +290,17 @@ class CheckpointStore:
         return versions[-1] if versions else None
 
     def _manifest_bytes(self, version: int) -> bytes:
-        """At most MAX_MANIFEST_BYTES + 1 bytes (one ranged read), so an oversize one is seen as such."""
+        """At most MAX_MANIFEST_BYTES + 1 bytes (one ranged read), so an oversize one is seen as such;
+        a read this pull made ahead (`_read_ahead`) where there is one."""
+        ahead = getattr(self._ahead, "reads", None)
+        if ahead is not None and version in ahead:
+            try:
+                return ahead[version].result()
+            except Exception:  # noqa: BLE001 - read again: that read's error is the one to report
+                del ahead[version]
+        return self._read_manifest_bytes(version)
+
+    def _read_manifest_bytes(self, version: int) -> bytes:
         try:
             return self.fs.cat_file(self._manifest_path(version), start=0, end=MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
@@ -471,10 +489,16 @@ class CheckpointStore:
         it is loaded onto that base, which is thus pulled once and kept for every adapter after it.
         The files of every version the pull needs are fetched through one pool of
         `download_concurrency` threads: a delta chain's deltas come at once, not one by one."""
-        with ThreadPoolExecutor(self.download_concurrency, thread_name_prefix="store-pull") as fetches:
-            final, base = self._pull_one(version, cache_dir, fetches)
-            if base is not None:
-                self._pull_one(base, cache_dir, fetches)
+        reads = ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="store-manifest")
+        self._ahead.reads, self._ahead.pool = {}, reads
+        try:
+            with ThreadPoolExecutor(self.download_concurrency, thread_name_prefix="store-pull") as fetches:
+                final, base = self._pull_one(version, cache_dir, fetches)
+                if base is not None:
+                    self._pull_one(base, cache_dir, fetches)
+        finally:
+            self._ahead.reads = self._ahead.pool = None
+            reads.shutdown(wait=False, cancel_futures=True)  # reads never used end on their own
         self.evict(cache_dir, keep=version)
         return final
 
@@ -524,6 +548,47 @@ class CheckpointStore:
                 os.remove(lock)  # safe while held (see locked); a failed pull leaves it beside its partial
         return final, manifest.base_version
 
+    def _read_ahead(self, versions: Sequence[int], cache_dir: str) -> None:
+        """Start reading the manifests of `versions` (newest first) at once, on this pull's pool,
+        up to and including the first one the cache holds: a chain's links are then each one
+        answer's wait together instead of one after another (a cached link's manifest is read too,
+        to compare). Outside a pull (no pool), nothing."""
+        reads, pool = getattr(self._ahead, "reads", None), getattr(self._ahead, "pool", None)
+        if reads is None or pool is None:
+            return
+        for version in versions:
+            if version < 0:
+                return
+            if version not in reads:
+                reads[version] = pool.submit(self._read_manifest_bytes, version)
+            if cached_manifest(os.path.join(cache_dir, version_dirname(version))) is not None:
+                return
+
+    def _cheaper_by_deltas(self, manifest: Manifest, cache_dir: str) -> bool:
+        """Whether a whole key version, whose delta base the cache does not hold, costs fewer bytes
+        as its chain of deltas down from a version the cache does hold (at most `_READ_AHEAD`
+        below): a worker that fell a few versions behind a key version fetches what changed, not
+        the whole model again (a 10 Mbit/s volunteer: 7 deltas of 2.2 MB against 32 MB). The
+        chain's manifests are read at once; any link missing or not a delta: whole."""
+        if not manifest.whole or manifest.delta_base is None or manifest.version in self._whole_only:
+            return False
+        below = range(manifest.delta_base, max(-1, manifest.version - _READ_AHEAD - 1), -1)
+        held = next((v for v in below if cached_manifest(os.path.join(cache_dir, version_dirname(v))) is not None), None)
+        if held is None or self._held(held, cache_dir, manifest.version) is None:
+            return False
+        self._read_ahead(below, cache_dir)
+        chain_bytes, link = sum(_stored_entry(e).size for e in manifest.files), manifest.delta_base
+        try:
+            while link != held:
+                linked = self.manifest(link)
+                if linked.delta_base is None or not held <= linked.delta_base < link:
+                    return False
+                chain_bytes += sum(_stored_entry(e).size for e in linked.files)
+                link = linked.delta_base
+        except StoreError:
+            return False
+        return chain_bytes < sum(e.size for e in manifest.files)
+
     def _delta_base_dir(self, manifest: Manifest, cache_dir: str, fetches: ThreadPoolExecutor, depth: int) -> str | None:
         """The cached, verified directory of the version a delta version's files apply to; None
         for a key version. A base that is in neither the store nor the cache refuses the version."""
@@ -550,16 +615,21 @@ class CheckpointStore:
         about it. None for any other version, or a base not held: the whole files are fetched."""
         if not manifest.whole or manifest.delta_base is None:
             return None
-        base = os.path.join(cache_dir, version_dirname(manifest.delta_base))
-        raw = cached_manifest(base)
+        return self._held(manifest.delta_base, cache_dir, manifest.version)
+
+    def _held(self, version: int, cache_dir: str, wanted: int) -> str | None:
+        """`version`'s cached directory, when its own manifest is trusted and its files match it;
+        else None (a pull of `wanted` then goes by its whole files)."""
+        cached = os.path.join(cache_dir, version_dirname(version))
+        raw = cached_manifest(cached)
         if raw is None:
             return None
         try:
-            kept = self._trusted(raw, manifest.delta_base, f"cached {base}/{MANIFEST_NAME}")
+            kept = self._trusted(raw, version, f"cached {cached}/{MANIFEST_NAME}")
         except VerificationError as exc:
-            log.warning("v%d: its delta base's cached copy is not trusted (%s); fetching the whole files", manifest.version, exc)
+            log.warning("v%d: the cached v%d is not trusted (%s); fetching the whole files", wanted, version, exc)
             return None
-        return base if self._cached_problem(base, kept) is None else None
+        return cached if self._cached_problem(cached, kept) is None else None
 
     def _cache_holds(self, final: str, raw: bytes, manifest: Manifest) -> bool:
         """Whether `final` is the store's version: the same manifest, and files that still match it."""
@@ -616,15 +686,25 @@ class CheckpointStore:
         expected = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
         expected |= {name + RECORD_SUFFIX for name in expected}  # a ranged download's record (ranges.py)
         held_base = self._held_base(manifest, cache_dir)
-        by_delta = manifest.delta_base is not None and (not manifest.whole or held_base is not None)
+        # A whole key version goes by deltas from its base held, or from one held below when cheaper.
+        chained = manifest.whole and held_base is None and self._cheaper_by_deltas(manifest, cache_dir)
+        by_delta = manifest.delta_base is not None and (not manifest.whole or held_base is not None or chained)
         stored = [_stored_entry(e) if by_delta else e for e in manifest.files]
         expected |= {e.path for e in stored} | {e.path + RECORD_SUFFIX for e in stored}
         for stray in set(os.listdir(partial)) - expected:
             remove_path(os.path.join(partial, stray))
         downloads = [fetches.submit(self._download, version, e, os.path.join(partial, e.path)) for e in stored]
+        if by_delta and held_base is None:  # the chain's manifests below, at once, while these download
+            self._read_ahead(range(manifest.delta_base, manifest.delta_base - _READ_AHEAD, -1), cache_dir)
         try:
             base_dir = held_base or (self._delta_base_dir(manifest, cache_dir, fetches, depth) if by_delta else None)
             _results(downloads)
+        except StoreError as exc:
+            if not chained:
+                raise
+            # The chain was a choice, not the version's only form: its whole files are next (a retry).
+            self._whole_only.add(version)
+            raise StoreError(f"{name}: its chain of deltas failed ({exc}); its whole files are fetched next") from exc
         finally:
             for future in downloads:  # none outlives this version's lock
                 future.cancel()

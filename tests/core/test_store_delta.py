@@ -383,3 +383,93 @@ def test_apply_refuses_a_delta_that_would_decompress_past_the_file(tmp_path: Pat
     apply(str(base), zstandard.ZstdCompressor().compress(bytes(1000)), entry, str(tmp_path / "out"), "v1/m")
     assert (tmp_path / "out").read_bytes() == bytes(1000)
 
+
+
+def test_a_worker_behind_a_key_version_fetches_the_deltas_from_what_it_holds(
+    location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that fell behind across a key version (it holds v2, the newest is v5, v4 the key):
+    v3's, v4's and v5's deltas are fewer bytes than v4's whole files, so those are what it fetches."""
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 6)
+    publish_chain(store, dirs, full_every=4, whole_keys=True)  # v4 whole and as deltas against v3
+    behind = open_store(location)
+    cache = tmp_path / "behind"
+    behind.pull(2, str(cache))
+    fetched = fetched_names(behind, monkeypatch)
+    assert same_files(behind.pull(5, str(cache)), dirs[5])
+    assert sorted(fetched) == sorted(f"v{v:06d}/{n}{DELTA_SUFFIX}" for v in (3, 4, 5) for n in [*SHARDS, "config.json"])
+
+
+def test_a_chain_of_deltas_dearer_than_the_whole_key_version_is_not_taken(
+    location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(1)
+    dirs = []
+    for version in range(5):  # every byte new each version: a delta is as large as its file
+        d = tmp_path / f"src{version}"
+        d.mkdir()
+        for name in SHARDS:
+            rng.integers(0, 256, SHARD, dtype=np.uint8).tofile(d / name)
+        (d / "config.json").write_text(json.dumps({"version": version}))
+        dirs.append(d)
+    store = open_store(location)
+    publish_chain(store, dirs, full_every=4, whole_keys=True)
+    behind = open_store(location)
+    cache = tmp_path / "behind"
+    behind.pull(2, str(cache))
+    fetched = fetched_names(behind, monkeypatch)
+    assert same_files(behind.pull(4, str(cache)), dirs[4])
+    assert sorted(fetched) == sorted(f"v000004/{n}" for n in [*SHARDS, "config.json"])
+
+
+def test_a_chain_that_fails_falls_back_to_the_whole_key_version(
+    location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chain was a choice: a link that fails (v3's delta damaged in the store) is a store error to
+    retry, never a refusal of the key version, and the retry fetches the key version's whole files."""
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 5)
+    publish_chain(store, dirs, full_every=4, whole_keys=True)
+    path = stored(store, 3, SHARDS[0] + DELTA_SUFFIX)
+    damaged = bytearray(store.fs.cat_file(path))
+    damaged[100] ^= 0xFF
+    store.fs.rm(path)
+    store.fs.pipe_file(path, bytes(damaged))
+    behind = open_store(location)
+    cache = tmp_path / "behind"
+    behind.pull(2, str(cache))
+    with pytest.raises(store_mod.StoreError, match="v000004: its chain of deltas failed .* whole files are fetched next") as failed:
+        behind.pull(4, str(cache))
+    assert not isinstance(failed.value, VerificationError)
+    fetched = fetched_names(behind, monkeypatch)
+    assert same_files(behind.pull(4, str(cache)), dirs[4])
+    assert sorted(fetched) == sorted(f"v000004/{n}" for n in [*SHARDS, "config.json"])
+
+
+def test_a_late_joiners_chain_of_manifests_is_read_at_once(location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain of 6 links below the version asked for: their manifests are read together, not one
+    answer after another (each read here takes 50 ms)."""
+    import threading
+    import time
+
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 7)
+    publish_chain(store, dirs)  # v0 a key, v1-v6 deltas
+    late = open_store(location)
+    real, lock, reading, most = late._read_manifest_bytes, threading.Lock(), [0], [0]
+
+    def slow_read(version: int) -> bytes:
+        with lock:
+            reading[0] += 1
+            most[0] = max(most[0], reading[0])
+        time.sleep(0.05)
+        try:
+            return real(version)
+        finally:
+            with lock:
+                reading[0] -= 1
+
+    monkeypatch.setattr(late, "_read_manifest_bytes", slow_read)
+    assert same_files(late.pull(6, str(tmp_path / "late")), dirs[6])
+    assert most[0] >= 5, most[0]  # v5 down to v0 at once (v6's read first, alone)
