@@ -60,12 +60,21 @@ def make_batch() -> TrainBatch:
     return TrainBatch(trainer_version=0, samples=samples, staleness_histogram={"0": 12}, rollouts_accepted=12, stale_dropped=0)
 
 
-def one_step(rank: int, world: int, port: int, out: str, activation_checkpointing: bool, compiled: bool) -> None:
-    """In each spawned rank: one training step exactly as the loop runs it (`load_policy`'s order:
-    compile, then shard); rank 0 saves what it saw."""
+def ranks_main(rank: int, world: int, port: int, variants: list[tuple[bool, bool, str]]) -> None:
+    """Each spawned rank: `one_step` for each (activation checkpointing, compiled, out) in turn, in
+    one process group (a spawn and its imports cost more than a step here: 4 spawns took 145 s of CI)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     _, _, device = init_distributed()
+    for activation_checkpointing, compiled, out in variants:
+        one_step(rank, world, device, out, activation_checkpointing, compiled)
+    dist.barrier()  # as the trainer ends: no rank tears gloo down while another still uses it
+    dist.destroy_process_group()
+
+
+def one_step(rank: int, world: int, device: torch.device, out: str, activation_checkpointing: bool, compiled: bool) -> None:
+    """One training step exactly as the loop runs it (`load_policy`'s order: compile, then shard),
+    from a freshly built model; rank 0 saves what it saw."""
     config = TrainerConfig(**TRAINER, activation_checkpointing=activation_checkpointing, compile=compiled)
     model = build_model(TINY).to(device).train()
     before = {name: p.detach().clone().cpu() for name, p in model.named_parameters()}
@@ -94,14 +103,13 @@ def one_step(rank: int, world: int, port: int, out: str, activation_checkpointin
              "gathered": gathered[1], "micro_batches": len(micro), "samples": len(samples)},
             out,
         )
-    dist.barrier()  # as the trainer ends: no rank tears gloo down while another still uses it
-    dist.destroy_process_group()
 
 
-def run_ranks(world: int, tmp_path: Path, activation_checkpointing: bool = False, compiled: bool = False) -> dict:
-    out = str(tmp_path / f"world{world}-ac{int(activation_checkpointing)}-compiled{int(compiled)}.pt")
-    mp.spawn(one_step, args=(world, free_port(), out, activation_checkpointing, compiled), nprocs=world, join=True)
-    return torch.load(out, weights_only=False)
+def run_ranks(world: int, tmp_path: Path, variants: list[tuple[bool, bool]]) -> list[dict]:
+    """What rank 0 saw of one step per (activation checkpointing, compiled) in `variants`, on `world` ranks."""
+    outs = [(ac, compiled, str(tmp_path / f"world{world}-ac{int(ac)}-compiled{int(compiled)}.pt")) for ac, compiled in variants]
+    mp.spawn(ranks_main, args=(world, free_port(), outs), nprocs=world, join=True)
+    return [torch.load(out, weights_only=False) for _, _, out in outs]
 
 
 def plain_reference() -> tuple[float, dict[str, torch.Tensor]]:
@@ -119,14 +127,13 @@ def plain_reference() -> tuple[float, dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("parity")
-    return {
-        "1": run_ranks(1, tmp), "2": run_ranks(2, tmp), "2-ac": run_ranks(2, tmp, activation_checkpointing=True),
-        # [trainer] compile: compiled blocks under FSDP2 and activation checkpointing, micro-batches of
-        # several lengths (a recompilation with dynamic shapes), the compiled loss with its entropy and KL;
-        # on 2 ranks, as configs/gpu.toml compiles on 4 (each block freed after its forward, gathered
-        # again for the recompute). One compiled rank: tests/trainer/test_compile.py, gpu_check's section.
-        "2-ac-compiled": run_ranks(2, tmp, activation_checkpointing=True, compiled=True),
-    }
+    # [trainer] compile ("2-ac-compiled"): compiled blocks under FSDP2 and activation checkpointing,
+    # micro-batches of several lengths (a recompilation with dynamic shapes), the compiled loss with
+    # its entropy and KL; on 2 ranks, as configs/gpu.toml compiles on 4 (each block freed after its
+    # forward, gathered again for the recompute). One compiled rank: tests/trainer/test_compile.py,
+    # gpu_check's section.
+    two, two_ac, two_ac_compiled = run_ranks(2, tmp, [(False, False), (True, False), (True, True)])
+    return {"1": run_ranks(1, tmp, [(False, False)])[0], "2": two, "2-ac": two_ac, "2-ac-compiled": two_ac_compiled}
 
 
 def test_parity_of_loss_and_gradients_on_one_and_two_ranks(results: dict[str, dict]) -> None:
