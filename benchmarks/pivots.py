@@ -30,9 +30,19 @@ held-out accuracy (`heldout_accuracy`: prompts no arm nor the fine-tuning saw, s
 arms' temperature) measured every `--eval-every` steps against the tokens generated so far.
 `tokens_to_target_pivot_vs_root`: the tokens at which the PRM arm first reaches the root arm's
 final held-out accuracy, over the root arm's total (per seed, then the mean and its standard
-error); the random arm's beside it.
+error); the random arm's beside it. Beside them, per arm, the final accuracy and the accuracy
+averaged over the tokens generated (the area under the curve), and each arm's figures minus
+another's paired by seed (`heldout_final_prm_minus_random`, ...), mean and standard error.
 
-    python benchmarks/pivots.py --budget 6000 --seeds 2 --sft-steps 600 --train-budget 12000
+Every unit is seeded from the seed (workers/tree.py `seed`): the arms of a seed draw the same
+root samples of a prompt at a version, so the arms' differences are paired, and an arm that does
+not depend on verdicts (root) gives the same rows in every run.
+
+Seeds can run apart (each under 10 min at a quiet machine's load) and be summarized together:
+
+    python benchmarks/pivots.py --budget 0 --seeds 1 --seed-start S --train-budget 12000 --lr 2e-5 --heldout 512  # S = 0, 1, 2
+    python benchmarks/pivots.py --budget 6000 --seeds 3 --train-budget 0
+    python benchmarks/pivots.py --rows ROWS... --budget 6000 --seeds 3 --train-budget 12000 --lr 2e-5 --heldout 512
 
 The last line is one JSON object with the issue's keys.
 """
@@ -287,14 +297,14 @@ def run_arm(
 
     if training:
         evaluate(0)
-    started = time.perf_counter()
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
     try:
         while counts.generated + counts.discarded < budget:
             answer = client.lease(LeaseRequest(worker_id="w0", max_groups=1))
             (lease,) = answer.leases
             samples = generate_tree(backend, client if post_steps else _Silent(), lease, answer.sampling,  # type: ignore[arg-type]
                                     run_name=config.run_name, worker_id="w0", feed=feed, rng=rng, estimate=estimate,
-                                    counts=counts, keep_cache=keep_cache, verdict_wait_s=verdict_wait_s)
+                                    counts=counts, keep_cache=keep_cache, verdict_wait_s=verdict_wait_s, seed=seed)
             ingest = client.post_rollouts(RolloutBatch(rollouts=samples))
             if ingest.rejected:
                 raise RuntimeError(f"the orchestrator refused samples of a {arm} unit: {ingest.rejected}")
@@ -357,8 +367,10 @@ def run_arm(
         "verdict_wait_s": round(counts.verdict_wait_s, 3), "verdict_timeouts": counts.verdict_timeouts,
         "step_post_wait_s": round(counts.step_post_wait_s, 4), "decode_s": round(counts.decode_s, 3),
         "cache_rebuild_s": round(counts.cache_rebuild_s, 3), "tokens_per_decode_s": spent / counts.decode_s if counts.decode_s else None,
-        "wall_s": round(elapsed, 2), "keep_cache": keep_cache, "post_steps": post_steps,
-        **({"versions": backend.version, "train_s": round(train_s, 2), "weight_change": weight_change(checkpoint, backend.model),
+        "wall_s": round(elapsed, 2), "load_start": load_start, "load_end": os.getloadavg()[0],
+        "keep_cache": keep_cache, "post_steps": post_steps,
+        **({"versions": backend.version, "train_s": round(train_s, 2), "groups_per_step": training.groups_per_step,
+            "weight_change": weight_change(checkpoint, backend.model),
             "sampler_kl_max": max(step["sampler_kl"] for step in steps) if steps else None,
             "is_ratio_max": max(step["is_ratio_max"] for step in steps) if steps else None,
             "trained_samples": sum(int(step["trained"]) for step in steps),
@@ -401,6 +413,8 @@ def training_figures(trained: list[dict[str, Any]]) -> dict[str, Any]:
     against that seed's root arm), the final accuracies, with standard errors over seeds."""
     seeds = sorted({r["seed"] for r in trained})
     curve = {(r["arm"], r["seed"]): r["curve"] for r in trained}
+    if any((arm, seed) not in curve for arm in ARMS for seed in seeds):  # a run of some arms (--arms): its rows only
+        return {"tokens_to_target_pivot_vs_root": None}
     figures: dict[str, Any] = {}
     for arm, key in (("prm", "tokens_to_target_pivot_vs_root"), ("random", "tokens_to_target_random_vs_root")):
         per_seed = [tokens_to_target(curve["root", seed], curve[arm, seed]) for seed in seeds]
@@ -415,15 +429,35 @@ def training_figures(trained: list[dict[str, Any]]) -> dict[str, Any]:
         finals = [curve[arm, seed][-1]["accuracy"] for seed in seeds]
         start = statistics.fmean(curve[arm, seed][0]["accuracy"] for seed in seeds)
         final, se = mean_and_se(finals)  # type: ignore[arg-type]
+        areas = [mean_accuracy(curve[arm, seed]) for seed in seeds]
+        area, area_se = mean_and_se(areas)  # type: ignore[arg-type]
         figures[f"heldout_{arm}"] = {"start": start, "final": final, "final_se": se, "final_per_seed": finals,
+                                      "mean_over_tokens": area, "mean_over_tokens_se": area_se, "mean_over_tokens_per_seed": areas,
                                       "versions": [curve[arm, seed][-1]["version"] for seed in seeds]}
+    # Paired by seed (the arms of a seed start from the same model and draw the same roots at
+    # version 0): each arm's figure minus another's, mean and standard error over seeds.
+    for a, b in (("prm", "root"), ("prm", "random"), ("random", "root")):
+        for name, of in (("final", lambda c: c[-1]["accuracy"]), ("mean_over_tokens", mean_accuracy)):
+            diffs = [of(curve[a, seed]) - of(curve[b, seed]) for seed in seeds]
+            mean, se = mean_and_se(diffs)  # type: ignore[arg-type]
+            figures[f"heldout_{name}_{a}_minus_{b}"] = {"mean": mean, "se": se, "per_seed": diffs}
     return figures
+
+
+def mean_accuracy(curve: list[dict[str, Any]]) -> float:
+    """The held-out accuracy averaged over the tokens generated (the area under the curve, by the
+    trapezoid rule between evaluations, over its last point's tokens): an arm that rises sooner
+    scores higher, and every evaluation counts, not the last one's noise alone."""
+    area = sum((p["accuracy"] + q["accuracy"]) / 2 * (q["tokens"] - p["tokens"]) for p, q in zip(curve, curve[1:]))
+    return area / curve[-1]["tokens"] if curve[-1]["tokens"] else curve[-1]["accuracy"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=6000, help="Generated tokens per arm and seed.")
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--seed-start", type=int, default=0,
+                        help="The first seed (a run of seeds S..S+n-1: seeds run apart are summarized together with --rows).")
     parser.add_argument("--token-ms", type=float, default=10.0,
                         help="Each decoding step takes this much longer (a real model's pace; 0: the tiny model's own).")
     parser.add_argument("--verdict-wait-s", type=float, default=5.0,
@@ -435,17 +469,22 @@ def main() -> None:
                         help="Generated tokens per training arm and seed (0: no training arms, tokens_to_target null).")
     parser.add_argument("--lr", type=float, default=1e-4, help="The training arms' AdamW learning rate.")
     parser.add_argument("--groups-per-step", type=int, default=8, help="Units (prompts) in a training arm's step.")
+    parser.add_argument("--root-groups-per-step", type=int, default=0,
+                        help="The root arm's units a step (0: --groups-per-step); a root-only unit costs about 2/3 of a "
+                        "pivot unit's tokens, so 12 against 8 gives every arm a step about every 530 tokens.")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                        help="The training arms to run (a run of one arm is summarized with the others' rows by --rows).")
     parser.add_argument("--local-weight", type=float, default=1.0, help="lambda: a branch's local advantage's weight.")
     parser.add_argument("--eval-every", type=int, default=2, help="Steps between held-out evaluations.")
     parser.add_argument("--heldout", type=int, default=256, help="Held-out prompts (each sampled --eval-samples times).")
     parser.add_argument("--eval-samples", type=int, default=4)
-    parser.add_argument("--rows", help="Summarize the lines a run printed (a file of them) instead of running: its last line "
+    parser.add_argument("--rows", nargs="+", help="Summarize the lines a run printed (a file of them) instead of running: its last line "
                         "again, with the figures added since (give the run's other options too: they are reported as given).")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)
-    trained, runs, rebuilt, silent, sft_loss = read_rows(args.rows) if args.rows else run_all(args)
+    trained, runs, rebuilt, silent, sft_loss = read_rows(*args.rows) if args.rows else run_all(args)
     figures = sampling_figures(runs, rebuilt, silent) if runs else {key: None for key in SAMPLING_KEYS}
     print(json.dumps({
         **(training_figures(trained) if trained else {"tokens_to_target_pivot_vs_root": None}),
@@ -453,6 +492,7 @@ def main() -> None:
         "verdict_wait_s": args.verdict_wait_s, "token_ms": args.token_ms,
         "budget_tokens": args.budget, "train_budget_tokens": args.train_budget, "seeds": args.seeds,
         "group_size": args.group_size, "k": args.k, "lr": args.lr, "groups_per_step": args.groups_per_step,
+        "root_groups_per_step": args.root_groups_per_step or args.groups_per_step,
         "local_weight": args.local_weight, "heldout": args.heldout, "eval_samples": args.eval_samples,
         "sft_steps": args.sft_steps, "sft_loss": None if sft_loss is None else round(sft_loss, 4),
     }))
@@ -472,36 +512,41 @@ def run_all(args: argparse.Namespace) -> Rows:
         checkpoint = os.path.join(tmp, "v0")
         sft_loss = finetune(checkpoint, args.sft_steps, seed=0)
         if args.train_budget:
-            heldout = heldout_prompts(args.heldout, args.seeds)
-            for seed in range(args.seeds):
-                for arm in ARMS:
-                    training = Training(args.groups_per_step, args.lr, heldout, args.eval_samples, args.eval_every, args.local_weight)
+            heldout = heldout_prompts(args.heldout, max(HELDOUT_SEEDS, args.seed_start + args.seeds))
+            for seed in range(args.seed_start, args.seed_start + args.seeds):
+                for arm in args.arms:
+                    per_step = args.root_groups_per_step if arm == "root" and args.root_groups_per_step else args.groups_per_step
+                    training = Training(per_step, args.lr, heldout, args.eval_samples, args.eval_every, args.local_weight)
                     trained.append(run_arm(arm, seed, checkpoint, args.train_budget, args.group_size, args.k,
                                            token_s=args.token_ms / 1000, verdict_wait_s=args.verdict_wait_s, training=training))
                     print(json.dumps(trained[-1]), flush=True)
-        for seed in range(args.seeds if args.budget else 0):
+        for seed in range(args.seed_start, args.seed_start + args.seeds) if args.budget else ():
             for arm in ARMS:
                 runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=args.token_ms / 1000,
                                     verdict_wait_s=args.verdict_wait_s))
                 print(json.dumps(runs[-1]), flush=True)
-        # The measures of the worker's side, on seed 0: the KV cache rebuilt at each step's end
-        # (prm arm), and the root arm's throughput without posting its steps for scoring.
+        # The measures of the worker's side, on the first seed: the KV cache rebuilt at each step's
+        # end (prm arm), and the root arm's throughput without posting its steps for scoring.
         if args.budget:
-            rebuilt = run_arm("prm", 0, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=args.token_ms / 1000,
+            first, pace_s = args.seed_start, args.token_ms / 1000
+            rebuilt = run_arm("prm", first, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=pace_s,
                               verdict_wait_s=args.verdict_wait_s)
-            silent = run_arm("root", 0, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=args.token_ms / 1000)
+            silent = run_arm("root", first, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=pace_s)
             print(json.dumps(rebuilt), flush=True)
             print(json.dumps(silent), flush=True)
     return trained, runs, rebuilt, silent, sft_loss
 
 
-def read_rows(path: str) -> Rows:
-    """The runs a previous run printed (its lines but a last summary line; `--rows`), sorted as
-    `run_all` returns them; the fine-tuning's loss is not in them (None)."""
-    with open(path) as file:
-        rows = [json.loads(line) for line in file if line.strip()]
-    rows = [row for row in rows if "arm" in row]  # not the summary line
-    trained = [row for row in rows if "curve" in row]
+def read_rows(*paths: str) -> Rows:
+    """The runs previous runs printed (their lines but the summary lines; `--rows`: the files of
+    runs of other seeds or arms together: a later file's training row of an arm and seed replaces
+    an earlier one's), sorted as `run_all` returns them (the KV-rebuild and no-scoring measures:
+    the first file's); the fine-tuning's loss is not in them (None)."""
+    rows = []
+    for path in paths:
+        with open(path) as file:
+            rows += [row for line in file if line.strip() and "arm" in (row := json.loads(line))]  # not the summary lines
+    trained = list({(row["arm"], row["seed"]): row for row in rows if "curve" in row}.values())
     rebuilt = next((row for row in rows if not row["keep_cache"]), {})
     silent = next((row for row in rows if not row["post_steps"]), {})
     runs = [row for row in rows if "curve" not in row and row["keep_cache"] and row["post_steps"]]
@@ -516,14 +561,16 @@ def sampling_figures(runs: list[dict[str, Any]], rebuilt: dict[str, Any], silent
     """The fixed-policy arms' figures (`--budget`): recovery, groups without gradient, tokens saved,
     waits, throughput, the KV cache's measure."""
 
-    def mean(arm: str, key: str) -> float:
-        return statistics.fmean(r[key] for r in runs if r["arm"] == arm)
+    def mean(arm: str, key: str) -> float | None:
+        known = [r[key] for r in runs if r["arm"] == arm and r[key] is not None]  # None: no branch sample in a run
+        return statistics.fmean(known) if known else None
 
-    def ratio(a: float, b: float) -> float | None:
-        return a / b if b else None  # None: the root arm had none to compare with
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None  # None: an arm had none to compare
 
-    kept = next(r for r in runs if r["arm"] == "prm" and r["seed"] == 0)
-    posted_root = next(r for r in runs if r["arm"] == "root" and r["seed"] == 0)
+    first = min(r["seed"] for r in runs)  # the seed of the KV-rebuild and no-scoring measures (run_all)
+    kept = next(r for r in runs if r["arm"] == "prm" and r["seed"] == first)
+    posted_root = next(r for r in runs if r["arm"] == "root" and r["seed"] == first)
     return {
         # Failed prompts (the unit's first sample wrong, in every arm a root's) that get a right
         # sample elsewhere in their unit, per 1k generated tokens: PRM pivots over root-only.
@@ -543,13 +590,21 @@ def sampling_figures(runs: list[dict[str, Any]], rebuilt: dict[str, Any], silent
         "root_success": {arm: mean(arm, "root_success") for arm in ARMS},
         "worker_wait_for_step_posts_s": sum(r["step_post_wait_s"] for r in runs),
         "throughput_with_scoring_vs_without": ratio(posted_root["tokens_per_decode_s"], silent["tokens_per_decode_s"]),
+        # The same for the PRM arm with its waits before choosing pivots counted as its time: what
+        # a worker generates a second with branching, against root-only without scoring (seed S).
+        "throughput_prm_with_waits_vs_without": ratio(kept["tokens"] / (kept["decode_s"] + kept["verdict_wait_s"]),
+                                                      silent["tokens_per_decode_s"]),
         "kv_keep_decode_s": kept["decode_s"], "kv_rebuild_decode_s": rebuilt["decode_s"],
         "kv_rebuild_s": rebuilt["cache_rebuild_s"],
     }
 
 
+HELDOUT_SEEDS = 3  # the held-out prompts avoid the arms' tasks of seeds 0-2 at least: one set for seeds run apart
+
+
 def heldout_prompts(count: int, seeds: int) -> list[str]:
-    """`count` chained-sums prompts that neither the fine-tuning's prompts nor any arm's task holds."""
+    """`count` chained-sums prompts that neither the fine-tuning's prompts nor the task of an arm
+    of seeds 0 to `seeds` - 1 holds."""
     from decentrl.config import ChainTaskConfig
     from decentrl.tasks.chain import ChainTask
 

@@ -6,6 +6,7 @@ whose versions advance on the orchestrator's batches; the tokens-to-target rule.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,29 @@ def test_tokens_to_target_is_the_first_point_at_the_roots_final_accuracy(bench: 
     assert bench.tokens_to_target(bench.smoothed(root), bench.smoothed(fast)) == 0.6  # 0.305 against the root's 0.3
     spike = [{"tokens": tokens, "accuracy": 0.45 if tokens == 300 else 0.2} for tokens in (0, 150, 300, 450, 600)]
     assert bench.tokens_to_target(root, spike) == 0.3 and bench.tokens_to_target(bench.smoothed(root), bench.smoothed(spike)) is None
+
+
+def test_the_arms_are_compared_paired_by_seed_from_rows_of_runs_apart(bench: Any, tmp_path: Path) -> None:
+    # The mean over tokens is the trapezoid area over the last point's tokens; each paired
+    # difference is per seed, then its mean and standard error; seeds run apart read together.
+    curve = [{"tokens": 0, "accuracy": 0.2, "version": 0}, {"tokens": 500, "accuracy": 0.4, "version": 2},
+             {"tokens": 1000, "accuracy": 0.4, "version": 4}]
+    assert bench.mean_accuracy(curve) == pytest.approx((0.3 * 500 + 0.4 * 500) / 1000)
+
+    def row(arm: str, seed: int, lift: float) -> dict[str, Any]:
+        return {"arm": arm, "seed": seed, "keep_cache": True, "post_steps": True,
+                "curve": [{**p, "accuracy": p["accuracy"] + lift * (p["tokens"] > 0)} for p in curve]}
+
+    files = []
+    for seed, lift in ((0, 0.02), (1, 0.04)):
+        files.append(tmp_path / f"seed{seed}.jsonl")
+        lines = [row("root", seed, 0.0), row("random", seed, lift / 2), row("prm", seed, lift), {"summary": "of a run"}]
+        files[-1].write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    trained, runs, _, _, _ = bench.read_rows(*map(str, files))
+    assert len(trained) == 6 and runs == []
+    figures = bench.training_figures(trained)
+    assert figures["heldout_final_prm_minus_root"]["per_seed"] == pytest.approx([0.02, 0.04])
+    assert figures["heldout_final_prm_minus_root"]["mean"] == pytest.approx(0.03)
+    assert figures["heldout_final_prm_minus_root"]["se"] == pytest.approx(0.01)
+    assert figures["heldout_mean_over_tokens_prm_minus_random"]["per_seed"] == pytest.approx([0.01 * 0.75, 0.02 * 0.75])
+    assert figures["heldout_prm"]["mean_over_tokens_per_seed"] == pytest.approx([0.35 + 0.02 * 0.75, 0.35 + 0.04 * 0.75])
