@@ -912,7 +912,23 @@ def late_joiner(run: SpreadRun, joiner: dict[str, Any], manifests: dict[int, dic
     first_bound = bound(fetched) + generate_s
     result.update(first_rollout_s=round(first - joined, 3), bytes_by_first_rollout=fetched, generate_s=generate_s,
                   first_rollout_bound_s=round(first_bound, 3), vs_bound=round((first - joined) / first_bound, 3))
+    # After its first load, time the orchestrator leased to no one (its step's groups all in, the
+    # version after not yet published: the staleness bound's gate, every worker's wait, not the
+    # joiner's transfer): what the ratio is without it.
+    gated = leasing_gated_s(run.statuses(), first_load["loaded_at"], first)
+    result.update(lease_gate_s=round(gated, 3), vs_bound_less_lease_gate=round((first - joined - gated) / first_bound, 3))
     return result
+
+
+def leasing_gated_s(statuses: list[dict[str, Any]], start: float, end: float) -> float:
+    """Seconds within [start, end] the monitor saw no lease held by anyone (`leases_active` 0 between
+    two samples in a row): no worker was generating, the orchestrator was leasing nothing."""
+    gated = 0.0
+    for before, after in zip(statuses, statuses[1:]):
+        a, b = max(before["t"], start), min(after["t"], end)
+        if b > a and before.get("leases_active") == 0 and after.get("leases_active") == 0:
+            gated += b - a
+    return gated
 
 
 def announce_gap_s(link: sn.Link) -> float:
@@ -1126,6 +1142,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 if "late_joiner" in parts:
                     joiners = versions["late_joiners"]
                     result["late_joiner_vs_bound"] = {j["profile"]: j.get("vs_bound") for j in joiners}
+                    result["late_joiner_vs_bound_less_lease_gate"] = {j["profile"]: j.get("vs_bound_less_lease_gate") for j in joiners}
                     result["late_joiner_fetched_older"] = {j["profile"]: j.get("served_older_than_key") for j in joiners}
             if "announce" in parts:
                 announce = part_announce(spread, args, notes)

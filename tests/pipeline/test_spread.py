@@ -142,3 +142,10 @@ def test_the_cpu_clock_counts_a_processs_cpu_seconds_and_the_machines_pressure()
     assert clock.cpu_s("gone", started, ended) is None  # no such process: no figure, no error
     assert 0.0 <= clock.pressure(started, ended) <= 1.0
     assert clock.pressure(started, started) is None  # one sample apart at most: too short to say
+
+
+def test_the_lease_gate_counts_only_time_with_no_lease_held_in_the_window() -> None:
+    statuses = [{"t": t, "leases_active": n} for t, n in [(0.0, 2), (1.0, 0), (2.0, 0), (3.0, 0), (4.0, 1), (5.0, 0), (6.0, 0)]]
+    assert spread.leasing_gated_s(statuses, 0.0, 10.0) == 3.0  # 1-3 and 5-6
+    assert spread.leasing_gated_s(statuses, 1.5, 5.5) == 2.0  # 1.5-3 and 5-5.5
+    assert spread.leasing_gated_s(statuses, 3.0, 5.0) == 0.0
