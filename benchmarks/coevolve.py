@@ -13,24 +13,32 @@ issue's tail), proposer and solver alike; a simulated trainer takes a batch of
   (one sub-lease of all --solvers samples, min_fill = solvers);
 - `ours`: the node in sub-leases of --sub-lease-size to any worker as it frees up, closed short at
   --min-fill samples --close-after-s after it is made (late samples refused `node_closed`).
+- `two_policies`: ours with two models (`policies = "per_role"`): a worker serves one policy
+  (about a lease's share of them, 1 in 1 + solvers / sub-lease size, propose), a trainer each, the
+  proposer's computing --train-s / --solvers a step (its batch is one sample a unit).
 Per arm: a unit's time from its lease to its group being complete (p50, p90, p90/median), each
 role's node time, the trainer's busy fraction (compute over step time after the first batch),
 and what the straggler bound closed short and refused.
 
 `learn` (--learn; minutes a run): `decentrl run` of configs/coevolve.toml for --steps steps per
-seed, against a frozen proposer (`frozen_roles = ["proposer"]`: one shared policy, so its
-proposals still drift as the solver trains) and a fixed curriculum (configs/local.toml's sorting
-task, --fixed-digits digits, the same solver samples a step); each final version evaluated on
-held-out sorting prompts (`decentrl eval`, --eval-digits) as the solver's skill; the co-evolution
-runs' proposals read from their journals by decile of the run (valid share, distinct share,
-digits and swaps, the solvers' solve rate). `two_policies`: the same co-evolution run with two
-models (`[orchestrator.roles] policies = "per_role"`: a trainer, a stream of versions and a worker
-per role), its solver's final version evaluated alike, with its proposals by decile, each
-trainer's final version, samples a step and busy fraction. --arms picks the runs.
+seed (--set adds settings; --policies per_role: two models), against a frozen proposer
+(`frozen_roles = ["proposer"]`: with one shared model its proposals still drift as the solver
+trains; with two the proposer stays the initial model) and a fixed curriculum (configs/local.toml's
+sorting task, each prompt's length uniform over --fixed-digits, 2-8: the proposer's range, fixed in
+advance; the same solver samples a step); each final version evaluated on held-out sorting
+prompts of --eval-digits (2-8, `decentrl eval`, greedy) as the solver's skill, with its standard
+error, and each length of --also-digits alone; `coevolve_margin_in_stderr` per control and seed and
+`goal_heldout_met`. The co-evolution runs' proposals are read from their journals by decile of the
+run (valid share, distinct share, digits and swaps, the solvers' solve rate; at the top level
+`solve_rate_fresh`, `proposal_difficulty`, `valid_proposals`, `distinct_proposals`, a list per
+seed). `two_policies`: the co-evolution run with two models (`[orchestrator.roles] policies =
+"per_role"`: a trainer, a stream of versions and a worker per role), its solver's final version
+evaluated alike, with its proposals by decile, each trainer's final version, samples a step and
+busy fraction. --arms picks the runs. Why these controls: docs/tasks.md, "Measuring it".
 
 The last line is one JSON object with the issue's keys.
     .venv/bin/python benchmarks/coevolve.py --seeds 2
-    .venv/bin/python benchmarks/coevolve.py --seeds 2 --learn --steps 150
+    .venv/bin/python benchmarks/coevolve.py --seeds 2 --sim-steps 2 --learn --steps 60 --policies per_role
 """
 
 from __future__ import annotations
@@ -91,6 +99,8 @@ def schedule_config(arm: str, args: argparse.Namespace, seed: int) -> dict[str, 
         "close_after_s": args.close_after_s,
         "holder_first_s": 3600.0 if naive else 0.0,
     }
+    if arm == "two_policies":  # ours with two models: proposer workers and solver workers, a trainer each
+        base["orchestrator"]["roles"]["policies"] = "per_role"
     return base
 
 
@@ -106,7 +116,16 @@ def simulate(arm: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     tokenizer = build_tiny_tokenizer()
     now = [0.0]
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer, clock=lambda: now[0])
-    state.announce(0)
+    # Two policies: a worker serves one, about a lease's share of them proposing (one proposer lease
+    # to solvers / sub_lease_size solver sub-leases a unit); a trainer each, the proposer's computing
+    # 1 / solvers of the solver's (its batch is one sample a unit). One policy: None, one trainer.
+    two = arm == "two_policies"
+    trainers: list[str | None] = ["proposer", "solver"] if two else [None]
+    proposers = max(1, round(args.workers / (1 + args.solvers / args.sub_lease_size))) if two else 0
+    policy_of = {f"bench/w{w}": ("proposer" if w < proposers else "solver") if two else None for w in range(args.workers)}
+    train_s = {None: args.train_s, "solver": args.train_s, "proposer": args.train_s / args.solvers}
+    for trainer in trainers:
+        state.announce(0, trainer)
     rng = random.Random(seed)
     sampling = SamplingParams(temperature=1.0, max_tokens=9)
     eos = tokenizer.eos_token_id
@@ -129,14 +148,17 @@ def simulate(arm: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     tick = iter(range(1 << 62))
     for w in range(args.workers):
         heapq.heappush(events, (0.0, next(tick), "ask", f"bench/w{w}"))
-    heapq.heappush(events, (0.0, next(tick), "trainer", None))
+    for trainer in trainers:
+        heapq.heappush(events, (0.0, next(tick), "trainer", trainer))
     started: dict[str, float] = {}
     node_start: dict[str, float] = {}
     unit_s: list[float] = []
     proposer_s: list[float] = []
     solver_s: list[float] = []
     seen_ready: set[str] = set()
-    version, steps, compute, first_batch_at, busy_until = 0, 0, 0.0, None, 0.0
+    version = dict.fromkeys(trainers, 0)
+    steps, compute, first_batch_at = dict.fromkeys(trainers, 0), dict.fromkeys(trainers, 0.0), dict.fromkeys(trainers, None)
+    busy_until = dict.fromkeys(trainers, 0.0)
 
     def note_ready() -> None:
         for group in list(state.ready):
@@ -146,11 +168,11 @@ def simulate(arm: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                 if group.lease_id in node_start:
                     solver_s.append(now[0] - node_start[group.lease_id])
 
-    while events and steps < args.sim_steps:
+    while events and min(steps.values()) < args.sim_steps:
         at, _, kind, payload = heapq.heappop(events)
         now[0] = at
         if kind == "ask":
-            leases = state.grant_leases(payload, 1)
+            leases = state.grant_leases(payload, 1, policy_of[payload])
             note_ready()  # an invalid proposal's unit completes at a lease request
             if not leases:
                 heapq.heappush(events, (at + args.poll_s, next(tick), "ask", payload))
@@ -165,7 +187,8 @@ def simulate(arm: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             rollouts = [
                 Rollout(
                     rollout_id=uuid.uuid4().hex, run_name=config.run_name, lease_id=lease.lease_id, prompt_id=lease.prompt_id,
-                    worker_id=holder.split("/")[1], policy_version=version, prompt_token_ids=lease.prompt_token_ids,
+                    worker_id=holder.split("/")[1], policy_version=version[policy_of[holder]],
+                    prompt_token_ids=lease.prompt_token_ids,
                     completion_token_ids=(c := ids(answer(lease))), logprobs=[-1.0] * len(c), finish_reason="stop",
                     sampling=sampling, node=lease.node,
                 )
@@ -178,29 +201,35 @@ def simulate(arm: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             note_ready()
             heapq.heappush(events, (at, next(tick), "ask", holder))
         elif kind == "trainer":
-            if at < busy_until:
+            trainer = payload
+            if at < busy_until[trainer] or steps[trainer] >= args.sim_steps:
                 continue
-            batch = state.take_batch(version)
+            batch = state.take_batch(version[trainer], policy=trainer)
             note_ready()
             if batch is None:
-                heapq.heappush(events, (at + args.poll_s, next(tick), "trainer", None))
+                heapq.heappush(events, (at + args.poll_s, next(tick), "trainer", trainer))
                 continue
-            if first_batch_at is None:
-                first_batch_at = at
+            if first_batch_at[trainer] is None:
+                first_batch_at[trainer] = at
             else:
-                compute += args.train_s
-            steps += 1
-            busy_until = at + args.train_s
-            version += 1
-            heapq.heappush(events, (busy_until, next(tick), "publish", version))
-            heapq.heappush(events, (busy_until, next(tick), "trainer", None))
+                compute[trainer] += train_s[trainer]
+            steps[trainer] += 1
+            busy_until[trainer] = at + train_s[trainer]
+            version[trainer] += 1
+            heapq.heappush(events, (busy_until[trainer], next(tick), "publish", (trainer, version[trainer])))
+            heapq.heappush(events, (busy_until[trainer], next(tick), "trainer", trainer))
         elif kind == "publish":
-            state.announce(payload)
-    total = now[0] - (first_batch_at or 0.0)
+            state.announce(payload[1], payload[0])
+    busy = {}
+    for trainer in trainers:
+        total = now[0] - (first_batch_at[trainer] or 0.0)
+        busy[trainer] = compute[trainer] / total if total > 0 else None
     policy = state.lease_policy
     return {
         "unit_s": unit_s, "proposer_s": proposer_s, "solver_s": solver_s,
-        "busy": compute / total if total > 0 else None, "steps": steps, "wall_s": round(now[0], 2),
+        # The solver's trainer (or the one trainer) is the one the busy goal reads; two policies: each beside.
+        "busy": busy[trainers[-1]], "busy_by_trainer": {t: busy[t] for t in trainers if t is not None},
+        "steps": min(steps.values()), "wall_s": round(now[0], 2),
         "closed_short": getattr(policy, "closed_short", 0), "node_closed_refused": state.rejected.get("node_closed", 0),
         "stale_dropped": state.stale_dropped,
     }
@@ -208,7 +237,7 @@ def simulate(arm: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
 
 def schedule(args: argparse.Namespace) -> dict[str, Any]:
     arms: dict[str, Any] = {}
-    for arm in ("single", "naive", "ours"):
+    for arm in ("single", "naive", "ours", "two_policies"):
         runs = [simulate(arm, args, seed) for seed in range(args.seeds)]
         busy = [run["busy"] for run in runs if run["busy"] is not None]
         arms[arm] = {
@@ -219,6 +248,9 @@ def schedule(args: argparse.Namespace) -> dict[str, Any]:
             },
             "trainer_busy": round(statistics.fmean(busy), 4) if busy else None,
             "trainer_busy_by_seed": [round(b, 4) for b in busy],
+            "trainer_busy_by_policy": [
+                {t: round(b, 4) if b is not None else None for t, b in run["busy_by_trainer"].items()} for run in runs
+            ],
             "closed_short": sum(run["closed_short"] for run in runs),
             "node_closed_refused": sum(run["node_closed_refused"] for run in runs),
             "stale_dropped": sum(run["stale_dropped"] for run in runs),
@@ -237,11 +269,19 @@ def run(config: str, run_dir: Path, sets: list[str]) -> None:
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
-def heldout(run_dir: Path, args: argparse.Namespace, digits: int | None = None) -> float:
-    """The final version's mean reward on held-out sorting prompts of `digits` (--eval-digits) digits: the solver's skill."""
-    digits = digits or args.eval_digits
+def digit_range(text: str) -> tuple[int, int]:
+    """ "4" -> (4, 4); "2-8" -> (2, 8)."""
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def heldout(run_dir: Path, args: argparse.Namespace, digits: str | None = None) -> tuple[float, float]:
+    """The final version's mean reward (and its standard error) on held-out sorting prompts of
+    `digits` digits ("4", or "2-8": each prompt's length uniform in the range; --eval-digits):
+    the solver's skill."""
+    low, high = digit_range(digits or args.eval_digits)
     config = json.loads((run_dir / "config.json").read_text())
-    config["task"] = {"type": "sorting", "num_digits": digits, "num_prompts": 4096, "seed": 0}
+    config["task"] = {"type": "sorting", "num_digits": low, "max_digits": high, "num_prompts": 4096, "seed": 0}
     roles = config["orchestrator"].pop("roles", None)
     if roles and roles.get("policies") == "per_role":  # two models: the solver's is the one evaluated
         from decentrl.store.manifest import policy_url
@@ -252,10 +292,11 @@ def heldout(run_dir: Path, args: argparse.Namespace, digits: int | None = None) 
     eval_config.write_text(json.dumps(config))
     out = subprocess.run(
         [str(Path(sys.executable).parent / "decentrl"), "eval", str(eval_config), "--run-dir", str(run_dir),
-         "--prompts", str(args.eval_prompts), "--samples", "1", "--greedy", "--set", f"sampling.max_tokens={digits + 1}"],
+         "--prompts", str(args.eval_prompts), "--samples", "1", "--greedy", "--set", f"sampling.max_tokens={high + 1}"],
         check=True, cwd=ROOT, capture_output=True, text=True,
     ).stdout
-    return float(json.loads(out.strip().splitlines()[-1])["reward_mean"])
+    scored = json.loads(out.strip().splitlines()[-1])
+    return float(scored["reward_mean"]), float(scored["reward_stderr"])
 
 
 def proposals(run_dir: Path) -> list[dict[str, Any]]:
@@ -305,15 +346,25 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
 def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # Every batch kept (two policies: two trainers' batches), so the journal holds every served unit's samples for `proposals`.
     common = [f"trainer.steps={args.steps}", "num_workers=2", "trainer_ranks=1", f"orchestrator.batches_kept={2 * args.steps + 1}"]
+    # --policies per_role: the co-evolution run and its frozen-proposer control each with two models
+    # (the frozen one: the proposer's model stays the initial one); --set: more settings of both.
+    roles = [*args.set, *(["orchestrator.roles.policies=per_role"] if args.policies == "per_role" else [])]
     arms = {
-        "coevolve": ("configs/coevolve.toml", []),
-        "frozen_proposer": ("configs/coevolve.toml", ['orchestrator.advantages.frozen_roles=["proposer"]']),
-        "fixed": ("configs/local.toml", [f"task.num_digits={args.fixed_digits}", "group_size=8", "trainer.groups_per_step=16"]),
+        "coevolve": ("configs/coevolve.toml", roles),
+        "frozen_proposer": ("configs/coevolve.toml", [*roles, 'orchestrator.advantages.frozen_roles=["proposer"]']),
+        # A fixed curriculum of the same problems' kind, fixed in advance: sorting with each prompt's
+        # length uniform over --fixed-digits (default the proposer's whole range, 2-8: uniform over its
+        # difficulties), the same solver samples a step (docs/tasks.md, "The controls").
+        "fixed": ("configs/local.toml", [f"task.num_digits={digit_range(args.fixed_digits)[0]}",
+                                         f"task.max_digits={digit_range(args.fixed_digits)[1]}",
+                                         f"sampling.max_tokens={digit_range(args.fixed_digits)[1] + 1}",
+                                         "group_size=8", "trainer.groups_per_step=16"]),
         # The same co-evolution with two models: a trainer and a stream of versions per role, a worker each.
-        "two_policies": ("configs/coevolve.toml", ["orchestrator.roles.policies=per_role"]),
+        "two_policies": ("configs/coevolve.toml", [*args.set, "orchestrator.roles.policies=per_role"]),
     }
     arms = {arm: arms[arm] for arm in args.arms.split(",")}
     scores: dict[str, list[float]] = {arm: [] for arm in arms}
+    stderrs: dict[str, list[float]] = {arm: [] for arm in arms}
     by_decile: list[Any] = []
     by_digits: dict[str, dict[str, list[float]]] = {}
     two: dict[str, Any] = {
@@ -326,9 +377,11 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             if not (args.reuse and (run_dir / "summary.json").exists()):  # --reuse: a finished run under --out is taken as is
                 shutil.rmtree(run_dir, ignore_errors=True)
                 run(config, run_dir, [*common, *sets, f"trainer.seed={seed}", f"model.seed={seed}", f"task.seed={seed}"])
-            scores[arm].append(heldout(run_dir, args))
-            for digits in map(int, filter(None, args.also_digits.split(","))):  # the range the proposals span
-                by_digits.setdefault(arm, {}).setdefault(str(digits), []).append(round(heldout(run_dir, args, digits), 4))
+            score, stderr = heldout(run_dir, args)
+            scores[arm].append(score)
+            stderrs[arm].append(stderr)
+            for digits in filter(None, args.also_digits.split(",")):  # each length of the range on its own
+                by_digits.setdefault(arm, {}).setdefault(digits, []).append(round(heldout(run_dir, args, digits)[0], 4))
             if arm == "coevolve":
                 by_decile.append(proposals(run_dir))
             if arm == "two_policies":
@@ -340,8 +393,22 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                     two["samples_a_step"][policy].append(round(statistics.fmean(m["samples"] for m in steps), 2))
                     two["trainer_busy"][policy].append(round(steps[-1]["trainer_busy_fraction_total"], 4))
     result: dict[str, Any] = {f"heldout_solver_{arm}": [round(s, 4) for s in values] for arm, values in scores.items()}
+    result["heldout_stderr"] = {arm: [round(s, 4) for s in values] for arm, values in stderrs.items()}
+    if "coevolve" in scores:  # the goal: co-evolution above each control by >= 2 combined standard errors, every seed
+        margins = {
+            control: [round((scores["coevolve"][i] - scores[control][i]) / math.hypot(stderrs["coevolve"][i], stderrs[control][i]), 2)
+                      for i in range(args.seeds)]
+            for control in ("frozen_proposer", "fixed") if control in scores
+        }
+        result["coevolve_margin_in_stderr"] = margins
+        result["goal_heldout_met"] = len(margins) == 2 and all(m >= 2 for ms in margins.values() for m in ms)
     if by_decile:
         result["proposals_by_decile"] = by_decile
+        # The issue's keys, per decile of the run, a list per seed.
+        for key, field in (("solve_rate_fresh", "solve_rate_fresh"), ("valid_proposals", "valid_proposals"),
+                           ("distinct_proposals", "distinct_proposals")):
+            result[key] = [[d[field] for d in seed] for seed in by_decile]
+        result["proposal_difficulty"] = [[{"digits": d["digits"], "operations": d["operations"]} for d in seed] for seed in by_decile]
     if by_digits:
         result["heldout_solver_by_digits"] = by_digits
     if "two_policies" in arms:
@@ -363,11 +430,12 @@ train-s float 12.0 schedule: simulated trainer compute a step
 sim-steps int 60 schedule: trainer steps a seed
 poll-s float 0.05 schedule: how soon an idle worker or trainer asks again
 steps int 150 learn: trainer steps a run
-fixed-digits int 4 learn: the fixed curriculum's digits
-eval-digits int 4 learn: digits of the held-out sorting prompts
-also-digits str 6,8 learn: other held-out digit counts reported beside (heldout_solver_by_digits), comma-separated
+fixed-digits str 2-8 learn: the fixed curriculum's digits ("4", or "2-8": each prompt's length uniform in the range)
+eval-digits str 2-8 learn: digits of the held-out sorting prompts ("4", or "2-8": each prompt's length uniform in the range)
+also-digits str 4,6,8 learn: held-out digit counts reported beside (heldout_solver_by_digits), comma-separated
 eval-prompts int 256 learn: held-out prompts
 arms str coevolve,frozen_proposer,fixed,two_policies learn: the runs, comma-separated
+policies str shared learn: the coevolve and frozen_proposer arms with one shared model (shared) or two (per_role)
 """
 
 
@@ -378,6 +446,8 @@ def main() -> None:
         cast = {"int": int, "float": float, "str": str}[kind]
         parser.add_argument(f"--{flag}", type=cast, default=cast(default), help=text)
     parser.add_argument("--learn", action="store_true", help="also the real runs (minutes each)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="learn: a setting of configs/coevolve.toml's arms (repeatable), as `decentrl run --set`")
     parser.add_argument("--reuse", action="store_true", help="learn: evaluate finished runs already under --out again")
     parser.add_argument("--out", default=None, help="run directories of --learn (default: a temp dir)")
     args = parser.parse_args()
@@ -389,9 +459,11 @@ def main() -> None:
         "schedule": arms,
         "episode_p90_over_median": {arm: arms[arm]["episode"]["p90_over_median"] for arm in arms},
         "episode_p90_over_median_by_role": {arm: {r: v["p90_over_median"] for r, v in arms[arm]["roles"].items()}
-                                            for arm in ("naive", "ours")},
+                                            for arm in ("naive", "ours", "two_policies")},
         "busy_coevolve_vs_single": round(busy["ours"] / busy["single"], 4) if busy["ours"] and busy["single"] else None,
         "busy_naive_vs_single": round(busy["naive"] / busy["single"], 4) if busy["naive"] and busy["single"] else None,
+        "busy_two_policies_vs_single": (round(busy["two_policies"] / busy["single"], 4)
+                                        if busy["two_policies"] and busy["single"] else None),
         "two_policies": None,  # with --learn (and two_policies among --arms): the co-evolution run with two models
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
     }

@@ -20,9 +20,21 @@ class SortingTaskConfig(Section):
     """Sort a list of digits ascending; reward is the fraction of positions right (see tasks/)."""
 
     type: Literal["sorting"] = "sorting"
-    num_digits: int = Field(4, ge=2, le=16, description="Digits per prompt.")
+    num_digits: int = Field(4, ge=2, le=16, description="Digits per prompt (the fewest, with max_digits).")
+    max_digits: int | None = Field(
+        None, ge=2, le=16, description="With it, each prompt's digits are drawn uniformly from num_digits to max_digits "
+        "(seeded): a pool spanning difficulties. None: every prompt has num_digits."
+    )
     num_prompts: int = Field(4096, ge=1, description="Size of the prompt pool (seeded).")
     seed: int = Field(0, ge=0, description="Seed of the prompt pool.")
+
+    @model_validator(mode="after")
+    def _digit_range(self) -> SortingTaskConfig:
+        if self.max_digits is not None and self.max_digits < self.num_digits:
+            raise ValueError(
+                f"task.max_digits ({self.max_digits}) is below task.num_digits ({self.num_digits}): raise max_digits"
+            )
+        return self
 
 
 class ChainTaskConfig(Section):
@@ -95,6 +107,12 @@ class ProposeTaskConfig(Section):
         "reward", description="The p the proposer's learnability reads: reward (its solvers' mean reward, partial credit "
         "included: then p is rarely 0 or 1, and 1 - p pays most for the hardest problems they score anything on) or exact "
         "(the share of its solvers with the exact answer: the pass rate Absolute Zero and R-Zero define)."
+    )
+    proposal: Literal["problem", "size"] = Field(
+        "problem", description="What a proposal is: problem (its digits are the problem, as written) or size (its length "
+        "names the problem's size, min_digits to max_digits, and the task draws the digits, seeded by the proposal's "
+        "text: the proposer chooses how hard, never which digits, so it cannot make problems easy by writing them "
+        "already in order)."
     )
     min_digits: int = Field(2, ge=1, le=64, description="Fewest digits of a valid proposal.")
     max_digits: int = Field(12, ge=1, le=64, description="Most digits of a valid proposal.")

@@ -5,7 +5,10 @@ A unit of this task is a proposer node and the solver node derived from its samp
 problem from a seeded pool ("=314": "write a problem like 314"); it writes digits ("90271").
 `propose` validates them - they are model output, so anything may come: only ASCII digits,
 between `min_digits` and `max_digits` of them - and the solvers' prompt is the problem and "="
-("90271="), the form the sorting task uses. The answer is computed here, exactly: the digits
+("90271="), the form the sorting task uses. With `proposal = "size"` the proposal's length names
+the problem's size and its digits are drawn here, seeded by the proposal's text: the proposer
+chooses how hard (and, by writing other text, another problem of that size), never the digits
+themselves, so it cannot make a problem easy by writing it already in order. The answer is computed here, exactly: the digits
 ascending (`operation = "sort"`) or their sum (`"sum"`). Difficulty is measured in digits and
 operations (the adjacent swaps that sort the digits, or the additions that sum them).
 
@@ -80,6 +83,9 @@ class ProposeTask:
         text = completion_text.strip()
         if not self.config.min_digits <= len(text) <= self.config.max_digits or not _DIGITS.fullmatch(text):
             return None
+        if self.config.proposal == "size":  # the length names the size; the digits are drawn, seeded by the text
+            rng = random.Random(f"{self.config.seed}/{text}")
+            return Proposal("".join(rng.choice("0123456789") for _ in text))
         return Proposal(text)
 
     def solver_prompt(self, proposal: Proposal, prompt_id: int) -> Prompt:
@@ -119,10 +125,11 @@ class ProposeTask:
         return float(answer == target)
 
     def _answer_and_target(self, prompt: Prompt, completion_text: str) -> tuple[str, str]:
-        proposal = self.propose(prompt.text.removesuffix("="))
-        if proposal is None:  # only the orchestrator renders solver prompts: it never makes one of these
+        problem = prompt.text.removesuffix("=")
+        if not self.config.min_digits <= len(problem) <= self.config.max_digits or not _DIGITS.fullmatch(problem):
+            # only the orchestrator renders solver prompts: it never makes one of these
             raise ValueError(f"not a solver prompt of this task: {prompt.text[:80]!r}")
-        return "".join(completion_text.split()), self.answer(proposal)
+        return "".join(completion_text.split()), self.answer(Proposal(problem))
 
     def proposer_reward(self, proposal: Proposal | None, solver_rewards: list[float]) -> float:
         """Validity first (`invalid_reward`), then learnability from the solvers' results (`passed` of each)."""

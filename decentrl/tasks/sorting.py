@@ -8,6 +8,7 @@ dense signal: a random policy over the 14-token vocabulary scores about 0.07, a 
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import random
 
@@ -19,8 +20,16 @@ class SortingTask:
     def __init__(self, config: SortingTaskConfig) -> None:
         self.num_digits = config.num_digits
         self.num_prompts = config.num_prompts
-        digits = _random_digits(random.Random(config.seed), self.num_digits * self.num_prompts)
-        self._digits = [digits[i : i + self.num_digits] for i in range(0, len(digits), self.num_digits)]
+        rng = random.Random(config.seed)
+        if config.max_digits is None:
+            digits = _random_digits(rng, self.num_digits * self.num_prompts)
+            self._digits = [digits[i : i + self.num_digits] for i in range(0, len(digits), self.num_digits)]
+            return
+        # A pool spanning difficulties: each prompt's length uniform in [num_digits, max_digits].
+        lengths = [rng.randint(config.num_digits, config.max_digits) for _ in range(self.num_prompts)]
+        digits = _random_digits(rng, sum(lengths))
+        starts = list(itertools.accumulate(lengths, initial=0))
+        self._digits = [digits[a:b] for a, b in zip(starts, starts[1:])]
 
     def prompt(self, prompt_id: int) -> Prompt:
         return Prompt(prompt_id=prompt_id, text=self._digits[prompt_id] + "=")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
+from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from decentrl.config import SortingTaskConfig
@@ -84,6 +86,21 @@ def test_prompts_are_the_digits_random_choice_draws(seed: int, num_digits: int, 
     expected = ["".join(rng.choice("0123456789") for _ in range(num_digits)) + "=" for _ in range(num_prompts)]
     task = SortingTask(SortingTaskConfig(num_digits=num_digits, num_prompts=num_prompts, seed=seed))
     assert [task.prompt(i).text for i in range(num_prompts)] == expected
+
+
+def test_a_pool_spanning_digit_counts() -> None:
+    # max_digits: each prompt's length uniform in [num_digits, max_digits], seeded; every length appears.
+    task = SortingTask(SortingTaskConfig(num_digits=2, max_digits=8, num_prompts=700, seed=3))
+    texts = [task.prompt(i).text for i in range(700)]
+    assert texts == [SortingTask(SortingTaskConfig(num_digits=2, max_digits=8, num_prompts=700, seed=3)).prompt(i).text for i in range(700)]
+    lengths = collections.Counter(len(t) - 1 for t in texts)
+    assert set(lengths) == set(range(2, 9)) and min(lengths.values()) > 60, lengths
+    assert all(t.endswith("=") and t[:-1].isdigit() for t in texts)
+    assert task.reward(task.prompt(5), "".join(sorted(texts[5][:-1]))) == 1.0
+    with pytest.raises(ValidationError, match="max_digits .3. is below task.num_digits .4.: raise max_digits"):
+        SortingTaskConfig(num_digits=4, max_digits=3)
+    with pytest.raises(ValidationError, match="max_digits"):
+        SortingTaskConfig(num_digits=4, max_digits=17)
 
 
 def test_random_policy_scores_low(task: SortingTask, tokenizer: PreTrainedTokenizerBase) -> None:

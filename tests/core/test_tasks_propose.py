@@ -128,3 +128,26 @@ def test_the_proposers_p_is_the_exact_pass_rate_unless_told_otherwise() -> None:
     assert partial.passed(prompt, "0297") == 0.5
     with pytest.raises(ValidationError, match="pass_rate"):
         ProposeTaskConfig(pass_rate="mean")  # type: ignore[arg-type]
+
+
+def test_a_size_proposal_names_the_size_and_the_task_draws_the_digits() -> None:
+    # proposal = "size": the proposer's digits name only how many; the problem is drawn, seeded by its text.
+    task = ProposeTask(ProposeTaskConfig(proposal="size", min_digits=2, max_digits=8, solver_reward="exact", seed=4))
+    sorted_text = task.propose("0123456")
+    assert sorted_text is not None and len(sorted_text.digits) == 7 and sorted_text.digits.isdigit()
+    assert sorted_text == task.propose(" 0123456\n"), "seeded by the proposal's text: the same text, the same problem"
+    drawn = [task.propose(f"{n:05d}") for n in range(200)]
+    assert all(p is not None and len(p.digits) == 5 for p in drawn)
+    assert len({p.digits for p in drawn if p}) == 200, "other text of one size: another problem"
+    assert sum(p.digits == "".join(sorted(p.digits)) for p in drawn if p) < 10, "writing digits in order does not make the problem easy"
+    assert ProposeTask(ProposeTaskConfig(proposal="size", seed=5)).propose("0123456") != sorted_text, "the task's seed draws too"
+    for text in ("1", "123456789", "12a", ""):
+        assert task.propose(text) is None and task.proposer_reward(None, []) == -1.0
+    # The solvers answer the drawn problem (its prompt, not the proposal's text) exactly.
+    prompt = task.solver_prompt(sorted_text, 9)
+    assert prompt.text == sorted_text.digits + "="
+    assert task.reward(prompt, "".join(sorted(sorted_text.digits))) == 1.0
+    assert task.reward(prompt, sorted_text.digits) == float(sorted_text.digits == "".join(sorted(sorted_text.digits)))
+    assert task.difficulty(sorted_text).digits == 7
+    with pytest.raises(ValidationError, match="proposal"):
+        ProposeTaskConfig(proposal="digits")

@@ -293,3 +293,23 @@ def test_the_proposer_reads_the_exact_pass_rate_while_solvers_get_partial_credit
         assert state.ingest([make_rollout(sub, text, node=sub.node) for text in ("0279", "0297")], BOB).accepted == 2
     [group] = state.ready
     assert group.rewards == [0.5, 1.0, 0.5, 1.0, 0.5], "p = 2/4 exact answers: 1 - p = 0.5 (their mean reward, 0.75, would give 0.25)"
+
+
+def test_a_size_proposal_is_solved_as_the_problem_the_task_drew(
+    run_state: Callable[..., RunState], make_rollout: Any, tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    # proposal = "size": the solvers' prompt is the drawn problem (rendered by the orchestrator),
+    # never the proposer's text, and their answers are scored against it.
+    config = roles_config()
+    config["task"]["proposal"] = "size"
+    state = run_state(None, **config)
+    unit, _ = _propose(state, make_rollout, "1234")
+    drawn = state.task.propose("1234")
+    assert drawn is not None and len(drawn.digits) == 4
+    subs = state.grant_leases(BOB, 2)
+    assert [s.prompt_token_ids for s in subs] == [tokenizer(drawn.digits + "=").input_ids] * 2
+    right, wrong = "".join(sorted(drawn.digits)), "1234" if drawn.digits != "1234" else "9999"
+    for sub in subs:
+        assert state.ingest([make_rollout(sub, right, node=sub.node), make_rollout(sub, wrong, node=sub.node)], BOB).accepted == 2
+    [group] = state.ready
+    assert group.lease_id == unit.lease_id and group.rewards[1:] == [1.0, float(wrong == right), 1.0, float(wrong == right)]
