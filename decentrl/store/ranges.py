@@ -300,14 +300,17 @@ class Pace:
 
     def answered(self, seconds: float) -> None:
         with self._lock:
-            self.answer_s = seconds if self.answer_s is None else self.answer_s + self._WEIGHT * (seconds - self.answer_s)
+            self.answer_s = self._averaged(self.answer_s, seconds)
 
     def streamed(self, n: int, seconds: float) -> None:
         if n < self._MIN_TIMED or seconds <= 0:
             return
         with self._lock:
-            rate = n / seconds
-            self.rate = rate if self.rate is None else self.rate + self._WEIGHT * (rate - self.rate)
+            self.rate = self._averaged(self.rate, n / seconds)
+
+    @classmethod
+    def _averaged(cls, average: float | None, seen: float) -> float:
+        return seen if average is None else average + cls._WEIGHT * (seen - average)
 
     def amortized(self) -> int:
         """The bytes one stream carries while a request waits for its answer (0 until both known)."""
