@@ -159,7 +159,7 @@ def test_pivots_are_chosen_on_the_roots_last_verdicts(backend: HFBackend, wait_s
     # The roots end before any verdict is back; waiting for them (the default) finds every
     # chain judged wrong from its step 1, so `last_right` branches after step 0 - not from past
     # a wrong step, where no branch can recover (a chain not known as failed is no candidate).
-    client = _LateJudge(delay_s=0.2)
+    client = _LateJudge(delay_s=1.0)  # long after the unpaced roots end, even on a loaded host
     unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), rule="last_right")
     lease = Lease(lease_id="l0", prompt_id=0, prompt_token_ids=build_tiny_tokenizer()("7324=").input_ids, group_size=4,
                   deadline=time.time() + 60, unit=unit)
