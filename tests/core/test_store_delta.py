@@ -473,3 +473,39 @@ def test_a_late_joiners_chain_of_manifests_is_read_at_once(location, tmp_path: P
     monkeypatch.setattr(late, "_read_manifest_bytes", slow_read)
     assert same_files(late.pull(6, str(tmp_path / "late")), dirs[6])
     assert most[0] >= 5, most[0]  # v5 down to v0 at once (v6's read first, alone)
+
+
+def test_files_a_version_shares_with_its_base_are_copied_not_fetched(
+    location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker holding the version before fetches only the files that changed: the tokenizer (the
+    same bytes in every version) is copied from its cached base and checked, not asked of the store."""
+    dirs = versions_like_training(tmp_path, 3)
+    for d in dirs:
+        (d / "tokenizer.json").write_text('{"model": "the same in every version"}')
+    store = open_store(location)
+    publish_chain(store, dirs)
+    holder = open_store(location)
+    cache = tmp_path / "holder"
+    holder.pull(1, str(cache))
+    fetched = fetched_names(holder, monkeypatch)
+    assert same_files(holder.pull(2, str(cache)), dirs[2])
+    assert sorted(fetched) == sorted(f"v000002/{n}{DELTA_SUFFIX}" for n in [*SHARDS, "config.json"])
+
+
+def test_a_shared_file_whose_copy_does_not_match_is_fetched_as_its_delta(
+    location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = open_store(location)
+    dirs = versions_like_training(tmp_path, 3)
+    publish_chain(store, dirs)
+    holder = open_store(location)
+    cache = tmp_path / "holder"
+    holder.pull(1, str(cache))
+    config = next(e for e in holder.manifest(2).files if e.path == "config.json")
+    monkeypatch.setattr(holder, "_same_as_base", lambda manifest, cache_dir: [config])  # it differs from v1's
+    fetched = fetched_names(holder, monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        assert same_files(holder.pull(2, str(cache)), dirs[2])
+    assert "v2 config.json: not as its base's copy" in caplog.text
+    assert sorted(fetched) == sorted(f"v000002/{n}{DELTA_SUFFIX}" for n in [*SHARDS, "config.json"])
