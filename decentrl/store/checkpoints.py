@@ -226,6 +226,7 @@ class CheckpointStore:
         self.verified = VerifiedFiles()  # cache files this process hashed against their manifest
         self._ahead = threading.local()  # a pull's manifests read ahead (`_read_ahead`), in the pulling thread
         self._whole_only: set[int] = set()  # key versions whose chain of deltas failed once: whole from now on
+        self._retention_read: dict[int, Manifest] = {}  # manifests retention read (`_retention_manifest`)
         # Zero-copy pulls need a store on this machine's filesystem and a trusted one: with a
         # public key, whoever can write the store is not trusted, and a hard link would let a
         # later in-place write reach a cache that was verified before it.
@@ -409,6 +410,7 @@ class CheckpointStore:
             payload = signed_payload(manifest.model_dump(mode="json"))
             manifest = manifest.model_copy(update={"signature": signing.sign(self.signing_key, payload)})
         self._write_manifest(version, manifest.model_dump_json(indent=2).encode())
+        self._retention_read[version] = manifest
         return manifest
 
     def _published_from(self, version: int, local_dir: str) -> Manifest | None:
@@ -927,6 +929,7 @@ class CheckpointStore:
         if not self.fs.exists(vdir):
             raise StoreError(f"version {version} not found in {self.url}; nothing to delete")
         # Manifest first: readers stop seeing the version before any file disappears.
+        self._retention_read.pop(version, None)
         if self.fs.exists(self._manifest_path(version)):
             self.fs.rm(self._manifest_path(version))
         self.fs.rm(vdir, recursive=True)
@@ -943,12 +946,22 @@ class CheckpointStore:
         return needed
 
     def _delta_base_of(self, version: int) -> int | None:
-        where = f"{version_dirname(version)}/{MANIFEST_NAME}"
         try:
-            manifest = parse_manifest(self._manifest_bytes(version), where)[0]
+            manifest = self._retention_manifest(version)
             return None if manifest.whole else manifest.delta_base  # a whole key version needs no base
         except StoreError:  # gone (a broken chain: nothing further to keep), or not a manifest
             return None
+
+    def _retention_manifest(self, version: int) -> Manifest:
+        """`version`'s manifest as retention reads it (parsed, not signature-checked), each read once
+        by this process: a manifest is written once and retention runs after every publish, so
+        reading every kept version's again each time (two reads each, one after another: with a
+        5.8 s step and 35 versions kept, 70 answers of 0.2 s in the publisher's thread between a
+        version and the next) costs the store requests and the trainer's next publish time."""
+        if version not in self._retention_read:
+            raw = self._manifest_bytes(version)
+            self._retention_read[version] = parse_manifest(raw, f"{version_dirname(version)}/{MANIFEST_NAME}")[0]
+        return self._retention_read[version]
 
     def retain(self, keep_last: int, protect: AbstractSet[int] = frozenset(), now: float | None = None) -> list[int]:
         """Delete versions older than the newest `keep_last`, except `protect`ed ones and any
@@ -959,13 +972,15 @@ class CheckpointStore:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         now = time.time() if now is None else now
         versions = self.versions()
+        for gone in set(self._retention_read) - set(versions):  # deleted by another process
+            del self._retention_read[gone]
         doomed = []
         for older, newer in zip(versions[:-keep_last], versions[1:]):
             if older in protect:
                 continue
             # `newer` superseded `older` when it was published; read without the signature check:
             # a timestamp can only delay a deletion.
-            superseded_at = parse_manifest(self._manifest_bytes(newer), f"{version_dirname(newer)}/{MANIFEST_NAME}")[0].created_at
+            superseded_at = self._retention_manifest(newer).created_at
             if now - superseded_at >= self.retention_grace_s:
                 doomed.append(older)
         needed = self._chains({v for v in versions if v not in doomed})

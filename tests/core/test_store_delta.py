@@ -509,3 +509,22 @@ def test_a_shared_file_whose_copy_does_not_match_is_fetched_as_its_delta(
         assert same_files(holder.pull(2, str(cache)), dirs[2])
     assert "v2 config.json: not as its base's copy" in caplog.text
     assert sorted(fetched) == sorted(f"v000002/{n}{DELTA_SUFFIX}" for n in [*SHARDS, "config.json"])
+
+
+def test_retention_reads_each_manifest_once_per_process(location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention runs after every publish: it reads a version's manifest once (the publisher's own it
+    knows), not every kept version's again each time; a version deleted by another process is forgotten."""
+    store = open_store(location, retention_grace_s=3600)
+    dirs = versions_like_training(tmp_path, 6)
+    publish_chain(store, dirs[:4], full_every=3, whole_keys=True)  # v3 a key version, whole and as deltas
+    reads: list[int] = []
+    real = store._manifest_bytes
+    monkeypatch.setattr(store, "_manifest_bytes", lambda version: reads.append(version) or real(version))
+    assert store.retain(keep_last=1) == []  # within the grace: every version kept
+    assert reads == []  # the four this process published
+    other = open_store(location)
+    other.publish(4, str(dirs[4]), parent=3, delta_from=(3, str(dirs[3])))
+    assert store.retain(keep_last=1) == [] and reads == [4]
+    assert store.retain(keep_last=1) == [] and reads == [4]
+    assert store.retain(keep_last=1, now=1e12) == [0, 1, 2]  # past the grace; v4's chain ends at v3, whole
+    assert reads == [4] and sorted(store._retention_read) == [3, 4]
