@@ -47,7 +47,10 @@ Parts:
   four at once when the run is at version 20, half the L1 workers then stopped to keep memory
   under 8 GB) are timed from their first log line to their first loaded version (the newest full
   version plus the deltas since) and to their first rollout (what they loaded by then, plus one
-  request's simulated generation). The store's bytes per worker come from the fault front.
+  request's simulated generation), and less the time the orchestrator leased to no one after
+  their first load (`lease_gate_s`). The store's bytes per worker come from the fault front. The
+  CPU beside (`CpuClock`): the kernel's CPU pressure (PSI) and each role's CPU seconds over every
+  delta's pull and each joiner's first load, and the store's and its front's CPU a request.
   `--store-set store.part_mb=1` runs the same with other [store] settings (smaller ranges).
 - announce: announce -> worker latency across the shaped links (benchmarks/announce_latency.py's
   `announce_latencies`, the worker's own version watch, in a probe on each profile's host; the
