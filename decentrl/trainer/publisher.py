@@ -149,12 +149,13 @@ class Publisher:
                     version, directory, parent=parent, base_version=BASE_VERSION, hand_over=True
                 ))
         self.on_published(version)
+        announced_s = time.perf_counter() - started
         try:
             self.store.retain(self.keep_last, protect={0})
         except (StoreError, *read_errors()) as exc:
             log.warning("retention after version %d failed (%s); it runs again after the next version", version, exc)
         self.publish_seconds.append(time.perf_counter() - started)
-        log.info("published version %d in %.2fs", version, self.publish_seconds[-1])
+        log.info("published version %d in %.2fs (announced after %.2fs, then retention)", version, self.publish_seconds[-1], announced_s)
 
     def _publish_full(self, version: int, state: dict[str, torch.Tensor], parent: int | None) -> None:
         """A full-model version: a delta against the last one published (kept on local disk for
