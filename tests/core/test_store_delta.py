@@ -287,6 +287,13 @@ def fetched_names(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> li
     return names
 
 
+def holding(location, cache: Path, version: int, monkeypatch: pytest.MonkeyPatch) -> tuple[CheckpointStore, list[str]]:
+    """A worker's store whose cache holds `version`, and the stored names its pulls fetch from then on."""
+    store = open_store(location)
+    store.pull(version, str(cache))
+    return store, fetched_names(store, monkeypatch)
+
+
 def test_a_whole_key_version_is_its_deltas_to_a_holder_and_whole_to_a_late_joiner(
     location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -393,11 +400,8 @@ def test_a_worker_behind_a_key_version_fetches_the_deltas_from_what_it_holds(
     store = open_store(location)
     dirs = versions_like_training(tmp_path, 6)
     publish_chain(store, dirs, full_every=4, whole_keys=True)  # v4 whole and as deltas against v3
-    behind = open_store(location)
-    cache = tmp_path / "behind"
-    behind.pull(2, str(cache))
-    fetched = fetched_names(behind, monkeypatch)
-    assert same_files(behind.pull(5, str(cache)), dirs[5])
+    behind, fetched = holding(location, tmp_path / "behind", 2, monkeypatch)
+    assert same_files(behind.pull(5, str(tmp_path / "behind")), dirs[5])
     assert sorted(fetched) == sorted(f"v{v:06d}/{n}{DELTA_SUFFIX}" for v in (3, 4, 5) for n in [*SHARDS, "config.json"])
 
 
@@ -415,11 +419,8 @@ def test_a_chain_of_deltas_dearer_than_the_whole_key_version_is_not_taken(
         dirs.append(d)
     store = open_store(location)
     publish_chain(store, dirs, full_every=4, whole_keys=True)
-    behind = open_store(location)
-    cache = tmp_path / "behind"
-    behind.pull(2, str(cache))
-    fetched = fetched_names(behind, monkeypatch)
-    assert same_files(behind.pull(4, str(cache)), dirs[4])
+    behind, fetched = holding(location, tmp_path / "behind", 2, monkeypatch)
+    assert same_files(behind.pull(4, str(tmp_path / "behind")), dirs[4])
     assert sorted(fetched) == sorted(f"v000004/{n}" for n in [*SHARDS, "config.json"])
 
 
@@ -436,14 +437,12 @@ def test_a_chain_that_fails_falls_back_to_the_whole_key_version(
     damaged[100] ^= 0xFF
     store.fs.rm(path)
     store.fs.pipe_file(path, bytes(damaged))
-    behind = open_store(location)
-    cache = tmp_path / "behind"
-    behind.pull(2, str(cache))
+    behind, fetched = holding(location, tmp_path / "behind", 2, monkeypatch)
     with pytest.raises(store_mod.StoreError, match="v000004: its chain of deltas failed .* whole files are fetched next") as failed:
-        behind.pull(4, str(cache))
+        behind.pull(4, str(tmp_path / "behind"))
     assert not isinstance(failed.value, VerificationError)
-    fetched = fetched_names(behind, monkeypatch)
-    assert same_files(behind.pull(4, str(cache)), dirs[4])
+    fetched.clear()  # the retry's alone
+    assert same_files(behind.pull(4, str(tmp_path / "behind")), dirs[4])
     assert sorted(fetched) == sorted(f"v000004/{n}" for n in [*SHARDS, "config.json"])
 
 
@@ -485,11 +484,8 @@ def test_files_a_version_shares_with_its_base_are_copied_not_fetched(
         (d / "tokenizer.json").write_text('{"model": "the same in every version"}')
     store = open_store(location)
     publish_chain(store, dirs)
-    holder = open_store(location)
-    cache = tmp_path / "holder"
-    holder.pull(1, str(cache))
-    fetched = fetched_names(holder, monkeypatch)
-    assert same_files(holder.pull(2, str(cache)), dirs[2])
+    holder, fetched = holding(location, tmp_path / "holder", 1, monkeypatch)
+    assert same_files(holder.pull(2, str(tmp_path / "holder")), dirs[2])
     assert sorted(fetched) == sorted(f"v000002/{n}{DELTA_SUFFIX}" for n in [*SHARDS, "config.json"])
 
 
@@ -499,14 +495,11 @@ def test_a_shared_file_whose_copy_does_not_match_is_fetched_as_its_delta(
     store = open_store(location)
     dirs = versions_like_training(tmp_path, 3)
     publish_chain(store, dirs)
-    holder = open_store(location)
-    cache = tmp_path / "holder"
-    holder.pull(1, str(cache))
+    holder, fetched = holding(location, tmp_path / "holder", 1, monkeypatch)
     config = next(e for e in holder.manifest(2).files if e.path == "config.json")
     monkeypatch.setattr(holder, "_same_as_base", lambda manifest, cache_dir: [config])  # it differs from v1's
-    fetched = fetched_names(holder, monkeypatch)
     with caplog.at_level(logging.WARNING):
-        assert same_files(holder.pull(2, str(cache)), dirs[2])
+        assert same_files(holder.pull(2, str(tmp_path / "holder")), dirs[2])
     assert "v2 config.json: not as its base's copy" in caplog.text
     assert sorted(fetched) == sorted(f"v000002/{n}{DELTA_SUFFIX}" for n in [*SHARDS, "config.json"])
 
