@@ -42,7 +42,7 @@ Parts:
   T* = max(sum of S over the workers pulling it / u_store, S / d_worker) + the announce delay
   measured for that pair + 3 RTTs between worker and store (rates as TCP payload of the frame
   rates: x 1448/1514). The trainer's upload (S / u_trainer) is not in the bound: the clock starts
-  after it (its time is reported as publish_s). S is what that worker had to fetch: the version's
+  after it (reported as announce_s; publish_s adds the retention after the announcement). S is what that worker had to fetch: the version's
   stored bytes and those of any delta base it did not hold. Late joiners (one per profile, all
   four at once when the run is at version 20, half the L1 workers then stopped to keep memory
   under 8 GB) are timed from their first log line to their first loaded version (the newest full
@@ -795,6 +795,7 @@ def part_versions(spread: Spread, args: argparse.Namespace, notes: list[str], *,
         "workers": n, "profile": "L1", "model": " ".join(STAND_IN), "versions": len(manifests),
         "S_bytes": bytes_per_version(manifests), "step_s_median": round(step_s, 3) if step_s else None,
         "publish_s": quantiles([m["publish_s"] for m in metrics if "publish_s" in m]),
+        "announce_s": quantiles([m["announce_s"] for m in metrics if "announce_s" in m]),
         "delta_efficiency": quantiles([r["efficiency"] for r in deltas]),
         "delta_measured_s": quantiles([r["measured_s"] for r in deltas]),
         "delta_bound_s": quantiles([r["bound_s"] for r in deltas]),

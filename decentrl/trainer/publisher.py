@@ -80,7 +80,8 @@ class Publisher:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self.skipped: list[int] = []
-        self.publish_seconds: list[float] = []
+        self.publish_seconds: list[float] = []  # each version's publish, its retention after included
+        self.announce_seconds: list[float] = []  # ... until it was announced (workers could pull it)
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
 
@@ -149,13 +150,16 @@ class Publisher:
                     version, directory, parent=parent, base_version=BASE_VERSION, hand_over=True
                 ))
         self.on_published(version)
-        announced_s = time.perf_counter() - started
+        self.announce_seconds.append(time.perf_counter() - started)
         try:
             self.store.retain(self.keep_last, protect={0})
         except (StoreError, *read_errors()) as exc:
             log.warning("retention after version %d failed (%s); it runs again after the next version", version, exc)
         self.publish_seconds.append(time.perf_counter() - started)
-        log.info("published version %d in %.2fs (announced after %.2fs, then retention)", version, self.publish_seconds[-1], announced_s)
+        log.info(
+            "published version %d in %.2fs (announced after %.2fs, then retention)",
+            version, self.publish_seconds[-1], self.announce_seconds[-1],
+        )
 
     def _publish_full(self, version: int, state: dict[str, torch.Tensor], parent: int | None) -> None:
         """A full-model version: a delta against the last one published (kept on local disk for

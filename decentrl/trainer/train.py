@@ -289,7 +289,8 @@ def _train(config: RunConfig, options: TrainerOptions, rank: int, world: int, de
             if replay_diff is not None:
                 record["replay_max_abs_diff"] = replay_diff
             if publisher is not None and publisher.publish_seconds:
-                record["publish_s"] = publisher.publish_seconds[-1]  # the newest publish finished
+                record["publish_s"] = publisher.publish_seconds[-1]  # the newest publish finished, retention included
+                record["announce_s"] = publisher.announce_seconds[-1]  # ... until workers could pull it
             metrics.write(record)
             client.report_step(record)  # the orchestrator's dashboard (orchestrator/dashboard.py)
             if trackers is not None:

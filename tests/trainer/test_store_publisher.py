@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,26 @@ def test_publisher_skips_to_the_newest_version_when_uploads_fall_behind(
     assert store.manifest(4).parent == 3  # the version it was trained from, published or not
     names = [f.path for f in store.manifest(4).files]
     assert INDEX_NAME in names and sum(n.endswith(".safetensors") for n in names) > 1
+
+
+def test_a_version_is_timed_apart_from_the_retention_after_it(model: PreTrainedModel, tmp_path: Path) -> None:
+    """`announce_seconds` ends when workers could pull the version; `publish_seconds` adds the
+    retention after it (metrics.jsonl: announce_s and publish_s)."""
+    store = CheckpointStore(str(tmp_path / "store"))
+    retain = store.retain
+
+    def slow_retention(*args: object, **kwargs: object) -> None:
+        time.sleep(0.5)
+        retain(*args, **kwargs)
+
+    store.retain = slow_retention  # type: ignore[method-assign]
+    publisher = Publisher(
+        store=store, model_config=model.config, extras_from=str(tmp_path), keep_last=10, on_published=lambda v: None
+    )
+    publisher.submit(1, state_of(model))
+    publisher.close()
+    (announced,), (published,) = publisher.announce_seconds, publisher.publish_seconds
+    assert published - announced >= 0.5
 
 
 def test_publish_failure_surfaces_on_the_next_submit(model: PreTrainedModel, tmp_path: Path) -> None:
