@@ -19,7 +19,9 @@ of the unit 0), failed prompts recovered (the unit's first sample wrong, another
 right: `recovered_per_1k_tokens`), failed roots recovered by a branch; the tokens saved by
 stopping (exact: a stopped row keeps decoding unposted until it would have ended); step-post
 waits; decode time keeping the prefix's KV cache against rebuilding it at each step boundary;
-generation throughput with mid-generation scoring against without it.
+generation throughput with mid-generation scoring against without it. The worker plays the units
+overlapped (`--ahead`, workers/tree.py `play_trees`): it decodes the next unit's roots while a
+unit with pivots waits for its roots' last verdicts, and counts what it still waits.
 
 With `--train-budget`, the three arms also train, each seed from the same fine-tuned model, until
 they have generated that many tokens: every `--groups-per-step` complete units, a trainer step
@@ -58,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -226,6 +229,7 @@ def heldout_accuracy(model: Any, tokenizer: Any, prompts: list[str], *, samples:
 def run_arm(
     arm: str, seed: int, checkpoint: str, budget: int, group_size: int, k: int, *, keep_cache: bool = True,
     post_steps: bool = True, token_s: float = 0.0, verdict_wait_s: float = 5.0, training: Training | None = None,
+    ahead: int = 1,
 ) -> dict[str, Any]:
     """One arm at one seed on a fresh orchestrator, scorer and backend: units until `budget` tokens.
     `token_s`: each decoding step takes at least this long (`pace`), as a real model's does. With
@@ -246,7 +250,7 @@ def run_arm(
     from workers.backends.hf import HFBackend
     from workers.scorer import Scorer
     from workers.scorers import build_scorer_backend
-    from workers.tree import TreeCounts, VerdictFeed, generate_tree
+    from workers.tree import TreeCounts, VerdictFeed, play_trees
 
     options = ARMS[arm]
     config = parse_config({
@@ -297,14 +301,20 @@ def run_arm(
 
     if training:
         evaluate(0)
-    started, load_start = time.perf_counter(), os.getloadavg()[0]
-    try:
+    def leased() -> Iterator[tuple[Any, Any]]:  # a unit leased as the worker starts it, until the budget
         while counts.generated + counts.discarded < budget:
             answer = client.lease(LeaseRequest(worker_id="w0", max_groups=1))
             (lease,) = answer.leases
-            samples = generate_tree(backend, client if post_steps else _Silent(), lease, answer.sampling,  # type: ignore[arg-type]
-                                    run_name=config.run_name, worker_id="w0", feed=feed, rng=rng, estimate=estimate,
-                                    counts=counts, keep_cache=keep_cache, verdict_wait_s=verdict_wait_s, seed=seed)
+            yield lease, answer.sampling
+
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    try:
+        # The worker decodes the next unit's roots while a unit waits for its roots' last verdicts
+        # (`ahead` 1); a training arm plays one unit at a time: its version changes between units.
+        for lease, samples in play_trees(backend, client if post_steps else _Silent(), leased(),  # type: ignore[arg-type]
+                                         run_name=config.run_name, worker_id="w0", feed=feed, rng=rng, estimate=estimate,
+                                         counts=counts, keep_cache=keep_cache, verdict_wait_s=verdict_wait_s, seed=seed,
+                                         ahead=0 if training else ahead):
             ingest = client.post_rollouts(RolloutBatch(rollouts=samples))
             if ingest.rejected:
                 raise RuntimeError(f"the orchestrator refused samples of a {arm} unit: {ingest.rejected}")
@@ -368,7 +378,7 @@ def run_arm(
         "step_post_wait_s": round(counts.step_post_wait_s, 4), "decode_s": round(counts.decode_s, 3),
         "cache_rebuild_s": round(counts.cache_rebuild_s, 3), "tokens_per_decode_s": spent / counts.decode_s if counts.decode_s else None,
         "wall_s": round(elapsed, 2), "load_start": load_start, "load_end": os.getloadavg()[0],
-        "keep_cache": keep_cache, "post_steps": post_steps,
+        "keep_cache": keep_cache, "post_steps": post_steps, "ahead": 0 if training else ahead,
         **({"versions": backend.version, "train_s": round(train_s, 2), "groups_per_step": training.groups_per_step,
             "weight_change": weight_change(checkpoint, backend.model),
             "sampler_kl_max": max(step["sampler_kl"] for step in steps) if steps else None,
@@ -462,6 +472,9 @@ def main() -> None:
                         help="Each decoding step takes this much longer (a real model's pace; 0: the tiny model's own).")
     parser.add_argument("--verdict-wait-s", type=float, default=5.0,
                         help="Most seconds a unit waits for its roots' last verdicts before choosing pivots (0: chosen on those in).")
+    parser.add_argument("--ahead", type=int, default=1,
+                        help="Units whose roots the worker decodes while a unit waits for its roots' last verdicts "
+                        "(workers/tree.py play_trees; 0: one unit at a time). Training arms play one at a time.")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--k", type=int, default=4, help="Continuations of each pivot.")
     parser.add_argument("--sft-steps", type=int, default=600, help="Fine-tuning steps that give the model a signal.")
@@ -523,15 +536,16 @@ def run_all(args: argparse.Namespace) -> Rows:
         for seed in range(args.seed_start, args.seed_start + args.seeds) if args.budget else ():
             for arm in ARMS:
                 runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=args.token_ms / 1000,
-                                    verdict_wait_s=args.verdict_wait_s))
+                                    verdict_wait_s=args.verdict_wait_s, ahead=args.ahead))
                 print(json.dumps(runs[-1]), flush=True)
         # The measures of the worker's side, on the first seed: the KV cache rebuilt at each step's
         # end (prm arm), and the root arm's throughput without posting its steps for scoring.
         if args.budget:
             first, pace_s = args.seed_start, args.token_ms / 1000
             rebuilt = run_arm("prm", first, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=pace_s,
-                              verdict_wait_s=args.verdict_wait_s)
-            silent = run_arm("root", first, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=pace_s)
+                              verdict_wait_s=args.verdict_wait_s, ahead=args.ahead)
+            silent = run_arm("root", first, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=pace_s,
+                             ahead=args.ahead)
             print(json.dumps(rebuilt), flush=True)
             print(json.dumps(silent), flush=True)
     return trained, runs, rebuilt, silent, sft_loss
@@ -568,6 +582,15 @@ def sampling_figures(runs: list[dict[str, Any]], rebuilt: dict[str, Any], silent
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None  # None: an arm had none to compare
 
+    def paired(arm: str) -> dict[str, Any]:
+        """`arm`'s recovered per 1k tokens over the root arm's of the same seed (the same roots):
+        each seed's ratio, their mean and its standard error (> 1 shown when mean - 2 se > 1)."""
+        per_seed = {r["seed"]: r["recovered_per_1k_tokens"] for r in runs if r["arm"] == arm}
+        root = {r["seed"]: r["recovered_per_1k_tokens"] for r in runs if r["arm"] == "root"}
+        ratios = [per_seed[seed] / root[seed] for seed in sorted(per_seed.keys() & root.keys()) if root[seed]]
+        mean, se = mean_and_se(ratios)  # type: ignore[arg-type]
+        return {"mean": mean, "se": se, "per_seed": ratios, "seeds": sorted(per_seed.keys() & root.keys())}
+
     first = min(r["seed"] for r in runs)  # the seed of the KV-rebuild and no-scoring measures (run_all)
     kept = next(r for r in runs if r["arm"] == "prm" and r["seed"] == first)
     posted_root = next(r for r in runs if r["arm"] == "root" and r["seed"] == first)
@@ -577,6 +600,8 @@ def sampling_figures(runs: list[dict[str, Any]], rebuilt: dict[str, Any], silent
         "recovered_per_1k_tokens_pivot_vs_root": ratio(mean("prm", "recovered_per_1k_tokens"), mean("root", "recovered_per_1k_tokens")),
         "recovered_per_1k_tokens_random_vs_root": ratio(mean("random", "recovered_per_1k_tokens"), mean("root", "recovered_per_1k_tokens")),
         "recovered_per_1k_tokens": {arm: mean(arm, "recovered_per_1k_tokens") for arm in ARMS},
+        "recovered_per_1k_tokens_pivot_vs_root_paired": paired("prm"),
+        "recovered_per_1k_tokens_random_vs_root_paired": paired("random"),
         "solved_per_1k_tokens_pivot_vs_root": ratio(mean("prm", "solved_per_1k_tokens"), mean("root", "solved_per_1k_tokens")),
         "all_fail_groups_pivot": mean("prm", "no_gradient_fraction"),
         "all_fail_groups_random": mean("random", "no_gradient_fraction"),
@@ -594,6 +619,10 @@ def sampling_figures(runs: list[dict[str, Any]], rebuilt: dict[str, Any], silent
         # a worker generates a second with branching, against root-only without scoring (seed S).
         "throughput_prm_with_waits_vs_without": ratio(kept["tokens"] / (kept["decode_s"] + kept["verdict_wait_s"]),
                                                       silent["tokens_per_decode_s"]),
+        # The same on the wall clock (leasing, posting the samples, everything between the units'
+        # decodes): the PRM arm's tokens a second against the silent root arm's.
+        "throughput_prm_wall_vs_without": ratio(kept["tokens"] / kept["wall_s"], silent["tokens"] / silent["wall_s"]),
+        "prm_verdict_wait_s": kept["verdict_wait_s"], "prm_decode_s": kept["decode_s"], "ahead": kept.get("ahead", 0),
         "kv_keep_decode_s": kept["decode_s"], "kv_rebuild_decode_s": rebuilt["decode_s"],
         "kv_rebuild_s": rebuilt["cache_rebuild_s"],
     }

@@ -12,6 +12,10 @@ every row anyway). Then `pivots` pivots are chosen (decentrl/rl/pivots.py, the u
 `k` continuations of each are decoded from its prefix with the same weights. The samples go back
 as `Rollout`s of the unit, root first, each naming its node and its step ends.
 
+A unit with pivots needs its roots' last verdicts before it branches; `play_trees` plays leases
+overlapped (`TreePlay`: roots, then pivots and branches), decoding the next lease's roots while
+those verdicts come, so that generation does not wait on them.
+
 `keep_cache = False` rebuilds the KV cache from the tokens at every step boundary instead of
 keeping it (the measure the issue asks for: benchmarks/pivots.py).
 """
@@ -23,7 +27,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -31,7 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from decentrl.api.client import OrchestratorClient
-from decentrl.api.wire import Lease, PartialStep, Rollout, SamplingParams, StepPost, TreeUnit
+from decentrl.api.wire import MAX_STEPS_A_POST, Lease, PartialStep, Rollout, SamplingParams, StepPost, TreeUnit
 from decentrl.model.sampling import sampling_distribution
 from decentrl.rl.determinism import node_seed, sample_seed
 from decentrl.rl.pivots import Candidate, RecoveryEstimate, choose_pivots
@@ -225,6 +230,110 @@ def decode_chains(
     counts.decode_s += time.perf_counter() - started
 
 
+class TreePlay:
+    """One tree lease in play: `start` decodes its roots (their steps posted as they end, their
+    verdicts still coming), `finish` chooses its pivots on the verdicts in by then and decodes
+    their branches. Between the two the worker is free to decode another unit's roots
+    (`play_trees`): the verdicts come meanwhile, and act when `finish` reads them."""
+
+    def __init__(
+        self, backend: HFBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
+        worker_id: str, feed: VerdictFeed, counts: TreeCounts, keep_cache: bool = True, seed: int | None = None,
+    ) -> None:
+        if not isinstance(lease.unit, TreeUnit):
+            raise ValueError(f"lease {lease.lease_id} is not a tree unit")
+        self.backend, self.client, self.lease, self.sampling, self.unit = backend, client, lease, sampling, lease.unit
+        self.run_name, self.worker_id, self.feed, self.counts = run_name, worker_id, feed, counts
+        self.keep_cache, self.seed = keep_cache, seed
+        self.version = lease.policy_version if lease.policy_version is not None else backend.version or 0
+        self.posting = ThreadPoolExecutor(1, thread_name_prefix="steps")
+        self.posts: list[Future[object]] = []
+        # Steps that ended while a post was on its way go together in the next one (a batch's
+        # rows end steps at once: one HTTP round trip for all, not one each).
+        self._unsent: list[PartialStep] = []
+        self._flushing = False
+        self._lock = threading.Lock()
+        self.roots = [Chain(uuid.uuid4().hex, list(lease.prompt_token_ids), sampling.max_tokens,
+                            seed=None if seed is None else sample_seed(seed, lease.prompt_id, j, self.version))
+                      for j in range(lease.group_size)]
+
+    def _on_step(self, chain: Chain, step: int) -> None:
+        start = chain.ends[step - 1] if step else 0
+        posted = PartialStep(
+            rollout_id=chain.rollout_id, step=step, token_ids=chain.tokens[start : chain.ends[step]],
+            logprobs=chain.logprobs[start : chain.ends[step]], prompt_token_ids=chain.prompt if step == 0 else None,
+        )
+        self.counts.steps_posted += 1
+        with self._lock:
+            self._unsent.append(posted)
+            if self._flushing:  # a post not yet started takes it along
+                return
+            self._flushing = True
+        self.posts.append(self.posting.submit(self._flush))
+
+    def _flush(self) -> None:
+        with self._lock:
+            steps, self._unsent, self._flushing = self._unsent, [], False
+        for start in range(0, len(steps), MAX_STEPS_A_POST):
+            post = StepPost(lease_id=self.lease.lease_id, worker_id=self.worker_id, steps=steps[start : start + MAX_STEPS_A_POST])
+            self.client.post_steps(post)
+
+    def _decode(self, chains: list[Chain]) -> None:
+        decode_chains(self.backend, chains, self.sampling, self.unit, on_step=self._on_step, verdict=self.feed.score,
+                      counts=self.counts, keep_cache=self.keep_cache)
+
+    def _seeded(self, node: str, index: int) -> int | None:
+        return None if self.seed is None else node_seed(self.seed, self.lease.prompt_id, self.version, node, index)
+
+    def start(self) -> TreePlay:
+        self._decode(self.roots)
+        return self
+
+    def finish(self, *, rng: random.Random, estimate: RecoveryEstimate, rule: str | None = None,
+               verdict_wait_s: float = 5.0) -> list[Rollout]:
+        unit, roots, feed = self.unit, self.roots, self.feed
+        try:
+            if unit.pivots and feed.scores:  # a run whose steps no scorer has judged yet never waits
+                _await_root_verdicts(roots, self.posts, feed, self.counts, verdict_wait_s)
+            picker = rng if self.seed is None else random.Random(self._seeded("pivots", 0))
+            pivots = _pivots(roots, unit, feed, picker, estimate, rule or unit.rule)
+            branches = []
+            for n, pivot in enumerate(pivots):
+                j, parent = next((j, chain) for j, chain in enumerate(roots) if chain.rollout_id == pivot.rollout_id)
+                node = {"node_id": f"b{n}", "parent": {"rollout_id": parent.rollout_id, "at": pivot.at}}
+                branches += [
+                    Chain(uuid.uuid4().hex, parent.prompt + parent.tokens[: pivot.at], self.sampling.max_tokens - pivot.at,
+                          node=node, seed=self._seeded(f"{j}@{pivot.at}", i))
+                    for i in range(unit.k)
+                ]
+            if branches:
+                self._decode(branches)
+            for pivot, start in zip(pivots, range(0, len(branches), unit.k), strict=True):
+                for chain in branches[start : start + unit.k]:  # the online estimate learns how often a depth recovers
+                    right = chain.finish == "stop" and chain.wrong_from is None and not _judged_wrong(chain, unit, feed)
+                    estimate.update(pivot.ratio, right)
+            waited = time.perf_counter()
+            for future in self.posts:
+                future.result()  # a step post that failed fails the lease (it expires and goes to another worker)
+            self.counts.step_post_wait_s += time.perf_counter() - waited
+        finally:
+            self.posting.shutdown(wait=False)
+        samples = []
+        for chain in roots + branches:
+            self.counts.generated += len(chain.tokens)
+            samples.append(Rollout(
+                rollout_id=chain.rollout_id, run_name=self.run_name, lease_id=self.lease.lease_id, prompt_id=self.lease.prompt_id,
+                worker_id=self.worker_id, policy_version=self.backend.version or 0, prompt_token_ids=chain.prompt,
+                completion_token_ids=chain.tokens, logprobs=chain.logprobs, finish_reason=chain.finish,  # type: ignore[arg-type]
+                sampling=self.sampling, node=chain.node, step_ends=chain.ends,
+            ))
+        return samples
+
+    def drop(self) -> None:
+        """A play never finished (its caller stopped): its step posts sent, nothing more."""
+        self.posting.shutdown(wait=False)
+
+
 def generate_tree(
     backend: HFBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
     worker_id: str, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, counts: TreeCounts,
@@ -236,7 +345,8 @@ def generate_tree(
     worker has had a verdict at all: a run without step scorers never waits): a chain
     goes wrong most often at its last steps, whose verdicts cannot be in when it ends, and a
     failed chain not known as failed is no candidate (or, for `last_right`, is branched past its
-    wrong step, where no branch can recover).
+    wrong step, where no branch can recover). `play_trees` decodes another unit's roots during
+    that wait instead.
 
     With `seed` (the run's), the unit is seeded (decentrl/rl/determinism.py): root j draws from
     `sample_seed(seed, prompt_id, j, version)` (the sample a plain group's j draws), the pivots are
@@ -244,65 +354,37 @@ def generate_tree(
     continuation i of the pivot at token `at` of root j from `node_seed(..., f"{j}@{at}", i)`: the
     same unit at the same version gives the same samples, whenever its verdicts come (as long as
     the roots' last verdicts are in within `verdict_wait_s`: `counts.verdict_timeouts` says when not)."""
-    unit = lease.unit
-    if not isinstance(unit, TreeUnit):
-        raise ValueError(f"lease {lease.lease_id} is not a tree unit")
-    posting = ThreadPoolExecutor(1, thread_name_prefix="steps")
-    posts: list[Future[object]] = []
+    play = TreePlay(backend, client, lease, sampling, run_name=run_name, worker_id=worker_id, feed=feed, counts=counts,
+                    keep_cache=keep_cache, seed=seed)
+    return play.start().finish(rng=rng, estimate=estimate, rule=rule, verdict_wait_s=verdict_wait_s)
 
-    def on_step(chain: Chain, step: int) -> None:
-        start = chain.ends[step - 1] if step else 0
-        posted = PartialStep(
-            rollout_id=chain.rollout_id, step=step, token_ids=chain.tokens[start : chain.ends[step]],
-            logprobs=chain.logprobs[start : chain.ends[step]], prompt_token_ids=chain.prompt if step == 0 else None,
-        )
-        posts.append(posting.submit(client.post_steps, StepPost(lease_id=lease.lease_id, worker_id=worker_id, steps=[posted])))
-        counts.steps_posted += 1
 
-    def decode(chains: list[Chain]) -> None:
-        decode_chains(backend, chains, sampling, unit, on_step=on_step, verdict=feed.score, counts=counts, keep_cache=keep_cache)
-
-    version = lease.policy_version if lease.policy_version is not None else backend.version or 0
-
-    def seeded(node: str, index: int) -> int | None:
-        return None if seed is None else node_seed(seed, lease.prompt_id, version, node, index)
-
-    roots = [Chain(uuid.uuid4().hex, list(lease.prompt_token_ids), sampling.max_tokens,
-                   seed=None if seed is None else sample_seed(seed, lease.prompt_id, j, version)) for j in range(lease.group_size)]
-    decode(roots)
-    if unit.pivots and feed.scores:  # a run whose steps no scorer has judged yet never waits
-        _await_root_verdicts(roots, posts, feed, counts, verdict_wait_s)
-    picker = rng if seed is None else random.Random(seeded("pivots", 0))
-    pivots = _pivots(roots, unit, feed, picker, estimate, rule or unit.rule)
-    branches = []
-    for n, pivot in enumerate(pivots):
-        j, parent = next((j, chain) for j, chain in enumerate(roots) if chain.rollout_id == pivot.rollout_id)
-        node = {"node_id": f"b{n}", "parent": {"rollout_id": parent.rollout_id, "at": pivot.at}}
-        branches += [
-            Chain(uuid.uuid4().hex, parent.prompt + parent.tokens[: pivot.at], sampling.max_tokens - pivot.at, node=node,
-                  seed=seeded(f"{j}@{pivot.at}", i))
-            for i in range(unit.k)
-        ]
-    if branches:
-        decode(branches)
-    for pivot, start in zip(pivots, range(0, len(branches), unit.k), strict=True):
-        for chain in branches[start : start + unit.k]:  # the online estimate learns how often a depth recovers
-            estimate.update(pivot.ratio, chain.finish == "stop" and chain.wrong_from is None and not _judged_wrong(chain, unit, feed))
-    waited = time.perf_counter()
-    for future in posts:
-        future.result()  # a step post that failed fails the lease (it expires and goes to another worker)
-    counts.step_post_wait_s += time.perf_counter() - waited
-    posting.shutdown()
-    samples = []
-    for chain in roots + branches:
-        counts.generated += len(chain.tokens)
-        samples.append(Rollout(
-            rollout_id=chain.rollout_id, run_name=run_name, lease_id=lease.lease_id, prompt_id=lease.prompt_id,
-            worker_id=worker_id, policy_version=backend.version or 0, prompt_token_ids=chain.prompt,
-            completion_token_ids=chain.tokens, logprobs=chain.logprobs, finish_reason=chain.finish,  # type: ignore[arg-type]
-            sampling=sampling, node=chain.node, step_ends=chain.ends,
-        ))
-    return samples
+def play_trees(
+    backend: HFBackend, client: OrchestratorClient, leases: Iterable[tuple[Lease, SamplingParams]], *, run_name: str,
+    worker_id: str, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, counts: TreeCounts,
+    keep_cache: bool = True, rule: str | None = None, verdict_wait_s: float = 5.0, seed: int | None = None, ahead: int = 1,
+) -> Iterator[tuple[Lease, list[Rollout]]]:
+    """Tree leases played in order, each as `generate_tree` plays it, but overlapped: the roots of
+    the next `ahead` leases are decoded before a lease's pivots are chosen, so the worker decodes
+    while that lease's last verdicts come, instead of waiting for them (0: one lease at a time).
+    `leases` is pulled lazily, one lease ahead of the one finishing: a caller that leases on demand
+    holds at most `ahead` unfinished units. Pivots are chosen, and the estimate learns, in the
+    leases' order, so a seeded lease gives the same samples played either way; all must be played
+    at one version (a swap between a lease's roots and its branches would split its tree)."""
+    pending: deque[TreePlay] = deque()
+    try:
+        for lease, sampling in leases:
+            pending.append(TreePlay(backend, client, lease, sampling, run_name=run_name, worker_id=worker_id, feed=feed,
+                                    counts=counts, keep_cache=keep_cache, seed=seed).start())
+            while len(pending) > ahead:
+                play = pending.popleft()
+                yield play.lease, play.finish(rng=rng, estimate=estimate, rule=rule, verdict_wait_s=verdict_wait_s)
+        while pending:
+            play = pending.popleft()
+            yield play.lease, play.finish(rng=rng, estimate=estimate, rule=rule, verdict_wait_s=verdict_wait_s)
+    finally:
+        for play in pending:
+            play.drop()
 
 
 def _await_root_verdicts(

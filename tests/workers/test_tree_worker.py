@@ -32,7 +32,7 @@ from orchestrator.state import RunState
 from workers.backends.hf import HFBackend
 from workers.scorer import Scorer
 from workers.scorers import build_scorer_backend
-from workers.tree import TreeCounts, VerdictFeed, generate_tree
+from workers.tree import TreeCounts, VerdictFeed, generate_tree, play_trees
 
 WORKER, SCORER = "worker-secret", "scorer-secret"
 TOKENS = [{"name": "alice", "role": "worker", "token": WORKER}, {"name": "judge", "role": "scorer", "token": SCORER}]
@@ -135,13 +135,20 @@ class _LateJudge:
 
     timeout_s = 1.0
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, gates: dict[str, str] | None = None) -> None:
         self.delay_s = delay_s
+        self.gates = gates or {}  # lease -> the lease whose first posted step releases its verdicts
+        self.posted: list[str] = []  # the lease of each step posted, in order
+        self.posted_rollouts: list[str] = []  # and its sample
+        self.calls = 0  # POST /v1/steps
         self.judged: list[tuple[float, StepVerdict]] = []
         self.lock = threading.Lock()
 
     def post_steps(self, post: StepPost) -> None:
         with self.lock:
+            self.calls += 1
+            self.posted += [post.lease_id] * len(post.steps)
+            self.posted_rollouts += [step.rollout_id for step in post.steps]
             for step in post.steps:
                 verdict = StepVerdict(lease_id=post.lease_id, rollout_id=step.rollout_id, step=step.step,
                                       score=float(step.step == 0), seq=len(self.judged) + 1)
@@ -150,7 +157,11 @@ class _LateJudge:
     def verdicts(self, worker_id: str, after: int, wait_s: float = 0.0) -> VerdictList:
         time.sleep(0.01)
         with self.lock:
-            ready = [v for due, v in self.judged if due <= time.monotonic() and v.seq > after]
+            ready = []
+            for due, v in self.judged[after:]:  # in their numbers' order, as a journal hands them out
+                if due > time.monotonic() or self.gates.get(v.lease_id, v.lease_id) not in self.posted:
+                    break
+                ready.append(v)
         return VerdictList(verdicts=ready, last=max([after] + [v.seq for v in ready]))
 
 
@@ -211,3 +222,76 @@ def test_a_seeded_unit_draws_the_same_roots_pivots_and_branches_every_time(backe
     assert play(seed=7, rng=1) == first
     other = play(seed=8, rng=0)
     assert [row[2] for row in other[:4]] != [row[2] for row in first[:4]]
+
+
+def _two_leases(pivots: int = 1, k: int = 2, rule: str = "last_right") -> list[Lease]:
+    unit = TreeUnit(kind="tree", k=k, pivots=pivots, boundary=StepBoundary(type="tokens", tokens=2), rule=rule)  # type: ignore[arg-type]
+    ids = build_tiny_tokenizer()("7324=").input_ids
+    return [Lease(lease_id=f"l{n}", prompt_id=n, prompt_token_ids=ids, group_size=4, deadline=time.time() + 60, unit=unit,
+                  policy_version=0) for n in range(2)]
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_the_next_units_roots_are_decoded_while_a_unit_waits_for_its_verdicts(backend: HFBackend, ahead: int) -> None:
+    # The verdicts on l0's steps come only once l1's first step is posted: a worker that waits
+    # for them before decoding anything else (ahead 0) waits its whole verdict_wait_s in vain and
+    # branches l0 on no verdict; one that decodes l1's roots meanwhile (ahead 1, the default)
+    # finds them in, and those late verdicts still act: l0 branches after its last right step.
+    client = _LateJudge(delay_s=0.0, gates={"l0": "l1"})
+    feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
+    feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps (none judged: no wait)
+    feed.start()
+    counts = TreeCounts()
+    sampling = SamplingParams(temperature=1.0, max_tokens=8)
+    played = []
+    try:
+        for lease, samples in play_trees(backend, client, [(lease, sampling) for lease in _two_leases()], run_name="r",  # type: ignore[arg-type]
+                                         worker_id="w0", feed=feed, rng=random.Random(0), estimate=RecoveryEstimate(),
+                                         counts=counts, verdict_wait_s=1.0 if ahead == 0 else 10.0, ahead=ahead):
+            played.append((lease.lease_id, samples))
+    finally:
+        feed.close()
+    assert [lease_id for lease_id, _ in played] == ["l0", "l1"]  # in the leases' order
+    # Every step posted once; steps that end together (the rows' boundaries every 2 tokens) go in one post.
+    assert len(client.posted_rollouts) == counts.steps_posted and client.calls < counts.steps_posted
+    first = client.posted.index("l1")
+    roots = {s.rollout_id: s for s in played[0][1][:4]}
+    parent = played[0][1][4].node.parent  # type: ignore[union-attr]
+    if ahead:
+        assert counts.verdict_timeouts == 0 and counts.verdict_wait_s < 10.0
+        assert parent.at == roots[parent.rollout_id].step_ends[0]  # type: ignore[index]
+        # l1's roots were decoded (their first step posted) before any of l0's branches was
+        branch_ids = {s.rollout_id for s in played[0][1][4:]}
+        assert branch_ids and not branch_ids & set(client.posted_rollouts[: first + 1])
+    else:
+        assert counts.verdict_timeouts == 1 and counts.verdict_wait_s >= 1.0  # l0 waited in vain; l1 did not
+        assert set(client.posted[:first]) == {"l0"} and set(client.posted[first:]) == {"l1"}  # l1 only once l0 was done
+
+
+def test_overlapped_seeded_units_draw_what_they_draw_one_at_a_time(backend: HFBackend) -> None:
+    # The overlap changes when a unit's roots are decoded, not what it draws: seeded, the same
+    # samples (roots, pivots, branches) as played one after the other.
+    sampling = SamplingParams(temperature=1.0, max_tokens=8)
+
+    def play(ahead: int) -> list[list[tuple[Any, ...]]]:
+        client = _LateJudge(delay_s=0.0)
+        feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
+        feed.scores[("an earlier unit's", 0)] = 1.0  # pivots chosen once the roots' verdicts are in, either way
+        feed.start()
+        try:
+            units = [samples for _, samples in play_trees(
+                backend, client, [(lease, sampling) for lease in _two_leases(pivots=2, k=3, rule="utility")],  # type: ignore[arg-type]
+                run_name="r", worker_id="w0", feed=feed, rng=random.Random(ahead), estimate=RecoveryEstimate(),
+                counts=TreeCounts(), seed=7, ahead=ahead)]
+        finally:
+            feed.close()
+        rows = []
+        for samples in units:
+            root_of = {s.rollout_id: j for j, s in enumerate(samples[:4])}
+            rows.append([(None if s.node is None else (root_of[s.node.parent.rollout_id], s.node.parent.at),  # type: ignore[union-attr]
+                          tuple(s.prompt_token_ids), tuple(s.completion_token_ids), tuple(s.step_ends or ())) for s in samples])
+        return rows
+
+    one_at_a_time = play(ahead=0)
+    assert [len(rows) for rows in one_at_a_time] == [4 + 2 * 3] * 2
+    assert play(ahead=1) == one_at_a_time
