@@ -622,6 +622,9 @@ def sampling_figures(runs: list[dict[str, Any]], rebuilt: dict[str, Any], silent
         # The same on the wall clock (leasing, posting the samples, everything between the units'
         # decodes): the PRM arm's tokens a second against the silent root arm's.
         "throughput_prm_wall_vs_without": ratio(kept["tokens"] / kept["wall_s"], silent["tokens"] / silent["wall_s"]),
+        # Within the PRM arm's run (no other run's load in it): the share of its time that decodes,
+        # against its waits for verdicts and for its last steps' posts.
+        "prm_decoding_share": kept["decode_s"] / (kept["decode_s"] + kept["verdict_wait_s"] + kept["step_post_wait_s"]),
         "prm_verdict_wait_s": kept["verdict_wait_s"], "prm_decode_s": kept["decode_s"], "ahead": kept.get("ahead", 0),
         "kv_keep_decode_s": kept["decode_s"], "kv_rebuild_decode_s": rebuilt["decode_s"],
         "kv_rebuild_s": rebuilt["cache_rebuild_s"],
