@@ -27,11 +27,14 @@ trains; with two the proposer stays the initial model) and a fixed curriculum (c
 sorting task, each prompt's length uniform over --fixed-digits, 2-8: the proposer's range, fixed in
 advance; the same solver samples a step); each final version evaluated on held-out sorting
 prompts of --eval-digits (2-8, `decentrl eval`, greedy) as the solver's skill, with its standard
-error, and each length of --also-digits alone; `coevolve_margin_in_stderr` per control and seed and
-`goal_heldout_met`. The co-evolution runs' proposals are read from their journals by decile of the
-run (valid share, distinct share, digits and swaps, the solvers' solve rate; at the top level
+error, and each length of --also-digits alone; `coevolve_margin_in_stderr` per control and seed,
+`goal_heldout_met`, and `coevolve_minus_control_over_seeds` (the mean difference over seeds with
+its standard error from the seeds' spread). The co-evolution runs' proposals are read from their
+journals by decile of the run (valid share, distinct share, digits and swaps, the solvers' solve
+rate, and that solve rate per proposal size, `solve_rate_by_digits`; at the top level
 `solve_rate_fresh`, `proposal_difficulty`, `valid_proposals`, `distinct_proposals`, a list per
-seed). `two_policies`: the co-evolution run with two models (`[orchestrator.roles] policies =
+seed, and `solve_rate_spread_by_digits`: how far apart the sizes' solve rates are, all a
+learnability reward of p can steer the proposer by). `two_policies`: the co-evolution run with two models (`[orchestrator.roles] policies =
 "per_role"`: a trainer, a stream of versions and a worker per role), its solver's final version
 evaluated alike, with its proposals by decile, each trainer's final version, samples a step and
 busy fraction. --arms picks the runs. Why these controls: docs/tasks.md, "Measuring it".
@@ -299,6 +302,28 @@ def heldout(run_dir: Path, args: argparse.Namespace, digits: str | None = None) 
     return float(scored["reward_mean"]), float(scored["reward_stderr"])
 
 
+def paired(arm: list[float], control: list[float]) -> dict[str, float | None]:
+    """Co-evolution minus a control, seed by seed (the same seed: the same initial model): the mean
+    difference over seeds, its standard error from the seeds' spread (None under 2 seeds), and
+    their ratio. The seeds' spread, not one evaluation's error, is what decides between arms."""
+    diffs = [a - c for a, c in zip(arm, control, strict=True)]
+    mean = statistics.fmean(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return {"mean": round(mean, 4), "stderr_over_seeds": round(se, 4) if se is not None else None,
+            "t": round(mean / se, 2) if se else None}
+
+
+def solve_rate_by_digits(units: list[tuple[Any, list[float]]], least: int = 5) -> dict[str, float]:
+    """The solvers' mean reward over the valid units of each proposal size (digits), sizes with at
+    least `least` units: the landscape a learnability reward of p reads. If it is flat, every size
+    pays the proposer alike and no rule of p (Absolute Zero's, R-Zero's) can point it anywhere."""
+    by: dict[int, list[float]] = {}
+    for proposal, solved in units:
+        if proposal is not None and solved:
+            by.setdefault(len(proposal.digits), []).append(statistics.fmean(solved))
+    return {str(n): round(statistics.fmean(ps), 3) for n, ps in sorted(by.items()) if len(ps) >= least}
+
+
 def proposals(run_dir: Path) -> list[dict[str, Any]]:
     """Per decile of the co-evolution run: valid and distinct proposal shares, mean digits and
     swaps of the valid ones, the solvers' solve rate - read from the journal's served units."""
@@ -339,6 +364,7 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
             # Units whose solvers all scored 0 (p = 0: no learnability signal), and all 1.
             "p_zero": round(statistics.fmean(not any(rs) for rs in answered), 3) if answered else None,
             "p_one": round(statistics.fmean(min(rs) == 1.0 for rs in answered), 3) if answered else None,
+            "solve_rate_by_digits": solve_rate_by_digits(valid),
         })
     return deciles
 
@@ -401,6 +427,9 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             for control in ("frozen_proposer", "fixed") if control in scores
         }
         result["coevolve_margin_in_stderr"] = margins
+        result["coevolve_minus_control_over_seeds"] = {
+            control: paired(scores["coevolve"], scores[control]) for control in ("frozen_proposer", "fixed") if control in scores
+        }
         result["goal_heldout_met"] = len(margins) == 2 and all(m >= 2 for ms in margins.values() for m in ms)
     if by_decile:
         result["proposals_by_decile"] = by_decile
@@ -409,6 +438,12 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                            ("distinct_proposals", "distinct_proposals")):
             result[key] = [[d[field] for d in seed] for seed in by_decile]
         result["proposal_difficulty"] = [[{"digits": d["digits"], "operations": d["operations"]} for d in seed] for seed in by_decile]
+        # What the proposer can gain by its choice: the spread of the solvers' mean reward over the
+        # proposal sizes of each decile (max - min of solve_rate_by_digits; ~0: no frontier to find).
+        result["solve_rate_spread_by_digits"] = [
+            [round(max(m.values()) - min(m.values()), 3) if len(m := d["solve_rate_by_digits"]) > 1 else None for d in seed]
+            for seed in by_decile
+        ]
     if by_digits:
         result["heldout_solver_by_digits"] = by_digits
     if "two_policies" in arms:

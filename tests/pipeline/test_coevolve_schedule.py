@@ -4,10 +4,16 @@ acts (nodes closed short, late samples refused) only where it is on."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decentrl.tasks.propose import Proposal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,3 +37,36 @@ def test_the_schedule_benchmark_reports_the_issue_keys() -> None:
     assert all(set(run) == {"proposer", "solver"} and all(b is not None and b > 0 for b in run.values())
                for run in two["trainer_busy_by_policy"])
     assert set(result["episode_p90_over_median_by_role"]) == {"naive", "ours", "two_policies"}
+
+
+def bench_module():
+    spec = importlib.util.spec_from_file_location("coevolve_bench", ROOT / "benchmarks" / "coevolve.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_solve_rate_by_digits_is_the_landscape_the_proposer_reads() -> None:
+    """The solvers' mean reward per proposal size, over valid units of sizes seen often enough: a
+    flat map means every size pays the proposer alike (--learn reports it per decile)."""
+    bench = bench_module()
+    units = [(Proposal("12"), [1.0, 0.5])] * 3 + [(Proposal("1234"), [0.0, 0.25])] * 3
+    units += [(None, [])] * 4 + [(Proposal("123456"), [1.0])] * 2 + [(Proposal("999"), [])] * 5
+    by = bench.solve_rate_by_digits(units, least=3)
+    # 2 digits: mean of means 0.75; 4 digits: 0.125; 6 digits (2 units) under `least`; 3 digits: no solver in.
+    assert by == {"2": 0.75, "4": 0.125}
+    assert bench.solve_rate_by_digits(units, least=2)["6"] == 1.0
+    assert bench.solve_rate_by_digits([], least=1) == {}
+
+
+def test_paired_difference_over_seeds_against_a_float64_reference() -> None:
+    """Co-evolution minus a control, seed by seed: mean, standard error from the seeds' spread, t."""
+    bench = bench_module()
+    arm, control = [0.334, 0.293, 0.25, 0.31], [0.309, 0.245, 0.27, 0.30]
+    diffs = np.asarray(arm, dtype=np.float64) - np.asarray(control, dtype=np.float64)
+    se = diffs.std(ddof=1) / np.sqrt(len(diffs))
+    got = bench.paired(arm, control)
+    assert got["mean"] == pytest.approx(diffs.mean(), abs=1e-4)
+    assert got["stderr_over_seeds"] == pytest.approx(se, abs=1e-4)
+    assert got["t"] == pytest.approx(diffs.mean() / se, abs=0.01)
+    assert bench.paired([0.3], [0.2]) == {"mean": 0.1, "stderr_over_seeds": None, "t": None}, "one seed: no spread"
