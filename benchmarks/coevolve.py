@@ -27,7 +27,9 @@ trains; with two the proposer stays the initial model) and a fixed curriculum (c
 sorting task, each prompt's length uniform over --fixed-digits, 2-8: the proposer's range, fixed in
 advance; the same solver samples a step); each final version evaluated on held-out sorting
 prompts of --eval-digits (2-8, `decentrl eval`, greedy) as the solver's skill, with its standard
-error, and each length of --also-digits alone; `coevolve_margin_in_stderr` per control and seed,
+error and the share sorted exactly (`heldout_solved`), beside what answers that sort nothing
+score there (`heldout_shortcut_floors`: the problem copied, its commonest digit repeated), and
+each length of --also-digits alone; `coevolve_margin_in_stderr` per control and seed,
 `goal_heldout_met`, and `coevolve_minus_control_over_seeds` (the mean difference over seeds with
 its standard error from the seeds' spread). The co-evolution runs' proposals are read from their
 journals by decile of the run (valid share, distinct share, digits and swaps, the solvers' solve
@@ -278,10 +280,10 @@ def digit_range(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-def heldout(run_dir: Path, args: argparse.Namespace, digits: str | None = None) -> tuple[float, float]:
+def heldout(run_dir: Path, args: argparse.Namespace, digits: str | None = None) -> tuple[float, float, float]:
     """The final version's mean reward (and its standard error) on held-out sorting prompts of
     `digits` digits ("4", or "2-8": each prompt's length uniform in the range; --eval-digits):
-    the solver's skill."""
+    the solver's skill; and the share it sorts exactly (reward 1)."""
     low, high = digit_range(digits or args.eval_digits)
     config = json.loads((run_dir / "config.json").read_text())
     config["task"] = {"type": "sorting", "num_digits": low, "max_digits": high, "num_prompts": 4096, "seed": 0}
@@ -299,7 +301,25 @@ def heldout(run_dir: Path, args: argparse.Namespace, digits: str | None = None) 
         check=True, cwd=ROOT, capture_output=True, text=True,
     ).stdout
     scored = json.loads(out.strip().splitlines()[-1])
-    return float(scored["reward_mean"]), float(scored["reward_stderr"])
+    return float(scored["reward_mean"]), float(scored["reward_stderr"]), float(scored["solved_fraction"])
+
+
+SHORTCUTS = {
+    # Answers that sort nothing, each as long as the problem: what partial credit pays without the skill.
+    "copy": lambda problem: problem,
+    "commonest_digit": lambda problem: max(sorted(set(problem)), key=problem.count) * len(problem),
+}
+
+
+def shortcut_floors(eval_config: Path, prompts: int) -> dict[str, float]:
+    """The held-out set's mean reward for answers that sort nothing (SHORTCUTS), scored by the task
+    on the very prompts `decentrl eval` draws: a solver at or under these shows no sorting."""
+    from decentrl.config import parse_config
+    from workers.evaluate import eval_prompts
+
+    task, chosen = eval_prompts(parse_config(json.loads(eval_config.read_text())), "heldout", prompts, 0)
+    return {name: round(statistics.fmean(task.reward(p, answer(p.text.removesuffix("="))) for p in chosen), 4)
+            for name, answer in SHORTCUTS.items()}
 
 
 def paired(arm: list[float], control: list[float]) -> dict[str, float | None]:
@@ -391,6 +411,8 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     arms = {arm: arms[arm] for arm in args.arms.split(",")}
     scores: dict[str, list[float]] = {arm: [] for arm in arms}
     stderrs: dict[str, list[float]] = {arm: [] for arm in arms}
+    solved: dict[str, list[float]] = {arm: [] for arm in arms}
+    floors: dict[str, float] = {}
     by_decile: list[Any] = []
     by_digits: dict[str, dict[str, list[float]]] = {}
     two: dict[str, Any] = {
@@ -403,9 +425,11 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             if not (args.reuse and (run_dir / "summary.json").exists()):  # --reuse: a finished run under --out is taken as is
                 shutil.rmtree(run_dir, ignore_errors=True)
                 run(config, run_dir, [*common, *sets, f"trainer.seed={seed}", f"model.seed={seed}", f"task.seed={seed}"])
-            score, stderr = heldout(run_dir, args)
+            score, stderr, exact = heldout(run_dir, args)
             scores[arm].append(score)
             stderrs[arm].append(stderr)
+            solved[arm].append(exact)
+            floors = floors or shortcut_floors(run_dir / "eval_config.json", args.eval_prompts)
             for digits in filter(None, args.also_digits.split(",")):  # each length of the range on its own
                 by_digits.setdefault(arm, {}).setdefault(digits, []).append(round(heldout(run_dir, args, digits)[0], 4))
             if arm == "coevolve":
@@ -420,6 +444,8 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                     two["trainer_busy"][policy].append(round(steps[-1]["trainer_busy_fraction_total"], 4))
     result: dict[str, Any] = {f"heldout_solver_{arm}": [round(s, 4) for s in values] for arm, values in scores.items()}
     result["heldout_stderr"] = {arm: [round(s, 4) for s in values] for arm, values in stderrs.items()}
+    result["heldout_solved"] = {arm: [round(s, 4) for s in values] for arm, values in solved.items()}
+    result["heldout_shortcut_floors"] = floors
     if "coevolve" in scores:  # the goal: co-evolution above each control by >= 2 combined standard errors, every seed
         margins = {
             control: [round((scores["coevolve"][i] - scores[control][i]) / math.hypot(stderrs["coevolve"][i], stderrs[control][i]), 2)

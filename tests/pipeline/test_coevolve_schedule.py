@@ -70,3 +70,26 @@ def test_paired_difference_over_seeds_against_a_float64_reference() -> None:
     assert got["stderr_over_seeds"] == pytest.approx(se, abs=1e-4)
     assert got["t"] == pytest.approx(diffs.mean() / se, abs=0.01)
     assert bench.paired([0.3], [0.2]) == {"mean": 0.1, "stderr_over_seeds": None, "t": None}, "one seed: no spread"
+
+
+def test_shortcut_floors_score_answers_that_sort_nothing_on_the_eval_prompts(tmp_path: Path) -> None:
+    """The held-out floors: the problem copied, and its commonest digit repeated to its length,
+    scored as the sorting task does (digits in place over the longer length) on the prompts
+    `decentrl eval` draws."""
+    from decentrl.config import parse_config
+    from workers.evaluate import eval_prompts
+
+    bench = bench_module()
+    config = {"task": {"type": "sorting", "num_digits": 2, "max_digits": 8, "num_prompts": 512, "seed": 0}}
+    path = tmp_path / "eval_config.json"
+    path.write_text(json.dumps(config))
+    floors = bench.shortcut_floors(path, 64)
+    _, chosen = eval_prompts(parse_config(config), "heldout", 64, 0)
+    problems = [p.text[:-1] for p in chosen]
+    copy = [sum(a == b for a, b in zip(x, sorted(x))) / len(x) for x in problems]
+    modes = [min(d for d in set(x) if x.count(d) == max(map(x.count, x))) for x in problems]
+    common = [x.count(m) / len(x) for x, m in zip(problems, modes)]  # m in place: exactly its own run of the sorted digits
+    assert floors == {"copy": pytest.approx(float(np.mean(copy)), abs=1e-4),
+                      "commonest_digit": pytest.approx(float(np.mean(common)), abs=1e-4)}
+    assert 0.0 < floors["copy"] < 1.0 and 0.0 < floors["commonest_digit"] < 1.0
+    assert bench.SHORTCUTS["commonest_digit"]("3113") == "1111", "a tie goes to the smaller digit"
