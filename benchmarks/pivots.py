@@ -533,21 +533,23 @@ def run_all(args: argparse.Namespace) -> Rows:
                     trained.append(run_arm(arm, seed, checkpoint, args.train_budget, args.group_size, args.k,
                                            token_s=args.token_ms / 1000, verdict_wait_s=args.verdict_wait_s, training=training))
                     print(json.dumps(trained[-1]), flush=True)
+        pace_s = args.token_ms / 1000
         for seed in range(args.seed_start, args.seed_start + args.seeds) if args.budget else ():
             for arm in ARMS:
-                runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=args.token_ms / 1000,
+                runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=pace_s,
                                     verdict_wait_s=args.verdict_wait_s, ahead=args.ahead))
                 print(json.dumps(runs[-1]), flush=True)
-        # The measures of the worker's side, on the first seed: the KV cache rebuilt at each step's
-        # end (prm arm), and the root arm's throughput without posting its steps for scoring.
-        if args.budget:
-            first, pace_s = args.seed_start, args.token_ms / 1000
-            rebuilt = run_arm("prm", first, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=pace_s,
-                              verdict_wait_s=args.verdict_wait_s, ahead=args.ahead)
-            silent = run_arm("root", first, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=pace_s,
-                             ahead=args.ahead)
-            print(json.dumps(rebuilt), flush=True)
-            print(json.dumps(silent), flush=True)
+            if seed == args.seed_start:
+                # The measures of the worker's side, on the first seed: the root arm without
+                # posting its steps for scoring, run right after the PRM arm it is compared with
+                # (a run minutes apart measures the machine's load: it drifts by 15% in minutes
+                # here), then the KV cache rebuilt at each step's end (prm arm).
+                silent = run_arm("root", seed, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=pace_s,
+                                 ahead=args.ahead)
+                print(json.dumps(silent), flush=True)
+                rebuilt = run_arm("prm", seed, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=pace_s,
+                                  verdict_wait_s=args.verdict_wait_s, ahead=args.ahead)
+                print(json.dumps(rebuilt), flush=True)
     return trained, runs, rebuilt, silent, sft_loss
 
 

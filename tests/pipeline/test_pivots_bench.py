@@ -144,3 +144,24 @@ def test_the_arms_are_compared_paired_by_seed_from_rows_of_runs_apart(bench: Any
     assert figures["heldout_final_prm_minus_root"]["se"] == pytest.approx(0.01)
     assert figures["heldout_mean_over_tokens_prm_minus_random"]["per_seed"] == pytest.approx([0.01 * 0.75, 0.02 * 0.75])
     assert figures["heldout_prm"]["mean_over_tokens_per_seed"] == pytest.approx([0.35 + 0.02 * 0.75, 0.35 + 0.04 * 0.75])
+
+
+def test_recovery_is_compared_paired_by_seed(bench: Any) -> None:
+    # Each seed's PRM (or random) arm over that seed's root arm (the same roots), then the mean and
+    # its standard error; the worker's measures from the first seed's rows.
+    def row(arm: str, seed: int, recovered: float, **more: Any) -> dict[str, Any]:
+        return {"arm": arm, "seed": seed, "recovered_per_1k_tokens": recovered, "solved_per_1k_tokens": 1.0,
+                "no_gradient_fraction": 0.3, "tokens_saved": 1, "verdict_wait_s": 0.5, "step_post_wait_s": 0.5,
+                "branch_success": None, "root_success": 0.3, "tokens": 1000, "decode_s": 9.0, "tokens_per_decode_s": 100.0,
+                "wall_s": 10.0, "cache_rebuild_s": 0.0, **more}
+
+    runs = [row("root", 0, 8.0), row("prm", 0, 8.0), row("random", 0, 4.0),
+            row("root", 1, 10.0), row("prm", 1, 12.0), row("random", 1, 10.0)]
+    figures = bench.sampling_figures(runs, row("prm", 0, 8.0), row("root", 0, 8.0, verdict_wait_s=0.0))
+    assert figures["recovered_per_1k_tokens_pivot_vs_root_paired"]["per_seed"] == pytest.approx([1.0, 1.2])
+    assert figures["recovered_per_1k_tokens_pivot_vs_root_paired"]["mean"] == pytest.approx(1.1)
+    assert figures["recovered_per_1k_tokens_pivot_vs_root_paired"]["se"] == pytest.approx(0.1)
+    assert figures["recovered_per_1k_tokens_random_vs_root_paired"]["per_seed"] == pytest.approx([0.5, 1.0])
+    assert figures["recovered_per_1k_tokens_pivot_vs_root"] == pytest.approx(10.0 / 9.0)  # the ratio of the means
+    assert figures["prm_decoding_share"] == pytest.approx(0.9)  # 9 s decoding, 0.5 s for verdicts, 0.5 s for posts
+    assert figures["throughput_prm_with_waits_vs_without"] == pytest.approx((1000 / 9.5) / 100.0)
