@@ -377,6 +377,7 @@ def run_arm(
         "verdict_wait_s": round(counts.verdict_wait_s, 3), "verdict_timeouts": counts.verdict_timeouts,
         "step_post_wait_s": round(counts.step_post_wait_s, 4), "decode_s": round(counts.decode_s, 3),
         "cache_rebuild_s": round(counts.cache_rebuild_s, 3), "tokens_per_decode_s": spent / counts.decode_s if counts.decode_s else None,
+        "decode_steps": counts.decode_steps, "decode_s_per_step": counts.decode_s / counts.decode_steps if counts.decode_steps else None,
         "wall_s": round(elapsed, 2), "load_start": load_start, "load_end": os.getloadavg()[0],
         "keep_cache": keep_cache, "post_steps": post_steps, "ahead": 0 if training else ahead,
         **({"versions": backend.version, "train_s": round(train_s, 2), "groups_per_step": training.groups_per_step,
@@ -627,6 +628,10 @@ def sampling_figures(runs: list[dict[str, Any]], rebuilt: dict[str, Any], silent
         # Within the PRM arm's run (no other run's load in it): the share of its time that decodes,
         # against its waits for verdicts and for its last steps' posts.
         "prm_decoding_share": kept["decode_s"] / (kept["decode_s"] + kept["verdict_wait_s"] + kept["step_post_wait_s"]),
+        # Apart from the machine's speed (which drifts between runs): tokens per batched decoding
+        # step, the PRM arm's over the silent root arm's (how well its batches are filled).
+        "tokens_per_decode_step_prm_vs_without": ratio(kept["tokens"] / kept["decode_steps"], silent["tokens"] / silent["decode_steps"])
+        if "decode_steps" in kept and "decode_steps" in silent else None,
         "prm_verdict_wait_s": kept["verdict_wait_s"], "prm_decode_s": kept["decode_s"], "ahead": kept.get("ahead", 0),
         "kv_keep_decode_s": kept["decode_s"], "kv_rebuild_decode_s": rebuilt["decode_s"],
         "kv_rebuild_s": rebuilt["cache_rebuild_s"],

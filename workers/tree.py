@@ -125,6 +125,7 @@ class TreeCounts:
     verdict_wait_s: float = 0.0  # time waited, before choosing pivots, for the roots' last verdicts
     verdict_timeouts: int = 0  # units whose pivots were chosen with a root verdict still missing
     decode_s: float = 0.0
+    decode_steps: int = 0  # batched decoding steps (one token for every row of a batch): the work, apart from the machine's speed
     cache_rebuild_s: float = 0.0
     handed_back: int = 0  # units that could not be completed (fewer step boundaries than pivots), released at once
 
@@ -174,6 +175,7 @@ def decode_chains(
     generators = [torch.Generator(device=backend.device).manual_seed(c.seed) for c in chains] if seeded else None  # type: ignore[arg-type]
     logits, attention, position, cache = prefill([c.prompt for c in chains])
     for _ in range(max(c.budget for c in chains)):
+        counts.decode_steps += 1
         dist = sampling_distribution(logits, sampling)
         chosen = backend._sample(dist, generators)  # (B, 1)
         picked, chosen_lp = torch.cat([chosen.double(), dist.gather(-1, chosen).double()], dim=-1).T.tolist()
