@@ -199,20 +199,26 @@ def test_pivots_are_chosen_on_the_roots_last_verdicts(backend: HFBackend, wait_s
 
 def test_a_seeded_unit_draws_the_same_roots_pivots_and_branches_every_time(backend: HFBackend) -> None:
     # Seeded from (run seed, prompt, version, node path, index) alone: two plays of the unit with
-    # different worker RNGs give the same samples; another run seed gives others.
+    # different worker RNGs, and verdicts that come at different times, give the same samples;
+    # another run seed gives others. The pivots are chosen once every root verdict is in (a scorer
+    # judges this run's steps: the worker waits for them), so when they come cannot change the pick.
     unit = TreeUnit(kind="tree", k=3, pivots=2, boundary=StepBoundary(type="tokens", tokens=2), rule="random")
     lease = Lease(lease_id="l0", prompt_id=5, prompt_token_ids=build_tiny_tokenizer()("7324=").input_ids, group_size=4,
                   deadline=time.time() + 60, unit=unit, policy_version=0)
 
-    def play(seed: int, rng: int) -> list[tuple[Any, ...]]:
-        client = _LateJudge(delay_s=0.0)
-        feed = VerdictFeed(client, "w0", wait_s=0.0).start()  # type: ignore[arg-type]
+    def play(seed: int, rng: int, delay_s: float = 0.0) -> list[tuple[Any, ...]]:
+        client = _LateJudge(delay_s=delay_s)
+        feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
+        feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps: the roots' verdicts are waited for
+        feed.start()
+        counts = TreeCounts()
         try:
             samples = generate_tree(backend, client, lease, SamplingParams(temperature=1.0, max_tokens=8), run_name="r",  # type: ignore[arg-type]
                                     worker_id="w0", feed=feed, rng=random.Random(rng), estimate=RecoveryEstimate(),
-                                    counts=TreeCounts(), seed=seed)
+                                    counts=counts, seed=seed, verdict_wait_s=30.0)
         finally:
             feed.close()
+        assert counts.verdict_timeouts == 0  # every root verdict was in when the pivots were chosen
         root_of = {s.rollout_id: j for j, s in enumerate(samples[:4])}
         return [(None if s.node is None else (root_of[s.node.parent.rollout_id], s.node.parent.at),  # type: ignore[union-attr]
                  tuple(s.prompt_token_ids), tuple(s.completion_token_ids), tuple(s.step_ends or ())) for s in samples]
@@ -220,6 +226,7 @@ def test_a_seeded_unit_draws_the_same_roots_pivots_and_branches_every_time(backe
     first = play(seed=7, rng=0)
     assert len(first) == 4 + 2 * 3 and len({row[2] for row in first[:4]}) > 1  # the roots differ from each other
     assert play(seed=7, rng=1) == first
+    assert play(seed=7, rng=1, delay_s=0.3) == first  # verdicts long after the roots end: the same pick
     other = play(seed=8, rng=0)
     assert [row[2] for row in other[:4]] != [row[2] for row in first[:4]]
 
