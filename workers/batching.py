@@ -77,6 +77,7 @@ class Batcher:
         self._rounds = 0  # rounds generating now: at most one when combining
         self.paused = False  # a swap waits for the rounds running, or runs: no round starts
         self._deadline: float | None = None  # time.monotonic() after which the rounds running are interrupted
+        self._waiting = 0  # slots waiting for a round to start (in `lead` or `round_of_its_own`)
 
     def submit(self, rows: list[Sample], sampling: SamplingParams, version: int | None = None) -> Request:
         request = Request(rows, sampling, version)
@@ -93,8 +94,10 @@ class Batcher:
         """Block until `request` is done (False) or a round may start (True: the caller calls
         `generate_next`, then `lead` again): no swap is due and, when combining, no round runs."""
         with self._changed:
+            self._waiting += 1
             while not request.done and (self.paused or (self.combine and self._rounds)):
                 self._changed.wait()
+            self._waiting -= 1
             if not request.done:
                 self._drop_abandoned()
             if request.done:
@@ -108,8 +111,10 @@ class Batcher:
         swap is due and no other round runs, and a swap waits for its end (it is never cut at the
         swap's deadline: a tree's branches keep their prefix's weights)."""
         with self._changed:
+            self._waiting += 1
             while self.paused or self._rounds:
                 self._changed.wait()
+            self._waiting -= 1
             self._rounds += 1
         try:
             yield
@@ -117,6 +122,12 @@ class Batcher:
             with self._changed:
                 self._rounds -= 1
                 self._changed.notify_all()
+
+    def wanted(self) -> bool:
+        """Whether a swap or another slot waits for the rounds running to end: a round of its own
+        that could go on (a tree round across lease answers) ends instead."""
+        with self._changed:
+            return self.paused or self._waiting > 0
 
     @contextmanager
     def swapping(self, deadline_s: float) -> Iterator[None]:

@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ from decentrl.api.wire import (
     Lease,
     LeaseRequest,
     LeaseResponse,
+    Rollout,
     RolloutBatch,
     RunInfo,
     SamplingParams,
@@ -370,13 +371,19 @@ class Worker:
             lambda: self._ask(LeaseRequest(worker_id=self.worker_id, max_groups=self.request_size.groups())),
             stop=self._stop, passing=(ConnectionError, InvalidAnswer),
         )
-        for iteration, response in enumerate(asked, start=1):
+        iteration = 0
+        carried: LeaseResponse | None = None  # an answer a tree round asked for but could not start (held already)
+        while True:
+            response, held = (carried, True) if carried is not None else (next(asked, None), False)
+            carried = None
             if response is None:
                 return
+            iteration += 0 if held else 1  # an answer carried over was counted when asked
             if not response.leases:
                 self._stop.wait(response.retry_after_s)
             else:
-                self._hold(response.leases)
+                if not held:
+                    self._hold(response.leases)
                 try:
                     if not self.info.deterministic:
                         self._await_version(response.policy_version)
@@ -385,7 +392,15 @@ class Worker:
                         return
                     started = time.monotonic()
                     if isinstance(response.leases[0].unit, TreeUnit):  # a run's leases are all trees, or none
-                        self._play_trees(response.leases, response.sampling)
+                        def more() -> LeaseResponse | None:
+                            nonlocal iteration
+                            if max_iterations is not None and iteration >= max_iterations:
+                                return None
+                            asked_now = self._ask_in_round()
+                            iteration += asked_now is not None
+                            return asked_now
+
+                        carried = self._play_trees(response, more)
                     else:
                         samples = self._samples_for(response.leases, response.sampling)
                         if not any(self._abandoned(lease.lease_id) for lease in response.leases):  # a whole request's time
@@ -399,7 +414,7 @@ class Worker:
                     self._let_go(response.leases)
                 if index == 0 and self.spool.unsent:
                     self.spool.resend()
-            if max_iterations is not None and iteration >= max_iterations:
+            if max_iterations is not None and iteration >= max_iterations and carried is None:
                 return
 
     def _ask(self, request: LeaseRequest) -> LeaseResponse | None:
@@ -414,6 +429,9 @@ class Worker:
                     self._say_stale()
         if self._stop.is_set():
             return None
+        return self._request(request)
+
+    def _request(self, request: LeaseRequest) -> LeaseResponse:
         if self._machine is not None:
             request = request.model_copy(update={"machine": self._machine()})
         response = self.client.lease(request)
@@ -578,11 +596,40 @@ class Worker:
             except OrchestratorError as exc:  # closed meanwhile: expired, or a copy that lost, not told yet
                 log.info("lease %s needs no handing back: %s", lease.lease_id, exc.message)
 
-    def _play_trees(self, leases: list[Lease], sampling: SamplingParams) -> None:
+    def _ask_in_round(self) -> LeaseResponse | None:
+        """The next lease answer for a tree round that goes on (`_play_trees`), asked only while the
+        round may go on: not stopping, no swap nor other slot waiting for the round, the loaded
+        version fresh (a stale worker would wait for a swap that waits for this round). None: none
+        asked, or none came (the slot asks again as it always does)."""
+        with self._changed:
+            if self._stop.is_set() or self.info.deterministic or not self._fresh():
+                return None
+        if self._batcher.wanted():
+            return None
+        try:
+            response = self._request(LeaseRequest(worker_id=self.worker_id, max_groups=self.request_size.groups()))
+        except (ConnectionError, InvalidAnswer, Stopped) as exc:
+            log.info("lease request within a tree round failed (%s); the slot asks again", exc)
+            return None
+        self._hold(response.leases)
+        return response
+
+    def _in_round(self, response: LeaseResponse) -> bool:
+        """Whether an answer asked within a tree round may be played in it: leases of the version
+        loaded (or older and fresh), and no swap nor other slot waiting for the round."""
+        wanted, loaded = response.policy_version, self.backend.version
+        return (bool(response.leases) and not self._stop.is_set() and not self._batcher.wanted()
+                and (wanted is None or (loaded is not None and wanted <= loaded)))
+
+    def _play_trees(self, first: LeaseResponse, more: Callable[[], LeaseResponse | None]) -> LeaseResponse | None:
         """Tree leases ([orchestrator.tree], docs/rewards.md "Pivots"): generated step by step
         (workers/tree.py `play_trees`), the next lease's roots decoded while one waits for its
-        roots' last verdicts, the response's leases one round of their own (no swap inside it: a
-        tree's branches keep its roots' version); each spooled and sent whole as it ends."""
+        roots' last verdicts, in one round of their own (no swap inside it: a tree's branches keep
+        its roots' version); each spooled and sent whole as it ends. When `first`'s leases are all
+        started, the round asks for the next answer (`more`) and goes on with its leases, so that the
+        last lease of an answer waits for its verdicts while the next answer's roots are decoded;
+        it ends (its units finished, then a swap may come) once `more` gives none or an answer it
+        cannot play (`_in_round`): that answer, held, is returned for the slot to play next."""
         from workers.backends.hf import HFBackend  # torch: imported where a tree lease is played
         from workers.tree import TreeCounts, VerdictFeed, play_trees
 
@@ -591,25 +638,50 @@ class Worker:
         if self._feed is None:
             self._feed, self.tree_counts = VerdictFeed(self.client, self.worker_id).start(), TreeCounts()
         assert self.tree_counts is not None
-        playing = ((lease, sampling) for lease in leases if not self._abandoned(lease.lease_id))  # asked as each one starts
-        with self._batcher.round_of_its_own():
-            for lease, rollouts in play_trees(
-                self.backend, self.client, playing, run_name=self.info.run_name, worker_id=self.worker_id, feed=self._feed,
-                rng=self._tree_rng, estimate=self._tree_estimate, counts=self.tree_counts,
-            ):
-                if len(rollouts) < lease.group_size + lease.unit.pivots * lease.unit.k:  # type: ignore[union-attr]
-                    # Its roots had fewer step boundaries than it has pivots: it can never be completed,
-                    # so it goes back now (its prompt out again at once) rather than at its deadline.
-                    log.info("tree lease %s: %d of its samples could be drawn (its roots' step boundaries are fewer than its "
-                             "pivots); handing it back", lease.lease_id, len(rollouts))
-                    self.tree_counts.handed_back += 1
-                    self._hand_back([lease])
-                    continue
-                with self._changed:
-                    if lease.lease_id in self._lost:
-                        continue
-                    self._posting.add(lease.lease_id)
-                self.spool.post(RolloutBatch(rollouts=rollouts))
+        chained: list[Lease] = []  # leases of the answers asked within the round: let go as each is done, or at its end
+        left: list[LeaseResponse] = []
+
+        def playing() -> Iterator[tuple[Lease, SamplingParams]]:
+            response: LeaseResponse | None = first
+            while response is not None:
+                for lease in response.leases:
+                    if not self._abandoned(lease.lease_id):  # asked as each one starts
+                        yield lease, response.sampling
+                response = more()
+                if response is not None and not self._in_round(response):
+                    left.append(response)
+                    return
+                chained.extend(response.leases if response is not None else ())
+
+        try:
+            with self._batcher.round_of_its_own():
+                for lease, rollouts in play_trees(
+                    self.backend, self.client, playing(), run_name=self.info.run_name, worker_id=self.worker_id, feed=self._feed,
+                    rng=self._tree_rng, estimate=self._tree_estimate, counts=self.tree_counts,
+                ):
+                    self._tree_done(lease, rollouts)
+                    if any(lease.lease_id == other.lease_id for other in chained):
+                        self._let_go([lease])  # no more renewals (the first answer's leases: the slot lets them go)
+        finally:
+            self._let_go(chained)
+        return left[0] if left else None
+
+    def _tree_done(self, lease: Lease, rollouts: list[Rollout]) -> None:
+        """A tree lease played: spooled and sent whole, or handed back when it cannot be completed."""
+        assert self.tree_counts is not None and isinstance(lease.unit, TreeUnit)
+        if len(rollouts) < lease.group_size + lease.unit.pivots * lease.unit.k:
+            # Its roots had fewer step boundaries than it has pivots: it can never be completed,
+            # so it goes back now (its prompt out again at once) rather than at its deadline.
+            log.info("tree lease %s: %d of its samples could be drawn (its roots' step boundaries are fewer than its "
+                     "pivots); handing it back", lease.lease_id, len(rollouts))
+            self.tree_counts.handed_back += 1
+            self._hand_back([lease])
+            return
+        with self._changed:
+            if lease.lease_id in self._lost:
+                return
+            self._posting.add(lease.lease_id)
+        self.spool.post(RolloutBatch(rollouts=rollouts))
 
     def _post(self, leases: list[Lease], samples: list[Sample], sampling: SamplingParams) -> None:
         """Spool and send the samples of `leases`, less those of copies that lost and of leases

@@ -399,6 +399,81 @@ def test_the_worker_plays_tree_leases_step_by_step(tree_setup: Setup) -> None:
     assert len(branches) == len(samples) // 2 and all(len(r.prompt_token_ids) > len(samples[0].prompt_token_ids) for r in branches)
 
 
+def _record_plays(monkeypatch: pytest.MonkeyPatch, worker: Worker, on_first_start: Any = None) -> list[tuple[str, str, int | None]]:
+    """(event, lease id, version loaded) for each tree unit's roots decoded ("start", the version
+    before them) and pivots chosen and branches decoded ("finish", the version after them)."""
+    import workers.tree as tree
+
+    events: list[tuple[str, str, int | None]] = []
+    start, finish = tree.TreePlay.start, tree.TreePlay.finish
+
+    def started(play: Any) -> Any:
+        events.append(("start", play.lease.lease_id, worker.backend.version))
+        done = start(play)
+        if on_first_start is not None and len(events) == 1:
+            on_first_start()
+        return done
+
+    def finished(play: Any, **kwargs: Any) -> Any:
+        samples = finish(play, **kwargs)
+        events.append(("finish", play.lease.lease_id, worker.backend.version))
+        return samples
+
+    monkeypatch.setattr(tree.TreePlay, "start", started)
+    monkeypatch.setattr(tree.TreePlay, "finish", finished)
+    return events
+
+
+def test_the_worker_decodes_the_next_answers_roots_while_an_answers_last_unit_waits(
+    tree_setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One group a request: each answer's one unit is its last, and the next answer's roots are
+    decoded before its pivots are chosen (the round goes on across answers), every unit accepted."""
+    tree_setup.publish(0, seed=0)
+    worker = tree_setup.worker(groups_per_request=1)
+    events = _record_plays(monkeypatch, worker)
+    worker.run(max_iterations=3)
+    order = [(event, lease_id) for event, lease_id, _ in events]
+    leases = list(dict.fromkeys(lease_id for _, lease_id in order))
+    assert len(leases) == 3, order
+    for earlier, later in zip(leases, leases[1:]):
+        assert order.index(("start", later)) < order.index(("finish", earlier)), order
+    status = tree_setup.orchestrator.client(WORKER).status()
+    assert status.rollouts_rejected == {} and status.rollouts_accepted == worker.rollouts_posted == 3 * (2 + 2)
+    assert not tree_setup.orchestrator.state.leases and worker.spool.pending() == []
+
+
+def test_a_swap_waits_for_the_units_in_play_and_the_round_goes_on_after_it(
+    tree_setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1 is pulled while the first unit's roots are decoded: the round asks no further answer
+    (its swap waits), finishes that unit at v0, the swap lands, and the next answers play at v1 -
+    never a swap between a unit's roots and its branches."""
+    setup = tree_setup
+    setup.publish(0, seed=0)
+    worker = setup.worker(groups_per_request=1, version_poll_s=0.2)
+
+    def swap_due() -> None:
+        setup.publish(1, seed=1)
+        deadline = time.time() + 60
+        while not worker._batcher.paused and time.time() < deadline:
+            time.sleep(0.01)
+        assert worker._batcher.paused  # the swapper pulled v1 and waits for the round
+
+    events = _record_plays(monkeypatch, worker, on_first_start=swap_due)
+    worker.run(max_iterations=3)
+    versions: dict[str, set[int | None]] = {}
+    for _, lease_id, version in events:
+        versions.setdefault(lease_id, set()).add(version)
+    assert [versions[lease_id] for lease_id in dict.fromkeys(lease_id for _, lease_id, _ in events)] == [{0}, {1}, {1}], events
+    order = [(event, lease_id) for event, lease_id, _ in events]
+    assert order[:2] == [("start", order[0][1]), ("finish", order[0][1])]  # no answer asked while the swap waited
+    later = [lease_id for event, lease_id in order[2:] if event == "start"]
+    assert order.index(("start", later[1])) < order.index(("finish", later[0]))  # after it, overlapped again
+    status = setup.orchestrator.client(WORKER).status()
+    assert status.rollouts_rejected == {} and status.rollouts_accepted == worker.rollouts_posted == 3 * (2 + 2)
+
+
 # A step of 64 tokens and chains of at most 12: every root is one step, so no unit has a step
 # boundary to branch from and none can be completed.
 @pytest.mark.parametrize("tree_setup", [64], indirect=True)

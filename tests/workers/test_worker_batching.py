@@ -305,6 +305,28 @@ def deterministic_torch() -> Iterator[None]:
     torch.backends.cuda.enable_flash_sdp(flash)
 
 
+def test_a_round_of_its_own_hears_when_a_swap_or_another_slot_waits_for_it() -> None:
+    # A tree round that could go on across lease answers ends when `wanted`: a slot waiting for a
+    # round (here another round of its own), or a swap waiting for the round to end.
+    batcher = Batcher(max_rows=4)
+
+    def waits_then_gets(enter: Callable[[], object]) -> None:
+        with enter():  # type: ignore[attr-defined]
+            pass
+
+    for waiter in (batcher.round_of_its_own, lambda: batcher.swapping(60.0)):
+        thread = threading.Thread(target=waits_then_gets, args=(waiter,), daemon=True)
+        with batcher.round_of_its_own():
+            assert not batcher.wanted()
+            thread.start()
+            deadline = time.monotonic() + 10
+            while not batcher.wanted() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert batcher.wanted()
+        thread.join(timeout=10)
+        assert not thread.is_alive() and not batcher.wanted()  # it had its turn: nobody waits
+
+
 @pytest.mark.usefixtures("deterministic_torch")
 @pytest.mark.kernels
 def test_a_group_is_bitwise_the_same_alone_or_beside_other_groups_at_the_fixed_shape(demo_model: str) -> None:
