@@ -365,7 +365,7 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
         if not bodies or bodies[0][1] is None:
             continue
         first = decode_rollout(bodies[0][1], rollout_id=bodies[0][0], lease_id=lease_id, run_name="", prompt_token_ids=[])
-        proposal = task.propose(tokenizer.decode(first.completion_token_ids, skip_special_tokens=True))
+        proposal = task.propose(tokenizer.decode(first.completion_token_ids, skip_special_tokens=True), first.prompt_id)
         units.append((proposal, json.loads(rewards)[1:]))
     deciles = []
     for d in range(10):
@@ -377,7 +377,7 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
         deciles.append({
             "units": len(part),
             "valid_proposals": round(len(valid) / len(part), 3) if part else None,
-            "distinct_proposals": round(len({p.digits for p, _ in valid}) / len(valid), 3) if valid else None,
+            "distinct_proposals": round(len({p.canonical for p, _ in valid}) / len(valid), 3) if valid else None,
             "digits": round(statistics.fmean(x.digits for x in difficulty), 2) if difficulty else None,
             "operations": round(statistics.fmean(x.operations for x in difficulty), 2) if difficulty else None,
             "solve_rate_fresh": round(statistics.fmean(solved), 3) if solved else None,

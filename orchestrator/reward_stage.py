@@ -146,7 +146,7 @@ class RolesRewards(VerifierRewards):
         self.recent: deque[str | None] = deque(maxlen=task.config.repetition_window)
 
     def proposal(self, rollout: Rollout) -> Proposal | None:
-        return self.task.propose(self.rewards.decode([rollout.completion_token_ids])[0])
+        return self.task.propose(self.rewards.decode([rollout.completion_token_ids])[0], rollout.prompt_id)
 
     def derive(self, rollout: Rollout) -> Derived | None:
         """The solver node of a proposer's sample, its prompt rendered here (a worker never

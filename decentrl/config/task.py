@@ -110,9 +110,9 @@ class ProposeTaskConfig(Section):
     )
     proposal: Literal["problem", "size"] = Field(
         "problem", description="What a proposal is: problem (its digits are the problem, as written) or size (its length "
-        "names the problem's size, min_digits to max_digits, and the task draws the digits, seeded by the proposal's "
-        "text: the proposer chooses how hard, never which digits, so it cannot make problems easy by writing them "
-        "already in order)."
+        "names the problem's size, min_digits to max_digits, and the task draws the digits, seeded by the unit's prompt "
+        "and the proposal's text: the proposer chooses how hard, never which digits, so it cannot make problems easy by "
+        "writing them already in order, nor repeat one text into one problem)."
     )
     min_digits: int = Field(2, ge=1, le=64, description="Fewest digits of a valid proposal.")
     max_digits: int = Field(12, ge=1, le=64, description="Most digits of a valid proposal.")

@@ -6,9 +6,9 @@ problem from a seeded pool ("=314": "write a problem like 314"); it writes digit
 `propose` validates them - they are model output, so anything may come: only ASCII digits,
 between `min_digits` and `max_digits` of them - and the solvers' prompt is the problem and "="
 ("90271="), the form the sorting task uses. With `proposal = "size"` the proposal's length names
-the problem's size and its digits are drawn here, seeded by the proposal's text: the proposer
-chooses how hard (and, by writing other text, another problem of that size), never the digits
-themselves, so it cannot make a problem easy by writing it already in order. The answer is computed here, exactly: the digits
+the problem's size and its digits are drawn here, seeded by the unit's prompt and the proposal's
+text: the proposer chooses how hard, never the digits themselves, so it cannot make a problem easy
+by writing it already in order, nor repeat one text into one problem its solvers memorise. The answer is computed here, exactly: the digits
 ascending (`operation = "sort"`) or their sum (`"sum"`). Difficulty is measured in digits and
 operations (the adjacent swaps that sort the digits, or the additions that sum them).
 
@@ -40,11 +40,13 @@ class Proposal:
     """A valid problem: its digits, as the proposer wrote them."""
 
     digits: str
+    written: str | None = None  # `proposal = "size"`: the text the proposer wrote (None: the digits are it)
 
     @property
     def canonical(self) -> str:
-        """The problem's form for R-Zero's repetition penalty: proposals of one form are one cluster."""
-        return self.digits
+        """The proposal's form for R-Zero's repetition penalty and the distinct-proposal count:
+        what the proposer wrote (proposals of one form are one cluster), not the digits drawn from it."""
+        return self.digits if self.written is None else self.written
 
 
 @dataclass(frozen=True)
@@ -76,16 +78,21 @@ class ProposeTask:
         """A proposer's prompt starts with "=", a solver's ends with it."""
         return "proposer" if prompt.text.startswith("=") else "solver"
 
-    def propose(self, completion_text: str) -> Proposal | None:
-        """The proposal a proposer's completion makes, or None when it is not a valid problem:
-        after surrounding whitespace, only ASCII digits, `min_digits` to `max_digits` of them (the
-        length is checked before the pattern, so a long completion costs nothing)."""
+    def propose(self, completion_text: str, prompt_id: int) -> Proposal | None:
+        """The proposal a proposer's completion, sampled on prompt `prompt_id` (its unit's), makes, or
+        None when it is not a valid problem: after surrounding whitespace, only ASCII digits,
+        `min_digits` to `max_digits` of them (the length is checked before the pattern, so a long
+        completion costs nothing). With `proposal = "size"` the digits are drawn, seeded by the
+        task's seed, the unit's prompt and the text: a proposer repeating one text gets another
+        problem on each prompt (one in `num_prompts` per length, a prompt coming back once a pass
+        over the pool), never one problem whose answer its solvers can memorise; the same run's
+        journal re-derives every unit's problem from its proposer sample (benchmarks/coevolve.py)."""
         text = completion_text.strip()
         if not self.config.min_digits <= len(text) <= self.config.max_digits or not _DIGITS.fullmatch(text):
             return None
-        if self.config.proposal == "size":  # the length names the size; the digits are drawn, seeded by the text
-            rng = random.Random(f"{self.config.seed}/{text}")
-            return Proposal("".join(rng.choice("0123456789") for _ in text))
+        if self.config.proposal == "size":
+            rng = random.Random(f"{self.config.seed}/{prompt_id}/{text}")
+            return Proposal("".join(rng.choice("0123456789") for _ in text), written=text)
         return Proposal(text)
 
     def solver_prompt(self, proposal: Proposal, prompt_id: int) -> Prompt:
@@ -107,7 +114,7 @@ class ProposeTask:
     def reward(self, prompt: Prompt, completion_text: str) -> float:
         """A solver's correctness (`solver_reward`); a proposer's validity (1 or 0) until its solvers are in."""
         if self.role_of(prompt) == "proposer":
-            return float(self.propose(completion_text) is not None)
+            return float(self.propose(completion_text, prompt.prompt_id) is not None)
         answer, target = self._answer_and_target(prompt, completion_text)
         if self.config.solver_reward == "exact":
             return float(answer == target)

@@ -31,15 +31,15 @@ def task() -> ProposeTask:
     ],
 )
 def test_invalid_proposals_are_refused(task: ProposeTask, text: str) -> None:
-    assert task.propose(text) is None
+    assert task.propose(text, 0) is None
     assert task.reward(task.prompt(0), text) == 0.0, "a proposer's ingest reward is its validity"
-    assert task.proposer_reward(task.propose(text), [1.0, 0.0]) == -1.0, "validity first: invalid_reward"
+    assert task.proposer_reward(task.propose(text, 0), [1.0, 0.0]) == -1.0, "validity first: invalid_reward"
 
 
 @pytest.mark.parametrize("text", ["12", "00", " 90271\n", "12345678"])
 def test_valid_proposals(task: ProposeTask, text: str) -> None:
-    proposal = task.propose(text)
-    assert proposal == Proposal(text.strip())
+    proposal = task.propose(text, 3)
+    assert proposal == Proposal(text.strip()) == task.propose(text, 4), "proposal = problem: the digits as written, on any prompt"
     assert task.reward(task.prompt(3), text) == 1.0
 
 
@@ -131,18 +131,19 @@ def test_the_proposers_p_is_the_exact_pass_rate_unless_told_otherwise() -> None:
 
 
 def test_a_size_proposal_names_the_size_and_the_task_draws_the_digits() -> None:
-    # proposal = "size": the proposer's digits name only how many; the problem is drawn, seeded by its text.
+    # proposal = "size": the proposer's digits name only how many; the problem is drawn, seeded by the unit's prompt and the text.
     task = ProposeTask(ProposeTaskConfig(proposal="size", min_digits=2, max_digits=8, solver_reward="exact", seed=4))
-    sorted_text = task.propose("0123456")
+    sorted_text = task.propose("0123456", 7)
     assert sorted_text is not None and len(sorted_text.digits) == 7 and sorted_text.digits.isdigit()
-    assert sorted_text == task.propose(" 0123456\n"), "seeded by the proposal's text: the same text, the same problem"
-    drawn = [task.propose(f"{n:05d}") for n in range(200)]
+    assert sorted_text == task.propose(" 0123456\n", 7), "reproducible: the same prompt and text, the same problem"
+    assert sorted_text.canonical == "0123456", "the repetition penalty and distinct count see what the proposer wrote"
+    drawn = [task.propose(f"{n:05d}", 7) for n in range(200)]
     assert all(p is not None and len(p.digits) == 5 for p in drawn)
     assert len({p.digits for p in drawn if p}) == 200, "other text of one size: another problem"
     assert sum(p.digits == "".join(sorted(p.digits)) for p in drawn if p) < 10, "writing digits in order does not make the problem easy"
-    assert ProposeTask(ProposeTaskConfig(proposal="size", seed=5)).propose("0123456") != sorted_text, "the task's seed draws too"
+    assert ProposeTask(ProposeTaskConfig(proposal="size", seed=5)).propose("0123456", 7) != sorted_text, "the task's seed draws too"
     for text in ("1", "123456789", "12a", ""):
-        assert task.propose(text) is None and task.proposer_reward(None, []) == -1.0
+        assert task.propose(text, 7) is None and task.proposer_reward(None, []) == -1.0
     # The solvers answer the drawn problem (its prompt, not the proposal's text) exactly.
     prompt = task.solver_prompt(sorted_text, 9)
     assert prompt.text == sorted_text.digits + "="
@@ -151,3 +152,13 @@ def test_a_size_proposal_names_the_size_and_the_task_draws_the_digits() -> None:
     assert task.difficulty(sorted_text).digits == 7
     with pytest.raises(ValidationError, match="proposal"):
         ProposeTaskConfig(proposal="digits")
+
+
+def test_a_repeated_size_proposal_is_another_problem_on_each_unit() -> None:
+    # A proposer collapsed onto one text ("2222") once got one problem every time, and its solvers
+    # memorised the answer: the digits are drawn per unit (its prompt), so one text is many problems.
+    task = ProposeTask(ProposeTaskConfig(proposal="size", min_digits=2, max_digits=8, seed=0))
+    repeated = [task.propose("2222", prompt_id) for prompt_id in range(200)]
+    assert all(p is not None and len(p.digits) == 4 and p.canonical == "2222" for p in repeated)
+    assert len({p.digits for p in repeated if p}) >= 190, "one text on 200 units: (nearly) 200 problems of 4 digits"
+    assert len({"".join(sorted(p.digits)) for p in repeated if p}) >= 150, "and no one answer to memorise"

@@ -304,7 +304,7 @@ def test_a_size_proposal_is_solved_as_the_problem_the_task_drew(
     config["task"]["proposal"] = "size"
     state = run_state(None, **config)
     unit, _ = _propose(state, make_rollout, "1234")
-    drawn = state.task.propose("1234")
+    drawn = state.task.propose("1234", unit.prompt_id)
     assert drawn is not None and len(drawn.digits) == 4
     subs = state.grant_leases(BOB, 2)
     assert [s.prompt_token_ids for s in subs] == [tokenizer(drawn.digits + "=").input_ids] * 2
