@@ -394,7 +394,9 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     common = [f"trainer.steps={args.steps}", "num_workers=2", "trainer_ranks=1", f"orchestrator.batches_kept={2 * args.steps + 1}"]
     # --policies per_role: the co-evolution run and its frozen-proposer control each with two models
     # (the frozen one: the proposer's model stays the initial one); --set: more settings of both.
-    roles = [*args.set, *(["orchestrator.roles.policies=per_role"] if args.policies == "per_role" else [])]
+    # --solver-reward: every arm's solvers (the fixed curriculum's too) on the same reward.
+    reward = f"task.solver_reward={args.solver_reward}"
+    roles = [*args.set, reward, *(["orchestrator.roles.policies=per_role"] if args.policies == "per_role" else [])]
     arms = {
         "coevolve": ("configs/coevolve.toml", roles),
         "frozen_proposer": ("configs/coevolve.toml", [*roles, 'orchestrator.advantages.frozen_roles=["proposer"]']),
@@ -404,9 +406,9 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "fixed": ("configs/local.toml", [f"task.num_digits={digit_range(args.fixed_digits)[0]}",
                                          f"task.max_digits={digit_range(args.fixed_digits)[1]}",
                                          f"sampling.max_tokens={digit_range(args.fixed_digits)[1] + 1}",
-                                         "group_size=8", "trainer.groups_per_step=16"]),
+                                         "group_size=8", "trainer.groups_per_step=16", f"task.reward={args.solver_reward}"]),
         # The same co-evolution with two models: a trainer and a stream of versions per role, a worker each.
-        "two_policies": ("configs/coevolve.toml", [*args.set, "orchestrator.roles.policies=per_role"]),
+        "two_policies": ("configs/coevolve.toml", [*args.set, reward, "orchestrator.roles.policies=per_role"]),
     }
     arms = {arm: arms[arm] for arm in args.arms.split(",")}
     scores: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -497,6 +499,7 @@ also-digits str 4,6,8 learn: held-out digit counts reported beside (heldout_solv
 eval-prompts int 256 learn: held-out prompts
 arms str coevolve,frozen_proposer,fixed,two_policies learn: the runs, comma-separated
 policies str shared learn: the coevolve and frozen_proposer arms with one shared model (shared) or two (per_role)
+solver-reward str positions learn: every arm's solver reward, positions or permutation (positions for a permutation only)
 """
 
 
@@ -512,6 +515,8 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="learn: evaluate finished runs already under --out again")
     parser.add_argument("--out", default=None, help="run directories of --learn (default: a temp dir)")
     args = parser.parse_args()
+    if args.solver_reward not in ("positions", "permutation"):
+        parser.error(f"--solver-reward {args.solver_reward!r}: choose positions or permutation")
     sys.path.insert(0, str(ROOT))
 
     arms = schedule(args)

@@ -27,6 +27,11 @@ class SortingTaskConfig(Section):
     )
     num_prompts: int = Field(4096, ge=1, description="Size of the prompt pool (seeded).")
     seed: int = Field(0, ge=0, description="Seed of the prompt pool.")
+    reward: Literal["positions", "permutation"] = Field(
+        "positions", description="positions: the share of the answer's characters right in place; permutation: the "
+        "same for an answer that is a permutation of the problem's digits, 0 for any other (no credit for an answer "
+        "that drops or repeats digits, such as the commonest digit repeated)."
+    )
 
     @model_validator(mode="after")
     def _digit_range(self) -> SortingTaskConfig:
@@ -98,10 +103,12 @@ class ProposeTaskConfig(Section):
         "sort", description="What a solver does with the proposed digits: sort (write them ascending; operations = "
         "the adjacent swaps that sort them) or sum (write their sum; operations = digits - 1 additions)."
     )
-    solver_reward: Literal["exact", "positions"] = Field(
-        "positions", description="A solver's reward: exact (1 for the exact answer, else 0) or positions (the share of "
+    solver_reward: Literal["exact", "positions", "permutation"] = Field(
+        "positions", description="A solver's reward: exact (1 for the exact answer, else 0), positions (the share of "
         "the answer's characters right in place, the sorting task's partial credit: a signal a model learning from "
-        "scratch can climb); the proposer's learnability reads pass_rate."
+        "scratch can climb) or permutation (operation sort only: positions for an answer that is a permutation of the "
+        "problem's digits, 0 for any other, so the commonest digit repeated earns nothing); the proposer's "
+        "learnability reads pass_rate."
     )
     pass_rate: Literal["reward", "exact"] = Field(
         "reward", description="The p the proposer's learnability reads: reward (its solvers' mean reward, partial credit "
@@ -141,6 +148,11 @@ class ProposeTaskConfig(Section):
         if self.min_digits > self.max_digits:
             raise ValueError(
                 f"task.min_digits ({self.min_digits}) exceeds task.max_digits ({self.max_digits}): lower min_digits"
+            )
+        if self.solver_reward == "permutation" and self.operation != "sort":
+            raise ValueError(
+                f"task.solver_reward = 'permutation' needs task.operation = 'sort' (not {self.operation!r}): "
+                "a sum's answer is no permutation of the digits; use positions or exact"
             )
         return self
 

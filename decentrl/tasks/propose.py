@@ -13,7 +13,8 @@ ascending (`operation = "sort"`) or their sum (`"sum"`). Difficulty is measured 
 operations (the adjacent swaps that sort the digits, or the additions that sum them).
 
 Rewards: a solver's is the share of its answer's characters right in place (`solver_reward =
-"positions"`, the sorting task's partial credit), or 1 for the exact answer (`"exact"`). A proposer's, at ingest, is whether its
+"positions"`, the sorting task's partial credit; `"permutation"`: the same, but 0 unless the answer
+is a permutation of the problem's digits), or 1 for the exact answer (`"exact"`). A proposer's, at ingest, is whether its
 proposal is valid (1 or 0); once its solvers are in, the reward stage replaces it with
 `proposer_reward`: `invalid_reward` for an invalid proposal, else its learnability from the
 solvers' results (`passed`: their rewards, or exact answers with `pass_rate = "exact"`;
@@ -22,7 +23,6 @@ decentrl/rl/advantages.py `learnability`).
 
 from __future__ import annotations
 
-import operator
 import random
 import re
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from decentrl.config import ProposeTaskConfig
 from decentrl.rl.advantages import learnability
 from decentrl.tasks.base import Prompt
+from decentrl.tasks.sorting import sort_credit
 
 ROLES = ("proposer", "solver")
 _DIGITS = re.compile(r"[0-9]+", re.ASCII)
@@ -118,8 +119,7 @@ class ProposeTask:
         answer, target = self._answer_and_target(prompt, completion_text)
         if self.config.solver_reward == "exact":
             return float(answer == target)
-        # Extra characters cost as much as wrong ones, as in the sorting task: padding never pays.
-        return sum(map(operator.eq, answer, target)) / max(len(target), len(answer))
+        return sort_credit(answer, target, self.config.solver_reward)  # the sorting task's partial credit
 
     def passed(self, prompt: Prompt, completion_text: str) -> float:
         """What the proposer's learnability reads of one solver's answer (`pass_rate`): 1 or 0 for

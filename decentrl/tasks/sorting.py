@@ -3,6 +3,7 @@
 Prompt text is the digits followed by "=", e.g. "3141="; the right completion is "1134" then
 end-of-sequence. Partial credit - the fraction of positions holding the right digit - gives a
 dense signal: a random policy over the 14-token vocabulary scores about 0.07, a perfect one 1.0.
+With `reward = "permutation"` only a permutation of the problem's digits earns it (`sort_credit`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class SortingTask:
     def __init__(self, config: SortingTaskConfig) -> None:
         self.num_digits = config.num_digits
         self.num_prompts = config.num_prompts
+        self.rule = config.reward
         rng = random.Random(config.seed)
         if config.max_digits is None:
             digits = _random_digits(rng, self.num_digits * self.num_prompts)
@@ -35,11 +37,19 @@ class SortingTask:
         return Prompt(prompt_id=prompt_id, text=self._digits[prompt_id] + "=")
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
-        target = _sorted_digits(prompt.text)
-        answer = "".join(completion_text.split())
-        right = sum(map(operator.eq, answer, target))
-        # Extra characters cost as much as wrong ones, so padding the answer never pays.
-        return right / max(len(target), len(answer))
+        return sort_credit("".join(completion_text.split()), _sorted_digits(prompt.text), self.rule)
+
+
+def sort_credit(answer: str, target: str, rule: str) -> float:
+    """A sorting answer's reward against `target` (the problem's digits ascending): the share of
+    positions right (`rule = "positions"`; extra characters cost as much as wrong ones, so padding
+    never pays), or the same for a permutation of the problem's digits only, 0 for any other answer
+    (`"permutation"`: an answer must keep every digit before its order earns anything, so the
+    problem's commonest digit repeated to its length - a one-digit answer the share right in place
+    pays about a third, sorting nothing - earns 0; copying the problem keeps what it has in place)."""
+    if rule == "permutation" and (len(answer) != len(target) or "".join(sorted(answer)) != target):
+        return 0.0
+    return sum(map(operator.eq, answer, target)) / max(len(target), len(answer))
 
 
 # Byte -> the digit of its top four bits, and the bytes whose top four bits are 10 or more.

@@ -103,6 +103,46 @@ def test_a_pool_spanning_digit_counts() -> None:
         SortingTaskConfig(num_digits=4, max_digits=17)
 
 
+@pytest.mark.parametrize(
+    ("answer", "positions", "permutation"),
+    [
+        ("1123459", 1.0, 1.0),  # sorted: 1 under either rule
+        ("3141592", 1 / 7, 1 / 7),  # the problem copied: a permutation, its digits right in place
+        ("1111111", 2 / 7, 0.0),  # the commonest digit repeated to the length: sorts nothing, earns nothing
+        ("1123495", 5 / 7, 5 / 7),  # a permutation half sorted
+        ("112345", 6 / 7, 0.0),  # a digit dropped
+        ("11234599", 7 / 8, 0.0),  # a digit added
+        ("1123458", 6 / 7, 0.0),  # a digit changed
+        ("1123459=", 7 / 8, 0.0), ("", 0.0, 0.0),
+    ],
+)
+def test_the_permutation_reward_pays_only_answers_that_keep_every_digit(answer: str, positions: float, permutation: float) -> None:
+    prompt = Prompt(prompt_id=0, text="3141592=")
+    for rule, expected in (("positions", positions), ("permutation", permutation)):
+        task = SortingTask(SortingTaskConfig(num_digits=7, num_prompts=1, reward=rule))  # type: ignore[arg-type]
+        assert task.reward(prompt, answer) == pytest.approx(expected), (rule, answer)
+
+
+def test_the_commonest_digit_shortcut_earns_nothing_under_the_permutation_reward() -> None:
+    # The shortcut the co-evolution solvers learned (docs/benchmarks.md, "Why no arm wins here"):
+    # under positions it pays about a third over a 2-8 digit pool; under permutation only on the
+    # problems whose digits are all one digit (where it is the sorted answer).
+    config = dict(num_digits=2, max_digits=8, num_prompts=2000, seed=1)
+    positions, permutation = SortingTask(SortingTaskConfig(**config)), SortingTask(SortingTaskConfig(**config, reward="permutation"))
+    prompts = [positions.prompt(i) for i in range(2000)]
+    commonest = [max(sorted(set(p.text[:-1])), key=p.text.count) * (len(p.text) - 1) for p in prompts]
+    assert sum(positions.reward(p, a) for p, a in zip(prompts, commonest)) / 2000 > 0.3
+    one_digit = [len(set(p.text[:-1])) == 1 for p in prompts]
+    assert [permutation.reward(p, a) for p, a in zip(prompts, commonest)] == [float(x) for x in one_digit]
+    assert sum(one_digit) < 40
+    copies = [permutation.reward(p, p.text[:-1]) for p in prompts]
+    assert copies == [positions.reward(p, p.text[:-1]) for p in prompts], "a copy is a permutation: it keeps its place credit"
+    with pytest.raises(ValidationError, match="reward"):
+        SortingTaskConfig(reward="perm")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="reward"):
+        SortingTaskConfig(reward=1)  # type: ignore[arg-type]
+
+
 def test_random_policy_scores_low(task: SortingTask, tokenizer: PreTrainedTokenizerBase) -> None:
     # Uniform sampling over the whole vocabulary, stopping at </s> or after 6 tokens, as a
     # freshly initialized model roughly does: the reward must leave room to learn.

@@ -119,6 +119,26 @@ def test_config_errors_say_what_to_fix() -> None:
     assert isinstance(parse_config({"task": {"type": "propose"}, **roles}).task, ProposeTaskConfig)
 
 
+def test_the_permutation_solver_reward_pays_no_one_digit_answer() -> None:
+    task = ProposeTask(ProposeTaskConfig(solver_reward="permutation"))
+    prompt = task.solver_prompt(Proposal("90271"), 0)
+    assert task.reward(prompt, "01279") == 1.0 and task.reward(prompt, " 0127 9") == 1.0, "sorted: 1"
+    assert task.reward(prompt, "90271") == 0.4, "copied: a permutation, its digits right in place (2 and 7 of 01279)"
+    assert task.reward(prompt, "01297") == 0.6
+    for answer in ("77777", "00000", "0127", "012799", "01278", "", "0127x"):
+        assert task.reward(prompt, answer) == 0.0, f"not a permutation of the problem's digits: {answer!r}"
+    assert ProposeTask(ProposeTaskConfig(solver_reward="positions")).reward(prompt, "77777") == 0.2, "what positions paid it"
+    partial = ProposeTask(ProposeTaskConfig(solver_reward="permutation", pass_rate="reward"))
+    assert partial.passed(prompt, "01297") == 0.6 and partial.passed(prompt, "77777") == 0.0, "the proposer's p reads the same reward"
+    with pytest.raises(ValidationError, match="solver_reward = 'permutation' needs task.operation = 'sort'"):
+        ProposeTaskConfig(solver_reward="permutation", operation="sum")
+    with pytest.raises(ValidationError, match="solver_reward"):
+        ProposeTaskConfig(solver_reward="permutations")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="solver_reward"):
+        parse_config({"task": {"type": "propose", "solver_reward": "permutation", "operation": "sum"},
+                      "orchestrator": {"roles": {}, "advantages": {"type": "roles"}}})
+
+
 def test_the_proposers_p_is_the_exact_pass_rate_unless_told_otherwise() -> None:
     task = ProposeTask(ProposeTaskConfig(solver_reward="positions", pass_rate="exact"))
     prompt = task.solver_prompt(Proposal("9027"), 0)

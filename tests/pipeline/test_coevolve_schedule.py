@@ -93,3 +93,12 @@ def test_shortcut_floors_score_answers_that_sort_nothing_on_the_eval_prompts(tmp
                       "commonest_digit": pytest.approx(float(np.mean(common)), abs=1e-4)}
     assert 0.0 < floors["copy"] < 1.0 and 0.0 < floors["commonest_digit"] < 1.0
     assert bench.SHORTCUTS["commonest_digit"]("3113") == "1111", "a tie goes to the smaller digit"
+
+
+def test_an_unknown_solver_reward_is_refused_before_any_run() -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/coevolve.py", "--learn", "--solver-reward", "perm"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )
+    assert done.returncode == 2 and "--solver-reward 'perm': choose positions or permutation" in done.stderr
+    assert "Traceback" not in done.stderr
