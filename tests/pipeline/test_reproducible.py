@@ -16,7 +16,10 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,6 +118,14 @@ def run_disrupted(run_dir: Path, overrides: list[str]) -> dict:
             stop(process)
 
 
+def side_by_side(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
+    """Both runs at once (each mostly waits on its processes' start-up; a deterministic run must
+    not care what else the machine does): their results, or the first one's error."""
+    with ThreadPoolExecutor(2) as pool:
+        one, other = pool.submit(first), pool.submit(second)
+        return one.result(), other.result()
+
+
 def published_weights(run_dir: Path, version: int) -> dict[str, bytes]:
     """The weight files of `version` in the run's store, as bytes (the manifest's timestamps differ)."""
     directory = Path(CheckpointStore(str(run_dir / "checkpoints")).pull(version, str(run_dir / "pulled")))
@@ -135,8 +146,9 @@ SYNCHRONOUS_IS_LONG = pytest.mark.skipif(
 @pytest.mark.parametrize("max_staleness", [pytest.param(0, marks=SYNCHRONOUS_IS_LONG), 2])
 def test_same_seed_same_run_whatever_the_workers_and_crashes(tmp_path: Path, max_staleness: int) -> None:
     common = ["deterministic=true", f"max_staleness={max_staleness}"]
-    run_demo(tmp_path / "two", common + ["num_workers=2"])
-    status = run_disrupted(tmp_path / "three", common)
+    _, status = side_by_side(
+        lambda: run_demo(tmp_path / "two", common + ["num_workers=2"]), lambda: run_disrupted(tmp_path / "three", common)
+    )
     # The disturbances happened: the orchestrator recovered once, the trainer resumed from its
     # checkpoint and replayed the step it was killed in.
     assert status["recoveries"] == 1
@@ -161,8 +173,10 @@ def test_without_determinism_the_same_seed_gives_the_same_start_but_not_the_same
     """The negative control of the test above (the same two set-ups, deterministic = false): the
     initial model is the same (seeded), the trained weights are not."""
     common = ["deterministic=false", "max_staleness=2", "trainer.steps=2"]
-    run_demo(tmp_path / "two", common + ["num_workers=2"])
-    run_demo(tmp_path / "three", common + ["num_workers=3"] + JITTERY)
+    side_by_side(
+        lambda: run_demo(tmp_path / "two", common + ["num_workers=2"]),
+        lambda: run_demo(tmp_path / "three", common + ["num_workers=3"] + JITTERY),
+    )
     assert published_weights(tmp_path / "two", 0) == published_weights(tmp_path / "three", 0)
     assert published_weights(tmp_path / "two", 2) != published_weights(tmp_path / "three", 2)
 
