@@ -596,9 +596,9 @@ def f7_trainer_kill_mid_publish(work: Path, args: argparse.Namespace) -> tuple[d
                 last_observed = time.monotonic()
             polls += 1
             time.sleep(0.02)
-        tree = launch._descendants(trainer.process.pid)
+        tree = launch.descendants(trainer.process.pid)
         os.killpg(trainer.process.pid, signal.SIGKILL)
-        launch._kill(tree)
+        launch.kill_all(tree)
         killed = time.time()
         trainer.process.wait()
         trainer.log.close()

@@ -503,22 +503,40 @@ def start_run(argv: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def finish_run(process: subprocess.Popen[str], timeout_s: float) -> tuple[int | None, str]:
+def finish_run(process: subprocess.Popen[str], timeout_s: float, stop_s: float = 45.0) -> tuple[int | None, str]:
     """Wait for a `start_run` process: (its exit code, its output). Out of time, (None, its output):
     interrupted as at a terminal, the run stops every role it started (each in a session of its
-    own) and waits for them, so none is left running (holding a GPU) after it."""
+    own) and waits for them, so none is left running (holding a GPU) after it; a run that does not
+    stop within `stop_s` is killed with every role below it."""
+    from decentrl.cli.launch import descendants, kill_all
+
     try:
         out, _ = process.communicate(timeout=timeout_s)
         return process.returncode, out
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGINT)
         try:
-            out, _ = process.communicate(timeout=45)
+            out, _ = process.communicate(timeout=stop_s)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):  # (the roles follow it: PR_SET_PDEATHSIG)
+            # The roles sit in sessions of their own: the run's group signal does not reach them, and
+            # their death signal (PR_SET_PDEATHSIG) takes its time on a loaded machine.
+            roles = descendants(process.pid)
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
+            kill_all(roles)
             out, _ = process.communicate()
+            deadline = time.monotonic() + 30
+            while any(_alive(pid) for pid in roles) and time.monotonic() < deadline:
+                time.sleep(0.1)
         return None, out
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie, or a pid gone, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def run_e2e(reduced: bool, timeout_s: float) -> dict[str, object]:

@@ -77,7 +77,7 @@ def _start(name: str, argv: list[str], run_dir: Path, env: dict[str, str]) -> Ro
     return Role(name, process, str(log_path), log)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (Linux /proc): torchrun starts its ranks in sessions of
     their own, so a process-group signal to torchrun does not reach them."""
     children: dict[int, list[int]] = {}
@@ -97,7 +97,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill(pids: list[int]) -> None:
+def kill_all(pids: list[int]) -> None:
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -110,7 +110,7 @@ def _stop(roles: list[Role], grace_s: float = 10.0) -> None:
     grace period retrying a peer that is already gone: SIGTERM to the role's process group,
     then SIGKILL to the group and to every process below the role that is left."""
     for role in reversed(roles):
-        tree = _descendants(role.process.pid)
+        tree = descendants(role.process.pid)
         if role.process.poll() is None:
             os.killpg(role.process.pid, signal.SIGTERM)
             try:
@@ -121,7 +121,7 @@ def _stop(roles: list[Role], grace_s: float = 10.0) -> None:
             os.killpg(role.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        _kill(tree)
+        kill_all(tree)
         role.process.wait()
         role.log.close()
 

@@ -13,6 +13,7 @@ import asyncio
 import gzip
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -416,6 +417,20 @@ def test_clients_that_drop_mid_body_log_one_line_each_at_most(serve: Any, caplog
 # -- SIGTERM ------------------------------------------------------------------------------
 
 
+def connected(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to 127.0.0.1:`port` (Linux /proc)."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")}
+        table = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    for line in table:
+        fields = line.split()  # sl local remote state ... inode
+        if fields[3] == "01" and int(fields[2].split(":")[1], 16) == port and fields[9] in inodes:
+            return True
+    return False
+
+
 @pytest.mark.integration  # a real `decentrl orchestrator` process
 def test_sigterm_stops_within_2_s_with_long_polls_pending(tmp_path: Path) -> None:
     from decentrl.cli.launch import free_port
@@ -460,6 +475,12 @@ def test_sigterm_stops_within_2_s_with_long_polls_pending(tmp_path: Path) -> Non
                 ("/v1/version?wait_s=60", "GET", worker, ""),  # no version yet: waits for v0
             )
         ]
+        # Each poll connected (a loaded machine starts them late), then a moment for its request to be read.
+        deadline = time.monotonic() + 60
+        while not all(connected(poll.pid, port) for poll in polls) and time.monotonic() < deadline:
+            assert all(poll.poll() is None for poll in polls), [poll.communicate()[0] for poll in polls]
+            time.sleep(0.1)
+        assert all(connected(poll.pid, port) for poll in polls), "a long poll never connected"
         time.sleep(1.0)
         assert all(poll.poll() is None for poll in polls), [poll.communicate()[0] for poll in polls]
         started = time.monotonic()

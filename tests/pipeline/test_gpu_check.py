@@ -114,3 +114,24 @@ def test_an_end_to_end_run_out_of_time_is_stopped_with_every_role_it_started() -
         except OSError:
             continue
     assert not left, left
+
+
+@pytest.mark.timeout(60)  # without the kill, the role holds the run's output open: communicate() waits on
+def test_a_run_that_does_not_stop_is_killed_with_the_roles_in_sessions_of_their_own() -> None:
+    """A loaded machine: the run outlasts its stop time after the interrupt. Its roles, each in a
+    session of its own (out of reach of the run's group signal), are killed with it and gone
+    when `finish_run` returns."""
+    gpu_check = load_gpu_check()
+    role = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'], start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    run = gpu_check.start_run([sys.executable, "-c", role])
+    child = int(run.stdout.readline())
+    code, _ = gpu_check.finish_run(run, timeout_s=0.5, stop_s=1.0)
+    assert code is None
+    assert not gpu_check._alive(child)
