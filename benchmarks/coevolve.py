@@ -499,7 +499,7 @@ also-digits str 4,6,8 learn: held-out digit counts reported beside (heldout_solv
 eval-prompts int 256 learn: held-out prompts
 arms str coevolve,frozen_proposer,fixed,two_policies learn: the runs, comma-separated
 policies str shared learn: the coevolve and frozen_proposer arms with one shared model (shared) or two (per_role)
-solver-reward str positions learn: every arm's solver reward, positions or permutation (positions for a permutation only)
+solver-reward str positions learn: every arm's solver reward: positions, permutation (a permutation only) or kept (x digits kept)
 """
 
 
@@ -515,8 +515,8 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="learn: evaluate finished runs already under --out again")
     parser.add_argument("--out", default=None, help="run directories of --learn (default: a temp dir)")
     args = parser.parse_args()
-    if args.solver_reward not in ("positions", "permutation"):
-        parser.error(f"--solver-reward {args.solver_reward!r}: choose positions or permutation")
+    if args.solver_reward not in ("positions", "permutation", "kept"):
+        parser.error(f"--solver-reward {args.solver_reward!r}: choose positions, permutation or kept")
     sys.path.insert(0, str(ROOT))
 
     arms = schedule(args)

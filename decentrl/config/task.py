@@ -27,10 +27,11 @@ class SortingTaskConfig(Section):
     )
     num_prompts: int = Field(4096, ge=1, description="Size of the prompt pool (seeded).")
     seed: int = Field(0, ge=0, description="Seed of the prompt pool.")
-    reward: Literal["positions", "permutation"] = Field(
+    reward: Literal["positions", "permutation", "kept"] = Field(
         "positions", description="positions: the share of the answer's characters right in place; permutation: the "
         "same for an answer that is a permutation of the problem's digits, 0 for any other (no credit for an answer "
-        "that drops or repeats digits, such as the commonest digit repeated)."
+        "that drops or repeats digits, such as the commonest digit repeated); kept: positions times the share of the "
+        "problem's digits the answer keeps (the commonest digit repeated earns about a tenth, a near miss still counts)."
     )
 
     @model_validator(mode="after")
@@ -103,11 +104,12 @@ class ProposeTaskConfig(Section):
         "sort", description="What a solver does with the proposed digits: sort (write them ascending; operations = "
         "the adjacent swaps that sort them) or sum (write their sum; operations = digits - 1 additions)."
     )
-    solver_reward: Literal["exact", "positions", "permutation"] = Field(
+    solver_reward: Literal["exact", "positions", "permutation", "kept"] = Field(
         "positions", description="A solver's reward: exact (1 for the exact answer, else 0), positions (the share of "
         "the answer's characters right in place, the sorting task's partial credit: a signal a model learning from "
         "scratch can climb) or permutation (operation sort only: positions for an answer that is a permutation of the "
-        "problem's digits, 0 for any other, so the commonest digit repeated earns nothing); the proposer's "
+        "problem's digits, 0 for any other, so the commonest digit repeated earns nothing) or kept (operation sort "
+        "only: positions times the share of the problem's digits the answer keeps); the proposer's "
         "learnability reads pass_rate."
     )
     pass_rate: Literal["reward", "exact"] = Field(
@@ -149,9 +151,9 @@ class ProposeTaskConfig(Section):
             raise ValueError(
                 f"task.min_digits ({self.min_digits}) exceeds task.max_digits ({self.max_digits}): lower min_digits"
             )
-        if self.solver_reward == "permutation" and self.operation != "sort":
+        if self.solver_reward in ("permutation", "kept") and self.operation != "sort":
             raise ValueError(
-                f"task.solver_reward = 'permutation' needs task.operation = 'sort' (not {self.operation!r}): "
+                f"task.solver_reward = {self.solver_reward!r} needs task.operation = 'sort' (not {self.operation!r}): "
                 "a sum's answer is no permutation of the digits; use positions or exact"
             )
         return self

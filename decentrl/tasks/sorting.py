@@ -12,6 +12,7 @@ import functools
 import itertools
 import operator
 import random
+from collections import Counter
 
 from decentrl.config import SortingTaskConfig
 from decentrl.tasks.base import Prompt
@@ -46,10 +47,17 @@ def sort_credit(answer: str, target: str, rule: str) -> float:
     never pays), or the same for a permutation of the problem's digits only, 0 for any other answer
     (`"permutation"`: an answer must keep every digit before its order earns anything, so the
     problem's commonest digit repeated to its length - a one-digit answer the share right in place
-    pays about a third, sorting nothing - earns 0; copying the problem keeps what it has in place)."""
+    pays about a third, sorting nothing - earns 0; copying the problem keeps what it has in place),
+    or the share right in place times the share of the problem's digits the answer keeps (`"kept"`:
+    never 0 for a near miss, as permutation is, so a model from scratch has something to climb; the
+    commonest digit repeated earns about a tenth, below a copy of the problem)."""
     if rule == "permutation" and (len(answer) != len(target) or "".join(sorted(answer)) != target):
         return 0.0
-    return sum(map(operator.eq, answer, target)) / max(len(target), len(answer))
+    longer = max(len(target), len(answer))
+    in_place = sum(map(operator.eq, answer, target)) / longer
+    if rule == "kept":
+        return in_place * (sum((Counter(answer) & Counter(target)).values()) / longer) if longer else 0.0
+    return in_place
 
 
 # Byte -> the digit of its top four bits, and the bytes whose top four bits are 10 or more.

@@ -104,23 +104,41 @@ def test_a_pool_spanning_digit_counts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("answer", "positions", "permutation"),
+    ("answer", "positions", "permutation", "kept"),
     [
-        ("1123459", 1.0, 1.0),  # sorted: 1 under either rule
-        ("3141592", 1 / 7, 1 / 7),  # the problem copied: a permutation, its digits right in place
-        ("1111111", 2 / 7, 0.0),  # the commonest digit repeated to the length: sorts nothing, earns nothing
-        ("1123495", 5 / 7, 5 / 7),  # a permutation half sorted
-        ("112345", 6 / 7, 0.0),  # a digit dropped
-        ("11234599", 7 / 8, 0.0),  # a digit added
-        ("1123458", 6 / 7, 0.0),  # a digit changed
-        ("1123459=", 7 / 8, 0.0), ("", 0.0, 0.0),
+        ("1123459", 1.0, 1.0, 1.0),  # sorted: 1 under every rule
+        ("3141592", 1 / 7, 1 / 7, 1 / 7),  # the problem copied: a permutation, its digits right in place
+        ("1111111", 2 / 7, 0.0, 2 / 7 * 2 / 7),  # the commonest digit repeated: sorts nothing, keeps two of the digits
+        ("1123495", 5 / 7, 5 / 7, 5 / 7),  # a permutation half sorted
+        ("112345", 6 / 7, 0.0, 6 / 7 * 6 / 7),  # a digit dropped
+        ("11234599", 7 / 8, 0.0, 7 / 8 * 7 / 8),  # a digit added
+        ("1123458", 6 / 7, 0.0, 6 / 7 * 6 / 7),  # a digit changed
+        ("1123459=", 7 / 8, 0.0, 7 / 8 * 7 / 8), ("", 0.0, 0.0, 0.0),
     ],
 )
-def test_the_permutation_reward_pays_only_answers_that_keep_every_digit(answer: str, positions: float, permutation: float) -> None:
+def test_the_permutation_reward_pays_only_answers_that_keep_every_digit(
+    answer: str, positions: float, permutation: float, kept: float
+) -> None:
     prompt = Prompt(prompt_id=0, text="3141592=")
-    for rule, expected in (("positions", positions), ("permutation", permutation)):
+    for rule, expected in (("positions", positions), ("permutation", permutation), ("kept", kept)):
         task = SortingTask(SortingTaskConfig(num_digits=7, num_prompts=1, reward=rule))  # type: ignore[arg-type]
         assert task.reward(prompt, answer) == pytest.approx(expected), (rule, answer)
+
+
+def test_the_kept_reward_pays_a_copy_more_than_the_commonest_digit() -> None:
+    # Over a 2-8 digit pool: positions pays the one-digit shortcut more than a copy of the problem
+    # (0.3+ against about 0.2); kept turns that round, and still pays the shortcut something.
+    config = dict(num_digits=2, max_digits=8, num_prompts=2000, seed=1)
+    positions, kept = SortingTask(SortingTaskConfig(**config)), SortingTask(SortingTaskConfig(**config, reward="kept"))
+    prompts = [positions.prompt(i) for i in range(2000)]
+    commonest = [max(sorted(set(p.text[:-1])), key=p.text.count) * (len(p.text) - 1) for p in prompts]
+
+    def mean(task: SortingTask, answers: list[str]) -> float:
+        return sum(task.reward(p, a) for p, a in zip(prompts, answers)) / len(prompts)
+
+    copies = [p.text[:-1] for p in prompts]
+    assert mean(positions, commonest) > mean(positions, copies)
+    assert 0 < mean(kept, commonest) < mean(kept, copies) == mean(positions, copies)
 
 
 def test_the_commonest_digit_shortcut_earns_nothing_under_the_permutation_reward() -> None:

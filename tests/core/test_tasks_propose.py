@@ -119,6 +119,16 @@ def test_config_errors_say_what_to_fix() -> None:
     assert isinstance(parse_config({"task": {"type": "propose"}, **roles}).task, ProposeTaskConfig)
 
 
+def test_the_kept_solver_reward_pays_the_one_digit_answer_a_little() -> None:
+    task = ProposeTask(ProposeTaskConfig(solver_reward="kept"))
+    prompt = task.solver_prompt(Proposal("90271"), 0)
+    assert task.reward(prompt, "01279") == 1.0 and task.reward(prompt, "90271") == 0.4, "sorted 1; a copy keeps its place credit"
+    assert task.reward(prompt, "77777") == pytest.approx(0.2 * 0.2), "one 7 in place, one of the five digits kept"
+    assert task.reward(prompt, "0127") == pytest.approx(0.8 * 0.8), "a digit dropped: still something to climb"
+    with pytest.raises(ValidationError, match="solver_reward = 'kept' needs task.operation = 'sort'"):
+        ProposeTaskConfig(solver_reward="kept", operation="sum")
+
+
 def test_the_permutation_solver_reward_pays_no_one_digit_answer() -> None:
     task = ProposeTask(ProposeTaskConfig(solver_reward="permutation"))
     prompt = task.solver_prompt(Proposal("90271"), 0)

@@ -100,5 +100,5 @@ def test_an_unknown_solver_reward_is_refused_before_any_run() -> None:
         [sys.executable, "benchmarks/coevolve.py", "--learn", "--solver-reward", "perm"],
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )
-    assert done.returncode == 2 and "--solver-reward 'perm': choose positions or permutation" in done.stderr
+    assert done.returncode == 2 and "--solver-reward 'perm': choose positions, permutation or kept" in done.stderr
     assert "Traceback" not in done.stderr
