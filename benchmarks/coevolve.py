@@ -499,7 +499,7 @@ also-digits str 4,6,8 learn: held-out digit counts reported beside (heldout_solv
 eval-prompts int 256 learn: held-out prompts
 arms str coevolve,frozen_proposer,fixed,two_policies learn: the runs, comma-separated
 policies str shared learn: the coevolve and frozen_proposer arms with one shared model (shared) or two (per_role)
-solver-reward str positions learn: every arm's solver reward: positions, permutation (a permutation only) or kept (x digits kept)
+solver-reward str kept learn: every arm's solver reward: kept (positions x digits kept), positions or permutation (a permutation only)
 """
 
 
