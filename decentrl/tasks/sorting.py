@@ -3,7 +3,8 @@
 Prompt text is the digits followed by "=", e.g. "3141="; the right completion is "1134" then
 end-of-sequence. Partial credit - the fraction of positions holding the right digit - gives a
 dense signal: a random policy over the 14-token vocabulary scores about 0.07, a perfect one 1.0.
-With `reward = "permutation"` only a permutation of the problem's digits earns it (`sort_credit`).
+With `reward = "permutation"` only a permutation of the problem's digits earns it; with `"kept"` it
+is scaled by the share of the problem's digits the answer keeps (`sort_credit`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def sort_credit(answer: str, target: str, rule: str) -> float:
     longer = max(len(target), len(answer))
     in_place = sum(map(operator.eq, answer, target)) / longer
     if rule == "kept":
-        return in_place * (sum((Counter(answer) & Counter(target)).values()) / longer) if longer else 0.0
+        return in_place * (sum((Counter(answer) & Counter(target)).values()) / longer)
     return in_place
 
 
