@@ -508,7 +508,7 @@ def finish_run(process: subprocess.Popen[str], timeout_s: float, stop_s: float =
     interrupted as at a terminal, the run stops every role it started (each in a session of its
     own) and waits for them, so none is left running (holding a GPU) after it; a run that does not
     stop within `stop_s` is killed with every role below it."""
-    from decentrl.cli.launch import descendants, kill_all
+    from decentrl.cli.launch import descendants, kill_all, running
 
     try:
         out, _ = process.communicate(timeout=timeout_s)
@@ -526,17 +526,9 @@ def finish_run(process: subprocess.Popen[str], timeout_s: float, stop_s: float =
             kill_all(roles)
             out, _ = process.communicate()
             deadline = time.monotonic() + 30
-            while any(_alive(pid) for pid in roles) and time.monotonic() < deadline:
+            while any(running(pid) for pid in roles) and time.monotonic() < deadline:
                 time.sleep(0.1)
         return None, out
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` still runs (a zombie, or a pid gone, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def run_e2e(reduced: bool, timeout_s: float) -> dict[str, object]:

@@ -97,6 +97,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` runs: alive, and not a zombie waiting to be reaped (Linux /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def kill_all(pids: list[int]) -> None:
     for pid in pids:
         try:

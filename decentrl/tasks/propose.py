@@ -14,7 +14,8 @@ operations (the adjacent swaps that sort the digits, or the additions that sum t
 
 Rewards: a solver's is the share of its answer's characters right in place (`solver_reward =
 "positions"`, the sorting task's partial credit; `"permutation"`: the same, but 0 unless the answer
-is a permutation of the problem's digits), or 1 for the exact answer (`"exact"`). A proposer's, at ingest, is whether its
+is a permutation of the problem's digits; `"kept"`: the same times the share of the problem's digits
+the answer keeps), or 1 for the exact answer (`"exact"`). A proposer's, at ingest, is whether its
 proposal is valid (1 or 0); once its solvers are in, the reward stage replaces it with
 `proposer_reward`: `invalid_reward` for an invalid proposal, else its learnability from the
 solvers' results (`passed`: their rewards, or exact answers with `pass_rate = "exact"`;

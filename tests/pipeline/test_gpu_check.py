@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from decentrl.cli.launch import running
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).parents[2]
@@ -134,4 +136,4 @@ def test_a_run_that_does_not_stop_is_killed_with_the_roles_in_sessions_of_their_
     child = int(run.stdout.readline())
     code, _ = gpu_check.finish_run(run, timeout_s=0.5, stop_s=1.0)
     assert code is None
-    assert not gpu_check._alive(child)
+    assert not running(child)

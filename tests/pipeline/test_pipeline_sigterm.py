@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from decentrl.cli.launch import running
 from decentrl.store.checkpoints import CheckpointStore
 from tests.pipeline.test_pipeline import decentrl_run_command, pipeline_config, read_metrics
 from tests.pipeline.test_pipeline_scorers import TABLES
@@ -55,13 +56,6 @@ def role_of(pid: int) -> str | None:
     return "orchestrator" if b"orchestrator" in argv else None
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_sigterm_ends_every_role_cleanly(tmp_path: Path) -> None:
     text = "num_scorers = 1\ntolerate_worker_exits = true\n" + pipeline_config(
         run_name="sigterm", steps=500, max_staleness=1, lr=3e-3, extra=TABLES
@@ -84,7 +78,7 @@ def test_sigterm_ends_every_role_cleanly(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGTERM)
         while len(stopped) < len(roles) and time.monotonic() - started < 3 * STOP_S:
             for name, pids in trees.items():
-                if name not in stopped and not any(alive(pid) for pid in pids):
+                if name not in stopped and not any(running(pid) for pid in pids):
                     stopped[name] = time.monotonic() - started
             time.sleep(0.02)
         output, _ = launcher.communicate(timeout=60)

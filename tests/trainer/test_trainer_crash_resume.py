@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from decentrl.cli.launch import free_port
+from decentrl.cli.launch import free_port, running
 from decentrl.config import parse_config
 from decentrl.store.checkpoints import CheckpointStore
 from orchestrator.auth import add_token
@@ -77,14 +77,6 @@ def family(pid: int) -> list[int]:
         found.append(todo.pop())
         todo.extend(children.get(found[-1], []))
     return found
-
-
-def running(pid: int) -> bool:
-    """Alive, and not a zombie waiting to be reaped."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
