@@ -392,15 +392,9 @@ class Worker:
                         return
                     started = time.monotonic()
                     if isinstance(response.leases[0].unit, TreeUnit):  # a run's leases are all trees, or none
-                        def more() -> LeaseResponse | None:
-                            nonlocal iteration
-                            if max_iterations is not None and iteration >= max_iterations:
-                                return None
-                            asked_now = self._ask_in_round()
-                            iteration += asked_now is not None
-                            return asked_now
-
-                        carried = self._play_trees(response, more)
+                        may_ask = None if max_iterations is None else max(0, max_iterations - iteration)
+                        carried, asked_in_round = self._play_trees(response, may_ask=may_ask)
+                        iteration += asked_in_round
                     else:
                         samples = self._samples_for(response.leases, response.sampling)
                         if not any(self._abandoned(lease.lease_id) for lease in response.leases):  # a whole request's time
@@ -621,15 +615,17 @@ class Worker:
         return (bool(response.leases) and not self._stop.is_set() and not self._batcher.wanted()
                 and (wanted is None or (loaded is not None and wanted <= loaded)))
 
-    def _play_trees(self, first: LeaseResponse, more: Callable[[], LeaseResponse | None]) -> LeaseResponse | None:
+    def _play_trees(self, first: LeaseResponse, *, may_ask: int | None) -> tuple[LeaseResponse | None, int]:
         """Tree leases ([orchestrator.tree], docs/rewards.md "Pivots"): generated step by step
         (workers/tree.py `play_trees`), the next lease's roots decoded while one waits for its
         roots' last verdicts, in one round of their own (no swap inside it: a tree's branches keep
         its roots' version); each spooled and sent whole as it ends. When `first`'s leases are all
-        started, the round asks for the next answer (`more`) and goes on with its leases, so that the
-        last lease of an answer waits for its verdicts while the next answer's roots are decoded;
-        it ends (its units finished, then a swap may come) once `more` gives none or an answer it
-        cannot play (`_in_round`): that answer, held, is returned for the slot to play next."""
+        started, the round asks for the next answer (`_ask_in_round`, at most `may_ask` answers; None:
+        no bound) and goes on with its leases, so that the last lease of an answer waits for its
+        verdicts while the next answer's roots are decoded; it ends (its units finished, then a swap
+        may come) once no answer is asked or one comes that it cannot play (`_in_round`). Returns
+        that answer (held, for the slot to play next; None if there is none) and how many answers
+        the round asked for (the slot counts them as its iterations)."""
         from workers.backends.hf import HFBackend  # torch: imported where a tree lease is played
         from workers.tree import TreeCounts, VerdictFeed, play_trees
 
@@ -638,8 +634,9 @@ class Worker:
         if self._feed is None:
             self._feed, self.tree_counts = VerdictFeed(self.client, self.worker_id).start(), TreeCounts()
         assert self.tree_counts is not None
-        chained: list[Lease] = []  # leases of the answers asked within the round: let go as each is done, or at its end
-        left: list[LeaseResponse] = []
+        asked: list[LeaseResponse] = []  # answers asked within the round, in order
+        chained: list[Lease] = []  # their leases played in the round: let go as each is done, or at its end
+        left: list[LeaseResponse] = []  # the answer it could not play
 
         def playing() -> Iterator[tuple[Lease, SamplingParams]]:
             response: LeaseResponse | None = first
@@ -647,11 +644,14 @@ class Worker:
                 for lease in response.leases:
                     if not self._abandoned(lease.lease_id):  # asked as each one starts
                         yield lease, response.sampling
-                response = more()
-                if response is not None and not self._in_round(response):
+                response = None if may_ask is not None and len(asked) >= may_ask else self._ask_in_round()
+                if response is None:
+                    return
+                asked.append(response)
+                if not self._in_round(response):
                     left.append(response)
                     return
-                chained.extend(response.leases if response is not None else ())
+                chained.extend(response.leases)
 
         try:
             with self._batcher.round_of_its_own():
@@ -664,7 +664,7 @@ class Worker:
                         self._let_go([lease])  # no more renewals (the first answer's leases: the slot lets them go)
         finally:
             self._let_go(chained)
-        return left[0] if left else None
+        return (left[0] if left else None), len(asked)
 
     def _tree_done(self, lease: Lease, rollouts: list[Rollout]) -> None:
         """A tree lease played: spooled and sent whole, or handed back when it cannot be completed."""
