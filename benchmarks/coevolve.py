@@ -33,13 +33,17 @@ each length of --also-digits alone; `coevolve_margin_in_stderr` per control and 
 `goal_heldout_met`, and `coevolve_minus_control_over_seeds` (the mean difference over seeds with
 its standard error from the seeds' spread). The co-evolution runs' proposals are read from their
 journals by decile of the run (valid share, distinct share, digits and swaps, the solvers' solve
-rate, and that solve rate per proposal size, `solve_rate_by_digits`; at the top level
-`solve_rate_fresh`, `proposal_difficulty`, `valid_proposals`, `distinct_proposals`, a list per
+rate, and per proposal size that solve rate, `solve_rate_by_digits`, the share of solvers with
+the exact answer, `exact_rate_by_digits`, and what the proposer was paid, `paid_by_digits`, with
+the size paid most, `paid_most_digits`: where the learnability rule points; at the top level
+`solve_rate_fresh`, `proposal_difficulty`, `paid_most_digits`, `valid_proposals`, `distinct_proposals`, a list per
 seed, and `solve_rate_spread_by_digits`: how far apart the sizes' solve rates are, all a
 learnability reward of p can steer the proposer by). `two_policies`: the co-evolution run with two models (`[orchestrator.roles] policies =
 "per_role"`: a trainer, a stream of versions and a worker per role), its solver's final version
 evaluated alike, with its proposals by decile, each trainer's final version, samples a step and
-busy fraction. --arms picks the runs. Why these controls: docs/tasks.md, "Measuring it".
+busy fraction. --arms picks the runs; --seed-start and --seeds a batch of seeds (with --out and
+--reuse, batches under one --out are reported together). Why these controls: docs/tasks.md,
+"Measuring it".
 
 The last line is one JSON object with the issue's keys.
     .venv/bin/python benchmarks/coevolve.py --seeds 2
@@ -337,11 +341,21 @@ def solve_rate_by_digits(units: list[tuple[Any, list[float]]], least: int = 5) -
     """The solvers' mean reward over the valid units of each proposal size (digits), sizes with at
     least `least` units: the landscape a learnability reward of p reads. If it is flat, every size
     pays the proposer alike and no rule of p (Absolute Zero's, R-Zero's) can point it anywhere."""
+    return mean_by_digits([(len(p.digits), statistics.fmean(solved)) for p, solved in units if p is not None and solved], least)
+
+
+def mean_by_digits(values: list[tuple[int, float]], least: int = 5) -> dict[str, float]:
+    """(proposal size, one unit's value) pairs -> the mean value per size, sizes with at least `least` units."""
     by: dict[int, list[float]] = {}
-    for proposal, solved in units:
-        if proposal is not None and solved:
-            by.setdefault(len(proposal.digits), []).append(statistics.fmean(solved))
-    return {str(n): round(statistics.fmean(ps), 3) for n, ps in sorted(by.items()) if len(ps) >= least}
+    for digits, value in values:
+        by.setdefault(digits, []).append(value)
+    return {str(n): round(statistics.fmean(vs), 3) for n, vs in sorted(by.items()) if len(vs) >= least}
+
+
+def paid_most(paid_by_digits: dict[str, float]) -> int | None:
+    """The proposal size the proposer was paid most for (the smaller on a tie), None with no size:
+    where the learnability rule points."""
+    return int(max(sorted(paid_by_digits, key=int), key=paid_by_digits.__getitem__)) if paid_by_digits else None
 
 
 def proposals(run_dir: Path) -> list[dict[str, Any]]:
@@ -364,16 +378,23 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
         bodies = db.execute("SELECT rollout_id, data FROM rollouts WHERE lease_id = ? ORDER BY rowid", (lease_id,)).fetchall()
         if not bodies or bodies[0][1] is None:
             continue
-        first = decode_rollout(bodies[0][1], rollout_id=bodies[0][0], lease_id=lease_id, run_name="", prompt_token_ids=[])
-        proposal = task.propose(tokenizer.decode(first.completion_token_ids, skip_special_tokens=True), first.prompt_id)
-        units.append((proposal, json.loads(rewards)[1:]))
+        samples = [decode_rollout(data, rollout_id=rollout_id, lease_id=lease_id, run_name="", prompt_token_ids=[])
+                   for rollout_id, data in bodies if data is not None]
+        texts = [tokenizer.decode(r.completion_token_ids, skip_special_tokens=True) for r in samples]
+        proposal = task.propose(texts[0], samples[0].prompt_id)
+        paid = json.loads(rewards)
+        # Each solver's answer exact (1) or not (0): the pass rate the papers' p is.
+        exact = [float("".join(t.split()) == task.answer(proposal)) for t in texts[1:]] if proposal is not None else []
+        units.append((proposal, paid[1:], exact, paid[0]))
     deciles = []
     for d in range(10):
         part = units[d * len(units) // 10 : (d + 1) * len(units) // 10]
-        valid = [(p, solved) for p, solved in part if p is not None]
+        answered_units = [(p, solved, exact, paid) for p, solved, exact, paid in part if p is not None and solved]
+        valid = [(p, solved) for p, solved, _, _ in part if p is not None]
         difficulty = [task.difficulty(p) for p, _ in valid]
         solved = [r for _, rs in valid for r in rs]
         answered = [rs for _, rs in valid if rs]
+        paid_by_digits = mean_by_digits([(len(p.digits), paid) for p, _, _, paid in answered_units])
         deciles.append({
             "units": len(part),
             "valid_proposals": round(len(valid) / len(part), 3) if part else None,
@@ -385,6 +406,12 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
             "p_zero": round(statistics.fmean(not any(rs) for rs in answered), 3) if answered else None,
             "p_one": round(statistics.fmean(min(rs) == 1.0 for rs in answered), 3) if answered else None,
             "solve_rate_by_digits": solve_rate_by_digits(valid),
+            # The share of solvers with the exact answer per size, and what the proposer was paid per
+            # size (its journaled reward: the configured learnability, less any repetition penalty),
+            # with the size it was paid most for: where the rule points, beside where the proposer is.
+            "exact_rate_by_digits": mean_by_digits([(len(p.digits), statistics.fmean(e)) for p, _, e, _ in answered_units]),
+            "paid_by_digits": paid_by_digits,
+            "paid_most_digits": paid_most(paid_by_digits),
         })
     return deciles
 
@@ -421,7 +448,8 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "proposals_by_decile": [], "wall_s": [], "final_version": {"proposer": [], "solver": []},
         "samples_a_step": {"proposer": [], "solver": []}, "trainer_busy": {"proposer": [], "solver": []},
     }
-    for seed in range(args.seeds):
+    seeds = range(args.seed_start, args.seed_start + args.seeds)
+    for seed in seeds:
         for arm, (config, sets) in arms.items():
             run_dir = out / f"{arm}-{seed}"
             if not (args.reuse and (run_dir / "summary.json").exists()):  # --reuse: a finished run under --out is taken as is
@@ -445,6 +473,7 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                     two["samples_a_step"][policy].append(round(statistics.fmean(m["samples"] for m in steps), 2))
                     two["trainer_busy"][policy].append(round(steps[-1]["trainer_busy_fraction_total"], 4))
     result: dict[str, Any] = {f"heldout_solver_{arm}": [round(s, 4) for s in values] for arm, values in scores.items()}
+    result["seeds"] = list(seeds)
     result["heldout_stderr"] = {arm: [round(s, 4) for s in values] for arm, values in stderrs.items()}
     result["heldout_solved"] = {arm: [round(s, 4) for s in values] for arm, values in solved.items()}
     result["heldout_shortcut_floors"] = floors
@@ -466,6 +495,8 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                            ("distinct_proposals", "distinct_proposals")):
             result[key] = [[d[field] for d in seed] for seed in by_decile]
         result["proposal_difficulty"] = [[{"digits": d["digits"], "operations": d["operations"]} for d in seed] for seed in by_decile]
+        # Where the learnability rule points each decile (the size it paid most for), beside the digits proposed.
+        result["paid_most_digits"] = [[d["paid_most_digits"] for d in seed] for seed in by_decile]
         # What the proposer can gain by its choice: the spread of the solvers' mean reward over the
         # proposal sizes of each decile (max - min of solve_rate_by_digits; ~0: no frontier to find).
         result["solve_rate_spread_by_digits"] = [
@@ -481,6 +512,7 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 OPTIONS = f"""
 seeds int 2 seeds of every arm
+seed-start int 0 learn: the first seed (runs seed-start .. seed-start + seeds - 1: a batch of seeds)
 workers int 24 schedule: simulated workers, one lease at a time each
 solvers int 8 solver samples a unit (a single-agent group's size)
 sub-lease-size int 2 schedule, ours: solver samples a sub-lease
@@ -517,6 +549,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.solver_reward not in ("positions", "permutation", "kept"):
         parser.error(f"--solver-reward {args.solver_reward!r}: choose positions, permutation or kept")
+    if args.seeds < 1 or args.seed_start < 0:
+        parser.error(f"--seeds {args.seeds} --seed-start {args.seed_start}: at least one seed, the first 0 or more")
     sys.path.insert(0, str(ROOT))
 
     arms = schedule(args)

@@ -59,6 +59,18 @@ def test_solve_rate_by_digits_is_the_landscape_the_proposer_reads() -> None:
     assert bench.solve_rate_by_digits([], least=1) == {}
 
 
+def test_the_proposers_pay_by_size_and_where_it_points() -> None:
+    """Any per-unit value (a solver's exact rate, the proposer's journaled reward) averaged per
+    proposal size, sizes seen `least` times; the size paid most, the smaller on a tie."""
+    bench = bench_module()
+    values = [(2, 0.1), (2, 0.3), (4, 0.5), (4, 0.7), (4, 0.6), (6, 0.9)]
+    by = bench.mean_by_digits(values, least=2)
+    assert by == {"2": 0.2, "4": 0.6}, "6 digits: one unit, under least"
+    assert bench.paid_most(by) == 4
+    assert bench.paid_most({"5": 0.4, "3": 0.4, "8": 0.1}) == 3, "a tie: the smaller size"
+    assert bench.paid_most({}) is None
+
+
 def test_paired_difference_over_seeds_against_a_float64_reference() -> None:
     """Co-evolution minus a control, seed by seed: mean, standard error from the seeds' spread, t."""
     bench = bench_module()
@@ -101,4 +113,12 @@ def test_an_unknown_solver_reward_is_refused_before_any_run() -> None:
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )
     assert done.returncode == 2 and "--solver-reward 'perm': choose positions, permutation or kept" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("flags", [["--seed-start", "-1"], ["--seeds", "0"], ["--seed-start", "two"]])
+def test_a_bad_seed_batch_is_refused_before_any_run(flags: list[str]) -> None:
+    done = subprocess.run([sys.executable, "benchmarks/coevolve.py", "--learn", *flags],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2 and ("at least one seed, the first 0 or more" in done.stderr or "invalid int value" in done.stderr)
     assert "Traceback" not in done.stderr
