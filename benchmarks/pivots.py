@@ -71,6 +71,10 @@ ARMS = {
     "random": {"pivots": 1, "stop_below": 0.5, "rule": "random"},
     "prm": {"pivots": 1, "stop_below": 0.5, "rule": "last_right"},
 }
+# A training control beside them with `--process-weight`: root-only groups whose steps' verdicts
+# are process rewards (no stopping, no pivot), so that a gain is told apart as the pivots' or the
+# process rewards'.
+CONTROLS = {"root_process": ARMS["root"]}
 
 
 def finetune(directory: str, steps: int, seed: int) -> float:
@@ -139,6 +143,10 @@ class Training(NamedTuple):
     eval_samples: int = 4  # samples of each held-out prompt (at the arms' temperature)
     eval_every: int = 1
     local_weight: float = 1.0
+    # The steps' verdicts as process rewards, in every arm but root-only GRPO (0: they only stop
+    # chains and pick pivots); `process`: [orchestrator.advantages] process, "return" or "step".
+    process_weight: float = 0.0
+    process: str = "return"
 
 
 def log_progress(line: str) -> None:
@@ -180,6 +188,11 @@ class Learner:
         # The sampler's logprobs against the trainer's, before the step: the same weights, so a
         # ratio off 1 would mean a branch's prefix and continuation were misaligned.
         return {"loss": float(loss), "grad_norm": float(grad_norm), "trained": len(samples),
+                # Samples whose steps were all judged (per-token advantages), and those among them
+                # whose verdicts moved a token's advantage off the outcome's (process_weight > 0).
+                "process_scored": sum(s.token_advantages is not None for s in batch.samples),
+                "process_moved": sum(s.token_advantages is not None and any(abs(a - s.advantage) > 1e-9 for a in s.token_advantages)
+                                     for s in batch.samples),
                 "reward_mean": statistics.fmean(s.reward for s in batch.samples), "sampler_kl": stats["sampler_kl"],
                 "is_ratio_max": stats["is_ratio_max"]}
 
@@ -252,7 +265,7 @@ def run_arm(
     from workers.scorers import build_scorer_backend
     from workers.tree import TreeCounts, VerdictFeed, play_trees
 
-    options = ARMS[arm]
+    options = {**ARMS, **CONTROLS}[arm]
     config = parse_config({
         "run_name": f"pivots-{arm}-{seed}", "group_size": group_size, "max_staleness": 1, "num_workers": 1, "trainer_ranks": 1,
         "model": {"type": "tiny", **SHAPE}, "task": {"type": "chain", "num_digits": 4, "num_prompts": 4096, "seed": seed},
@@ -260,10 +273,12 @@ def run_arm(
         "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "lease_wait_s": 0.0, "lease_timeout_s": 120.0,
                          "rewards": {"lease_timeout_s": 30.0},
                          "tree": {"k": k, "marker": "=", **options},
-                         # Outcome advantages only (the tree's global + lambda x local): the steps'
-                         # verdicts stop chains and pick pivots, they are no process reward here.
-                         "advantages": {"process_weight": 0.0, "outcome_weight": 1.0,
-                                        "local_weight": training.local_weight if training else 1.0}},
+                         # The tree's outcome advantages (global + lambda x local), plus, in every arm
+                         # but root-only GRPO, the steps' verdicts as process rewards with
+                         # `process_weight` (0: they only stop chains and pick pivots).
+                         "advantages": {"process_weight": training.process_weight if training and arm != "root" else 0.0,
+                                        "process": training.process if training else "return",
+                                        "outcome_weight": 1.0, "local_weight": training.local_weight if training else 1.0}},
         "trainer": {"groups_per_step": training.groups_per_step if training else 1024, "steps": 100_000,
                     "lr": training.lr if training else 1e-3},
     })
@@ -315,6 +330,11 @@ def run_arm(
                                          run_name=config.run_name, worker_id="w0", feed=feed, rng=rng, estimate=estimate,
                                          counts=counts, keep_cache=keep_cache, verdict_wait_s=verdict_wait_s, seed=seed,
                                          ahead=0 if training else ahead):
+            if training is not None and training.process_weight and arm != "root":
+                # A verdict that comes after its unit completes is no process reward (docs/rewards.md):
+                # the unit is sent once its branches' last steps are judged too, so that every
+                # sample trains on its steps (a wait on the wall clock, no token).
+                feed.wait_for({(s.rollout_id, j) for s in samples for j in range(len(s.step_ends or ()))}, verdict_wait_s)
             ingest = client.post_rollouts(RolloutBatch(rollouts=samples))
             if ingest.rejected:
                 raise RuntimeError(f"the orchestrator refused samples of a {arm} unit: {ingest.rejected}")
@@ -385,6 +405,9 @@ def run_arm(
             "sampler_kl_max": max(step["sampler_kl"] for step in steps) if steps else None,
             "is_ratio_max": max(step["is_ratio_max"] for step in steps) if steps else None,
             "trained_samples": sum(int(step["trained"]) for step in steps),
+            "process_scored_samples": sum(int(step["process_scored"]) for step in steps),
+            "process_moved_samples": sum(int(step["process_moved"]) for step in steps),
+            "process_weight": training.process_weight if arm != "root" else 0.0, "process": training.process,
             "curve": curve} if training else {}),
     }
 
@@ -436,7 +459,12 @@ def training_figures(trained: list[dict[str, Any]]) -> dict[str, Any]:
         smooth = [tokens_to_target(smoothed(curve["root", seed]), smoothed(curve[arm, seed])) for seed in seeds]
         figures[key + "_smoothed"], figures[key + "_smoothed_se"] = mean_and_se(smooth)
         figures[key + "_smoothed_per_seed"] = smooth
-    for arm in ARMS:
+    controls = [arm for arm in CONTROLS if all((arm, seed) in curve for seed in seeds)]
+    for arm in controls:  # to the same target, beside
+        per_seed = [tokens_to_target(curve["root", seed], curve[arm, seed]) for seed in seeds]
+        figures[f"tokens_to_target_{arm}_vs_root"], figures[f"tokens_to_target_{arm}_vs_root_se"] = mean_and_se(per_seed)
+        figures[f"tokens_to_target_{arm}_vs_root_per_seed"] = per_seed
+    for arm in [*ARMS, *controls]:
         finals = [curve[arm, seed][-1]["accuracy"] for seed in seeds]
         start = statistics.fmean(curve[arm, seed][0]["accuracy"] for seed in seeds)
         final, se = mean_and_se(finals)  # type: ignore[arg-type]
@@ -447,7 +475,7 @@ def training_figures(trained: list[dict[str, Any]]) -> dict[str, Any]:
                                       "versions": [curve[arm, seed][-1]["version"] for seed in seeds]}
     # Paired by seed (the arms of a seed start from the same model and draw the same roots at
     # version 0): each arm's figure minus another's, mean and standard error over seeds.
-    for a, b in (("prm", "root"), ("prm", "random"), ("random", "root")):
+    for a, b in (("prm", "root"), ("prm", "random"), ("random", "root"), *(("prm", arm) for arm in controls)):
         for name, of in (("final", lambda c: c[-1]["accuracy"]), ("mean_over_tokens", mean_accuracy)):
             diffs = [of(curve[a, seed]) - of(curve[b, seed]) for seed in seeds]
             mean, se = mean_and_se(diffs)  # type: ignore[arg-type]
@@ -486,9 +514,16 @@ def main() -> None:
     parser.add_argument("--root-groups-per-step", type=int, default=0,
                         help="The root arm's units a step (0: --groups-per-step); a root-only unit costs about 2/3 of a "
                         "pivot unit's tokens, so 12 against 8 gives every arm a step about every 530 tokens.")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
-                        help="The training arms to run (a run of one arm is summarized with the others' rows by --rows).")
+    parser.add_argument("--arms", nargs="+", choices=[*ARMS, *CONTROLS],
+                        help="The training arms to run (a run of one arm is summarized with the others' rows by --rows; "
+                        "default: root, random, prm, and root_process with --process-weight).")
     parser.add_argument("--local-weight", type=float, default=1.0, help="lambda: a branch's local advantage's weight.")
+    parser.add_argument("--process-weight", type=float, default=0.0,
+                        help="The steps' verdicts as process rewards ([orchestrator.advantages] process_weight, beside the "
+                        "outcome advantages at weight 1) in every training arm but root-only GRPO, which trains on outcomes alone.")
+    parser.add_argument("--process", choices=["return", "step"], default="return",
+                        help="How a step's verdict credits tokens ([orchestrator.advantages] process): 'return', its step "
+                        "and every earlier one; 'step', its own step's tokens only.")
     parser.add_argument("--eval-every", type=int, default=2, help="Steps between held-out evaluations.")
     parser.add_argument("--heldout", type=int, default=256, help="Held-out prompts (each sampled --eval-samples times).")
     parser.add_argument("--eval-samples", type=int, default=4)
@@ -507,7 +542,8 @@ def main() -> None:
         "budget_tokens": args.budget, "train_budget_tokens": args.train_budget, "seeds": args.seeds,
         "group_size": args.group_size, "k": args.k, "lr": args.lr, "groups_per_step": args.groups_per_step,
         "root_groups_per_step": args.root_groups_per_step or args.groups_per_step,
-        "local_weight": args.local_weight, "heldout": args.heldout, "eval_samples": args.eval_samples,
+        "local_weight": args.local_weight, "process_weight": args.process_weight, "process": args.process,
+        "heldout": args.heldout, "eval_samples": args.eval_samples,
         "sft_steps": args.sft_steps, "sft_loss": None if sft_loss is None else round(sft_loss, 4),
     }))
 
@@ -528,9 +564,10 @@ def run_all(args: argparse.Namespace) -> Rows:
         if args.train_budget:
             heldout = heldout_prompts(args.heldout, max(HELDOUT_SEEDS, args.seed_start + args.seeds))
             for seed in range(args.seed_start, args.seed_start + args.seeds):
-                for arm in args.arms:
+                for arm in args.arms or [*ARMS, *(CONTROLS if args.process_weight else ())]:
                     per_step = args.root_groups_per_step if arm == "root" and args.root_groups_per_step else args.groups_per_step
-                    training = Training(per_step, args.lr, heldout, args.eval_samples, args.eval_every, args.local_weight)
+                    training = Training(per_step, args.lr, heldout, args.eval_samples, args.eval_every, args.local_weight,
+                                        args.process_weight, args.process)
                     trained.append(run_arm(arm, seed, checkpoint, args.train_budget, args.group_size, args.k,
                                            token_s=args.token_ms / 1000, verdict_wait_s=args.verdict_wait_s, training=training))
                     print(json.dumps(trained[-1]), flush=True)

@@ -59,6 +59,20 @@ def test_a_training_arm_advances_its_versions(bench: Any, checkpoint: str) -> No
     assert result["sampler_kl_max"] < 1e-6  # the trainer's logprobs are the worker's, before each step
 
 
+def test_step_verdicts_train_as_process_rewards_in_every_arm_but_root(bench: Any, checkpoint: str) -> None:
+    """`--process-weight`: an arm's samples reach the trainer with per-token advantages from their
+    steps' verdicts, every one of them (the unit is sent once its last steps are judged); the
+    root-only GRPO arm trains on outcomes alone."""
+    heldout = bench.heldout_prompts(4, seeds=1)
+    training = bench.Training(groups_per_step=2, lr=1e-3, heldout=heldout, eval_samples=1, eval_every=8, process_weight=1.0)
+    results = {arm: bench.run_arm(arm, 0, checkpoint, budget=100, group_size=2, k=2, training=training)
+               for arm in ("root_process", "root")}
+    assert all(result["versions"] >= 1 for result in results.values())
+    assert results["root_process"]["process_scored_samples"] == results["root_process"]["trained_samples"]
+    assert results["root_process"]["process_moved_samples"] > 0
+    assert results["root"]["process_moved_samples"] == 0 and results["root"]["trained_samples"] > 0
+
+
 def test_the_learners_step_follows_the_advantages(bench: Any, checkpoint: str) -> None:
     """A real trainer step on a batch of two samples of one prompt: the one with the positive
     advantage gets likelier, the other less likely (a step on the tree's advantages, as the arms take)."""
