@@ -26,10 +26,11 @@ unit with pivots waits for its roots' last verdicts, and counts what it still wa
 With `--train-budget`, the three arms also train, each seed from the same fine-tuned model, until
 they have generated that many tokens: every `--groups-per-step` complete units, a trainer step
 (`Learner`: the trainer's own batch plan, policy loss and AdamW) on the orchestrator's batch and
-its tree advantages (global + `--local-weight` x local; the verdicts stop chains and pick pivots,
-no process reward), the worker's weights swapped to the new version between units, and the
-held-out accuracy (`heldout_accuracy`: prompts no arm nor the fine-tuning saw, sampled at the
-arms' temperature) measured every `--eval-every` steps against the tokens generated so far.
+its tree advantages (global + `--local-weight` x local; with `--process-weight`, every arm but
+root-only GRPO also trains its steps' verdicts as process rewards, and `root_process`, root-only
+groups with them, runs beside as the control), the worker's weights swapped to the new version
+between units, and the held-out accuracy (`heldout_accuracy`: prompts no arm nor the fine-tuning
+saw, sampled at the arms' temperature) measured every `--eval-every` steps against the tokens generated so far.
 `tokens_to_target_pivot_vs_root`: the tokens at which the PRM arm first reaches the root arm's
 final held-out accuracy, over the root arm's total (per seed, then the mean and its standard
 error); the random arm's beside it. Beside them, per arm, the final accuracy and the accuracy
@@ -40,9 +41,9 @@ Every unit is seeded from the seed (workers/tree.py `seed`): the arms of a seed 
 root samples of a prompt at a version, so the arms' differences are paired, and an arm that does
 not depend on verdicts (root) gives the same rows in every run.
 
-Seeds can run apart (each under 10 min at a quiet machine's load) and be summarized together:
+Seeds can run apart (each under 10 min at a quiet machine's load; S = 0, 1, ...) and be summarized together:
 
-    python benchmarks/pivots.py --budget 0 --seeds 1 --seed-start S --train-budget 12000 --lr 2e-5 --heldout 512  # S = 0, 1, 2
+    python benchmarks/pivots.py --budget 0 --seeds 1 --seed-start S --train-budget 12000 --lr 2e-5 --heldout 512 --process-weight 1
     python benchmarks/pivots.py --budget 6000 --seeds 3 --train-budget 0
     python benchmarks/pivots.py --rows ROWS... --budget 6000 --seeds 3 --train-budget 12000 --lr 2e-5 --heldout 512
 
