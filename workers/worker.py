@@ -624,8 +624,8 @@ class Worker:
         no bound) and goes on with its leases, so that the last lease of an answer waits for its
         verdicts while the next answer's roots are decoded; it ends (its units finished, then a swap
         may come) once no answer is asked or one comes that it cannot play (`_in_round`). Returns
-        that answer (held, for the slot to play next; None if there is none) and how many answers
-        the round asked for (the slot counts them as its iterations)."""
+        that answer (held, for the slot to play next; None if there is none; handed back if the
+        round fails) and how many answers the round asked for (the slot counts them as its iterations)."""
         from workers.backends.hf import HFBackend  # torch: imported where a tree lease is played
         from workers.tree import TreeCounts, VerdictFeed, play_trees
 
@@ -662,6 +662,11 @@ class Worker:
                     self._tree_done(lease, rollouts)
                     if any(lease.lease_id == other.lease_id for other in chained):
                         self._let_go([lease])  # no more renewals (the first answer's leases: the slot lets them go)
+        except BaseException:
+            for response in left:  # held, never started, and no slot will play it: its prompts out again now
+                self._hand_back(response.leases)
+                self._let_go(response.leases)
+            raise
         finally:
             self._let_go(chained)
         return (left[0] if left else None), len(asked)

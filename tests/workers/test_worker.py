@@ -474,6 +474,32 @@ def test_a_swap_waits_for_the_units_in_play_and_the_round_goes_on_after_it(
     assert status.rollouts_rejected == {} and status.rollouts_accepted == worker.rollouts_posted == 3 * (2 + 2)
 
 
+def test_an_answer_a_failed_tree_round_could_not_play_is_handed_back(
+    tree_setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The round asks for the next answer, cannot play it (here: told it may not), and then fails
+    finishing its unit: the answer it holds but never started is handed back at once (its prompt out
+    again now, not at its deadline) and no longer renewed, and the error still stops the worker."""
+    import workers.tree as tree
+
+    setup = tree_setup
+    setup.publish(0, seed=0)
+    worker = setup.worker(groups_per_request=1)
+    monkeypatch.setattr(Worker, "_in_round", lambda self, response: False)
+
+    def failing(play: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("step post failed")
+
+    monkeypatch.setattr(tree.TreePlay, "finish", failing)
+    with pytest.raises(RuntimeError, match="step post failed"):
+        worker.run(max_iterations=2)
+    book = setup.orchestrator.state.lease_book
+    closed = {lease_id: book.closed_lease(lease_id) for _, lease_id in book.closed_order}
+    assert [c.status for c in closed.values()] == ["released"], closed  # type: ignore[union-attr]
+    assert len(book.open) == 1  # the unit that failed: let go, it runs out at its deadline
+    assert not worker._held and not worker._renewals._due
+
+
 # A step of 64 tokens and chains of at most 12: every root is one step, so no unit has a step
 # boundary to branch from and none can be completed.
 @pytest.mark.parametrize("tree_setup", [64], indirect=True)
