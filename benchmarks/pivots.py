@@ -300,7 +300,7 @@ def run_arm(
     if token_s:
         pace(backend, token_s)
     rng, estimate, counts = random.Random(seed), RecoveryEstimate(), TreeCounts()
-    units = solved = no_gradient = failed_prompts = recovered = all_roots_failed = recovered_by_branch = incomplete = 0
+    units = solved = no_gradient = failed_prompts = recovered = all_roots_failed = recovered_by_branch = short = 0
     roots = roots_right = branches = branches_right = pivots_on_failed = 0
     learner = Learner(checkpoint, config) if training else None
     trainer = OrchestratorClient(server.url, "t")
@@ -340,11 +340,8 @@ def run_arm(
             if ingest.rejected:
                 raise RuntimeError(f"the orchestrator refused samples of a {arm} unit: {ingest.rejected}")
             # A unit whose roots have fewer step boundaries before their ends than it has pivots
-            # (chains of one step) cannot be completed: handed back, not waited for (it trains nothing).
-            complete = len(samples) == lease.group_size + options["pivots"] * k
-            if not complete:
-                client.release_lease(lease.lease_id, "w0")
-                incomplete += 1
+            # (chains of one step) holds a pivot a boundary (none: its roots alone), complete as it is.
+            short += len(samples) < lease.group_size + options["pivots"] * k
             prompt = state.task.prompt(lease.prompt_id).text
             rewards = [chain_reward(prompt, tokenizer.decode(s.completion_token_ids, skip_special_tokens=True)) if s.node is None
                        else chain_reward(prompt, tokenizer.decode(list(s.prompt_token_ids[len(lease.prompt_token_ids):])
@@ -367,7 +364,7 @@ def run_arm(
             roots_failed = not any(r for r, p in zip(rewards, pivots, strict=True) if p is None)
             all_roots_failed += roots_failed
             recovered_by_branch += roots_failed and any(rewards)
-            if learner is not None and training is not None and complete and (units - incomplete) % training.groups_per_step == 0:
+            if learner is not None and training is not None and units % training.groups_per_step == 0:
                 trained = time.perf_counter()
                 version = backend.version or 0
                 while (batch := trainer.batch(trainer_version=version, request_id=f"step-{version + 1}")) is None:
@@ -388,7 +385,7 @@ def run_arm(
     spent = counts.generated + counts.discarded
     return {
         "arm": arm, "seed": seed, "units": units, "tokens": spent, "tokens_kept": counts.generated,
-        "tokens_discarded": counts.discarded, "tokens_saved": counts.saved, "solved": solved, "units_released": incomplete,
+        "tokens_discarded": counts.discarded, "tokens_saved": counts.saved, "solved": solved, "units_short": short,
         "solved_per_1k_tokens": 1000 * solved / spent, "recovered": recovered, "failed_prompts": failed_prompts,
         "recovered_per_1k_tokens": 1000 * recovered / spent, "all_roots_failed": all_roots_failed,
         "recovered_by_branch": recovered_by_branch, "no_gradient_units": no_gradient,

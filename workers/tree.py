@@ -127,7 +127,7 @@ class TreeCounts:
     decode_s: float = 0.0
     decode_steps: int = 0  # batched decoding steps (one token for every row of a batch): the work, apart from the machine's speed
     cache_rebuild_s: float = 0.0
-    handed_back: int = 0  # units that could not be completed (fewer step boundaries than pivots), released at once
+    short: int = 0  # units sent with fewer pivots than their lease's: their roots had fewer step boundaries (none: roots alone)
 
 
 def _ends_step(text_of: Callable[[list[int]], str], chain: Chain, unit: TreeUnit) -> bool:
@@ -412,7 +412,8 @@ def _pivots(
 ) -> list[Candidate]:
     """The unit's `pivots` step boundaries to branch from: among the chains known to have failed
     (a step judged wrong: DEEP-GRPO branches failed trajectories) when there are enough, else
-    among all; never a chain's end."""
+    among all; never a chain's end. As many as the unit's pivots, or every boundary if they are
+    fewer: the unit the orchestrator completes (orchestrator/leases.py `tree_pivots`)."""
     threshold = unit.stop_below if unit.stop_below is not None else 0.5
     candidates, failed = [], []
     for chain in roots:
@@ -424,8 +425,12 @@ def _pivots(
             candidates.append(candidate)
             if wrong is not None:
                 failed.append(candidate)
-    chosen = choose_pivots(failed, unit.pivots, rule, rng, estimate=estimate, gamma=unit.gamma)  # type: ignore[arg-type]
-    if len(chosen) < unit.pivots:
-        rest = [c for c in candidates if c not in chosen]
-        chosen += choose_pivots(rest, unit.pivots - len(chosen), rule, rng, estimate=estimate, gamma=unit.gamma)  # type: ignore[arg-type]
+    wanted = min(unit.pivots, len(candidates))
+    chosen = choose_pivots(failed, wanted, rule, rng, estimate=estimate, gamma=unit.gamma)  # type: ignore[arg-type]
+    # Topped up from the rest by the rule, then at random where the rule picks no more (`last_right`
+    # takes one boundary a chain, none past a wrong step).
+    for pick in (rule, "random"):
+        if len(chosen) < wanted:
+            rest = [c for c in candidates if c not in chosen]
+            chosen += choose_pivots(rest, wanted - len(chosen), pick, rng, estimate=estimate, gamma=unit.gamma)  # type: ignore[arg-type]
     return chosen

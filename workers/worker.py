@@ -672,16 +672,12 @@ class Worker:
         return (left[0] if left else None), len(asked)
 
     def _tree_done(self, lease: Lease, rollouts: list[Rollout]) -> None:
-        """A tree lease played: spooled and sent whole, or handed back when it cannot be completed."""
+        """A tree lease played: spooled and sent whole. Its roots may have had fewer step boundaries
+        than it has pivots (chains of one step have none): then it holds a pivot each, the unit
+        the orchestrator completes (orchestrator/leases.py `tree_pivots`), and is counted short."""
         assert self.tree_counts is not None and isinstance(lease.unit, TreeUnit)
         if len(rollouts) < lease.group_size + lease.unit.pivots * lease.unit.k:
-            # Its roots had fewer step boundaries than it has pivots: it can never be completed,
-            # so it goes back now (its prompt out again at once) rather than at its deadline.
-            log.info("tree lease %s: %d of its samples could be drawn (its roots' step boundaries are fewer than its "
-                     "pivots); handing it back", lease.lease_id, len(rollouts))
-            self.tree_counts.handed_back += 1
-            self._hand_back([lease])
-            return
+            self.tree_counts.short += 1
         with self._changed:
             if lease.lease_id in self._lost:
                 return

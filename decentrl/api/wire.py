@@ -192,8 +192,10 @@ class StepBoundary(Wire):
 
 class TreeUnit(Wire):
     """A tree of nodes (process rewards with pivots, issue 47): the root node's `group_size`
-    samples, and exactly `pivots` branch nodes of `k` samples, each continuing one root sample
-    after a step boundary it posted. The unit is complete when all `group_size + pivots * k` are in."""
+    samples, and `pivots` branch nodes of `k` samples, each continuing one root sample after a step
+    boundary it posted (before its end). The unit is complete when all `group_size + pivots * k`
+    are in; roots that name fewer such boundaries than `pivots` hold one branch node each (none: the
+    roots alone, trained as a group)."""
 
     kind: Literal["tree"]
     k: Int = Field(ge=1, le=MAX_NODE_SIZE, description="Samples of each branch node (continuations of one pivot).")

@@ -196,6 +196,44 @@ def test_branch_rules(tree_state: Callable[..., RunState], make_rollout: Any, id
     assert state.rejected["unknown_parent"] == 1
 
 
+def test_a_tree_whose_roots_cannot_branch_trains_as_their_group(
+    tree_state: Callable[..., RunState], make_rollout: Any, ids: list[int]
+) -> None:
+    """Roots that name no step boundary before their ends (chains of one step, or none named) leave
+    no pivot: the unit completes with its roots, as a group, once they are all in; nothing more is
+    taken for it."""
+    state = tree_state(k=2, pivots=1)
+    (lease,) = state.grant_leases(HOLDER, 1)
+    roots = [_root(make_rollout, lease, ids, [len(ids)]), _root(make_rollout, lease, ids, None)]
+    assert state.ingest(roots, HOLDER).accepted == 2
+    assert lease.lease_id in state.leases  # 2 of its 3 roots: it may still branch from the third
+    last = _root(make_rollout, lease, ids, [len(ids)])
+    assert _reasons(state, last) == []
+    assert lease.lease_id not in state.leases and len(state.ready) == 1
+    assert _reasons(state, _branch(make_rollout, lease, roots[0], 2, ids[2:])) == ["group_full"]
+    batch = state.take_batch(0)
+    assert batch is not None and [s.rollout_id for s in batch.samples] == [r.rollout_id for r in [*roots, last]]
+
+
+def test_a_tree_holds_as_many_pivots_as_its_roots_name_boundaries_if_fewer(
+    tree_state: Callable[..., RunState], make_rollout: Any, ids: list[int]
+) -> None:
+    """Three pivots asked, one boundary named by the roots: the unit holds one branch node; a second
+    pivot is refused as ever (no other boundary), and the unit completes with that node's k."""
+    state = tree_state(k=2, pivots=3)
+    (lease,) = state.grant_leases(HOLDER, 1)
+    assert unit_size(lease) == 3 + 3 * 2  # nothing known of its roots yet
+    roots = [_root(make_rollout, lease, ids, [2, len(ids)]), _root(make_rollout, lease, ids, [len(ids)]),
+             _root(make_rollout, lease, ids, [len(ids)])]
+    assert state.ingest(roots, HOLDER).accepted == 3
+    assert unit_size(lease, roots) == 3 + 1 * 2 and lease.lease_id in state.leases  # waits for its one branch node
+    assert _reasons(state, _branch(make_rollout, lease, roots[1], 2, ids[2:], node_id="b1")) == ["bad_pivot"]
+    assert _reasons(state, _branch(make_rollout, lease, roots[0], 2, ids[2:])) == []
+    assert lease.lease_id in state.leases
+    assert _reasons(state, _branch(make_rollout, lease, roots[0], 2, ids[2:])) == []
+    assert lease.lease_id not in state.leases and len(state.ready) == 1
+
+
 def test_a_node_in_a_plain_group_is_refused(run_state: Callable[..., RunState], make_rollout: Any, ids: list[int]) -> None:
     state = run_state()
     (lease,) = state.grant_leases(HOLDER, 1)

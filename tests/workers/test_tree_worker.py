@@ -165,6 +165,25 @@ class _LateJudge:
         return VerdictList(verdicts=ready, last=max([after] + [v.seq for v in ready]))
 
 
+@pytest.mark.parametrize("rule", ["last_right", "random", "utility"])
+@pytest.mark.parametrize("pivots", [2, 3])
+def test_a_unit_branches_from_every_boundary_its_rule_leaves_when_they_are_fewer(rule: str, pivots: int) -> None:
+    """As many pivots as the unit has, or every step boundary its roots have if fewer: the unit the
+    orchestrator completes (orchestrator/leases.py `tree_pivots`). `last_right` picks no boundary
+    of a chain wrong from its first step; the rest is topped up at random."""
+    from workers.tree import Chain, _pivots
+
+    class Verdicts:
+        def score(self, rollout_id: str, step: int) -> float | None:
+            return 0.0 if (rollout_id, step) == ("a", 0) else None
+
+    wrong = Chain("a", [1], 8, tokens=[5] * 6, ends=[2, 4, 6], finish="stop")  # judged wrong at its first step, not cut
+    ones = [Chain(name, [1], 8, tokens=[5] * 6, ends=[6], finish="stop") for name in ("b", "c")]  # one step: no boundary
+    unit = TreeUnit(kind="tree", k=2, pivots=pivots, boundary=StepBoundary(type="tokens", tokens=2), rule=rule)  # type: ignore[arg-type]
+    chosen = _pivots([wrong, *ones], unit, Verdicts(), random.Random(0), RecoveryEstimate(), rule)  # type: ignore[arg-type]
+    assert sorted((c.rollout_id, c.at) for c in chosen) == [("a", 2), ("a", 4)]
+
+
 @pytest.mark.parametrize("wait_s", [0.0, 5.0])
 def test_pivots_are_chosen_on_the_roots_last_verdicts(backend: HFBackend, wait_s: float) -> None:
     # The roots end before any verdict is back; waiting for them (the default) finds every

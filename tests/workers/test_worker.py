@@ -501,20 +501,20 @@ def test_an_answer_a_failed_tree_round_could_not_play_is_handed_back(
 
 
 # A step of 64 tokens and chains of at most 12: every root is one step, so no unit has a step
-# boundary to branch from and none can be completed.
+# boundary to branch from.
 @pytest.mark.parametrize("tree_setup", [64], indirect=True)
-def test_a_tree_unit_that_cannot_be_completed_is_handed_back_at_once(tree_setup: Setup) -> None:
-    """A unit whose roots leave fewer step boundaries than it has pivots is released as soon as its
-    roots are drawn (its prompt out again at the front), not posted short to wait for its deadline."""
+def test_a_tree_unit_whose_roots_cannot_branch_is_sent_as_their_group(tree_setup: Setup) -> None:
+    """A unit whose roots leave no step boundary (a policy drifted to chains of one step) is sent
+    as its roots alone and trains as their group, counted short; none is handed back, none is left
+    open to wait for its deadline, so its prompt is not leased again and again."""
     setup = tree_setup
     setup.publish(0, seed=0)
     worker = setup.worker()
     worker.run(max_iterations=1)
     state = setup.orchestrator.state
-    assert worker.tree_counts is not None and worker.tree_counts.handed_back >= 1
-    assert worker.rollouts_posted == 0 and worker.spool.pending() == []
-    assert not state.leases  # none left open to expire
+    assert worker.tree_counts is not None and worker.tree_counts.short == 2  # groups_per_request 2
+    assert worker.rollouts_posted == 2 * 2 and worker.spool.pending() == []  # group_size 2, no branch
+    assert not state.leases and len(state.ready) == 2
     book = state.lease_book
-    closed = [book.closed_lease(lease_id) for _, lease_id in book.closed_order]
-    assert len(closed) == worker.tree_counts.handed_back and {c.status for c in closed} == {"released"}  # type: ignore[union-attr]
+    assert {book.closed_lease(lease_id).status for _, lease_id in book.closed_order} == {"complete"}  # type: ignore[union-attr]
     assert setup.orchestrator.client(WORKER).status().rollouts_rejected == {}
