@@ -15,7 +15,8 @@ generation (workers/tree.py). The model is a tiny model fine-tuned here on right
 Measured at a fixed policy, per arm and seed, until the arm has generated `--budget` tokens
 (tokens kept in samples plus those decoded after a wrong step before its verdict came): units,
 units solved (a right sample anywhere in the unit), units that give no gradient (every advantage
-of the unit 0), failed prompts recovered (the unit's first sample wrong, another of its samples
+the trainer gets from the unit 0: each sample's and, with process rewards, each token's;
+`gives_gradient`), failed prompts recovered (the unit's first sample wrong, another of its samples
 right: `recovered_per_1k_tokens`), failed roots recovered by a branch; the tokens saved by
 stopping (exact: a stopped row keeps decoding unposted until it would have ended); step-post
 waits; decode time keeping the prefix's KV cache against rebuilding it at each step boundary;
@@ -150,6 +151,19 @@ class Training(NamedTuple):
     process: str = "return"
 
 
+def gives_gradient(group: Any, advantages: Any) -> bool:
+    """Whether a complete unit teaches anything: an advantage the trainer gets from it off 0, a
+    sample's (its outcome's: global, or local in a branch node) or, with process rewards, one of
+    its tokens' (a unit whose outcomes are all equal still has a gradient when its steps' verdicts
+    differ). The advantages are the batch's own (orchestrator/batches.py `build_batch`, the
+    orchestrator's group and `[orchestrator.advantages]`)."""
+    from orchestrator.batches import build_batch
+
+    batch = build_batch([group], trainer_version=0, batch_id="probe", advantages=advantages, rollouts_accepted=0, stale_dropped=0)
+    return any(abs(sample.advantage) > 1e-12 or any(abs(a) > 1e-12 for a in sample.token_advantages or ())
+               for sample in batch.samples)
+
+
 def log_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -253,7 +267,6 @@ def run_arm(
     from decentrl.api.wire import LeaseRequest, RolloutBatch
     from decentrl.config import PythonScorerConfig, parse_config
     from decentrl.model.build import build_tiny_tokenizer
-    from decentrl.rl.advantages import tree_advantages
     from decentrl.rl.pivots import RecoveryEstimate
     from decentrl.tasks import build_task
     from decentrl.tasks.chain import chain_reward
@@ -301,6 +314,7 @@ def run_arm(
         pace(backend, token_s)
     rng, estimate, counts = random.Random(seed), RecoveryEstimate(), TreeCounts()
     units = solved = no_gradient = failed_prompts = recovered = all_roots_failed = recovered_by_branch = short = 0
+    no_outcome_gradient = 0
     roots = roots_right = branches = branches_right = pivots_on_failed = 0
     learner = Learner(checkpoint, config) if training else None
     trainer = OrchestratorClient(server.url, "t")
@@ -356,7 +370,10 @@ def run_arm(
             branches_right += sum(r for r, p in zip(rewards, pivots, strict=True) if p is not None)
             pivots_on_failed += sum(not by_id[parent] for parent, _ in {p for p in pivots if p is not None})
             solved += any(rewards)
-            no_gradient += not any(tree_advantages(rewards, pivots, 1.0))
+            group, advantages = next(g for g in reversed(state.ready) if g.lease_id == lease.lease_id), config.orchestrator.advantages
+            no_gradient += not gives_gradient(group, advantages)
+            # Beside it, what its outcomes alone give (process rewards apart): the count before 2026-11-29 10:00.
+            no_outcome_gradient += not gives_gradient(group, advantages.model_copy(update={"process_weight": 0.0}))
             # A failed prompt: its first sample (a root's, in every arm) is wrong; recovered: another
             # sample of its unit (a root's or a branch's) is right.
             failed_prompts += not rewards[0]
@@ -389,6 +406,7 @@ def run_arm(
         "solved_per_1k_tokens": 1000 * solved / spent, "recovered": recovered, "failed_prompts": failed_prompts,
         "recovered_per_1k_tokens": 1000 * recovered / spent, "all_roots_failed": all_roots_failed,
         "recovered_by_branch": recovered_by_branch, "no_gradient_units": no_gradient,
+        "no_outcome_gradient_units": no_outcome_gradient,
         "no_gradient_fraction": no_gradient / units, "steps_posted": counts.steps_posted, "verdicts_used": counts.verdicts_used,
         "root_success": roots_right / roots if roots else None, "branch_success": branches_right / branches if branches else None,
         "pivots": branches // k, "pivots_on_failed_roots": pivots_on_failed,

@@ -71,6 +71,10 @@ def test_step_verdicts_train_as_process_rewards_in_every_arm_but_root(bench: Any
     assert results["root_process"]["process_scored_samples"] == results["root_process"]["trained_samples"]
     assert results["root_process"]["process_moved_samples"] > 0
     assert results["root"]["process_moved_samples"] == 0 and results["root"]["trained_samples"] > 0
+    # Units without a gradient count the process rewards where they train (never more than the
+    # outcomes alone leave), and are the outcomes' count where none do.
+    assert results["root_process"]["no_gradient_units"] <= results["root_process"]["no_outcome_gradient_units"]
+    assert results["root"]["no_gradient_units"] == results["root"]["no_outcome_gradient_units"]
 
 
 def test_the_learners_step_follows_the_advantages(bench: Any, checkpoint: str) -> None:
@@ -109,6 +113,41 @@ def test_the_learners_step_follows_the_advantages(bench: Any, checkpoint: str) -
     step = learner.step(TrainBatch(trainer_version=0, samples=samples, staleness_histogram={"0": 2}, rollouts_accepted=2, stale_dropped=0))
     assert step["trained"] == 2 and step["grad_norm"] > 0
     assert logprob(right) > before[0] and logprob(wrong) < before[1]
+
+
+def test_a_unit_without_gradient_is_one_whose_every_advantage_is_zero_process_rewards_included(
+    bench: Any, make_rollout: Any
+) -> None:
+    """`no_gradient_units` counts units whose every advantage the trainer gets is 0: equal outcomes
+    with steps' verdicts that differ still give a gradient (process rewards), all equal ones do not; a
+    tree whose roots are equal and whose branches are equal among themselves gives none either."""
+    from decentrl.api.wire import Lease
+    from decentrl.config import AdvantageConfig
+    from orchestrator.buffer import Group
+
+    lease = Lease(lease_id="l", prompt_id=0, prompt_token_ids=[1, 2], group_size=2, deadline=0.0)
+    rollouts = [make_rollout(lease, [5, 6, 7, 8], step_ends=[2, 4]) for _ in range(2)]
+
+    def unit(rewards: list[float], scores: list[list[float]] | None) -> Group:
+        group = Group.of("l", 0, rollouts, rewards)
+        if scores is not None:
+            group.step_ends, group.step_scores = [[1, 3], [1, 3]], scores  # type: ignore[assignment]
+        return group
+
+    process = AdvantageConfig(process_weight=1.0, outcome_weight=1.0)
+    outcome_only = AdvantageConfig(process_weight=0.0, outcome_weight=1.0)
+    assert bench.gives_gradient(unit([1.0, 1.0], [[1.0, 1.0], [1.0, 0.0]]), process)
+    assert not bench.gives_gradient(unit([1.0, 1.0], [[1.0, 1.0], [1.0, 0.0]]), outcome_only)
+    assert not bench.gives_gradient(unit([0.0, 0.0], [[1.0, 1.0], [1.0, 1.0]]), process)
+    # Verdicts are centred over all the unit's steps: a right step before a wrong one moves tokens.
+    assert bench.gives_gradient(unit([0.0, 0.0], [[1.0, 0.0], [1.0, 0.0]]), process)
+    assert not bench.gives_gradient(unit([0.0, 0.0], None), process)
+    assert bench.gives_gradient(unit([0.0, 1.0], None), outcome_only)
+    parent = rollouts[0]
+    branch = make_rollout(lease, [7, 8], prompt_token_ids=[1, 2, 5, 6],
+                          node={"node_id": "b0", "parent": {"rollout_id": parent.rollout_id, "at": 2}})
+    tree = Group.of("l", 0, [*rollouts, branch, branch.model_copy(update={"rollout_id": "other"})], [0.0, 0.0, 1.0, 1.0])
+    assert not bench.gives_gradient(tree, outcome_only)  # roots level, branches level: every advantage 0
 
 
 def test_heldout_prompts_are_none_of_the_arms(bench: Any) -> None:
