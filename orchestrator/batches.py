@@ -11,7 +11,7 @@ RunState takes the `places_per_step` groups at the front of the ready queue, pic
 from __future__ import annotations
 
 import functools
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -56,9 +56,16 @@ class ServedBatch:
 
 
 def has_signal(group: Group) -> bool:
-    """Whether a group teaches anything under a group baseline: its rewards differ, (process
-    rewards) its step scores do, or (on-policy distillation) a teacher graded its tokens."""
-    if max(group.rewards) > min(group.rewards) or group.teacher_logprobs is not None:
+    """Whether a group teaches anything under a group baseline: its rewards differ within a node
+    (a tree's roots, or one pivot's branches: each node is centred on its own mean, so a tree whose
+    roots agree and whose every pivot's branches agree among themselves has none), (process
+    rewards) its step scores differ, or (on-policy distillation) a teacher graded its tokens."""
+    if group.teacher_logprobs is not None:
+        return True
+    nodes: dict[tuple[str, int] | None, list[float]] = defaultdict(list)
+    for rollout, reward in zip(group.rollouts, group.rewards, strict=True):
+        nodes[_pivot_of(rollout)].append(reward)
+    if any(max(rewards) > min(rewards) for rewards in nodes.values()):
         return True
     scores = [score for steps in group.step_scores or [] if steps for score in steps]
     return bool(scores) and max(scores) > min(scores)

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from decentrl.api.wire import Lease, ScorePost, ScoreResult
+from decentrl.api.wire import BranchParent, Lease, RolloutNode, ScorePost, ScoreResult
 from decentrl.config import ConfigError
+from decentrl.rl.advantages import tree_advantages
 from decentrl.rl.determinism import required_version
 from orchestrator.batches import pick_signal
 from orchestrator.buffer import Group
@@ -79,6 +80,25 @@ def test_pick_signal_trains_the_first_groups_with_a_signal_in_order_and_names_wh
     # On-policy distillation: the teacher's grades are a signal of their own.
     flat2.teacher_logprobs = [[-1.0, -2.0], [-0.5, -0.1]]
     assert [g.lease_id for g in pick_signal([flat2, flat], 1)[0]] == ["flat2"]
+
+
+def test_a_tree_has_a_signal_only_where_a_node_s_rewards_differ(make_rollout: Any) -> None:
+    """A tree unit's advantages are per node (its roots against their mean, each pivot's branches
+    against theirs: decentrl/rl/advantages.py `tree_advantages`): roots that agree and branches
+    that agree among themselves give every sample advantage 0, however the nodes differ."""
+    lease = Lease(lease_id="tree", prompt_id=0, prompt_token_ids=[1, 2], group_size=2, deadline=0.0)
+    roots = [make_rollout(lease, [4, 5, 6]) for _ in range(2)]
+    branch = RolloutNode(node_id="b0", parent=BranchParent(rollout_id=roots[0].rollout_id, at=1))
+    branches = [make_rollout(lease, [5, 6], node=branch) for _ in range(2)]
+    rollouts = roots + branches
+
+    def tree(rewards: list[float]) -> Group:
+        return Group.of("tree", 0, rollouts, rewards)
+
+    assert tree_advantages([0.0, 0.0, 1.0, 1.0], [None, None, ("r", 1), ("r", 1)], 1.0) == [0.0] * 4
+    flat_nodes, branches_differ, roots_differ = tree([0.0, 0.0, 1.0, 1.0]), tree([0.0, 0.0, 1.0, 0.0]), tree([1.0, 0.0, 1.0, 1.0])
+    train, dropped = pick_signal([flat_nodes, branches_differ, roots_differ], 2)
+    assert train == [branches_differ, roots_differ] and dropped == [(flat_nodes, "zero_signal")]
 
 
 def test_a_step_trains_the_groups_with_a_signal_and_drops_the_others_counted(make_state: Any, post: Any) -> None:
