@@ -430,9 +430,18 @@ class RunState:
         if scored:
             self.integrity.rewards_claimed(open_lease.holder, group.samples)
         if check is None and scored:
-            self.buffer.to_ready(group)
+            self._ready(group)
         else:
             self.buffer.to_pending(group, check=check, scores=not scored)
+
+    def _ready(self, group: Group) -> None:
+        """A group done waiting joins the ready queue; in a run of two policies, a unit no trainer
+        still owes (an invalid proposal's one sample, once the proposer's trainer ran its last step)
+        is served at once: nothing would ever take it out of the queue it would fill."""
+        if isinstance(self.lease_policy, Roles) and self.streams and self.lease_policy.served(group):
+            self._served_unclaimed(group)
+        else:
+            self.buffer.to_ready(group)
 
     def _fresh(self, version: int, policy: str | None = None) -> bool:
         return is_fresh(self.stream(policy).trainer, version, self.config.train_staleness)
@@ -478,7 +487,7 @@ class RunState:
         if self.buffer.done_waiting(group.lease_id, what) is None:
             return  # it still waits for the other
         if self._all_fresh(group.rollouts) if self.streams else self._fresh(group.oldest_version):
-            self.buffer.to_ready(group)
+            self._ready(group)
         else:
             self._drop(group.lease_id, stale_reason, counted=group.size, group=group)
 
@@ -759,9 +768,13 @@ class RunState:
         assert isinstance(self.lease_policy, Roles)
         self.lease_policy.finished.add(policy)
         for group in self.buffer.evict(self.lease_policy.served):
-            self.counters.groups_served += 1
-            closed = self.lease_book.close(group.lease_id, "served")
-            self.integrity.record(closed.holder).served += group.size
+            self._served_unclaimed(group)
+
+    def _served_unclaimed(self, group: Group) -> None:
+        """A unit whose every trainer took it or ran its last step: closed as served."""
+        self.counters.groups_served += 1
+        closed = self.lease_book.close(group.lease_id, "served")
+        self.integrity.record(closed.holder).served += group.size
 
     def _stale_report(self) -> StaleReport:
         """What went stale since the previous batch (the tally starts again)."""

@@ -235,6 +235,28 @@ def test_invalid_proposals_do_not_use_the_solvers_budget_and_a_finished_trainer_
     assert state.lease_capacity() == 2 - 1, "the solver's stream alone bounds the leases now"
 
 
+def test_after_the_proposers_last_step_its_invalid_proposals_are_served_at_once_not_queued(
+    two_policies: Callable[..., RunState], make_rollout: Any,
+) -> None:
+    """An invalid proposal's unit holds the proposer's one sample: once that trainer ran its last
+    step no trainer takes it, so queued it would stay, and enough of them would fill the buffer
+    (lease requests answered 503 until the workers gave up: a frozen proposer's run of two models,
+    2026-11-29)."""
+    state = two_policies()
+    for version in (1, 2, 3):  # trainer.steps = 3: the proposer's trainer is done
+        state.announce(version, "proposer")
+    for _ in range(2):
+        [unit] = state.grant_leases(ALICE, 1, "proposer")
+        assert state.ingest([make_rollout(unit, "9", node=unit.node, policy_version=3)], ALICE).accepted == 1  # invalid
+        state.grant_leases(BOB, 1, "solver")  # judges it: the unit ends with its one sample
+        assert state.lease_book.closed[unit.lease_id].status == "served"
+    assert not state.ready and not state.buffer_full()
+    unit_id = _unit(state, make_rollout, proposer_version=3)  # a valid one still trains the solver
+    assert [g.lease_id for g in state.ready] == [unit_id]
+    batch = state.take_batch(0, policy="solver")
+    assert batch is not None and len(batch.samples) == 4 and not state.ready
+
+
 def test_a_unit_a_trainer_took_is_not_dropped_when_that_trainer_moves_on(taken_by_the_proposer: Callable[..., RunState]) -> None:
     state = taken_by_the_proposer()
     state.announce(1, "proposer")
