@@ -117,11 +117,13 @@ def test_loss_is_the_profiles_each_way() -> None:
 @pytest.mark.timeout(60)
 def test_one_stream_on_l2_is_bounded_by_its_loss() -> None:
     """L2 (50 Mbit/s, 150 ms, 0.5%): one TCP stream carries a few Mbit/s, as Mathis's bound
-    (1.3 Mbit/s) says for a loss-based congestion control, not the link's 50."""
+    (1.3 Mbit/s) says for a loss-based congestion control, not the link's 50. Measured over 8 s
+    (the first 2 left out): over 3 s, a stream in slow start until its first loss, it carried
+    1.7-13.9 Mbit/s down, 3 of 10 runs over 8 (2026-11-29, one a failed CI run); over 8 s 1.0-1.9."""
     with sn.Testbed() as net:
         store = net.add_host("store", sn.PROFILES["store"])
         worker = net.add_host("worker", sn.PROFILES["L2"])
-        measured = sn.measure_link(worker, store, seconds=3, pings=0)
+        measured = sn.measure_link(worker, store, seconds=8, pings=0)
     assert net.shaping["congestion_control"] == "reno"
     assert 0.3 <= measured["down_mbit"] <= 8, measured
 
