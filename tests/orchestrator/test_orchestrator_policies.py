@@ -240,7 +240,7 @@ def test_after_the_proposers_last_step_its_invalid_proposals_are_served_at_once_
 ) -> None:
     """An invalid proposal's unit holds the proposer's one sample: once that trainer ran its last
     step no trainer takes it, so queued it would stay, and enough of them would fill the buffer
-    (lease requests answered 503 until the workers gave up: a frozen proposer's run of two models,
+    (rollout posts answered 503 until the workers gave up: a frozen proposer's run of two models,
     2026-11-29)."""
     state = two_policies()
     for version in (1, 2, 3):  # trainer.steps = 3: the proposer's trainer is done
