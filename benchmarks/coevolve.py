@@ -375,6 +375,8 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
     ).fetchall()
     units = []
     for lease_id, _, rewards in rows:
+        if rewards is None:  # served untrained: ready once every trainer had run its last step (state.py `_served_unclaimed`)
+            continue
         bodies = db.execute("SELECT rollout_id, data FROM rollouts WHERE lease_id = ? ORDER BY rowid", (lease_id,)).fetchall()
         if not bodies or bodies[0][1] is None:
             continue

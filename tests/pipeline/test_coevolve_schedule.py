@@ -122,3 +122,42 @@ def test_a_bad_seed_batch_is_refused_before_any_run(flags: list[str]) -> None:
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 2 and ("at least one seed, the first 0 or more" in done.stderr or "invalid int value" in done.stderr)
     assert "Traceback" not in done.stderr
+
+
+def test_proposals_skip_units_served_untrained(tmp_path: Path) -> None:
+    """A two-policy run's last units, ready once both trainers had run their last step, are served
+    untrained (orchestrator/state.py `_served_unclaimed`): no rewards journaled. The deciles read
+    the trained units and pass over these (a 600-step run's journal held 8 such, and the benchmark
+    stopped on them)."""
+    import sqlite3
+    import tomllib
+
+    from decentrl.api.wire import Rollout, SamplingParams
+    from decentrl.model.build import build_tiny_tokenizer
+    from orchestrator.codec import encode_rollout
+    from orchestrator.journal import SCHEMA
+
+    bench = bench_module()
+    task = tomllib.loads((ROOT / "configs" / "coevolve.toml").read_text())["task"]
+    (tmp_path / "config.json").write_text(json.dumps({"task": task}))
+    tokenizer = build_tiny_tokenizer()
+    db = sqlite3.connect(tmp_path / "journal.sqlite")
+    db.executescript(SCHEMA)
+    unit = json.dumps({"kind": "roles", "roles": ["proposer", "solver"], "sizes": [1, 2], "min_fill": 2})
+    for n, (lease_id, rewards) in enumerate([("trained", json.dumps([0.5, 1.0, 0.0])), ("untrained", None)]):
+        db.execute("INSERT INTO leases(lease_id, prompt_id, holder, deadline, prompt_token_ids, group_size, status, "
+                   "closed_at, rewards, unit) VALUES (?, 7, 'w', 0, x'', 1, 'served', ?, ?, ?)", (lease_id, n, rewards, unit))
+        for i, text in enumerate(["1234", "1234", "4321"]):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            rollout = Rollout.model_construct(
+                rollout_id=f"{lease_id}-{i}", run_name="", lease_id=lease_id, prompt_id=7, worker_id="w", policy_version=0,
+                prompt_token_ids=[1], completion_token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop",
+                sampling=SamplingParams(temperature=1.0, max_tokens=9),
+            )
+            db.execute("INSERT INTO rollouts(rollout_id, lease_id, data) VALUES (?, ?, ?)",
+                       (rollout.rollout_id, lease_id, encode_rollout(rollout)))
+    db.commit()
+    deciles = bench.proposals(tmp_path)
+    assert sum(d["units"] for d in deciles) == 1
+    (last,) = [d for d in deciles if d["units"]]
+    assert last["valid_proposals"] == 1.0 and last["digits"] == 4 and last["solve_rate_fresh"] == 0.5
