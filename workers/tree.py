@@ -1,4 +1,4 @@
-"""A tree lease generated step by step on the hf backend (issue 47, docs/rewards.md "Pivots").
+"""A tree lease generated step by step on the hf or vllm backend (issue 47, docs/rewards.md "Pivots").
 
 `generate_tree` plays one lease whose unit is a tree: the root's `group_size` chains are decoded
 together, token by token; each finished step (the unit's `boundary`: its marker's text, or a
@@ -18,6 +18,10 @@ those verdicts come, so that generation does not wait on them.
 
 `keep_cache = False` rebuilds the KV cache from the tokens at every step boundary instead of
 keeping it (the measure the issue asks for: benchmarks/pivots.py).
+
+The vllm backend decodes the same way through its engine (`stream_chains`: one request a chain,
+stepped one engine step at a time, a branch's prefix found in vLLM's prefix cache); what each
+token does, and everything above it, is shared (`Rows`, `TreePlay`, `play_trees`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from decentrl.model.sampling import sampling_distribution
 from decentrl.rl.determinism import node_seed, sample_seed
 from decentrl.rl.pivots import Candidate, RecoveryEstimate, choose_pivots
 from workers.backends.hf import HFBackend
+from workers.backends.vllm_engine import VLLMBackend
 
 log = logging.getLogger("decentrl.worker.tree")
 
@@ -127,6 +132,8 @@ class TreeCounts:
     decode_s: float = 0.0
     decode_steps: int = 0  # batched decoding steps (one token for every row of a batch): the work, apart from the machine's speed
     cache_rebuild_s: float = 0.0
+    branch_prompt_tokens: int = 0  # prompt tokens of the branches decoded (their root's prompt and prefix)
+    branch_cached_tokens: int = 0  # of them, found in the engine's prefix cache, not prefilled (vllm; hf: 0)
     short: int = 0  # units sent with fewer pivots than their lease's: their roots had fewer step boundaries (none: roots alone)
 
 
@@ -137,21 +144,96 @@ def _ends_step(text_of: Callable[[list[int]], str], chain: Chain, unit: TreeUnit
     return text_of(chain.tokens[start:]).endswith(unit.boundary.marker)
 
 
+class Rows:
+    """What chains decoded together do with each token, whatever decodes them (the hf loop below,
+    vLLM's engine: `stream_chains`): `take` appends a row's token, ends its step (posted through
+    `on_step(chain, step)`) or the chain (end-of-sequence, its budget); `judge` reads the verdicts
+    come in meanwhile, never waiting, and stops a chain at the first of its steps judged under the
+    unit's `stop_below`. So that the tokens saved are an exact count, a stopped row goes on being
+    fed, unposted and uncounted, until it would have ended (its shadow, counted as saved)."""
+
+    def __init__(
+        self, chains: list[Chain], unit: TreeUnit, *, text_of: Callable[[list[int]], str], eos_ids: set[int],
+        on_step: Callable[[Chain, int], None], verdict: Callable[[str, int], float | None], counts: TreeCounts,
+    ) -> None:
+        self.chains, self.unit, self.text_of, self.eos_ids = chains, unit, text_of, eos_ids
+        self.on_step, self.verdict, self.counts = on_step, verdict, counts
+        self.fed: list[list[int]] = [[] for _ in chains]  # every token a row was fed, its shadow's too
+        self.shadow = [0] * len(chains)
+        self.shadowing = [False] * len(chains)
+
+    def take(self, row: int, token: int, logprob: float) -> bool:
+        """Row `row`'s next token; whether it ended a step."""
+        chain = self.chains[row]
+        self.fed[row].append(token)
+        if self.shadowing[row]:
+            self.shadow[row] += 1
+            self.shadowing[row] = token not in self.eos_ids and len(self.fed[row]) < chain.budget
+            return False
+        if chain.finish is not None:
+            return False
+        chain.tokens.append(token)
+        chain.logprobs.append(logprob)
+        if token in self.eos_ids:
+            chain.finish = "stop"
+        elif len(chain.tokens) >= chain.budget:
+            chain.finish = "length"
+        start = chain.ends[-1] if chain.ends else 0
+        if _ends_step(self.text_of, chain, self.unit) or (chain.finish is not None and len(chain.tokens) > start):
+            chain.ends.append(len(chain.tokens))
+            self.on_step(chain, len(chain.ends) - 1)
+            return True
+        return False
+
+    def judge(self) -> None:
+        """The verdicts come in meanwhile, read without waiting: a chain with a step under
+        `stop_below` is cut at that step's end (`finish_reason = "wrong_step"`)."""
+        if self.unit.stop_below is None:
+            return
+        for row, chain in enumerate(self.chains):
+            if chain.finish is not None:
+                continue
+            for step in range(len(chain.ends)):
+                score = self.verdict(chain.rollout_id, step)
+                if score is not None and score < self.unit.stop_below:
+                    self.counts.verdicts_used += 1
+                    chain.wrong_from, chain.cut = step, chain.ends[step]
+                    self.counts.discarded += len(chain.tokens) - chain.cut  # decoded before the verdict came
+                    del chain.tokens[chain.cut:], chain.logprobs[chain.cut:], chain.ends[step + 1:]
+                    chain.finish = "wrong_step"
+                    self.shadowing[row] = self.fed[row][-1] not in self.eos_ids and len(self.fed[row]) < chain.budget
+                    break
+
+    def open(self, row: int) -> bool:
+        """Whether row `row` is still fed: its chain goes on, or its shadow does."""
+        return self.chains[row].finish is None or self.shadowing[row]
+
+    def done(self) -> bool:
+        return not any(self.open(row) for row in range(len(self.chains)))
+
+    def close(self) -> None:
+        """Decoding over: a chain still open ends at its budget; the shadows are counted as saved."""
+        for chain in self.chains:
+            if chain.finish is None:
+                chain.finish = "length"
+        self.counts.saved += sum(self.shadow)
+        self.counts.branch_prompt_tokens += sum(len(chain.prompt) for chain in self.chains if chain.node is not None)
+
+
 @torch.no_grad()
 def decode_chains(
     backend: HFBackend, chains: list[Chain], sampling: SamplingParams, unit: TreeUnit, *,
     on_step: Callable[[Chain, int], None], verdict: Callable[[str, int], float | None], counts: TreeCounts,
     keep_cache: bool = True,
 ) -> None:
-    """Decode `chains` together to their ends, posting each finished step through `on_step(chain,
-    step)` and stopping a chain at the first of its steps `verdict` judges under the unit's
-    `stop_below` (read between tokens, never waited for)."""
+    """Decode `chains` together to their ends on the hf backend, token by token (`Rows` says what
+    each token does): every row is fed one token an iteration, finished or not, so that the rows
+    stay aligned."""
     model = backend.model
     assert model is not None, "load() a version before decoding"
     eos_ids, pad = backend._eos_and_pad()
-    text_of = backend._text
     started = time.perf_counter()
-    rows = len(chains)
+    rows = Rows(chains, unit, text_of=backend._text, eos_ids=eos_ids, on_step=on_step, verdict=verdict, counts=counts)
 
     def prefill(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
         width = max(map(len, seqs))
@@ -163,12 +245,6 @@ def decode_chains(
                        **{backend._cache_arg: cache}).logits[:, -1]
         return logits, attention, positions[:, -1:], cache
 
-    # Every row is fed one token an iteration (`fed`), finished or not, so that the rows stay
-    # aligned; a stopped row's tokens after its stop are its shadow: what it would still have
-    # generated, counted as saved until it would have ended, never posted.
-    fed: list[list[int]] = [[] for _ in range(rows)]
-    shadow: list[int] = [0] * rows
-    shadowing = [False] * rows
     # Seeded chains draw from their own generators, one token an iteration each (a stopped row's
     # shadow included): a row's tokens depend on its seed alone, not on when a verdict came.
     seeded = all(c.seed is not None for c in chains)
@@ -180,55 +256,47 @@ def decode_chains(
         chosen = backend._sample(dist, generators)  # (B, 1)
         picked, chosen_lp = torch.cat([chosen.double(), dist.gather(-1, chosen).double()], dim=-1).T.tolist()
         boundary = False
-        for row, chain in enumerate(chains):
-            token = int(picked[row])
-            fed[row].append(token)
-            if shadowing[row]:
-                shadow[row] += 1
-                shadowing[row] = token not in eos_ids and len(fed[row]) < chain.budget
-                continue
-            if chain.finish is not None:
-                continue
-            chain.tokens.append(token)
-            chain.logprobs.append(chosen_lp[row])
-            if token in eos_ids:
-                chain.finish = "stop"
-            elif len(chain.tokens) >= chain.budget:
-                chain.finish = "length"
-            start = chain.ends[-1] if chain.ends else 0
-            if _ends_step(text_of, chain, unit) or (chain.finish is not None and len(chain.tokens) > start):
-                chain.ends.append(len(chain.tokens))
-                on_step(chain, len(chain.ends) - 1)
-                boundary = True
-        if unit.stop_below is not None:
-            for row, chain in enumerate(chains):  # verdicts that came in meanwhile, read without waiting
-                if chain.finish is not None:
-                    continue
-                for step in range(len(chain.ends)):
-                    score = verdict(chain.rollout_id, step)
-                    if score is not None and score < unit.stop_below:
-                        counts.verdicts_used += 1
-                        chain.wrong_from, chain.cut = step, chain.ends[step]
-                        counts.discarded += len(chain.tokens) - chain.cut  # decoded before the verdict came
-                        del chain.tokens[chain.cut:], chain.logprobs[chain.cut:], chain.ends[step + 1:]
-                        chain.finish = "wrong_step"
-                        shadowing[row] = fed[row][-1] not in eos_ids and len(fed[row]) < chain.budget
-                        break
-        if all(chain.finish is not None for chain in chains) and not any(shadowing):
+        for row in range(len(chains)):
+            boundary |= rows.take(row, int(picked[row]), chosen_lp[row])
+        rows.judge()
+        if rows.done():
             break
         if boundary and not keep_cache:  # the measure: the cache rebuilt from every row's tokens at a step's end
             rebuilt = time.perf_counter()
-            logits, attention, position, cache = prefill([chain.prompt + fed[row] for row, chain in enumerate(chains)])
+            logits, attention, position, cache = prefill([chain.prompt + rows.fed[row] for row, chain in enumerate(chains)])
             counts.cache_rebuild_s += time.perf_counter() - rebuilt
             continue
-        attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=-1)
+        attention = torch.cat([attention, attention.new_ones(len(chains), 1)], dim=-1)
         position = position + 1
         logits = model(input_ids=chosen, attention_mask=attention, position_ids=position, use_cache=True,
                        **{backend._cache_arg: cache}).logits[:, -1]
-    for row, chain in enumerate(chains):
-        if chain.finish is None:
-            chain.finish = "length"
-        counts.saved += shadow[row]
+    rows.close()
+    counts.decode_s += time.perf_counter() - started
+
+
+def stream_chains(
+    backend: VLLMBackend, chains: list[Chain], sampling: SamplingParams, unit: TreeUnit, *,
+    on_step: Callable[[Chain, int], None], verdict: Callable[[str, int], float | None], counts: TreeCounts,
+) -> None:
+    """Decode `chains` together to their ends on the vllm backend: one request a chain, its prompt
+    the chain's (a branch's: its root's prompt and prefix, found in the engine's prefix cache),
+    streamed one engine step at a time (`VLLMBackend.stream`), each step's new tokens taken as the
+    hf loop takes them (`Rows`), the verdicts read between engine steps. A stopped chain's request
+    goes on as its shadow; the engine ends a request where `Rows` ends its row (at the same
+    end-of-sequence ids, or its budget)."""
+    started = time.perf_counter()
+    eos_ids = backend.eos_ids()
+    rows = Rows(chains, unit, text_of=backend._text, eos_ids=eos_ids, on_step=on_step, verdict=verdict, counts=counts)
+    with backend.stream([c.prompt for c in chains], sampling, budgets=[c.budget for c in chains],
+                        seeds=[c.seed for c in chains], stop_ids=eos_ids) as stream:
+        while not rows.done() and stream.running():
+            counts.decode_steps += 1
+            for row, tokens, logprobs in stream.step():
+                for token, logprob in zip(tokens, logprobs, strict=True):
+                    rows.take(row, token, logprob)
+            rows.judge()
+        counts.branch_cached_tokens += sum(stream.cached[row] for row, chain in enumerate(chains) if chain.node is not None)
+    rows.close()
     counts.decode_s += time.perf_counter() - started
 
 
@@ -239,7 +307,7 @@ class TreePlay:
     (`play_trees`): the verdicts come meanwhile, and act when `finish` reads them."""
 
     def __init__(
-        self, backend: HFBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
+        self, backend: HFBackend | VLLMBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
         worker_id: str, feed: VerdictFeed, counts: TreeCounts, keep_cache: bool = True, seed: int | None = None,
     ) -> None:
         if not isinstance(lease.unit, TreeUnit):
@@ -281,6 +349,10 @@ class TreePlay:
             self.client.post_steps(post)
 
     def _decode(self, chains: list[Chain]) -> None:
+        if isinstance(self.backend, VLLMBackend):
+            stream_chains(self.backend, chains, self.sampling, self.unit, on_step=self._on_step, verdict=self.feed.score,
+                          counts=self.counts)
+            return
         decode_chains(self.backend, chains, self.sampling, self.unit, on_step=self._on_step, verdict=self.feed.score,
                       counts=self.counts, keep_cache=self.keep_cache)
 
@@ -337,7 +409,7 @@ class TreePlay:
 
 
 def generate_tree(
-    backend: HFBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
+    backend: HFBackend | VLLMBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
     worker_id: str, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, counts: TreeCounts,
     keep_cache: bool = True, rule: str | None = None, verdict_wait_s: float = 5.0, seed: int | None = None,
 ) -> list[Rollout]:
@@ -362,7 +434,7 @@ def generate_tree(
 
 
 def play_trees(
-    backend: HFBackend, client: OrchestratorClient, leases: Iterable[tuple[Lease, SamplingParams]], *, run_name: str,
+    backend: HFBackend | VLLMBackend, client: OrchestratorClient, leases: Iterable[tuple[Lease, SamplingParams]], *, run_name: str,
     worker_id: str, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, counts: TreeCounts,
     keep_cache: bool = True, rule: str | None = None, verdict_wait_s: float = 5.0, seed: int | None = None, ahead: int = 1,
 ) -> Iterator[tuple[Lease, list[Rollout]]]:

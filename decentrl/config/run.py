@@ -188,6 +188,15 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _tree_backend(self) -> RunConfig:
+        if self.orchestrator.tree is not None and self.worker.backend == "openai":
+            raise ValueError(
+                "[orchestrator.tree] leases are decoded step by step (verdicts read between tokens) by the hf and vllm "
+                "backends; worker.backend = 'openai' cannot: set worker.backend = 'hf' or 'vllm', or drop [orchestrator.tree]"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _router_noise_on_hf(self) -> RunConfig:
         if self.simulation.router_noise and self.worker.backend != "hf":
             raise ValueError(

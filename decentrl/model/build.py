@@ -101,14 +101,19 @@ def end_of_sequence_ids(
         return {tokenizer.eos_token_id}
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     if isinstance(config, PretrainedModelConfig):
-        from transformers import AutoConfig, GenerationConfig
-
-        try:
-            generation = GenerationConfig.from_pretrained(config.path)
-        except OSError:  # no generation_config.json: transformers derives one from config.json, as here
-            generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(config.path))
-        ids |= eos_id_set(generation.eos_token_id)
+        ids |= generation_eos_ids(config.path)
     return ids
+
+
+def generation_eos_ids(path: str) -> set[int]:
+    """The end-of-sequence ids of the generation config of the model at `path`."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: transformers derives one from config.json, as here
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    return eos_id_set(generation.eos_token_id)
 
 
 _PUBLISH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

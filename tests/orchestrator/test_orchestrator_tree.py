@@ -132,6 +132,15 @@ def test_a_deterministic_tree_run_is_refused(make_config: Any) -> None:
         make_config(deterministic=True, orchestrator=TREE)
 
 
+def test_a_tree_run_on_the_openai_backend_is_refused(make_config: Any) -> None:
+    # Tree leases are decoded step by step: hf and vllm can, an OpenAI-compatible server cannot.
+    openai = {"backend": "openai", "openai": {"url": "http://127.0.0.1:8000", "model": "m"}}
+    with pytest.raises((ValidationError, ConfigError), match="worker.backend = 'openai' cannot"):
+        make_config(orchestrator=TREE, worker=openai)
+    for backend in ("hf", "vllm"):
+        assert make_config(orchestrator=TREE, worker={"backend": backend}).worker.backend == backend
+
+
 # -- ingest -------------------------------------------------------------------------------
 
 

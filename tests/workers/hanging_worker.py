@@ -23,6 +23,7 @@ class Hanging:
 
     version: int | None = None
     records_routes = False
+    plays_trees = False
     compute_dtype: str | None = None
 
     def load(self, checkpoint_dir: str, version: int) -> None:

