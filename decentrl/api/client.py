@@ -13,7 +13,10 @@ Retries: connection failures, and 429/503 answers (rate limit, overload, a journ
 recovered), are retried with the server's Retry-After or exponential backoff with jitter, for at
 most `max_wait_s` in all, or until `stop()` (a role's SIGTERM): a wait to retry then ends at once
 with Stopped, a ConnectionError, so that a role stops in well under a second whether or not the
-orchestrator is there (a worker's rollouts stay spooled). Every retried request is safe to repeat: rollouts and scores are
+orchestrator is there (a worker's rollouts stay spooled). A rollout post is patient: 429 and 503
+(a full buffer waiting for the trainer, posts crowded) are retried for as long as the orchestrator
+answers so, since the rollouts in hand are what it waits for and their leases are renewed meanwhile;
+only unreachable counts against `max_wait_s` there. Every retried request is safe to repeat: rollouts and scores are
 idempotent by rollout id, and `batch()` sends one request id per call, so a batch whose answer was lost is
 answered again with the same batch, never with a second one. Any other HTTP error is raised as
 OrchestratorError carrying the server's message; a 2xx answer that does not validate as its
@@ -177,11 +180,13 @@ class OrchestratorClient:
         return data, headers
 
     def _request(
-        self, method: str, path: str, body: BaseModel | None = None, *, timeout_s: float | None = None
+        self, method: str, path: str, body: BaseModel | None = None, *, timeout_s: float | None = None,
+        patient: bool = False,
     ) -> tuple[int, str, bytes]:
         """(status, content type, body) of a 2xx answer; retries as the module docstring says.
-        `timeout_s`: the socket timeout, when a long-poll may stay silent longer than the client's."""
-        delay, waited = 0.2, 0.0
+        `timeout_s`: the socket timeout, when a long-poll may stay silent longer than the client's.
+        `patient`: 429 and 503 answers are retried until `stop()`, not counted against `max_wait_s`."""
+        delay, waited, overloaded, said = 0.2, 0.0, 0.0, 0.0
         encoded: tuple[str, tuple[bytes, dict[str, str]]] | None = None
         while True:
             headers = {"Authorization": f"Bearer {self._token}", "Accept": f"{MEDIA_MSGPACK}, {MEDIA_JSON};q=0.5"}
@@ -204,7 +209,7 @@ class OrchestratorClient:
             except (OSError, http.client.HTTPException) as exc:
                 if waited >= self.max_wait_s:
                     raise ConnectionError(f"orchestrator at {self.url} unreachable for {waited:.0f}s: {exc}") from None
-                sleep = delay * (0.5 + random.random())
+                sleep, waiting = delay * (0.5 + random.random()), False
                 log.warning("orchestrator unreachable (%s); retrying in %.1fs", exc, sleep)
             else:
                 if 200 <= status < 300:
@@ -220,18 +225,26 @@ class OrchestratorClient:
                     log.warning("orchestrator refuses msgpack (%s); using JSON from now on", message)
                     self.encoding = "json"
                     continue
-                if status not in RETRIED_STATUSES or waited >= self.max_wait_s:
+                if status not in RETRIED_STATUSES or (waited >= self.max_wait_s and not patient):
                     raise OrchestratorError(status, message) from None
                 retry_after = answer_headers.get("Retry-After")
                 try:
                     sleep = float(retry_after) * (1.0 + 0.2 * random.random()) if retry_after else delay
                 except ValueError:
                     sleep = delay
-                sleep = min(sleep, 30.0, max(0.05, self.max_wait_s - waited))
-                log.warning("orchestrator answered %d (%s); retrying in %.1fs", status, message, sleep)
+                waiting = patient
+                sleep = min(sleep, 30.0) if patient else min(sleep, 30.0, max(0.05, self.max_wait_s - waited))
+                if overloaded < self.max_wait_s:
+                    log.warning("orchestrator answered %d (%s); retrying in %.1fs", status, message, sleep)
+                elif overloaded - said >= 60.0:  # a long wait on a stalled trainer: said once a minute
+                    said = overloaded
+                    log.warning("orchestrator has answered %d for %.0fs (%s); still waiting", status, overloaded, message)
             if self._stopped.wait(sleep):
                 raise Stopped(f"{method} {path.split('?')[0]} not retried: the client is stopping")
-            waited += sleep
+            if waiting:
+                overloaded += sleep
+            else:
+                waited += sleep
             delay = min(delay * 2, 5.0)
 
     @staticmethod
@@ -243,8 +256,10 @@ class OrchestratorClient:
         except ValidationError as exc:
             raise InvalidAnswer(f"the orchestrator's answer is not a valid {answer.__name__}: {problems(exc)}") from None
 
-    def _call(self, method: str, path: str, answer: type[M], body: BaseModel | None = None) -> M:
-        _, media, payload = self._request(method, API_PREFIX + path, body)
+    def _call(
+        self, method: str, path: str, answer: type[M], body: BaseModel | None = None, *, patient: bool = False
+    ) -> M:
+        _, media, payload = self._request(method, API_PREFIX + path, body, patient=patient)
         return self._decode(answer, media, payload)
 
     # -- everyone -------------------------------------------------------------------------
@@ -275,7 +290,8 @@ class OrchestratorClient:
         return self._call("POST", "/leases", LeaseResponse, request)
 
     def post_rollouts(self, batch: RolloutBatch) -> IngestResponse:
-        return self._call("POST", "/rollouts", IngestResponse, batch)
+        """Patient (the module docstring): a full buffer is waited out, however long the trainer takes."""
+        return self._call("POST", "/rollouts", IngestResponse, batch, patient=True)
 
     def lease_state(self, lease_id: str, worker_id: str) -> LeaseState:
         return self._call("GET", f"/leases/{_quote(lease_id)}?{_query(worker_id=worker_id)}", LeaseState)

@@ -25,7 +25,7 @@ import pytest
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.api.client import OrchestratorClient, OrchestratorError
+from decentrl.api.client import OrchestratorClient, OrchestratorError, Stopped
 from decentrl.api.encoding import MEDIA_MSGPACK, encode_model, pack_msgpack, unpack_msgpack
 from decentrl.api.wire import LeaseRequest, Rollout, RolloutBatch, SamplingParams, TrainBatch
 from decentrl.tasks import build_task
@@ -187,6 +187,36 @@ def test_a_full_buffer_answers_503_until_the_trainer_takes_a_batch(
             assert (await server.call("GET", "/v1/batch?trainer_version=0", TRAINER))[0] == 200
             status, result, _ = await server.call("POST", "/v1/rollouts", WORKER, data=body)
             assert status == 200 and result["duplicates"] == 6
+
+    run(scenario())
+
+
+def test_a_rollout_post_waits_out_a_full_buffer_for_as_long_as_the_trainer_takes(
+    serve: Any, sorted_answer: Any, completion_ids: Any
+) -> None:
+    """The worker's post to a full buffer is retried for as long as the orchestrator answers 503,
+    past the client's max_wait_s: a trainer's stall may last longer (until 2026-11-29 the post gave up after
+    120 s and the worker stopped: a frozen proposer's run of two models lost its workers so). `stop()`
+    still ends the wait at once."""
+
+    async def scenario() -> None:
+        async with serve(orchestrator={"max_buffer_groups": 2}) as server:
+            server.state.announce(0)
+            body = answers(server, server.state.grant_leases("alice/w0", 2), sorted_answer, completion_ids)
+            patient, stopping = server.client(WORKER, max_wait_s=0.5), server.client(WORKER, max_wait_s=0.5)
+            assert (await asyncio.to_thread(patient.post_rollouts, body)).accepted == 6  # the buffer is full
+            posting = asyncio.ensure_future(asyncio.to_thread(patient.post_rollouts, body))
+            stopped = asyncio.ensure_future(asyncio.to_thread(stopping.post_rollouts, body))
+            await asyncio.sleep(2.0)  # 4 x max_wait_s
+            assert not posting.done() and not stopped.done()
+            stopping.stop()
+            asked = time.monotonic()
+            with pytest.raises(Stopped):
+                await stopped
+            assert time.monotonic() - asked < 1.0
+            assert (await server.call("GET", "/v1/batch?trainer_version=0", TRAINER))[0] == 200
+            result = await asyncio.wait_for(posting, timeout=10)
+            assert result.duplicates == 6 and not result.rejected
 
     run(scenario())
 
