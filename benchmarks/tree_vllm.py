@@ -9,7 +9,9 @@ Arms, each over `--prompts` prompts of `--prompt-tokens` digit tokens, `--group-
   step posted (to a local judge) as it ends and verdicts read between engine steps;
 - `pivots`: units of `--pivots` pivots of `--k` branches each (rule random), the branches' prompts
   (root prompt + prefix) sent back to the engine, whose prefix cache holds them;
-- `stop`: as `pivots`, and chains stopped at a step judged under 0.5.
+- `stop`: as `pivots`, and chains stopped at a step judged under 0.5;
+- `roots_wide`, `pivots_wide`, `stop_wide`: the same with `--width` units' roots decoded in one
+  engine batch (workers/tree.py `play_trees` `width`; each unit's branches still on their own).
 The judge (in process, no HTTP) scores a step right with probability `--right`, from a hash of
 (lease, step index, step tokens), `--judge-delay-ms` after its post. Per arm: tokens decoded a second (kept tokens,
 plus those a stopped chain decoded after its wrong step), and for branches the prompt tokens and
@@ -82,6 +84,7 @@ OPTIONS = [  # (flag, default, help)
     ("right", 0.8, "the judge's share of steps judged right"),
     ("judge-delay-ms", 0.0, "how long after a step's post its verdict comes"),
     ("seed", 0, "prompts' and units' seed"),
+    ("width", 16, "the _wide arms: units whose roots are decoded in one engine batch (play_trees width)"),
 ]
 
 
@@ -126,7 +129,9 @@ def main() -> None:
                         "engine_steps": steps[0], "tokens_per_engine_step": round(tokens / steps[0], 2)}
     engine.step = step
 
-    for arm, tree in (("roots", {"pivots": 0}), ("pivots", {}), ("stop", {"stop_below": 0.5})):
+    arms = [(name + suffix, tree, width) for suffix, width in (("", 1), ("_wide", args.width))
+            for name, tree in (("roots", {"pivots": 0}), ("pivots", {}), ("stop", {"stop_below": 0.5}))]
+    for arm, tree, width in arms:
         backend.llm.reset_prefix_cache()  # type: ignore[attr-defined] - each arm from a cold cache, as after a swap
         unit = TreeUnit(kind="tree", boundary=StepBoundary(type="tokens", tokens=args.step_tokens),
                         **{"k": args.k, "pivots": args.pivots, "rule": "random", **tree})
@@ -140,7 +145,7 @@ def main() -> None:
         try:
             samples = [s for _, unit_samples in play_trees(
                 backend, judge, leases, run_name="bench", worker_id="w0", feed=feed, rng=random.Random(args.seed),  # type: ignore[arg-type]
-                estimate=RecoveryEstimate(), counts=counts, seed=args.seed) for s in unit_samples]
+                estimate=RecoveryEstimate(), counts=counts, seed=args.seed, width=width) for s in unit_samples]
         finally:
             feed.close()
         wall = time.perf_counter() - started
@@ -161,6 +166,8 @@ def main() -> None:
     print(json.dumps({**results, "roots_tokens_per_s_vs_plain": round(speed["roots"] / speed["plain"], 3),
                       "roots_tokens_per_s_vs_plain_per_group": round(speed["roots"] / speed["plain_per_group"], 3),
                       "pivots_tokens_per_s_vs_plain_per_group": round(speed["pivots"] / speed["plain_per_group"], 3),
+                      "roots_wide_tokens_per_s_vs_plain": round(speed["roots_wide"] / speed["plain"], 3),
+                      "pivots_wide_tokens_per_s_vs_pivots": round(speed["pivots_wide"] / speed["pivots"], 3),
                       "args": vars(args)}))
 
 

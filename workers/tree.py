@@ -26,6 +26,7 @@ token does, and everything above it, is shared (`Rows`, `TreePlay`, `play_trees`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -348,12 +349,15 @@ class TreePlay:
             post = StepPost(lease_id=self.lease.lease_id, worker_id=self.worker_id, steps=steps[start : start + MAX_STEPS_A_POST])
             self.client.post_steps(post)
 
-    def _decode(self, chains: list[Chain]) -> None:
+    def _decode(self, chains: list[Chain], on_step: Callable[[Chain, int], None] | None = None) -> None:
+        """Decode `chains` (this unit's, or with other units' of the same sampling and unit:
+        `start_together`, each step posted by `on_step`, else by this play)."""
+        on_step = on_step or self._on_step
         if isinstance(self.backend, VLLMBackend):
-            stream_chains(self.backend, chains, self.sampling, self.unit, on_step=self._on_step, verdict=self.feed.score,
+            stream_chains(self.backend, chains, self.sampling, self.unit, on_step=on_step, verdict=self.feed.score,
                           counts=self.counts)
             return
-        decode_chains(self.backend, chains, self.sampling, self.unit, on_step=self._on_step, verdict=self.feed.score,
+        decode_chains(self.backend, chains, self.sampling, self.unit, on_step=on_step, verdict=self.feed.score,
                       counts=self.counts, keep_cache=self.keep_cache)
 
     def _seeded(self, node: str, index: int) -> int | None:
@@ -408,6 +412,21 @@ class TreePlay:
         self.posting.shutdown(wait=False)
 
 
+def start_together(plays: list[TreePlay]) -> None:
+    """`TreePlay.start` of every play, their roots decoded in one batch (one engine batch on vllm,
+    one padded batch on hf) where they share their sampling and unit, each step posted by its own
+    play; else one play after the other. Seeded rows draw the same tokens either way on vllm (a
+    request's generator is its own; tests/workers/test_worker_vllm.py)."""
+    first = plays[0]
+    if len(plays) == 1 or any(play.sampling != first.sampling or play.unit != first.unit for play in plays):
+        for play in plays:
+            play.start()
+        return
+    owner = {chain.rollout_id: play for play in plays for chain in play.roots}
+    first._decode([chain for play in plays for chain in play.roots],
+                  on_step=lambda chain, step: owner[chain.rollout_id]._on_step(chain, step))
+
+
 def generate_tree(
     backend: HFBackend | VLLMBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
     worker_id: str, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, counts: TreeCounts,
@@ -437,19 +456,24 @@ def play_trees(
     backend: HFBackend | VLLMBackend, client: OrchestratorClient, leases: Iterable[tuple[Lease, SamplingParams]], *, run_name: str,
     worker_id: str, feed: VerdictFeed, rng: random.Random, estimate: RecoveryEstimate, counts: TreeCounts,
     keep_cache: bool = True, rule: str | None = None, verdict_wait_s: float = 5.0, seed: int | None = None, ahead: int = 1,
+    width: int = 1,
 ) -> Iterator[tuple[Lease, list[Rollout]]]:
     """Tree leases played in order, each as `generate_tree` plays it, but overlapped: the roots of
     the next `ahead` leases are decoded before a lease's pivots are chosen, so the worker decodes
     while that lease's last verdicts come, instead of waiting for them (0: one lease at a time).
-    `leases` is pulled lazily, one lease ahead of the one finishing: a caller that leases on demand
-    holds at most `ahead` unfinished units. Pivots are chosen, and the estimate learns, in the
-    leases' order, so a seeded lease gives the same samples played either way; all must be played
-    at one version (a swap between a lease's roots and its branches would split its tree)."""
+    `leases` is pulled lazily, `width` leases at a time whose roots are decoded together
+    (`start_together`; 1: each lease's alone), ahead of the one finishing: a caller that leases on
+    demand holds at most `ahead + width - 1` unfinished units. Pivots are chosen, and the estimate
+    learns, in the leases' order, so a seeded lease gives the same samples played either way; all
+    must be played at one version (a swap between a lease's roots and its branches would split its tree)."""
     pending: deque[TreePlay] = deque()
+    source = iter(leases)
     try:
-        for lease, sampling in leases:
-            pending.append(TreePlay(backend, client, lease, sampling, run_name=run_name, worker_id=worker_id, feed=feed,
-                                    counts=counts, keep_cache=keep_cache, seed=seed).start())
+        while batch := list(itertools.islice(source, width)):
+            plays = [TreePlay(backend, client, lease, sampling, run_name=run_name, worker_id=worker_id, feed=feed,
+                              counts=counts, keep_cache=keep_cache, seed=seed) for lease, sampling in batch]
+            pending.extend(plays)
+            start_together(plays)
             while len(pending) > ahead:
                 play = pending.popleft()
                 yield play.lease, play.finish(rng=rng, estimate=estimate, rule=rule, verdict_wait_s=verdict_wait_s)

@@ -617,15 +617,16 @@ class Worker:
 
     def _play_trees(self, first: LeaseResponse, *, may_ask: int | None) -> tuple[LeaseResponse | None, int]:
         """Tree leases ([orchestrator.tree], docs/rewards.md "Pivots"): generated step by step
-        (workers/tree.py `play_trees`), the next lease's roots decoded while one waits for its
-        roots' last verdicts, in one round of their own (no swap inside it: a tree's branches keep
-        its roots' version); each spooled and sent whole as it ends. When `first`'s leases are all
-        started, the round asks for the next answer (`_ask_in_round`, at most `may_ask` answers; None:
-        no bound) and goes on with its leases, so that the last lease of an answer waits for its
-        verdicts while the next answer's roots are decoded; it ends (its units finished, then a swap
-        may come) once no answer is asked or one comes that it cannot play (`_in_round`). Returns
-        that answer (held, for the slot to play next; None if there is none; handed back if the
-        round fails) and how many answers the round asked for (the slot counts them as its iterations).
+        (workers/tree.py `play_trees`: as many units' roots decoded together as `first` holds), the
+        next leases' roots decoded while one waits for its roots' last verdicts, in one round of
+        their own (no swap inside it: a tree's branches keep its roots' version); each spooled and
+        sent whole as it ends. When `first`'s leases are all started, the round asks for the next
+        answer (`_ask_in_round`, at most `may_ask` answers; None: no bound) and goes on with its
+        leases, so that the last lease of an answer waits for its verdicts while the next answer's
+        roots are decoded; it ends (its units finished, then a swap may come) once no answer is
+        asked or one comes that it cannot play (`_in_round`). Returns that answer (held, for the
+        slot to play next; None if there is none; handed back if the round fails) and how many
+        answers the round asked for (the slot counts them as its iterations).
         A backend that cannot decode step by step (`plays_trees`: openai) refuses them: they are
         handed back at once, and the worker stops with the reason."""
         if not self.backend.plays_trees:
@@ -661,7 +662,7 @@ class Worker:
             with self._batcher.round_of_its_own():
                 for lease, rollouts in play_trees(
                     self.backend, self.client, playing(), run_name=self.info.run_name, worker_id=self.worker_id, feed=self._feed,
-                    rng=self._tree_rng, estimate=self._tree_estimate, counts=self.tree_counts,
+                    rng=self._tree_rng, estimate=self._tree_estimate, counts=self.tree_counts, width=len(first.leases),
                 ):
                     self._tree_done(lease, rollouts)
                     if any(lease.lease_id == other.lease_id for other in chained):

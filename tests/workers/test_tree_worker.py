@@ -299,7 +299,7 @@ def test_overlapped_seeded_units_draw_what_they_draw_one_at_a_time(backend: HFBa
     # samples (roots, pivots, branches) as played one after the other.
     sampling = SamplingParams(temperature=1.0, max_tokens=8)
 
-    def play(ahead: int) -> list[list[tuple[Any, ...]]]:
+    def play(ahead: int, width: int = 1) -> list[list[tuple[Any, ...]]]:
         client = _LateJudge(delay_s=0.0)
         feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
         feed.scores[("an earlier unit's", 0)] = 1.0  # pivots chosen once the roots' verdicts are in, either way
@@ -308,7 +308,7 @@ def test_overlapped_seeded_units_draw_what_they_draw_one_at_a_time(backend: HFBa
             units = [samples for _, samples in play_trees(
                 backend, client, [(lease, sampling) for lease in _two_leases(pivots=2, k=3, rule="utility")],  # type: ignore[arg-type]
                 run_name="r", worker_id="w0", feed=feed, rng=random.Random(ahead), estimate=RecoveryEstimate(),
-                counts=TreeCounts(), seed=7, ahead=ahead)]
+                counts=TreeCounts(), seed=7, ahead=ahead, width=width)]
         finally:
             feed.close()
         rows = []
@@ -321,3 +321,4 @@ def test_overlapped_seeded_units_draw_what_they_draw_one_at_a_time(backend: HFBa
     one_at_a_time = play(ahead=0)
     assert [len(rows) for rows in one_at_a_time] == [4 + 2 * 3] * 2
     assert play(ahead=1) == one_at_a_time
+    assert play(ahead=1, width=2) == one_at_a_time  # both units' roots decoded in one batch

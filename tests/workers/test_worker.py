@@ -383,21 +383,28 @@ def tree_setup(tmp_path: Any, request: pytest.FixtureRequest) -> Iterator[Setup]
     )
 
 
-def test_the_worker_plays_tree_leases_step_by_step(tree_setup: Setup) -> None:
-    """`decentrl worker`'s loop hands a tree lease to workers/tree.py: its steps posted as they
-    finish, and the whole unit (root and one pivot's branches) accepted by the node rules."""
+def test_the_worker_plays_tree_leases_step_by_step(tree_setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`decentrl worker`'s loop hands tree leases to workers/tree.py (the request's two units'
+    roots decoded together): their steps posted as they finish, and the whole units (roots and one
+    pivot's branches) accepted by the node rules."""
+    import workers.tree as tree
+
+    widths: list[int] = []
+    start = tree.start_together
+    monkeypatch.setattr(tree, "start_together", lambda plays: (widths.append(len(plays)), start(plays))[1])
     tree_setup.publish(0, seed=0)
     worker = tree_setup.worker()
     worker.run(max_iterations=1)
+    assert widths == [2]  # one batch of roots
     status = tree_setup.orchestrator.client(WORKER).status()
     assert status.rollouts_rejected == {} and worker.tree_counts is not None
-    assert status.rollouts_accepted == worker.rollouts_posted > 0
-    assert status.rollouts_accepted % (2 + 2) == 0  # whole units: group_size 2 and k = 2 branches of 1 pivot
+    short = worker.tree_counts.short  # units whose roots ended without a step boundary: their roots alone
+    assert short < 2 and status.rollouts_accepted == worker.rollouts_posted == 2 * (2 + 2) - 2 * short  # group_size 2, k = 2
     assert worker.tree_counts.steps_posted > 0 and worker.spool.pending() == []
     state = tree_setup.orchestrator.state
     samples = [r for group in state.ready for r, _ in group.samples]
     branches = [r for r in samples if r.node is not None]
-    assert len(branches) == len(samples) // 2 and all(len(r.prompt_token_ids) > len(samples[0].prompt_token_ids) for r in branches)
+    assert len(branches) == 2 * (2 - short) and all(len(r.prompt_token_ids) > len(samples[0].prompt_token_ids) for r in branches)
 
 
 def test_a_backend_that_cannot_decode_step_by_step_hands_tree_leases_back(tree_setup: Setup) -> None:

@@ -51,7 +51,7 @@ def test_vllm_plays_a_tree_lease_step_by_step(backend: Any, tmp_path: Any, monke
     # Roots streamed one engine step at a time, each step posted as it ends and the verdicts read
     # between engine steps (a judge: step 0 right, every later step wrong); branches from the
     # roots' prefixes found in vLLM's prefix cache; every chain seeded from the unit.
-    from workers.tree import TreeCounts, VerdictFeed, generate_tree
+    from workers.tree import TreeCounts, VerdictFeed, generate_tree, play_trees
 
     model = build_model(TINY.model_copy(update={"seed": 3})).eval()
     backend.load(write_version(str(tmp_path / "v9"), model), 9)
@@ -108,3 +108,21 @@ def test_vllm_plays_a_tree_lease_step_by_step(backend: Any, tmp_path: Any, monke
     assert all(cut.step_ends == [2, 4] for cut, _ in wrong)
     assert stopping.saved + stopping.discarded == sum(len(full.completion_token_ids) - 4 for _, full in wrong)
     assert stopping.saved > 0
+
+    # Two units' roots in one engine batch (`width`): each seeded row draws what it draws alone.
+    def two(width: int) -> list[list[tuple[Any, ...]]]:
+        unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), rule="random")
+        leases = [(Lease(lease_id=f"l{n}", prompt_id=n, prompt_token_ids=prompt[: 20 + n], group_size=4, deadline=time.time() + 60,
+                         unit=unit, policy_version=9), sampling) for n in range(2)]
+        client = _LateJudge(delay_s=0.0)
+        feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
+        feed.scores[("an earlier unit's", 0)] = 1.0  # pivots chosen once the roots' verdicts are in, either way
+        feed.start()
+        try:
+            return [rows(samples) for _, samples in play_trees(
+                backend, client, leases, run_name="r", worker_id="w0", feed=feed, rng=random.Random(0),  # type: ignore[arg-type]
+                estimate=RecoveryEstimate(), counts=TreeCounts(), seed=7, width=width)]
+        finally:
+            feed.close()
+
+    assert two(width=2) == two(width=1)
