@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from decentrl.api.wire import ChatMessage, PartialStep, Rollout, ScoreItem, ScoreResult
+from decentrl.api.wire import BranchParent, ChatMessage, PartialStep, Rollout, ScoreItem, ScoreResult
 from decentrl.config import PromptConfig, RewardConfig, StepsConfig
 from decentrl.rl.steps import Steps, split_steps
 from decentrl.tasks import Task
@@ -56,7 +56,7 @@ class Rewards:
         ]
 
     def items(self, rollouts: list[Rollout], steps: list[Steps] | None) -> list[ScoreItem]:
-        texts = self.decode([rollout.completion_token_ids for rollout in rollouts])
+        texts = self.decode(answers(rollouts))
         items = []
         for i, (rollout, text) in enumerate(zip(rollouts, texts, strict=True)):
             prompt = self.task.prompt(rollout.prompt_id)
@@ -97,7 +97,7 @@ class Rewards:
         if isinstance(self.task, EpisodeTask):
             return [self.episode_reward(rollout) for rollout in rollouts]
         task = self.task
-        texts = self.decode([rollout.completion_token_ids for rollout in rollouts])
+        texts = self.decode(answers(rollouts))
         return [task.reward(task.prompt(r.prompt_id), text) for r, text in zip(rollouts, texts, strict=True)]
 
     def episode_reward(self, rollout: Rollout) -> float:
@@ -107,3 +107,18 @@ class Rewards:
             self.task, self.task.prompt(rollout.prompt_id), rollout.completion_token_ids, rollout.loss_mask,
             rollout.finish_reason, rollout.sampling, self._episode_codec, ends=self.ends,
         )
+
+
+def answers(rollouts: list[Rollout]) -> list[list[int]]:
+    """Each sample's whole answer, the tokens its reward judges: a root's completion; a tree
+    branch's prefix (its prompt's tokens past its unit's prompt, the roots': the parent's first
+    `at` completion tokens, as ingest checks) then its continuation. A branch judged on its
+    continuation alone would miss every step its prefix holds."""
+    base = next((len(r.prompt_token_ids) for r in rollouts if r.node is None or r.node.parent is None), None)
+    out = []
+    for rollout in rollouts:
+        branch = rollout.node is not None and isinstance(rollout.node.parent, BranchParent)
+        if branch and base is None:
+            raise ValueError("a unit of branches without its roots: a branch's prefix is read past the roots' prompt")
+        out.append([*rollout.prompt_token_ids[base:], *rollout.completion_token_ids] if branch else list(rollout.completion_token_ids))
+    return out

@@ -299,3 +299,24 @@ def test_a_tree_batch_trains_global_plus_lambda_local_and_its_prefix_as_prompt(m
     assert [s.advantage for s in batch.samples] == pytest.approx([-1 / 3, 0.25, -0.25, 2 / 3, -1 / 3])
     assert [list(s.prompt_token_ids) for s in batch.samples[1:3]] == [[1, 5, 3, 4]] * 2
     assert [list(s.completion_token_ids) for s in batch.samples[1:3]] == [[7, 8]] * 2
+
+
+def test_a_branch_is_rewarded_on_its_whole_answer_its_prefix_then_its_continuation(
+    tree_state: Callable[..., RunState], make_rollout: Any, completion_ids: Callable[[str], list[int]]
+) -> None:
+    """A branch's reward judges the prefix it continues and its continuation together (the task's
+    answer), not the continuation alone: a right continuation of a root's right first tokens is
+    right, a wrong one wrong. Model scorers are handed the same whole answer."""
+    state = tree_state()
+    (lease,) = state.grant_leases(HOLDER, 1)
+    right = "".join(sorted(state.task.prompt(lease.prompt_id).text.removesuffix("=")))
+    wrong = right[:2] + ("9" if right[2] != "9" else "0") + right[3:]
+    roots = [_root(make_rollout, lease, completion_ids(wrong), [2, len(wrong) + 1]) for _ in range(3)]
+    assert state.ingest(roots, HOLDER).accepted == 3
+    branches = [_branch(make_rollout, lease, roots[0], 2, completion_ids(text)[2:], node_id="b0") for text in (right, wrong)]
+    assert state.ingest(branches, HOLDER).accepted == 2
+    (group,) = state.ready
+    partial = state.task.reward(state.task.prompt(lease.prompt_id), wrong)  # sorting's credit for a misplaced digit
+    assert partial < 1.0 and group.rewards == [partial] * 3 + [1.0, partial]
+    items = state.rewards.items(group.rollouts, None)
+    assert [item.completion for item in items[3:]] == [right, wrong]
