@@ -77,11 +77,29 @@ ARMS = {
 # are process rewards (no stopping, no pivot), so that a gain is told apart as the pivots' or the
 # process rewards'.
 CONTROLS = {"root_process": ARMS["root"]}
+DIGITS = 4  # the chained sums' digits a prompt (steps per right answer): `--digits`
 
 
-def finetune(directory: str, steps: int, seed: int) -> float:
-    """A tiny model trained on right chained sums (teacher forcing), written as an HF directory;
-    returns the final loss."""
+def max_tokens(digits: int) -> int:
+    """A chain's token limit: 6 a digit (24 at 4 digits; a right chain's step is its running sum,
+    at most 3 digits, and its marker, and the chain ends with end-of-sequence)."""
+    return 6 * digits
+
+
+def digits_arg(text: str) -> int:
+    """`--digits`: an integer within the chain task's bounds (task.num_digits, 2 to 16)."""
+    try:
+        digits = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--digits takes an integer from 2 to 16, not {text!r}") from None
+    if not 2 <= digits <= 16:
+        raise argparse.ArgumentTypeError(f"--digits takes an integer from 2 to 16 (the chain task's bounds), not {digits}")
+    return digits
+
+
+def finetune(directory: str, steps: int, seed: int, digits: int = DIGITS) -> float:
+    """A tiny model trained on right chained sums of `digits` digits (teacher forcing), written as
+    an HF directory; returns the final loss."""
     import torch
 
     from decentrl.config import ChainTaskConfig, TinyModelConfig
@@ -92,7 +110,7 @@ def finetune(directory: str, steps: int, seed: int) -> float:
     torch.manual_seed(seed)
     tokenizer = build_tiny_tokenizer()
     model = build_model(TinyModelConfig(**SHAPE, seed=seed))
-    task = ChainTask(ChainTaskConfig(num_digits=4, num_prompts=4096, seed=1000 + seed))  # not the arms' prompts
+    task = ChainTask(ChainTaskConfig(num_digits=digits, num_prompts=4096, seed=1000 + seed))  # not the arms' prompts
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(seed)
     loss = torch.tensor(0.0)
@@ -257,7 +275,7 @@ def heldout_accuracy(model: Any, tokenizer: Any, prompts: list[str], *, samples:
 def run_arm(
     arm: str, seed: int, checkpoint: str, budget: int, group_size: int, k: int, *, keep_cache: bool = True,
     post_steps: bool = True, token_s: float = 0.0, verdict_wait_s: float = 5.0, training: Training | None = None,
-    ahead: int = 1,
+    ahead: int = 1, digits: int = DIGITS,
 ) -> dict[str, Any]:
     """One arm at one seed on a fresh orchestrator, scorer and backend: units until `budget` tokens.
     `token_s`: each decoding step takes at least this long (`pace`), as a real model's does. With
@@ -282,8 +300,8 @@ def run_arm(
     options = {**ARMS, **CONTROLS}[arm]
     config = parse_config({
         "run_name": f"pivots-{arm}-{seed}", "group_size": group_size, "max_staleness": 1, "num_workers": 1, "trainer_ranks": 1,
-        "model": {"type": "tiny", **SHAPE}, "task": {"type": "chain", "num_digits": 4, "num_prompts": 4096, "seed": seed},
-        "sampling": {"temperature": 1.0, "max_tokens": 24},
+        "model": {"type": "tiny", **SHAPE}, "task": {"type": "chain", "num_digits": digits, "num_prompts": 4096, "seed": seed},
+        "sampling": {"temperature": 1.0, "max_tokens": max_tokens(digits)},
         "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "lease_wait_s": 0.0, "lease_timeout_s": 120.0,
                          "rewards": {"lease_timeout_s": 30.0},
                          "tree": {"k": k, "marker": "=", **options},
@@ -401,7 +419,7 @@ def run_arm(
         server.close()
     spent = counts.generated + counts.discarded
     return {
-        "arm": arm, "seed": seed, "units": units, "tokens": spent, "tokens_kept": counts.generated,
+        "arm": arm, "seed": seed, "digits": digits, "units": units, "tokens": spent, "tokens_kept": counts.generated,
         "tokens_discarded": counts.discarded, "tokens_saved": counts.saved, "solved": solved, "units_short": short,
         "solved_per_1k_tokens": 1000 * solved / spent, "recovered": recovered, "failed_prompts": failed_prompts,
         "recovered_per_1k_tokens": 1000 * recovered / spent, "all_roots_failed": all_roots_failed,
@@ -520,6 +538,9 @@ def main() -> None:
     parser.add_argument("--ahead", type=int, default=1,
                         help="Units whose roots the worker decodes while a unit waits for its roots' last verdicts "
                         "(workers/tree.py play_trees; 0: one unit at a time). Training arms play one at a time.")
+    parser.add_argument("--digits", type=digits_arg, default=DIGITS,
+                        help="Digits a chained-sums prompt (steps a right answer; 2 to 16), in the fine-tuning, the arms' "
+                        "prompts and the held-out ones; a chain's token limit is 6 a digit.")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--k", type=int, default=4, help="Continuations of each pivot.")
     parser.add_argument("--sft-steps", type=int, default=600, help="Fine-tuning steps that give the model a signal.")
@@ -556,6 +577,7 @@ def main() -> None:
         **figures,
         "verdict_wait_s": args.verdict_wait_s, "token_ms": args.token_ms,
         "budget_tokens": args.budget, "train_budget_tokens": args.train_budget, "seeds": args.seeds,
+        "digits": args.digits, "max_tokens": max_tokens(args.digits),
         "group_size": args.group_size, "k": args.k, "lr": args.lr, "groups_per_step": args.groups_per_step,
         "root_groups_per_step": args.root_groups_per_step or args.groups_per_step,
         "local_weight": args.local_weight, "process_weight": args.process_weight, "process": args.process,
@@ -576,22 +598,23 @@ def run_all(args: argparse.Namespace) -> Rows:
     silent: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = os.path.join(tmp, "v0")
-        sft_loss = finetune(checkpoint, args.sft_steps, seed=0)
+        sft_loss = finetune(checkpoint, args.sft_steps, seed=0, digits=args.digits)
         if args.train_budget:
-            heldout = heldout_prompts(args.heldout, max(HELDOUT_SEEDS, args.seed_start + args.seeds))
+            heldout = heldout_prompts(args.heldout, max(HELDOUT_SEEDS, args.seed_start + args.seeds), args.digits)
             for seed in range(args.seed_start, args.seed_start + args.seeds):
                 for arm in args.arms or [*ARMS, *(CONTROLS if args.process_weight else ())]:
                     per_step = args.root_groups_per_step if arm == "root" and args.root_groups_per_step else args.groups_per_step
                     training = Training(per_step, args.lr, heldout, args.eval_samples, args.eval_every, args.local_weight,
                                         args.process_weight, args.process)
                     trained.append(run_arm(arm, seed, checkpoint, args.train_budget, args.group_size, args.k,
-                                           token_s=args.token_ms / 1000, verdict_wait_s=args.verdict_wait_s, training=training))
+                                           token_s=args.token_ms / 1000, verdict_wait_s=args.verdict_wait_s, training=training,
+                                           digits=args.digits))
                     print(json.dumps(trained[-1]), flush=True)
         pace_s = args.token_ms / 1000
         for seed in range(args.seed_start, args.seed_start + args.seeds) if args.budget else ():
             for arm in ARMS:
                 runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=pace_s,
-                                    verdict_wait_s=args.verdict_wait_s, ahead=args.ahead))
+                                    verdict_wait_s=args.verdict_wait_s, ahead=args.ahead, digits=args.digits))
                 print(json.dumps(runs[-1]), flush=True)
             if seed == args.seed_start:
                 # The measures of the worker's side, on the first seed: the root arm without
@@ -599,10 +622,10 @@ def run_all(args: argparse.Namespace) -> Rows:
                 # (a run minutes apart measures the machine's load: it drifts by 15% in minutes
                 # here), then the KV cache rebuilt at each step's end (prm arm).
                 silent = run_arm("root", seed, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=pace_s,
-                                 ahead=args.ahead)
+                                 ahead=args.ahead, digits=args.digits)
                 print(json.dumps(silent), flush=True)
                 rebuilt = run_arm("prm", seed, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=pace_s,
-                                  verdict_wait_s=args.verdict_wait_s, ahead=args.ahead)
+                                  verdict_wait_s=args.verdict_wait_s, ahead=args.ahead, digits=args.digits)
                 print(json.dumps(rebuilt), flush=True)
     return trained, runs, rebuilt, silent, sft_loss
 
@@ -694,17 +717,17 @@ def sampling_figures(runs: list[dict[str, Any]], rebuilt: dict[str, Any], silent
 HELDOUT_SEEDS = 3  # the held-out prompts avoid the arms' tasks of seeds 0-2 at least: one set for seeds run apart
 
 
-def heldout_prompts(count: int, seeds: int) -> list[str]:
-    """`count` chained-sums prompts that neither the fine-tuning's prompts nor the task of an arm
-    of seeds 0 to `seeds` - 1 holds."""
+def heldout_prompts(count: int, seeds: int, digits: int = DIGITS) -> list[str]:
+    """`count` chained-sums prompts of `digits` digits that neither the fine-tuning's prompts nor
+    the task of an arm of seeds 0 to `seeds` - 1 holds."""
     from decentrl.config import ChainTaskConfig
     from decentrl.tasks.chain import ChainTask
 
     seen = set()
     for seed in [*range(seeds), 1000]:  # the arms' tasks, the fine-tuning's (finetune)
-        task = ChainTask(ChainTaskConfig(num_digits=4, num_prompts=4096, seed=seed))
+        task = ChainTask(ChainTaskConfig(num_digits=digits, num_prompts=4096, seed=seed))
         seen |= {task.prompt(i).text for i in range(task.num_prompts)}
-    pool = ChainTask(ChainTaskConfig(num_digits=4, num_prompts=4096, seed=777))
+    pool = ChainTask(ChainTaskConfig(num_digits=digits, num_prompts=4096, seed=777))
     fresh = [text for i in range(pool.num_prompts) if (text := pool.prompt(i).text) not in seen]
     if len(fresh) < count:
         raise ValueError(f"only {len(fresh)} held-out prompts; ask for fewer (--heldout)")

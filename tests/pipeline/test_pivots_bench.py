@@ -218,3 +218,23 @@ def test_recovery_is_compared_paired_by_seed(bench: Any) -> None:
     assert figures["recovered_per_1k_tokens_pivot_vs_root"] == pytest.approx(10.0 / 9.0)  # the ratio of the means
     assert figures["prm_decoding_share"] == pytest.approx(0.9)  # 9 s decoding, 0.5 s for verdicts, 0.5 s for posts
     assert figures["throughput_prm_with_waits_vs_without"] == pytest.approx((1000 / 9.5) / 100.0)
+
+
+@pytest.mark.parametrize("digits", ["1", "17", "four", "4.5"])
+def test_digits_out_of_the_chain_tasks_bounds_are_refused(bench: Any, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str], digits: str) -> None:
+    monkeypatch.setattr("sys.argv", ["pivots.py", "--digits", digits, "--budget", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2 and "--digits takes an integer from 2 to 16" in capsys.readouterr().err
+
+
+def test_the_chains_digits_set_the_prompts_and_the_token_limit(bench: Any, checkpoint: str) -> None:
+    """`--digits`: the held-out prompts and an arm's prompts have that many digits (a step each), and
+    a chain's token limit grows with them (24 at the default 4)."""
+    assert bench.max_tokens(bench.DIGITS) == 24 and bench.max_tokens(8) == 48
+    assert {len(text) for text in bench.heldout_prompts(16, seeds=1, digits=8)} == {9}  # 8 digits and '='
+    result = bench.run_arm("root", 0, checkpoint, budget=60, group_size=2, k=2, digits=8)
+    assert result["digits"] == 8 and result["units"] >= 1
+    # 4-digit chains end within 24 tokens a sample; the fine-tuned model writes past 24 on 8 digits
+    assert result["tokens"] / (2 * result["units"]) > 12
