@@ -114,24 +114,29 @@ def kill_all(pids: list[int]) -> None:
 
 
 def _stop(roles: list[Role], grace_s: float = 10.0) -> None:
-    """Stop roles in reverse start order (workers, trainer, orchestrator), so no role spends its
-    grace period retrying a peer that is already gone: SIGTERM to the role's process group,
-    then SIGKILL to the group and to every process below the role that is left."""
-    for role in reversed(roles):
-        tree = descendants(role.process.pid)
-        if role.process.poll() is None:
-            os.killpg(role.process.pid, signal.SIGTERM)
+    """Stop roles: every one but the orchestrator at once (each talks only to it), then the
+    orchestrator, so no role spends its grace period retrying a peer that is already gone. SIGTERM
+    to each role's process group, up to `grace_s` for them all, then SIGKILL to the group and to
+    every process below the role that is left."""
+    for group in ([r for r in roles if r.name != "orchestrator"], [r for r in roles if r.name == "orchestrator"]):
+        trees = [descendants(role.process.pid) for role in group]
+        for role in group:
+            if role.process.poll() is None:
+                os.killpg(role.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for role in group:
             try:
-                role.process.wait(timeout=grace_s)
+                role.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(role.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        kill_all(tree)
-        role.process.wait()
-        role.log.close()
+        for role, tree in zip(group, trees, strict=True):
+            try:
+                os.killpg(role.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            kill_all(tree)
+            role.process.wait()
+            role.log.close()
 
 
 def orchestrator_command(config_path: Path, run_dir: Path) -> list[str]:

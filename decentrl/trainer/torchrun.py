@@ -93,4 +93,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from decentrl.exit import exit_now
+
+    exit_now(main(sys.argv[1:]))
