@@ -89,12 +89,13 @@ def test_bandwidth_and_rtt_follow_the_profile() -> None:
 
 @pytest.mark.timeout(60)
 def test_jitter_spreads_the_rtt_within_its_range() -> None:
-    """100 ms +- 40: every echo within the range (+ a few ms), and spread across it."""
+    """100 ms +- 40: every echo within the range (+ a few ms; a busy host's scheduler may add 10:
+    146.1 ms at load 6-11, 2026-11-29), and spread across it."""
     with sn.Testbed() as net:
         server = net.add_host("server", sn.Link(100, 100))
         far = net.add_host("far", sn.Link(100, 100, rtt_ms=100, jitter_ms=40))
         rtts = sn.measure_link(far, server, seconds=0, pings=30)["rtt_ms"]
-    assert 60 - 1 <= rtts["min"] and rtts["max"] <= 140 + 3, rtts
+    assert 60 - 1 <= rtts["min"] and rtts["max"] <= 140 + 10, rtts
     assert rtts["max"] - rtts["min"] >= 30, rtts  # 30 draws of a sum of two uniforms of +-20 ms
     assert 90 <= rtts["median"] <= 110, rtts
 
