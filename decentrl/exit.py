@@ -8,9 +8,9 @@ module and object one by one. For a process holding torch and transformers that 
 roles. A 3-step `decentrl run` of configs/local.toml (tiny model), with this and the launcher
 stopping its workers at once (decentrl/cli/launch.py `_stop`), against without (2026-11-29):
 from the trainer's last step to the run's end 4.4-4.5 s -> 1.7-1.8 s on a quiet machine (the
-whole run 18.1-19.3 s -> 15.3-17.5 s), 7.7-11.2 s -> 1.5-1.8 s at load 6. `exit_now` does the first two parts and skips the last.
-Every file a role writes is closed, or flushed at each record, before it returns (metrics, the
-spool, the journal, trackers), so nothing is left for that teardown to write.
+whole run 18.1-19.3 s -> 15.3-17.5 s), 7.7-11.2 s -> 1.5-1.8 s at load 6. `exit_now` does the
+first two parts and skips the last. Every file a role writes is closed, or flushed at each record,
+before it returns (metrics, the spool, the journal, trackers): nothing is left for that teardown.
 """
 
 from __future__ import annotations
