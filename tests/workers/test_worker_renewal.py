@@ -41,11 +41,13 @@ LEASE_TIMEOUT_S = 1.0  # renewed every 0.5 s (MIN_RENEW_S)
 
 class Client(OrchestratorClient):
     """The real client, recording what the worker asked for, was granted and renewed; `renew_fails`
-    (seconds since it was made -> the error to raise, or None) stands in for a failing route."""
+    (seconds since its first lease was granted -> the error to raise, or None) stands in for a
+    failing route. Counted from the grant, not from the client's making: a worker loading its first
+    version takes a while (1.2 s in a CI run of 2026-11-29, whose leases then never ran out)."""
 
     def __init__(self, *args: Any, renew_fails: Callable[[float], Exception | None] = lambda _: None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.made = time.monotonic()
+        self.first_grant: float | None = None
         self.renew_fails = renew_fails
         self.asked: list[int] = []  # max_groups of each lease request
         self.granted: list[Lease] = []
@@ -55,11 +57,13 @@ class Client(OrchestratorClient):
     def lease(self, request: LeaseRequest) -> LeaseResponse:
         self.asked.append(request.max_groups)
         response = super().lease(request)
+        if response.leases and self.first_grant is None:
+            self.first_grant = time.monotonic()
         self.granted += response.leases
         return response
 
     def renew_lease(self, lease_id: str, worker_id: str) -> Lease:
-        if (error := self.renew_fails(time.monotonic() - self.made)) is not None:
+        if (error := self.renew_fails(time.monotonic() - (self.first_grant or time.monotonic()))) is not None:
             raise error
         lease = super().renew_lease(lease_id, worker_id)
         self.renewed.append(lease_id)
