@@ -97,7 +97,9 @@ def test_jitter_spreads_the_rtt_within_its_range() -> None:
         rtts = sn.measure_link(far, server, seconds=0, pings=30)["rtt_ms"]
     assert 60 - 1 <= rtts["min"] and rtts["max"] <= 140 + 10, rtts
     assert rtts["max"] - rtts["min"] >= 30, rtts  # 30 draws of a sum of two uniforms of +-20 ms
-    assert 90 <= rtts["median"] <= 110, rtts
+    # The median of 30 draws of that triangular sum has a standard error of 40 / (2 * sqrt(30)) = 3.7 ms:
+    # +-10 ms failed 1 run in a few hundred (CI, 2026-11-29: 111.7 ms); +-15 is 4 standard errors.
+    assert 85 <= rtts["median"] <= 115, rtts
 
 
 @pytest.mark.timeout(60)
