@@ -11,7 +11,8 @@ msgpack too. An orchestrator that answers 415 to msgpack is spoken to in JSON fr
 
 Retries: connection failures, and 429/503 answers (rate limit, overload, a journal being
 recovered), are retried with the server's Retry-After or exponential backoff with jitter, for at
-most `max_wait_s` in all, or until `stop()` (a role's SIGTERM): a wait to retry then ends at once
+most `max_wait_s` in all (then raised: unreachable, or 503 all along, as a ConnectionError; 429 as
+OrchestratorError), or until `stop()` (a role's SIGTERM): a wait to retry then ends at once
 with Stopped, a ConnectionError, so that a role stops in well under a second whether or not the
 orchestrator is there (a worker's rollouts stay spooled). A rollout post is patient: 429 and 503
 (a full buffer waiting for the trainer, posts crowded) are retried for as long as the orchestrator
@@ -83,6 +84,18 @@ class OrchestratorError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"orchestrator answered {status}: {message}")
         self.status = status
+        self.message = message
+
+
+class Unavailable(ConnectionError):
+    """503 answered for the whole of the client's `max_wait_s` (a request that is not patient): as
+    good as unreachable, and raised as such, so that its callers retry it as they retry a refused
+    connection. A proxy in front of an orchestrator that is down or restarting answers so
+    (configs/deploy/nginx-orchestrator.conf.template), as does an orchestrator whose journal failed."""
+
+    def __init__(self, url: str, waited_s: float, message: str) -> None:
+        super().__init__(f"orchestrator at {url} unavailable for {waited_s:.0f}s: answered 503 ({message})")
+        self.status = 503
         self.message = message
 
 
@@ -225,6 +238,8 @@ class OrchestratorClient:
                     log.warning("orchestrator refuses msgpack (%s); using JSON from now on", message)
                     self.encoding = "json"
                     continue
+                if status == 503 and waited >= self.max_wait_s and not patient:
+                    raise Unavailable(self.url, waited, message) from None
                 if status not in RETRIED_STATUSES or (waited >= self.max_wait_s and not patient):
                     raise OrchestratorError(status, message) from None
                 retry_after = answer_headers.get("Retry-After")

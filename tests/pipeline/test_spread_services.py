@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,12 +36,17 @@ from types import ModuleType
 
 import pytest
 
-from decentrl.api.client import OrchestratorClient, OrchestratorError
+from decentrl.api.client import OrchestratorClient, Unavailable
+from decentrl.api.wire import LeaseRequest, LeaseResponse
 from decentrl.cli.launch import free_port
 from decentrl.config import OrchestratorConfig, StoreConfig
 from decentrl.store.checkpoints import CheckpointStore, StoreError
 from orchestrator.auth import add_token
 from tests.pipeline.test_pipeline import TINY_MODEL
+from tests.workers.test_worker import WORKER, Orchestrator, Setup
+from tests.workers.test_worker_renewal import Client as RenewalClient
+from tests.workers.test_worker_renewal import renewal_config, worker_of
+from workers import lease_loop
 
 pytestmark = [
     pytest.mark.integration,
@@ -193,11 +200,76 @@ def test_front_answers_503_while_the_orchestrator_is_down(certs: object, tmp_pat
     monkeypatch.setenv("SSL_CERT_FILE", certs.ca)
     tls = front(tmp_path / "nginx", f"127.0.0.1:{free_port()}", certs, read_timeout_s=5)  # nothing listens there
     try:
-        with pytest.raises(OrchestratorError) as down:
-            OrchestratorClient(tls.url, "token", timeout_s=10, max_wait_s=1.0).info()  # retried for max_wait_s, then raised
+        # Retried for max_wait_s, then raised as unreachable (a ConnectionError), as without a front.
+        with pytest.raises(Unavailable) as down:
+            OrchestratorClient(tls.url, "token", timeout_s=10, max_wait_s=1.0).info()
         assert down.value.status == 503 and "not answering" in down.value.message
+        assert "unavailable for 1s" in str(down.value)
     finally:
         tls.stop()
+
+
+def test_a_worker_behind_the_front_rides_out_orchestrator_restarts(
+    certs: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The orchestrator down for 1.5 s, three times the worker's max_wait_s, twice: while the worker
+    holds leases and generates (a renewal and the post meet the outage), and as it asks for more.
+    The front answers 503 all that while, and the worker retries as it retries an unreachable
+    orchestrator (until 2026-11-29 a renewal or lease request answered 503 past max_wait_s stopped
+    the worker). Its leases, renewed in time, lose nothing."""
+    monkeypatch.setenv("SSL_CERT_FILE", certs.ca)
+    monkeypatch.setattr(lease_loop, "backoff", lambda failures, base_s=0.5, cap_s=30.0: 0.2)
+    store_dir = str(tmp_path / "store")
+    orchestrator = Orchestrator(renewal_config(lease_timeout_s=5.0), f"file://{store_dir}")  # renewed at 2.5 s
+    orchestrator.port = free_port()  # restarted on the same port, its state kept
+    orchestrator.start()
+    outages: list[threading.Thread] = []
+
+    def outage(after_s: float) -> None:
+        def down_and_up() -> None:
+            time.sleep(after_s)
+            orchestrator.stop()
+            time.sleep(1.5)
+            orchestrator.start()
+
+        outages.append(threading.Thread(target=down_and_up, daemon=True))
+        outages[-1].start()
+
+    class Client(RenewalClient):
+        """Takes the orchestrator down 2.2 s after its first lease is granted, and as it asks the second time."""
+
+        def lease(self, request: LeaseRequest) -> LeaseResponse:
+            if len(self.asked) == 1:
+                outage(0.0)
+                time.sleep(0.1)  # down before this request is sent
+            response = super().lease(request)
+            if len(self.asked) == 1:
+                outage(2.2)
+            return response
+
+    tls = front(tmp_path / "nginx", f"127.0.0.1:{orchestrator.port}", certs, read_timeout_s=5)
+    try:
+        setup = Setup(orchestrator, CheckpointStore(f"file://{store_dir}"), store_dir, str(tmp_path), {})
+        setup.publish(0, seed=0)
+        client = Client(tls.url, WORKER, timeout_s=30.0, max_wait_s=0.5)
+        worker = worker_of(setup, client, delay_s=3.0)
+        caplog.set_level(logging.INFO)
+        worker.run(max_iterations=2)
+        status = orchestrator.client(WORKER).status()
+    finally:
+        tls.stop()
+        if orchestrator.runner is not None:
+            orchestrator.stop()
+        orchestrator.loop.call_soon_threadsafe(orchestrator.loop.stop)
+    for thread in outages:
+        thread.join(timeout=10)
+    assert len(outages) == 2 and not any(thread.is_alive() for thread in outages)
+    assert status.rollouts_accepted == worker.rollouts_posted == 8 and status.rollouts_rejected == {}
+    assert status.leases_expired == 0 and worker.progress.gone == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("renewing leases failed" in m and "unavailable" in m for m in warnings), warnings
+    assert any("lease request failed" in m and "unavailable" in m for m in warnings), warnings
+    assert WORKER not in caplog.text
 
 
 # -- the S3 store behind the fault front ----------------------------------------------------------
