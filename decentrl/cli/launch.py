@@ -39,7 +39,8 @@ from decentrl.config import Placed, RunConfig
 from decentrl.model.devices import available_gpus, needs_cuda, placement_problem, roles_line
 from orchestrator.auth import add_token
 
-console = Console(soft_wrap=True)
+console = Console(soft_wrap=True)  # the run's progress
+errors = Console(soft_wrap=True, stderr=True)  # what went wrong, and roles that exited: stderr, as every role says its errors
 PR_SET_PDEATHSIG = 1
 # The progress line's rollouts/s: accepted over the last minute. A worker of a real model posts
 # a request's groups at once, every 20 s or so on a CPU, so a short window mostly reads 0.
@@ -234,7 +235,7 @@ def _check_roles(config: RunConfig, roles: list[Role], exited: set[str]) -> None
         kind = role.name.split("-")[0]  # worker-3 -> worker, scorer-1 -> scorer
         left = [r for r in roles if r.name.startswith(f"{kind}-") and r.process.poll() is None]
         if kind in ("worker", "scorer") and config.tolerate_worker_exits and left:
-            console.print(f"[yellow]{role.name} exited with code {code}; {len(left)} {kind}(s) carry on[/]")
+            errors.print(f"[yellow]{role.name} exited with code {code}; {len(left)} {kind}(s) carry on[/]")
             exited.add(role.name)
             continue
         raise RuntimeError(
@@ -292,11 +293,11 @@ def summarize(metrics: list[dict[str, object]], window: int = 10) -> dict[str, f
 def launch(config: RunConfig, run_dir_arg: str | None) -> int:
     run_dir = Path(run_dir_arg or f"runs/{config.run_name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if (run_dir / "metrics.jsonl").exists():
-        console.print(f"[red]error:[/] {run_dir} already holds a run; pass another --run-dir")
+        errors.print(f"[red]error:[/] {run_dir} already holds a run; pass another --run-dir")
         return 2
     problem = placement_problem(config, available_gpus()) if needs_cuda(config) else None
     if problem:
-        console.print("[red]error:[/]", escape(problem))  # its "[0, 1]" lists are text, not markup
+        errors.print("[red]error:[/]", escape(problem))  # its "[0, 1]" lists are text, not markup
         return 2
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not config.store.url:
@@ -328,10 +329,10 @@ def launch(config: RunConfig, run_dir_arg: str | None) -> int:
             roles.append(_start(start.name, start.argv, run_dir, start.env))
         return _watch(config, run_dir, roles, url, trainer_token)
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted: stopping every role[/]")
+        errors.print("[yellow]interrupted: stopping every role[/]")
         return 130
     except RuntimeError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        errors.print(f"[red]error:[/] {exc}")
         return 1
     finally:
         _stop(roles)

@@ -1,5 +1,6 @@
 """decentrl/exit.py: a role's process ends as the interpreter would end it, less the teardown of
-its modules - its status kept, its output flushed, its threads joined and its atexit handlers run."""
+its modules - its status kept, its output flushed, its threads joined and its atexit handlers run;
+and what `decentrl run` says went wrong reaches stderr."""
 
 from __future__ import annotations
 
@@ -47,3 +48,14 @@ def test_the_cli_exits_with_its_commands_status(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "decentrl", "run", str(tmp_path / "missing.toml")],
                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
     assert done.returncode == 2 and "no such config file" in done.stderr + done.stdout
+
+
+def test_the_launchers_errors_go_to_stderr(tmp_path: Path) -> None:
+    """`decentrl run` says what went wrong on stderr, where a benchmark that keeps only stdout's
+    progress lines (or discards them) still finds it."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    repo = Path(__file__).parents[2]
+    done = subprocess.run([sys.executable, "-m", "decentrl", "run", "configs/local.toml", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=repo)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "already holds a run; pass another --run-dir" in done.stderr
