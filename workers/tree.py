@@ -43,8 +43,10 @@ from transformers import DynamicCache
 from decentrl.api.client import OrchestratorClient
 from decentrl.api.wire import MAX_STEPS_A_POST, Lease, PartialStep, Rollout, SamplingParams, StepPost, TreeUnit
 from decentrl.model.sampling import sampling_distribution
+from decentrl.model.stopping import stop_cut
 from decentrl.rl.determinism import node_seed, sample_seed
 from decentrl.rl.pivots import Candidate, RecoveryEstimate, choose_pivots
+from workers.backends import truncates
 from workers.backends.hf import HFBackend
 from workers.backends.vllm_engine import VLLMBackend
 
@@ -111,6 +113,7 @@ class Chain:
     budget: int  # most completion tokens
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    masks: list[list[int]] = field(default_factory=list)  # each token's kept ids, with top-k/top-p (else empty)
     ends: list[int] = field(default_factory=list)  # token counts at each step's end
     finish: str | None = None
     cut: int | None = None  # a stopped chain: its length at the wrong step's end
@@ -147,44 +150,59 @@ def _ends_step(text_of: Callable[[list[int]], str], chain: Chain, unit: TreeUnit
 
 class Rows:
     """What chains decoded together do with each token, whatever decodes them (the hf loop below,
-    vLLM's engine: `stream_chains`): `take` appends a row's token, ends its step (posted through
-    `on_step(chain, step)`) or the chain (end-of-sequence, its budget); `judge` reads the verdicts
-    come in meanwhile, never waiting, and stops a chain at the first of its steps judged under the
-    unit's `stop_below`. So that the tokens saved are an exact count, a stopped row goes on being
-    fed, unposted and uncounted, until it would have ended (its shadow, counted as saved)."""
+    vLLM's engine: `stream_chains`): `take` appends a row's token (its logprob, and its kept ids
+    with top-k/top-p), ends its step (posted through `on_step(chain, step)`) or the chain
+    ("stop": end-of-sequence or a stop string, as the plain hf path ends a row; "length": its
+    budget); `judge` reads the verdicts come in meanwhile, never waiting, and stops a chain at the
+    first of its steps judged under the unit's `stop_below`. So that the tokens saved are an exact count, a stopped row goes on being
+    fed, unposted and uncounted, until it would have ended (its shadow, counted as saved).
+
+    Stop strings are looked for in a row's own tokens (`stop_cut`, as the plain hf path does):
+    a root's completion, a branch's continuation - never its prompt, its root's prefix included.
+    So a stop string begun in a branch's prefix and completed in its continuation does not end
+    the branch, just as a plain completion never ends on a stop string begun in its prompt, and as
+    the orchestrator checks a "stop" sample (its completion ids alone: `ends_generation`)."""
 
     def __init__(
-        self, chains: list[Chain], unit: TreeUnit, *, text_of: Callable[[list[int]], str], eos_ids: set[int],
+        self, chains: list[Chain], unit: TreeUnit, *, text_of: Callable[[list[int]], str], eos_ids: set[int], stops: list[str],
         on_step: Callable[[Chain, int], None], verdict: Callable[[str, int], float | None], counts: TreeCounts,
     ) -> None:
-        self.chains, self.unit, self.text_of, self.eos_ids = chains, unit, text_of, eos_ids
+        self.chains, self.unit, self.text_of, self.eos_ids, self.stops = chains, unit, text_of, eos_ids, stops
         self.on_step, self.verdict, self.counts = on_step, verdict, counts
         self.fed: list[list[int]] = [[] for _ in chains]  # every token a row was fed, its shadow's too
         self.shadow = [0] * len(chains)
         self.shadowing = [False] * len(chains)
 
-    def take(self, row: int, token: int, logprob: float) -> bool:
-        """Row `row`'s next token; whether it ended a step."""
+    def take(self, row: int, token: int, logprob: float, kept: list[int] | None = None) -> bool:
+        """Row `row`'s next token, its sampling logprob and (with top-k/top-p) the vocabulary ids
+        it was sampled among; whether it ended a step."""
         chain = self.chains[row]
         self.fed[row].append(token)
         if self.shadowing[row]:
             self.shadow[row] += 1
-            self.shadowing[row] = token not in self.eos_ids and len(self.fed[row]) < chain.budget
+            self.shadowing[row] = self._ending(row) is None
             return False
         if chain.finish is not None:
             return False
         chain.tokens.append(token)
         chain.logprobs.append(logprob)
-        if token in self.eos_ids:
-            chain.finish = "stop"
-        elif len(chain.tokens) >= chain.budget:
-            chain.finish = "length"
+        if kept is not None:
+            chain.masks.append(kept)
+        chain.finish = self._ending(row)
         start = chain.ends[-1] if chain.ends else 0
         if _ends_step(self.text_of, chain, self.unit) or (chain.finish is not None and len(chain.tokens) > start):
             chain.ends.append(len(chain.tokens))
             self.on_step(chain, len(chain.ends) - 1)
             return True
         return False
+
+    def _ending(self, row: int) -> str | None:
+        """How row `row`'s last token fed ends it: "stop" (end-of-sequence, or it completes a stop
+        string), "length" (its budget), or None (it goes on). An open chain's tokens are its fed ones."""
+        fed = self.fed[row]
+        if fed[-1] in self.eos_ids or stop_cut(self.text_of, fed, self.stops, start=len(fed) - 1) is not None:
+            return "stop"
+        return "length" if len(fed) >= self.chains[row].budget else None
 
     def judge(self) -> None:
         """The verdicts come in meanwhile, read without waiting: a chain with a step under
@@ -200,9 +218,9 @@ class Rows:
                     self.counts.verdicts_used += 1
                     chain.wrong_from, chain.cut = step, chain.ends[step]
                     self.counts.discarded += len(chain.tokens) - chain.cut  # decoded before the verdict came
-                    del chain.tokens[chain.cut:], chain.logprobs[chain.cut:], chain.ends[step + 1:]
+                    del chain.tokens[chain.cut:], chain.logprobs[chain.cut:], chain.masks[chain.cut:], chain.ends[step + 1:]
                     chain.finish = "wrong_step"
-                    self.shadowing[row] = self.fed[row][-1] not in self.eos_ids and len(self.fed[row]) < chain.budget
+                    self.shadowing[row] = self._ending(row) is None
                     break
 
     def open(self, row: int) -> bool:
@@ -229,12 +247,14 @@ def decode_chains(
 ) -> None:
     """Decode `chains` together to their ends on the hf backend, token by token (`Rows` says what
     each token does): every row is fed one token an iteration, finished or not, so that the rows
-    stay aligned."""
+    stay aligned. With top-k/top-p each token's kept ids are those its row's distribution keeps
+    (finite), as the plain path records them (workers/backends/hf.py)."""
     model = backend.model
     assert model is not None, "load() a version before decoding"
     eos_ids, pad = backend._eos_and_pad()
     started = time.perf_counter()
-    rows = Rows(chains, unit, text_of=backend._text, eos_ids=eos_ids, on_step=on_step, verdict=verdict, counts=counts)
+    rows = Rows(chains, unit, text_of=backend._text, eos_ids=eos_ids, stops=sampling.stop, on_step=on_step, verdict=verdict,
+                counts=counts)
 
     def prefill(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
         width = max(map(len, seqs))
@@ -250,15 +270,19 @@ def decode_chains(
     # shadow included): a row's tokens depend on its seed alone, not on when a verdict came.
     seeded = all(c.seed is not None for c in chains)
     generators = [torch.Generator(device=backend.device).manual_seed(c.seed) for c in chains] if seeded else None  # type: ignore[arg-type]
+    record_mask = truncates(sampling)
     logits, attention, position, cache = prefill([c.prompt for c in chains])
     for _ in range(max(c.budget for c in chains)):
         counts.decode_steps += 1
         dist = sampling_distribution(logits, sampling)
         chosen = backend._sample(dist, generators)  # (B, 1)
         picked, chosen_lp = torch.cat([chosen.double(), dist.gather(-1, chosen).double()], dim=-1).T.tolist()
+        finite = torch.isfinite(dist) if record_mask else None
         boundary = False
-        for row in range(len(chains)):
-            boundary |= rows.take(row, int(picked[row]), chosen_lp[row])
+        for row, chain in enumerate(chains):
+            # Only a chain that takes the token keeps its kept ids (a shadow's are never sent).
+            kept = finite[row].nonzero().squeeze(-1).tolist() if finite is not None and chain.finish is None else None
+            boundary |= rows.take(row, int(picked[row]), chosen_lp[row], kept)
         rows.judge()
         if rows.done():
             break
@@ -283,18 +307,23 @@ def stream_chains(
     the chain's (a branch's: its root's prompt and prefix, found in the engine's prefix cache),
     streamed one engine step at a time (`VLLMBackend.stream`), each step's new tokens taken as the
     hf loop takes them (`Rows`), the verdicts read between engine steps. A stopped chain's request
-    goes on as its shadow; the engine ends a request where `Rows` ends its row (at the same
-    end-of-sequence ids, or its budget)."""
+    goes on as its shadow; the engine ends a request where `Rows` ends its row at the same
+    end-of-sequence ids or its budget, and a row `Rows` ends at a stop string has its request
+    aborted (`EngineStream.end`). With top-k/top-p the stream returns each token's kept ids (its
+    finite processed logprobs, as the plain vllm path records them)."""
     started = time.perf_counter()
     eos_ids = backend.eos_ids()
-    rows = Rows(chains, unit, text_of=backend._text, eos_ids=eos_ids, on_step=on_step, verdict=verdict, counts=counts)
+    rows = Rows(chains, unit, text_of=backend._text, eos_ids=eos_ids, stops=sampling.stop, on_step=on_step, verdict=verdict,
+                counts=counts)
     with backend.stream([c.prompt for c in chains], sampling, budgets=[c.budget for c in chains],
                         seeds=[c.seed for c in chains], stop_ids=eos_ids) as stream:
         while not rows.done() and stream.running():
             counts.decode_steps += 1
-            for row, tokens, logprobs in stream.step():
-                for token, logprob in zip(tokens, logprobs, strict=True):
-                    rows.take(row, token, logprob)
+            for row, tokens, logprobs, masks in stream.step():
+                for token, logprob, kept in zip(tokens, logprobs, masks, strict=True):
+                    rows.take(row, token, logprob, kept)
+                if not rows.open(row):  # ended by `Rows` at a stop string, which the engine does not look for
+                    stream.end(row)
             rows.judge()
         counts.branch_cached_tokens += sum(stream.cached[row] for row, chain in enumerate(chains) if chain.node is not None)
     rows.close()
@@ -403,7 +432,8 @@ class TreePlay:
                 rollout_id=chain.rollout_id, run_name=self.run_name, lease_id=self.lease.lease_id, prompt_id=self.lease.prompt_id,
                 worker_id=self.worker_id, policy_version=self.backend.version or 0, prompt_token_ids=chain.prompt,
                 completion_token_ids=chain.tokens, logprobs=chain.logprobs, finish_reason=chain.finish,  # type: ignore[arg-type]
-                sampling=self.sampling, node=chain.node, step_ends=chain.ends,
+                sampling=self.sampling, sampling_mask=chain.masks if truncates(self.sampling) else None, node=chain.node,
+                step_ends=chain.ends,
             ))
         return samples
 

@@ -15,28 +15,48 @@ import random
 import threading
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import torch
 from transformers import PreTrainedTokenizerBase
 
-from decentrl.api.wire import Lease, LeaseRequest, RolloutBatch, SamplingParams, StepBoundary, StepPost, StepVerdict, TreeUnit, VerdictList
-from decentrl.config import PythonScorerConfig, TinyModelConfig
+from decentrl.api.wire import (
+    IngestResponse,
+    Lease,
+    LeaseRequest,
+    Rollout,
+    RolloutBatch,
+    SamplingParams,
+    StepBoundary,
+    StepPost,
+    StepVerdict,
+    TreeUnit,
+    VerdictList,
+)
+from decentrl.config import PythonScorerConfig, TinyModelConfig, VerificationConfig
 from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.model.sampling import sampling_distribution
 from decentrl.rl.pivots import RecoveryEstimate
+from decentrl.store.checkpoints import CheckpointStore
 from decentrl.store.weights import write_hf_dir
 from decentrl.tasks import build_task
 from decentrl.tasks.chain import check_step
+from decentrl.trainer.batching import collate
+from decentrl.trainer.step import token_logprobs
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
+from orchestrator.verify import Verifier
 from workers.backends.hf import HFBackend
 from workers.scorer import Scorer
 from workers.scorers import build_scorer_backend
-from workers.tree import TreeCounts, VerdictFeed, generate_tree, play_trees
+from workers.tree import Chain, Rows, TreeCounts, VerdictFeed, generate_tree, play_trees
 
 WORKER, SCORER = "worker-secret", "scorer-secret"
 TOKENS = [{"name": "alice", "role": "worker", "token": WORKER}, {"name": "judge", "role": "scorer", "token": SCORER}]
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+BRANCHING = {"pivots": 2, "stop_below": None, "rule": "random", "boundary": "tokens", "step_tokens": 4}
 
 
 def run(coro: Awaitable[None]) -> None:
@@ -56,33 +76,44 @@ def backend(tmp_path_factory: Any) -> HFBackend:
     return loaded
 
 
-@pytest.mark.parametrize(
-    ("keep_cache", "tree"),
-    [
-        (True, {"pivots": 0, "stop_below": 0.5}),  # stopping: a random model's chains go wrong at once
-        (False, {"pivots": 0, "stop_below": 0.5}),
-        (True, {"pivots": 2, "stop_below": None, "rule": "random", "boundary": "tokens", "step_tokens": 4}),  # branching
-    ],
-)
-def test_a_tree_lease_is_generated_scored_stopped_and_branched(
-    make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any, backend: HFBackend, keep_cache: bool,
-    tree: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@dataclass
+class Served:
+    """A tree lease played against a real orchestrator (`_serve_a_tree_lease`), and its answer."""
+
+    state: RunState
+    lease: Lease
+    sampling: SamplingParams
+    samples: list[Rollout]
+    answer: IngestResponse
+    counts: TreeCounts
+
+
+def _serve_a_tree_lease(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any, backend: HFBackend,
+    monkeypatch: pytest.MonkeyPatch, *, tree: dict[str, Any], sampling: dict[str, Any] | None = None, keep_cache: bool = True,
+    seed: int | None = None, verifier: Verifier | None = None,
+) -> Served:
+    """One tree lease of the chain task leased from a real orchestrator on loopback, its steps
+    judged by a real scorer thread with the task's exact checker, played by `generate_tree` and
+    posted. With a `verifier` the run's verification is its config's."""
     # 15 ms a decoding step, a real model's pace: the tiny model alone ends a chain in milliseconds,
     # before any verdict can come back over HTTP, and then nothing is ever stopped.
     forward = backend.model.forward
     monkeypatch.setattr(backend.model, "forward", lambda *args, **kwargs: (time.sleep(0.015), forward(*args, **kwargs))[1])
+    checks = {"verification": verifier.config.model_dump()} if verifier is not None else {}
     config = make_config(
-        task={"type": "chain", "num_digits": 4, "num_prompts": 16, "seed": 0}, sampling={"temperature": 1.0, "max_tokens": 48},
-        orchestrator={"tree": {"k": 2, "marker": "=", **tree}, "lease_wait_s": 0.0, "rewards": {"lease_timeout_s": 10.0}},
+        task={"type": "chain", "num_digits": 4, "num_prompts": 16, "seed": 0},
+        sampling={"temperature": 1.0, "max_tokens": 48, **(sampling or {})},
+        orchestrator={"tree": {"k": 2, "marker": "=", **tree}, "lease_wait_s": 0.0, "rewards": {"lease_timeout_s": 10.0}, **checks},
         trainer={"groups_per_step": 1}, group_size=4,
     )
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     state.announce(0)
     scorer_config = PythonScorerConfig(function="workers.scorers.chain:judge", max_items=16, min_wait_s=0.01)
+    served: list[Served] = []
 
     async def scenario() -> None:
-        async with serve_orchestrator(state, TokenRegistry(TOKENS)) as server:
+        async with serve_orchestrator(state, TokenRegistry(TOKENS), verifier=verifier) as server:
             scorer = Scorer(scorer_config, scorer_id="s0", client=server.client(SCORER), backend=build_scorer_backend(scorer_config))
             scoring = threading.Thread(target=scorer.run, daemon=True)
             scoring.start()
@@ -94,39 +125,135 @@ def test_a_tree_lease_is_generated_scored_stopped_and_branched(
                 (lease,) = response.leases
                 samples = await asyncio.to_thread(
                     generate_tree, backend, worker, lease, response.sampling, run_name=config.run_name, worker_id="w0", feed=feed,
-                    rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts, keep_cache=keep_cache,
+                    rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts, keep_cache=keep_cache, seed=seed,
                 )
                 answer = await asyncio.to_thread(worker.post_rollouts, RolloutBatch(rollouts=samples))
             finally:
                 scorer.request_stop()
                 await asyncio.to_thread(feed.close)
                 await asyncio.to_thread(scoring.join, 15)
-            pivots = tree["pivots"]
-            assert answer.rejected == [] and answer.accepted == 4 + 2 * pivots, answer
-            assert lease.lease_id not in state.leases  # the unit is complete
-            roots, branches = samples[:4], samples[4:]
-            assert all(s.node is None for s in roots)
-            assert {s.node.node_id for s in branches} == {f"b{n}" for n in range(pivots)}  # type: ignore[union-attr]
-            for branch in branches:
-                parent = next(s for s in roots if s.rollout_id == branch.node.parent.rollout_id)  # type: ignore[union-attr]
-                at = branch.node.parent.at  # type: ignore[union-attr]
-                assert branch.prompt_token_ids == parent.prompt_token_ids + parent.completion_token_ids[:at]
-                assert len(branch.completion_token_ids) <= response.sampling.max_tokens - at
-            assert counts.steps_posted >= sum(len(s.step_ends or ()) for s in samples)  # and those cut after a wrong one
-            assert counts.generated == sum(len(s.completion_token_ids) for s in samples)
-            stopped = [s for s in samples if s.finish_reason == "wrong_step"]
-            assert counts.verdicts_used == len(stopped)
-            if tree["stop_below"] is None:
-                assert not stopped and counts.saved == 0
-                return
-            assert stopped and counts.saved > 0  # a random model's chains go wrong, and would have gone on
-            prompt = state.task.prompt(lease.prompt_id).text
-            for sample in stopped:  # each ends with its step judged wrong by the exact checker, the ones before right
-                text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
-                assert check_step(prompt, text) is False
-                assert all(check_step(prompt, text[:i + 1]) for i, c in enumerate(text[:-1]) if c == "=")
+            served.append(Served(state, lease, response.sampling, samples, answer, counts))
 
     run(scenario())
+    return served[0]
+
+
+@pytest.mark.parametrize(
+    ("keep_cache", "tree"),
+    [
+        (True, {"pivots": 0, "stop_below": 0.5}),  # stopping: a random model's chains go wrong at once
+        (False, {"pivots": 0, "stop_below": 0.5}),
+        (True, BRANCHING),
+    ],
+)
+def test_a_tree_lease_is_generated_scored_stopped_and_branched(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any, backend: HFBackend, keep_cache: bool,
+    tree: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    served = _serve_a_tree_lease(make_config, tokenizer, serve_orchestrator, backend, monkeypatch, tree=tree, keep_cache=keep_cache)
+    state, lease, samples, answer, counts = served.state, served.lease, served.samples, served.answer, served.counts
+    pivots = tree["pivots"]
+    assert answer.rejected == [] and answer.accepted == 4 + 2 * pivots, answer
+    assert lease.lease_id not in state.leases  # the unit is complete
+    roots, branches = samples[:4], samples[4:]
+    assert all(s.node is None for s in roots)
+    assert {s.node.node_id for s in branches} == {f"b{n}" for n in range(pivots)}  # type: ignore[union-attr]
+    for branch in branches:
+        parent = next(s for s in roots if s.rollout_id == branch.node.parent.rollout_id)  # type: ignore[union-attr]
+        at = branch.node.parent.at  # type: ignore[union-attr]
+        assert branch.prompt_token_ids == parent.prompt_token_ids + parent.completion_token_ids[:at]
+        assert len(branch.completion_token_ids) <= served.sampling.max_tokens - at
+    assert counts.steps_posted >= sum(len(s.step_ends or ()) for s in samples)  # and those cut after a wrong one
+    assert counts.generated == sum(len(s.completion_token_ids) for s in samples)
+    assert all(s.sampling_mask is None for s in samples)  # no top-k/top-p: the whole vocabulary
+    stopped = [s for s in samples if s.finish_reason == "wrong_step"]
+    assert counts.verdicts_used == len(stopped)
+    if tree["stop_below"] is None:
+        assert not stopped and counts.saved == 0
+        return
+    assert stopped and counts.saved > 0  # a random model's chains go wrong, and would have gone on
+    prompt = state.task.prompt(lease.prompt_id).text
+    for sample in stopped:  # each ends with its step judged wrong by the exact checker, the ones before right
+        text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+        assert check_step(prompt, text) is False
+        assert all(check_step(prompt, text[:i + 1]) for i, c in enumerate(text[:-1]) if c == "=")
+
+
+@pytest.mark.parametrize("tree", [{"pivots": 0, "stop_below": 0.5}, BRANCHING], ids=["stopping", "branching"])
+def test_tree_samples_with_top_k_carry_each_tokens_kept_ids_to_the_trainer(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any, backend: HFBackend,
+    tree: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Sampled from the top 5 ids: every tree sample (roots, chains cut at a wrong step, branches)
+    # carries per completion token the ids it was sampled among - the top 5 of its distribution
+    # given its prompt and the tokens before - and the trainer, truncating its own distribution to
+    # them, computes the worker's logprobs again (importance ratio 1). Without them it normalizes
+    # over the whole vocabulary, and every tree sample's ratio is off.
+    # Seeded: a root of seed 8 goes on 30 tokens (450 ms) past its first wrong step, time for its verdict to cut it.
+    served = _serve_a_tree_lease(make_config, tokenizer, serve_orchestrator, backend, monkeypatch, tree=tree,
+                                 sampling={"top_k": 5}, seed=8)
+    samples, sampling = served.samples, served.sampling
+    assert served.answer.rejected == [] and served.answer.accepted == 4 + 2 * tree["pivots"], served.answer
+    if tree["pivots"]:
+        assert [s.node is not None for s in samples] == [False] * 4 + [True] * 4
+    else:
+        assert any(s.finish_reason == "wrong_step" for s in samples)  # cut where a step was judged wrong
+    for sample in samples:
+        mask, ids = sample.sampling_mask, sample.completion_token_ids
+        assert mask is not None and len(mask) == len(ids)
+        assert all(token in kept and len(kept) <= sampling.top_k for token, kept in zip(ids, mask, strict=True))
+        with torch.no_grad():
+            logits = backend.model(input_ids=torch.tensor([sample.prompt_token_ids + ids])).logits[0, len(sample.prompt_token_ids) - 1 : -1]
+        top = sampling_distribution(logits.double(), sampling).isfinite()
+        assert mask == [row.nonzero().squeeze(-1).tolist() for row in top]
+    batch = served.state.take_batch(0)  # the unit, as the orchestrator hands it to the trainer
+    assert batch is not None and {s.rollout_id for s in batch.samples} == {s.rollout_id for s in samples}
+    tensors = collate(batch.samples, pad_id=0)
+    assert tensors.kept_ids is not None
+    with torch.no_grad():
+        trainer = token_logprobs(backend.model, tensors, sampling.temperature)
+    ratio = (trainer - tensors.sampler_logprobs)[tensors.completion_mask.bool()].exp()
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=2e-4, rtol=0)
+
+
+def test_a_stop_string_ends_root_and_branch_chains(
+    make_config: Any, tokenizer: PreTrainedTokenizerBase, serve_orchestrator: Any, backend: HFBackend,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+) -> None:
+    # "=" ends a chain as the plain path ends a completion: with the token that completes it,
+    # finish "stop", its last step ended there - roots and branches (a branch looks in its
+    # continuation). Verification on: the orchestrator checks every finish_reason against the
+    # tokens ("stop": they end with end-of-sequence or a stop string); no logprob spot checks.
+    checks = VerificationConfig(enabled=True, new_worker_checks=0, spot_check_fraction=0.0)
+    verifier = Verifier(checks, store=CheckpointStore(f"file://{tmp_path}/store"), cache_dir=str(tmp_path / "vc"),
+                        build=lambda: build_model(TinyModelConfig(**TINY)))
+    served = _serve_a_tree_lease(make_config, tokenizer, serve_orchestrator, backend, monkeypatch, tree=BRANCHING,
+                                 sampling={"stop": ["="]}, seed=11, verifier=verifier)
+    samples = served.samples
+    assert served.answer.rejected == [] and served.answer.accepted == 4 + 2 * BRANCHING["pivots"], served.answer
+    ended = []
+    for sample in samples:
+        text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+        assert "=" not in text[:-1]  # nothing goes on past a stop string
+        assert sample.step_ends[-1] == len(sample.completion_token_ids)  # type: ignore[index]
+        if text.endswith("="):
+            assert sample.finish_reason == "stop"
+            ended.append(sample.node is None)
+    assert True in ended and False in ended  # roots and branches alike
+
+
+def test_a_branch_looks_for_stop_strings_in_its_continuation_alone(tokenizer: PreTrainedTokenizerBase) -> None:
+    # A stop string begun in a branch's prefix (its prompt) and completed by its first token does
+    # not end it: the plain path never looks in a prompt, nor the orchestrator's check of a "stop"
+    # sample, which reads its completion ids alone. Completed within the continuation, it does.
+    ids = {c: tokenizer.convert_tokens_to_ids(c) for c in "0123456789="}
+    unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=4))
+    branch = Chain("b", [ids[c] for c in "7324=91"], 8, node={"node_id": "b0", "parent": {"rollout_id": "a", "at": 2}})
+    rows = Rows([branch], unit, text_of=lambda t: tokenizer.decode(t, skip_special_tokens=True), eos_ids=set(), stops=["12"],
+                on_step=lambda chain, step: None, verdict=lambda rollout_id, step: None, counts=TreeCounts())
+    for c in "2512":
+        rows.take(0, ids[c], -1.0)
+    assert branch.finish == "stop" and branch.tokens == [ids[c] for c in "2512"] and branch.ends == [4]
 
 
 class _LateJudge:
@@ -171,7 +298,7 @@ def test_a_unit_branches_from_every_boundary_its_rule_leaves_when_they_are_fewer
     """As many pivots as the unit has, or every step boundary its roots have if fewer: the unit the
     orchestrator completes (orchestrator/leases.py `tree_pivots`). `last_right` picks no boundary
     of a chain wrong from its first step; the rest is topped up at random."""
-    from workers.tree import Chain, _pivots
+    from workers.tree import _pivots
 
     class Verdicts:
         def score(self, rollout_id: str, step: int) -> float | None:

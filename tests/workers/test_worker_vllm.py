@@ -14,6 +14,8 @@ import torch
 from decentrl.api.wire import Lease, SamplingParams, StepBoundary, TreeUnit
 from decentrl.config import TinyModelConfig
 from decentrl.model.build import build_model, build_tiny_tokenizer
+from decentrl.model.sampling import sampling_distribution
+from decentrl.model.stopping import stop_cut
 from decentrl.rl.pivots import RecoveryEstimate
 from tests.workers.test_tree_worker import _LateJudge
 from tests.workers.test_worker_sampling import reference_logprobs, write_version
@@ -46,35 +48,52 @@ def test_vllm_swaps_weights_in_place_and_agrees_with_transformers(backend: Any, 
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def paced(backend: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """The tree tests' model (seed 3) loaded as version 9, the engine stepping at a real model's
+    pace (20 ms an engine step: verdicts come while chains decode)."""
+    model = build_model(TINY.model_copy(update={"seed": 3})).eval()
+    backend.load(write_version(str(tmp_path / "v9"), model), 9)
+    step = backend.llm.llm_engine.step
+    monkeypatch.setattr(backend.llm.llm_engine, "step", lambda: (time.sleep(0.02), step())[1])
+    return model
+
+
+def _play_tree(backend: Any, prompt: list[int], sampling: SamplingParams, **tree: Any) -> tuple[list[Any], Any, _LateJudge]:
+    """One seeded tree lease (`tree` over 2-token steps, k 3, 2 pivots at random) played on
+    `backend` at version 9, its steps judged by a `_LateJudge` (step 0 right, every later step
+    wrong) at once: (samples, counts, judge)."""
+    from workers.tree import TreeCounts, VerdictFeed, generate_tree
+
+    unit = TreeUnit(kind="tree", boundary=StepBoundary(type="tokens", tokens=2), **{"k": 3, "pivots": 2, "rule": "random", **tree})
+    lease = Lease(lease_id="l0", prompt_id=5, prompt_token_ids=prompt, group_size=4, deadline=time.time() + 60, unit=unit,
+                  policy_version=9)
+    client = _LateJudge(delay_s=0.0)
+    feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
+    feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps: the roots' verdicts are waited for
+    feed.start()
+    counts = TreeCounts()
+    try:
+        samples = generate_tree(backend, client, lease, sampling, run_name="r", worker_id="w0", feed=feed,  # type: ignore[arg-type]
+                                rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts, seed=7, verdict_wait_s=30.0)
+    finally:
+        feed.close()
+    return samples, counts, client
+
+
 @pytest.mark.vllm
-def test_vllm_plays_a_tree_lease_step_by_step(backend: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_vllm_plays_a_tree_lease_step_by_step(backend: Any, paced: torch.nn.Module) -> None:
+    model = paced
     # Roots streamed one engine step at a time, each step posted as it ends and the verdicts read
     # between engine steps (a judge: step 0 right, every later step wrong); branches from the
     # roots' prefixes found in vLLM's prefix cache; every chain seeded from the unit.
-    from workers.tree import TreeCounts, VerdictFeed, generate_tree, play_trees
+    from workers.tree import TreeCounts, VerdictFeed, play_trees
 
-    model = build_model(TINY.model_copy(update={"seed": 3})).eval()
-    backend.load(write_version(str(tmp_path / "v9"), model), 9)
-    step = backend.llm.llm_engine.step  # 20 ms an engine step, a real model's pace: verdicts come while chains decode
-    monkeypatch.setattr(backend.llm.llm_engine, "step", lambda: (time.sleep(0.02), step())[1])
     prompt = build_tiny_tokenizer()("7324=" * 6).input_ids  # 31 ids: a branch's prompt fills a block with its prefix
     sampling = SamplingParams(temperature=1.0, max_tokens=16)
 
     def play(**tree: Any) -> tuple[list[Any], TreeCounts, _LateJudge]:
-        unit = TreeUnit(kind="tree", boundary=StepBoundary(type="tokens", tokens=2), **{"k": 3, "pivots": 2, "rule": "random", **tree})
-        lease = Lease(lease_id="l0", prompt_id=5, prompt_token_ids=prompt, group_size=4, deadline=time.time() + 60, unit=unit,
-                      policy_version=9)
-        client = _LateJudge(delay_s=0.0)
-        feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
-        feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps: the roots' verdicts are waited for
-        feed.start()
-        counts = TreeCounts()
-        try:
-            samples = generate_tree(backend, client, lease, sampling, run_name="r", worker_id="w0", feed=feed,  # type: ignore[arg-type]
-                                    rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts, seed=7, verdict_wait_s=30.0)
-        finally:
-            feed.close()
-        return samples, counts, client
+        return _play_tree(backend, prompt, sampling, **tree)
 
     samples, counts, client = play()
     assert len(samples) == 4 + 2 * 3 and counts.verdict_timeouts == 0
@@ -126,3 +145,46 @@ def test_vllm_plays_a_tree_lease_step_by_step(backend: Any, tmp_path: Any, monke
             feed.close()
 
     assert two(width=2) == two(width=1)
+
+
+@pytest.mark.vllm
+def test_vllm_tree_samples_carry_kept_ids_and_end_at_stop_strings(backend: Any, paced: torch.nn.Module) -> None:
+    model = paced
+    # Sampled from the top 4 ids: every tree sample (roots, chains cut at a wrong step, branches)
+    # carries per token the ids it was sampled among, the top 4 of the transformers model's
+    # distribution there, and logprobs renormalized over them. A stop string ends a seeded root
+    # where the same draw without it first completes the string, and a branch in its
+    # continuation: finish "stop", the last step ended there, its engine request aborted.
+    tokenizer = build_tiny_tokenizer()
+    prompt = tokenizer("7324=" * 6).input_ids
+    top_k = SamplingParams(temperature=1.0, max_tokens=16, top_k=4)
+    branched, _, _ = _play_tree(backend, prompt, top_k)
+    stopped, counts, _ = _play_tree(backend, prompt, top_k, pivots=0, stop_below=0.5)
+    assert [s.node is not None for s in branched] == [False] * 4 + [True] * 6
+    assert counts.verdicts_used and [s.finish_reason == "wrong_step" for s in stopped].count(True) == counts.verdicts_used
+    for sample in branched + stopped:
+        mask, ids = sample.sampling_mask, sample.completion_token_ids
+        assert mask is not None and len(mask) == len(ids)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([sample.prompt_token_ids + ids])).logits[0, len(sample.prompt_token_ids) - 1 : -1]
+        top = sampling_distribution(logits.double(), top_k).isfinite()
+        assert mask == [row.nonzero().squeeze(-1).tolist() for row in top]
+        assert sample.logprobs == pytest.approx(reference_logprobs(model, sample.prompt_token_ids, ids, top_k), abs=2e-3)
+
+    plain = SamplingParams(temperature=1.0, max_tokens=16)
+    full, _, _ = _play_tree(backend, prompt, plain)
+    texts = [tokenizer.decode(s.completion_token_ids, skip_special_tokens=True) for s in full]
+    # The character in most of those samples short of their last: a stop string most roots and branches meet.
+    stop = max("0123456789=", key=lambda c: sum(c in text[:-1] for text in texts))
+    samples, _, _ = _play_tree(backend, prompt, plain.model_copy(update={"stop": [stop]}))
+    for cut, whole in zip(samples[:4], full[:4], strict=True):  # seeded roots: the same draws, cut at the string
+        at = stop_cut(lambda t: tokenizer.decode(t, skip_special_tokens=True), whole.completion_token_ids, [stop])
+        assert cut.completion_token_ids == whole.completion_token_ids[:at]
+    ended = []
+    for sample in samples:
+        text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+        assert stop not in text[:-1] and sample.step_ends[-1] == len(sample.completion_token_ids)
+        if text.endswith(stop):
+            assert sample.finish_reason == "stop"
+            ended.append(sample.node is None)
+    assert True in ended and False in ended  # roots and branches alike

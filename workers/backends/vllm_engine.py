@@ -81,12 +81,13 @@ class VLLMBackend:
         stop_ids: set[int],
     ) -> Iterator[EngineStream]:
         """One request a prompt, `budgets[i]` tokens at most, ended at `stop_ids` (and only
-        there), sampled from `seeds[i]`'s own generator where one is given, each token's sampling
-        logprob kept; stepped by the caller (`EngineStream.step`). Requests still running when the
-        block ends are aborted."""
+        there: the caller ends a request at a stop string, `EngineStream.end`), sampled from
+        `seeds[i]`'s own generator where one is given, each token's sampling logprob kept, and its
+        kept ids with top-k/top-p (as `_chunk` records them); stepped by the caller
+        (`EngineStream.step`). Requests still running when the block ends are aborted."""
         assert self.llm is not None, "load() a version before generate()"
         engine = self.llm.llm_engine
-        stream = EngineStream(engine, f"tree{next(_STREAMS)}")
+        stream = EngineStream(engine, f"tree{next(_STREAMS)}", truncates(sampling))
         try:
             for row, (prompt, budget, seed) in enumerate(zip(prompts, budgets, seeds, strict=True)):
                 stream.add(row, prompt, self._params(sampling, budget, seed, stop_ids))
@@ -100,9 +101,14 @@ class VLLMBackend:
 
         return VParams(
             temperature=sampling.temperature, top_k=sampling.top_k if sampling.top_k else -1, top_p=sampling.top_p,
-            max_tokens=budget, seed=seed, logprobs=0, ignore_eos=True, stop_token_ids=sorted(stop_ids),
+            max_tokens=budget, seed=seed, logprobs=self._logprobs_asked(sampling), ignore_eos=True, stop_token_ids=sorted(stop_ids),
             output_kind=RequestOutputKind.DELTA, detokenize=False,
         )
+
+    def _logprobs_asked(self, sampling: SamplingParams) -> int:
+        """The top logprobs a request asks for: with truncation, enough for the kept set (`top_k`
+        of them, or `mask_logprobs` for top-p only); else none, the sampled token's alone."""
+        return (sampling.top_k or self.mask_logprobs) if truncates(sampling) else 0
 
     def _text(self, token_ids: list[int]) -> str:
         return self.llm.get_tokenizer().decode(token_ids, skip_special_tokens=True)  # type: ignore[union-attr]
@@ -119,7 +125,7 @@ class VLLMBackend:
                 top_p=sampling.top_p,
                 max_tokens=budget,
                 stop=sampling.stop or None,
-                logprobs=(sampling.top_k or self.mask_logprobs) if masked else 0,
+                logprobs=self._logprobs_asked(sampling),
             )
             for budget in max_tokens
         ]
@@ -129,7 +135,7 @@ class VLLMBackend:
             result = output.outputs[0]
             ids = list(result.token_ids)
             lps = [float(step[token].logprob) for step, token in zip(result.logprobs, ids, strict=True)]
-            mask = [sorted(t for t, lp in step.items() if lp.logprob > float("-inf")) for step in result.logprobs] if masked else None
+            mask = [_kept(step) for step in result.logprobs] if masked else None
             finish = "stop" if result.finish_reason == "stop" else "length"
             completions.append(Completion(ids, lps, finish, mask))
         return completions
@@ -141,13 +147,20 @@ class VLLMBackend:
         return in_chunks(prompts, sampling, should_stop, chunk_tokens=self.chunk_tokens, generate=self._chunk, text=self._text)
 
 
+def _kept(position: dict) -> list[int]:
+    """A position's kept ids: those of its top processed logprobs that are finite (truncation
+    sets the others to -inf)."""
+    return sorted(t for t, lp in position.items() if lp.logprob > float("-inf"))
+
+
 class EngineStream:
     """Requests in vLLM's engine stepped one engine step at a time (each running request gets its
     next token): `step` returns the tokens each row got, `cached[row]` is how many of its prompt's
-    tokens the engine found in its prefix cache."""
+    tokens the engine found in its prefix cache. `masked`: the requests ask for top logprobs
+    (truncated sampling), and `step` returns each token's kept ids."""
 
-    def __init__(self, engine: object, name: str) -> None:
-        self.engine, self.name = engine, name
+    def __init__(self, engine: object, name: str, masked: bool) -> None:
+        self.engine, self.name, self.masked = engine, name, masked
         self.rows: dict[str, int] = {}
         self.cached: dict[int, int] = {}
         self._running: set[str] = set()
@@ -163,21 +176,30 @@ class EngineStream:
     def running(self) -> bool:
         return bool(self._running)
 
-    def step(self) -> list[tuple[int, list[int], list[float]]]:
-        """One engine step: (row, new token ids, their sampling logprobs) for each row that got any."""
+    def step(self) -> list[tuple[int, list[int], list[float], list[list[int] | None]]]:
+        """One engine step: (row, new token ids, their sampling logprobs, their kept ids or None
+        each without truncation) for each row that got any."""
         got = []
         for output in self.engine.step():  # type: ignore[attr-defined]
             row = self.rows.get(output.request_id)
             if row is None:  # not this stream's
                 continue
             result = output.outputs[0]
-            ids = list(result.token_ids)
-            got.append((row, ids, [float(step[token].logprob) for step, token in zip(result.logprobs or [], ids, strict=True)]))
+            ids, positions = list(result.token_ids), result.logprobs or []
+            got.append((row, ids, [float(step[token].logprob) for step, token in zip(positions, ids, strict=True)],
+                        [_kept(step) for step in positions] if self.masked else [None] * len(ids)))
             if output.num_cached_tokens is not None:
                 self.cached.setdefault(row, output.num_cached_tokens)
             if output.finished:
                 self._running.discard(output.request_id)
         return got
+
+    def end(self, row: int) -> None:
+        """Row `row`'s request aborted, if it still runs: its caller ended it (at a stop string)."""
+        request = f"{self.name}-{row}"
+        if request in self._running:
+            self._running.discard(request)
+            self.engine.abort_request([request])  # type: ignore[attr-defined]
 
     def abort(self) -> None:
         if self._running:
