@@ -48,6 +48,9 @@ Seeds can run apart (each under 10 min at a quiet machine's load; S = 0, 1, ...)
     python benchmarks/pivots.py --budget 6000 --seeds 3 --train-budget 0
     python benchmarks/pivots.py --rows ROWS... --budget 6000 --seeds 3 --train-budget 12000 --lr 2e-5 --heldout 512
 
+`--until-tokens N` summarizes the training curves up to N generated tokens (each curve's
+evaluations at or under N): the arms' figures at a smaller budget, read off the same rows.
+
 The last line is one JSON object with the issue's keys.
 """
 
@@ -95,6 +98,33 @@ def digits_arg(text: str) -> int:
     if not 2 <= digits <= 16:
         raise argparse.ArgumentTypeError(f"--digits takes an integer from 2 to 16 (the chain task's bounds), not {digits}")
     return digits
+
+
+def until_tokens_arg(text: str) -> int:
+    """`--until-tokens`: a positive integer (generated tokens)."""
+    try:
+        tokens = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--until-tokens takes a positive integer (generated tokens), not {text!r}") from None
+    if tokens <= 0:
+        raise argparse.ArgumentTypeError(f"--until-tokens takes a positive integer (generated tokens), not {tokens}")
+    return tokens
+
+
+def until(trained: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
+    """The training rows with each curve cut to its points at or under `tokens` generated tokens
+    (`--until-tokens`: the arms' figures at a smaller budget, read off the same runs; constant
+    learning rate, so the points before it are the same); a curve left without an evaluation after
+    its start is refused."""
+    cut = []
+    for row in trained:
+        points = [point for point in row["curve"] if point["tokens"] <= tokens]
+        if len(points) < 2:
+            first = row["curve"][1]["tokens"] if len(row["curve"]) > 1 else None
+            raise ValueError(f"--until-tokens {tokens} leaves the {row['arm']} arm of seed {row['seed']} no evaluation after its "
+                             f"start (its first is at {first} tokens)")
+        cut.append({**row, "curve": points})
+    return cut
 
 
 def finetune(directory: str, steps: int, seed: int, digits: int = DIGITS) -> float:
@@ -566,11 +596,23 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=4)
     parser.add_argument("--rows", nargs="+", help="Summarize the lines a run printed (a file of them) instead of running: its last line "
                         "again, with the figures added since (give the run's other options too: they are reported as given).")
+    parser.add_argument("--until-tokens", type=until_tokens_arg,
+                        help="Summarize the training curves up to this many generated tokens (each curve's evaluations at or "
+                        "under it): the arms' figures at a smaller budget, read off the same rows (with --rows, or after a run).")
     args = parser.parse_args()
     import torch
 
+    if args.until_tokens and not args.rows and not args.train_budget:
+        parser.error("--until-tokens cuts the training curves: give --train-budget, or --rows of training runs")
     torch.set_num_threads(1)
     trained, runs, rebuilt, silent, sft_loss = read_rows(*args.rows) if args.rows else run_all(args)
+    if args.until_tokens:
+        if not trained:
+            parser.error("--until-tokens cuts the training curves, and these runs hold none (--train-budget 0, or rows without a curve)")
+        try:
+            trained = until(trained, args.until_tokens)
+        except ValueError as error:
+            parser.error(str(error))
     figures = sampling_figures(runs, rebuilt, silent) if runs else {key: None for key in SAMPLING_KEYS}
     print(json.dumps({
         **(training_figures(trained) if trained else {"tokens_to_target_pivot_vs_root": None}),
@@ -581,7 +623,7 @@ def main() -> None:
         "group_size": args.group_size, "k": args.k, "lr": args.lr, "groups_per_step": args.groups_per_step,
         "root_groups_per_step": args.root_groups_per_step or args.groups_per_step,
         "local_weight": args.local_weight, "process_weight": args.process_weight, "process": args.process,
-        "heldout": args.heldout, "eval_samples": args.eval_samples,
+        "heldout": args.heldout, "eval_samples": args.eval_samples, "until_tokens": args.until_tokens,
         "sft_steps": args.sft_steps, "sft_loss": None if sft_loss is None else round(sft_loss, 4),
     }))
 

@@ -238,3 +238,63 @@ def test_the_chains_digits_set_the_prompts_and_the_token_limit(bench: Any, check
     assert result["digits"] == 8 and result["units"] >= 1
     # 4-digit chains end within 24 tokens a sample; the fine-tuned model writes past 24 on 8 digits
     assert result["tokens"] / (2 * result["units"]) > 12
+
+
+def _training_rows(tmp_path: Path) -> Path:
+    """Rows of one seed's three training arms: root rising to 0.4 at 1,000 tokens, PRM at 0.3 by
+    300 tokens, random at 0.3 by 500."""
+    def row(arm: str, points: list[tuple[int, float]]) -> dict[str, Any]:
+        return {"arm": arm, "seed": 0, "keep_cache": True, "post_steps": True,
+                "curve": [{"tokens": tokens, "accuracy": accuracy, "version": 2 * i} for i, (tokens, accuracy) in enumerate(points)]}
+
+    rows = [row("root", [(0, 0.2), (500, 0.3), (1000, 0.4)]), row("prm", [(0, 0.2), (300, 0.3), (700, 0.35), (1000, 0.38)]),
+            row("random", [(0, 0.2), (500, 0.3), (1000, 0.39)])]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in rows) + "\n")
+    return path
+
+
+def _summary(bench: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    monkeypatch.setattr("sys.argv", ["pivots.py", "--budget", "0", *argv])
+    bench.main()
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_until_tokens_reads_the_arms_at_a_smaller_budget_off_the_same_rows(
+        bench: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`--until-tokens N`: each curve's evaluations at or under N tokens; the root arm's final is its
+    last point there, and the PRM arm's tokens to it are over that point's tokens."""
+    rows = str(_training_rows(tmp_path))
+    whole = _summary(bench, monkeypatch, capsys, "--rows", rows)
+    assert whole["tokens_to_target_pivot_vs_root"] is None and whole["until_tokens"] is None  # 0.38 never reaches 0.4
+    cut = _summary(bench, monkeypatch, capsys, "--rows", rows, "--until-tokens", "600")
+    assert cut["until_tokens"] == 600
+    assert cut["tokens_to_target_pivot_vs_root"] == pytest.approx(300 / 500)  # root's final 0.3 at 500; PRM's 0.3 at 300
+    assert cut["tokens_to_target_random_vs_root"] == pytest.approx(1.0)
+    assert cut["heldout_prm"]["final_per_seed"] == [0.3] and cut["heldout_root"]["final_per_seed"] == [0.3]
+    assert bench.until(bench.read_rows(rows)[0], 1000) == bench.read_rows(rows)[0]  # a cut past every point changes nothing
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("0", "--until-tokens takes a positive integer (generated tokens), not 0"),
+    ("-600", "--until-tokens takes a positive integer (generated tokens), not -600"),
+    ("6k", "--until-tokens takes a positive integer (generated tokens), not '6k'"),
+    ("400", "--until-tokens 400 leaves the root arm of seed 0 no evaluation after its start (its first is at 500 tokens)"),
+])
+def test_until_tokens_that_leave_no_curve_are_refused(bench: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path, value: str, message: str) -> None:
+    monkeypatch.setattr("sys.argv", ["pivots.py", "--budget", "0", "--rows", str(_training_rows(tmp_path)), "--until-tokens", value])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_until_tokens_without_training_curves_is_refused(bench: Any, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    sampling = tmp_path / "sampling.jsonl"
+    sampling.write_text(json.dumps({"arm": "root", "seed": 0, "keep_cache": True, "post_steps": True}) + "\n")
+    for argv in (["--until-tokens", "600"], ["--rows", str(sampling), "--until-tokens", "600"]):
+        monkeypatch.setattr("sys.argv", ["pivots.py", "--budget", "0", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            bench.main()
+        assert exit_.value.code == 2 and "--until-tokens cuts the training curves" in capsys.readouterr().err
