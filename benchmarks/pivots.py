@@ -508,7 +508,8 @@ def mean_and_se(values: list[float | None]) -> tuple[float | None, float | None]
 
 def training_figures(trained: list[dict[str, Any]]) -> dict[str, Any]:
     """The training arms' figures: tokens to the root arm's final accuracy (each seed's arms
-    against that seed's root arm), the final accuracies, with standard errors over seeds."""
+    against that seed's root arm), the final accuracies, with standard errors over seeds; and the
+    arms' own counts as they train (`training_counts`)."""
     seeds = sorted({r["seed"] for r in trained})
     curve = {(r["arm"], r["seed"]): r["curve"] for r in trained}
     if any((arm, seed) not in curve for arm in ARMS for seed in seeds):  # a run of some arms (--arms): its rows only
@@ -544,6 +545,42 @@ def training_figures(trained: list[dict[str, Any]]) -> dict[str, Any]:
             diffs = [of(curve[a, seed]) - of(curve[b, seed]) for seed in seeds]
             mean, se = mean_and_se(diffs)  # type: ignore[arg-type]
             figures[f"heldout_{name}_{a}_minus_{b}"] = {"mean": mean, "se": se, "per_seed": diffs}
+    return {**figures, **training_counts(trained, seeds)}
+
+
+def training_counts(trained: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """The training arms' own counts of the goal's kind, on the policy as it trains (the sampling
+    figures are at a fixed policy): failed prompts recovered per 1,000 tokens, units without a
+    gradient (with the verdicts as process rewards, and on their outcomes alone), tokens saved by
+    stopping, per arm and seed; each pivot arm's against the root arm's paired by seed (recovery as
+    a ratio, the fractions as differences), mean and standard error. Empty for rows without them."""
+    rows = {(r["arm"], r["seed"]): r for r in trained}
+    keys = ("recovered_per_1k_tokens", "no_gradient_fraction", "no_outcome_gradient_units", "units", "tokens_saved",
+            "all_roots_failed", "recovered_by_branch")
+    if not all(key in rows[arm, seed] for arm in ARMS for seed in seeds for key in keys):
+        return {}
+
+    def outcome_fraction(row: dict[str, Any]) -> float:
+        return row["no_outcome_gradient_units"] / row["units"]
+
+    figures: dict[str, Any] = {}
+    for arm in ARMS:
+        per_seed = [rows[arm, seed] for seed in seeds]
+        figures[f"training_counts_{arm}"] = {
+            "recovered_per_1k_tokens": [r["recovered_per_1k_tokens"] for r in per_seed],
+            "no_gradient_fraction": [r["no_gradient_fraction"] for r in per_seed],
+            "no_outcome_gradient_fraction": [outcome_fraction(r) for r in per_seed],
+            "tokens_saved": [r["tokens_saved"] for r in per_seed], "units": [r["units"] for r in per_seed],
+            "all_roots_failed": [r["all_roots_failed"] for r in per_seed],
+            "recovered_by_branch": [r["recovered_by_branch"] for r in per_seed]}
+    for arm in ("prm", "random"):
+        for name, of, compare in (("recovered_per_1k_tokens", lambda r: r["recovered_per_1k_tokens"], "vs"),
+                                  ("no_gradient_fraction", lambda r: r["no_gradient_fraction"], "minus"),
+                                  ("no_outcome_gradient_fraction", outcome_fraction, "minus")):
+            values = [(of(rows[arm, seed]), of(rows["root", seed])) for seed in seeds]
+            per_seed = [a / b if b else None for a, b in values] if compare == "vs" else [a - b for a, b in values]
+            mean, se = mean_and_se(per_seed)
+            figures[f"training_{name}_{arm}_{compare}_root"] = {"mean": mean, "se": se, "per_seed": per_seed}
     return figures
 
 

@@ -298,3 +298,28 @@ def test_until_tokens_without_training_curves_is_refused(bench: Any, monkeypatch
         with pytest.raises(SystemExit) as exit_:
             bench.main()
         assert exit_.value.code == 2 and "--until-tokens cuts the training curves" in capsys.readouterr().err
+
+
+def test_the_training_arms_counts_are_compared_paired_by_seed(bench: Any) -> None:
+    """Recovery per 1k tokens, units without a gradient (process rewards counted, and outcomes
+    alone) and tokens saved, as the arms train: each seed's pivot arm against its root arm."""
+    curve = [{"tokens": 0, "accuracy": 0.1, "version": 0}, {"tokens": 1000, "accuracy": 0.2, "version": 2}]
+
+    def row(arm: str, seed: int, recovered: float, no_gradient: float, no_outcome: int, saved: int) -> dict[str, Any]:
+        return {"arm": arm, "seed": seed, "curve": curve, "recovered_per_1k_tokens": recovered, "no_gradient_fraction": no_gradient,
+                "no_outcome_gradient_units": no_outcome, "units": 100, "tokens_saved": saved, "all_roots_failed": 70,
+                "recovered_by_branch": 30 if arm != "root" else 0}
+
+    trained = [row("root", 0, 3.0, 0.7, 70, 0), row("prm", 0, 6.0, 0.0, 40, 500), row("random", 0, 3.0, 0.0, 55, 400),
+               row("root", 1, 2.0, 0.6, 60, 0), row("prm", 1, 5.0, 0.1, 45, 300), row("random", 1, 3.0, 0.0, 60, 350)]
+    figures = bench.training_figures(trained)
+    assert figures["training_recovered_per_1k_tokens_prm_vs_root"]["per_seed"] == pytest.approx([2.0, 2.5])
+    assert figures["training_recovered_per_1k_tokens_prm_vs_root"]["mean"] == pytest.approx(2.25)
+    assert figures["training_recovered_per_1k_tokens_prm_vs_root"]["se"] == pytest.approx(0.25)
+    assert figures["training_no_gradient_fraction_prm_minus_root"]["per_seed"] == pytest.approx([-0.7, -0.5])
+    assert figures["training_no_outcome_gradient_fraction_random_minus_root"]["per_seed"] == pytest.approx([-0.15, 0.0])
+    assert figures["training_counts_prm"]["tokens_saved"] == [500, 300]
+    assert figures["training_counts_random"]["recovered_by_branch"] == [30, 30]
+    # rows of an older run without these counts: the curves' figures alone
+    assert not any(key.startswith("training_") for key in bench.training_figures([{"arm": r["arm"], "seed": r["seed"], "curve": curve}
+                                                                                   for r in trained]))
