@@ -41,7 +41,9 @@ seed, and `solve_rate_spread_by_digits`: how far apart the sizes' solve rates ar
 learnability reward of p can steer the proposer by). `two_policies`: the co-evolution run with two models (`[orchestrator.roles] policies =
 "per_role"`: a trainer, a stream of versions and a worker per role), its solver's final version
 evaluated alike, with its proposals by decile, each trainer's final version, samples a step and
-busy fraction. --arms picks the runs; --seed-start and --seeds a batch of seeds (with --out and
+busy fraction. --set-every sets every arm (the fixed curriculum's too: trainer.lr, model.hidden_size);
+--curve N evaluates N versions evenly spaced over each run too (`heldout_curve`: where the solver
+plateaus; every version kept). --arms picks the runs; --seed-start and --seeds a batch of seeds (with --out and
 --reuse, batches under one --out are reported together). Why these controls: docs/tasks.md,
 "Measuring it".
 
@@ -64,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -284,9 +287,10 @@ def digit_range(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-def heldout(run_dir: Path, args: argparse.Namespace, digits: str | None = None) -> tuple[float, float, float]:
-    """The final version's mean reward (and its standard error) on held-out sorting prompts of
-    `digits` digits ("4", or "2-8": each prompt's length uniform in the range; --eval-digits):
+def heldout(run_dir: Path, args: argparse.Namespace, digits: str | None = None,
+            version: int | None = None) -> tuple[float, float, float]:
+    """The final version's (or `version`'s) mean reward (and its standard error) on held-out sorting
+    prompts of `digits` digits ("4", or "2-8": each prompt's length uniform in the range; --eval-digits):
     the solver's skill; and the share it sorts exactly (reward 1)."""
     low, high = digit_range(digits or args.eval_digits)
     config = json.loads((run_dir / "config.json").read_text())
@@ -301,7 +305,11 @@ def heldout(run_dir: Path, args: argparse.Namespace, digits: str | None = None) 
     eval_config.write_text(json.dumps(config))
     out = subprocess.run(
         [str(Path(sys.executable).parent / "decentrl"), "eval", str(eval_config), "--run-dir", str(run_dir),
-         "--prompts", str(args.eval_prompts), "--samples", "1", "--greedy", "--set", f"sampling.max_tokens={high + 1}"],
+         "--prompts", str(args.eval_prompts), "--samples", "1", "--greedy", "--set", f"sampling.max_tokens={high + 1}",
+         *(["--version", str(version)] if version is not None else []),
+         # the run's own cache: versions of different runs share numbers, and a pull cut short (a full
+         # disk) in a shared cache stops every later eval of that version with a digest mismatch
+         "--cache-dir", str(run_dir / "eval-cache")],
         check=True, cwd=ROOT, capture_output=True, text=True,
     ).stdout
     scored = json.loads(out.strip().splitlines()[-1])
@@ -313,6 +321,12 @@ SHORTCUTS = {
     "copy": lambda problem: problem,
     "commonest_digit": lambda problem: max(sorted(set(problem)), key=problem.count) * len(problem),
 }
+
+
+def curve_versions(steps: int, points: int) -> list[int]:
+    """--curve: `points` versions evenly spaced over a run of `steps` steps, its last among them
+    (600 steps, 10 points: 60, 120, ..., 600)."""
+    return sorted({max(1, round(steps * k / points)) for k in range(1, points + 1)}) if points else []
 
 
 def shortcut_floors(eval_config: Path, prompts: int) -> dict[str, float]:
@@ -420,7 +434,8 @@ def proposals(run_dir: Path) -> list[dict[str, Any]]:
 
 def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # Every batch kept (two policies: two trainers' batches), so the journal holds every served unit's samples for `proposals`.
-    common = [f"trainer.steps={args.steps}", "num_workers=2", "trainer_ranks=1", f"orchestrator.batches_kept={2 * args.steps + 1}"]
+    common = [f"trainer.steps={args.steps}", "num_workers=2", "trainer_ranks=1", f"orchestrator.batches_kept={2 * args.steps + 1}",
+              *([f"store.keep_last={args.steps + 1}"] if args.curve else [])]  # --curve: every version kept
     # --policies per_role: the co-evolution run and its frozen-proposer control each with two models
     # (the frozen one: the proposer's model stays the initial one); --set: more settings of both.
     # --solver-reward: every arm's solvers (the fixed curriculum's too) on the same reward.
@@ -435,7 +450,9 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "fixed": ("configs/local.toml", [f"task.num_digits={digit_range(args.fixed_digits)[0]}",
                                          f"task.max_digits={digit_range(args.fixed_digits)[1]}",
                                          f"sampling.max_tokens={digit_range(args.fixed_digits)[1] + 1}",
-                                         "group_size=8", "trainer.groups_per_step=16", f"task.reward={args.solver_reward}"]),
+                                         "group_size=8", "trainer.groups_per_step=16", f"task.reward={args.solver_reward}",
+                                         # the co-evolution config's learning rate (configs/local.toml's is another run's)
+                                         f"trainer.lr={tomllib.loads((ROOT / 'configs' / 'coevolve.toml').read_text())['trainer']['lr']}"]),
         # The same co-evolution with two models: a trainer and a stream of versions per role, a worker each.
         "two_policies": ("configs/coevolve.toml", [*args.set, reward, "orchestrator.roles.policies=per_role"]),
     }
@@ -444,6 +461,8 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     stderrs: dict[str, list[float]] = {arm: [] for arm in arms}
     solved: dict[str, list[float]] = {arm: [] for arm in arms}
     floors: dict[str, float] = {}
+    versions = curve_versions(args.steps, args.curve)
+    curves: dict[str, list[list[float]]] = {arm: [] for arm in arms}
     by_decile: list[Any] = []
     by_digits: dict[str, dict[str, list[float]]] = {}
     two: dict[str, Any] = {
@@ -456,9 +475,12 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             run_dir = out / f"{arm}-{seed}"
             if not (args.reuse and (run_dir / "summary.json").exists()):  # --reuse: a finished run under --out is taken as is
                 shutil.rmtree(run_dir, ignore_errors=True)
-                run(config, run_dir, [*common, *sets, f"trainer.seed={seed}", f"model.seed={seed}", f"task.seed={seed}"])
+                # --set-every last: a setting of every arm, the fixed curriculum's too (trainer.lr, model.hidden_size).
+                run(config, run_dir, [*common, *sets, *args.set_every, f"trainer.seed={seed}", f"model.seed={seed}", f"task.seed={seed}"])
             score, stderr, exact = heldout(run_dir, args)
             scores[arm].append(score)
+            # --curve: the held-out solver along the run (store.keep_last above raised so every version is kept).
+            curves[arm].append([round(heldout(run_dir, args, version=v)[0], 4) for v in versions])
             stderrs[arm].append(stderr)
             solved[arm].append(exact)
             floors = floors or shortcut_floors(run_dir / "eval_config.json", args.eval_prompts)
@@ -479,6 +501,8 @@ def learn(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     result["heldout_stderr"] = {arm: [round(s, 4) for s in values] for arm, values in stderrs.items()}
     result["heldout_solved"] = {arm: [round(s, 4) for s in values] for arm, values in solved.items()}
     result["heldout_shortcut_floors"] = floors
+    if versions:  # --curve: per arm, a list per seed of the held-out solver at each of `versions`
+        result["heldout_curve"] = {"versions": versions, **curves}
     if "coevolve" in scores:  # the goal: co-evolution above each control by >= 2 combined standard errors, every seed
         margins = {
             control: [round((scores["coevolve"][i] - scores[control][i]) / math.hypot(stderrs["coevolve"][i], stderrs[control][i]), 2)
@@ -532,6 +556,7 @@ eval-digits str 2-8 learn: digits of the held-out sorting prompts ("4", or "2-8"
 also-digits str 4,6,8 learn: held-out digit counts reported beside (heldout_solver_by_digits), comma-separated
 eval-prompts int 256 learn: held-out prompts
 arms str coevolve,frozen_proposer,fixed,two_policies learn: the runs, comma-separated
+curve int 0 learn: the held-out solver also at this many versions evenly spaced over each run (heldout_curve: where it plateaus)
 policies str shared learn: the coevolve and frozen_proposer arms with one shared model (shared) or two (per_role)
 solver-reward str kept learn: every arm's solver reward: kept (positions x digits kept), positions or permutation (a permutation only)
 """
@@ -546,6 +571,8 @@ def main() -> None:
     parser.add_argument("--learn", action="store_true", help="also the real runs (minutes each)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="learn: a setting of configs/coevolve.toml's arms (repeatable), as `decentrl run --set`")
+    parser.add_argument("--set-every", action="append", default=[], metavar="KEY=VALUE",
+                        help="learn: a setting of every arm, the fixed curriculum's too (repeatable): trainer.lr=3e-4")
     parser.add_argument("--reuse", action="store_true", help="learn: evaluate finished runs already under --out again")
     parser.add_argument("--out", default=None, help="run directories of --learn (default: a temp dir)")
     args = parser.parse_args()
@@ -553,6 +580,12 @@ def main() -> None:
         parser.error(f"--solver-reward {args.solver_reward!r}: choose positions, permutation or kept")
     if args.seeds < 1 or args.seed_start < 0:
         parser.error(f"--seeds {args.seeds} --seed-start {args.seed_start}: at least one seed, the first 0 or more")
+    if not 0 <= args.curve <= args.steps:
+        parser.error(f"--curve {args.curve}: 0 (none) to --steps ({args.steps}) versions")
+    for flag, items in (("--set", args.set), ("--set-every", args.set_every)):
+        for item in items:
+            if "=" not in item or not item.partition("=")[0].strip():
+                parser.error(f"{flag} {item!r}: KEY=VALUE, e.g. trainer.lr=3e-4")
     sys.path.insert(0, str(ROOT))
 
     arms = schedule(args)

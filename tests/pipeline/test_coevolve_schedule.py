@@ -4,10 +4,12 @@ acts (nodes closed short, late samples refused) only where it is on."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -161,3 +163,90 @@ def test_proposals_skip_units_served_untrained(tmp_path: Path) -> None:
     assert sum(d["units"] for d in deciles) == 1
     (last,) = [d for d in deciles if d["units"]]
     assert last["valid_proposals"] == 1.0 and last["digits"] == 4 and last["solve_rate_fresh"] == 0.5
+
+
+def test_curve_versions_are_evenly_spaced_and_end_at_the_last() -> None:
+    bench = bench_module()
+    assert bench.curve_versions(600, 10) == [60, 120, 180, 240, 300, 360, 420, 480, 540, 600]
+    assert bench.curve_versions(600, 5) == [120, 240, 360, 480, 600]
+    assert bench.curve_versions(7, 3) == [2, 5, 7]
+    assert bench.curve_versions(3, 3) == [1, 2, 3]
+    assert bench.curve_versions(600, 0) == []
+
+
+def test_set_every_reaches_every_arm_and_curve_evaluates_kept_versions(tmp_path: Path, monkeypatch) -> None:
+    """--set-every is a setting of every arm, the fixed curriculum's too (--set only the co-evolution
+    arms'); --curve keeps every version (store.keep_last) and evaluates the held-out solver at each."""
+    bench = bench_module()
+    launched: dict[str, list[str]] = {}
+    evaluated: list[tuple[str, int | None]] = []
+
+    def run(config: str, run_dir: Path, sets: list[str]) -> None:
+        launched[run_dir.name] = sets
+
+    def heldout(run_dir: Path, args, digits=None, version=None) -> tuple[float, float, float]:
+        evaluated.append((run_dir.name, version))
+        return (0.5 if version is None else version / 1000, 0.01, 0.0)
+
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(bench, "heldout", heldout)
+    monkeypatch.setattr(bench, "shortcut_floors", lambda eval_config, prompts: {})
+    monkeypatch.setattr(bench, "proposals", lambda run_dir: [])
+    args = argparse.Namespace(
+        steps=6, curve=3, set=["task.learnability=r_zero"], set_every=["trainer.lr=3e-4"], solver_reward="kept",
+        policies="per_role", arms="coevolve,frozen_proposer,fixed", fixed_digits="2-8", seeds=1, seed_start=0,
+        reuse=False, also_digits="", eval_prompts=8,
+    )
+    result = bench.learn(args, tmp_path)
+    for arm in ("coevolve-0", "frozen_proposer-0", "fixed-0"):
+        assert "store.keep_last=7" in launched[arm], arm
+        lrs = [item for item in launched[arm] if item.startswith("trainer.lr=")]
+        assert lrs[-1] == "trainer.lr=3e-4", f"{arm}: --set-every is applied last, over the arm's own"
+    assert "task.learnability=r_zero" not in launched["fixed-0"], "--set is the co-evolution arms' only"
+    assert "task.learnability=r_zero" in launched["coevolve-0"]
+    assert [v for arm, v in evaluated if arm == "fixed-0"] == [None, 2, 4, 6]
+    assert result["heldout_curve"] == {"versions": [2, 4, 6], "coevolve": [[0.002, 0.004, 0.006]],
+                                       "frozen_proposer": [[0.002, 0.004, 0.006]], "fixed": [[0.002, 0.004, 0.006]]}
+    args.curve, args.set_every = 0, []
+    launched.clear()
+    assert "heldout_curve" not in bench.learn(args, tmp_path)
+    assert not any(item.startswith("store.keep_last") for sets in launched.values() for item in sets)
+    # Without --set-every every arm trains at configs/coevolve.toml's learning rate: the fixed
+    # curriculum (configs/local.toml, lr 1e-3) is given it, the co-evolution arms have it.
+    lr = tomllib.loads((ROOT / "configs" / "coevolve.toml").read_text())["trainer"]["lr"]
+    fixed_lr = [float(item.partition("=")[2]) for item in launched["fixed-0"] if item.startswith("trainer.lr=")]
+    assert fixed_lr == [lr] and not any(item.startswith("trainer.lr=") for item in launched["coevolve-0"])
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--curve", "-1"], "--curve -1: 0 (none) to --steps (150) versions"),
+    (["--curve", "601", "--steps", "600"], "--curve 601: 0 (none) to --steps (600) versions"),
+    (["--curve", "ten"], "invalid int value"),
+    (["--set-every", "trainer.lr"], "--set-every 'trainer.lr': KEY=VALUE"),
+    (["--set-every", "=3e-4"], "--set-every '=3e-4': KEY=VALUE"),
+    (["--set", "lr"], "--set 'lr': KEY=VALUE"),
+])
+def test_bad_curve_or_settings_are_refused_before_any_run(flags: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "benchmarks/coevolve.py", "--learn", *flags],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_heldout_evaluates_in_the_runs_own_cache(tmp_path: Path, monkeypatch) -> None:
+    """Each run's versions are pulled into its own cache: runs share version numbers, and a shared
+    cache holding one run's broken pull (a disk that filled mid-copy) failed every later eval."""
+    bench = bench_module()
+    (tmp_path / "config.json").write_text(json.dumps({"task": {}, "orchestrator": {}, "store": {"url": ""}}))
+    commands: list[list[str]] = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout='{"reward_mean": 0.5, "reward_stderr": 0.1, "solved_fraction": 0.25}\n')
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    args = argparse.Namespace(eval_digits="2-8", eval_prompts=8)
+    assert bench.heldout(tmp_path, args, version=120) == (0.5, 0.1, 0.25)
+    (command,) = commands
+    assert command[command.index("--cache-dir") + 1] == str(tmp_path / "eval-cache")
+    assert command[command.index("--version") + 1] == "120"
