@@ -191,7 +191,7 @@ def test_decentrl_run_refuses_a_placement_this_machine_cannot_hold(tmp_path: Pat
     if torch.cuda.is_available():
         pytest.skip("checks the machine without CUDA")
     assert launch(placed(workers={"gpus": [0]}), str(tmp_path / "run")) == 2
-    assert "placement.workers.gpus = [0] but this machine has no CUDA GPU" in capsys.readouterr().out
+    assert "placement.workers.gpus = [0] but this machine has no CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "run" / "logs").exists()  # nothing started
 
 
