@@ -11,7 +11,7 @@ msgpack too. An orchestrator that answers 415 to msgpack is spoken to in JSON fr
 
 Retries: connection failures, and 429/503 answers (rate limit, overload, a journal being
 recovered), are retried with the server's Retry-After or exponential backoff with jitter, for at
-most `max_wait_s` in all (then raised: unreachable, or 503 all along, as a ConnectionError; 429 as
+most `max_wait_s` in all (then raised: unreachable, or still answering 503, as a ConnectionError; 429 as
 OrchestratorError), or until `stop()` (a role's SIGTERM): a wait to retry then ends at once
 with Stopped, a ConnectionError, so that a role stops in well under a second whether or not the
 orchestrator is there (a worker's rollouts stay spooled). A rollout post is patient: 429 and 503
