@@ -43,10 +43,14 @@ from decentrl.config import OrchestratorConfig, StoreConfig
 from decentrl.store.checkpoints import CheckpointStore, StoreError
 from orchestrator.auth import add_token
 from tests.pipeline.test_pipeline import TINY_MODEL
-from tests.workers.test_worker import WORKER, Orchestrator, Setup
+from tests.workers.test_worker import WORKER
 from tests.workers.test_worker_renewal import Client as RenewalClient
-from tests.workers.test_worker_renewal import renewal_config, worker_of
-from workers import lease_loop
+from tests.workers.test_worker_renewal import (
+    quick_backoff,  # noqa: F401 - a fixture, used by name
+    renewal_config,
+    serving,
+    worker_of,
+)
 
 pytestmark = [
     pytest.mark.integration,
@@ -209,6 +213,7 @@ def test_front_answers_503_while_the_orchestrator_is_down(certs: object, tmp_pat
         tls.stop()
 
 
+@pytest.mark.usefixtures("quick_backoff")
 def test_a_worker_behind_the_front_rides_out_orchestrator_restarts(
     certs: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -218,51 +223,45 @@ def test_a_worker_behind_the_front_rides_out_orchestrator_restarts(
     orchestrator (until 2026-11-29 a renewal or lease request answered 503 past max_wait_s stopped
     the worker). Its leases, renewed in time, lose nothing."""
     monkeypatch.setenv("SSL_CERT_FILE", certs.ca)
-    monkeypatch.setattr(lease_loop, "backoff", lambda failures, base_s=0.5, cap_s=30.0: 0.2)
-    store_dir = str(tmp_path / "store")
-    orchestrator = Orchestrator(renewal_config(lease_timeout_s=5.0), f"file://{store_dir}")  # renewed at 2.5 s
-    orchestrator.port = free_port()  # restarted on the same port, its state kept
-    orchestrator.start()
     outages: list[threading.Thread] = []
+    # Leases renewed at 2.5 s; the app restarted on the same port, its state kept.
+    with serving(tmp_path, renewal_config(lease_timeout_s=5.0), port=free_port()) as setup:
+        orchestrator = setup.orchestrator
 
-    def outage(after_s: float) -> None:
-        def down_and_up() -> None:
-            time.sleep(after_s)
-            orchestrator.stop()
-            time.sleep(1.5)
-            orchestrator.start()
+        def outage(after_s: float) -> None:
+            def down_and_up() -> None:
+                time.sleep(after_s)
+                orchestrator.stop()
+                time.sleep(1.5)
+                orchestrator.start()
 
-        outages.append(threading.Thread(target=down_and_up, daemon=True))
-        outages[-1].start()
+            outages.append(threading.Thread(target=down_and_up, daemon=True))
+            outages[-1].start()
 
-    class Client(RenewalClient):
-        """Takes the orchestrator down 2.2 s after its first lease is granted, and as it asks the second time."""
+        class Client(RenewalClient):
+            """Takes the orchestrator down 2.2 s after its first lease is granted, and as it asks the second time."""
 
-        def lease(self, request: LeaseRequest) -> LeaseResponse:
-            if len(self.asked) == 1:
-                outage(0.0)
-                time.sleep(0.1)  # down before this request is sent
-            response = super().lease(request)
-            if len(self.asked) == 1:
-                outage(2.2)
-            return response
+            def lease(self, request: LeaseRequest) -> LeaseResponse:
+                if len(self.asked) == 1:
+                    outage(0.0)
+                    time.sleep(0.1)  # down before this request is sent
+                response = super().lease(request)
+                if len(self.asked) == 1:
+                    outage(2.2)
+                return response
 
-    tls = front(tmp_path / "nginx", f"127.0.0.1:{orchestrator.port}", certs, read_timeout_s=5)
-    try:
-        setup = Setup(orchestrator, CheckpointStore(f"file://{store_dir}"), store_dir, str(tmp_path), {})
-        setup.publish(0, seed=0)
-        client = Client(tls.url, WORKER, timeout_s=30.0, max_wait_s=0.5)
-        worker = worker_of(setup, client, delay_s=3.0)
-        caplog.set_level(logging.INFO)
-        worker.run(max_iterations=2)
-        status = orchestrator.client(WORKER).status()
-    finally:
-        tls.stop()
-        if orchestrator.runner is not None:
-            orchestrator.stop()
-        orchestrator.loop.call_soon_threadsafe(orchestrator.loop.stop)
-    for thread in outages:
-        thread.join(timeout=10)
+        tls = front(tmp_path / "nginx", f"127.0.0.1:{orchestrator.port}", certs, read_timeout_s=5)
+        try:
+            setup.publish(0, seed=0)
+            client = Client(tls.url, WORKER, timeout_s=30.0, max_wait_s=0.5)
+            worker = worker_of(setup, client, delay_s=3.0)
+            caplog.set_level(logging.INFO)
+            worker.run(max_iterations=2)
+            status = orchestrator.client(WORKER).status()
+        finally:
+            tls.stop()
+            for thread in outages:  # the app up again before the block stops it
+                thread.join(timeout=10)
     assert len(outages) == 2 and not any(thread.is_alive() for thread in outages)
     assert status.rollouts_accepted == worker.rollouts_posted == 8 and status.rollouts_rejected == {}
     assert status.leases_expired == 0 and worker.progress.gone == 0

@@ -92,9 +92,11 @@ def renewal_config(lease_timeout_s: float = LEASE_TIMEOUT_S, **run: Any) -> RunC
 
 
 @contextmanager
-def serving(tmp_path: Path, config: RunConfig) -> Iterator[Setup]:
+def serving(tmp_path: Path, config: RunConfig, port: int = 0) -> Iterator[Setup]:
+    """The real app serving `config` (on `port`; 0: any free one), its store, until the block ends."""
     store_dir = str(tmp_path / "store")
     orchestrator = Orchestrator(config, f"file://{store_dir}")
+    orchestrator.port = port
     orchestrator.start()
     try:
         yield Setup(orchestrator, CheckpointStore(f"file://{store_dir}"), store_dir, str(tmp_path), {})
