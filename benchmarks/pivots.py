@@ -65,7 +65,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,26 +89,23 @@ def max_tokens(digits: int) -> int:
     return 6 * digits
 
 
-def digits_arg(text: str) -> int:
-    """`--digits`: an integer within the chain task's bounds (task.num_digits, 2 to 16)."""
-    try:
-        digits = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--digits takes an integer from 2 to 16, not {text!r}") from None
-    if not 2 <= digits <= 16:
-        raise argparse.ArgumentTypeError(f"--digits takes an integer from 2 to 16 (the chain task's bounds), not {digits}")
-    return digits
+def int_arg(flag: str, takes: str, low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` (to `high`), else refused as "`flag` takes `takes`, not ..."."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes {takes}, not {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{flag} takes {takes}, not {value}")
+        return value
+
+    return parse
 
 
-def until_tokens_arg(text: str) -> int:
-    """`--until-tokens`: a positive integer (generated tokens)."""
-    try:
-        tokens = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--until-tokens takes a positive integer (generated tokens), not {text!r}") from None
-    if tokens <= 0:
-        raise argparse.ArgumentTypeError(f"--until-tokens takes a positive integer (generated tokens), not {tokens}")
-    return tokens
+digits_arg = int_arg("--digits", "an integer from 2 to 16 (the chain task's bounds)", 2, 16)
+until_tokens_arg = int_arg("--until-tokens", "a positive integer (generated tokens)", 1)
 
 
 def until(trained: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
