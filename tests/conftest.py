@@ -102,19 +102,19 @@ ServeOrchestrator = Callable[..., AbstractAsyncContextManager[LiveOrchestrator]]
 @pytest.fixture
 def serve_orchestrator() -> ServeOrchestrator:
     """`async with serve_orchestrator(state, tokens, **create_app_options) as server:` the real app
-    (orchestrator/app.py) over `state`, served on 127.0.0.1 at a free port by the test's own
+    (orchestrator/app.py) over `state`, served on 127.0.0.1 at a free port (or `port`) by the test's own
     event loop (run the scenario with asyncio.run), its background tasks running; stopped, and its
     background tasks torn down, when the block ends."""
 
     @asynccontextmanager
     async def running(
-        state: RunState, tokens: TokenRegistry, *, store_url: str = "memory://test", **options: Any
+        state: RunState, tokens: TokenRegistry, *, store_url: str = "memory://test", port: int = 0, **options: Any
     ) -> AsyncIterator[LiveOrchestrator]:
         app = create_app(state=state, tokens=tokens, store_url=store_url, **options)
         runner = OrchestratorRunner(app)
         await runner.setup()
         try:
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
             url = f"http://127.0.0.1:{runner.addresses[0][1]}"
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
                 yield LiveOrchestrator(url, app, http)

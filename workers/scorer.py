@@ -2,7 +2,9 @@
 post the scores (docs/rewards_backends.md). So that the backend never waits for HTTP, one thread
 leases ahead, one checks and posts, one renews every lease held. A verdict that fails its check is
 posted as `failure = "parse"`, never a silent 0; a transient one is not posted. A backend that
-raises, or an orchestrator that cannot be reached, stops the scorer; the leases it held expire.
+raises stops the scorer; the leases it held expire. An orchestrator unreachable (or answering 503
+from a proxy) past the client's `max_wait_s` is waited out as a worker waits it out: leases asked
+for, renewed and posted again after a backoff, until it answers or the scorer stops.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from decentrl.api.client import OrchestratorClient, OrchestratorError, Stopped
-from decentrl.api.wire import ScoreItem, ScoreLease, ScoreLeaseRequest, ScorePost, ScoreResult
+from decentrl.api.client import InvalidAnswer, OrchestratorClient, OrchestratorError, Stopped
+from decentrl.api.wire import ScoreAck, ScoreItem, ScoreLease, ScoreLeaseRequest, ScorePost, ScoreResult
+from decentrl.backoff import backoff
 from decentrl.config import ScorerConfig
 from workers.lease_loop import LEASE_GONE, Renewals, answers, on_signals
 from workers.scorers import ScoreBackend, Verdict, build_scorer_backend
 
 log = logging.getLogger("decentrl.scorer")
+
+# Errors that mean the orchestrator could not be heard from (unreachable, a proxy's 503, an answer
+# rewritten on the way): asked again after a backoff, never a reason to stop.
+PASSING = (ConnectionError, InvalidAnswer)
 
 
 @dataclass
@@ -51,7 +58,7 @@ class Scorer:
 
     def _new_renewals(self) -> Renewals:
         return Renewals(lambda lease_id: self.client.renew_score_lease(lease_id, self.scorer_id).deadline,
-                        failed=self.request_stop)
+                        failed=self.request_stop, passing=PASSING)
 
     def request_stop(self, *_: object) -> None:
         """SIGTERM/SIGINT: the leases in hand (even one answered after the stop) are scored and
@@ -105,7 +112,7 @@ class Scorer:
             ahead = self.counts.leases > self._scored
             return self.client.score_lease(ScoreLeaseRequest(scorer_id=self.scorer_id, max_items=self.config.max_items, ahead=ahead))
 
-        for lease in answers(ask, stop=self._halt):
+        for lease in answers(ask, stop=self._halt, passing=PASSING):
             if lease is None:
                 return None
             if lease.items:
@@ -140,7 +147,7 @@ class Scorer:
                 parse_retries=sum(verdict.retries for verdict in verdicts),
             )
             try:
-                ack = self.client.post_scores(post)
+                ack = self._post_scores(post)
             except Stopped:
                 log.warning("scores of lease %s not posted: the scorer stops; its samples are leased again", lease.lease_id)
                 self.counts.lost += len(results)
@@ -155,6 +162,22 @@ class Scorer:
             self.counts.duplicates += ack.duplicates
         finally:
             self._renewals.let_go(lease.lease_id)
+
+    def _post_scores(self, post: ScorePost) -> ScoreAck:
+        """Post, again after a backoff while the orchestrator cannot be heard from (the lease is
+        renewed meanwhile; one that ran out is answered gone). Stopped once the scorer stops."""
+        failures = 0
+        while True:
+            try:
+                return self.client.post_scores(post)
+            except Stopped:
+                raise
+            except PASSING as exc:
+                failures += 1
+                delay = backoff(failures)
+                log.warning("scores of lease %s not posted (%s); posting again in %.1fs", post.lease_id, exc, delay)
+                if self._halt.wait(delay):
+                    raise Stopped(f"scorer stopping with the scores of lease {post.lease_id} not posted") from exc
 
 
 def checked(item: ScoreItem, verdict: Verdict, low: float, high: float) -> ScoreResult | None:

@@ -2,7 +2,8 @@
 samples of complete groups, scores them with a backend, posts, and the groups reach the trainer
 with those rewards; bad verdicts (NaN, out of range, no score, wrong step count) go as parse
 failures the orchestrator counts; an unreachable judge's samples are not posted and are leased
-again; a lease is renewed while scoring outlives it; the next lease is held (and renewed) while
+again; an orchestrator down for longer than the client's max_wait_s is waited out (leases asked
+for, renewed and posted again); a lease is renewed while scoring outlives it; the next lease is held (and renewed) while
 one is scored, or not with leases_ahead = 0; a backend that raises stops the scorer and its leases
 expire; a stop finishes and posts the batch in hand;
 a real `decentrl scorer` process exits cleanly on SIGTERM; a reward model's step scores fit the
@@ -26,12 +27,15 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from decentrl.api.client import OrchestratorClient
 from decentrl.api.wire import ScoreItem, ScoreLease
 from decentrl.config import HFScorerConfig, OpenAIScorerConfig, PythonScorerConfig
 from decentrl.tasks import build_task
 from orchestrator.auth import TokenRegistry
 from orchestrator.state import RunState
+from tests.core.test_store_ranges import free_port
 from tests.workers.test_scorer_judge import judge  # noqa: F401 - the fake judge server, a fixture
+from workers import lease_loop, scorer
 from workers.scorer import Scorer, checked
 from workers.scorers import Verdict, build_scorer_backend
 
@@ -185,6 +189,42 @@ def test_a_lease_is_renewed_while_scoring_outlives_it(scoring_state: Any, serve_
 
     run(scenario())
     assert len(state.ready) == 1
+
+
+def test_an_orchestrator_down_past_max_wait_is_waited_out(
+    scoring_state: Any, serve_orchestrator: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The orchestrator stops while the first lease is scored and is back 4.5 s later (15x the
+    client's max_wait_s): the post, the next lease request and a renewal (due at half the 6 s lease,
+    given up by the client some 1 s later) meet the outage and are tried again; nothing is lost and
+    no lease expires. Until 2026-11-29 the first
+    of them to fail past max_wait_s stopped the scorer."""
+    for module in (lease_loop, scorer):
+        monkeypatch.setattr(module, "backoff", lambda failures, base_s=0.5, cap_s=30.0: 0.2)
+    state = scoring_state(groups=2, lease_timeout_s=6.0)
+    slow = Scripted({n: Verdict(0.5) for n in (1, 2, 3)}, delay_s=0.5)
+    config = PythonScorerConfig(function="m:f", max_items=3, leases_ahead=0, min_wait_s=0.05)
+    port, tokens = free_port(), TokenRegistry(TOKENS)
+
+    async def scenario() -> None:
+        async with serve_orchestrator(state, tokens, port=port) as server:
+            client = OrchestratorClient(server.url, SCORER, timeout_s=10.0, max_wait_s=0.3)
+            scoring_ = Scorer(config, scorer_id="s0", client=client, backend=slow)
+            running = asyncio.ensure_future(asyncio.to_thread(scoring_.run, max_leases=2))
+            while not slow.scoring:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(4.5)  # down: connections refused
+        async with serve_orchestrator(state, tokens, port=port):
+            counts = await running
+            assert (counts.leases, counts.scored, counts.lost) == (2, 6, 0)
+
+    caplog.set_level("WARNING")
+    run(scenario())
+    assert len(state.ready) == 2 and scoring(state).get("score_leases_expired", 0) == 0
+    warnings = [record.getMessage() for record in caplog.records]
+    for failed in ("not posted", "lease request failed", "renewing leases failed"):
+        assert any(failed in message for message in warnings), (failed, warnings)
+    assert SCORER not in caplog.text
 
 
 async def most_leased(state: RunState, scorer: Scorer, backend: Scripted, **run: Any) -> tuple[int, int]:
