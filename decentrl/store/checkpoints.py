@@ -539,7 +539,7 @@ class CheckpointStore:
                 raise VerificationError(f"cached {final}: {problem}; and the store cannot be read to pull it again ({exc})") from None
             log.warning("serving cached %s (its manifest and files verified again): %s", final, exc)
             return final, kept.base_version
-        if not self._cache_holds(final, raw, manifest):
+        if not self._cache_holds(final, raw, manifest, say=False):  # said under the lock, once
             make_dir(cache_dir)
             # One puller per version per cache dir: the partial directory is shared across attempts.
             lock = os.path.join(cache_dir, f".{version_dirname(version)}.lock")
@@ -633,12 +633,13 @@ class CheckpointStore:
             return None
         return cached if self._cached_problem(cached, kept) is None else None
 
-    def _cache_holds(self, final: str, raw: bytes, manifest: Manifest) -> bool:
-        """Whether `final` is the store's version: the same manifest, and files that still match it."""
+    def _cache_holds(self, final: str, raw: bytes, manifest: Manifest, *, say: bool = True) -> bool:
+        """Whether `final` is the store's version: the same manifest, and files that still match it
+        (`say`: a file that does not is logged)."""
         if cached_manifest(final) != raw:
             return False
         problem = self._cached_problem(final, manifest)
-        if problem is not None:
+        if problem is not None and say:
             log.warning("cached %s no longer matches its manifest (%s); pulling it again", final, problem)
         return problem is None
 
@@ -659,11 +660,13 @@ class CheckpointStore:
         the cache go; files hard-linked from a local store keep the store's names."""
         if not os.path.lexists(final):
             return
-        log.warning(
-            "cached %s (manifest sha256 %s..) is not that version of %s (manifest sha256 %s..): it came "
-            "from another store or an earlier run, or was altered; pulling it again",
-            final, _short_sha(cached_manifest(final)), self.url, _short_sha(raw),
-        )
+        cached = cached_manifest(final)
+        if cached != raw:  # (the same manifest, files changed since: `_cache_holds` said which)
+            log.warning(
+                "cached %s (manifest sha256 %s..) is not that version of %s (manifest sha256 %s..): it came "
+                "from another store or an earlier run, or was altered; pulling it again",
+                final, _short_sha(cached), self.url, _short_sha(raw),
+            )
         head, name = os.path.split(final)
         partial = os.path.join(head, f".{name}.partial")
         remove_path(partial)

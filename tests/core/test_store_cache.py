@@ -273,6 +273,23 @@ def test_a_cached_version_of_another_store_is_replaced(tmp_path: Path, caplog: p
     assert Path(run_a.pull(3, cache), "model.safetensors").read_bytes() == (src_a / "model.safetensors").read_bytes()
 
 
+def test_a_cached_version_whose_files_changed_is_pulled_again_saying_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = CheckpointStore(str(tmp_path / "store"))
+    src = make_ckpt(tmp_path, "a")
+    store.publish(0, str(src))
+    cached = Path(store.pull(0, str(tmp_path / "cache")), "model.safetensors")
+    cached.unlink()  # a new inode: the store's hard-linked file is left whole
+    cached.write_bytes(b"damaged")
+    with caplog.at_level("WARNING", logger="decentrl.store.checkpoints"):
+        out = Path(store.pull(0, str(tmp_path / "cache")))
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    warned = [r.getMessage() for r in caplog.records if "pulling it again" in r.getMessage()]
+    # Said once, naming the file: not as a version of another store (its manifest is the store's).
+    assert len(warned) == 1 and "no longer matches its manifest (model.safetensors:" in warned[0], warned
+
+
 def test_a_restarted_run_at_the_same_url_is_pulled_again(store: CheckpointStore, tmp_path: Path) -> None:
     store.publish(0, str(make_ckpt(tmp_path, "first-run")))
     cache = str(tmp_path / "cache")
