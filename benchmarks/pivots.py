@@ -57,6 +57,7 @@ The last line is one JSON object with the issue's keys.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -106,6 +107,26 @@ def int_arg(flag: str, takes: str, low: int, high: int | None = None) -> Callabl
 
 digits_arg = int_arg("--digits", "an integer from 2 to 16 (the chain task's bounds)", 2, 16)
 until_tokens_arg = int_arg("--until-tokens", "a positive integer (generated tokens)", 1)
+verdict_lag_arg = int_arg("--verdict-lag-tokens", "an integer from 0 to 4096 (tokens after a step's end)", 0, 4096)
+
+
+def histogram(values: list[int]) -> dict[str, int]:
+    """`{value: count}`, in the values' order (a JSON row's keys are strings)."""
+    return {str(value): n for value, n in sorted(collections.Counter(values).items())}
+
+
+def lag_median(seen: list[int], unseen: list[int]) -> int | None:
+    """The median verdict lag in tokens (`--verdict-lag-tokens` to choose from a run without it), by
+    Kaplan-Meier: a step whose verdict came after its batch ended, `unseen` at `c` tokens, is known
+    only to have lagged more than `c`, so it counts as at risk up to `c` and never as an event.
+    None when more than half may lag longer than any seen."""
+    survival = 1.0
+    for lag in sorted(set(seen)):
+        at_risk = sum(x >= lag for x in seen) + sum(c >= lag for c in unseen)
+        survival *= 1 - seen.count(lag) / at_risk
+        if survival <= 0.5:
+            return lag
+    return None
 
 
 def until(trained: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
@@ -302,10 +323,12 @@ def heldout_accuracy(model: Any, tokenizer: Any, prompts: list[str], *, samples:
 def run_arm(
     arm: str, seed: int, checkpoint: str, budget: int, group_size: int, k: int, *, keep_cache: bool = True,
     post_steps: bool = True, token_s: float = 0.0, verdict_wait_s: float = 5.0, training: Training | None = None,
-    ahead: int = 1, digits: int = DIGITS,
+    ahead: int = 1, digits: int = DIGITS, verdict_lag_tokens: int | None = None,
 ) -> dict[str, Any]:
     """One arm at one seed on a fresh orchestrator, scorer and backend: units until `budget` tokens.
-    `token_s`: each decoding step takes at least this long (`pace`), as a real model's does. With
+    `token_s`: each decoding step takes at least this long (`pace`), as a real model's does.
+    `verdict_lag_tokens`: the tree's (a step's verdict acts exactly that many tokens after its step
+    ended; None: whenever it arrives, which the machine's load moves). With
     `training`, the policy trains on the orchestrator's batches as the arm goes (`Training`), and
     the result holds its held-out accuracy against the tokens generated (`curve`)."""
     from decentrl.api.client import OrchestratorClient
@@ -331,7 +354,7 @@ def run_arm(
         "sampling": {"temperature": 1.0, "max_tokens": max_tokens(digits)},
         "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "lease_wait_s": 0.0, "lease_timeout_s": 120.0,
                          "rewards": {"lease_timeout_s": 30.0},
-                         "tree": {"k": k, "marker": "=", **options},
+                         "tree": {"k": k, "marker": "=", "verdict_lag_tokens": verdict_lag_tokens, **options},
                          # The tree's outcome advantages (global + lambda x local), plus, in every arm
                          # but root-only GRPO, the steps' verdicts as process rewards with
                          # `process_weight` (0: they only stop chains and pick pivots).
@@ -456,6 +479,12 @@ def run_arm(
         "root_success": roots_right / roots if roots else None, "branch_success": branches_right / branches if branches else None,
         "pivots": branches // k, "pivots_on_failed_roots": pivots_on_failed,
         "verdict_wait_s": round(counts.verdict_wait_s, 3), "verdict_timeouts": counts.verdict_timeouts,
+        "verdict_lag_tokens": verdict_lag_tokens,
+        # Without a fixed lag, the lag the machine gave: how many tokens each verdict read while its
+        # batch decoded came after its step ended (lag: count), and for the steps whose verdict came
+        # after their batch ended, the tokens by then (their lag was longer).
+        "verdict_lags": histogram(counts.verdict_lags), "verdict_lags_unseen": histogram(counts.verdict_lags_unseen),
+        "verdict_lag_median": lag_median(counts.verdict_lags, counts.verdict_lags_unseen),
         "step_post_wait_s": round(counts.step_post_wait_s, 4), "decode_s": round(counts.decode_s, 3),
         "cache_rebuild_s": round(counts.cache_rebuild_s, 3), "tokens_per_decode_s": spent / counts.decode_s if counts.decode_s else None,
         "decode_steps": counts.decode_steps, "decode_s_per_step": counts.decode_s / counts.decode_steps if counts.decode_steps else None,
@@ -599,6 +628,10 @@ def main() -> None:
                         help="Each decoding step takes this much longer (a real model's pace; 0: the tiny model's own).")
     parser.add_argument("--verdict-wait-s", type=float, default=5.0,
                         help="Most seconds a unit waits for its roots' last verdicts before choosing pivots (0: chosen on those in).")
+    parser.add_argument("--verdict-lag-tokens", type=verdict_lag_arg,
+                        help="[orchestrator.tree] verdict_lag_tokens in the pivot arms: a step's verdict acts exactly this many "
+                        "tokens after its step ended (waited for, or held), so the arms' rows depend on the seed alone, not on "
+                        "the machine's load (default: a verdict acts whenever it arrives; each row's verdict_lags says when that was).")
     parser.add_argument("--ahead", type=int, default=1,
                         help="Units whose roots the worker decodes while a unit waits for its roots' last verdicts "
                         "(workers/tree.py play_trees; 0: one unit at a time). Training arms play one at a time.")
@@ -651,7 +684,7 @@ def main() -> None:
     print(json.dumps({
         **(training_figures(trained) if trained else {"tokens_to_target_pivot_vs_root": None}),
         **figures,
-        "verdict_wait_s": args.verdict_wait_s, "token_ms": args.token_ms,
+        "verdict_wait_s": args.verdict_wait_s, "verdict_lag_tokens": args.verdict_lag_tokens, "token_ms": args.token_ms,
         "budget_tokens": args.budget, "train_budget_tokens": args.train_budget, "seeds": args.seeds,
         "digits": args.digits, "max_tokens": max_tokens(args.digits),
         "group_size": args.group_size, "k": args.k, "lr": args.lr, "groups_per_step": args.groups_per_step,
@@ -684,13 +717,14 @@ def run_all(args: argparse.Namespace) -> Rows:
                                         args.process_weight, args.process)
                     trained.append(run_arm(arm, seed, checkpoint, args.train_budget, args.group_size, args.k,
                                            token_s=args.token_ms / 1000, verdict_wait_s=args.verdict_wait_s, training=training,
-                                           digits=args.digits))
+                                           digits=args.digits, verdict_lag_tokens=args.verdict_lag_tokens))
                     print(json.dumps(trained[-1]), flush=True)
         pace_s = args.token_ms / 1000
         for seed in range(args.seed_start, args.seed_start + args.seeds) if args.budget else ():
             for arm in ARMS:
                 runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=pace_s,
-                                    verdict_wait_s=args.verdict_wait_s, ahead=args.ahead, digits=args.digits))
+                                    verdict_wait_s=args.verdict_wait_s, ahead=args.ahead, digits=args.digits,
+                                    verdict_lag_tokens=args.verdict_lag_tokens))
                 print(json.dumps(runs[-1]), flush=True)
             if seed == args.seed_start:
                 # The measures of the worker's side, on the first seed: the root arm without
@@ -701,7 +735,8 @@ def run_all(args: argparse.Namespace) -> Rows:
                                  ahead=args.ahead, digits=args.digits)
                 print(json.dumps(silent), flush=True)
                 rebuilt = run_arm("prm", seed, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=pace_s,
-                                  verdict_wait_s=args.verdict_wait_s, ahead=args.ahead, digits=args.digits)
+                                  verdict_wait_s=args.verdict_wait_s, ahead=args.ahead, digits=args.digits,
+                                  verdict_lag_tokens=args.verdict_lag_tokens)
                 print(json.dumps(rebuilt), flush=True)
     return trained, runs, rebuilt, silent, sft_loss
 

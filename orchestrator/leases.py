@@ -73,7 +73,7 @@ def tree_unit(config: TreeConfig | None) -> TreeUnit | None:
     boundary = StepBoundary(type=config.boundary, marker=config.marker, tokens=config.step_tokens)
     return TreeUnit(
         kind="tree", k=config.k, pivots=config.pivots, boundary=boundary, stop_below=config.stop_below, rule=config.rule,
-        gamma=config.gamma,
+        gamma=config.gamma, verdict_lag_tokens=config.verdict_lag_tokens,
     )
 
 

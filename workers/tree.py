@@ -6,10 +6,13 @@ token count) is posted at once (POST /v1/steps, on a thread: decoding never wait
 the verdicts come back on the worker's one outstanding long-poll (`VerdictFeed`, GET
 /v1/verdicts), read without waiting between tokens. A chain whose step is judged under
 `stop_below` stops there, whenever the verdict arrives: its completion ends with that step
-(`finish_reason = "wrong_step"`). So that the tokens saved are an exact count, a stopped row keeps
-decoding in the batch, unposted and uncounted, until it would have ended (an hf batch computes
-every row anyway). Then `pivots` pivots are chosen (decentrl/rl/pivots.py, the unit's `rule`) and
-`k` continuations of each are decoded from its prefix with the same weights. The samples go back
+(`finish_reason = "wrong_step"`). With the unit's `verdict_lag_tokens` N, a step's verdict acts
+exactly N of its chain's tokens after the step ended instead (waited for then if it is not in,
+held until then if it is), so where chains stop depends on the seed alone, not on the load.
+So that the tokens saved are an exact count, a stopped row keeps decoding in the batch, unposted
+and uncounted, until it would have ended (an hf batch computes every row anyway). Then `pivots`
+pivots are chosen (decentrl/rl/pivots.py, the unit's `rule`) and `k` continuations of each are
+decoded from its prefix with the same weights. The samples go back
 as `Rollout`s of the unit, root first, each naming its node and its step ends.
 
 A unit with pivots needs its roots' last verdicts before it branches; `play_trees` plays leases
@@ -131,8 +134,13 @@ class TreeCounts:
     steps_posted: int = 0
     step_post_wait_s: float = 0.0  # time decoding waited for a step post (0: it never does)
     verdicts_used: int = 0
-    verdict_wait_s: float = 0.0  # time waited, before choosing pivots, for the roots' last verdicts
-    verdict_timeouts: int = 0  # units whose pivots were chosen with a root verdict still missing
+    verdict_wait_s: float = 0.0  # time waited for verdicts: the roots' last before the pivots; with verdict_lag_tokens, each at its lag
+    verdict_timeouts: int = 0  # waits that ended with a verdict still missing (units whose pivots were chosen so, verdicts past their lag)
+    # Without verdict_lag_tokens, the lag the machine gives: for each verdict read while its batch
+    # decoded, the tokens its row was fed after its step ended (decoding steps); `verdict_lags_unseen`,
+    # for each step whose verdict came only after its batch ended, those fed by then (its lag was longer).
+    verdict_lags: list[int] = field(default_factory=list)
+    verdict_lags_unseen: list[int] = field(default_factory=list)
     decode_s: float = 0.0
     decode_steps: int = 0  # batched decoding steps (one token for every row of a batch): the work, apart from the machine's speed
     cache_rebuild_s: float = 0.0
@@ -157,6 +165,10 @@ class Rows:
     first of its steps judged under the unit's `stop_below`. So that the tokens saved are an exact count, a stopped row goes on being
     fed, unposted and uncounted, until it would have ended (its shadow, counted as saved).
 
+    With the unit's `verdict_lag_tokens` N, a step's verdict acts on the token that puts its chain N
+    tokens past the step's end: `take` waits for it there (`await_verdict`, which counts the wait),
+    and `judge` holds a verdict come in earlier until then; a chain that ends first is not stopped.
+
     Stop strings are looked for in a row's own tokens (`stop_cut`, as the plain hf path does):
     a root's completion, a branch's continuation - never its prompt, its root's prefix included.
     So a stop string begun in a branch's prefix and completed in its continuation does not end
@@ -166,9 +178,14 @@ class Rows:
     def __init__(
         self, chains: list[Chain], unit: TreeUnit, *, text_of: Callable[[list[int]], str], eos_ids: set[int], stops: list[str],
         on_step: Callable[[Chain, int], None], verdict: Callable[[str, int], float | None], counts: TreeCounts,
+        await_verdict: Callable[[str, int], float | None] | None = None,
     ) -> None:
         self.chains, self.unit, self.text_of, self.eos_ids, self.stops = chains, unit, text_of, eos_ids, stops
-        self.on_step, self.verdict, self.counts = on_step, verdict, counts
+        self.on_step, self.verdict, self.counts, self.await_verdict = on_step, verdict, counts, await_verdict
+        self.lag = unit.verdict_lag_tokens if unit.stop_below is not None else None
+        if self.lag is not None and await_verdict is None:
+            raise ValueError("a unit with verdict_lag_tokens waits for verdicts at their lag: give await_verdict")
+        self.seen: set[tuple[int, int]] = set()  # (row, step) whose verdict was read (verdict_lags)
         self.fed: list[list[int]] = [[] for _ in chains]  # every token a row was fed, its shadow's too
         self.shadow = [0] * len(chains)
         self.shadowing = [False] * len(chains)
@@ -190,11 +207,15 @@ class Rows:
             chain.masks.append(kept)
         chain.finish = self._ending(row)
         start = chain.ends[-1] if chain.ends else 0
-        if _ends_step(self.text_of, chain, self.unit) or (chain.finish is not None and len(chain.tokens) > start):
+        ended = _ends_step(self.text_of, chain, self.unit) or (chain.finish is not None and len(chain.tokens) > start)
+        if ended:
             chain.ends.append(len(chain.tokens))
             self.on_step(chain, len(chain.ends) - 1)
-            return True
-        return False
+        if self.lag is not None and chain.finish is None and (due := len(chain.tokens) - self.lag) in chain.ends:
+            assert self.await_verdict is not None
+            self.await_verdict(chain.rollout_id, chain.ends.index(due))  # in, or verdict_wait_s gone (counted)
+            self._judge_row(row)
+        return ended
 
     def _ending(self, row: int) -> str | None:
         """How row `row`'s last token fed ends it: "stop" (end-of-sequence, or it completes a stop
@@ -206,22 +227,39 @@ class Rows:
 
     def judge(self) -> None:
         """The verdicts come in meanwhile, read without waiting: a chain with a step under
-        `stop_below` is cut at that step's end (`finish_reason = "wrong_step"`)."""
+        `stop_below` is cut at that step's end (`finish_reason = "wrong_step"`); with
+        `verdict_lag_tokens`, only a step at least that many tokens behind its chain's end."""
         if self.unit.stop_below is None:
             return
         for row, chain in enumerate(self.chains):
-            if chain.finish is not None:
-                continue
-            for step in range(len(chain.ends)):
-                score = self.verdict(chain.rollout_id, step)
-                if score is not None and score < self.unit.stop_below:
-                    self.counts.verdicts_used += 1
-                    chain.wrong_from, chain.cut = step, chain.ends[step]
-                    self.counts.discarded += len(chain.tokens) - chain.cut  # decoded before the verdict came
-                    del chain.tokens[chain.cut:], chain.logprobs[chain.cut:], chain.masks[chain.cut:], chain.ends[step + 1:]
-                    chain.finish = "wrong_step"
-                    self.shadowing[row] = self._ending(row) is None
-                    break
+            if self.lag is None:
+                self._measure(row)
+            if chain.finish is None:
+                self._judge_row(row)
+
+    def _judge_row(self, row: int) -> None:
+        assert self.unit.stop_below is not None
+        chain = self.chains[row]
+        for step, end in enumerate(chain.ends):
+            if self.lag is not None and end + self.lag > len(chain.tokens):
+                return  # held: it acts `lag` tokens after its step ended
+            score = self.verdict(chain.rollout_id, step)
+            if score is not None and score < self.unit.stop_below:
+                self.counts.verdicts_used += 1
+                chain.wrong_from, chain.cut = step, end
+                self.counts.discarded += len(chain.tokens) - end  # decoded before the verdict acted
+                del chain.tokens[end:], chain.logprobs[end:], chain.masks[end:], chain.ends[step + 1:]
+                chain.finish = "wrong_step"
+                self.shadowing[row] = self._ending(row) is None
+                return
+
+    def _measure(self, row: int) -> None:
+        """`verdict_lags`: each verdict first read, the tokens its row was fed after its step ended."""
+        chain = self.chains[row]
+        for step, end in enumerate(chain.ends):
+            if (row, step) not in self.seen and self.verdict(chain.rollout_id, step) is not None:
+                self.seen.add((row, step))
+                self.counts.verdict_lags.append(len(self.fed[row]) - end)
 
     def open(self, row: int) -> bool:
         """Whether row `row` is still fed: its chain goes on, or its shadow does."""
@@ -235,6 +273,9 @@ class Rows:
         for chain in self.chains:
             if chain.finish is None:
                 chain.finish = "length"
+        if self.lag is None and self.unit.stop_below is not None:
+            self.counts.verdict_lags_unseen += [len(self.fed[row]) - end for row, chain in enumerate(self.chains)
+                                                for step, end in enumerate(chain.ends) if (row, step) not in self.seen]
         self.counts.saved += sum(self.shadow)
         self.counts.branch_prompt_tokens += sum(len(chain.prompt) for chain in self.chains if chain.node is not None)
 
@@ -243,7 +284,7 @@ class Rows:
 def decode_chains(
     backend: HFBackend, chains: list[Chain], sampling: SamplingParams, unit: TreeUnit, *,
     on_step: Callable[[Chain, int], None], verdict: Callable[[str, int], float | None], counts: TreeCounts,
-    keep_cache: bool = True,
+    keep_cache: bool = True, await_verdict: Callable[[str, int], float | None] | None = None,
 ) -> None:
     """Decode `chains` together to their ends on the hf backend, token by token (`Rows` says what
     each token does): every row is fed one token an iteration, finished or not, so that the rows
@@ -254,7 +295,7 @@ def decode_chains(
     eos_ids, pad = backend._eos_and_pad()
     started = time.perf_counter()
     rows = Rows(chains, unit, text_of=backend._text, eos_ids=eos_ids, stops=sampling.stop, on_step=on_step, verdict=verdict,
-                counts=counts)
+                counts=counts, await_verdict=await_verdict)
 
     def prefill(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
         width = max(map(len, seqs))
@@ -302,6 +343,7 @@ def decode_chains(
 def stream_chains(
     backend: VLLMBackend, chains: list[Chain], sampling: SamplingParams, unit: TreeUnit, *,
     on_step: Callable[[Chain, int], None], verdict: Callable[[str, int], float | None], counts: TreeCounts,
+    await_verdict: Callable[[str, int], float | None] | None = None,
 ) -> None:
     """Decode `chains` together to their ends on the vllm backend: one request a chain, its prompt
     the chain's (a branch's: its root's prompt and prefix, found in the engine's prefix cache),
@@ -314,7 +356,7 @@ def stream_chains(
     started = time.perf_counter()
     eos_ids = backend.eos_ids()
     rows = Rows(chains, unit, text_of=backend._text, eos_ids=eos_ids, stops=sampling.stop, on_step=on_step, verdict=verdict,
-                counts=counts)
+                counts=counts, await_verdict=await_verdict)
     with backend.stream([c.prompt for c in chains], sampling, budgets=[c.budget for c in chains],
                         seeds=[c.seed for c in chains], stop_ids=eos_ids) as stream:
         while not rows.done() and stream.running():
@@ -339,12 +381,13 @@ class TreePlay:
     def __init__(
         self, backend: HFBackend | VLLMBackend, client: OrchestratorClient, lease: Lease, sampling: SamplingParams, *, run_name: str,
         worker_id: str, feed: VerdictFeed, counts: TreeCounts, keep_cache: bool = True, seed: int | None = None,
+        verdict_wait_s: float = 5.0,
     ) -> None:
         if not isinstance(lease.unit, TreeUnit):
             raise ValueError(f"lease {lease.lease_id} is not a tree unit")
         self.backend, self.client, self.lease, self.sampling, self.unit = backend, client, lease, sampling, lease.unit
         self.run_name, self.worker_id, self.feed, self.counts = run_name, worker_id, feed, counts
-        self.keep_cache, self.seed = keep_cache, seed
+        self.keep_cache, self.seed, self.verdict_wait_s = keep_cache, seed, verdict_wait_s
         self.version = lease.policy_version if lease.policy_version is not None else backend.version or 0
         self.posting = ThreadPoolExecutor(1, thread_name_prefix="steps")
         self.posts: list[Future[object]] = []
@@ -384,10 +427,20 @@ class TreePlay:
         on_step = on_step or self._on_step
         if isinstance(self.backend, VLLMBackend):
             stream_chains(self.backend, chains, self.sampling, self.unit, on_step=on_step, verdict=self.feed.score,
-                          counts=self.counts)
+                          counts=self.counts, await_verdict=self._await_verdict)
             return
         decode_chains(self.backend, chains, self.sampling, self.unit, on_step=on_step, verdict=self.feed.score,
-                      counts=self.counts, keep_cache=self.keep_cache)
+                      counts=self.counts, keep_cache=self.keep_cache, await_verdict=self._await_verdict)
+
+    def _await_verdict(self, rollout_id: str, step: int) -> float | None:
+        """A step's verdict at its lag (`verdict_lag_tokens`): at once if in, else waited for up to
+        `verdict_wait_s` (counted; a timeout too)."""
+        if (score := self.feed.score(rollout_id, step)) is not None:
+            return score
+        self.counts.verdict_wait_s += self.feed.wait_for({(rollout_id, step)}, self.verdict_wait_s)
+        score = self.feed.score(rollout_id, step)
+        self.counts.verdict_timeouts += score is None
+        return score
 
     def _seeded(self, node: str, index: int) -> int | None:
         return None if self.seed is None else node_seed(self.seed, self.lease.prompt_id, self.version, node, index)
@@ -396,12 +449,13 @@ class TreePlay:
         self._decode(self.roots)
         return self
 
-    def finish(self, *, rng: random.Random, estimate: RecoveryEstimate, rule: str | None = None,
-               verdict_wait_s: float = 5.0) -> list[Rollout]:
-        unit, roots, feed = self.unit, self.roots, self.feed
+    def finish(self, *, rng: random.Random, estimate: RecoveryEstimate, rule: str | None = None) -> list[Rollout]:
+        unit, roots, feed, lagged = self.unit, self.roots, self.feed, self.unit.verdict_lag_tokens is not None
         try:
-            if unit.pivots and feed.scores:  # a run whose steps no scorer has judged yet never waits
-                _await_root_verdicts(roots, self.posts, feed, self.counts, verdict_wait_s)
+            # A run whose steps no scorer has judged yet never waits, unless its verdicts act at a
+            # fixed lag (its chains waited for them already): then the pick never depends on timing.
+            if unit.pivots and (feed.scores or lagged):
+                _await_verdicts(roots, self.posts, feed, self.counts, self.verdict_wait_s)
             picker = rng if self.seed is None else random.Random(self._seeded("pivots", 0))
             pivots = _pivots(roots, unit, feed, picker, estimate, rule or unit.rule)
             branches = []
@@ -415,6 +469,8 @@ class TreePlay:
                 ]
             if branches:
                 self._decode(branches)
+                if lagged:  # the estimate learns from every branch verdict, whenever it comes
+                    _await_verdicts(branches, self.posts, feed, self.counts, self.verdict_wait_s)
             for pivot, start in zip(pivots, range(0, len(branches), unit.k), strict=True):
                 for chain in branches[start : start + unit.k]:  # the online estimate learns how often a depth recovers
                     right = chain.finish == "stop" and chain.wrong_from is None and not _judged_wrong(chain, unit, feed)
@@ -478,8 +534,8 @@ def generate_tree(
     same unit at the same version gives the same samples, whenever its verdicts come (as long as
     the roots' last verdicts are in within `verdict_wait_s`: `counts.verdict_timeouts` says when not)."""
     play = TreePlay(backend, client, lease, sampling, run_name=run_name, worker_id=worker_id, feed=feed, counts=counts,
-                    keep_cache=keep_cache, seed=seed)
-    return play.start().finish(rng=rng, estimate=estimate, rule=rule, verdict_wait_s=verdict_wait_s)
+                    keep_cache=keep_cache, seed=seed, verdict_wait_s=verdict_wait_s)
+    return play.start().finish(rng=rng, estimate=estimate, rule=rule)
 
 
 def play_trees(
@@ -501,27 +557,28 @@ def play_trees(
     try:
         while batch := list(itertools.islice(source, width)):
             plays = [TreePlay(backend, client, lease, sampling, run_name=run_name, worker_id=worker_id, feed=feed,
-                              counts=counts, keep_cache=keep_cache, seed=seed) for lease, sampling in batch]
+                              counts=counts, keep_cache=keep_cache, seed=seed, verdict_wait_s=verdict_wait_s)
+                     for lease, sampling in batch]
             pending.extend(plays)
             start_together(plays)
             while len(pending) > ahead:
                 play = pending.popleft()
-                yield play.lease, play.finish(rng=rng, estimate=estimate, rule=rule, verdict_wait_s=verdict_wait_s)
+                yield play.lease, play.finish(rng=rng, estimate=estimate, rule=rule)
         while pending:
             play = pending.popleft()
-            yield play.lease, play.finish(rng=rng, estimate=estimate, rule=rule, verdict_wait_s=verdict_wait_s)
+            yield play.lease, play.finish(rng=rng, estimate=estimate, rule=rule)
     finally:
         for play in pending:
             play.drop()
 
 
-def _await_root_verdicts(
-    roots: list[Chain], posts: list[Future[object]], feed: VerdictFeed, counts: TreeCounts, timeout_s: float
+def _await_verdicts(
+    chains: list[Chain], posts: list[Future[object]], feed: VerdictFeed, counts: TreeCounts, timeout_s: float
 ) -> None:
-    """The roots' step posts sent, then their verdicts in (or `timeout_s` gone): counted."""
+    """The chains' step posts sent, then their verdicts in (or `timeout_s` gone): counted."""
     started = time.perf_counter()
     wait(list(posts), timeout=timeout_s)  # a post that failed fails the lease at the unit's end
-    keys = {(chain.rollout_id, step) for chain in roots for step in range(len(chain.ends))}
+    keys = {(chain.rollout_id, step) for chain in chains for step in range(len(chain.ends))}
     feed.wait_for(keys, max(0.0, timeout_s - (time.perf_counter() - started)))
     counts.verdict_wait_s += time.perf_counter() - started
     counts.verdict_timeouts += not keys <= feed.scores.keys()

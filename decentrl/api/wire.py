@@ -210,6 +210,10 @@ class TreeUnit(Wire):
         "judged right, or at random (the control)."
     )
     gamma: float = Field(0.1, ge=0, le=100, description="The utility's depth bias: P(success | ratio) x ratio^gamma.")
+    verdict_lag_tokens: Int | None = Field(
+        None, ge=0, le=4096, description="A step's verdict acts exactly this many of its chain's tokens after the step "
+        "ended (waited for, or held until then). None: whenever it arrives."
+    )
 
 
 class RolesUnit(Wire):

@@ -361,6 +361,13 @@ class TreeConfig(Section):
         "judged right (the scorer's pick), or at random (the control)."
     )
     gamma: float = Field(0.1, ge=0, le=100, description="The utility's depth bias: P(success | ratio) x ratio^gamma.")
+    verdict_lag_tokens: int | None = Field(
+        None, ge=0, le=4096, strict=True,
+        description="A step's verdict acts exactly this many of its chain's tokens after the step ended: one not in by "
+        "then is waited for (the worker's verdict_wait_s, counted), one in earlier is held until then, so where chains "
+        "stop, the tokens discarded and the pivots depend on the seed alone, not on the machine's load "
+        "(docs/rewards.md \"Pivots\"). None: a verdict acts whenever it arrives, never waited for while decoding.",
+    )
 
 
 class OrchestratorConfig(Section):

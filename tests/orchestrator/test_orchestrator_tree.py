@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from decentrl.api.encoding import unpack_msgpack
 from decentrl.api.wire import Lease, Rollout, RolloutNode, TreeUnit, problems
-from decentrl.config import ConfigError
+from decentrl.config import ConfigError, load_config
 from orchestrator.leases import unit_size
 from orchestrator.state import RunState
 
@@ -96,6 +96,9 @@ def test_a_node_takes_a_branch_or_a_derived_parent() -> None:
         ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "comma"}}, "marker"),
         ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "marker", "marker": ""}}, "at least 1"),
         ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "tokens", "tokens": 0}}, "greater than or equal to 1"),
+        ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "marker"}, "verdict_lag_tokens": -1}, "greater than or equal to 0"),
+        ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "marker"}, "verdict_lag_tokens": True}, "valid integer"),
+        ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "marker"}, "verdict_lag_tokens": 1.5}, "valid integer"),
         ({"kind": "roles", "roles": ["proposer", "solver"], "sizes": [1]}, "one size a role"),
         ({"kind": "roles", "roles": ["solver", "solver"], "sizes": [1, 1]}, "distinct"),
         ({"kind": "roles", "roles": ["proposer"], "sizes": [2], "min_fill": 3}, "min_fill"),
@@ -125,6 +128,27 @@ def test_a_tree_lease_owes_its_root_and_every_branch(tree_state: Callable[..., R
     assert isinstance(lease.unit, TreeUnit) and (lease.unit.k, lease.unit.pivots) == (3, 2)
     assert unit_size(lease) == 3 + 2 * 3
     assert Lease.model_validate_json(lease.model_dump_json()) == lease  # what a worker reads back
+
+
+def test_a_tree_lease_carries_its_verdict_lag(tree_state: Callable[..., RunState]) -> None:
+    (lease,) = tree_state(stop_below=0.5, verdict_lag_tokens=3).grant_leases(HOLDER, 1)
+    assert isinstance(lease.unit, TreeUnit) and lease.unit.verdict_lag_tokens == 3
+    (plain,) = tree_state().grant_leases(HOLDER, 1)
+    assert isinstance(plain.unit, TreeUnit) and plain.unit.verdict_lag_tokens is None  # unset: whenever a verdict arrives
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [("-1", "greater than or equal to 0"), ("2.5", "valid integer"), ("true", "valid integer"), ('"3"', "valid integer"),
+     ("5000", "less than or equal to 4096")],
+    ids=["negative", "not-an-integer", "bool", "string", "too-large"],
+)
+def test_a_bad_verdict_lag_is_a_config_error_naming_the_field(tmp_path: Path, value: str, says: str) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f"[orchestrator.tree]\nk = 2\nstop_below = 0.5\nverdict_lag_tokens = {value}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(path))
+    assert "orchestrator.tree.verdict_lag_tokens" in str(caught.value) and says in str(caught.value)
 
 
 def test_a_deterministic_tree_run_is_refused(make_config: Any) -> None:

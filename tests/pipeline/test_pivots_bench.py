@@ -47,6 +47,41 @@ def test_an_arm_runs_to_its_budget(bench: Any, checkpoint: str, arm: str) -> Non
         assert result["verdicts_used"] > 0  # a barely trained model's steps are judged wrong, and chains stop
 
 
+def test_with_a_fixed_verdict_lag_an_arms_row_is_the_same_at_any_pace(bench: Any, checkpoint: str) -> None:
+    """`--verdict-lag-tokens`: a verdict acts that many tokens after its step ended, so a PRM arm
+    paced as a fast machine and as a slow one (verdicts back after fewer or more decoding steps)
+    stops the same chains at the same tokens: the same units, tokens and counts. Without it, the
+    row says what lag the machine gave (`verdict_lags`)."""
+    same = ("units", "tokens", "tokens_kept", "tokens_discarded", "tokens_saved", "verdicts_used", "recovered",
+            "no_gradient_units", "decode_steps", "verdict_timeouts")
+    rows = [bench.run_arm("prm", 0, checkpoint, budget=120, group_size=2, k=2, token_s=pace, verdict_lag_tokens=1)
+            for pace in (0.0, 0.02)]
+    assert [rows[0][key] for key in same] == [rows[1][key] for key in same]
+    assert rows[0]["verdicts_used"] > 0 and rows[0]["tokens_discarded"] == rows[0]["verdicts_used"]  # 1 token each
+    assert rows[0]["verdict_lags"] == {} and rows[0]["verdict_lag_tokens"] == 1
+    free = bench.run_arm("prm", 0, checkpoint, budget=120, group_size=2, k=2, token_s=0.02)
+    assert free["verdict_lag_tokens"] is None and sum(free["verdict_lags"].values()) > 0
+    assert min(int(lag) for lag in free["verdict_lags"]) >= 1  # read at the earliest a token after its step ended
+    assert free["verdict_lag_median"] in {int(lag) for lag in free["verdict_lags"]}
+
+
+def test_the_median_lag_counts_a_verdict_after_its_batch_as_a_longer_lag(bench: Any) -> None:
+    assert bench.lag_median([1, 2, 3], []) == 2
+    # Two steps unseen after 3 tokens lagged more than 3: of 5, three lag over 2.
+    assert bench.lag_median([1, 2, 3], [3, 3]) == 3
+    assert bench.lag_median([1], [5, 5, 5]) is None  # most lag longer than any seen
+    assert bench.lag_median([3, 1, 2], [0]) == 2  # unseen at 0: at risk for no lag, so the median of what was seen
+
+
+@pytest.mark.parametrize("value", ["-1", "4097", "two", "2.5"])
+def test_a_bad_verdict_lag_is_refused(bench: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                      value: str) -> None:
+    monkeypatch.setattr("sys.argv", ["pivots.py", "--verdict-lag-tokens", value, "--budget", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2 and "--verdict-lag-tokens takes an integer from 0 to 4096" in capsys.readouterr().err
+
+
 def test_a_training_arm_advances_its_versions(bench: Any, checkpoint: str) -> None:
     heldout = bench.heldout_prompts(8, seeds=1)
     training = bench.Training(groups_per_step=2, lr=1e-3, heldout=heldout, eval_samples=2, eval_every=1)

@@ -449,3 +449,75 @@ def test_overlapped_seeded_units_draw_what_they_draw_one_at_a_time(backend: HFBa
     assert [len(rows) for rows in one_at_a_time] == [4 + 2 * 3] * 2
     assert play(ahead=1) == one_at_a_time
     assert play(ahead=1, width=2) == one_at_a_time  # both units' roots decoded in one batch
+
+
+def test_verdicts_at_a_fixed_lag_give_a_prm_unit_the_same_samples_and_counts_whatever_the_scorer_delay(
+    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `verdict_lag_tokens`: a step's verdict acts exactly 2 tokens after its step ended, waited for
+    # if it is late, held if it is early; so a scorer answering at once and one answering 0.3 s
+    # late (a loaded machine against a quiet one) stop the same chains at the same tokens, and the
+    # unit's samples and counts are the same. Without the option the prompt scorer stops chains a
+    # few paced tokens after their wrong step and the late one stops none.
+    forward = backend.model.forward
+    monkeypatch.setattr(backend.model, "forward", lambda *args, **kwargs: (time.sleep(0.005), forward(*args, **kwargs))[1])
+    unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), stop_below=0.5,
+                    rule="last_right", verdict_lag_tokens=2)
+    lease = Lease(lease_id="l0", prompt_id=5, prompt_token_ids=build_tiny_tokenizer()("7324=").input_ids, group_size=4,
+                  deadline=time.time() + 60, unit=unit, policy_version=0)
+
+    def play(delay_s: float) -> tuple[list[tuple[Any, ...]], TreeCounts]:
+        client = _LateJudge(delay_s=delay_s)  # step 0 right, every later step wrong
+        feed = VerdictFeed(client, "w0", wait_s=0.0).start()  # type: ignore[arg-type]
+        counts = TreeCounts()
+        try:
+            samples = generate_tree(backend, client, lease, SamplingParams(temperature=1.0, max_tokens=16), run_name="r",  # type: ignore[arg-type]
+                                    worker_id="w0", feed=feed, rng=random.Random(0), estimate=RecoveryEstimate(),
+                                    counts=counts, seed=7, verdict_wait_s=30.0)
+        finally:
+            feed.close()
+        root_of = {s.rollout_id: j for j, s in enumerate(samples[:4])}
+        return [(None if s.node is None else (root_of[s.node.parent.rollout_id], s.node.parent.at),  # type: ignore[union-attr]
+                 tuple(s.prompt_token_ids), tuple(s.completion_token_ids), s.finish_reason, tuple(s.step_ends or ()))
+                for s in samples], counts
+
+    prompt, prompt_counts = play(delay_s=0.0)
+    late, late_counts = play(delay_s=0.3)
+    assert late == prompt
+    stopped = [row for row in prompt if row[3] == "wrong_step"]
+    assert stopped and all(row[4][-1] == 4 for row in stopped)  # each cut at its wrong step 1's end
+    figures = ("generated", "discarded", "saved", "verdicts_used", "decode_steps", "verdict_timeouts")
+    assert [getattr(late_counts, f) for f in figures] == [getattr(prompt_counts, f) for f in figures]
+    assert prompt_counts.discarded == 2 * prompt_counts.verdicts_used == 2 * len(stopped)  # exactly the lag each
+    assert late_counts.verdict_timeouts == 0 and late_counts.verdict_wait_s > 0.2  # the late verdicts were waited for
+
+
+@pytest.mark.parametrize("burst", [1, 3])
+def test_a_verdict_acts_at_its_lag_however_many_tokens_an_engine_step_brings(burst: int) -> None:
+    # vLLM's engine may hand a row several tokens in one step (`stream_chains` takes them all, then
+    # judges): the verdict still acts on the very token that puts its chain `lag` tokens past its
+    # step's end, waited for there, and a verdict in long before is held until then.
+    unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), stop_below=0.5,
+                    verdict_lag_tokens=3)
+    scores = {("a", 0): 1.0, ("a", 1): 0.0}  # both in at once: step 1 (ending at 4 tokens) is wrong
+    awaited: list[tuple[str, int, int]] = []
+    chain = Chain("a", [1], 12)
+    counts = TreeCounts()
+    rows = Rows([chain], unit, text_of=lambda t: "x" * len(t), eos_ids=set(), stops=[], on_step=lambda c, s: None,
+                verdict=lambda r, s: scores.get((r, s)), counts=counts,
+                await_verdict=lambda r, s: (awaited.append((r, s, len(chain.tokens))), scores.get((r, s)))[1])
+    for start in range(0, 12, burst):
+        for _ in range(burst):
+            rows.take(0, 5, -1.0)
+        rows.judge()
+    assert awaited == [("a", 0, 5), ("a", 1, 7)]  # each step's verdict read 3 tokens after its end (2, 4), not before
+    assert chain.finish == "wrong_step" and chain.tokens == [5] * 4 and chain.ends == [2, 4]
+    assert counts.discarded == 3 and counts.verdicts_used == 1 and rows.shadow == [12 - 7]
+
+
+def test_verdict_lag_tokens_needs_a_way_to_wait_for_a_verdict() -> None:
+    unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), stop_below=0.5,
+                    verdict_lag_tokens=0)
+    with pytest.raises(ValueError, match="await_verdict"):
+        Rows([Chain("a", [1], 8)], unit, text_of=str, eos_ids=set(), stops=[], on_step=lambda c, s: None,  # type: ignore[arg-type]
+             verdict=lambda r, s: None, counts=TreeCounts())
