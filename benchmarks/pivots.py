@@ -40,7 +40,10 @@ another's paired by seed (`heldout_final_prm_minus_random`, ...), mean and stand
 
 Every unit is seeded from the seed (workers/tree.py `seed`): the arms of a seed draw the same
 root samples of a prompt at a version, so the arms' differences are paired, and an arm that does
-not depend on verdicts (root) gives the same rows in every run.
+not depend on verdicts (root) gives the same rows in every run. The pivot arms do too with
+`--verdict-lag-tokens N` (a step's verdict acts exactly N tokens after its step ended); without
+it a verdict acts whenever it arrives, which the machine's load moves, and each row says what lag
+the run gave (`verdict_lags`, `verdict_lag_median`: the N to choose).
 
 Seeds can run apart (each under 10 min at a quiet machine's load; S = 0, 1, ...) and be summarized together:
 
