@@ -117,11 +117,13 @@ class ProposeTaskConfig(Section):
         "included: then p is rarely 0 or 1, and 1 - p pays most for the hardest problems they score anything on) or exact "
         "(the share of its solvers with the exact answer: the pass rate Absolute Zero and R-Zero define)."
     )
-    proposal: Literal["problem", "size"] = Field(
+    proposal: Literal["problem", "size", "tally"] = Field(
         "problem", description="What a proposal is: problem (its digits are the problem, as written) or size (its length "
         "names the problem's size, min_digits to max_digits, and the task draws the digits, seeded by the unit's prompt "
         "and the proposal's text: the proposer chooses how hard, never which digits, so it cannot make problems easy by "
-        "writing them already in order, nor repeat one text into one problem)."
+        "writing them already in order, nor repeat one text into one problem) or tally (as size, but the size is "
+        "min_digits plus the 9s the text holds, capped at max_digits: a proposer writing digits at random, as an "
+        "untrained one does, proposes short problems, and writes more 9s for longer ones)."
     )
     min_digits: int = Field(2, ge=1, le=64, description="Fewest digits of a valid proposal.")
     max_digits: int = Field(12, ge=1, le=64, description="Most digits of a valid proposal.")

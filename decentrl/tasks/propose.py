@@ -8,7 +8,10 @@ between `min_digits` and `max_digits` of them - and the solvers' prompt is the p
 ("90271="), the form the sorting task uses. With `proposal = "size"` the proposal's length names
 the problem's size and its digits are drawn here, seeded by the unit's prompt and the proposal's
 text: the proposer chooses how hard, never the digits themselves, so it cannot make a problem easy
-by writing it already in order, nor repeat one text into one problem its solvers memorise. The answer is computed here, exactly: the digits
+by writing it already in order, nor repeat one text into one problem its solvers memorise. With
+`proposal = "tally"` the size is `min_digits` plus the 9s the text holds (digits of any length):
+an untrained proposer writing digits at random proposes short problems, so a run starts easy with
+room above. The answer is computed here, exactly: the digits
 ascending (`operation = "sort"`) or their sum (`"sum"`). Difficulty is measured in digits and
 operations (the adjacent swaps that sort the digits, or the additions that sum them).
 
@@ -34,6 +37,7 @@ from decentrl.tasks.base import Prompt
 from decentrl.tasks.sorting import sort_credit
 
 ROLES = ("proposer", "solver")
+TALLY_MAX_CHARS = 1024  # `proposal = "tally"`: the longest text read (its length is checked before the pattern)
 _DIGITS = re.compile(r"[0-9]+", re.ASCII)
 
 
@@ -42,7 +46,7 @@ class Proposal:
     """A valid problem: its digits, as the proposer wrote them."""
 
     digits: str
-    written: str | None = None  # `proposal = "size"`: the text the proposer wrote (None: the digits are it)
+    written: str | None = None  # `proposal = "size"` or "tally": the text the proposer wrote (None: the digits are it)
 
     @property
     def canonical(self) -> str:
@@ -88,13 +92,23 @@ class ProposeTask:
         task's seed, the unit's prompt and the text: a proposer repeating one text gets another
         problem on each prompt (one in `num_prompts` per length, a prompt coming back once a pass
         over the pool), never one problem whose answer its solvers can memorise; the same run's
-        journal re-derives every unit's problem from its proposer sample (benchmarks/coevolve.py)."""
+        journal re-derives every unit's problem from its proposer sample (benchmarks/coevolve.py).
+        With `proposal = "tally"` the text is digits of any length (up to TALLY_MAX_CHARS) and the
+        size is `min_digits` plus its 9s, capped at `max_digits`: more 9s than the task allows ask
+        for its largest problem, never an invalid one (no -1 cliff above the top size, which with
+        `"size"` a proposal one digit too long meets); the digits are drawn as with "size"."""
         text = completion_text.strip()
-        if not self.config.min_digits <= len(text) <= self.config.max_digits or not _DIGITS.fullmatch(text):
+        if self.config.proposal == "tally":  # min_digits plus the 9s written, at most max_digits; any length of digits
+            if len(text) > TALLY_MAX_CHARS or not _DIGITS.fullmatch(text):
+                return None
+            size = min(self.config.max_digits, self.config.min_digits + text.count("9"))
+        elif not self.config.min_digits <= len(text) <= self.config.max_digits or not _DIGITS.fullmatch(text):
             return None
-        if self.config.proposal == "size":
+        else:
+            size = len(text)
+        if self.config.proposal in ("size", "tally"):
             rng = random.Random(f"{self.config.seed}/{prompt_id}/{text}")
-            return Proposal("".join(rng.choice("0123456789") for _ in text), written=text)
+            return Proposal("".join(rng.choice("0123456789") for _ in range(size)), written=text)
         return Proposal(text)
 
     def solver_prompt(self, proposal: Proposal, prompt_id: int) -> Prompt:

@@ -5,6 +5,7 @@ proposer's reward (validity first, then learnability); the config's errors."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from pydantic import ValidationError
@@ -192,3 +193,26 @@ def test_a_repeated_size_proposal_is_another_problem_on_each_unit() -> None:
     assert all(p is not None and len(p.digits) == 4 and p.canonical == "2222" for p in repeated)
     assert len({p.digits for p in repeated if p}) >= 190, "one text on 200 units: (nearly) 200 problems of 4 digits"
     assert len({"".join(sorted(p.digits)) for p in repeated if p}) >= 150, "and no one answer to memorise"
+
+
+def test_a_tally_proposal_is_min_digits_plus_its_nines() -> None:
+    # proposal = "tally": the size is min_digits plus the 9s written, so digits at random (an
+    # untrained proposer) make short problems, and a proposer writes more 9s for longer ones.
+    task = ProposeTask(ProposeTaskConfig(proposal="tally", min_digits=2, max_digits=12, solver_reward="exact", seed=4))
+    for text, size in (("0", 2), ("123", 2), ("9", 3), ("19293", 4), (" 9999999999\n", 12), ("0" * 40 + "9", 3),
+                       ("99999999999", 12), ("9" * 1024, 12)):  # more 9s than max_digits allows: the largest, not invalid
+        proposal = task.propose(text, 7)
+        assert proposal is not None and len(proposal.digits) == size and proposal.digits.isdigit(), text
+        assert proposal.canonical == text.strip() and task.difficulty(proposal).digits == size
+    assert task.propose("19293", 7) == task.propose("19293", 7) != task.propose("19293", 8), "drawn per unit, as size"
+    drawn = [task.propose(f"99{n:o}", 7) for n in range(200)]  # octal: no other 9s, every one 4 digits (10,000 problems)
+    assert all(p is not None and len(p.digits) == 4 for p in drawn)
+    assert len({p.digits for p in drawn if p}) >= 190, "other text of one size: (nearly always) another problem"
+    # Invalid: no digits, a non-digit, or past the longest text read (checked first).
+    for text in ("", " ", "9a", "=9", "1 9", "١٩", "1" * 1025, "9" * 10_000):
+        assert task.propose(text, 7) is None, text
+    assert task.propose("1" * 1024, 7) is not None
+    # Random digits, as an untrained proposer writes them, make short problems (about a tenth of them 9s).
+    rng = random.Random(0)
+    sizes = [len(p.digits) for p in (task.propose("".join(rng.choice("0123456789") for _ in range(10)), i) for i in range(500)) if p]
+    assert 2.5 < sum(sizes) / len(sizes) < 3.5
