@@ -50,6 +50,11 @@ plateaus; every version kept). --arms picks the runs; --seed-start and --seeds a
 The last line is one JSON object with the issue's keys.
     .venv/bin/python benchmarks/coevolve.py --seeds 2
     .venv/bin/python benchmarks/coevolve.py --seeds 2 --sim-steps 2 --learn --steps 60 --policies per_role
+Where a curriculum has room (proposals that start at 2-3 digits, a 12-digit ceiling, the long end
+held out; docs/tasks.md, "A regime with headroom"):
+    .venv/bin/python benchmarks/coevolve.py --seeds 4 --sim-steps 2 --learn --steps 600 --policies per_role \
+      --arms coevolve,frozen_proposer,fixed --also-digits "" --eval-digits 9-12 --fixed-digits 2-12 \
+      --set task.max_digits=12 --set sampling.max_tokens=13 --set task.proposal=tally
 """
 
 from __future__ import annotations
