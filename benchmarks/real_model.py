@@ -14,9 +14,10 @@ engine interleaved, repeated, reporting medians:
            `worker_hf_vs_bare` (against the best bare engine on this CPU) and whether `auto` picks
            the faster dtype
   vllm     in .venv-vllm (.ci/setup-vllm.sh; skipped with the reason where it is missing): the vllm
-           backend driven the same way vs vLLM's own `LLM.generate` (a default engine) on the same
-           prompts, and one in-place weight swap (`reload_weights`) checked to change the weights:
-           `worker_vllm_vs_bare`, `worker_vllm_vs_hf` (the worker part's hf figure)
+           backend driven the same way vs vLLM's own `LLM.generate` (a default engine in the dtype
+           the backend computes in, `dtype`) on the same prompts, and one in-place weight swap
+           (`reload_weights`) checked to change the weights: `worker_vllm_vs_bare`,
+           `worker_vllm_vs_hf` (the worker part's hf figure)
   trainer  one full step of the training loop's code (benchmarks/gpu_check.py `training_step`:
            rank_share -> accumulate_gradients -> clip -> fused AdamW -> the loss all-reduce) on the
            model as the trainer loads it (FSDP2, 1 rank, trainer.mixed_precision as the trainer
@@ -345,12 +346,16 @@ def vllm_inside(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingParams(temperature=config.sampling.temperature, max_tokens=config.sampling.max_tokens)
     with tempfile.TemporaryDirectory(prefix="decentrl-real-vllm-") as work:
         started = time.perf_counter()
-        harness = WorkerHarness(config, VLLMBackend(), work)
+        backend = VLLMBackend()
+        harness = WorkerHarness(config, backend, work)
         backend_start_s = time.perf_counter() - started
         try:
             rss_backend = peak_rss_gb()
             started = time.perf_counter()
-            bare_llm = LLM(model=harness.version_dir)  # vLLM as its own docs start it
+            # vLLM as its own docs start it, in the dtype the backend computes in: on a CPU without native
+            # bf16 the backend's auto picks fp32, and a bf16 engine beside it would measure the dtype, not the backend.
+            bare_dtype = backend.compute_dtype or "auto"
+            bare_llm = LLM(model=harness.version_dir, dtype=bare_dtype)
             bare_start_s = time.perf_counter() - started
             bare_params = VParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens)
             token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -373,7 +378,7 @@ def vllm_inside(args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "vllm": vllm.__version__, "torch": torch.__version__, "rows": len(prompts), "max_tokens": sampling.max_tokens,
-        "vllm_tokens_per_s": ours, "bare_tokens_per_s": engine, "worker_vllm_vs_bare": ours / engine,
+        "vllm_tokens_per_s": ours, "bare_tokens_per_s": engine, "worker_vllm_vs_bare": ours / engine, "dtype": bare_dtype,
         "vllm_tokens_per_s_all": figures["vllm"], "bare_tokens_per_s_all": figures["bare"], "first_pass": warm,
         "backend_start_s": backend_start_s, "bare_start_s": bare_start_s, "rss_after_backend_gb": rss_backend, **swap,
     }
