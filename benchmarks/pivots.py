@@ -34,7 +34,11 @@ between units, and the held-out accuracy (`heldout_accuracy`: prompts no arm nor
 saw, sampled at the arms' temperature) measured every `--eval-every` steps against the tokens generated so far.
 `tokens_to_target_pivot_vs_root`: the tokens at which the PRM arm first reaches the root arm's
 final held-out accuracy, over the root arm's total (per seed, then the mean and its standard
-error); the random arm's beside it. Beside them, per arm, the final accuracy and the accuracy
+error; undefined where a seed's PRM arm never reaches it, as one noisy last evaluation of the
+root arm can make it), and on the seeds' mean curves (`..._pooled`: the tokens at which the PRM
+arm's mean curve first reaches the root arm's mean accuracy at the budget, over the budget, read
+every 250 tokens, with a 90% bootstrap interval over seeds, `..._pooled_interval90`); the random
+arm's beside it. Beside them, per arm, the final accuracy and the accuracy
 averaged over the tokens generated (the area under the curve), and each arm's figures minus
 another's paired by seed (`heldout_final_prm_minus_random`, ...), mean and standard error.
 
@@ -526,6 +530,47 @@ def smoothed(curve: list[dict[str, Any]], window: int = 3) -> list[dict[str, Any
             for i, point in enumerate(curve)]
 
 
+def accuracy_at(curve: list[dict[str, Any]], tokens: float) -> float:
+    """`curve`'s held-out accuracy at `tokens` generated tokens, linear between its evaluations (its
+    first accuracy before its first point, its last after its last)."""
+    if tokens <= curve[0]["tokens"]:
+        return curve[0]["accuracy"]
+    for p, q in zip(curve, curve[1:]):
+        if tokens == q["tokens"]:
+            return q["accuracy"]
+        if tokens < q["tokens"]:
+            return p["accuracy"] + (q["accuracy"] - p["accuracy"]) * (tokens - p["tokens"]) / (q["tokens"] - p["tokens"])
+    return curve[-1]["accuracy"]
+
+
+def pooled_tokens_to_target(root_curves: list[list[dict[str, Any]]], curves: list[list[dict[str, Any]]], budget: float,
+                            step: int = 250) -> float | None:
+    """`tokens_to_target` on the seeds' mean curves: the tokens at which the mean of `curves` (each
+    read every `step` tokens up to `budget`, `accuracy_at`) first reaches the root curves' mean
+    accuracy at `budget`, over `budget`; None if it never does. One seed's noisy last evaluation
+    neither sets the target nor leaves the figure undefined, as it does per seed."""
+    grid = [*range(0, int(budget), step), budget]
+    target = statistics.fmean(accuracy_at(curve, budget) for curve in root_curves)
+    return next((tokens / budget for tokens in grid
+                 if statistics.fmean(accuracy_at(curve, tokens) for curve in curves) >= target), None)
+
+
+def pooled_interval(root_curves: list[list[dict[str, Any]]], curves: list[list[dict[str, Any]]], budget: float,
+                    resamples: int = 2000) -> tuple[float | None, float | None]:
+    """A 90% bootstrap interval of `pooled_tokens_to_target` over seeds (the seeds resampled with
+    replacement, the arms of a seed together; `Random(0)`): its 5th and 95th percentiles, None for a
+    bound where the resampled curves never reach their target."""
+    rng, n = random.Random(0), len(root_curves)
+    draws = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        value = pooled_tokens_to_target([root_curves[i] for i in picks], [curves[i] for i in picks], budget)
+        draws.append(float("inf") if value is None else value)
+    draws.sort()
+    low, high = draws[int(0.05 * resamples)], draws[int(0.95 * resamples)]
+    return (None if low == float("inf") else low), (None if high == float("inf") else high)
+
+
 def mean_and_se(values: list[float | None]) -> tuple[float | None, float | None]:
     """The mean and its standard error (sample std / sqrt(n)); None where a value is missing (a
     target never reached) or, for the error, with one value."""
@@ -535,19 +580,25 @@ def mean_and_se(values: list[float | None]) -> tuple[float | None, float | None]
     return statistics.fmean(known), statistics.stdev(known) / len(known) ** 0.5 if len(known) > 1 else None
 
 
-def training_figures(trained: list[dict[str, Any]]) -> dict[str, Any]:
+def training_figures(trained: list[dict[str, Any]], budget: float | None = None) -> dict[str, Any]:
     """The training arms' figures: tokens to the root arm's final accuracy (each seed's arms
-    against that seed's root arm), the final accuracies, with standard errors over seeds; and the
-    arms' own counts as they train (`training_counts`)."""
+    against that seed's root arm; and on the seeds' mean curves up to `budget` tokens, by default
+    the root curves' furthest point, with a bootstrap interval), the final accuracies, with
+    standard errors over seeds; and the arms' own counts as they train (`training_counts`)."""
     seeds = sorted({r["seed"] for r in trained})
     curve = {(r["arm"], r["seed"]): r["curve"] for r in trained}
     if any((arm, seed) not in curve for arm in ARMS for seed in seeds):  # a run of some arms (--arms): its rows only
         return {"tokens_to_target_pivot_vs_root": None}
     figures: dict[str, Any] = {}
+    roots = [curve["root", seed] for seed in seeds]
+    budget = budget or max(c[-1]["tokens"] for c in roots)
     for arm, key in (("prm", "tokens_to_target_pivot_vs_root"), ("random", "tokens_to_target_random_vs_root")):
         per_seed = [tokens_to_target(curve["root", seed], curve[arm, seed]) for seed in seeds]
         figures[key], figures[key + "_se"] = mean_and_se(per_seed)
         figures[key + "_per_seed"] = per_seed
+        arms = [curve[arm, seed] for seed in seeds]
+        figures[key + "_pooled"] = pooled_tokens_to_target(roots, arms, budget)
+        figures[key + "_pooled_interval90"] = list(pooled_interval(roots, arms, budget))
         # The same on each curve's trailing mean of 3 evaluations: one evaluation's noise (about
         # 1.5 points at 1,024 samples) neither sets the target nor reaches it.
         smooth = [tokens_to_target(smoothed(curve["root", seed]), smoothed(curve[arm, seed])) for seed in seeds]
@@ -685,7 +736,7 @@ def main() -> None:
             parser.error(str(error))
     figures = sampling_figures(runs, rebuilt, silent) if runs else {key: None for key in SAMPLING_KEYS}
     print(json.dumps({
-        **(training_figures(trained) if trained else {"tokens_to_target_pivot_vs_root": None}),
+        **(training_figures(trained, args.until_tokens or args.train_budget) if trained else {"tokens_to_target_pivot_vs_root": None}),
         **figures,
         "verdict_wait_s": args.verdict_wait_s, "verdict_lag_tokens": args.verdict_lag_tokens, "token_ms": args.token_ms,
         "budget_tokens": args.budget, "train_budget_tokens": args.train_budget, "seeds": args.seeds,

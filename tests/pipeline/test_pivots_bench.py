@@ -208,6 +208,30 @@ def test_tokens_to_target_is_the_first_point_at_the_roots_final_accuracy(bench: 
     assert bench.tokens_to_target(root, spike) == 0.3 and bench.tokens_to_target(bench.smoothed(root), bench.smoothed(spike)) is None
 
 
+def test_pooled_tokens_to_target_reads_the_seeds_mean_curves(bench: Any) -> None:
+    # Seed 0's root ends high on one evaluation (0.5), so its PRM arm never reaches it per seed;
+    # on the mean curves the target is (0.5 + 0.3) / 2 = 0.4, which PRM's mean (0.35 + 0.45) / 2
+    # reaches at 500 of 1,000 tokens (linear between evaluations, read every 250).
+    root = [[{"tokens": 0, "accuracy": 0.2}, {"tokens": 500, "accuracy": 0.3}, {"tokens": 1000, "accuracy": 0.5}],
+            [{"tokens": 0, "accuracy": 0.2}, {"tokens": 1000, "accuracy": 0.3}]]
+    prm = [[{"tokens": 0, "accuracy": 0.2}, {"tokens": 500, "accuracy": 0.35}, {"tokens": 1000, "accuracy": 0.45}],
+           [{"tokens": 0, "accuracy": 0.2}, {"tokens": 400, "accuracy": 0.45}, {"tokens": 900, "accuracy": 0.45}]]
+    assert bench.tokens_to_target(root[0], prm[0]) is None and bench.tokens_to_target(root[1], prm[1]) == 0.4
+    assert bench.accuracy_at(prm[1], 200) == pytest.approx(0.325) and bench.accuracy_at(prm[1], 950) == 0.45
+    assert bench.accuracy_at(root[0], 750) == pytest.approx(0.4)
+    assert bench.pooled_tokens_to_target(root, prm, 1000) == 0.5
+    assert bench.pooled_tokens_to_target(root, prm, 1000, step=100) == 0.5  # 0.385 at 400
+    assert bench.pooled_tokens_to_target(root, [root[1], root[1]], 1000) is None
+    low, high = bench.pooled_interval(root, prm, 1000)
+    assert low is not None and high is None  # a resample of seed 0 alone never reaches its target
+    assert bench.pooled_interval([root[1]] * 3, [prm[1]] * 3, 1000) == (0.25, 0.25)  # one seed: 0.356 at 250 against 0.3
+    figures = bench.training_figures([{"arm": arm, "seed": seed, "curve": [{**p, "version": 0} for p in curves[seed]]}
+                                      for arm, curves in (("root", root), ("prm", prm), ("random", root)) for seed in (0, 1)])
+    assert figures["tokens_to_target_pivot_vs_root"] is None and figures["tokens_to_target_pivot_vs_root_pooled"] == 0.5
+    assert figures["tokens_to_target_random_vs_root_pooled"] == 1.0
+    assert figures["tokens_to_target_pivot_vs_root_pooled_interval90"][1] is None
+
+
 def test_the_arms_are_compared_paired_by_seed_from_rows_of_runs_apart(bench: Any, tmp_path: Path) -> None:
     # The mean over tokens is the trapezoid area over the last point's tokens; each paired
     # difference is per seed, then its mean and standard error; seeds run apart read together.
