@@ -453,8 +453,10 @@ class TreePlay:
         unit, roots, feed, lagged = self.unit, self.roots, self.feed, self.unit.verdict_lag_tokens is not None
         try:
             # A run whose steps no scorer has judged yet never waits, unless its verdicts act at a
-            # fixed lag (its chains waited for them already): then the pick never depends on timing.
-            if unit.pivots and (feed.scores or lagged):
+            # fixed lag (its chains waited for them already): then the pick never depends on timing,
+            # and the unit is sent with every verdict in (pivots or not), so that its process rewards
+            # (the reward stage's `step_verdicts`, read as the unit completes) do not either.
+            if (unit.pivots and feed.scores) or lagged:
                 _await_verdicts(roots, self.posts, feed, self.counts, self.verdict_wait_s)
             picker = rng if self.seed is None else random.Random(self._seeded("pivots", 0))
             pivots = _pivots(roots, unit, feed, picker, estimate, rule or unit.rule)

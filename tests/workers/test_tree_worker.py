@@ -492,6 +492,37 @@ def test_verdicts_at_a_fixed_lag_give_a_prm_unit_the_same_samples_and_counts_wha
     assert late_counts.verdict_timeouts == 0 and late_counts.verdict_wait_s > 0.2  # the late verdicts were waited for
 
 
+@pytest.mark.parametrize("pivots", [0, 1])
+def test_a_unit_with_verdicts_at_a_fixed_lag_is_sent_with_every_verdict_in(backend: HFBackend, pivots: int) -> None:
+    # Its verdicts are its samples' process rewards when the unit completes (the reward stage reads
+    # them then): at a fixed lag every step's verdict, roots' and branches', is in before the unit
+    # is handed back to be sent, even from a scorer 0.3 s late, so the rewards depend on the seed
+    # alone. Without a lag nothing waits where there is no pivot (an unjudged step trains on the
+    # sample's outcome alone).
+    unit = TreeUnit(kind="tree", k=2, pivots=pivots, boundary=StepBoundary(type="tokens", tokens=2), stop_below=None,
+                    rule="last_right", verdict_lag_tokens=2)  # no chain stops: each runs to its end, its last verdict after it
+    lease = Lease(lease_id="l0", prompt_id=5, prompt_token_ids=build_tiny_tokenizer()("7324=").input_ids, group_size=4,
+                  deadline=time.time() + 60, unit=unit, policy_version=0)
+    for lagged in (True, False):
+        client = _LateJudge(delay_s=0.3)
+        feed = VerdictFeed(client, "w0", wait_s=0.0).start()  # type: ignore[arg-type]
+        try:
+            samples = generate_tree(backend, client, lease.model_copy(update={"unit": unit.model_copy(update={  # type: ignore[arg-type]
+                                        "verdict_lag_tokens": 2 if lagged else None})}),
+                                    SamplingParams(temperature=1.0, max_tokens=16), run_name="r", worker_id="w0", feed=feed,
+                                    rng=random.Random(0), estimate=RecoveryEstimate(), counts=TreeCounts(), seed=7,
+                                    verdict_wait_s=30.0)
+            steps = {(s.rollout_id, j) for s in samples for j in range(len(s.step_ends or ()))}
+            judged = steps & feed.scores.keys()
+        finally:
+            feed.close()
+        assert len(samples) == 4 + pivots * 2 and steps
+        if lagged:
+            assert judged == steps
+        elif not pivots:
+            assert judged != steps  # the last steps' verdicts were still 0.3 s away
+
+
 @pytest.mark.parametrize("burst", [1, 3])
 def test_a_verdict_acts_at_its_lag_however_many_tokens_an_engine_step_brings(burst: int) -> None:
     # vLLM's engine may hand a row several tokens in one step (`stream_chains` takes them all, then
