@@ -59,16 +59,17 @@ def paced(backend: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> torch
     return model
 
 
-def _play_tree(backend: Any, prompt: list[int], sampling: SamplingParams, **tree: Any) -> tuple[list[Any], Any, _LateJudge]:
+def _play_tree(backend: Any, prompt: list[int], sampling: SamplingParams, delay_s: float = 0.0,
+               **tree: Any) -> tuple[list[Any], Any, _LateJudge]:
     """One seeded tree lease (`tree` over 2-token steps, k 3, 2 pivots at random) played on
     `backend` at version 9, its steps judged by a `_LateJudge` (step 0 right, every later step
-    wrong) at once: (samples, counts, judge)."""
+    wrong) `delay_s` after their post: (samples, counts, judge)."""
     from workers.tree import TreeCounts, VerdictFeed, generate_tree
 
     unit = TreeUnit(kind="tree", boundary=StepBoundary(type="tokens", tokens=2), **{"k": 3, "pivots": 2, "rule": "random", **tree})
     lease = Lease(lease_id="l0", prompt_id=5, prompt_token_ids=prompt, group_size=4, deadline=time.time() + 60, unit=unit,
                   policy_version=9)
-    client = _LateJudge(delay_s=0.0)
+    client = _LateJudge(delay_s=delay_s)
     feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
     feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps: the roots' verdicts are waited for
     feed.start()
@@ -188,3 +189,37 @@ def test_vllm_tree_samples_carry_kept_ids_and_end_at_stop_strings(backend: Any, 
             assert sample.finish_reason == "stop"
             ended.append(sample.node is None)
     assert True in ended and False in ended  # roots and branches alike
+
+
+@pytest.mark.vllm
+def test_vllm_verdicts_at_a_fixed_lag_give_the_same_samples_and_counts_whatever_the_scorer_delay(
+        backend: Any, paced: torch.nn.Module) -> None:
+    # `verdict_lag_tokens` on the vllm path (`stream_chains`, engine steps of up to 4 tokens): a
+    # step's verdict acts 2 tokens after its step ended, waited for there when late, held when
+    # early; a judge answering at once and one 0.3 s late (a quiet machine against a loaded one)
+    # stop the same chains at the same tokens, pick the same pivot and draw the same branches,
+    # and the unit is handed back with every step's verdict in.
+    prompt = build_tiny_tokenizer()("7324=" * 6).input_ids
+    sampling = SamplingParams(temperature=1.0, max_tokens=16)
+    tree = {"pivots": 1, "k": 2, "stop_below": 0.5, "rule": "last_right", "verdict_lag_tokens": 2}
+
+    def play(delay_s: float) -> tuple[list[tuple[Any, ...]], Any, _LateJudge]:
+        samples, counts, judge = _play_tree(backend, prompt, sampling, delay_s=delay_s, **tree)
+        root_of = {s.rollout_id: j for j, s in enumerate(samples[:4])}
+        rows = [(None if s.node is None else (root_of[s.node.parent.rollout_id], s.node.parent.at), tuple(s.prompt_token_ids),
+                 tuple(s.completion_token_ids), s.finish_reason, tuple(s.step_ends)) for s in samples]
+        # Each sample's steps posted, and those a stopped chain ended within its lag after its wrong step.
+        assert len(judge.posted_rollouts) >= sum(len(s.step_ends) for s in samples)
+        return rows, counts, judge
+
+    prompt_rows, prompt_counts, prompt_judge = play(delay_s=0.0)
+    late_rows, late_counts, late_judge = play(delay_s=0.3)
+    assert late_rows == prompt_rows and len(prompt_rows) == 4 + 2
+    assert len(late_judge.posted_rollouts) == len(prompt_judge.posted_rollouts)
+    stopped = [row for row in prompt_rows if row[3] == "wrong_step"]
+    assert stopped and all(row[4][-1] == 4 for row in stopped)  # each cut at its wrong step 1's end
+    figures = ("generated", "discarded", "saved", "verdicts_used", "verdict_timeouts")
+    assert [getattr(late_counts, f) for f in figures] == [getattr(prompt_counts, f) for f in figures]
+    assert prompt_counts.discarded == 2 * prompt_counts.verdicts_used == 2 * len(stopped)  # exactly the lag each
+    # The late verdicts were waited for, every root's and branch's in before the unit was handed back.
+    assert late_counts.verdict_timeouts == 0 and late_counts.verdict_wait_s > 0.2
