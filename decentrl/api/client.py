@@ -222,7 +222,8 @@ class OrchestratorClient:
             except (OSError, http.client.HTTPException) as exc:
                 if waited >= self.max_wait_s:
                     raise ConnectionError(f"orchestrator at {self.url} unreachable for {waited:.0f}s: {exc}") from None
-                sleep, waiting = delay * (0.5 + random.random()), False
+                # The last wait is cut to what is left of max_wait_s: given up on in time, not a backoff later.
+                sleep, waiting = min(delay * (0.5 + random.random()), max(0.05, self.max_wait_s - waited)), False
                 log.warning("orchestrator unreachable (%s); retrying in %.1fs", exc, sleep)
             else:
                 if 200 <= status < 300:

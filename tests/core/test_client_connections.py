@@ -106,3 +106,17 @@ def test_an_orchestrator_gone_is_still_retried_then_reported() -> None:
     gone.close()
     with pytest.raises(ConnectionError, match="unreachable for"):
         client.info()
+
+
+def test_an_unreachable_orchestrator_is_given_up_on_within_max_wait_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The backoff's last wait is cut to what is left of max_wait_s: the client's waits add up to it
+    # (plus the 0.05 s floor), not to a whole backoff step past it (until 2026-11-29 up to ~1 s over).
+    gone = Server(keepalive_s=0.3)
+    url = gone.url
+    gone.close()
+    client = OrchestratorClient(url, "t", timeout_s=1, max_wait_s=2.0)
+    waits: list[float] = []
+    monkeypatch.setattr(client._stopped, "wait", lambda seconds: waits.append(seconds) or False)
+    with pytest.raises(ConnectionError, match="unreachable for 2s"):
+        client.info()
+    assert 2.0 <= sum(waits) <= 2.0 + 0.05 and len(waits) >= 4
