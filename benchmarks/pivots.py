@@ -700,7 +700,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4, help="The training arms' AdamW learning rate.")
     parser.add_argument("--groups-per-step", type=int, default=8, help="Units (prompts) in a training arm's step.")
     parser.add_argument("--root-groups-per-step", type=int, default=0,
-                        help="The root arm's units a step (0: --groups-per-step); a root-only unit costs about 2/3 of a "
+                        help="The root-only arms' units a step (root, root_process; 0: --groups-per-step); a root-only unit "
+                        "costs about 2/3 of a "
                         "pivot unit's tokens, so 12 against 8 gives every arm a step about every 530 tokens.")
     parser.add_argument("--arms", nargs="+", choices=[*ARMS, *CONTROLS],
                         help="The training arms to run (a run of one arm is summarized with the others' rows by --rows; "
@@ -752,6 +753,13 @@ def main() -> None:
 Rows = tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, Any], float | None]
 
 
+def units_a_step(arm: str, groups_per_step: int, root_groups_per_step: int) -> int:
+    """A training arm's units a step: `root_groups_per_step` (unless 0) for the arms of root-only
+    units (root, root_process), so that every arm trains on about the same tokens a step."""
+    rooted = {**ARMS, **CONTROLS}[arm]["pivots"] == 0
+    return root_groups_per_step if rooted and root_groups_per_step else groups_per_step
+
+
 def run_all(args: argparse.Namespace) -> Rows:
     """Every arm's runs, each printed as a line as it ends: the training arms', the fixed-policy
     arms', then the KV-rebuild and no-scoring measures; and the fine-tuning's final loss."""
@@ -766,7 +774,7 @@ def run_all(args: argparse.Namespace) -> Rows:
             heldout = heldout_prompts(args.heldout, max(HELDOUT_SEEDS, args.seed_start + args.seeds), args.digits)
             for seed in range(args.seed_start, args.seed_start + args.seeds):
                 for arm in args.arms or [*ARMS, *(CONTROLS if args.process_weight else ())]:
-                    per_step = args.root_groups_per_step if arm == "root" and args.root_groups_per_step else args.groups_per_step
+                    per_step = units_a_step(arm, args.groups_per_step, args.root_groups_per_step)
                     training = Training(per_step, args.lr, heldout, args.eval_samples, args.eval_every, args.local_weight,
                                         args.process_weight, args.process)
                     trained.append(run_arm(arm, seed, checkpoint, args.train_budget, args.group_size, args.k,

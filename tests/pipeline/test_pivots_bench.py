@@ -208,6 +208,13 @@ def test_tokens_to_target_is_the_first_point_at_the_roots_final_accuracy(bench: 
     assert bench.tokens_to_target(root, spike) == 0.3 and bench.tokens_to_target(bench.smoothed(root), bench.smoothed(spike)) is None
 
 
+def test_the_root_only_arms_take_the_root_arms_units_a_step(bench: Any) -> None:
+    # root_process (root-only units with process rewards) is root-only GRPO's control: its units a
+    # step are the root arm's (until 2026-11-29 it took the pivot arms', 6 against 8: fewer tokens a step).
+    assert [bench.units_a_step(arm, 6, 8) for arm in ("root", "root_process", "random", "prm")] == [8, 8, 6, 6]
+    assert [bench.units_a_step(arm, 6, 0) for arm in ("root", "root_process", "prm")] == [6, 6, 6]
+
+
 def test_pooled_tokens_to_target_reads_the_seeds_mean_curves(bench: Any) -> None:
     # Seed 0's root ends high on one evaluation (0.5), so its PRM arm never reaches it per seed;
     # on the mean curves the target is (0.5 + 0.3) / 2 = 0.4, which PRM's mean (0.35 + 0.45) / 2
