@@ -700,9 +700,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4, help="The training arms' AdamW learning rate.")
     parser.add_argument("--groups-per-step", type=int, default=8, help="Units (prompts) in a training arm's step.")
     parser.add_argument("--root-groups-per-step", type=int, default=0,
-                        help="The root-only arms' units a step (root, root_process; 0: --groups-per-step); a root-only unit "
-                        "costs about 2/3 of a "
-                        "pivot unit's tokens, so 12 against 8 gives every arm a step about every 530 tokens.")
+                        help="The root-only arms' units a step (root, root_process; 0: --groups-per-step); a root-only "
+                        "unit costs about 2/3 of a pivot unit's tokens, so 12 against 8 gives every arm a step about every 530 tokens.")
     parser.add_argument("--arms", nargs="+", choices=[*ARMS, *CONTROLS],
                         help="The training arms to run (a run of one arm is summarized with the others' rows by --rows; "
                         "default: root, random, prm, and root_process with --process-weight).")
