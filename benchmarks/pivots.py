@@ -609,6 +609,7 @@ def training_figures(trained: list[dict[str, Any]], budget: float | None = None)
         per_seed = [tokens_to_target(curve["root", seed], curve[arm, seed]) for seed in seeds]
         figures[f"tokens_to_target_{arm}_vs_root"], figures[f"tokens_to_target_{arm}_vs_root_se"] = mean_and_se(per_seed)
         figures[f"tokens_to_target_{arm}_vs_root_per_seed"] = per_seed
+        figures[f"tokens_to_target_{arm}_vs_root_pooled"] = pooled_tokens_to_target(roots, [curve[arm, s] for s in seeds], budget)
     for arm in [*ARMS, *controls]:
         finals = [curve[arm, seed][-1]["accuracy"] for seed in seeds]
         start = statistics.fmean(curve[arm, seed][0]["accuracy"] for seed in seeds)

@@ -233,9 +233,11 @@ def test_pooled_tokens_to_target_reads_the_seeds_mean_curves(bench: Any) -> None
     assert low is not None and high is None  # a resample of seed 0 alone never reaches its target
     assert bench.pooled_interval([root[1]] * 3, [prm[1]] * 3, 1000) == (0.25, 0.25)  # one seed: 0.356 at 250 against 0.3
     figures = bench.training_figures([{"arm": arm, "seed": seed, "curve": [{**p, "version": 0} for p in curves[seed]]}
-                                      for arm, curves in (("root", root), ("prm", prm), ("random", root)) for seed in (0, 1)])
+                                      for arm, curves in (("root", root), ("prm", prm), ("random", root), ("root_process", prm))
+                                      for seed in (0, 1)])
     assert figures["tokens_to_target_pivot_vs_root"] is None and figures["tokens_to_target_pivot_vs_root_pooled"] == 0.5
     assert figures["tokens_to_target_random_vs_root_pooled"] == 1.0
+    assert figures["tokens_to_target_root_process_vs_root_pooled"] == 0.5  # a control's too, on the same target
     assert figures["tokens_to_target_pivot_vs_root_pooled_interval90"][1] is None
 
 
