@@ -114,6 +114,24 @@ def int_arg(flag: str, takes: str, low: int, high: int | None = None) -> Callabl
 
 digits_arg = int_arg("--digits", "an integer from 2 to 16 (the chain task's bounds)", 2, 16)
 until_tokens_arg = int_arg("--until-tokens", "a positive integer (generated tokens)", 1)
+def model_dir_arg(text: str) -> str:
+    """An argparse type: an HF model directory (`--model`), else refused saying what it lacks."""
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"--model takes an HF causal LM directory (config.json, weights, tokenizer), "
+                                         f"not {text!r}: it holds no config.json")
+    return text
+
+
+def sft_lr_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sft-lr takes a positive learning rate, not {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"--sft-lr takes a positive learning rate under 1, not {value}")
+    return value
+
+
 verdict_lag_arg = int_arg("--verdict-lag-tokens", "an integer from 0 to 4096 (tokens after a step's end)", 0, 4096)
 
 
@@ -152,21 +170,26 @@ def until(trained: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
     return cut
 
 
-def finetune(directory: str, steps: int, seed: int, digits: int = DIGITS) -> float:
-    """A tiny model trained on right chained sums of `digits` digits (teacher forcing), written as
-    an HF directory; returns the final loss."""
+def finetune(directory: str, steps: int, seed: int, digits: int = DIGITS, base: str | None = None,
+             lr: float | None = None) -> float:
+    """A model trained on right chained sums of `digits` digits (teacher forcing), written as an
+    HF directory; returns the final loss. The tiny model from scratch, or `base` (`--model`: an HF
+    causal LM directory, its tokenizer with it) from its weights, on its device (`device_of`);
+    AdamW at `lr` (None: 3e-3 for the tiny model, 3e-5 for `base`)."""
     import torch
 
     from decentrl.config import ChainTaskConfig, TinyModelConfig
-    from decentrl.model.build import build_model, build_tiny_tokenizer
-    from decentrl.store.weights import write_hf_dir
+    from decentrl.model.build import build_model
+    from decentrl.store.weights import load_pretrained, write_hf_dir
     from decentrl.tasks.chain import ChainTask, running_sums
 
     torch.manual_seed(seed)
-    tokenizer = build_tiny_tokenizer()
-    model = build_model(TinyModelConfig(**SHAPE, seed=seed))
+    tokenizer = tokenizer_of(base)
+    model = build_model(TinyModelConfig(**SHAPE, seed=seed)) if base is None else load_pretrained(base)
+    device = device_of(base)
+    model.to(device)
     task = ChainTask(ChainTaskConfig(num_digits=digits, num_prompts=4096, seed=1000 + seed))  # not the arms' prompts
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr if lr is not None else 3e-3 if base is None else 3e-5)
     rng = random.Random(seed)
     loss = torch.tensor(0.0)
     model.train()
@@ -179,8 +202,9 @@ def finetune(directory: str, steps: int, seed: int, digits: int = DIGITS) -> flo
             ids = prompt_ids + tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
             batch.append((ids, len(prompt_ids)))
         width = max(len(ids) for ids, _ in batch)
-        inputs = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
-        labels = torch.tensor([[-100] * n + ids[n:] + [-100] * (width - len(ids)) for ids, n in batch])
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        inputs = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch], device=device)
+        labels = torch.tensor([[-100] * n + ids[n:] + [-100] * (width - len(ids)) for ids, n in batch], device=device)
         loss = model(input_ids=inputs, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -189,8 +213,27 @@ def finetune(directory: str, steps: int, seed: int, digits: int = DIGITS) -> flo
     os.makedirs(directory, exist_ok=True)
     tokenizer.save_pretrained(directory)
     model.generation_config.save_pretrained(directory)
-    write_hf_dir(directory, model.state_dict(), model.config, extras_from=directory)
+    write_hf_dir(directory, {name: t.cpu() for name, t in model.state_dict().items()}, model.config, extras_from=directory)
     return float(loss)
+
+
+def tokenizer_of(base: str | None) -> Any:
+    """The tiny model's tokenizer, or `base`'s (a fine-tuned checkpoint holds the same one)."""
+    if base is None:
+        from decentrl.model.build import build_tiny_tokenizer
+
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base)
+
+
+def device_of(base: str | None) -> str:
+    """Where the arms compute: the tiny model on the CPU (its figures are this CPU's), `--model`
+    on a GPU where there is one."""
+    import torch
+
+    return "cuda" if base is not None and torch.cuda.is_available() else "cpu"
 
 
 def pace(backend: Any, token_s: float) -> None:
@@ -247,16 +290,16 @@ class Learner:
     the workers' sampling logprobs), clipping and AdamW, on one rank without FSDP (a sharded model
     needs a process group; the loss, its normalization and the batch's plan are the same code)."""
 
-    def __init__(self, checkpoint: str, config: Any) -> None:
+    def __init__(self, checkpoint: str, config: Any, device: str = "cpu") -> None:
         import torch
 
         from decentrl.store.weights import load_pretrained
         from decentrl.trainer.train import build_optimizer
 
         self.config = config
-        self.model = load_pretrained(checkpoint).train()
+        self.device = torch.device(device)
+        self.model = load_pretrained(checkpoint).to(self.device).train()
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], config.trainer)
-        self.device = torch.device("cpu")
 
     def step(self, batch: Any) -> dict[str, float]:
         import torch
@@ -290,7 +333,7 @@ def weight_change(checkpoint: str, model: Any) -> float:
     from decentrl.store.weights import load_pretrained
 
     before = load_pretrained(checkpoint).state_dict()
-    return float(sum((tensor.float() - before[name].float()).pow(2).sum() for name, tensor in model.state_dict().items()) ** 0.5)
+    return float(sum((tensor.float().cpu() - before[name].float()).pow(2).sum() for name, tensor in model.state_dict().items()) ** 0.5)
 
 
 def heldout_accuracy(model: Any, tokenizer: Any, prompts: list[str], *, samples: int, max_tokens: int, temperature: float,
@@ -305,8 +348,9 @@ def heldout_accuracy(model: Any, tokenizer: Any, prompts: list[str], *, samples:
     ids = [tokenizer(text).input_ids for text in prompts]
     if len({len(row) for row in ids}) != 1:
         raise ValueError("held-out prompts of one length only (no padding here)")
-    rows = torch.tensor([row for row in ids for _ in range(samples)])
-    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    rows = torch.tensor([row for row in ids for _ in range(samples)], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
     eos = tokenizer.eos_token_id
     was_training = model.training
     model.eval()
@@ -330,9 +374,10 @@ def heldout_accuracy(model: Any, tokenizer: Any, prompts: list[str], *, samples:
 def run_arm(
     arm: str, seed: int, checkpoint: str, budget: int, group_size: int, k: int, *, keep_cache: bool = True,
     post_steps: bool = True, token_s: float = 0.0, verdict_wait_s: float = 5.0, training: Training | None = None,
-    ahead: int = 1, digits: int = DIGITS, verdict_lag_tokens: int | None = None,
+    ahead: int = 1, digits: int = DIGITS, verdict_lag_tokens: int | None = None, base: str | None = None,
 ) -> dict[str, Any]:
     """One arm at one seed on a fresh orchestrator, scorer and backend: units until `budget` tokens.
+    `base`: `checkpoint` was fine-tuned from that HF model (`--model`; None: the tiny model).
     `token_s`: each decoding step takes at least this long (`pace`), as a real model's does.
     `verdict_lag_tokens`: the tree's (a step's verdict acts exactly that many tokens after its step
     ended; None: whenever it arrives, which the machine's load moves). With
@@ -341,7 +386,6 @@ def run_arm(
     from decentrl.api.client import OrchestratorClient
     from decentrl.api.wire import LeaseRequest, RolloutBatch
     from decentrl.config import PythonScorerConfig, parse_config
-    from decentrl.model.build import build_tiny_tokenizer
     from decentrl.rl.pivots import RecoveryEstimate
     from decentrl.tasks import build_task
     from decentrl.tasks.chain import chain_reward
@@ -357,7 +401,8 @@ def run_arm(
     options = {**ARMS, **CONTROLS}[arm]
     config = parse_config({
         "run_name": f"pivots-{arm}-{seed}", "group_size": group_size, "max_staleness": 1, "num_workers": 1, "trainer_ranks": 1,
-        "model": {"type": "tiny", **SHAPE}, "task": {"type": "chain", "num_digits": digits, "num_prompts": 4096, "seed": seed},
+        "model": {"type": "tiny", **SHAPE} if base is None else {"type": "pretrained", "path": checkpoint},
+        "task": {"type": "chain", "num_digits": digits, "num_prompts": 4096, "seed": seed},
         "sampling": {"temperature": 1.0, "max_tokens": max_tokens(digits)},
         "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "lease_wait_s": 0.0, "lease_timeout_s": 120.0,
                          "rewards": {"lease_timeout_s": 30.0},
@@ -371,7 +416,7 @@ def run_arm(
         "trainer": {"groups_per_step": training.groups_per_step if training else 1024, "steps": 100_000,
                     "lr": training.lr if training else 1e-3},
     })
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = tokenizer_of(None if base is None else checkpoint)
     state = RunState(config=config, task=build_task(config.task), tokenizer=tokenizer)
     state.announce(0)
     tokens = [{"name": "vol", "role": "worker", "token": "w"}, {"name": "judge", "role": "scorer", "token": "s"},
@@ -383,7 +428,7 @@ def run_arm(
     scoring.start()
     client = OrchestratorClient(server.url, "w")
     feed = VerdictFeed(client, "w0", wait_s=1.0).start()
-    backend = HFBackend(seed=seed)
+    backend = HFBackend(seed=seed, device=device_of(base))
     backend.load(checkpoint, 0)
     if token_s:
         pace(backend, token_s)
@@ -391,7 +436,7 @@ def run_arm(
     units = solved = no_gradient = failed_prompts = recovered = all_roots_failed = recovered_by_branch = short = 0
     no_outcome_gradient = 0
     roots = roots_right = branches = branches_right = pivots_on_failed = 0
-    learner = Learner(checkpoint, config) if training else None
+    learner = Learner(checkpoint, config, device_of(base)) if training else None
     trainer = OrchestratorClient(server.url, "t")
     curve: list[dict[str, Any]] = []
     steps: list[dict[str, float]] = []
@@ -696,6 +741,10 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--k", type=int, default=4, help="Continuations of each pivot.")
     parser.add_argument("--sft-steps", type=int, default=600, help="Fine-tuning steps that give the model a signal.")
+    parser.add_argument("--model", type=model_dir_arg,
+                        help="An HF causal LM directory (e.g. models/smollm2 from `decentrl model import`) fine-tuned and "
+                        "trained instead of the tiny model, with its tokenizer; on a GPU where there is one.")
+    parser.add_argument("--sft-lr", type=sft_lr_arg, help="The fine-tuning's AdamW rate (default 3e-3, or 3e-5 with --model).")
     parser.add_argument("--train-budget", type=int, default=0,
                         help="Generated tokens per training arm and seed (0: no training arms, tokens_to_target null).")
     parser.add_argument("--lr", type=float, default=1e-4, help="The training arms' AdamW learning rate.")
@@ -746,7 +795,8 @@ def main() -> None:
         "root_groups_per_step": args.root_groups_per_step or args.groups_per_step,
         "local_weight": args.local_weight, "process_weight": args.process_weight, "process": args.process,
         "heldout": args.heldout, "eval_samples": args.eval_samples, "until_tokens": args.until_tokens,
-        "sft_steps": args.sft_steps, "sft_loss": None if sft_loss is None else round(sft_loss, 4),
+        "model": args.model or "tiny", "sft_steps": args.sft_steps, "sft_lr": args.sft_lr,
+        "sft_loss": None if sft_loss is None else round(sft_loss, 4),
     }))
 
 
@@ -769,7 +819,7 @@ def run_all(args: argparse.Namespace) -> Rows:
     silent: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = os.path.join(tmp, "v0")
-        sft_loss = finetune(checkpoint, args.sft_steps, seed=0, digits=args.digits)
+        sft_loss = finetune(checkpoint, args.sft_steps, seed=0, digits=args.digits, base=args.model, lr=args.sft_lr)
         if args.train_budget:
             heldout = heldout_prompts(args.heldout, max(HELDOUT_SEEDS, args.seed_start + args.seeds), args.digits)
             for seed in range(args.seed_start, args.seed_start + args.seeds):
@@ -779,14 +829,14 @@ def run_all(args: argparse.Namespace) -> Rows:
                                         args.process_weight, args.process)
                     trained.append(run_arm(arm, seed, checkpoint, args.train_budget, args.group_size, args.k,
                                            token_s=args.token_ms / 1000, verdict_wait_s=args.verdict_wait_s, training=training,
-                                           digits=args.digits, verdict_lag_tokens=args.verdict_lag_tokens))
+                                           digits=args.digits, verdict_lag_tokens=args.verdict_lag_tokens, base=args.model))
                     print(json.dumps(trained[-1]), flush=True)
         pace_s = args.token_ms / 1000
         for seed in range(args.seed_start, args.seed_start + args.seeds) if args.budget else ():
             for arm in ARMS:
                 runs.append(run_arm(arm, seed, checkpoint, args.budget, args.group_size, args.k, token_s=pace_s,
                                     verdict_wait_s=args.verdict_wait_s, ahead=args.ahead, digits=args.digits,
-                                    verdict_lag_tokens=args.verdict_lag_tokens))
+                                    verdict_lag_tokens=args.verdict_lag_tokens, base=args.model))
                 print(json.dumps(runs[-1]), flush=True)
             if seed == args.seed_start:
                 # The measures of the worker's side, on the first seed: the root arm without
@@ -794,11 +844,11 @@ def run_all(args: argparse.Namespace) -> Rows:
                 # (a run minutes apart measures the machine's load: it drifts by 15% in minutes
                 # here), then the KV cache rebuilt at each step's end (prm arm).
                 silent = run_arm("root", seed, checkpoint, args.budget, args.group_size, args.k, post_steps=False, token_s=pace_s,
-                                 ahead=args.ahead, digits=args.digits)
+                                 ahead=args.ahead, digits=args.digits, base=args.model)
                 print(json.dumps(silent), flush=True)
                 rebuilt = run_arm("prm", seed, checkpoint, args.budget, args.group_size, args.k, keep_cache=False, token_s=pace_s,
                                   verdict_wait_s=args.verdict_wait_s, ahead=args.ahead, digits=args.digits,
-                                  verdict_lag_tokens=args.verdict_lag_tokens)
+                                  verdict_lag_tokens=args.verdict_lag_tokens, base=args.model)
                 print(json.dumps(rebuilt), flush=True)
     return trained, runs, rebuilt, silent, sft_loss
 

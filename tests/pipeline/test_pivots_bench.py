@@ -82,6 +82,36 @@ def test_a_bad_verdict_lag_is_refused(bench: Any, monkeypatch: pytest.MonkeyPatc
     assert exit_.value.code == 2 and "--verdict-lag-tokens takes an integer from 0 to 4096" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--model", "no/such/dir", "--model takes an HF causal LM directory (config.json, weights, tokenizer), not 'no/such/dir': "
+     "it holds no config.json"),
+    ("--sft-lr", "0", "--sft-lr takes a positive learning rate under 1, not 0.0"),
+    ("--sft-lr", "fast", "--sft-lr takes a positive learning rate, not 'fast'"),
+])
+def test_a_bad_model_or_fine_tuning_rate_is_refused(bench: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str) -> None:
+    monkeypatch.setattr("sys.argv", ["pivots.py", flag, value, "--budget", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_hf_model_directory_is_fine_tuned_and_trained_with_its_own_tokenizer(
+        bench: Any, checkpoint: str, tmp_path: Path) -> None:
+    # `--model DIR`: any HF causal LM directory (here the tiny fine-tuned one, read back as one:
+    # its weights by from_pretrained, its tokenizer by AutoTokenizer) fine-tuned further, then an
+    # arm trained from it, the orchestrator configured with a pretrained model at that path.
+    tuned = str(tmp_path / "v0")
+    assert bench.finetune(tuned, steps=3, seed=0, base=checkpoint, lr=1e-3) > 0
+    assert bench.tokenizer_of(tuned)("7324=").input_ids == bench.tokenizer_of(None)("7324=").input_ids
+    heldout = bench.heldout_prompts(8, seeds=1)
+    training = bench.Training(groups_per_step=2, lr=1e-3, heldout=heldout, eval_samples=2, eval_every=1)
+    result = bench.run_arm("prm", 0, tuned, budget=160, group_size=2, k=2, training=training, base=checkpoint)
+    assert result["versions"] >= 1 and len(result["curve"]) == result["versions"] + 1
+    assert result["sampler_kl_max"] < 1e-6  # the worker's logprobs are the learner's, from the same checkpoint
+    assert bench.device_of(None) == "cpu"
+
+
 def test_a_training_arm_advances_its_versions(bench: Any, checkpoint: str) -> None:
     heldout = bench.heldout_prompts(8, seeds=1)
     training = bench.Training(groups_per_step=2, lr=1e-3, heldout=heldout, eval_samples=2, eval_every=1)
