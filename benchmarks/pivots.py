@@ -49,6 +49,9 @@ not depend on verdicts (root) gives the same rows in every run. The pivot arms d
 it a verdict acts whenever it arrives, which the machine's load moves, and each row says what lag
 the run gave (`verdict_lags`, `verdict_lag_median`: the N to choose).
 
+`--model DIR` fine-tunes and trains an HF causal LM directory (e.g. models/smollm2) instead of the
+tiny model, with its own tokenizer, on a GPU where there is one.
+
 Seeds can run apart (each under 10 min at a quiet machine's load; S = 0, 1, ...) and be summarized together:
 
     python benchmarks/pivots.py --budget 0 --seeds 1 --seed-start S --train-budget 12000 --lr 2e-5 --heldout 512 --process-weight 1
