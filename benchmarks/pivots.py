@@ -117,6 +117,9 @@ def int_arg(flag: str, takes: str, low: int, high: int | None = None) -> Callabl
 
 digits_arg = int_arg("--digits", "an integer from 2 to 16 (the chain task's bounds)", 2, 16)
 until_tokens_arg = int_arg("--until-tokens", "a positive integer (generated tokens)", 1)
+verdict_lag_arg = int_arg("--verdict-lag-tokens", "an integer from 0 to 4096 (tokens after a step's end)", 0, 4096)
+
+
 def model_dir_arg(text: str) -> str:
     """An argparse type: an HF model directory (`--model`), else refused saying what it lacks."""
     if not os.path.isfile(os.path.join(text, "config.json")):
@@ -126,6 +129,7 @@ def model_dir_arg(text: str) -> str:
 
 
 def sft_lr_arg(text: str) -> float:
+    """An argparse type: a learning rate in (0, 1) (`--sft-lr`)."""
     try:
         value = float(text)
     except ValueError:
@@ -133,9 +137,6 @@ def sft_lr_arg(text: str) -> float:
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"--sft-lr takes a positive learning rate under 1, not {value}")
     return value
-
-
-verdict_lag_arg = int_arg("--verdict-lag-tokens", "an integer from 0 to 4096 (tokens after a step's end)", 0, 4096)
 
 
 def histogram(values: list[int]) -> dict[str, int]:
