@@ -41,7 +41,7 @@ def ranks(rank: int, port: int, out: str) -> None:
     Path(f"{out}.value{rank}").write_text(value)
     if rank == 0:
         time.sleep(2.5 * TIMEOUT_S)
-        return
+        os._exit(0)  # no teardown of a group whose peer has given up on it (below)
     started = time.monotonic()
     try:
         broadcast_when_ready(None, rank, TIMEOUT_S / 4)
@@ -49,6 +49,10 @@ def ranks(rank: int, port: int, out: str) -> None:
         assert peer_failure(exc), exc
         error = peer_lost(exc, timeout_s=TIMEOUT_S, rank=rank, world=2, resume_step=25)
         Path(f"{out}.error").write_text(f"{time.monotonic() - started:.2f}\n{error}")
+    # What is tested is written. Tearing down a gloo group whose broadcast timed out can abort the
+    # process ("terminate called without an active exception", SIGABRT: once in CI on 2026-11-29,
+    # not reproduced in 11 runs), which says nothing of the time-out: exit without it.
+    os._exit(0)
 
 
 def test_heartbeats_outlast_the_time_out_and_a_silent_peer_stops_a_rank_within_it_saying_why(tmp_path: Path) -> None:
