@@ -599,21 +599,33 @@ def pooled_tokens_to_target(root_curves: list[list[dict[str, Any]]], curves: lis
     accuracy at `budget`, over `budget`; None if it never does. One seed's noisy last evaluation
     neither sets the target nor leaves the figure undefined, as it does per seed."""
     grid = [*range(0, int(budget), step), budget]
-    target = statistics.fmean(accuracy_at(curve, budget) for curve in root_curves)
-    return next((tokens / budget for tokens in grid
-                 if statistics.fmean(accuracy_at(curve, tokens) for curve in curves) >= target), None)
+    return _mean_reaches(_readings(root_curves, grid), _readings(curves, grid), grid)
+
+
+def _readings(curves: list[list[dict[str, Any]]], grid: list[float]) -> list[list[float]]:
+    """Each curve's accuracy at every point of `grid` (`accuracy_at`)."""
+    return [[accuracy_at(curve, tokens) for tokens in grid] for curve in curves]
+
+
+def _mean_reaches(root_readings: list[list[float]], readings: list[list[float]], grid: list[float]) -> float | None:
+    """The first point of `grid`, over its last, where the mean of `readings` reaches the mean of
+    the root readings' last; None if none does."""
+    target = statistics.fmean(row[-1] for row in root_readings)
+    return next((tokens / grid[-1] for i, tokens in enumerate(grid) if statistics.fmean(row[i] for row in readings) >= target), None)
 
 
 def pooled_interval(root_curves: list[list[dict[str, Any]]], curves: list[list[dict[str, Any]]], budget: float,
-                    resamples: int = 2000) -> tuple[float | None, float | None]:
+                    resamples: int = 2000, step: int = 250) -> tuple[float | None, float | None]:
     """A 90% bootstrap interval of `pooled_tokens_to_target` over seeds (the seeds resampled with
     replacement, the arms of a seed together; `Random(0)`): its 5th and 95th percentiles, None for a
-    bound where the resampled curves never reach their target."""
+    bound where the resampled curves never reach their target. Each curve is read on the grid once."""
+    grid = [*range(0, int(budget), step), budget]
+    roots, arms = _readings(root_curves, grid), _readings(curves, grid)
     rng, n = random.Random(0), len(root_curves)
     draws = []
     for _ in range(resamples):
         picks = [rng.randrange(n) for _ in range(n)]
-        value = pooled_tokens_to_target([root_curves[i] for i in picks], [curves[i] for i in picks], budget)
+        value = _mean_reaches([roots[i] for i in picks], [arms[i] for i in picks], grid)
         draws.append(float("inf") if value is None else value)
     draws.sort()
     low, high = draws[int(0.05 * resamples)], draws[int(0.95 * resamples)]
