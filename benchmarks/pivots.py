@@ -50,7 +50,9 @@ it a verdict acts whenever it arrives, which the machine's load moves, and each 
 the run gave (`verdict_lags`, `verdict_lag_median`: the N to choose).
 
 `--model DIR` fine-tunes and trains an HF causal LM directory (e.g. models/smollm2) instead of the
-tiny model, with its own tokenizer, on a GPU where there is one.
+tiny model, with its own tokenizer, on a GPU where there is one (and every core of this CPU where
+there is none; the tiny model's runs take one). `--checkpoint DIR` keeps the fine-tuned model there
+and reuses it in later runs with the same fine-tuning options (`finetune.json` beside its weights).
 
 Seeds can run apart (each under 10 min at a quiet machine's load; S = 0, 1, ...) and be summarized together:
 
@@ -193,7 +195,7 @@ def finetune(directory: str, steps: int, seed: int, digits: int = DIGITS, base: 
     device = device_of(base)
     model.to(device)
     task = ChainTask(ChainTaskConfig(num_digits=digits, num_prompts=4096, seed=1000 + seed))  # not the arms' prompts
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr if lr is not None else 3e-3 if base is None else 3e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=sft_rate(base, lr))
     rng = random.Random(seed)
     loss = torch.tensor(0.0)
     model.train()
@@ -219,6 +221,63 @@ def finetune(directory: str, steps: int, seed: int, digits: int = DIGITS, base: 
     model.generation_config.save_pretrained(directory)
     write_hf_dir(directory, {name: t.cpu() for name, t in model.state_dict().items()}, model.config, extras_from=directory)
     return float(loss)
+
+
+def sft_rate(base: str | None, lr: float | None) -> float:
+    """The fine-tuning's AdamW rate: `lr` (`--sft-lr`), else 3e-3 for the tiny model, 3e-5 for `base`."""
+    return lr if lr is not None else 3e-3 if base is None else 3e-5
+
+
+RECIPE = "finetune.json"  # beside a kept checkpoint's weights: what it was fine-tuned with, and its final loss
+
+
+def recipe_of(steps: int, digits: int, base: str | None, lr: float | None) -> dict[str, Any]:
+    """What a fine-tuned checkpoint depends on (`--checkpoint` reuses one only where it is the same)."""
+    return {"model": os.path.realpath(base) if base else "tiny", "digits": digits, "sft_steps": steps,
+            "sft_lr": sft_rate(base, lr), "seed": 0}
+
+
+def checkpoint_refusal(directory: str, recipe: dict[str, Any]) -> str | None:
+    """Why `--checkpoint DIR` cannot be used with these options, or None: a directory that holds
+    files but no recipe (not one this benchmark kept; a fine-tuning stopped part way leaves none),
+    or one fine-tuned with other options (each that differs, named)."""
+    path = os.path.join(directory, RECIPE)
+    if not os.path.isfile(path):
+        if os.path.isdir(directory) and os.listdir(directory):
+            return (f"--checkpoint {directory} holds files but no {RECIPE}: it is not a checkpoint this benchmark "
+                    f"fine-tuned; give a new or empty directory")
+        return None
+    try:
+        with open(path) as file:
+            kept = json.load(file)
+    except (OSError, ValueError) as error:
+        return f"--checkpoint {directory}: its {RECIPE} cannot be read ({error}); fine-tune into a new directory"
+    if not isinstance(kept, dict):
+        return f"--checkpoint {directory}: its {RECIPE} is not a JSON object; fine-tune into a new directory"
+    differ = [f"{key} {kept.get(key)!r} (asked: {value!r})" for key, value in recipe.items() if kept.get(key) != value]
+    if differ:
+        return (f"--checkpoint {directory} was fine-tuned with other options: {', '.join(differ)}; "
+                f"give those options, or a new directory")
+    return None
+
+
+def fine_tuned(directory: str, steps: int, digits: int = DIGITS, base: str | None = None, lr: float | None = None) -> float:
+    """The final fine-tuning loss of the checkpoint kept at `directory` (`--checkpoint`): read from its
+    recipe where one is there (`checkpoint_refusal` says first whether it may be reused), else the
+    model fine-tuned into a directory beside and moved there whole, its recipe with it."""
+    recipe = recipe_of(steps, digits, base, lr)
+    path = os.path.join(directory, RECIPE)
+    if os.path.isfile(path):
+        with open(path) as file:
+            return float(json.load(file)["sft_loss"])
+    partial = f"{directory.rstrip(os.sep)}.partial-{os.getpid()}"
+    loss = finetune(partial, steps, seed=0, digits=digits, base=base, lr=lr)
+    with open(os.path.join(partial, RECIPE), "w") as file:
+        json.dump({**recipe, "sft_loss": loss}, file)
+    if os.path.isdir(directory):
+        os.rmdir(directory)  # empty: checkpoint_refusal refuses one that is not
+    os.rename(partial, directory)
+    return loss
 
 
 def tokenizer_of(base: str | None) -> Any:
@@ -761,6 +820,9 @@ def main() -> None:
                         help="An HF causal LM directory (e.g. models/smollm2 from `decentrl model import`) fine-tuned and "
                         "trained instead of the tiny model, with its tokenizer; on a GPU where there is one.")
     parser.add_argument("--sft-lr", type=sft_lr_arg, help="The fine-tuning's AdamW rate (default 3e-3, or 3e-5 with --model).")
+    parser.add_argument("--checkpoint", help="Keep the fine-tuned model in this directory: fine-tuned there when it holds none, "
+                        f"reused when it holds one fine-tuned with the same --model, --digits, --sft-steps and --sft-lr (its "
+                        f"{RECIPE} says; otherwise refused). Default: fine-tuned into a temporary directory each run.")
     parser.add_argument("--train-budget", type=int, default=0,
                         help="Generated tokens per training arm and seed (0: no training arms, tokens_to_target null).")
     parser.add_argument("--lr", type=float, default=1e-4, help="The training arms' AdamW learning rate.")
@@ -791,7 +853,12 @@ def main() -> None:
 
     if args.until_tokens and not args.rows and not args.train_budget:
         parser.error("--until-tokens cuts the training curves: give --train-budget, or --rows of training runs")
-    torch.set_num_threads(1)
+    if args.checkpoint and not args.rows:
+        refusal = checkpoint_refusal(args.checkpoint, recipe_of(args.sft_steps, args.digits, args.model, args.sft_lr))
+        if refusal:
+            parser.error(refusal)
+    if args.model is None:
+        torch.set_num_threads(1)  # the tiny model's figures are one core's (two runs side by side); --model takes them all
     trained, runs, rebuilt, silent, sft_loss = read_rows(*args.rows) if args.rows else run_all(args)
     if args.until_tokens:
         if not trained:
@@ -811,7 +878,7 @@ def main() -> None:
         "root_groups_per_step": args.root_groups_per_step or args.groups_per_step,
         "local_weight": args.local_weight, "process_weight": args.process_weight, "process": args.process,
         "heldout": args.heldout, "eval_samples": args.eval_samples, "until_tokens": args.until_tokens,
-        "model": args.model or "tiny", "sft_steps": args.sft_steps, "sft_lr": args.sft_lr,
+        "model": args.model or "tiny", "sft_steps": args.sft_steps, "sft_lr": sft_rate(args.model, args.sft_lr),
         "sft_loss": None if sft_loss is None else round(sft_loss, 4),
     }))
 
@@ -834,8 +901,8 @@ def run_all(args: argparse.Namespace) -> Rows:
     rebuilt: dict[str, Any] = {}
     silent: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = os.path.join(tmp, "v0")
-        sft_loss = finetune(checkpoint, args.sft_steps, seed=0, digits=args.digits, base=args.model, lr=args.sft_lr)
+        checkpoint = args.checkpoint or os.path.join(tmp, "v0")
+        sft_loss = fine_tuned(checkpoint, args.sft_steps, digits=args.digits, base=args.model, lr=args.sft_lr)
         if args.train_budget:
             heldout = heldout_prompts(args.heldout, max(HELDOUT_SEEDS, args.seed_start + args.seeds), args.digits)
             for seed in range(args.seed_start, args.seed_start + args.seeds):

@@ -96,6 +96,58 @@ def test_a_bad_model_or_fine_tuning_rate_is_refused(bench: Any, monkeypatch: pyt
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_kept_checkpoint_is_fine_tuned_once_and_reused_only_with_its_recipe(
+        bench: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--checkpoint DIR`: fine-tuned there when it holds none (moved there whole, its recipe
+    beside), its loss read back after; refused where it holds other files or another recipe."""
+    kept = str(tmp_path / "kept")
+    calls: list[str] = []
+    real = bench.finetune
+
+    def counted(directory: str, *args: Any, **kwargs: Any) -> float:
+        calls.append(directory)
+        return real(directory, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "finetune", counted)
+    recipe = bench.recipe_of(2, 4, None, None)
+    assert bench.checkpoint_refusal(kept, recipe) is None
+    loss = bench.fine_tuned(kept, 2, digits=4)
+    assert loss > 0 and len(calls) == 1 and calls[0] != kept  # fine-tuned beside, then moved
+    assert os.path.isfile(os.path.join(kept, "config.json")) and not list(tmp_path.glob("kept.partial-*"))
+    assert bench.checkpoint_refusal(kept, recipe) is None
+    assert bench.fine_tuned(kept, 2, digits=4) == loss and len(calls) == 1  # reused, not fine-tuned again
+    assert json.loads((tmp_path / "kept" / "finetune.json").read_text())["sft_lr"] == 3e-3  # the rate used, default or not
+    other = bench.checkpoint_refusal(kept, bench.recipe_of(3, 5, None, None))
+    assert other == (f"--checkpoint {kept} was fine-tuned with other options: digits 4 (asked: 5), sft_steps 2 (asked: 3); "
+                     "give those options, or a new directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert bench.checkpoint_refusal(str(empty), recipe) is None
+    bench.fine_tuned(str(empty), 2, digits=4)
+    assert (empty / "finetune.json").is_file()
+
+
+@pytest.mark.parametrize(("files", "message"), [
+    ({"weights.bin": "x"}, "holds files but no finetune.json: it is not a checkpoint this benchmark fine-tuned; "
+     "give a new or empty directory"),
+    ({"finetune.json": "{not json"}, "its finetune.json cannot be read"),
+    ({"finetune.json": "[1, 2]"}, "its finetune.json is not a JSON object"),
+    ({"finetune.json": json.dumps({"model": "tiny", "digits": 4, "sft_steps": 600, "sft_lr": 1e-3, "seed": 0})},
+     "was fine-tuned with other options: sft_lr 0.001 (asked: 0.003)"),
+])
+def test_a_checkpoint_that_cannot_be_reused_is_refused_before_anything_runs(
+        bench: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        files: dict[str, str], message: str) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(bench, "finetune", lambda *args, **kwargs: pytest.fail("fine-tuned despite the refusal"))
+    monkeypatch.setattr("sys.argv", ["pivots.py", "--checkpoint", str(tmp_path), "--budget", "0", "--train-budget", "100"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in error and "Traceback" not in error
+
+
 def test_an_hf_model_directory_is_fine_tuned_and_trained_with_its_own_tokenizer(
         bench: Any, checkpoint: str, tmp_path: Path) -> None:
     # `--model DIR`: any HF causal LM directory (here the tiny fine-tuned one, read back as one:
