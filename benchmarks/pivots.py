@@ -467,6 +467,9 @@ def run_arm(
         "model": {"type": "tiny", **SHAPE} if base is None else {"type": "pretrained", "path": checkpoint},
         "task": {"type": "chain", "num_digits": digits, "num_prompts": 4096, "seed": seed},
         "sampling": {"temperature": 1.0, "max_tokens": max_tokens(digits)},
+        # The prompts as the fine-tuning and the held-out evaluation write them: raw text, also for a
+        # chat model (`--model` SmolLM2-Instruct), whose template would ask what it was never tuned on.
+        "prompt": {"format": "raw"},
         "orchestrator": {"host": "127.0.0.1", "port": 0, "journal": False, "lease_wait_s": 0.0, "lease_timeout_s": 120.0,
                          "rewards": {"lease_timeout_s": 30.0},
                          "tree": {"k": k, "marker": "=", "verdict_lag_tokens": verdict_lag_tokens, **options},

@@ -149,16 +149,31 @@ def test_a_checkpoint_that_cannot_be_reused_is_refused_before_anything_runs(
 
 
 def test_an_hf_model_directory_is_fine_tuned_and_trained_with_its_own_tokenizer(
-        bench: Any, checkpoint: str, tmp_path: Path) -> None:
+        bench: Any, checkpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # `--model DIR`: any HF causal LM directory (here the tiny fine-tuned one, read back as one:
     # its weights by from_pretrained, its tokenizer by AutoTokenizer) fine-tuned further, then an
     # arm trained from it, the orchestrator configured with a pretrained model at that path.
     tuned = str(tmp_path / "v0")
     assert bench.finetune(tuned, steps=3, seed=0, base=checkpoint, lr=1e-3) > 0
     assert bench.tokenizer_of(tuned)("7324=").input_ids == bench.tokenizer_of(None)("7324=").input_ids
+    # A chat model's directory (SmolLM2-Instruct) carries a template: the arms' prompts stay the raw
+    # text the model was fine-tuned and is evaluated on (with the template, no rollout was ever right).
+    Path(tuned, "chat_template.jinja").write_text("{% for m in messages %}<chat>{{ m['content'] }}{% endfor %}")
+    assert bench.tokenizer_of(tuned).chat_template is not None
+    import orchestrator.state
+
+    encoders: list[Any] = []
+    real_encoder = orchestrator.state.make_prompt_encoder
+    monkeypatch.setattr(orchestrator.state, "make_prompt_encoder",
+                        lambda *args, **kwargs: encoders.append(real_encoder(*args, **kwargs)) or encoders[-1])
     heldout = bench.heldout_prompts(8, seeds=1)
     training = bench.Training(groups_per_step=2, lr=1e-3, heldout=heldout, eval_samples=2, eval_every=1)
     result = bench.run_arm("prm", 0, tuned, budget=160, group_size=2, k=2, training=training, base=checkpoint)
+    from decentrl.config import ChainTaskConfig
+    from decentrl.tasks.chain import ChainTask
+
+    prompt = ChainTask(ChainTaskConfig(num_digits=4, num_prompts=4096, seed=0)).prompt(0)
+    assert [encode(prompt) for encode in encoders] == [bench.tokenizer_of(tuned)(prompt.text).input_ids]
     assert result["versions"] >= 1 and len(result["curve"]) == result["versions"] + 1
     assert result["sampler_kl_max"] < 1e-6  # the worker's logprobs are the learner's, from the same checkpoint
     assert bench.device_of(None) == "cpu"
