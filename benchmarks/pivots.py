@@ -53,6 +53,12 @@ the run gave (`verdict_lags`, `verdict_lag_median`: the N to choose).
 tiny model, with its own tokenizer, on a GPU where there is one (and every core of this CPU where
 there is none; the tiny model's runs take one). `--checkpoint DIR` keeps the fine-tuned model there
 and reuses it in later runs with the same fine-tuning options (`finetune.json` beside its weights).
+SmolLM2-135M-Instruct (`decentrl model import`, README) at 6 digits, an arm of 6,000 tokens in
+5-6 min on 2 cores (docs/rewards.md):
+
+    python benchmarks/pivots.py --model models/smollm2 --checkpoint runs/smol_d6 --sft-steps 110 --sft-lr 1e-4 \
+        --digits 6 --budget 0 --train-budget 6000 --lr 5e-6 --groups-per-step 6 --root-groups-per-step 8 \
+        --process-weight 1 --verdict-lag-tokens 8 --token-ms 0 --heldout 128 --eval-samples 2 --seeds 1 --seed-start S
 
 Seeds can run apart (each under 10 min at a quiet machine's load; S = 0, 1, ...) and be summarized together:
 
