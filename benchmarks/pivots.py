@@ -54,7 +54,7 @@ tiny model, with its own tokenizer, on a GPU where there is one (and every core 
 there is none; the tiny model's runs take one). `--checkpoint DIR` keeps the fine-tuned model there
 and reuses it in later runs with the same fine-tuning options (`finetune.json` beside its weights).
 SmolLM2-135M-Instruct (`decentrl model import`, README) at 6 digits, an arm of 6,000 tokens in
-5-6 min on 2 cores (docs/rewards.md):
+4.5-5 min on 2 cores (docs/rewards.md):
 
     python benchmarks/pivots.py --model models/smollm2 --checkpoint runs/smol_d6 --sft-steps 110 --sft-lr 1e-4 \
         --digits 6 --budget 0 --train-budget 6000 --lr 5e-6 --groups-per-step 6 --root-groups-per-step 8 \
@@ -261,6 +261,8 @@ def checkpoint_refusal(directory: str, recipe: dict[str, Any]) -> str | None:
     if not isinstance(kept, dict):
         return f"--checkpoint {directory}: its {RECIPE} is not a JSON object; fine-tune into a new directory"
     differ = [f"{key} {kept.get(key)!r} (asked: {value!r})" for key, value in recipe.items() if kept.get(key) != value]
+    if not differ and not isinstance(kept.get("sft_loss"), (int, float)):
+        return f"--checkpoint {directory}: its {RECIPE} holds no numeric sft_loss; fine-tune into a new directory"
     if differ:
         return (f"--checkpoint {directory} was fine-tuned with other options: {', '.join(differ)}; "
                 f"give those options, or a new directory")

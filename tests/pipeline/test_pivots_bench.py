@@ -134,6 +134,8 @@ def test_a_kept_checkpoint_is_fine_tuned_once_and_reused_only_with_its_recipe(
     ({"finetune.json": "[1, 2]"}, "its finetune.json is not a JSON object"),
     ({"finetune.json": json.dumps({"model": "tiny", "digits": 4, "sft_steps": 600, "sft_lr": 1e-3, "seed": 0})},
      "was fine-tuned with other options: sft_lr 0.001 (asked: 0.003)"),
+    ({"finetune.json": json.dumps({"model": "tiny", "digits": 4, "sft_steps": 600, "sft_lr": 3e-3, "seed": 0})},
+     "its finetune.json holds no numeric sft_loss"),
 ])
 def test_a_checkpoint_that_cannot_be_reused_is_refused_before_anything_runs(
         bench: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
