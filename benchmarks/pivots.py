@@ -261,11 +261,11 @@ def checkpoint_refusal(directory: str, recipe: dict[str, Any]) -> str | None:
     if not isinstance(kept, dict):
         return f"--checkpoint {directory}: its {RECIPE} is not a JSON object; fine-tune into a new directory"
     differ = [f"{key} {kept.get(key)!r} (asked: {value!r})" for key, value in recipe.items() if kept.get(key) != value]
-    if not differ and not isinstance(kept.get("sft_loss"), (int, float)):
-        return f"--checkpoint {directory}: its {RECIPE} holds no numeric sft_loss; fine-tune into a new directory"
     if differ:
         return (f"--checkpoint {directory} was fine-tuned with other options: {', '.join(differ)}; "
                 f"give those options, or a new directory")
+    if not isinstance(kept.get("sft_loss"), (int, float)):
+        return f"--checkpoint {directory}: its {RECIPE} holds no numeric sft_loss; fine-tune into a new directory"
     return None
 
 
@@ -273,11 +273,11 @@ def fine_tuned(directory: str, steps: int, digits: int = DIGITS, base: str | Non
     """The final fine-tuning loss of the checkpoint kept at `directory` (`--checkpoint`): read from its
     recipe where one is there (`checkpoint_refusal` says first whether it may be reused), else the
     model fine-tuned into a directory beside and moved there whole, its recipe with it."""
-    recipe = recipe_of(steps, digits, base, lr)
     path = os.path.join(directory, RECIPE)
     if os.path.isfile(path):
         with open(path) as file:
             return float(json.load(file)["sft_loss"])
+    recipe = recipe_of(steps, digits, base, lr)
     partial = f"{directory.rstrip(os.sep)}.partial-{os.getpid()}"
     loss = finetune(partial, steps, seed=0, digits=digits, base=base, lr=lr)
     with open(os.path.join(partial, RECIPE), "w") as file:
@@ -668,8 +668,13 @@ def pooled_tokens_to_target(root_curves: list[list[dict[str, Any]]], curves: lis
     read every `step` tokens up to `budget`, `accuracy_at`) first reaches the root curves' mean
     accuracy at `budget`, over `budget`; None if it never does. One seed's noisy last evaluation
     neither sets the target nor leaves the figure undefined, as it does per seed."""
-    grid = [*range(0, int(budget), step), budget]
+    grid = token_grid(budget, step)
     return _mean_reaches(_readings(root_curves, grid), _readings(curves, grid), grid)
+
+
+def token_grid(budget: float, step: int) -> list[float]:
+    """The generated-token counts the pooled figures read the curves at: every `step` tokens, and the budget."""
+    return [*range(0, int(budget), step), budget]
 
 
 def _readings(curves: list[list[dict[str, Any]]], grid: list[float]) -> list[list[float]]:
@@ -689,7 +694,7 @@ def pooled_interval(root_curves: list[list[dict[str, Any]]], curves: list[list[d
     """A 90% bootstrap interval of `pooled_tokens_to_target` over seeds (the seeds resampled with
     replacement, the arms of a seed together; `Random(0)`): its 5th and 95th percentiles, None for a
     bound where the resampled curves never reach their target. Each curve is read on the grid once."""
-    grid = [*range(0, int(budget), step), budget]
+    grid = token_grid(budget, step)
     roots, arms = _readings(root_curves, grid), _readings(curves, grid)
     rng, n = random.Random(0), len(root_curves)
     draws = []
