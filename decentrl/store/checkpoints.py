@@ -357,6 +357,7 @@ class CheckpointStore:
     def publish(
         self, version: int, local_dir: str, parent: int | None = None, base_version: int | None = None,
         *, hand_over: bool = False, delta_from: tuple[int, str] | None = None, whole: bool = False,
+        scratch_dir: str | None = None,
     ) -> Manifest:
         """Upload every file of `local_dir` in parallel, then the (signed) manifest last.
         `base_version`: `local_dir` holds a LoRA adapter to apply to that (full) version.
@@ -367,6 +368,8 @@ class CheckpointStore:
         whole. A key version (every file whole) when that version is no longer in the store.
         `whole` with `delta_from`: a key version whose files are stored whole and as deltas, so
         readers holding the version before fetch the deltas and the others the whole files.
+        `scratch_dir`: where the deltas are written before their upload (the trainer's scratch);
+        None: the system's temporary directory.
         Publishing the same files under the same version again returns the manifest already there
         (a retry whose earlier attempt wrote its manifest and lost the answer); other files: StoreError."""
         if self.fs.exists(self._manifest_path(version)):
@@ -389,7 +392,7 @@ class CheckpointStore:
         if delta_from is not None and not self.fs.exists(self._manifest_path(delta_from[0])):
             log.info("version %d: its delta base v%d is not in the store; publishing a key version", version, delta_from[0])
             delta_from = None
-        with tempfile.TemporaryDirectory(prefix=f"decentrl-delta-v{version}-") as scratch:
+        with tempfile.TemporaryDirectory(prefix=f"decentrl-delta-v{version}-", dir=scratch_dir) as scratch:
             deltas = self._encode_deltas(names, paths, delta_from, scratch)
             uploaded = [
                 (os.path.join(scratch, n + DELTA_SUFFIX), n + DELTA_SUFFIX) if n in deltas and not whole else (p, n)

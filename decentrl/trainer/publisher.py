@@ -18,12 +18,17 @@ safe: files are uploaded again whole (a local store links new files, never writi
 the manifest goes last, and a manifest already there listing these very files is the earlier
 attempt's (CheckpointStore.publish returns it). Retention failing is logged and tried again after
 the next version: it never stops training.
+
+The files being published are written under `scratch_dir` (the trainer's is `<run_dir>/trainer/scratch`,
+emptied at its start by `clear_scratch`: a trainer killed with SIGKILL leaves its temporary
+directories behind, a model's size each), or the system's temporary directory when none is given.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -34,6 +39,7 @@ import torch
 from transformers import PretrainedConfig
 
 from decentrl.config import LoRAConfig
+from decentrl.store.cache import remove_path
 from decentrl.store.checkpoints import CheckpointStore
 from decentrl.store.manifest import StoreError
 from decentrl.store.ranges import backoff, read_errors
@@ -43,6 +49,14 @@ from decentrl.trainer.lora import BASE_VERSION, write_adapter_dir
 log = logging.getLogger("decentrl.trainer.publisher")
 
 T = TypeVar("T")
+
+
+def clear_scratch(directory: str) -> str:
+    """`directory`, emptied of what an earlier trainer of this run dir left there, and made if absent.
+    Rank 0 at start: only it publishes, and a trainer of another policy has a state dir of its own."""
+    remove_path(directory)  # a symlink there is removed, never its target
+    os.makedirs(directory)
+    return directory
 
 
 class Publisher:
@@ -59,8 +73,10 @@ class Publisher:
         dtype: torch.dtype | None = None,
         full_every: int = 1,
         retry_s: float = 900.0,
+        scratch_dir: str | None = None,
     ) -> None:
         self.store = store
+        self.scratch_dir = scratch_dir  # None: the system's temporary directory
         self.lora = lora
         self.dtype = dtype  # of the published weights (store.publish_dtype); the trainer's stay float32
         self.full_every = full_every  # store.full_every: a key version after full_every - 1 deltas
@@ -144,10 +160,10 @@ class Publisher:
         if self.lora is None:
             self._publish_full(version, state, parent)
         else:
-            with tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-") as directory:
+            with tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-", dir=self.scratch_dir) as directory:
                 write_adapter_dir(directory, state, self.lora)
                 self._retrying(version, lambda: self.store.publish(
-                    version, directory, parent=parent, base_version=BASE_VERSION, hand_over=True
+                    version, directory, parent=parent, base_version=BASE_VERSION, hand_over=True, scratch_dir=self.scratch_dir
                 ))
         self.on_published(version)
         self.announce_seconds.append(time.perf_counter() - started)
@@ -166,13 +182,14 @@ class Publisher:
         that), or a key version every `full_every` versions, stored whole and as deltas too (a
         worker holding the last version fetches its deltas, a late joiner its whole files); the
         store makes it a key version alone when the last one is no longer in the store."""
-        directory = tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-")
+        directory = tempfile.TemporaryDirectory(prefix=f"decentrl-v{version}-", dir=self.scratch_dir)
         try:
             write_hf_dir(directory.name, state, self.model_config, self.extras_from, self.max_shard_bytes, dtype=self.dtype)
             delta_from = None if self._previous is None or self.full_every == 1 else (self._previous[0], self._previous[1].name)
             key = self._deltas_in_row + 1 >= self.full_every
             manifest = self._retrying(version, lambda: self.store.publish(
-                version, directory.name, parent=parent, hand_over=True, delta_from=delta_from, whole=key
+                version, directory.name, parent=parent, hand_over=True, delta_from=delta_from, whole=key,
+                scratch_dir=self.scratch_dir,
             ))
         except BaseException:
             directory.cleanup()

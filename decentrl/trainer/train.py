@@ -46,7 +46,7 @@ from decentrl.trainer.gather import WeightGather
 from decentrl.trainer.lora import adapter_state, add_adapters, is_adapter_weight
 from decentrl.trainer.metrics import MetricsLog, StepTimes, step_record
 from decentrl.trainer.prefetch import BatchPrefetcher
-from decentrl.trainer.publisher import Publisher
+from decentrl.trainer.publisher import Publisher, clear_scratch
 from decentrl.trainer.step import accumulate_gradients, compile_blocks, reduce_over_ranks, token_logprobs
 from decentrl.trainer.trackers import Trackers
 
@@ -61,16 +61,17 @@ class TrainerOptions:
     token: str
     metrics_path: str
     cache_dir: str
-    state_dir: str  # checkpoints and the batch journal: <run_dir>/trainer
+    state_dir: str  # checkpoints, the batch journal and rank 0's scratch: <run_dir>/trainer
 
 
 def prepare_store(
-    config: RunConfig, store: CheckpointStore, client: OrchestratorClient, checkpoints: TrainerCheckpoints, journal: BatchJournal
+    config: RunConfig, store: CheckpointStore, client: OrchestratorClient, checkpoints: TrainerCheckpoints, journal: BatchJournal,
+    scratch: str,
 ) -> ResumePlan:
-    """Rank 0: publish version 0 (the initial model) into an empty store, then plan the resume."""
+    """Rank 0: publish version 0 (the initial model, written under `scratch`) into an empty store, then plan the resume."""
     if store.latest() is None:
         model, tokenizer = build_model(config.model), load_tokenizer(config.model)
-        with tempfile.TemporaryDirectory(prefix="decentrl-v0-") as directory:
+        with tempfile.TemporaryDirectory(prefix="decentrl-v0-", dir=scratch) as directory:
             tokenizer.save_pretrained(directory)
             model.generation_config.save_pretrained(directory)
             write_hf_dir(
@@ -186,7 +187,9 @@ def _train(config: RunConfig, options: TrainerOptions, rank: int, world: int, de
     client = OrchestratorClient(options.orchestrator_url, options.token, policy=cfg.policy)
     checkpoints = TrainerCheckpoints(os.path.join(options.state_dir, "checkpoints"), keep=cfg.checkpoint_keep)
     journal = BatchJournal(os.path.join(options.state_dir, "batches")) if rank == 0 else None
-    plan = broadcast_object(prepare_store(config, store, client, checkpoints, journal) if journal else None, rank)
+    # Rank 0's files being published; what a killed trainer left there goes now (tempfile never removes it).
+    scratch = clear_scratch(os.path.join(options.state_dir, "scratch")) if rank == 0 else None
+    plan = broadcast_object(prepare_store(config, store, client, checkpoints, journal, scratch) if journal else None, rank)
     cache_dir = os.path.join(options.cache_dir, f"rank{rank}")
     initial_dir = store.pull(0, cache_dir)
     precision = mixed_precision(config, device)
@@ -214,6 +217,7 @@ def _train(config: RunConfig, options: TrainerOptions, rank: int, world: int, de
             dtype=publish_dtype(config.store, config.model),
             full_every=config.store.full_every,
             retry_s=config.store.publish_retry_s,
+            scratch_dir=scratch,
         )
         metrics = MetricsLog(options.metrics_path, keep_through=plan.checkpoint)
         trackers = open_trackers(config, run_dir=os.path.dirname(options.metrics_path), model_dir=initial_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from decentrl.config import TinyModelConfig
 from decentrl.model.build import build_model
 from decentrl.store.checkpoints import CheckpointStore
 from decentrl.store.weights import INDEX_NAME, write_hf_dir
-from decentrl.trainer.publisher import Publisher
+from decentrl.trainer.publisher import Publisher, clear_scratch
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +137,45 @@ def test_key_versions_are_stored_whole_and_as_deltas(model: PreTrainedModel, tmp
     loaded = AutoModelForCausalLM.from_pretrained(str(late), dtype=torch.float32)
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, state[name]), name
+
+
+def test_a_publish_writes_only_under_its_scratch_dir(
+    model: PreTrainedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each version's files, the delta base kept beside them and the deltas (full_every 2) go under
+    `scratch_dir`, never the system's temporary directory, where a killed trainer's would stay."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-system-tmp"))  # a temporary dir made there fails
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    store = CheckpointStore(str(tmp_path / "store"))
+    publisher = Publisher(
+        store=store, model_config=model.config, extras_from=str(tmp_path), keep_last=10, on_published=lambda v: None,
+        full_every=2, scratch_dir=str(scratch), retry_s=0,  # a publish that fails, fails at once
+    )
+    state = state_of(model)
+    for version in (1, 2):
+        publisher.submit(version, {name: tensor + version for name, tensor in state.items()})
+        assert publisher.wait_idle(timeout_s=60)
+        assert [p.name.split("-")[:2] for p in scratch.iterdir()] == [["decentrl", f"v{version}"]]  # the next delta base
+    assert store.manifest(2).delta_base == 1
+    publisher.close()
+    assert list(scratch.iterdir()) == []
+
+
+def test_clear_scratch_removes_a_killed_trainers_leftovers_and_nothing_else(tmp_path: Path) -> None:
+    scratch = tmp_path / "trainer" / "scratch"
+    (scratch / "decentrl-v7-abc").mkdir(parents=True)
+    (scratch / "decentrl-v7-abc" / "model.safetensors").write_bytes(b"weights of a killed trainer")
+    assert clear_scratch(str(scratch)) == str(scratch)
+    assert list(scratch.iterdir()) == []
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_bytes(b"not the trainer's")
+    scratch.rmdir()
+    scratch.symlink_to(elsewhere)  # the link goes, never its target
+    clear_scratch(str(scratch))
+    assert scratch.is_dir() and not scratch.is_symlink() and list(scratch.iterdir()) == []
+    assert (elsewhere / "keep").read_bytes() == b"not the trainer's"
 
 
 def test_a_failed_publish_ends_the_wait_for_a_batch(model: PreTrainedModel, tmp_path: Path) -> None:

@@ -133,6 +133,11 @@ def test_trainer_resume_after_kill_9_continues_versions_and_workers_carry_on(tmp
         killed_at = at_kill[-1]["step"]
         checkpoint = killed_at - killed_at % EVERY
         published_before = CheckpointStore(str(run_dir / "checkpoints")).latest()
+        # The killed publisher's files stay in the trainer's scratch, not /tmp (full runs keep the
+        # last version there as the next one's delta base); the restart clears them.
+        scratch = run_dir / "trainer" / "scratch"
+        assert lora or list(scratch.glob("decentrl-v*"))
+        (scratch / "decentrl-v99-killed").mkdir()
 
         restarted = start(trainer_argv, logs / "trainer-2.log", {"DECENTRL_TOKEN": trainer_token})
         started.append(restarted)
@@ -182,6 +187,7 @@ def test_trainer_resume_after_kill_9_continues_versions_and_workers_carry_on(tmp
         assert max(loaded) > published_before
         with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/status", headers={"Authorization": f"Bearer {trainer_token}"})) as r:
             assert json.loads(r.read())["policy_version"] == STEPS
+        assert list(scratch.iterdir()) == []  # the killed trainer's leftovers went at the restart, its own at its end
         assert sorted(os.listdir(run_dir / "trainer" / "checkpoints")) == [f"step_{STEPS - EVERY:06d}", f"step_{STEPS:06d}"]
     finally:
         for process in reversed(started):
