@@ -99,6 +99,10 @@ ARMS = {
 # are process rewards (no stopping, no pivot), so that a gain is told apart as the pivots' or the
 # process rewards'.
 CONTROLS = {"root_process": ARMS["root"]}
+# The pivot arms with units of a variable size, beside them (`--arms`): a unit branches only when
+# none of its roots is known right (`[orchestrator.tree] branch = "all_failed"`), so a group with a
+# right sample spends no tokens on branches; each against root-only GRPO and its always-branching twin.
+VARIANTS = {arm + "_failed": {**ARMS[arm], "branch": "all_failed"} for arm in ("prm", "random")}
 DIGITS = 4  # the chained sums' digits a prompt (steps per right answer): `--digits`
 
 
@@ -469,7 +473,7 @@ def run_arm(
     from workers.scorers import build_scorer_backend
     from workers.tree import TreeCounts, VerdictFeed, play_trees
 
-    options = {**ARMS, **CONTROLS}[arm]
+    options = {**ARMS, **CONTROLS, **VARIANTS}[arm]
     config = parse_config({
         "run_name": f"pivots-{arm}-{seed}", "group_size": group_size, "max_staleness": 1, "num_workers": 1, "trainer_ranks": 1,
         "model": {"type": "tiny", **SHAPE} if base is None else {"type": "pretrained", "path": checkpoint},
@@ -507,7 +511,7 @@ def run_arm(
     if token_s:
         pace(backend, token_s)
     rng, estimate, counts = random.Random(seed), RecoveryEstimate(), TreeCounts()
-    units = solved = no_gradient = failed_prompts = recovered = all_roots_failed = recovered_by_branch = short = 0
+    units = solved = no_gradient = failed_prompts = recovered = all_roots_failed = recovered_by_branch = 0
     no_outcome_gradient = 0
     roots = roots_right = branches = branches_right = pivots_on_failed = 0
     learner = Learner(checkpoint, config, device_of(base)) if training else None
@@ -547,9 +551,6 @@ def run_arm(
             ingest = client.post_rollouts(RolloutBatch(rollouts=samples))
             if ingest.rejected:
                 raise RuntimeError(f"the orchestrator refused samples of a {arm} unit: {ingest.rejected}")
-            # A unit whose roots have fewer step boundaries before their ends than it has pivots
-            # (chains of one step) holds a pivot a boundary (none: its roots alone), complete as it is.
-            short += len(samples) < lease.group_size + options["pivots"] * k
             prompt = state.task.prompt(lease.prompt_id).text
             rewards = [chain_reward(prompt, tokenizer.decode(s.completion_token_ids, skip_special_tokens=True)) if s.node is None
                        else chain_reward(prompt, tokenizer.decode(list(s.prompt_token_ids[len(lease.prompt_token_ids):])
@@ -596,7 +597,10 @@ def run_arm(
     spent = counts.generated + counts.discarded
     return {
         "arm": arm, "seed": seed, "digits": digits, "units": units, "tokens": spent, "tokens_kept": counts.generated,
-        "tokens_discarded": counts.discarded, "tokens_saved": counts.saved, "solved": solved, "units_short": short,
+        "tokens_discarded": counts.discarded, "tokens_saved": counts.saved, "solved": solved,
+        # Units sent with fewer pivots than their lease's: their roots had fewer step boundaries
+        # (chains of one step: none), or, branching `all_failed`, a root known right (unbranched).
+        "units_short": counts.short, "units_unbranched": counts.unbranched,
         "solved_per_1k_tokens": 1000 * solved / spent, "recovered": recovered, "failed_prompts": failed_prompts,
         "recovered_per_1k_tokens": 1000 * recovered / spent, "all_roots_failed": all_roots_failed,
         "recovered_by_branch": recovered_by_branch, "no_gradient_units": no_gradient,
@@ -741,12 +745,15 @@ def training_figures(trained: list[dict[str, Any]], budget: float | None = None)
         figures[key + "_smoothed"], figures[key + "_smoothed_se"] = mean_and_se(smooth)
         figures[key + "_smoothed_per_seed"] = smooth
     controls = [arm for arm in CONTROLS if all((arm, seed) in curve for seed in seeds)]
-    for arm in controls:  # to the same target, beside
+    variants = [arm for arm in VARIANTS if all((arm, seed) in curve for seed in seeds)]
+    for arm in [*controls, *variants]:  # to the same target, beside
         per_seed = [tokens_to_target(curve["root", seed], curve[arm, seed]) for seed in seeds]
         figures[f"tokens_to_target_{arm}_vs_root"], figures[f"tokens_to_target_{arm}_vs_root_se"] = mean_and_se(per_seed)
         figures[f"tokens_to_target_{arm}_vs_root_per_seed"] = per_seed
-        figures[f"tokens_to_target_{arm}_vs_root_pooled"] = pooled_tokens_to_target(roots, [curve[arm, s] for s in seeds], budget)
-    for arm in [*ARMS, *controls]:
+        arms = [curve[arm, s] for s in seeds]
+        figures[f"tokens_to_target_{arm}_vs_root_pooled"] = pooled_tokens_to_target(roots, arms, budget)
+        figures[f"tokens_to_target_{arm}_vs_root_pooled_interval90"] = list(pooled_interval(roots, arms, budget))
+    for arm in [*ARMS, *controls, *variants]:
         finals = [curve[arm, seed][-1]["accuracy"] for seed in seeds]
         start = statistics.fmean(curve[arm, seed][0]["accuracy"] for seed in seeds)
         final, se = mean_and_se(finals)  # type: ignore[arg-type]
@@ -757,7 +764,11 @@ def training_figures(trained: list[dict[str, Any]], budget: float | None = None)
                                       "versions": [curve[arm, seed][-1]["version"] for seed in seeds]}
     # Paired by seed (the arms of a seed start from the same model and draw the same roots at
     # version 0): each arm's figure minus another's, mean and standard error over seeds.
-    for a, b in (("prm", "root"), ("prm", "random"), ("random", "root"), *(("prm", arm) for arm in controls)):
+    pairs = [("prm", "root"), ("prm", "random"), ("random", "root"), *(("prm", arm) for arm in controls)]
+    pairs += [(arm, other) for arm in variants for other in ("root", arm.removesuffix("_failed"), *controls)]
+    if len(variants) == 2:
+        pairs.append(("prm_failed", "random_failed"))
+    for a, b in pairs:
         for name, of in (("final", lambda c: c[-1]["accuracy"]), ("mean_over_tokens", mean_accuracy)):
             diffs = [of(curve[a, seed]) - of(curve[b, seed]) for seed in seeds]
             mean, se = mean_and_se(diffs)  # type: ignore[arg-type]
@@ -781,7 +792,8 @@ def training_counts(trained: list[dict[str, Any]], seeds: list[int]) -> dict[str
         return row["no_outcome_gradient_units"] / row["units"]
 
     figures: dict[str, Any] = {}
-    for arm in ARMS:
+    variants = [arm for arm in VARIANTS if all((arm, seed) in rows and "units_unbranched" in rows[arm, seed] for seed in seeds)]
+    for arm in [*ARMS, *variants]:
         per_seed = [rows[arm, seed] for seed in seeds]
         figures[f"training_counts_{arm}"] = {
             "recovered_per_1k_tokens": [r["recovered_per_1k_tokens"] for r in per_seed],
@@ -789,8 +801,9 @@ def training_counts(trained: list[dict[str, Any]], seeds: list[int]) -> dict[str
             "no_outcome_gradient_fraction": [outcome_fraction(r) for r in per_seed],
             "tokens_saved": [r["tokens_saved"] for r in per_seed], "units": [r["units"] for r in per_seed],
             "all_roots_failed": [r["all_roots_failed"] for r in per_seed],
-            "recovered_by_branch": [r["recovered_by_branch"] for r in per_seed]}
-    for arm in ("prm", "random"):
+            "recovered_by_branch": [r["recovered_by_branch"] for r in per_seed],
+            "units_unbranched": [r.get("units_unbranched", 0) for r in per_seed]}
+    for arm in ("prm", "random", *variants):
         for name, of, compare in (("recovered_per_1k_tokens", lambda r: r["recovered_per_1k_tokens"], "vs"),
                                   ("no_gradient_fraction", lambda r: r["no_gradient_fraction"], "minus"),
                                   ("no_outcome_gradient_fraction", outcome_fraction, "minus")):
@@ -846,7 +859,7 @@ def main() -> None:
     parser.add_argument("--root-groups-per-step", type=int, default=0,
                         help="The root-only arms' units a step (root, root_process; 0: --groups-per-step); a root-only "
                         "unit costs about 2/3 of a pivot unit's tokens, so 12 against 8 gives every arm a step about every 530 tokens.")
-    parser.add_argument("--arms", nargs="+", choices=[*ARMS, *CONTROLS],
+    parser.add_argument("--arms", nargs="+", choices=[*ARMS, *CONTROLS, *VARIANTS],
                         help="The training arms to run (a run of one arm is summarized with the others' rows by --rows; "
                         "default: root, random, prm, and root_process with --process-weight).")
     parser.add_argument("--local-weight", type=float, default=1.0, help="lambda: a branch's local advantage's weight.")
@@ -905,7 +918,7 @@ Rows = tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[st
 def units_a_step(arm: str, groups_per_step: int, root_groups_per_step: int) -> int:
     """A training arm's units a step: `root_groups_per_step` (unless 0) for the arms of root-only
     units (root, root_process), so that every arm trains on about the same tokens a step."""
-    rooted = {**ARMS, **CONTROLS}[arm]["pivots"] == 0
+    rooted = {**ARMS, **CONTROLS, **VARIANTS}[arm]["pivots"] == 0
     return root_groups_per_step if rooted and root_groups_per_step else groups_per_step
 
 

@@ -93,7 +93,7 @@ class IngestChecks:
                 return "prompt_mismatch"
         if isinstance(granted.unit, RolesUnit) and (problem := self.roles_problem(rollout, lease)) is not None:
             return problem
-        if isinstance(granted.unit, TreeUnit) and (problem := node_problem(rollout, granted.unit, lease)) is not None:
+        if isinstance(granted.unit, TreeUnit) and (problem := node_problem(rollout, granted.unit, lease, self.verdicts)) is not None:
             return problem
         if rollout.sampling != self.sampling:
             return "sampling_mismatch"
@@ -172,13 +172,15 @@ class IngestChecks:
         return "node_full" if lease.posted >= granted.group_size else None
 
 
-def node_problem(rollout: Rollout, unit: Unit, lease: OpenGroup) -> str | None:
+def node_problem(rollout: Rollout, unit: Unit, lease: OpenGroup, verdicts: StepVerdicts) -> str | None:
     """The rejection reason of a sample of a widened unit by its node's rules, or None
     (docs/architecture.md, "The unit of work, widened"). A tree's root samples are the lease's
     prompt (node absent, or node `root` without a parent); a branch continues an acknowledged root
     sample of the same unit after one of the step boundaries it named (`at`), its prompt that
     sample's prompt plus its first `at` completion ids, at most `k` samples a branch node and
-    `pivots` branch nodes a unit. Its prefix is prompt: it carries no gradient."""
+    `pivots` branch nodes a unit. Its prefix is prompt: it carries no gradient. A unit that
+    branches `all_failed` takes branches after all its roots, and none once a root is known right
+    by its journaled `verdicts` (orchestrator/leases.py `tree_pivots`)."""
     node = rollout.node
     if not isinstance(unit, TreeUnit):
         return "node_mismatch"  # units of roles: IngestChecks.roles_problem
@@ -193,6 +195,12 @@ def node_problem(rollout: Rollout, unit: Unit, lease: OpenGroup) -> str | None:
     parent = node.parent
     if not isinstance(parent, BranchParent):
         return "node_mismatch"  # a derived node is the orchestrator's to make, never a worker's
+    if unit.branch == "all_failed":
+        roots = [sample for sample in samples if sample.node is None or sample.node.parent is None]
+        if len(roots) < lease.lease.group_size:
+            return "branch_before_roots"  # whether it branches at all is known from its roots
+        if any(unit.known_right(verdicts(root)) for root in roots):
+            return "root_known_right"
     source = next((sample for sample in samples if sample.rollout_id == parent.rollout_id), None)
     if source is None or (source.node is not None and source.node.parent is not None):
         return "unknown_parent"  # not an acknowledged root sample of this unit

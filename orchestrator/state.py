@@ -198,7 +198,7 @@ class RunState:
         self.steps = StepBook()  # a tree unit's partial steps and their verdicts (POST /v1/steps)
         self.lease_book = LeaseBook(
             config=config, prompts=prompts, journal=self.journal, clock=clock, on_dropped=self._dropped,
-            policy=self.lease_policy, on_closed=self._forget_steps,
+            policy=self.lease_policy, on_closed=self._forget_steps, verdicts=self.steps.verdicts_of,
         )
         self.checks = IngestChecks(
             config=config, task=task, sampling=sampling, vocab_size=self.vocab_size, ends=ends,
@@ -256,16 +256,14 @@ class RunState:
             if record.banned:
                 self.drop_banned(name)  # nothing, normally
         verifying = self.config.orchestrator.verification.enabled
-        if not verifying and not self.config.orchestrator.rewards.uses_model:
-            return
         for open_lease in list(self.lease_book.open.values()):
             if verifying:
                 open_lease.check = list(range(len(open_lease.samples)))
-            if len(open_lease.samples) >= open_lease.size:
-                self._complete(open_lease)
-                lease_id = open_lease.lease.lease_id
-                if self.buffer.waits_for(lease_id, "scores") and self.score_queue.complete(lease_id):
-                    self._scored(lease_id)  # every score of it was journaled before the stop
+            lease_id = open_lease.lease.lease_id
+            # Full: pending when the orchestrator stopped, or a tree unit whose verdicts in the
+            # journal know a root right (its branches are no longer waited for).
+            if self._complete_if_full(lease_id) and self.buffer.waits_for(lease_id, "scores") and self.score_queue.complete(lease_id):
+                self._scored(lease_id)  # every score of it was journaled before the stop
         if isinstance(self.reward_stage, ModelRewards) and self.rewards.steps_config is None and not self.rewards.token_ids:
             self.reward_stage.taken = {}  # kept only for the kept batches' per-token scores, rebuilt when asked for
 
@@ -408,6 +406,15 @@ class RunState:
             self.counters.hedge_mismatches += mismatches
         return mismatches is not None
 
+    def _complete_if_full(self, lease_id: str) -> bool:
+        """Complete open lease `lease_id` if it holds its samples already (a unit's size may fall:
+        orchestrator/leases.py `tree_pivots`); whether it did."""
+        open_lease = self.lease_book.open.get(lease_id)
+        if open_lease is None or not open_lease.samples or len(open_lease.samples) < open_lease.size:
+            return False
+        self._complete(open_lease)
+        return True
+
     def _complete(self, open_lease: OpenLease) -> None:
         """The group is full: reward it, fill its place, then queue it or make it pending."""
         lease, samples = open_lease.lease, open_lease.samples
@@ -512,6 +519,7 @@ class RunState:
         for verdict in verdicts:
             if (told := self.steps.judged(verdict)) is not None:
                 self.journal.record(VerdictTaken(told.rollout_id, told.step, told.score, told.seq))
+                self._complete_if_full(told.lease_id)  # a tree unit's root known right: its branches are not waited for
         for group_id in done:
             self._scored(group_id)
         self._apply_bans()

@@ -147,6 +147,7 @@ class TreeCounts:
     branch_prompt_tokens: int = 0  # prompt tokens of the branches decoded (their root's prompt and prefix)
     branch_cached_tokens: int = 0  # of them, found in the engine's prefix cache, not prefilled (vllm; hf: 0)
     short: int = 0  # units sent with fewer pivots than their lease's: their roots had fewer step boundaries (none: roots alone)
+    unbranched: int = 0  # units that branch `all_failed` sent as their roots alone: a root was known right
 
 
 def _ends_step(text_of: Callable[[list[int]], str], chain: Chain, unit: TreeUnit) -> bool:
@@ -459,7 +460,12 @@ class TreePlay:
             if (unit.pivots and feed.scores) or lagged:
                 _await_verdicts(roots, self.posts, feed, self.counts, self.verdict_wait_s)
             picker = rng if self.seed is None else random.Random(self._seeded("pivots", 0))
-            pivots = _pivots(roots, unit, feed, picker, estimate, rule or unit.rule)
+            if unit.branch == "all_failed" and any(unit.known_right(_verdicts(chain, feed)) for chain in roots):
+                pivots = []  # its group has a right sample: no branches (orchestrator/leases.py `tree_pivots`)
+                self.counts.unbranched += 1
+            else:
+                pivots = _pivots(roots, unit, feed, picker, estimate, rule or unit.rule)
+                self.counts.short += len(pivots) < unit.pivots
             branches = []
             for n, pivot in enumerate(pivots):
                 j, parent = next((j, chain) for j, chain in enumerate(roots) if chain.rollout_id == pivot.rollout_id)
@@ -586,10 +592,14 @@ def _await_verdicts(
     counts.verdict_timeouts += not keys <= feed.scores.keys()
 
 
+def _verdicts(chain: Chain, feed: VerdictFeed) -> list[float | None]:
+    """The verdict known now on each of `chain`'s steps (None: not in)."""
+    return [feed.score(chain.rollout_id, step) for step in range(len(chain.ends))]
+
+
 def _judged_wrong(chain: Chain, unit: TreeUnit, feed: VerdictFeed) -> bool:
     """Whether a verdict known now judges one of `chain`'s steps wrong."""
-    threshold = unit.stop_below if unit.stop_below is not None else 0.5
-    return any((score := feed.score(chain.rollout_id, step)) is not None and score < threshold for step in range(len(chain.ends)))
+    return any(score is not None and score < unit.wrong_below for score in _verdicts(chain, feed))
 
 
 def _pivots(
@@ -599,7 +609,7 @@ def _pivots(
     (a step judged wrong: DEEP-GRPO branches failed trajectories) when there are enough, else
     among all; never a chain's end. As many as the unit's pivots, or every boundary if they are
     fewer: the unit the orchestrator completes (orchestrator/leases.py `tree_pivots`)."""
-    threshold = unit.stop_below if unit.stop_below is not None else 0.5
+    threshold = unit.wrong_below
     candidates, failed = [], []
     for chain in roots:
         wrong = chain.wrong_from

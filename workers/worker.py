@@ -677,12 +677,10 @@ class Worker:
         return (left[0] if left else None), len(asked)
 
     def _tree_done(self, lease: Lease, rollouts: list[Rollout]) -> None:
-        """A tree lease played: spooled and sent whole. Its roots may have had fewer step boundaries
-        than it has pivots (chains of one step have none): then it holds a pivot each, the unit
-        the orchestrator completes (orchestrator/leases.py `tree_pivots`), and is counted short."""
-        assert self.tree_counts is not None and isinstance(lease.unit, TreeUnit)
-        if len(rollouts) < lease.group_size + lease.unit.pivots * lease.unit.k:
-            self.tree_counts.short += 1
+        """A tree lease played: spooled and sent whole, roots first. Its roots may have had fewer
+        step boundaries than it has pivots (chains of one step have none): then it holds a pivot
+        each, the unit the orchestrator completes (orchestrator/leases.py `tree_pivots`), and is
+        counted short (`TreeCounts.short`, by the play)."""
         with self._changed:
             if lease.lease_id in self._lost:
                 return

@@ -10,6 +10,7 @@ every route.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -195,7 +196,8 @@ class TreeUnit(Wire):
     samples, and `pivots` branch nodes of `k` samples, each continuing one root sample after a step
     boundary it posted (before its end). The unit is complete when all `group_size + pivots * k`
     are in; roots that name fewer such boundaries than `pivots` hold one branch node each (none: the
-    roots alone, trained as a group)."""
+    roots alone, trained as a group), and a unit that branches `all_failed` holds its roots alone
+    once one of them is known right (`known_right`)."""
 
     kind: Literal["tree"]
     k: Int = Field(ge=1, le=MAX_NODE_SIZE, description="Samples of each branch node (continuations of one pivot).")
@@ -210,10 +212,25 @@ class TreeUnit(Wire):
         "judged right, or at random (the control)."
     )
     gamma: float = Field(0.1, ge=0, le=100, description="The utility's depth bias: P(success | ratio) x ratio^gamma.")
+    branch: Literal["always", "all_failed"] = Field(
+        "always", description="always: the unit holds its pivots; all_failed: only when none of its roots is known "
+        "right (each step it names judged at or over `wrong_below`), else its roots alone."
+    )
     verdict_lag_tokens: Int | None = Field(
         None, ge=0, le=4096, description="A step's verdict acts exactly this many of its chain's tokens after the step "
         "ended (waited for, or held until then). None: whenever it arrives."
     )
+
+    @property
+    def wrong_below(self) -> float:
+        """A step judged under this is wrong: `stop_below`, or 0.5 where chains are never stopped."""
+        return self.stop_below if self.stop_below is not None else 0.5
+
+    def known_right(self, verdicts: Sequence[float | None] | None) -> bool:
+        """Whether a root whose steps were judged `verdicts` (one per step it names; None: not in)
+        is known right: every step judged, none wrong. A unit that branches `all_failed` holds
+        branches only when none of its roots is."""
+        return bool(verdicts) and all(v is not None and v >= self.wrong_below for v in verdicts or ())
 
 
 class RolesUnit(Wire):

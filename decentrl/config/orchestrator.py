@@ -361,6 +361,11 @@ class TreeConfig(Section):
         "judged right (the scorer's pick), or at random (the control)."
     )
     gamma: float = Field(0.1, ge=0, le=100, description="The utility's depth bias: P(success | ratio) x ratio^gamma.")
+    branch: Literal["always", "all_failed"] = Field(
+        "always", description="Which units branch: always (each holds its pivots), or all_failed: only a unit none of "
+        "whose roots is known right (each step it names judged at or over stop_below, 0.5 without one) - a group that "
+        "may give no gradient; the others are their roots alone."
+    )
     verdict_lag_tokens: int | None = Field(
         None, ge=0, le=4096, strict=True,
         description="A step's verdict acts exactly this many of its chain's tokens after the step ended: one not in by "

@@ -450,3 +450,97 @@ def test_status_reports_step_scoring_in_a_verifier_run(tree: Callable[..., RunSt
     _judge(state, {("r0", 0): 1.0})
     scoring = state.status().scoring
     assert scoring is not None and scoring["steps_scored"] == 1 and scoring["steps_waiting"] == 0
+
+
+# -- units of a variable size: a tree that branches `all_failed` ----------------------------
+
+FAILED = {**TREE["orchestrator"], "tree": {**TREE["orchestrator"]["tree"], "branch": "all_failed"}}
+
+
+def _roots(
+    state: RunState, ids: Callable[[str], list[int]], make_rollout: Any, verdicts: dict[str, list[float | None]]
+) -> tuple[Lease, list[Any], Callable[[dict[tuple[str, int], float]], None]]:
+    """A unit's roots, one a name in `verdicts`, each of two steps (the right first step, then a
+    wrong one), posted and judged as given (None: left unjudged); not yet ingested. And the
+    scorer's later post on the steps left unjudged (one score lease holds them all)."""
+    (lease,) = state.grant_leases(HOLDER, 1)
+    steps = [ids(_right(state, lease)[0]), ids("99=")]
+    state.post_steps(HOLDER, _post(lease, *(_step(lease, rid, n, tokens) for rid in verdicts for n, tokens in enumerate(steps))))
+    entry = state.lease_scores("judge/s0", 64)
+    assert entry is not None
+
+    def judge(given: dict[tuple[str, int], float]) -> None:
+        scores = [ScoreResult(rollout_id=rid, score=score, step=step) for (rid, step), score in given.items()]
+        state.post_scores("judge/s0", ScorePost(lease_id=entry.lease_id, scorer_id="s0", scores=scores))
+
+    judge({(rid, n): v for rid, scores in verdicts.items() for n, v in enumerate(scores) if v is not None})
+    return lease, [_sample(state, lease, make_rollout, rid, steps) for rid in verdicts], judge
+
+
+def _branch_of(state: RunState, lease: Lease, make_rollout: Any, parent: Any, rid: str) -> Any:
+    at = parent.step_ends[0]
+    return make_rollout(lease, parent.completion_token_ids[at:], rollout_id=rid, sampling=state.sampling,
+                        prompt_token_ids=[*parent.prompt_token_ids, *parent.completion_token_ids[:at]],
+                        node={"node_id": "b0", "parent": {"rollout_id": parent.rollout_id, "at": at}})
+
+
+def test_a_unit_that_branches_all_failed_holds_branches_only_when_no_root_is_known_right(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]], make_rollout: Any
+) -> None:
+    """A root known right (each step judged at or over stop_below) leaves its unit its roots alone:
+    complete when they are in, a branch refused; roots all judged wrong somewhere wait for their
+    branch node; a branch before the unit's last root is refused (whether it branches is not known)."""
+    state = tree(orchestrator=FAILED)
+    lease, roots, _ = _roots(state, ids, make_rollout, {"right": [1.0, 0.5], "w1": [1.0, 0.0], "w2": [0.0, None]})
+    assert state.ingest(roots, HOLDER).accepted == 3
+    assert lease.lease_id not in state.leases and len(state.ready) == 1  # 3 samples: no branch is waited for
+    assert [r.reason for r in state.ingest([_branch_of(state, lease, make_rollout, roots[1], "b")], HOLDER).rejected] == ["group_full"]
+
+    lease, roots, _ = _roots(state, ids, make_rollout, {"f0": [1.0, 0.0], "f1": [1.0, 0.2], "f2": [0.0, None]})
+    early = _branch_of(state, lease, make_rollout, roots[0], "early")
+    assert state.ingest(roots[:1], HOLDER).accepted == 1
+    assert [r.reason for r in state.ingest([early], HOLDER).rejected] == ["branch_before_roots"]
+    assert state.ingest(roots[1:], HOLDER).accepted == 2
+    assert lease.lease_id in state.leases and state.leases[lease.lease_id].size == 3 + 2  # all failed: its branch node
+    branches = [_branch_of(state, lease, make_rollout, roots[0], f"b{i}") for i in range(2)]
+    assert state.ingest(branches, HOLDER).accepted == 2 and lease.lease_id not in state.leases
+    batch = state.take_batch(0)
+    assert batch is not None and len(batch.samples) == 3  # the first unit: its roots alone
+    assert state.rejected["branch_before_roots"] == 1
+
+
+def test_a_verdict_that_knows_a_root_right_after_the_roots_came_completes_their_unit(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]], make_rollout: Any
+) -> None:
+    """The worker may send a unit before a root's last verdict came (it waited `verdict_wait_s`):
+    the unit waits for branches until that verdict knows the root right, then completes with its
+    roots; the branches the worker sent in the meantime, had it any, would have been taken."""
+    state = tree(orchestrator=FAILED)
+    lease, roots, judge = _roots(state, ids, make_rollout, {"late": [1.0, None], "w1": [1.0, 0.0], "w2": [0.0, None]})
+    assert state.ingest(roots, HOLDER).accepted == 3
+    assert lease.lease_id in state.leases  # "late" is not known right yet: the unit may branch
+    judge({("late", 1): 1.0})
+    assert lease.lease_id not in state.leases and len(state.ready) == 1
+    judge({("w2", 1): 1.0})  # a verdict on a completed unit's step: nothing more happens
+    assert len(state.ready) == 1
+
+
+def test_a_unit_whose_journaled_verdicts_know_a_root_right_completes_at_a_restart(
+    tree: Callable[..., RunState], ids: Callable[[str], list[int]], make_rollout: Any, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopped after the verdict was journaled but before its unit completed: the restart completes
+    it with its roots, none lost, instead of waiting for branches until the lease expires."""
+    journal = str(tmp_path / "journal.sqlite")
+    state = tree(journal, orchestrator=FAILED)
+    lease, roots, judge = _roots(state, ids, make_rollout, {"late": [1.0, None], "w1": [1.0, 0.0], "w2": [0.0, None]})
+    assert state.ingest(roots, HOLDER).accepted == 3
+    monkeypatch.setattr(state, "_complete_if_full", lambda lease_id: False)  # the stop, between the two
+    judge({("late", 1): 1.0})
+    assert lease.lease_id in state.leases
+    state.journal.flush()
+    state.journal.close()
+    again = tree(journal, orchestrator=FAILED)
+    assert lease.lease_id not in again.leases
+    batch = again.take_batch(0)
+    assert batch is not None and sorted(s.rollout_id for s in batch.samples) == ["late", "w1", "w2"]

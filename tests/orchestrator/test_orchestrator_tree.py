@@ -99,6 +99,8 @@ def test_a_node_takes_a_branch_or_a_derived_parent() -> None:
         ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "marker"}, "verdict_lag_tokens": -1}, "greater than or equal to 0"),
         ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "marker"}, "verdict_lag_tokens": True}, "valid integer"),
         ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "marker"}, "verdict_lag_tokens": 1.5}, "valid integer"),
+        ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "marker"}, "branch": "sometimes"}, "'always' or 'all_failed'"),
+        ({"kind": "tree", "k": 2, "pivots": 1, "boundary": {"type": "marker"}, "branch": 1}, "'always' or 'all_failed'"),
         ({"kind": "roles", "roles": ["proposer", "solver"], "sizes": [1]}, "one size a role"),
         ({"kind": "roles", "roles": ["solver", "solver"], "sizes": [1, 1]}, "distinct"),
         ({"kind": "roles", "roles": ["proposer"], "sizes": [2], "min_fill": 3}, "min_fill"),
@@ -149,6 +151,15 @@ def test_a_bad_verdict_lag_is_a_config_error_naming_the_field(tmp_path: Path, va
     with pytest.raises(ConfigError) as caught:
         load_config(str(path))
     assert "orchestrator.tree.verdict_lag_tokens" in str(caught.value) and says in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ['"sometimes"', "true", '""'])
+def test_a_bad_branch_rule_is_a_config_error_naming_the_field_and_its_choices(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f"[orchestrator.tree]\nk = 2\nbranch = {value}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(path))
+    assert "orchestrator.tree.branch" in str(caught.value) and "'always' or 'all_failed'" in str(caught.value)
 
 
 def test_a_deterministic_tree_run_is_refused(make_config: Any) -> None:

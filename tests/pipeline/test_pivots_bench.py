@@ -33,7 +33,7 @@ def checkpoint(bench: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
     return directory
 
 
-@pytest.mark.parametrize("arm", ["root", "prm"])
+@pytest.mark.parametrize("arm", ["root", "prm", "prm_failed"])
 def test_an_arm_runs_to_its_budget(bench: Any, checkpoint: str, arm: str) -> None:
     result = bench.run_arm(arm, 0, checkpoint, budget=120, group_size=2, k=2, token_s=0.015)  # a real model's pace
     assert result["tokens"] >= 120 and result["units"] >= 1
@@ -45,6 +45,24 @@ def test_an_arm_runs_to_its_budget(bench: Any, checkpoint: str, arm: str) -> Non
         assert result["tokens_saved"] == 0 and result["verdicts_used"] == 0 and result["tokens_discarded"] == 0
     else:
         assert result["verdicts_used"] > 0  # a barely trained model's steps are judged wrong, and chains stop
+    # Each unit of the pivot arms (one pivot each) branched, or was sent short (no boundary) or
+    # unbranched (`all_failed`: a root known right), and the orchestrator completed it as sent.
+    if arm != "root":
+        assert result["units"] == result["pivots"] + result["units_short"] + result["units_unbranched"]
+    assert result["units_unbranched"] == 0 or arm == "prm_failed"
+
+
+def test_units_with_a_right_root_go_unbranched_and_the_orchestrator_completes_them_as_sent(
+    bench: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`prm_failed` on a model trained enough that some roots are right (400 steps: about a third):
+    the units with a root known right are sent as their roots alone, the others with their branch
+    node, and the orchestrator completes each as it comes (run_arm finds it ready, refused nothing)."""
+    directory = str(tmp_path_factory.mktemp("tuned") / "v0")
+    bench.finetune(directory, steps=400, seed=0)
+    result = bench.run_arm("prm_failed", 0, directory, budget=240, group_size=2, k=2, token_s=0.0, verdict_lag_tokens=1)
+    assert result["units_unbranched"] > 0 and result["pivots"] > 0
+    assert result["units"] == result["pivots"] + result["units_short"] + result["units_unbranched"]
 
 
 def test_with_a_fixed_verdict_lag_an_arms_row_is_the_same_at_any_pace(bench: Any, checkpoint: str) -> None:
@@ -364,6 +382,39 @@ def test_the_arms_are_compared_paired_by_seed_from_rows_of_runs_apart(bench: Any
     assert figures["heldout_final_prm_minus_root"]["se"] == pytest.approx(0.01)
     assert figures["heldout_mean_over_tokens_prm_minus_random"]["per_seed"] == pytest.approx([0.01 * 0.75, 0.02 * 0.75])
     assert figures["heldout_prm"]["mean_over_tokens_per_seed"] == pytest.approx([0.35 + 0.02 * 0.75, 0.35 + 0.04 * 0.75])
+
+
+def test_the_arms_that_branch_all_failed_are_compared_with_root_and_their_twins(bench: Any) -> None:
+    # Beside the three arms (their figures unchanged), each variant of a variable unit size against
+    # root-only GRPO, its always-branching twin, and the other variant, paired by seed.
+    curve = [{"tokens": 0, "accuracy": 0.2, "version": 0}, {"tokens": 1000, "accuracy": 0.4, "version": 4}]
+    lifts = {"root": 0.0, "random": 0.01, "prm": 0.02, "random_failed": 0.03, "prm_failed": 0.05}
+
+    def row(arm: str, seed: int) -> dict[str, Any]:
+        lift = lifts[arm] * (seed + 1)
+        return {"arm": arm, "seed": seed, "curve": [{**p, "accuracy": p["accuracy"] + lift * (p["tokens"] > 0)} for p in curve],
+                "recovered_per_1k_tokens": 4.0 + 10 * lift, "no_gradient_fraction": 0.3, "no_outcome_gradient_units": 30,
+                "units": 100, "tokens_saved": 10, "all_roots_failed": 40, "recovered_by_branch": 5,
+                "units_unbranched": 60 * ("failed" in arm)}
+
+    trained = [row(arm, seed) for seed in (0, 1) for arm in lifts]
+    figures = bench.training_figures(trained)
+    assert figures["heldout_final_prm_failed_minus_root"]["per_seed"] == pytest.approx([0.05, 0.10])
+    assert figures["heldout_final_prm_failed_minus_prm"]["per_seed"] == pytest.approx([0.03, 0.06])
+    assert figures["heldout_final_random_failed_minus_random"]["per_seed"] == pytest.approx([0.02, 0.04])
+    assert figures["heldout_final_prm_failed_minus_random_failed"]["per_seed"] == pytest.approx([0.02, 0.04])
+    assert figures["heldout_final_prm_minus_root"]["per_seed"] == pytest.approx([0.02, 0.04])  # as without the variants
+    assert figures["tokens_to_target_prm_failed_vs_root_per_seed"] == pytest.approx([1.0, 1.0])  # reached at the last point
+    assert len(figures["tokens_to_target_prm_failed_vs_root_pooled_interval90"]) == 2
+    assert figures["heldout_prm_failed"]["final_per_seed"] == pytest.approx([0.45, 0.5])
+    assert figures["training_counts_prm_failed"]["units_unbranched"] == [60, 60]
+    assert figures["training_counts_prm"]["units_unbranched"] == [0, 0]
+    assert figures["training_recovered_per_1k_tokens_prm_failed_vs_root"]["per_seed"] == pytest.approx([4.5 / 4.0, 5.0 / 4.0])
+    # A variant without every seed's row is left out, not half-compared.
+    partial = [r for r in trained if not (r["arm"] == "random_failed" and r["seed"] == 1)]
+    figures = bench.training_figures(partial)
+    assert "heldout_random_failed" not in figures and "heldout_final_prm_failed_minus_random_failed" not in figures
+    assert "heldout_final_prm_failed_minus_root" in figures
 
 
 def test_recovery_is_compared_paired_by_seed(bench: Any) -> None:

@@ -278,8 +278,11 @@ class _LateJudge:
             self.posted_rollouts += [step.rollout_id for step in post.steps]
             for step in post.steps:
                 verdict = StepVerdict(lease_id=post.lease_id, rollout_id=step.rollout_id, step=step.step,
-                                      score=float(step.step == 0), seq=len(self.judged) + 1)
+                                      score=self.score(step.rollout_id, step.step), seq=len(self.judged) + 1)
                 self.judged.append((time.monotonic() + self.delay_s, verdict))
+
+    def score(self, rollout_id: str, step: int) -> float:
+        return float(step == 0)
 
     def verdicts(self, worker_id: str, after: int, wait_s: float = 0.0) -> VerdictList:
         time.sleep(0.01)
@@ -341,6 +344,42 @@ def test_pivots_are_chosen_on_the_roots_last_verdicts(backend: HFBackend, wait_s
     else:  # nothing known: the deepest boundary of any chain, past its wrong step
         assert parent.at == roots[parent.rollout_id].step_ends[-2]  # type: ignore[index]
         assert counts.verdict_timeouts == 1
+
+
+class _OneRight(_LateJudge):
+    """Every step wrong but those of the first sample posted (`one_right`): all right."""
+
+    def __init__(self, one_right: bool) -> None:
+        super().__init__(delay_s=0.05)
+        self.one_right = one_right
+
+    def score(self, rollout_id: str, step: int) -> float:
+        return float(self.one_right and rollout_id == self.posted_rollouts[0])
+
+
+@pytest.mark.parametrize("one_right", [True, False])
+def test_a_unit_that_branches_all_failed_branches_only_when_no_root_is_known_right(backend: HFBackend, one_right: bool) -> None:
+    """A root whose every step is judged right leaves the unit its roots alone (counted
+    `unbranched`, not short): the unit the orchestrator completes (orchestrator/leases.py `tree_pivots`)."""
+    client = _OneRight(one_right)
+    unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), rule="random", branch="all_failed")
+    lease = Lease(lease_id="l0", prompt_id=0, prompt_token_ids=build_tiny_tokenizer()("7324=").input_ids, group_size=4,
+                  deadline=time.time() + 60, unit=unit)
+    feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
+    feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps: the roots' verdicts are waited for
+    feed.start()
+    counts = TreeCounts()
+    try:
+        samples = generate_tree(backend, client, lease, SamplingParams(temperature=1.0, max_tokens=8), run_name="r",  # type: ignore[arg-type]
+                                worker_id="w0", feed=feed, rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts,
+                                verdict_wait_s=5.0)
+    finally:
+        feed.close()
+    assert counts.verdict_timeouts == 0 and [s.node for s in samples[:4]] == [None] * 4
+    if one_right:
+        assert len(samples) == 4 and (counts.unbranched, counts.short) == (1, 0)
+    else:
+        assert len(samples) == 4 + 2 and (counts.unbranched, counts.short) == (0, 0)
 
 
 def test_a_seeded_unit_draws_the_same_roots_pivots_and_branches_every_time(backend: HFBackend) -> None:
