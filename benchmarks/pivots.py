@@ -66,6 +66,13 @@ Seeds can run apart (each under 10 min at a quiet machine's load; S = 0, 1, ...)
     python benchmarks/pivots.py --budget 6000 --seeds 3 --train-budget 0
     python benchmarks/pivots.py --rows ROWS... --budget 6000 --seeds 3 --train-budget 12000 --lr 2e-5 --heldout 512
 
+`--arms prm_failed random_failed`: the pivot arms with units of a variable size beside them (a unit
+branches only when none of its roots is known right, `[orchestrator.tree] branch = "all_failed"`),
+each compared paired by seed with root-only GRPO, its always-branching twin and the other
+(`heldout_*_prm_failed_minus_*`, `tokens_to_target_prm_failed_vs_root*`); `units_unbranched`
+counts the units sent as their roots alone. Their units cost fewer tokens, so they take more a
+step (`--groups-per-step`, run apart).
+
 `--until-tokens N` summarizes the training curves up to N generated tokens (each curve's
 evaluations at or under N): the arms' figures at a smaller budget, read off the same rows.
 
