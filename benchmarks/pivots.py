@@ -731,15 +731,20 @@ def training_figures(trained: list[dict[str, Any]], budget: float | None = None)
     """The training arms' figures: tokens to the root arm's final accuracy (each seed's arms
     against that seed's root arm; and on the seeds' mean curves up to `budget` tokens, by default
     the root curves' furthest point, with a bootstrap interval), the final accuracies, with
-    standard errors over seeds; and the arms' own counts as they train (`training_counts`)."""
+    standard errors over seeds; and the arms' own counts as they train (`training_counts`). Of the
+    arms with a row at every seed (rows of some arms, `--arms`: theirs), each against root-only
+    GRPO; none without root-only GRPO's."""
     seeds = sorted({r["seed"] for r in trained})
     curve = {(r["arm"], r["seed"]): r["curve"] for r in trained}
-    if any((arm, seed) not in curve for arm in ARMS for seed in seeds):  # a run of some arms (--arms): its rows only
-        return {"tokens_to_target_pivot_vs_root": None}
-    figures: dict[str, Any] = {}
+    present = [arm for arm in [*ARMS, *CONTROLS, *VARIANTS] if all((arm, seed) in curve for seed in seeds)]
+    figures: dict[str, Any] = {"tokens_to_target_pivot_vs_root": None}
+    if "root" not in present:
+        return figures
     roots = [curve["root", seed] for seed in seeds]
     budget = budget or max(c[-1]["tokens"] for c in roots)
     for arm, key in (("prm", "tokens_to_target_pivot_vs_root"), ("random", "tokens_to_target_random_vs_root")):
+        if arm not in present:
+            continue
         per_seed = [tokens_to_target(curve["root", seed], curve[arm, seed]) for seed in seeds]
         figures[key], figures[key + "_se"] = mean_and_se(per_seed)
         figures[key + "_per_seed"] = per_seed
@@ -751,8 +756,7 @@ def training_figures(trained: list[dict[str, Any]], budget: float | None = None)
         smooth = [tokens_to_target(smoothed(curve["root", seed]), smoothed(curve[arm, seed])) for seed in seeds]
         figures[key + "_smoothed"], figures[key + "_smoothed_se"] = mean_and_se(smooth)
         figures[key + "_smoothed_per_seed"] = smooth
-    controls = [arm for arm in CONTROLS if all((arm, seed) in curve for seed in seeds)]
-    variants = [arm for arm in VARIANTS if all((arm, seed) in curve for seed in seeds)]
+    controls, variants = [arm for arm in CONTROLS if arm in present], [arm for arm in VARIANTS if arm in present]
     for arm in [*controls, *variants]:  # to the same target, beside
         per_seed = [tokens_to_target(curve["root", seed], curve[arm, seed]) for seed in seeds]
         figures[f"tokens_to_target_{arm}_vs_root"], figures[f"tokens_to_target_{arm}_vs_root_se"] = mean_and_se(per_seed)
@@ -760,7 +764,7 @@ def training_figures(trained: list[dict[str, Any]], budget: float | None = None)
         arms = [curve[arm, s] for s in seeds]
         figures[f"tokens_to_target_{arm}_vs_root_pooled"] = pooled_tokens_to_target(roots, arms, budget)
         figures[f"tokens_to_target_{arm}_vs_root_pooled_interval90"] = list(pooled_interval(roots, arms, budget))
-    for arm in [*ARMS, *controls, *variants]:
+    for arm in present:
         finals = [curve[arm, seed][-1]["accuracy"] for seed in seeds]
         start = statistics.fmean(curve[arm, seed][0]["accuracy"] for seed in seeds)
         final, se = mean_and_se(finals)  # type: ignore[arg-type]
@@ -773,34 +777,35 @@ def training_figures(trained: list[dict[str, Any]], budget: float | None = None)
     # version 0): each arm's figure minus another's, mean and standard error over seeds.
     pairs = [("prm", "root"), ("prm", "random"), ("random", "root"), *(("prm", arm) for arm in controls)]
     pairs += [(arm, other) for arm in variants for other in ("root", arm.removesuffix("_failed"), *controls)]
-    if len(variants) == 2:
-        pairs.append(("prm_failed", "random_failed"))
-    for a, b in pairs:
+    pairs.append(("prm_failed", "random_failed"))
+    for a, b in (pair for pair in pairs if set(pair) <= set(present)):
         for name, of in (("final", lambda c: c[-1]["accuracy"]), ("mean_over_tokens", mean_accuracy)):
             diffs = [of(curve[a, seed]) - of(curve[b, seed]) for seed in seeds]
             mean, se = mean_and_se(diffs)  # type: ignore[arg-type]
             figures[f"heldout_{name}_{a}_minus_{b}"] = {"mean": mean, "se": se, "per_seed": diffs}
-    return {**figures, **training_counts(trained, seeds)}
+    return {**figures, **training_counts(trained, seeds, present)}
 
 
-def training_counts(trained: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+def training_counts(trained: list[dict[str, Any]], seeds: list[int], present: list[str]) -> dict[str, Any]:
     """The training arms' own counts of the goal's kind, on the policy as it trains (the sampling
     figures are at a fixed policy): failed prompts recovered per 1,000 tokens, units without a
     gradient (with the verdicts as process rewards, and on their outcomes alone), tokens saved by
     stopping, per arm and seed; each pivot arm's against the root arm's paired by seed (recovery as
-    a ratio, the fractions as differences), mean and standard error. Empty for rows without them."""
+    a ratio, the fractions as differences), mean and standard error, of the `present` arms (a row at
+    every seed). Empty for rows without them."""
     rows = {(r["arm"], r["seed"]): r for r in trained}
     keys = ("recovered_per_1k_tokens", "no_gradient_fraction", "no_outcome_gradient_units", "units", "tokens_saved",
             "all_roots_failed", "recovered_by_branch")
-    if not all(key in rows[arm, seed] for arm in ARMS for seed in seeds for key in keys):
+    arms = [arm for arm in present if arm in ARMS]
+    if not all(key in rows[arm, seed] for arm in arms for seed in seeds for key in keys):
         return {}
 
     def outcome_fraction(row: dict[str, Any]) -> float:
         return row["no_outcome_gradient_units"] / row["units"]
 
     figures: dict[str, Any] = {}
-    variants = [arm for arm in VARIANTS if all((arm, seed) in rows and "units_unbranched" in rows[arm, seed] for seed in seeds)]
-    for arm in [*ARMS, *variants]:
+    variants = [arm for arm in VARIANTS if arm in present and all("units_unbranched" in rows[arm, seed] for seed in seeds)]
+    for arm in [*arms, *variants]:
         per_seed = [rows[arm, seed] for seed in seeds]
         figures[f"training_counts_{arm}"] = {
             "recovered_per_1k_tokens": [r["recovered_per_1k_tokens"] for r in per_seed],
@@ -810,7 +815,7 @@ def training_counts(trained: list[dict[str, Any]], seeds: list[int]) -> dict[str
             "all_roots_failed": [r["all_roots_failed"] for r in per_seed],
             "recovered_by_branch": [r["recovered_by_branch"] for r in per_seed],
             "units_unbranched": [r.get("units_unbranched", 0) for r in per_seed]}
-    for arm in ("prm", "random", *variants):
+    for arm in [*(arm for arm in ("prm", "random") if arm in arms), *variants]:
         for name, of, compare in (("recovered_per_1k_tokens", lambda r: r["recovered_per_1k_tokens"], "vs"),
                                   ("no_gradient_fraction", lambda r: r["no_gradient_fraction"], "minus"),
                                   ("no_outcome_gradient_fraction", outcome_fraction, "minus")):

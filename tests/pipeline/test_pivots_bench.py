@@ -415,6 +415,14 @@ def test_the_arms_that_branch_all_failed_are_compared_with_root_and_their_twins(
     figures = bench.training_figures(partial)
     assert "heldout_random_failed" not in figures and "heldout_final_prm_failed_minus_random_failed" not in figures
     assert "heldout_final_prm_failed_minus_root" in figures
+    # Seeds of some arms alone (more seeds of root-only GRPO and one variant): their figures, the
+    # goal's key None without the PRM arm's rows; nothing without root-only GRPO's.
+    some = [r for r in trained if r["arm"] in ("root", "prm_failed")]
+    figures = bench.training_figures(some)
+    assert figures["tokens_to_target_pivot_vs_root"] is None and "heldout_prm" not in figures
+    assert figures["heldout_final_prm_failed_minus_root"]["per_seed"] == pytest.approx([0.05, 0.10])
+    assert figures["training_recovered_per_1k_tokens_prm_failed_vs_root"]["per_seed"] == pytest.approx([4.5 / 4.0, 5.0 / 4.0])
+    assert bench.training_figures([r for r in trained if r["arm"] != "root"]) == {"tokens_to_target_pivot_vs_root": None}
 
 
 def test_recovery_is_compared_paired_by_seed(bench: Any) -> None:
