@@ -249,9 +249,10 @@ class RunState:
     def _redo_checks(self) -> None:
         """After recovery: which samples were chosen for a logprob check is not journaled, so
         with verification on every recovered sample of an open lease is checked. A lease already
-        full (a group pending for its check or its model scores when the orchestrator stopped)
-        completes now: checked whole, and its samples queued for scoring again, less the scores
-        already journaled. A banned token's groups were dropped with the ban."""
+        full (a group pending for its check or its model scores when the orchestrator stopped, or
+        a tree unit whose journaled verdicts leave it no branch to wait for) completes now: checked
+        whole, and its samples queued for scoring again, less the scores already journaled. A
+        banned token's groups were dropped with the ban."""
         for name, record in self.integrity.workers.items():
             if record.banned:
                 self.drop_banned(name)  # nothing, normally

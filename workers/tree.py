@@ -460,7 +460,7 @@ class TreePlay:
             if (unit.pivots and feed.scores) or lagged:
                 _await_verdicts(roots, self.posts, feed, self.counts, self.verdict_wait_s)
             picker = rng if self.seed is None else random.Random(self._seeded("pivots", 0))
-            if unit.branch == "all_failed" and any(unit.known_right(_verdicts(chain, feed)) for chain in roots):
+            if unit.pivots and unit.branch == "all_failed" and any(unit.known_right(_verdicts(chain, feed)) for chain in roots):
                 pivots = []  # its group has a right sample: no branches (orchestrator/leases.py `tree_pivots`)
                 self.counts.unbranched += 1
             else:
