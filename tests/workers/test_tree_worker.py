@@ -295,6 +295,24 @@ class _LateJudge:
         return VerdictList(verdicts=ready, last=max([after] + [v.seq for v in ready]))
 
 
+def _judged_play(
+    backend: HFBackend, client: _LateJudge, lease: Lease, *, verdict_wait_s: float, rng: int = 0, seed: int | None = None
+) -> tuple[list[Rollout], TreeCounts]:
+    """`lease` played by `generate_tree` against `client`'s judge (8 tokens a chain), in a run whose
+    steps a scorer judges (an earlier unit's verdict in): the roots' verdicts are waited for."""
+    feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
+    feed.scores[("an earlier unit's", 0)] = 1.0
+    feed.start()
+    counts = TreeCounts()
+    try:
+        samples = generate_tree(backend, client, lease, SamplingParams(temperature=1.0, max_tokens=8), run_name="r",  # type: ignore[arg-type]
+                                worker_id="w0", feed=feed, rng=random.Random(rng), estimate=RecoveryEstimate(), counts=counts,
+                                seed=seed, verdict_wait_s=verdict_wait_s)
+    finally:
+        feed.close()
+    return samples, counts
+
+
 @pytest.mark.parametrize("rule", ["last_right", "random", "utility"])
 @pytest.mark.parametrize("pivots", [2, 3])
 def test_a_unit_branches_from_every_boundary_its_rule_leaves_when_they_are_fewer(rule: str, pivots: int) -> None:
@@ -323,16 +341,7 @@ def test_pivots_are_chosen_on_the_roots_last_verdicts(backend: HFBackend, wait_s
     unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), rule="last_right")
     lease = Lease(lease_id="l0", prompt_id=0, prompt_token_ids=build_tiny_tokenizer()("7324=").input_ids, group_size=4,
                   deadline=time.time() + 60, unit=unit)
-    feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
-    feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps (none judged: no wait)
-    feed.start()
-    counts = TreeCounts()
-    try:
-        samples = generate_tree(backend, client, lease, SamplingParams(temperature=1.0, max_tokens=8), run_name="r",  # type: ignore[arg-type]
-                                worker_id="w0", feed=feed, rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts,
-                                verdict_wait_s=wait_s)
-    finally:
-        feed.close()
+    samples, counts = _judged_play(backend, client, lease, verdict_wait_s=wait_s)
     roots = {s.rollout_id: s for s in samples[:4]}
     parents = [s.node.parent for s in samples[4:]]  # type: ignore[union-attr]
     assert len(parents) == 2 and len({(p.rollout_id, p.at) for p in parents}) == 1
@@ -365,16 +374,7 @@ def test_a_unit_that_branches_all_failed_branches_only_when_no_root_is_known_rig
     unit = TreeUnit(kind="tree", k=2, pivots=1, boundary=StepBoundary(type="tokens", tokens=2), rule="random", branch="all_failed")
     lease = Lease(lease_id="l0", prompt_id=0, prompt_token_ids=build_tiny_tokenizer()("7324=").input_ids, group_size=4,
                   deadline=time.time() + 60, unit=unit)
-    feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
-    feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps: the roots' verdicts are waited for
-    feed.start()
-    counts = TreeCounts()
-    try:
-        samples = generate_tree(backend, client, lease, SamplingParams(temperature=1.0, max_tokens=8), run_name="r",  # type: ignore[arg-type]
-                                worker_id="w0", feed=feed, rng=random.Random(0), estimate=RecoveryEstimate(), counts=counts,
-                                verdict_wait_s=5.0)
-    finally:
-        feed.close()
+    samples, counts = _judged_play(backend, client, lease, verdict_wait_s=5.0)
     assert counts.verdict_timeouts == 0 and [s.node for s in samples[:4]] == [None] * 4
     if one_right:
         assert len(samples) == 4 and (counts.unbranched, counts.short) == (1, 0)
@@ -392,17 +392,7 @@ def test_a_seeded_unit_draws_the_same_roots_pivots_and_branches_every_time(backe
                   deadline=time.time() + 60, unit=unit, policy_version=0)
 
     def play(seed: int, rng: int, delay_s: float = 0.0) -> list[tuple[Any, ...]]:
-        client = _LateJudge(delay_s=delay_s)
-        feed = VerdictFeed(client, "w0", wait_s=0.0)  # type: ignore[arg-type]
-        feed.scores[("an earlier unit's", 0)] = 1.0  # a scorer judges this run's steps: the roots' verdicts are waited for
-        feed.start()
-        counts = TreeCounts()
-        try:
-            samples = generate_tree(backend, client, lease, SamplingParams(temperature=1.0, max_tokens=8), run_name="r",  # type: ignore[arg-type]
-                                    worker_id="w0", feed=feed, rng=random.Random(rng), estimate=RecoveryEstimate(),
-                                    counts=counts, seed=seed, verdict_wait_s=30.0)
-        finally:
-            feed.close()
+        samples, counts = _judged_play(backend, _LateJudge(delay_s=delay_s), lease, verdict_wait_s=30.0, rng=rng, seed=seed)
         assert counts.verdict_timeouts == 0  # every root verdict was in when the pivots were chosen
         root_of = {s.rollout_id: j for j, s in enumerate(samples[:4])}
         return [(None if s.node is None else (root_of[s.node.parent.rollout_id], s.node.parent.at),  # type: ignore[union-attr]
