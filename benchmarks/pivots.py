@@ -110,6 +110,7 @@ CONTROLS = {"root_process": ARMS["root"]}
 # none of its roots is known right (`[orchestrator.tree] branch = "all_failed"`), so a group with a
 # right sample spends no tokens on branches; each against root-only GRPO and its always-branching twin.
 VARIANTS = {arm + "_failed": {**ARMS[arm], "branch": "all_failed"} for arm in ("prm", "random")}
+ALL_ARMS = {**ARMS, **CONTROLS, **VARIANTS}  # each arm's tree options, in the order figures list them
 DIGITS = 4  # the chained sums' digits a prompt (steps per right answer): `--digits`
 
 
@@ -480,7 +481,7 @@ def run_arm(
     from workers.scorers import build_scorer_backend
     from workers.tree import TreeCounts, VerdictFeed, play_trees
 
-    options = {**ARMS, **CONTROLS, **VARIANTS}[arm]
+    options = ALL_ARMS[arm]
     config = parse_config({
         "run_name": f"pivots-{arm}-{seed}", "group_size": group_size, "max_staleness": 1, "num_workers": 1, "trainer_ranks": 1,
         "model": {"type": "tiny", **SHAPE} if base is None else {"type": "pretrained", "path": checkpoint},
@@ -736,7 +737,7 @@ def training_figures(trained: list[dict[str, Any]], budget: float | None = None)
     GRPO; none without root-only GRPO's."""
     seeds = sorted({r["seed"] for r in trained})
     curve = {(r["arm"], r["seed"]): r["curve"] for r in trained}
-    present = [arm for arm in [*ARMS, *CONTROLS, *VARIANTS] if all((arm, seed) in curve for seed in seeds)]
+    present = [arm for arm in ALL_ARMS if all((arm, seed) in curve for seed in seeds)]
     figures: dict[str, Any] = {"tokens_to_target_pivot_vs_root": None}
     if "root" not in present:
         return figures
@@ -871,7 +872,7 @@ def main() -> None:
     parser.add_argument("--root-groups-per-step", type=int, default=0,
                         help="The root-only arms' units a step (root, root_process; 0: --groups-per-step); a root-only "
                         "unit costs about 2/3 of a pivot unit's tokens, so 12 against 8 gives every arm a step about every 530 tokens.")
-    parser.add_argument("--arms", nargs="+", choices=[*ARMS, *CONTROLS, *VARIANTS],
+    parser.add_argument("--arms", nargs="+", choices=ALL_ARMS,
                         help="The training arms to run (a run of one arm is summarized with the others' rows by --rows; "
                         "default: root, random, prm, and root_process with --process-weight).")
     parser.add_argument("--local-weight", type=float, default=1.0, help="lambda: a branch's local advantage's weight.")
@@ -930,7 +931,7 @@ Rows = tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[st
 def units_a_step(arm: str, groups_per_step: int, root_groups_per_step: int) -> int:
     """A training arm's units a step: `root_groups_per_step` (unless 0) for the arms of root-only
     units (root, root_process), so that every arm trains on about the same tokens a step."""
-    rooted = {**ARMS, **CONTROLS, **VARIANTS}[arm]["pivots"] == 0
+    rooted = ALL_ARMS[arm]["pivots"] == 0
     return root_groups_per_step if rooted and root_groups_per_step else groups_per_step
 
 
